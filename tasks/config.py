@@ -129,11 +129,14 @@ class TokenizerConfig(Section):
     bos_token: str = "<|bos|>"
     eos_token: str = "<|endoftext|>"
     pad_token: str = "<|pad|>"
+    batch_docs: int = Field(default=1000, gt=0)  # documents per batch fed to the BPE trainer
+    roundtrip_sample_docs: int = Field(default=200, ge=0)  # docs checked for decode(encode(x)) == x
 
 
 class TokensConfig(Section):
     val_fraction: float = Field(default=0.05, gt=0, lt=1)
     seed: int = 1234
+    batch_docs: int = Field(default=512, gt=0)  # documents per encode_batch call
 
 
 class ModelConfig(Section):
@@ -172,6 +175,17 @@ class TrainConfig(Section):
     seed: int = 1337
     threads_per_proc: int = Field(default=1, gt=0)
     rdzv_endpoint: str | None = None  # multi-node: "host:port"
+    rdzv_id: str | None = None  # multi-node: job id shared by all nodes (default: the run name)
+    grad_accum_steps: int = Field(default=1, gt=0)  # micro-batches per optimizer step
+    resume: bool = False  # continue from the newest checkpoint in the output directory
+
+    @model_validator(mode="after")
+    def _lr_order(self) -> "TrainConfig":
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the rendezvous)")
+        return self
 
 
 class EvaluateConfig(Section):
@@ -179,7 +193,9 @@ class EvaluateConfig(Section):
     batch_size: int = Field(default=8, gt=0)
     prompts: list[str] = ["The Linux kernel", "Debian is", "In Python, a list"]
     sample_tokens: int = Field(default=32, gt=0)
-    temperature: float = Field(default=0.8, ge=0)
+    temperature: float = Field(default=0.8, ge=0)  # 0: greedy
+    top_k: int | None = Field(default=50, gt=0)
+    seed: int = 0  # sampling seed, so reports are reproducible
 
 
 class DeployConfig(Section):

@@ -1,0 +1,60 @@
+"""Validate OpenLineage events against the official JSON schemas (Draft 2020-12).
+
+The schemas are not shipped by openlineage-python; they live in ../shared/data/openlineage-spec/
+(a copy of the spec's website folder), so `https://openlineage.io/spec/<path>` maps to
+`<spec dir>/<path>`. Each event is checked against the event schema and each standard facet against
+its own schema (named by the facet's `_schemaURL`).
+"""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from jsonschema import Draft202012Validator
+from referencing import Registry, Resource
+
+from tasks.config import DEFAULT_DATA_ROOT
+
+SPEC_URL = "https://openlineage.io/spec/"
+EVENT_SCHEMA = SPEC_URL + "2-0-2/OpenLineage.json"
+
+
+@lru_cache(maxsize=4)
+def _registry(spec_dir: str) -> Registry:
+    resources = []
+    for p in Path(spec_dir).rglob("*.json"):
+        doc = json.loads(p.read_text())
+        resources.append((doc.get("$id", SPEC_URL + str(p.relative_to(spec_dir))), Resource.from_contents(doc)))
+    return Registry().with_resources(resources)
+
+
+def _validator(spec_dir: str, url: str) -> Draft202012Validator:
+    registry = _registry(spec_dir)
+    schema = registry.contents(url.split("#")[0])
+    if "#" in url and url.split("#", 1)[1]:
+        schema = {"$ref": url}
+    return Draft202012Validator(schema, registry=registry, format_checker=Draft202012Validator.FORMAT_CHECKER)
+
+
+def _facets(event: dict):
+    for key in ("run", "job"):
+        yield from (event.get(key, {}).get("facets") or {}).items()
+    for ds in (event.get("inputs") or []) + (event.get("outputs") or []):
+        for group in ("facets", "inputFacets", "outputFacets"):
+            yield from (ds.get(group) or {}).items()
+
+
+def event_errors(event: dict, spec_dir: str | Path | None = None) -> list[str]:
+    """Schema errors for one event (empty list when valid)."""
+    spec_dir = str(spec_dir or DEFAULT_DATA_ROOT / "openlineage-spec")
+    errors = [f"event: {e.message}" for e in _validator(spec_dir, EVENT_SCHEMA).iter_errors(event)]
+    for name, facet in _facets(event):
+        url = facet.get("_schemaURL", "")
+        if url.startswith(SPEC_URL):
+            errors += [f"facet {name}: {e.message}" for e in _validator(spec_dir, url).iter_errors(facet)]
+    return errors
+
+
+def read_events(log_path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]

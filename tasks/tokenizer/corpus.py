@@ -1,0 +1,39 @@
+"""Streaming reads of the curated corpus: Parquet shards with a string column `text` (and `id`).
+
+Only one record batch per shard is in memory at a time, so corpora larger than RAM stream through.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import pyarrow.parquet as pq
+
+
+def iter_doc_batches(shards: Iterable[str | Path], batch_docs: int = 1000
+                     ) -> Iterator[tuple[list[str] | None, list[str]]]:
+    """Yield `(ids, texts)` per record batch, in shard order then row order (deterministic).
+
+    `ids` is None when a shard has no `id` column. Null texts are skipped (with their ids).
+    """
+    for shard in shards:
+        pf = pq.ParquetFile(str(shard))
+        names = set(pf.schema_arrow.names)
+        if "text" not in names:
+            raise ValueError(f"shard {shard} has no 'text' column (columns: {sorted(names)})")
+        columns = ["id", "text"] if "id" in names else ["text"]
+        for batch in pf.iter_batches(batch_size=batch_docs, columns=columns):
+            texts = batch.column("text").to_pylist()
+            ids = [str(i) if i is not None else None for i in batch.column("id").to_pylist()] \
+                if "id" in columns else None
+            if any(t is None for t in texts):
+                keep = [k for k, t in enumerate(texts) if t is not None]
+                texts = [texts[k] for k in keep]
+                ids = [ids[k] for k in keep] if ids is not None else None
+            if texts:
+                yield ids, texts
+
+
+def iter_text_batches(shards: Iterable[str | Path], batch_docs: int = 1000) -> Iterator[list[str]]:
+    for _, texts in iter_doc_batches(shards, batch_docs):
+        yield texts

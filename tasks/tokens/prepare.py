@@ -1,0 +1,102 @@
+"""Tokens stage: encode the curated corpus into flat train/val token files.
+
+Every document is followed by one EOS id. Documents go to train or val by a hash of
+(seed, document id), so a document is never split across the two and the split does not
+depend on shard order or on the other documents. The corpus streams batch by batch.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tasks.config import PipelineConfig
+from tasks.core.hashing import sha256_file, sha256_text
+from tasks.tokenizer.bpe import load_tokenizer
+from tasks.tokenizer.corpus import iter_doc_batches
+from tasks.tokens.binfile import INDEX_FILE, dtype_for_vocab
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val")
+
+
+def is_val_doc(doc_key: str, val_fraction: float, seed: int) -> bool:
+    """Deterministic split: the first 64 bits of sha256("seed\\0key") as a fraction of 2**64."""
+    h = int(sha256_text(f"{seed}\0{doc_key}")[:16], 16)
+    return h / 2.0**64 < val_fraction
+
+
+def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path], out_dir: Path) -> dict:
+    """Encode shards into out_dir/{train,val}.bin and out_dir/index.json.
+
+    Returns the index dict (with absolute split paths) plus "index_path". A document without an
+    `id` is keyed by the sha256 of its text. Documents sharing an id land in the same split.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer_path = Path(tokenizer_path)
+    tok = load_tokenizer(tokenizer_path)
+    vocab_size = tok.get_vocab_size()
+    eos_id = tok.token_to_id(cfg.tokenizer.eos_token)
+    if eos_id is None:
+        raise ValueError(f"tokenizer {tokenizer_path} has no EOS token {cfg.tokenizer.eos_token!r}")
+    dtype = dtype_for_vocab(vocab_size)
+    tcfg = cfg.tokens
+    t0 = time.perf_counter()
+
+    stats = {s: {"tokens": 0, "docs": 0, "bytes": 0} for s in SPLITS}
+    paths = {s: out_dir / f"{s}.bin" for s in SPLITS}
+    files = {s: open(paths[s], "wb") for s in SPLITS}
+    try:
+        for ids, texts in iter_doc_batches(shards, tcfg.batch_docs):
+            keys = ids if ids is not None else [None] * len(texts)
+            keys = [k if k is not None else "sha256:" + sha256_text(t) for k, t in zip(keys, texts)]
+            encodings = tok.encode_batch(texts, add_special_tokens=False)
+            chunks: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
+            for key, text, enc in zip(keys, texts, encodings):
+                split = "val" if is_val_doc(key, tcfg.val_fraction, tcfg.seed) else "train"
+                arr = np.empty(len(enc.ids) + 1, dtype=dtype)
+                arr[:-1] = enc.ids
+                arr[-1] = eos_id
+                chunks[split].append(arr)
+                stats[split]["tokens"] += arr.size
+                stats[split]["docs"] += 1
+                stats[split]["bytes"] += len(text.encode("utf-8"))
+            for s in SPLITS:
+                if chunks[s]:
+                    np.concatenate(chunks[s]).tofile(files[s])
+    finally:
+        for f in files.values():
+            f.close()
+    total_docs = sum(stats[s]["docs"] for s in SPLITS)
+    if total_docs == 0:
+        raise ValueError(f"prepare_tokens: the shards hold no documents: {[str(s) for s in shards]}")
+    if stats["val"]["docs"] == 0:
+        log.warning("tokens: the val split is empty (%d docs, val_fraction %.3f)", total_docs, tcfg.val_fraction)
+
+    index = {
+        "dtype": dtype.name,  # "uint16" / "uint32", always little-endian
+        "byteorder": "little",
+        "vocab_size": vocab_size,
+        "eos_id": eos_id,
+        "tokenizer_sha256": sha256_file(tokenizer_path),
+        "val_fraction": tcfg.val_fraction,
+        "seed": tcfg.seed,
+        "splits": {
+            s: {"path": paths[s].name, **stats[s], "sha256": sha256_file(paths[s])} for s in SPLITS
+        },
+    }
+    index_path = out_dir / INDEX_FILE
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
+    for s in SPLITS:
+        index["splits"][s]["path"] = str(paths[s].resolve())
+    index["index_path"] = str(index_path.resolve())
+    index["seconds"] = round(time.perf_counter() - t0, 3)
+    log.info("tokens: train %d tokens / %d docs, val %d tokens / %d docs (%s) in %.1fs",
+             stats["train"]["tokens"], stats["train"]["docs"], stats["val"]["tokens"],
+             stats["val"]["docs"], dtype.name, index["seconds"])
+    return index

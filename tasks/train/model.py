@@ -1,0 +1,202 @@
+"""A small decoder-only GPT in plain PyTorch, in one file (nanoGPT style, Llama-flavoured blocks).
+
+    tokens -> embedding -> n_layer x [x + attn(norm(x)); x + mlp(norm(x))] -> norm -> logits
+
+- RMSNorm instead of LayerNorm, pre-norm residual blocks, no biases anywhere.
+- Rotary position embeddings (RoPE) on queries and keys; no learned position table.
+- Causal self-attention through F.scaled_dot_product_attention(is_causal=True).
+- SwiGLU MLP: w2(silu(w1 x) * w3 x).
+- Tied embeddings: the output projection reuses the token embedding matrix.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    seq_len: int = 128
+    mlp_ratio: float = 8 / 3
+    rope_theta: float = 10000.0
+    dropout: float = 0.0
+
+    @classmethod
+    def from_model_config(cls, model_cfg, vocab_size: int) -> "GPTConfig":
+        """From the pipeline's ModelConfig section (or a plain dict of the same fields)."""
+        fields = model_cfg if isinstance(model_cfg, dict) else model_cfg.model_dump()
+        return cls(vocab_size=vocab_size, **fields)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def mlp_hidden(self) -> int:
+        hidden = int(self.mlp_ratio * self.d_model)
+        return 32 * math.ceil(hidden / 32)  # round up to a multiple of 32
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x32.type_as(x) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (seq_len, head_dim // 2): position t, frequency pair i."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :h/2], x[..., h/2:]) by the position angle. x: (B, n_head, T, head_dim)."""
+    T = x.size(-2)
+    cos, sin = cos[:T].to(x.dtype), sin[:T].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.proj(y)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)  # up
+        self.w2 = nn.Linear(cfg.mlp_hidden, cfg.d_model, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model)
+        self.mlp = SwiGLU(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin))
+        x = x + self.drop(self.mlp(self.mlp_norm(x)))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.d_model % cfg.n_head or cfg.head_dim % 2:
+            raise ValueError("d_model must split into n_head heads of even size")
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model)
+        # RoPE tables are derived from the config, so they are not saved in checkpoints
+        cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        # GPT-2: scale the residual output projections by 1/sqrt(2 * n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("attn.proj.weight") or name.endswith("mlp.w2.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx, targets: (B, T) int64 with T <= seq_len. Returns logits (B, T, vocab) and the mean
+        cross-entropy over all positions (None without targets; target -1 is ignored)."""
+        B, T = idx.shape
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
+        x = self.drop(self.tok_emb(idx))
+        for block in self.blocks:
+            x = block(x, self.rope_cos, self.rope_sin)
+        x = self.norm(x)
+        logits = F.linear(x, self.tok_emb.weight)  # tied embeddings
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                                   ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, eos_id: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Append up to max_new_tokens sampled tokens to idx (B, T); returns (B, T + n).
+
+        temperature 0 means greedy. The context is cropped to the last seq_len tokens (no KV
+        cache: each step reruns the window). Stops early once every row has produced eos_id;
+        rows that finished earlier are padded with eos_id.
+        """
+        was_training = self.training
+        self.eval()
+        done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.cfg.seq_len:])
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = F.softmax(logits, dim=-1)
+                next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+            if eos_id is not None:
+                next_id = torch.where(done[:, None], torch.full_like(next_id, eos_id), next_id)
+                done |= next_id[:, 0] == eos_id
+            idx = torch.cat([idx, next_id], dim=1)
+            if eos_id is not None and bool(done.all()):
+                break
+        self.train(was_training)
+        return idx

@@ -1,0 +1,28 @@
+"""AdamW with weight decay only on matrices (not on norms, biases or the embedding)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tasks.config import TrainConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.dim() >= 2 and id(p) not in embeddings:
+            decay.append(p)
+        else:  # norm gains, biases, the (tied) embedding
+            no_decay.append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, tcfg: TrainConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(model, tcfg.weight_decay), lr=tcfg.lr,
+                             betas=tuple(tcfg.betas), eps=1e-8)
