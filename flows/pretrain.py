@@ -21,7 +21,7 @@ from pathlib import Path
 from prefect import flow
 
 from tasks.config import ConfigError, PipelineConfig, load_config
-from tasks.pipeline_run import RunContext, open_run, pretrain_scope
+from tasks.pipeline_run import RunContext, new_run_name, open_run, pretrain_scope
 from tasks.prefect_tasks import (
     encode_and_pack,
     evaluate_one,
@@ -97,11 +97,9 @@ def run_pipeline(cfg: PipelineConfig, summary_path: str | Path | None = None, ru
     """Run the pretrain flow (against PREFECT_API_URL if set) and return its JSON summary.
 
     A failed run still writes the summary (status FAILED and the error) before re-raising."""
+    run_name = run_name or new_run_name(cfg)
     state = pretrain(config=cfg.model_dump(mode="json"), run_name=run_name, return_state=True)
-    if state.is_completed():
-        summary = state.result()
-    else:
-        summary = _failed_summary(cfg, state)
+    summary = state.result() if state.is_completed() else _failed_summary(cfg, run_name, state)
     if summary_path:
         Path(summary_path).parent.mkdir(parents=True, exist_ok=True)
         Path(summary_path).write_text(json.dumps(summary, indent=2, default=str))
@@ -110,10 +108,10 @@ def run_pipeline(cfg: PipelineConfig, summary_path: str | Path | None = None, ru
     return summary
 
 
-def _failed_summary(cfg: PipelineConfig, state) -> dict:
+def _failed_summary(cfg: PipelineConfig, run_name: str, state) -> dict:
     """The summary the flow wrote before failing, else a minimal one."""
-    runs = sorted(Path(cfg.run_root).glob("*/summary.json"), key=lambda p: p.stat().st_mtime)
-    summary = json.loads(runs[-1].read_text()) if runs else {"stages": {}}
+    path = Path(cfg.run_root) / run_name / "summary.json"
+    summary = json.loads(path.read_text()) if path.exists() else {"run_name": run_name, "stages": {}}
     summary["status"] = "FAILED"
     summary.setdefault("error", state.message)
     return summary

@@ -59,11 +59,15 @@ def prefect_ui_url(flow_run_id: str) -> str | None:
     return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui else None
 
 
+def new_run_name(cfg: PipelineConfig) -> str:
+    return f"{cfg.name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S-%f}"
+
+
 def open_run(cfg: PipelineConfig, run_name: str | None = None) -> RunContext:
     """Create the run directory and the MLflow parent run; called inside the pretrain flow."""
     from prefect.runtime import flow_run
 
-    run_name = run_name or f"{cfg.name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    run_name = run_name or new_run_name(cfg)
     run_dir = (Path(cfg.run_root) / run_name).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     tracking_uri = default_tracking_uri(cfg)

@@ -1,0 +1,115 @@
+"""Training metrics from rank 0: a console line, train_log.jsonl, MLflow, and Prefect events.
+
+Every step goes to train_log.jsonl and (buffered, flushed with log_batch every `log_every` steps
+and at the end) to MLflow with its step number, so the MLflow history holds every step too.
+MLflow is used only when a run id is given (the launcher passes MLFLOW_TRACKING_URI and
+MLFLOW_RUN_ID); a failed flush keeps the buffer and retries at the next one.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+log = logging.getLogger("crucible.train")
+
+TRAIN_LOG = "train_log.jsonl"
+CHECKPOINT_EVENT = "crucible.checkpoint.saved"
+# jsonl field -> MLflow metric key
+MLFLOW_KEYS = {"loss": "train_loss", "grad_norm": "grad_norm", "lr": "lr", "tokens_per_s": "tokens_per_s"}
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: str | Path, max_steps: int, log_every: int,
+                 tracking_uri: str | None = None, run_id: str | None = None, append: bool = False):
+        self.path = Path(out_dir) / TRAIN_LOG
+        self.max_steps, self.log_every = max_steps, log_every
+        self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+        self._client = None
+        self._run_id = run_id
+        self._pending: list = []
+        if run_id:
+            from mlflow import MlflowClient  # imported only when used: it is slow to import
+
+            self._client = MlflowClient(tracking_uri=tracking_uri)
+            print(f"[metrics] logging to MLflow run {run_id} at {self._client.tracking_uri}", flush=True)
+        else:
+            print("[metrics] MLFLOW_RUN_ID not set: not logging to MLflow", flush=True)
+
+    def log_step(self, step: int, **values: float) -> None:
+        rec = {"step": step, **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in values.items()}}
+        self._file.write(json.dumps(rec) + "\n")
+        self._file.flush()
+        if self._client is not None:
+            from mlflow.entities import Metric
+
+            ts = int(time.time() * 1000)
+            self._pending += [Metric(MLFLOW_KEYS.get(k, k), float(v), ts, step)
+                              for k, v in values.items() if isinstance(v, (int, float))]
+        if step == 1 or step % self.log_every == 0 or step == self.max_steps:
+            parts = [f"step {step:5d}/{self.max_steps}"]
+            for k, v in values.items():
+                parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
+            print(" | ".join(parts), flush=True)
+            self.flush()
+
+    def log_params(self, params: dict) -> None:
+        if self._client is None:
+            return
+        from mlflow.entities import Param
+
+        existing = self._client.get_run(self._run_id).data.params
+        fresh = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in existing]
+        try:
+            for i in range(0, len(fresh), 100):
+                self._client.log_batch(self._run_id, params=fresh[i:i + 100])
+        except Exception as e:  # params are context; never fail training on them
+            print(f"[metrics] WARNING: MLflow log_params failed: {e}", flush=True)
+
+    def flush(self) -> bool:
+        if self._client is None or not self._pending:
+            return True
+        try:
+            for i in range(0, len(self._pending), 1000):  # MLflow caps a batch at 1000 metrics
+                self._client.log_batch(self._run_id, metrics=self._pending[i:i + 1000])
+        except Exception as e:
+            print(f"[metrics] WARNING: MLflow log_batch failed ({len(self._pending)} pending, will retry): {e}",
+                  flush=True)
+            return False
+        self._pending = []
+        return True
+
+    def close(self) -> None:
+        if not self.flush():
+            print(f"[metrics] WARNING: {len(self._pending)} metric values never reached MLflow", flush=True)
+        self._file.close()
+
+
+def emit_checkpoint_event(path: str | Path, step: int, run_id: str | None, run_name: str) -> bool:
+    """Emit the Prefect event `crucible.checkpoint.saved` (only when PREFECT_API_URL is set)."""
+    if not os.environ.get("PREFECT_API_URL"):
+        print(f"[events] PREFECT_API_URL not set: skipping {CHECKPOINT_EVENT} for step {step}", flush=True)
+        return False
+    from prefect.events import emit_event
+
+    event = emit_event(
+        event=CHECKPOINT_EVENT,
+        resource={"prefect.resource.id": f"crucible.checkpoint.{run_name}.{step}"},
+        payload={"path": str(path), "step": step, "run_id": run_id, "run_name": run_name},
+    )
+    print(f"[events] {CHECKPOINT_EVENT} step {step}: {'emitted' if event else 'not emitted'}", flush=True)
+    return event is not None
+
+
+def drain_events(timeout: float = 10.0) -> None:
+    """Wait for queued Prefect events to be sent before the process exits."""
+    if not os.environ.get("PREFECT_API_URL"):
+        return
+    try:
+        from prefect.events.worker import EventsWorker
+
+        EventsWorker.drain_all(timeout=timeout)
+    except Exception as e:
+        print(f"[events] WARNING: draining events failed: {e}", flush=True)
