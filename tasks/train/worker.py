@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -88,6 +89,12 @@ def train(cfg: PipelineConfig, args: argparse.Namespace) -> int:
         start_step = load_checkpoint(model, optimizer, ckpts[-1])
         if rank == 0:
             print(f"[train] resumed from {ckpts[-1]} at step {start_step}", flush=True)
+    elif rank == 0 and (stale := list_checkpoints(out_dir)):
+        # a fresh run owns out_dir, as it owns train_log.jsonl: older checkpoints would be mistaken for ours
+        print(f"[train] resume is off: removing {len(stale)} old checkpoint(s) under {out_dir / 'checkpoints'}",
+              flush=True)
+        for p in stale:
+            shutil.rmtree(p)
     ddp = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
 
     metrics = None

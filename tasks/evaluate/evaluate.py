@@ -1,0 +1,115 @@
+"""Evaluate a checkpoint: validation loss / perplexity and sample generations.
+
+Val windows are deterministic: non-overlapping windows of seq_len + 1 tokens spread evenly over
+the val split (all of them when they fit in max_val_batches x batch_size). Sampling uses a fixed
+seed, so the same checkpoint and config give the same report.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tasks.config import PipelineConfig
+from tasks.core.hashing import sha256_file
+from tasks.tokenizer.bpe import load_tokenizer
+from tasks.tokens.binfile import load_index, open_split
+from tasks.train.checkpoint import load_model_for_inference
+
+
+def val_window_starts(n_tokens: int, window: int, max_windows: int) -> np.ndarray:
+    """Start offsets of up to max_windows windows of `window` tokens, evenly spread, no overlap."""
+    n_fit = n_tokens // window
+    if n_fit == 0:
+        return np.zeros(0, dtype=np.int64)
+    if n_fit <= max_windows:
+        return np.arange(n_fit, dtype=np.int64) * window
+    slots = np.linspace(0, n_fit - 1, max_windows).round().astype(np.int64)  # distinct: n_fit > max
+    return slots * window
+
+
+@torch.no_grad()
+def val_loss(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int) -> tuple[float, int]:
+    """Mean next-token cross-entropy over the chosen windows; returns (loss, tokens scored)."""
+    if len(tokens) < 2:
+        raise ValueError(f"the val split has {len(tokens)} tokens: nothing to evaluate")
+    seq_len = min(seq_len, len(tokens) - 1)  # a val split shorter than one window still counts
+    starts = val_window_starts(len(tokens), seq_len + 1, max_batches * batch_size)
+    total, count = 0.0, 0
+    for i in range(0, len(starts), batch_size):
+        w = torch.from_numpy(np.stack([np.asarray(tokens[s:s + seq_len + 1], dtype=np.int64)
+                                       for s in starts[i:i + batch_size]]))
+        _, loss = model(w[:, :-1], w[:, 1:])
+        n = w[:, 1:].numel()
+        total += loss.item() * n
+        count += n
+    return total / count, count
+
+
+def evaluate_checkpoint(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Path, tokens_index: Path,
+                        out_path: Path, tracking_uri: str | None = None, run_id: str | None = None) -> dict:
+    """Score the checkpoint on the val split and sample completions of cfg.evaluate.prompts.
+
+    Writes the JSON report to out_path and returns it: {"step", "val_loss", "perplexity",
+    "samples": [{"prompt", "completion"}], "report_path", "checkpoint", "val_tokens", ...}.
+    With run_id, val_loss and perplexity are logged to that MLflow run at the checkpoint's step.
+    """
+    ecfg = cfg.evaluate
+    t0 = time.perf_counter()
+    ckpt_dir = Path(ckpt_dir).resolve()
+    model, meta = load_model_for_inference(ckpt_dir)
+    tok = load_tokenizer(tokenizer_path)
+    index = load_index(tokens_index)
+    if index["vocab_size"] != model.cfg.vocab_size:
+        raise ValueError(f"tokens vocab {index['vocab_size']} != checkpoint vocab {model.cfg.vocab_size}")
+    tok_sha = sha256_file(tokenizer_path)
+    if meta.get("tokenizer_sha256") and meta["tokenizer_sha256"] != tok_sha:
+        raise ValueError(f"tokenizer {tokenizer_path} is not the one the checkpoint was trained with")
+
+    loss, n_scored = val_loss(model, open_split(tokens_index, "val"), model.cfg.seq_len,
+                              ecfg.batch_size, ecfg.max_val_batches)
+
+    eos_id = meta.get("eos_id", index["eos_id"])
+    gen = torch.Generator().manual_seed(ecfg.seed)
+    samples = []
+    for prompt in ecfg.prompts:
+        ids = tok.encode(prompt, add_special_tokens=False).ids or [eos_id]  # empty prompt: start after EOS
+        out = model.generate(torch.tensor([ids], dtype=torch.long), ecfg.sample_tokens,
+                             temperature=ecfg.temperature, top_k=ecfg.top_k, eos_id=eos_id, generator=gen)
+        new = [t for t in out[0, len(ids):].tolist() if t != eos_id]
+        samples.append({"prompt": prompt, "completion": tok.decode(new, skip_special_tokens=True)})
+
+    report = {
+        "step": meta["step"],
+        "val_loss": round(loss, 6),
+        "perplexity": round(math.exp(loss), 4),
+        "val_tokens": n_scored,
+        "samples": samples,
+        "checkpoint": str(ckpt_dir),
+        "run_name": meta.get("run_name"),
+        "run_id": meta.get("run_id"),
+        "tokenizer_sha256": tok_sha,
+        "val_sha256": index["splits"]["val"].get("sha256"),
+        "sampling": {"temperature": ecfg.temperature, "top_k": ecfg.top_k, "seed": ecfg.seed,
+                     "max_new_tokens": ecfg.sample_tokens},
+    }
+    out_path = Path(out_path).resolve()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    report["report_path"] = str(out_path)
+    out_path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+
+    if run_id:
+        from mlflow import MlflowClient
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        MlflowClient(tracking_uri=tracking_uri).log_batch(run_id, metrics=[
+            Metric("val_loss", report["val_loss"], ts, report["step"]),
+            Metric("perplexity", report["perplexity"], ts, report["step"]),
+        ])
+    report["seconds"] = round(time.perf_counter() - t0, 3)
+    return report
