@@ -48,6 +48,9 @@ class IngestConfig(Section):
     max_doc_bytes: int = Field(default=1_000_000, gt=0)
     shard_docs: int = Field(default=2000, gt=0)  # documents per output Parquet shard
     normalise_nfc: bool = True
+    normalise_whitespace: bool = True  # collapse runs of spaces, strip lines, at most one blank line
+    extract_metadata: bool = True  # trafilatura title/date (about 1.4x slower); off: <title> and WARC-Date
+    max_record_bytes: int = Field(default=10_000_000, gt=0)  # raw payload/line cap, quarantined above
 
 
 class LangIdConfig(Section):
@@ -99,6 +102,7 @@ class FineWebConfig(Section):
     short_line_length: int = 30
     char_duplicates_ratio: float = 0.01
     new_line_ratio: float = 0.3
+    line_punct_exclude_zero: bool = False  # True: a doc with no punctuated line passes that rule
 
 
 class MinHashConfig(Section):
@@ -121,6 +125,7 @@ class CurateConfig(Section):
     c4: C4Config = C4Config()
     fineweb: FineWebConfig = FineWebConfig()
     dedup: DedupConfig = DedupConfig()
+    shard_docs: int = Field(default=2000, gt=0)  # documents per curated Parquet shard
 
 
 class TokenizerConfig(Section):
@@ -204,6 +209,10 @@ class DeployConfig(Section):
     min_improvement: float = Field(default=0.0, ge=0)  # gate: better than champion by at least δ
     host: str = "127.0.0.1"
     port: int = Field(default=8600, gt=0, lt=65536)
+    serve: bool = True  # start/refresh the model server after registering a new champion
+    threads: int = Field(default=2, gt=0)  # torch threads of the model server
+    max_tokens_limit: int = Field(default=1024, gt=0)  # largest max_tokens a request may ask for
+    max_n: int = Field(default=16, gt=0)  # largest n (completions per prompt) a request may ask for
 
 
 class StackConfig(Section):
@@ -211,11 +220,72 @@ class StackConfig(Section):
     host: str = "127.0.0.1"
     prefect_port: int = Field(default=4200, gt=0, lt=65536)
     mlflow_port: int = Field(default=5000, gt=0, lt=65536)
+    mlflow_workers: int = Field(default=1, gt=0)  # uvicorn workers of the MLflow server
+    start_timeout: float = Field(default=180.0, gt=0)  # seconds for a service to become healthy
+    stop_timeout: float = Field(default=15.0, gt=0)  # seconds between SIGTERM and SIGKILL
 
 
 class LineageConfig(Section):
     namespace: str = "crucible"
     producer: str = "https://github.com/crucible-ml/crucible"
+    service_host: str = "127.0.0.1"  # the lineage service (python -m tasks.lineage.service)
+    service_port: int = Field(default=5055, gt=0, lt=65536)
+    service_db: str = "lineage.db"  # SQLite store; relative to stack.state_dir unless absolute
+    replay_batch_size: int = Field(default=500, gt=0)  # events per POST when replaying a lineage.jsonl
+
+
+# Dense BF16 peaks from the vendors' datasheets; prices are rough on-demand USD per GPU-hour.
+DEFAULT_GPUS: dict[str, dict[str, float]] = {
+    "h100": {"peak_bf16_flops": 989e12, "memory_gb": 80, "price_per_hour": 3.00},  # SXM
+    "h200": {"peak_bf16_flops": 989e12, "memory_gb": 141, "price_per_hour": 3.80},  # SXM
+    "b200": {"peak_bf16_flops": 2250e12, "memory_gb": 180, "price_per_hour": 5.50},
+    "a100": {"peak_bf16_flops": 312e12, "memory_gb": 80, "price_per_hour": 1.80},  # SXM 80 GB
+    "l40s": {"peak_bf16_flops": 362e12, "memory_gb": 48, "price_per_hour": 1.00},
+    "mi300x": {"peak_bf16_flops": 1307e12, "memory_gb": 192, "price_per_hour": 2.50},
+}
+
+
+class GpuSpec(Section):
+    """One accelerator in the planner's hardware table."""
+
+    peak_bf16_flops: float = Field(gt=0)  # dense BF16 FLOP/s per GPU (datasheet, without 2:4 sparsity)
+    memory_gb: float = Field(gt=0)  # device memory per GPU, 1 GB = 1e9 bytes
+    price_per_hour: float = Field(ge=0)  # USD per GPU-hour: a ballpark on-demand figure, set your own
+
+
+class PlanConfig(Section):
+    """The scaling-law planner (`crucible plan`, tasks/plan): hardware table and sizing rules."""
+
+    # A config's `plan.gpus` extends this table; a known name may give only the fields it changes.
+    gpus: dict[str, GpuSpec] = {name: GpuSpec(**spec) for name, spec in DEFAULT_GPUS.items()}
+    mfu: float = Field(default=0.4, gt=0, le=1)  # model FLOPs utilisation when none is given
+    tokens_per_param: float = Field(default=20.0, gt=0)  # Chinchilla compute-optimal ratio
+    weight_bytes: float = Field(default=2, ge=0)  # bf16 weights
+    grad_bytes: float = Field(default=2, ge=0)  # bf16 gradients (in memory, not in checkpoints)
+    master_bytes: float = Field(default=4, ge=0)  # fp32 master weights
+    optimizer_bytes: float = Field(default=8, ge=0)  # Adam m and v, fp32
+    aspect_ratio: float = Field(default=128, gt=0)  # d_model / n_layer when the shape is estimated
+    gpus_per_node: int = Field(default=8, gt=0)  # tensor parallelism stays inside a node
+    usable_memory_fraction: float = Field(default=0.9, gt=0, le=1)  # rest: CUDA context, fragmentation
+    fsdp_shard_limit: int = Field(default=8, gt=0)  # most data-parallel ranks FSDP shards model states over
+    microbatches_per_stage: int = Field(default=8, gt=0)  # 1F1B pipelines run this x pp microbatches
+    target_days: float = Field(default=30, gt=0)  # picks the GPU count when none is given
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _extend_gpu_table(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value  # pydantic reports the type error
+        table: dict[str, Any] = {name: dict(spec) for name, spec in DEFAULT_GPUS.items()}
+        for name, spec in value.items():
+            key = str(name).lower()
+            if isinstance(spec, GpuSpec):
+                spec = spec.model_dump()
+            if isinstance(spec, dict) and key in table:
+                table[key] = {**table[key], **spec}
+            else:
+                table[key] = spec
+        return table
 
 
 class PipelineConfig(Section):
@@ -234,6 +304,7 @@ class PipelineConfig(Section):
     deploy: DeployConfig = DeployConfig()
     stack: StackConfig = StackConfig()
     lineage: LineageConfig = LineageConfig()
+    plan: PlanConfig = PlanConfig()
 
     @field_validator("sources")
     @classmethod

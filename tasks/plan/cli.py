@@ -1,0 +1,156 @@
+"""`plan`: size a pre-training run from a parameter count or a FLOP budget.
+
+    plan --params 7e9                              compute-optimal tokens, FLOPs, time, cost, layout
+    plan --params 7e9 --tokens 2e12 --gpus 256 --gpu h100 --mfu 0.45
+    plan --flops 1e22                              Chinchilla split of a compute budget
+    plan --params 47e9 --active-params 13e9        mixture of experts (FLOPs from the active params)
+    plan --params 7e9 --json                       the plan as JSON
+
+Exit status 0 on success, 2 on missing or invalid input. `add_arguments` and `run` let another CLI
+(`crucible plan`) mount the same options on a subcommand.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from tasks.plan.planner import PlanError, make_plan
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = _number(text)  # accepts 1024 and 1.024e3 alike
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}")
+    return int(value)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    size = p.add_argument_group("model and data (give --params or --flops, or both)")
+    size.add_argument("--params", type=_number, metavar="N", help="parameter count (MoE: the total), e.g. 7e9")
+    size.add_argument("--tokens", type=_number, metavar="D", help="training tokens (default: 20 x params)")
+    size.add_argument("--flops", type=_number, metavar="C", help="compute budget in FLOPs, 6·N·D convention")
+    size.add_argument("--active-params", type=_number, metavar="N",
+                      help="MoE: parameters active per token (drive the FLOPs)")
+    size.add_argument("--seq-len", type=_count, default=4096, metavar="T", help="sequence length (default 4096)")
+    size.add_argument("--n-layer", type=_count, metavar="L", help="layers (default: estimated from params)")
+    size.add_argument("--d-model", type=_count, metavar="D", help="model width (default: estimated from params)")
+    hw = p.add_argument_group("hardware")
+    hw.add_argument("--gpus", type=_count, metavar="G",
+                    help="GPU count (default: the fewest that finish within plan.target_days)")
+    hw.add_argument("--gpu", default="h100", help="GPU type from plan.gpus (default h100)")
+    hw.add_argument("--mfu", type=_number, metavar="F", help="model FLOPs utilisation, 0-1 (default plan.mfu, 0.4)")
+    hw.add_argument("--config", metavar="PATH", help="pipeline config whose `plan` section (GPU table, "
+                                                     "prices, sizing rules) to use")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                epilog="examples:\n" + __doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def _si(x: float, unit: str = "") -> str:
+    for factor, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(x) >= factor:
+            return f"{x / factor:.2f}{suffix}{unit}"
+    return f"{x:.3g}{unit}"
+
+
+def _bytes(n: float) -> str:
+    for factor, suffix in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if n >= factor:
+            return f"{n / factor:.1f} {suffix}"
+    return f"{n:.0f} B"
+
+
+def format_plan(plan: dict) -> str:
+    lay = plan["layout"]
+    moe = plan["active_params"] != plan["params"]
+    rows = [
+        ("parameters", _si(plan["params"]) + (f" total, {_si(plan['active_params'])} active" if moe else "")),
+        ("shape", f"{plan['n_layer']} layers x d_model {plan['d_model']}, seq_len {plan['seq_len']}"
+                  + (" (estimated)" if plan["shape_estimated"] else "")),
+        ("tokens", f"{_si(plan['tokens'])} ({plan['tokens_per_param']:.1f} per {'active ' if moe else ''}param)"),
+        ("training FLOPs", f"{plan['flops']:.3e} (6ND {plan['flops_6nd']:.3e}, attention "
+                           f"{plan['attention_flops_fraction']:.1%})"),
+        ("hardware", f"{plan['gpus']} x {plan['gpu']} at {plan['mfu']:.0%} MFU "
+                     f"({plan['peak_flops_per_gpu'] / 1e12:g} TFLOP/s peak each)"),
+        ("wall clock", f"{plan['days']:,.2f} days ({plan['seconds']:,.0f} s)"),
+        ("GPU hours", f"{plan['gpu_hours']:,.0f}"),
+        ("cost", f"${plan['cost_usd']:,.0f}"),
+        ("checkpoint", _bytes(plan["checkpoint_bytes"])),
+        ("model states", _bytes(plan["model_state_bytes"])),
+        ("layout", f"tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}, {lay['microbatches']} microbatch(es), "
+                   f"bubble {lay['bubble_fraction']:.1%}" + ("" if lay["fits"] else "  ** does not fit **")),
+    ]
+    width = max(len(k) for k, _ in rows)
+    out = [f"  {k:<{width}} : {v}" for k, v in rows]
+    out.append(f"  {'why':<{width}} : " + lay["rationale"].replace("; ", f"\n  {'':<{width}}   "))
+    out.append("assumptions:")
+    out += [f"  - {a}" for a in plan["assumptions"]]
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan from parsed arguments; print it; 0 on success, 2 on bad input."""
+    try:
+        cfg = None
+        if args.config:
+            from tasks.config import ConfigError, load_config
+
+            try:
+                cfg = load_config(args.config).plan
+            except ConfigError as e:
+                raise PlanError(str(e)) from None
+        plan = make_plan(params=args.params, tokens=args.tokens, flops=args.flops, gpus=args.gpus,
+                         gpu=args.gpu, mfu=args.mfu, seq_len=args.seq_len, n_layer=args.n_layer,
+                         d_model=args.d_model, active_params=args.active_params, cfg=cfg)
+    except PlanError as e:
+        print(f"plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """`--params -7e9` -> `--params=-7e9`, so argparse reports the bad value, not a missing one."""
+    out: list[str] = []
+    for item in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and item.startswith("-"):
+            try:
+                float(item)
+            except ValueError:
+                pass
+            else:
+                out[-1] = f"{out[-1]}={item}"
+                continue
+        out.append(item)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
+    except SystemExit as e:  # argparse: usage error (2) or --help (0)
+        return int(e.code or 0)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

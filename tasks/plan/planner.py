@@ -1,0 +1,310 @@
+"""Scaling-law planner: model size, tokens, FLOPs, time, cost and a parallel layout.
+
+Conventions (each one is also written into the plan's `assumptions`):
+
+* Compute-optimal data: D = tokens_per_param x N (Chinchilla, Hoffmann et al. 2022; 20 by default).
+  A FLOP budget C alone is read in the same 6ND convention Chinchilla uses, so N = sqrt(C / (6 x 20))
+  and D = 20 N: 1e22 FLOPs gives about 9.13e9 parameters and 1.83e11 tokens.
+* Training FLOPs per token = 6 N + 12 L d T (PaLM, Chowdhery et al. 2022, appendix B: 6N + 12 L H Q T,
+  where H heads x Q head width = d_model and T = sequence length; the same count torchtitan uses for
+  MFU). The 12 is 2 attention matmuls (QK^T and AV) x 3 (forward + backward) x 2 FLOPs per
+  multiply-add; the causal mask's halving is not discounted and activation recomputation is not
+  counted. `flops_6nd` is the 6 N D part alone, `flops` includes attention.
+* When n_layer / d_model are not given the shape is estimated from N ~= 12 L d^2 (attention 4 d^2 +
+  MLP 8 d^2 per layer, true both for a 4x GELU MLP and a SwiGLU MLP of width 8/3 d; embeddings
+  ignored) with d_model / n_layer = aspect_ratio (128, as in GPT-3 175B and Llama 7B), d_model
+  rounded to a multiple of 128.
+* Mixture of experts: `active_params` (parameters used per token) drive the FLOPs, the shape estimate
+  and the compute-optimal token count; total `params` drive memory and checkpoint size.
+* Memory: model states take (weights 2 + grads 2 + fp32 master 4 + Adam m, v 8) = 16 bytes per
+  parameter; a checkpoint keeps weights, master and Adam states, 2 + 4 + 8 = 14 bytes per parameter.
+"""
+from __future__ import annotations
+
+import math
+
+from tasks.config import GpuSpec, PlanConfig
+
+SECONDS_PER_DAY = 86_400.0
+ACT_BYTES_PER_TOKEN_PER_D = 34  # 16-bit activations of one layer: 34·s·b·h bytes (Korthikanti et al. 2022)
+ACT_CHECKPOINT_BYTES_PER_TOKEN_PER_D = 2  # full recompute keeps only each layer's bf16 input
+
+
+class PlanError(ValueError):
+    """Missing, contradictory or out-of-range planner input; the message says which."""
+
+
+def _positive(name: str, value: float | int | None, *, integer: bool = False) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PlanError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise PlanError(f"{name} must be a positive finite number, got {value!r}")
+    if integer and int(value) != value:
+        raise PlanError(f"{name} must be a whole number, got {value!r}")
+
+
+def estimate_shape(params: float, aspect_ratio: float = 128.0, *, n_layer: int | None = None,
+                   d_model: int | None = None) -> tuple[int, int]:
+    """(n_layer, d_model) for a dense transformer of `params` non-embedding parameters.
+
+    Uses N ~= 12·L·d²; whichever of n_layer / d_model is given is kept and the other derived.
+    """
+    if n_layer and d_model:
+        return int(n_layer), int(d_model)
+    if d_model:
+        return max(1, round(params / (12 * d_model**2))), int(d_model)
+    if n_layer:
+        return int(n_layer), max(1, round(math.sqrt(params / (12 * n_layer))))
+    # L = d / aspect  =>  N = 12 d³ / aspect  =>  d = (aspect · N / 12)^(1/3)
+    d = (aspect_ratio * params / 12) ** (1 / 3)
+    d = max(128, 128 * round(d / 128))
+    return max(1, round(params / (12 * d * d))), int(d)
+
+
+def flops_per_token(params: float, n_layer: int, d_model: int, seq_len: int) -> tuple[float, float]:
+    """(6N, 12·L·d·T): the dense and attention parts of training FLOPs per token (PaLM appendix B)."""
+    return 6.0 * params, 12.0 * n_layer * d_model * seq_len
+
+
+def _divisors(n: int) -> list[int]:
+    return sorted({d for i in range(1, math.isqrt(n) + 1) if n % i == 0 for d in (i, n // i)})
+
+
+def suggest_layout(*, gpus: int, total_params: float, n_layer: int, d_model: int, seq_len: int,
+                   spec: GpuSpec, cfg: PlanConfig) -> dict:
+    """Tensor / pipeline / data parallel degrees for `gpus` GPUs, with the reasoning spelled out.
+
+    1. tp: the smallest power of two (at most one node, dividing `gpus`) with which the activations
+       of one sequence through the whole model fit in half the usable memory (a 1F1B pipeline's first
+       stage holds pp in-flight microbatches of L/pp layers, so about L layers' worth whatever pp is).
+       If even a full node of tp is not enough, full activation checkpointing is assumed.
+    2. pp: 1 unless the model states, 16 bytes x total params / (tp·pp), sharded by FSDP over at
+       most `fsdp_shard_limit` data-parallel ranks, plus an all-gathered layer pair, do not fit in
+       the rest. Before adding a stage tp is raised to a full node (its traffic stays on NVLink,
+       while a pipeline adds a bubble); each stage needs at least one layer.
+    3. dp: the remaining GPUs.
+    """
+    mem = spec.memory_gb * 1e9 * cfg.usable_memory_fraction
+    state_bytes_per_param = cfg.weight_bytes + cfg.grad_bytes + cfg.master_bytes + cfg.optimizer_bytes
+    states = total_params * state_bytes_per_param
+    layer_params = total_params / n_layer
+    tp_max = 1
+    while tp_max * 2 <= min(cfg.gpus_per_node, gpus) and gpus % (tp_max * 2) == 0:
+        tp_max *= 2
+    tp_options = [1 << i for i in range(tp_max.bit_length())]
+
+    def activations(tp: int, checkpointed: bool) -> float:
+        one_layer = ACT_BYTES_PER_TOKEN_PER_D * seq_len * d_model / tp
+        if not checkpointed:
+            return n_layer * one_layer
+        return n_layer * ACT_CHECKPOINT_BYTES_PER_TOKEN_PER_D * seq_len * d_model / tp + one_layer
+
+    checkpointed = activations(tp_max, False) > mem / 2
+    tp_act = next((t for t in tp_options if activations(t, checkpointed) <= mem / 2), tp_max)
+
+    def per_gpu(tp: int, pp: int) -> float:
+        dp = gpus // (tp * pp)
+        shard = min(dp, cfg.fsdp_shard_limit)
+        gathered = 2 * layer_params * cfg.weight_bytes / tp  # FSDP: current layer + prefetched next
+        return states / (tp * pp * shard) + gathered + activations(tp, checkpointed)
+
+    choice = None
+    for pp in _divisors(gpus):
+        if pp > n_layer:
+            break
+        for tp in (t for t in tp_options if t >= tp_act and (gpus // pp) % t == 0):
+            if per_gpu(tp, pp) <= mem:
+                choice = (tp, pp)
+                break
+        if choice:
+            break
+    fits = choice is not None
+    if not fits:  # report the most model-parallel layout there is, flagged as not fitting
+        pp = max(d for d in _divisors(gpus // tp_max) if d <= n_layer)
+        choice = (tp_max, pp)
+    tp, pp = choice
+    dp = gpus // (tp * pp)
+    microbatches = cfg.microbatches_per_stage * pp if pp > 1 else 1
+    bubble = (pp - 1) / (microbatches + pp - 1)
+    need_gb = per_gpu(tp, pp) / 1e9
+
+    why = [f"tp={tp}: " + (
+        f"with tensor (+sequence) parallelism over {tp} GPU(s) of a node, one sequence's activations "
+        f"through all {n_layer} layers take {activations(tp, checkpointed) / 1e9:.1f} GB per GPU, within "
+        f"half of the {mem / 1e9:.0f} GB usable" if tp == tp_act else
+        f"raised from {tp_act} to {tp} (tensor parallelism stays on the node's NVLink) before adding "
+        "pipeline stages")]
+    if checkpointed:
+        why.append("full activation checkpointing assumed: without it the activations do not fit even "
+                   f"at tp={tp_max}")
+    why.append(f"pp={pp}: " + (
+        f"the most model parallelism {gpus} GPU(s) and {n_layer} layers allow, and still the model states "
+        f"({states / 1e9:.0f} GB = {state_bytes_per_param:g} B x {total_params:.3g} params) do not fit" if not fits
+        else
+        f"model states ({states / 1e9:.0f} GB = {state_bytes_per_param:g} B x {total_params:.3g} params) "
+        f"/ tp, FSDP-sharded over up to {cfg.fsdp_shard_limit} data-parallel ranks, fit next to the "
+        "activations, so no pipeline" if pp == 1 else
+        f"model states ({states / 1e9:.0f} GB) / (tp·pp), FSDP-sharded over up to {cfg.fsdp_shard_limit} "
+        f"data-parallel ranks, only fit with {pp} pipeline stages across nodes; 1F1B with "
+        f"{microbatches} microbatches ({cfg.microbatches_per_stage} per stage) idles "
+        f"(pp-1)/(m+pp-1) = {bubble:.1%} of the time"))
+    why.append(f"dp={dp}: the remaining GPUs replicate the tp x pp model group (FSDP shards within "
+               f"groups of {min(dp, cfg.fsdp_shard_limit)})")
+    why.append(f"estimated {need_gb:.1f} GB of {spec.memory_gb:g} GB per GPU in use" if fits else
+               f"does NOT fit: about {need_gb:.0f} GB per GPU needed with {spec.memory_gb:g} GB each; "
+               "use more GPUs, GPUs with more memory, or a smaller model")
+    return {"tp": tp, "pp": pp, "dp": dp, "microbatches": microbatches, "bubble_fraction": bubble,
+            "activation_checkpointing": checkpointed, "fits": fits,
+            "memory_per_gpu_gb": need_gb, "rationale": "; ".join(why)}
+
+
+def _timing(flops: float, gpus: int, spec: GpuSpec, mfu: float) -> dict:
+    seconds = flops / (gpus * spec.peak_bf16_flops * mfu)
+    gpu_hours = seconds * gpus / 3600.0
+    return {"seconds": seconds, "days": seconds / SECONDS_PER_DAY, "gpu_hours": gpu_hours,
+            "cost_usd": gpu_hours * spec.price_per_hour}
+
+
+def _pick_gpus(flops: float, spec: GpuSpec, mfu: float, layout_for, cfg: PlanConfig) -> int:
+    """Fewest GPUs finishing within target_days whose layout fits: 1, 2, 4, 8, then whole nodes."""
+    need = flops / (spec.peak_bf16_flops * mfu * cfg.target_days * SECONDS_PER_DAY)
+    node = cfg.gpus_per_node
+    if need <= node:
+        n = 1
+        while n < need:
+            n *= 2
+        n = min(n, node)
+    else:
+        n = node * math.ceil(need / node)
+    for _ in range(64):  # small powers of two first, then grow by nodes
+        if layout_for(n)["fits"]:
+            return n
+        n = n * 2 if n < node else max(node * math.ceil(n * 1.25 / node), n + node)
+    return n
+
+
+def make_plan(params: float | None = None, tokens: float | None = None, flops: float | None = None,
+              gpus: int | None = None, gpu: str = "h100", mfu: float | None = None, seq_len: int = 4096,
+              n_layer: int | None = None, d_model: int | None = None, active_params: float | None = None,
+              cfg: PlanConfig | None = None) -> dict:
+    """A training plan from a parameter count and/or a FLOP budget; see the module docstring.
+
+    Give `params` (tokens default to the compute-optimal count, or follow from `flops`), or `flops`
+    alone (compute-optimal split), or `flops` with `tokens`. `active_params` (MoE) needs `params`,
+    the total. `gpus` None picks the fewest GPUs that finish within `cfg.target_days`; `mfu` None
+    takes `cfg.mfu`. Raises PlanError on missing or invalid input.
+    """
+    cfg = cfg or PlanConfig()
+    for name, value in (("params", params), ("tokens", tokens), ("flops", flops),
+                        ("active_params", active_params), ("mfu", mfu)):
+        _positive(name, value)
+    for name, value in (("gpus", gpus), ("seq_len", seq_len), ("n_layer", n_layer), ("d_model", d_model)):
+        _positive(name, value, integer=True)
+    mfu = cfg.mfu if mfu is None else float(mfu)
+    if mfu > 1:
+        raise PlanError(f"mfu is a fraction of peak in (0, 1], got {mfu}")
+    key = str(gpu).lower()
+    if key not in cfg.gpus:
+        raise PlanError(f"unknown gpu {gpu!r}; known: {', '.join(sorted(cfg.gpus))} (add one under plan.gpus)")
+    spec = cfg.gpus[key]
+    if active_params is not None:
+        if params is None:
+            raise PlanError("active_params needs params, the total parameter count of the MoE model")
+        if active_params > params:
+            raise PlanError(f"active_params ({active_params:.3g}) cannot exceed params ({params:.3g})")
+    ratio = cfg.tokens_per_param
+    assumptions: list[str] = []
+
+    if params is None and flops is None:
+        raise PlanError("give params (a parameter count) or flops (a compute budget), or both")
+    if params is not None and tokens is not None and flops is not None:
+        raise PlanError("params, tokens and flops over-determine the plan: give at most two of them")
+    compute_params = active_params if active_params is not None else params
+    if params is None:  # a FLOP budget, perhaps with a token count
+        if tokens is not None:
+            params = flops / (6 * tokens)
+            assumptions.append(f"params = flops / (6 x tokens) = {params:.3g}")
+        else:
+            params = math.sqrt(flops / (6 * ratio))
+            tokens = ratio * params
+            assumptions.append(f"compute-optimal split of the budget (Chinchilla): N = sqrt(C / (6 x {ratio:g})) "
+                               f"= {params:.3g} params, D = {ratio:g} N = {tokens:.3g} tokens")
+        compute_params = params
+    elif tokens is None:
+        if flops is not None:
+            tokens = flops / (6 * compute_params)
+            assumptions.append(f"tokens = flops / (6 x {'active ' if active_params else ''}params) = {tokens:.3g}")
+        else:
+            tokens = ratio * compute_params
+            assumptions.append(f"tokens = {ratio:g} x {'active ' if active_params else ''}params (Chinchilla "
+                               "compute-optimal ratio, Hoffmann et al. 2022)")
+    if flops is not None:
+        assumptions.append("a FLOP budget is read as 6·N·D (Chinchilla's convention); the attention term "
+                           "comes on top of it in `flops`")
+    if active_params is not None:
+        assumptions.append("MoE: FLOPs, the shape estimate and the default token count use active_params; "
+                           "memory, layout and checkpoint size use the total params (no settled "
+                           "compute-optimal ratio exists for MoE)")
+
+    shape_given = n_layer is not None and d_model is not None
+    n_layer, d_model = estimate_shape(compute_params, cfg.aspect_ratio, n_layer=n_layer, d_model=d_model)
+    if not shape_given:
+        assumptions.append(f"shape estimated from N ~= 12·L·d² with d_model/n_layer ~= {cfg.aspect_ratio:g} "
+                           f"(d_model a multiple of 128 unless given): n_layer={n_layer}, d_model={d_model}")
+    dense, attention = flops_per_token(compute_params, n_layer, d_model, seq_len)
+    flops_6nd = dense * tokens
+    total_flops = (dense + attention) * tokens
+    assumptions.append("training FLOPs = (6N + 12·L·d_model·T) x tokens (PaLM appendix B, as torchtitan "
+                       f"counts MFU; T = seq_len = {seq_len}); causal masking not discounted, activation "
+                       "recomputation not counted")
+
+    def layout_for(n: int) -> dict:
+        return suggest_layout(gpus=n, total_params=params, n_layer=n_layer, d_model=d_model,
+                              seq_len=seq_len, spec=spec, cfg=cfg)
+
+    if gpus is None:
+        gpus = _pick_gpus(total_flops, spec, mfu, layout_for, cfg)
+        assumptions.append(f"gpus not given: the fewest ({gpus}) that finish within {cfg.target_days:g} days "
+                           "and hold the model states")
+    gpus = int(gpus)
+    layout = layout_for(gpus)
+    timing = _timing(total_flops, gpus, spec, mfu)
+    state_bytes = cfg.weight_bytes + cfg.grad_bytes + cfg.master_bytes + cfg.optimizer_bytes
+    ckpt_bytes = cfg.weight_bytes + cfg.master_bytes + cfg.optimizer_bytes
+    assumptions += [
+        f"time = flops / (gpus x peak x MFU) with {key} peak {spec.peak_bf16_flops:.4g} FLOP/s dense BF16 and "
+        f"MFU {mfu:g}; the MFU is end to end, so pipeline bubbles, stalls and restarts are inside it",
+        f"cost = gpu_hours x ${spec.price_per_hour:g}/GPU-hour (a ballpark on-demand price; set plan.gpus)",
+        f"checkpoint = params x ({cfg.weight_bytes:g} bf16 weights + {cfg.master_bytes:g} fp32 master + "
+        f"{cfg.optimizer_bytes:g} Adam m, v) bytes; model states in memory also hold "
+        f"{cfg.grad_bytes:g}-byte gradients ({state_bytes:g} bytes per param)",
+        "layout: tp inside a node sized by activations, pp across nodes only when FSDP-sharded model "
+        "states do not fit, dp for the rest; bubble = (pp-1)/(microbatches+pp-1) for 1F1B",
+    ]
+    if not layout["fits"]:
+        assumptions.append(f"WARNING: the model does not fit on {gpus} x {key}: {layout['rationale']}")
+    return {
+        "params": float(params),
+        "active_params": float(compute_params),
+        "tokens": float(tokens),
+        "tokens_per_param": float(tokens / compute_params),
+        "flops_budget": None if flops is None else float(flops),
+        "flops": float(total_flops),
+        "flops_6nd": float(flops_6nd),
+        "attention_flops_fraction": float(attention / (dense + attention)),
+        "n_layer": n_layer,
+        "d_model": d_model,
+        "seq_len": int(seq_len),
+        "shape_estimated": not shape_given,
+        "gpu": key,
+        "gpus": gpus,
+        "peak_flops_per_gpu": spec.peak_bf16_flops,
+        "mfu": mfu,
+        **timing,
+        "model_state_bytes": float(params * state_bytes),
+        "checkpoint_bytes": float(params * ckpt_bytes),
+        "layout": layout,
+        "assumptions": assumptions,
+    }

@@ -1,0 +1,171 @@
+"""The scaling-law planner: published figures, MoE rule, layout sanity, cost arithmetic, CLI."""
+import json
+
+import pytest
+
+from tasks.config import GpuSpec, PipelineConfig, PlanConfig
+from tasks.plan import PlanError, estimate_shape, make_plan
+from tasks.plan.cli import main
+
+
+def test_chinchilla_tokens_from_params():
+    plan = make_plan(params=7e9)
+    assert plan["tokens"] == pytest.approx(1.4e11)
+    assert plan["flops_6nd"] == pytest.approx(6 * 7e9 * 1.4e11)
+
+
+def test_flops_6nd_for_a_7b_model_on_2t_tokens():
+    plan = make_plan(params=7e9, tokens=2e12, gpus=256)
+    assert plan["flops_6nd"] == pytest.approx(8.4e22)
+    assert plan["flops"] > plan["flops_6nd"]  # attention on top
+
+
+def test_compute_optimal_split_of_a_flop_budget():
+    plan = make_plan(flops=1e22)
+    assert plan["params"] == pytest.approx(9.13e9, rel=1e-3)  # sqrt(1e22 / 120)
+    assert plan["tokens"] == pytest.approx(1.826e11, rel=1e-3)
+    assert plan["flops_6nd"] == pytest.approx(1e22)
+    assert plan["flops_budget"] == 1e22
+
+
+def test_flops_with_params_or_tokens_fixes_the_other():
+    assert make_plan(params=1e9, flops=1.2e20)["tokens"] == pytest.approx(2e10)
+    assert make_plan(flops=1.2e20, tokens=2e10)["params"] == pytest.approx(1e9)
+
+
+def test_attention_term_follows_palm_appendix_b():
+    plan = make_plan(params=1e9, tokens=2e10, n_layer=24, d_model=2048, seq_len=2048)
+    per_token = 6 * 1e9 + 12 * 24 * 2048 * 2048
+    assert plan["flops"] == pytest.approx(per_token * 2e10)
+    assert plan["shape_estimated"] is False
+
+
+def test_shape_estimate_is_near_known_models():
+    n_layer, d_model = estimate_shape(7e9)  # Llama-7B is 32 x 4096
+    assert 28 <= n_layer <= 36 and 3840 <= d_model <= 4608 and d_model % 128 == 0
+    assert 12 * n_layer * d_model**2 == pytest.approx(7e9, rel=0.1)
+    assert estimate_shape(7e9, n_layer=32) == (32, round((7e9 / (12 * 32)) ** 0.5))
+
+
+def test_moe_active_params_drive_flops_total_params_drive_memory():
+    moe = make_plan(params=47e9, active_params=13e9, tokens=1e12, gpus=256)
+    dense = make_plan(params=47e9, tokens=1e12, gpus=256)
+    assert moe["flops_6nd"] == pytest.approx(6 * 13e9 * 1e12)
+    assert moe["checkpoint_bytes"] == dense["checkpoint_bytes"] == pytest.approx(47e9 * 14)
+    assert moe["model_state_bytes"] == pytest.approx(47e9 * 16)
+    assert moe["seconds"] < dense["seconds"]
+    assert make_plan(params=47e9, active_params=13e9)["tokens"] == pytest.approx(20 * 13e9)
+
+
+def test_checkpoint_bytes_are_weights_master_and_adam():
+    assert make_plan(params=7e9)["checkpoint_bytes"] == pytest.approx(7e9 * (2 + 4 + 8))
+
+
+def test_time_and_cost_arithmetic():
+    cfg = PlanConfig(gpus={"testgpu": GpuSpec(peak_bf16_flops=1e15, memory_gb=80, price_per_hour=2.0)})
+    plan = make_plan(params=1e9, tokens=2e10, n_layer=24, d_model=2048, seq_len=2048,
+                     gpus=8, gpu="testgpu", mfu=0.5, cfg=cfg)
+    flops = (6e9 + 12 * 24 * 2048 * 2048) * 2e10  # 1.44159e20
+    assert plan["seconds"] == pytest.approx(flops / (8 * 1e15 * 0.5))  # ≈ 36,040 s
+    assert plan["days"] == pytest.approx(plan["seconds"] / 86400)
+    assert plan["gpu_hours"] == pytest.approx(plan["seconds"] * 8 / 3600)  # ≈ 80.1
+    assert plan["cost_usd"] == pytest.approx(plan["gpu_hours"] * 2.0)  # ≈ $160
+    assert plan["cost_usd"] == pytest.approx(160.18, abs=0.01)
+
+
+def test_default_mfu_and_hardware_table():
+    plan = make_plan(params=7e9, gpus=64)
+    assert plan["mfu"] == 0.4 and plan["gpu"] == "h100" and plan["peak_flops_per_gpu"] == 989e12
+    assert make_plan(params=7e9, gpus=64, gpu="A100")["seconds"] == pytest.approx(plan["seconds"] * 989 / 312)
+
+
+def test_config_extends_the_gpu_table():
+    cfg = PipelineConfig.model_validate({
+        "name": "x", "sources": [{"name": "a", "uri": "u", "format": "text", "licence": "l", "provenance": "p"}],
+        "plan": {"gpus": {"H100": {"price_per_hour": 2.0},
+                          "tpu": {"peak_bf16_flops": 459e12, "memory_gb": 95, "price_per_hour": 4.2}}}})
+    assert cfg.plan.gpus["h100"].price_per_hour == 2.0 and cfg.plan.gpus["h100"].peak_bf16_flops == 989e12
+    assert cfg.plan.gpus["tpu"].memory_gb == 95 and "mi300x" in cfg.plan.gpus
+
+
+@pytest.mark.parametrize("params,gpus", [(1e9, 8), (7e9, 256), (70e9, 1024), (1e12, 1024), (7e9, 12)])
+def test_layout_uses_every_gpu(params, gpus):
+    lay = make_plan(params=params, gpus=gpus)["layout"]
+    assert lay["tp"] * lay["pp"] * lay["dp"] == gpus
+    assert lay["tp"] <= 8 and lay["tp"] & (lay["tp"] - 1) == 0
+    assert lay["fits"] and lay["rationale"]
+
+
+def test_small_model_needs_no_pipeline():
+    lay = make_plan(params=1e9, gpus=8)["layout"]
+    assert (lay["tp"], lay["pp"], lay["dp"]) == (1, 1, 8)
+    assert lay["bubble_fraction"] == 0
+
+
+def test_trillion_parameter_model_is_pipelined():
+    lay = make_plan(params=1e12, gpus=1024)["layout"]
+    assert lay["pp"] > 1 and lay["tp"] == 8
+    m, pp = lay["microbatches"], lay["pp"]
+    assert lay["bubble_fraction"] == pytest.approx((pp - 1) / (m + pp - 1))
+    assert "pp=" in lay["rationale"]
+
+
+def test_too_few_gpus_is_flagged():
+    plan = make_plan(params=7e9, gpus=1)
+    assert plan["layout"]["fits"] is False
+    assert any("does not fit" in a for a in plan["assumptions"])
+
+
+def test_gpu_count_is_picked_when_missing():
+    plan = make_plan(params=7e9)
+    assert plan["days"] <= 30 and plan["layout"]["fits"]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({}, "params"),
+    ({"tokens": 1e12}, "params"),
+    ({"params": -1}, "params"),
+    ({"params": 7e9, "gpus": 0}, "gpus"),
+    ({"params": 7e9, "gpus": 2.5}, "gpus"),
+    ({"params": 7e9, "gpu": "tpu9"}, "unknown gpu"),
+    ({"params": 7e9, "mfu": 1.5}, "mfu"),
+    ({"params": 7e9, "tokens": 1e12, "flops": 1e22}, "at most two"),
+    ({"flops": 1e22, "active_params": 1e9}, "active_params"),
+    ({"params": 1e9, "active_params": 2e9}, "exceed"),
+    ({"params": float("nan")}, "params"),
+])
+def test_invalid_input_raises(kwargs, match):
+    with pytest.raises(PlanError, match=match):
+        make_plan(**kwargs)
+
+
+def test_cli_json(capsys):
+    assert main(["--params", "7e9", "--tokens", "2e12", "--gpus", "256", "--gpu", "h100", "--mfu", "0.45",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["flops_6nd"] == pytest.approx(8.4e22)
+    assert plan["gpus"] == 256 and plan["mfu"] == 0.45
+    for key in ("params", "active_params", "tokens", "flops", "gpu", "seconds", "days", "gpu_hours",
+                "cost_usd", "checkpoint_bytes", "layout", "assumptions"):
+        assert key in plan
+    assert set(plan["layout"]) >= {"tp", "pp", "dp", "microbatches", "bubble_fraction", "rationale"}
+
+
+def test_cli_table(capsys):
+    assert main(["--flops", "1e22", "--gpus", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "9.13B" in out and "182.57B" in out and "layout" in out and "assumptions:" in out
+
+
+@pytest.mark.parametrize("argv,match", [
+    ([], "give params"),
+    (["--params", "-7e9"], "positive"),
+    (["--params", "abc"], "not a number"),
+    (["--params", "7e9", "--gpu", "tpu9"], "unknown gpu"),
+    (["--params", "7e9", "--gpus", "3.5"], "whole number"),
+    (["--params", "7e9", "--config", "/nonexistent/plan.yaml"], "not found"),
+])
+def test_cli_errors_exit_2(argv, match, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err
