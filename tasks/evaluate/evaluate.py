@@ -1,8 +1,9 @@
 """Evaluate a checkpoint: validation loss / perplexity and sample generations.
 
 Val windows are deterministic: non-overlapping windows of seq_len + 1 tokens spread evenly over
-the val split (all of them when they fit in max_val_batches x batch_size). Sampling uses a fixed
-seed, so the same checkpoint and config give the same report.
+the val split (all of them when they fit in max_val_batches x batch_size). Each prompt is sampled
+with a generator seeded by cfg.evaluate.seed, so the same checkpoint and config give the same report
+and a prompt's sample does not depend on the other prompts.
 """
 from __future__ import annotations
 
@@ -60,6 +61,20 @@ def evaluate_checkpoint(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Pat
     """
     ecfg = cfg.evaluate
     t0 = time.perf_counter()
+    prev_threads = torch.get_num_threads()
+    if ecfg.threads:
+        torch.set_num_threads(ecfg.threads)
+    try:
+        report = _evaluate(cfg, ckpt_dir, tokenizer_path, tokens_index, out_path, tracking_uri, run_id)
+    finally:
+        torch.set_num_threads(prev_threads)
+    report["seconds"] = round(time.perf_counter() - t0, 3)
+    return report
+
+
+def _evaluate(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Path, tokens_index: Path, out_path: Path,
+              tracking_uri: str | None, run_id: str | None) -> dict:
+    ecfg = cfg.evaluate
     ckpt_dir = Path(ckpt_dir).resolve()
     model, meta = load_model_for_inference(ckpt_dir)
     tok = load_tokenizer(tokenizer_path)
@@ -74,9 +89,10 @@ def evaluate_checkpoint(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Pat
                               ecfg.batch_size, ecfg.max_val_batches)
 
     eos_id = meta.get("eos_id", index["eos_id"])
-    gen = torch.Generator().manual_seed(ecfg.seed)
     samples = []
     for prompt in ecfg.prompts:
+        # seeded per prompt: a sample depends only on (checkpoint, prompt, sampling settings)
+        gen = torch.Generator().manual_seed(ecfg.seed)
         ids = tok.encode(prompt, add_special_tokens=False).ids or [eos_id]  # empty prompt: start after EOS
         out = model.generate(torch.tensor([ids], dtype=torch.long), ecfg.sample_tokens,
                              temperature=ecfg.temperature, top_k=ecfg.top_k, eos_id=eos_id, generator=gen)
@@ -111,5 +127,4 @@ def evaluate_checkpoint(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Pat
             Metric("val_loss", report["val_loss"], ts, report["step"]),
             Metric("perplexity", report["perplexity"], ts, report["step"]),
         ])
-    report["seconds"] = round(time.perf_counter() - t0, 3)
     return report

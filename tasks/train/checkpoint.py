@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -122,7 +123,9 @@ def load_model_for_inference(ckpt_dir: str | Path, device: str | torch.device = 
     cfg = GPTConfig(**meta["model"])
     model = GPT(cfg)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=True)
     model.load_state_dict(state["model"], strict=True)
     model.to(device).eval()
     return model, meta

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tasks.config import PipelineConfig
@@ -58,8 +59,6 @@ def run_training(cfg: PipelineConfig, tokens_index: Path, out_dir: Path, mlflow_
     "log" (torchrun.log), "train_log" (train_log.jsonl), "tokens_per_s" (mean over steps after the
     first), "seconds"}. Raises TrainingError with the log tail when torchrun fails.
     """
-    import time
-
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     tokens_index = Path(tokens_index).resolve()

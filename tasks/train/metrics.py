@@ -23,10 +23,17 @@ MLFLOW_KEYS = {"loss": "train_loss", "grad_norm": "grad_norm", "lr": "lr", "toke
 
 class MetricsLogger:
     def __init__(self, out_dir: str | Path, max_steps: int, log_every: int,
-                 tracking_uri: str | None = None, run_id: str | None = None, append: bool = False):
+                 tracking_uri: str | None = None, run_id: str | None = None, resume_step: int = 0):
+        """resume_step > 0 keeps the log's records up to that step (later ones were not
+        checkpointed and are redone); 0 starts a new log."""
         self.path = Path(out_dir) / TRAIN_LOG
         self.max_steps, self.log_every = max_steps, log_every
-        self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+        kept = []
+        if resume_step > 0 and self.path.is_file():
+            kept = [line for line in self.path.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resume_step]
+        self._file = open(self.path, "w", encoding="utf-8")
+        self._file.writelines(line + "\n" for line in kept)
         self._client = None
         self._run_id = run_id
         self._pending: list = []
@@ -39,7 +46,7 @@ class MetricsLogger:
             print("[metrics] MLFLOW_RUN_ID not set: not logging to MLflow", flush=True)
 
     def log_step(self, step: int, **values: float) -> None:
-        rec = {"step": step, **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in values.items()}}
+        rec = {"step": step, **{k: (float(f"{v:.7g}") if isinstance(v, float) else v) for k, v in values.items()}}
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()
         if self._client is not None:

@@ -78,11 +78,11 @@ def train(cfg: PipelineConfig, args: argparse.Namespace) -> int:
 
     index = load_index(args.tokens_index)
     gcfg = GPTConfig.from_model_config(cfg.model, index["vocab_size"])
+    data = RandomWindows(args.tokens_index, "train", gcfg.seq_len, tcfg.micro_batch_size,
+                         seed=tcfg.seed, rank=rank)
     torch.manual_seed(tcfg.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     model = GPT(gcfg).to(device)
     optimizer = build_optimizer(model, tcfg)
-    data = RandomWindows(args.tokens_index, "train", gcfg.seq_len, tcfg.micro_batch_size,
-                         seed=tcfg.seed, rank=rank)
 
     start_step = 0
     if tcfg.resume and (ckpts := list_checkpoints(out_dir)):
@@ -102,7 +102,7 @@ def train(cfg: PipelineConfig, args: argparse.Namespace) -> int:
         metrics = MetricsLogger(out_dir, tcfg.max_steps, tcfg.log_every,
                                 tracking_uri=os.environ.get("MLFLOW_TRACKING_URI") or None,
                                 run_id=os.environ.get("MLFLOW_RUN_ID") or None,
-                                append=start_step > 0)
+                                resume_step=start_step)
         metrics.log_params({**_flat_params(cfg), "n_params": model.num_params(), "world_size": world,
                             "vocab_size": gcfg.vocab_size, "train_tokens": index["splits"]["train"]["tokens"]})
         print(f"[train] {model.num_params():,} params | world {world} x {tcfg.threads_per_proc} threads | "

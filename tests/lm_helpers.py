@@ -1,0 +1,129 @@
+"""Shared helpers for the tokenizer / tokens / train / evaluate tests (imported, not a conftest).
+
+The corpus is small but real: Linux kernel RST docs and paragraphs of a Gutenberg book from
+shared/data/text, written as Parquet shards in a temporary directory. Expensive artifacts
+(tokenizer, token files, one 2-process training run) are built once per pytest session under
+the session's base temp dir and reused by every test file that asks for them.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, PipelineConfig
+
+TEXT_DIR = Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT) / "text"
+
+
+def corpus_rows(n_linux: int = 150, n_nonascii: int = 20, gutenberg_book: str = "carroll-alice",
+                max_chars: int = 4000) -> list[dict]:
+    """Linux docs (the first n_linux, plus the first n_nonascii that hold non-ASCII text) and the
+    paragraphs (10 lines each) of one Gutenberg book. Deterministic."""
+    rows, nonascii = [], 0
+    with gzip.open(TEXT_DIR / "linux-doc-rst.jsonl.gz", "rt", encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            d = json.loads(line)
+            has_nonascii = any(ord(c) > 127 for c in d["text"])
+            if i < n_linux or (has_nonascii and nonascii < n_nonascii):
+                nonascii += has_nonascii
+                rows.append({"id": f"linux/{d['id']}", "source": "linux-doc", "text": d["text"][:max_chars]})
+            if i >= n_linux and nonascii >= n_nonascii:
+                break
+    lines = (TEXT_DIR / "gutenberg" / f"{gutenberg_book}.txt").read_text(encoding="utf-8").splitlines()
+    for k in range(0, len(lines), 10):
+        rows.append({"id": f"gutenberg/{gutenberg_book}/{k // 10}", "source": "gutenberg",
+                     "text": "\n".join(lines[k:k + 10])})
+    return rows
+
+
+def write_shards(rows: list[dict], out_dir: Path, n_shards: int = 3) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for s in range(n_shards):
+        path = out_dir / f"shard-{s:05d}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows[s::n_shards]), path)
+        paths.append(path)
+    return paths
+
+
+def tiny_cfg(**sections) -> PipelineConfig:
+    """A config for fast tests: 512-token vocab, 2-layer 64-wide model, 20 steps on 2 ranks."""
+    raw = {
+        "name": "test-lm",
+        "sources": [{"name": "test", "uri": "text/x", "format": "text", "licence": "test",
+                     "provenance": "test"}],
+        "tokenizer": {"vocab_size": 512, "min_frequency": 2},
+        "tokens": {"val_fraction": 0.1, "seed": 7},
+        "model": {"n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 64},
+        "train": {"nproc_per_node": 2, "max_steps": 20, "micro_batch_size": 8, "lr": 3e-3,
+                  "min_lr": 3e-4, "warmup_steps": 5, "checkpoint_every": 10, "log_every": 5},
+        "evaluate": {"max_val_batches": 4, "batch_size": 4, "sample_tokens": 8,
+                     "prompts": ["The Linux kernel", "Alice was"]},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return PipelineConfig.model_validate(raw)
+
+
+def _cached(marker: Path, build) -> dict:
+    if marker.is_file():
+        return json.loads(marker.read_text())
+    result = build()
+    marker.write_text(json.dumps(result))
+    return result
+
+
+def corpus_shards(base: Path) -> list[Path]:
+    base = base / "corpus"
+    done = _cached(base.parent / "corpus.json",
+                   lambda: {"shards": [str(p) for p in write_shards(corpus_rows(), base)]})
+    return [Path(p) for p in done["shards"]]
+
+
+def tokenizer_artifact(base: Path) -> dict:
+    from tasks.tokenizer import train_tokenizer
+
+    shards = corpus_shards(base)
+    return _cached(base / "tokenizer.json.done",
+                   lambda: train_tokenizer(tiny_cfg(), shards, base / "tokenizer"))
+
+
+def tokens_artifact(base: Path) -> dict:
+    from tasks.tokens import prepare_tokens
+
+    tok = tokenizer_artifact(base)
+    shards = corpus_shards(base)
+    return _cached(base / "tokens.done",
+                   lambda: prepare_tokens(tiny_cfg(), Path(tok["path"]), shards, base / "tokens"))
+
+
+def training_run(base: Path) -> dict:
+    """One real 2-process torchrun run of tiny_cfg() (20 steps, checkpoints at 10 and 20), logging
+    to a fresh MLflow run in a file store under `base` (returned as result["mlflow"])."""
+    from mlflow import MlflowClient
+
+    from tasks.train import run_training
+
+    tokens = tokens_artifact(base)
+
+    def build() -> dict:
+        old = os.environ.get("MLFLOW_ALLOW_FILE_STORE")
+        os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # a file store keeps the test fast (no DB setup)
+        try:
+            uri = (base / "mlruns").resolve().as_uri()
+            client = MlflowClient(tracking_uri=uri)
+            run_id = client.create_run(client.create_experiment("test-lm")).info.run_id
+            result = run_training(tiny_cfg(), Path(tokens["index_path"]), base / "train", uri, run_id, "test-run")
+        finally:
+            if old is None:
+                os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+            else:
+                os.environ["MLFLOW_ALLOW_FILE_STORE"] = old
+        return {**result, "mlflow": {"tracking_uri": uri, "run_id": run_id}}
+
+    return _cached(base / "train.done", build)

@@ -1,0 +1,117 @@
+"""Tokens stage: flat token files split by document."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from lm_helpers import corpus_shards, tiny_cfg, tokenizer_artifact, tokens_artifact
+from tasks.tokenizer import load_tokenizer
+from tasks.tokens import dtype_for_vocab, is_val_doc, load_index, open_split, prepare_tokens
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp() / "lm"
+
+
+@pytest.fixture(scope="module")
+def index(base) -> dict:
+    return tokens_artifact(base)
+
+
+def _docs(base) -> list[dict]:
+    return [r for s in corpus_shards(base) for r in pq.read_table(s).to_pylist()]
+
+
+def test_index_file_and_dtype(index):
+    path = Path(index["index_path"])
+    on_disk = json.loads(path.read_text())
+    assert on_disk["dtype"] == "uint16" and index["dtype"] == "uint16"
+    assert on_disk["vocab_size"] == 512
+    assert on_disk["splits"]["train"]["path"] == "train.bin"  # relative: the run dir can move
+    for split in ("train", "val"):
+        info = index["splits"][split]
+        assert Path(info["path"]).is_file()
+        assert Path(info["path"]).stat().st_size == 2 * info["tokens"]  # 2 bytes per uint16 token
+        assert info["docs"] > 0
+    assert load_index(path)["splits"]["val"]["path"] == index["splits"]["val"]["path"]
+
+
+def test_eos_count_equals_docs_and_memmap_readable(index, base):
+    eos = index["eos_id"]
+    total_docs = 0
+    for split in ("train", "val"):
+        arr = open_split(index["index_path"], split)
+        assert isinstance(arr, np.memmap) and arr.dtype == np.dtype("<u2")
+        assert len(arr) == index["splits"][split]["tokens"]
+        assert int((arr == eos).sum()) == index["splits"][split]["docs"]
+        assert arr[-1] == eos  # every document, the last included, ends with EOS
+        assert int(arr.max()) < index["vocab_size"]
+        # the plain nanoGPT reader sees the same thing
+        raw = np.memmap(index["splits"][split]["path"], dtype=np.uint16, mode="r")
+        assert np.array_equal(raw, arr)
+        total_docs += index["splits"][split]["docs"]
+    assert total_docs == len(_docs(base))
+
+
+def test_split_by_document(index, base):
+    """Decode each split back into documents: every corpus doc is in exactly one split, whole."""
+    cfg = tiny_cfg()
+    tok = load_tokenizer(tokenizer_artifact(base)["path"])
+    docs = _docs(base)
+    by_split = {}
+    for split in ("train", "val"):
+        arr = np.asarray(open_split(index["index_path"], split), dtype=np.int64)
+        cuts = np.flatnonzero(arr == index["eos_id"])
+        pieces = np.split(arr, cuts + 1)[:-1]
+        by_split[split] = [tok.decode(p[:-1].tolist(), skip_special_tokens=False) for p in pieces]
+    expected = {"train": [], "val": []}
+    for d in docs:
+        expected["val" if is_val_doc(d["id"], cfg.tokens.val_fraction, cfg.tokens.seed) else "train"].append(d["text"])
+    assert by_split == expected  # same docs, same order, exact text
+    assert not set(by_split["train"]) & set(by_split["val"])
+    assert 0.02 < len(expected["val"]) / len(docs) < 0.25  # val_fraction 0.1
+
+
+def test_split_is_stable_per_document(base, tmp_path):
+    """A document's split depends only on (seed, id), not on shard order or neighbours."""
+    cfg = tiny_cfg()
+    docs = _docs(base)
+    shards = corpus_shards(base)
+    a = prepare_tokens(cfg, Path(tokenizer_artifact(base)["path"]), list(reversed(shards)), tmp_path / "a")
+    assert a["splits"]["val"]["docs"] == tokens_artifact(base)["splits"]["val"]["docs"]
+    assert a["splits"]["val"]["tokens"] == tokens_artifact(base)["splits"]["val"]["tokens"]
+    n_val = sum(is_val_doc(d["id"], cfg.tokens.val_fraction, cfg.tokens.seed) for d in docs)
+    assert a["splits"]["val"]["docs"] == n_val
+    # another seed moves documents
+    other = [is_val_doc(d["id"], cfg.tokens.val_fraction, 99) for d in docs]
+    assert other != [is_val_doc(d["id"], cfg.tokens.val_fraction, cfg.tokens.seed) for d in docs]
+
+
+def test_deterministic_files(base, tmp_path):
+    again = prepare_tokens(tiny_cfg(), Path(tokenizer_artifact(base)["path"]), corpus_shards(base), tmp_path / "b")
+    first = tokens_artifact(base)
+    for split in ("train", "val"):
+        assert again["splits"][split]["sha256"] == first["splits"][split]["sha256"]
+
+
+def test_docs_without_id_and_literal_eos_text(base, tmp_path):
+    """No `id` column: docs are keyed by text hash; a literal "<|endoftext|>" is not an EOS id."""
+    texts = [f"document number {i} says <|endoftext|> in the middle" for i in range(40)]
+    shard = tmp_path / "noid.parquet"
+    pq.write_table(pa.table({"text": texts}), shard)
+    res = prepare_tokens(tiny_cfg(), Path(tokenizer_artifact(base)["path"]), [shard], tmp_path / "t")
+    n_eos = sum(int((open_split(res["index_path"], s) == res["eos_id"]).sum())
+                for s in ("train", "val") if res["splits"][s]["tokens"])
+    assert n_eos == 40
+
+
+def test_dtype_for_vocab():
+    assert dtype_for_vocab(4096) == np.dtype("<u2")
+    assert dtype_for_vocab(65536) == np.dtype("<u2")  # ids 0..65535
+    assert dtype_for_vocab(65537) == np.dtype("<u4")

@@ -1,0 +1,207 @@
+"""Training: a real 2-process torchrun run, plus the pieces (schedule, optimizer, data, events)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lm_helpers import tiny_cfg, tokens_artifact, training_run
+from tasks.train import TrainingError, list_checkpoints, load_model_for_inference, run_training
+from tasks.train.checkpoint import META_FILE
+from tasks.train.data import RandomWindows
+from tasks.train.metrics import CHECKPOINT_EVENT, emit_checkpoint_event
+from tasks.train.model import GPT, GPTConfig
+from tasks.train.optimizer import build_optimizer
+from tasks.train.schedule import lr_at
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp() / "lm"
+
+
+@pytest.fixture(scope="module")
+def run(base) -> dict:
+    return training_run(base)
+
+
+def _log(run) -> list[dict]:
+    return [json.loads(line) for line in Path(run["train_log"]).read_text().splitlines()]
+
+
+def test_loss_falls_and_every_step_logged(run):
+    cfg = tiny_cfg()
+    log = _log(run)
+    assert run["steps"] == cfg.train.max_steps == 20
+    assert [r["step"] for r in log] == list(range(1, 21))
+    for r in log:
+        assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+        assert r["lr"] > 0 and r["tokens_per_s"] > 0
+    assert abs(log[0]["loss"] - math.log(512)) < 0.3  # starts near uniform over the vocab
+    first, last = np.mean([r["loss"] for r in log[:3]]), np.mean([r["loss"] for r in log[-3:]])
+    assert last < first - 0.5, [round(r["loss"], 3) for r in log]
+    assert run["first_loss"] == log[0]["loss"] and run["final_loss"] == log[-1]["loss"]
+    assert run["tokens_per_s"] > 0
+    assert "step    20/20" in Path(run["log"]).read_text()  # console output captured by the launcher
+
+
+def test_metrics_in_mlflow_every_step(run, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=run["mlflow"]["tracking_uri"])
+    for key in ("grad_norm", "train_loss", "lr"):
+        hist = client.get_metric_history(run["mlflow"]["run_id"], key)
+        assert sorted(m.step for m in hist) == list(range(1, 21)), key
+    grad = {m.step: m.value for m in client.get_metric_history(run["mlflow"]["run_id"], "grad_norm")}
+    assert grad == pytest.approx({r["step"]: r["grad_norm"] for r in _log(run)}, rel=1e-5)
+    params = client.get_run(run["mlflow"]["run_id"]).data.params
+    assert params["model.d_model"] == "64" and params["world_size"] == "2"
+
+
+def test_checkpoints_written(run, base):
+    ckpts = run["checkpoints"]
+    assert [Path(c).name for c in ckpts] == ["step-000010", "step-000020"]
+    for c in ckpts:
+        assert Path(c).is_absolute() and (Path(c) / ".metadata").is_file()
+        meta = json.loads((Path(c) / META_FILE).read_text())
+        assert meta["step"] == int(Path(c).name.split("-")[1])
+        assert meta["vocab_size"] == 512 and meta["model"]["d_model"] == 64
+        assert meta["run_name"] == "test-run" and meta["run_id"] == run["mlflow"]["run_id"]
+        assert meta["world_size"] == 2
+    assert not list((base / "train" / "checkpoints").glob("*.tmp"))
+
+
+def test_checkpoint_reloads_same_weights(run, base, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    model, meta = load_model_for_inference(run["checkpoints"][-1])
+    assert meta["step"] == 20 and not model.training
+    # an independent read of the DCP files: convert to a torch.save file and load it safely
+    dcp_to_torch_save(run["checkpoints"][-1], tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    for name in ("tok_emb.weight", "blocks.1.mlp.w2.weight", "norm.weight"):
+        assert torch.equal(model.state_dict()[name], full["model"][name]), name
+    assert int(full["train"]["step"]) == 20
+    assert "optim" in full and full["optim"]["state"]["tok_emb.weight"]["exp_avg"].shape == (512, 64)
+    # trained, not freshly initialised: step 10 and step 20 differ, and the loss on training
+    # windows is well below the uniform ln(512) = 6.24
+    earlier, _ = load_model_for_inference(run["checkpoints"][0])
+    assert not torch.equal(earlier.tok_emb.weight, model.tok_emb.weight)
+    data = RandomWindows(tokens_artifact(base)["index_path"], "train", 64, 8, seed=tiny_cfg().train.seed)
+    with torch.no_grad():
+        losses = [model(*data.batch(step))[1].item() for step in (17, 18, 19, 20)]
+    assert np.mean(losses) < math.log(512) - 0.5
+    assert abs(np.mean(losses) - run["final_loss"]) < 0.5
+
+
+def test_resume_continues_from_latest_checkpoint(run, base, tmp_path):
+    import shutil
+
+    out = tmp_path / "resumed"
+    shutil.copytree(base / "train", out)
+    # as after a crash at step 22: steps 21-22 are in the log but not in any checkpoint
+    with open(out / "train_log.jsonl", "a") as f:
+        f.write('{"step": 21, "loss": 9.0}\n{"step": 22, "loss": 9.0}\n')
+    # also exercises gradient accumulation (2 micro-batches per step) on a single rank
+    cfg = tiny_cfg(train={"max_steps": 24, "resume": True, "nproc_per_node": 1, "checkpoint_every": 100,
+                          "grad_accum_steps": 2})
+    res = run_training(cfg, Path(tokens_artifact(base)["index_path"]), out, None, None, "test-resume")
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 25))  # appended after the resumed step 20
+    assert res["steps"] == 24 and Path(res["checkpoints"][-1]).name == "step-000024"
+    assert "resumed from" in Path(res["log"]).read_text()
+    # the schedule continued: the lr at step 21 is the cosine value, not a new warmup
+    assert log[20]["lr"] == pytest.approx(lr_at(21, cfg.train), rel=1e-5)
+    assert log[20]["loss"] < log[0]["loss"] - 0.5
+    meta = json.loads((Path(res["checkpoints"][-1]) / META_FILE).read_text())
+    assert meta["step"] == 24 and meta["world_size"] == 1
+
+
+def test_failure_raises_with_log_tail(base, tmp_path):
+    # seq_len larger than the val+train split cannot draw a window: the worker fails
+    cfg = tiny_cfg(model={"seq_len": 1 << 20}, train={"nproc_per_node": 1})
+    with pytest.raises(TrainingError) as err:
+        run_training(cfg, Path(tokens_artifact(base)["index_path"]), tmp_path / "fail", None, None, "fail")
+    assert "fewer than seq_len + 1" in str(err.value)
+    assert (tmp_path / "fail" / "torchrun.log").is_file()
+
+
+def test_lr_schedule():
+    t = tiny_cfg(train={"max_steps": 100, "warmup_steps": 10, "lr": 1e-3, "min_lr": 1e-4}).train
+    assert lr_at(1, t) == pytest.approx(1e-4)
+    assert lr_at(10, t) == pytest.approx(1e-3)
+    assert lr_at(55, t) == pytest.approx(1e-4 + 0.5 * 9e-4)  # halfway through the cosine
+    assert lr_at(100, t) == pytest.approx(1e-4)
+    lrs = [lr_at(s, t) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_weight_decay_groups():
+    model = GPT(GPTConfig(vocab_size=50, n_layer=1, n_head=2, d_model=16, seq_len=8))
+    opt = build_optimizer(model, tiny_cfg(train={"weight_decay": 0.1, "betas": (0.8, 0.9)}).train)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay = {names[id(p)] for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    no_decay = {names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]}
+    assert "tok_emb.weight" in no_decay and "norm.weight" in no_decay and "blocks.0.attn_norm.weight" in no_decay
+    assert "blocks.0.attn.qkv.weight" in decay and "blocks.0.mlp.w2.weight" in decay
+    assert decay | no_decay == set(names.values()) and not decay & no_decay
+    assert opt.param_groups[0]["betas"] == (0.8, 0.9)
+
+
+def test_random_windows(base):
+    index = tokens_artifact(base)["index_path"]
+    r0 = RandomWindows(index, "train", 32, 4, seed=1, rank=0)
+    r1 = RandomWindows(index, "train", 32, 4, seed=1, rank=1)
+    x, y = r0.batch(5)
+    assert x.shape == y.shape == (4, 32) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
+    assert torch.equal(r0.batch(5)[0], x)  # reproducible per (seed, rank, step)
+    assert not torch.equal(r1.batch(5)[0], x)  # ranks draw different windows
+    assert not torch.equal(r0.batch(6)[0], x)
+
+
+def test_checkpoint_event(monkeypatch):
+    calls = []
+    import prefect.events
+
+    monkeypatch.setattr(prefect.events, "emit_event", lambda **kw: calls.append(kw) or object())
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    assert emit_checkpoint_event("/x/step-000010", 10, "rid", "runA") is False and calls == []
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")
+    assert emit_checkpoint_event("/x/step-000010", 10, "rid", "runA") is True
+    assert calls == [{
+        "event": CHECKPOINT_EVENT,
+        "resource": {"prefect.resource.id": "crucible.checkpoint.runA.10"},
+        "payload": {"path": "/x/step-000010", "step": 10, "run_id": "rid", "run_name": "runA"},
+    }]
+
+
+def test_list_checkpoints_ignores_incomplete(tmp_path):
+    for name in ("step-000010", "step-000020", "step-000030.tmp", "step-000005"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    for name in ("step-000010", "step-000020", "step-000005"):
+        (tmp_path / "checkpoints" / name / META_FILE).write_text("{}")
+    (tmp_path / "checkpoints" / "step-000005" / META_FILE).unlink()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000010", "step-000020"]
+
+
+def test_torchrun_command(tmp_path):
+    from tasks.train.launcher import torchrun_command
+
+    single = torchrun_command(tiny_cfg(), tmp_path / "c.json", tmp_path / "i.json", tmp_path, "r1", "abc")
+    assert single[1:3] == ["-m", "torch.distributed.run"]
+    assert "--standalone" in single and single[single.index("--nproc_per_node") + 1] == "2"
+    assert single[single.index("-m", 3) + 1] == "tasks.train.worker"
+    assert single[-2:] == ["--run-id", "abc"]
+    multi = torchrun_command(tiny_cfg(train={"nnodes": 2, "rdzv_endpoint": "node0:29500"}),
+                             tmp_path / "c.json", tmp_path / "i.json", tmp_path, "r1", None)
+    assert "--standalone" not in multi and "--run-id" not in multi
+    assert multi[multi.index("--rdzv-endpoint") + 1] == "node0:29500"
+    assert multi[multi.index("--rdzv-id") + 1] == "r1" and multi[multi.index("--nnodes") + 1] == "2"
+    with pytest.raises(Exception, match="rdzv_endpoint"):
+        tiny_cfg(train={"nnodes": 2})
