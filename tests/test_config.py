@@ -1,6 +1,5 @@
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -54,11 +53,8 @@ def test_data_root_env_override(monkeypatch, tmp_path):
     assert cfg.resolve_uri("web/x.warc.gz") == str(tmp_path / "web" / "x.warc.gz")
 
 
-def test_bad_value_exits_fast_from_the_flow_entry_point():
-    t0 = time.monotonic()
+def test_bad_value_exits_2_from_the_flow_entry_point():
     proc = subprocess.run([sys.executable, "-m", "flows.pretrain", str(REPO / "configs" / "tiny.yaml"),
                            "--set", "train.max_steps=-1"], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2
     assert "train.max_steps" in proc.stderr
-    # The flow module imports Prefect; the CLI path (tests/test_cli.py) is held to the 2 s budget.
-    assert time.monotonic() - t0 < 30

@@ -11,6 +11,7 @@ import traceback
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
@@ -160,12 +161,14 @@ def new_run_id() -> str:
     return str(uuid.uuid4())
 
 
+@lru_cache(maxsize=1)
 def _prefect_version() -> str:
     import prefect
 
     return prefect.__version__
 
 
+@lru_cache(maxsize=1)
 def _ol_version() -> str:
     from importlib.metadata import version
 

@@ -1,0 +1,56 @@
+"""python -m tasks.lineage.service --db PATH [--host 127.0.0.1] [--port 5055] [--load LOG.jsonl ...]"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tasks.config import LineageConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    defaults = LineageConfig()
+    parser = argparse.ArgumentParser(prog="python -m tasks.lineage.service",
+                                     description="Serve the Crucible lineage API and page.")
+    parser.add_argument("--db", required=True, help="SQLite file (created if missing)")
+    parser.add_argument("--host", default=defaults.service_host)
+    parser.add_argument("--port", type=int, default=defaults.service_port)
+    parser.add_argument("--prefect-ui", default=None, help="Prefect UI base URL, for run links")
+    parser.add_argument("--mlflow-ui", default=None, help="MLflow UI base URL, for model version links")
+    parser.add_argument("--load", action="append", default=[], metavar="JSONL",
+                        help="ingest this lineage log before serving (repeatable; idempotent)")
+    parser.add_argument("--log-level", default="warning")
+    args = parser.parse_args(argv)
+
+    import uvicorn
+
+    from tasks.lineage.service.app import create_app
+    from tasks.lineage.service.replay import iter_events
+    from tasks.lineage.service.store import EventError
+
+    app = create_app(args.db, prefect_ui_url=args.prefect_ui, mlflow_ui_url=args.mlflow_ui)
+    for path in args.load:
+        batch: list[dict] = []
+        totals = {"file": path, "ingested": 0, "duplicates": 0}
+        try:
+            for event in iter_events(path):
+                batch.append(event)
+                if len(batch) >= defaults.replay_batch_size:
+                    r = app.state.store.ingest_batch(batch)
+                    totals["ingested"] += r["ingested"]
+                    totals["duplicates"] += r["duplicates"]
+                    batch = []
+            if batch:
+                r = app.state.store.ingest_batch(batch)
+                totals["ingested"] += r["ingested"]
+                totals["duplicates"] += r["duplicates"]
+        except (OSError, ValueError, EventError) as e:
+            print(f"cannot load {path}: {e}", file=sys.stderr)
+            return 1
+        print(json.dumps(totals), flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

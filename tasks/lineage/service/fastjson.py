@@ -1,0 +1,34 @@
+"""JSON encoding for the service: orjson when it is installed (it comes with Prefect), else the
+standard library. Values orjson refuses (e.g. integers beyond 64 bits) fall back to `json`."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+try:
+    import orjson
+except ImportError:  # pragma: no cover - orjson is a Prefect dependency
+    orjson = None
+
+
+def dumps_bytes(obj: Any) -> bytes:
+    if orjson is not None:
+        try:
+            return orjson.dumps(obj)
+        except TypeError:
+            pass
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def dumps(obj: Any) -> str:
+    return dumps_bytes(obj).decode()
+
+
+def loads(data: str | bytes) -> Any:
+    if orjson is not None:
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            if isinstance(data, (bytes, bytearray)):
+                data = data.decode("utf-8")  # raises UnicodeDecodeError for bad bytes
+    return json.loads(data)

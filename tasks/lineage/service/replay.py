@@ -1,0 +1,140 @@
+"""Replay a JSONL OpenLineage log (one event per line) to a lineage endpoint, in batches.
+
+Works against this service (which takes a JSON array per POST) and against Marquez (which takes
+one event per POST): the first batch is sent as an array, and if the server refuses arrays the
+replay falls back to one event per request on the same keep-alive connection.
+
+    python -m tasks.lineage.service.replay runs/<run>/lineage.jsonl http://127.0.0.1:5055
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Iterator
+from urllib.parse import urlsplit
+
+import httpx
+
+LINEAGE_PATH = "/api/v1/lineage"
+
+
+class ReplayError(RuntimeError):
+    """The endpoint refused an event (the message has the HTTP status and the server's answer)."""
+
+
+def lineage_url(url: str) -> str:
+    """A base URL (http://host:port) gets Marquez's lineage path; a full endpoint URL is kept."""
+    path = urlsplit(url).path
+    return url.rstrip("/") + LINEAGE_PATH if path in ("", "/") else url
+
+
+def iter_events(jsonl_path: str | Path) -> Iterator[dict]:
+    with open(jsonl_path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except ValueError as e:
+                    raise ValueError(f"{jsonl_path}:{n}: not JSON: {e}") from None
+
+
+def _lines(jsonl_path: str | Path) -> Iterator[bytes]:
+    """The log's non-blank lines as they are: the events are sent without decoding them here."""
+    with open(jsonl_path, "rb") as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                yield line
+
+
+def _batches(lines: Iterator[bytes], size: int) -> Iterator[list[bytes]]:
+    batch: list[bytes] = []
+    for line in lines:
+        batch.append(line)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def replay(jsonl_path: str | Path, url: str, *, batch_size: int = 500, timeout: float = 60.0,
+           client: httpx.Client | None = None, single: bool = False) -> dict:
+    """POST every event of `jsonl_path` to `url`; returns counts (ingested/duplicates when the
+    server reports them). Lines are sent as they are (the server checks them); a refused batch
+    raises ReplayError with the server's answer. `client`: an httpx.Client to use (e.g. FastAPI's
+    TestClient)."""
+    if batch_size < 1:
+        raise ValueError("batch_size must be at least 1")
+    endpoint = lineage_url(url)
+    own = client is None
+    client = client or httpx.Client(timeout=timeout)
+    summary = {"url": endpoint, "events": 0, "requests": 0, "ingested": 0, "duplicates": 0,
+               "mode": "single" if single else "batch"}
+
+    def post(body: bytes) -> httpx.Response:
+        summary["requests"] += 1
+        return client.post(endpoint, content=body, headers={"Content-Type": "application/json"})
+
+    def count(resp: httpx.Response, n: int) -> None:
+        summary["events"] += n
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and "ingested" in body:
+            summary["ingested"] += body.get("ingested", 0)
+            summary["duplicates"] += body.get("duplicates", 0)
+        else:  # Marquez answers with no count
+            summary["ingested"] += n
+
+    def send_single(batch: list[bytes]) -> None:
+        for line in batch:
+            resp = post(line)
+            if resp.status_code >= 300:
+                raise ReplayError(f"{endpoint} answered {resp.status_code}: {resp.text[:500]}")
+            count(resp, 1)
+
+    try:
+        for batch in _batches(_lines(jsonl_path), batch_size):
+            if summary["mode"] == "single":
+                send_single(batch)
+                continue
+            resp = post(b"[" + b",".join(batch) + b"]")
+            if resp.status_code < 300:
+                count(resp, len(batch))
+                continue
+            if resp.status_code in (400, 404, 405, 415, 422) and summary["requests"] == 1:
+                # maybe a server that takes one event per request (Marquez): try that
+                summary["mode"] = "single"
+                send_single(batch)
+                continue
+            raise ReplayError(f"{endpoint} answered {resp.status_code}: {resp.text[:500]}")
+    finally:
+        if own:
+            client.close()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tasks.lineage.service.replay", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("jsonl", nargs="+", help="lineage.jsonl file(s)")
+    parser.add_argument("url", help="lineage service or Marquez base URL, or the full /api/v1/lineage URL")
+    parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument("--single", action="store_true", help="one event per request")
+    args = parser.parse_args(argv)
+    for path in args.jsonl:
+        try:
+            print(json.dumps({"file": path, **replay(path, args.url, batch_size=args.batch_size,
+                                                    single=args.single)}))
+        except (ReplayError, ValueError, OSError, httpx.HTTPError) as e:
+            print(f"replay of {path} failed: {e}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
