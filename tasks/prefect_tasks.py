@@ -17,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 from tasks.config import PipelineConfig
 from tasks.lineage import JobRef, dataset_for_path, model_version_dataset
+from tasks.lineage.emitter import CrucibleConfigRunFacet, CrucibleEvalRunFacet, CrucibleStatsRunFacet
 from tasks.pipeline_run import RunContext
 from tasks.tracking import Tracker
 
@@ -46,6 +47,7 @@ def _stage(cfg: PipelineConfig, ctx: RunContext, stage: str, inputs: list) -> It
             yield out
             active.inputs.extend(out["inputs"])
             active.outputs.extend(out["outputs"])
+            active.run_facets.update(_run_facets(cfg, stage, out["result"]))
     except BaseException:
         tracker.end_run(mlflow_run, "FAILED")
         raise
@@ -56,6 +58,23 @@ def _stage(cfg: PipelineConfig, ctx: RunContext, stage: str, inputs: list) -> It
     tracker.log_metrics(mlflow_run, {f"dropped.{k}": v for k, v in out["result"].get("dropped", {}).items()})
     tracker.log_dict(mlflow_run, out["result"], f"{stage}.json")
     tracker.end_run(mlflow_run)
+
+
+STAGE_CONFIG = {"ingest": ("sources", "ingest"), "curate": ("curate",), "tokenizer": ("tokenizer",),
+                "tokens": ("tokens",), "train": ("model", "train"), "evaluate": ("evaluate",), "deploy": ("deploy",)}
+
+
+def _run_facets(cfg: PipelineConfig, stage: str, result: dict) -> dict:
+    """Custom run facets auditors read: the stage's resolved config, its counts, eval results."""
+    dumped = cfg.model_dump(mode="json")
+    facets = {"crucible_config": CrucibleConfigRunFacet(config={k: dumped[k] for k in STAGE_CONFIG[stage]})}
+    if "docs_in" in result:
+        facets["crucible_stats"] = CrucibleStatsRunFacet(stage=stage, docs_in=result["docs_in"],
+                                                         docs_out=result["docs_out"], dropped=result.get("dropped", {}))
+    if "val_loss" in result:
+        facets["crucible_eval"] = CrucibleEvalRunFacet(val_loss=result["val_loss"], perplexity=result["perplexity"],
+                                                       step=result["step"])
+    return facets
 
 
 def _source_for(cfg: PipelineConfig, name: str) -> dict:

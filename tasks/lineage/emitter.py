@@ -22,6 +22,7 @@ from openlineage.client.event_v2 import InputDataset, Job, OutputDataset, Run, R
 from openlineage.client.facet_v2 import (
     BaseFacet,
     DatasetFacet,
+    RunFacet,
     data_quality_metrics_input_dataset,
     dataset_version_dataset,
     error_message_run,
@@ -47,6 +48,44 @@ class CrucibleSourceDatasetFacet(DatasetFacet):
     @staticmethod
     def _get_schema() -> str:
         return CUSTOM_FACET_SCHEMA + "crucible_source"
+
+
+@attr.define
+class CrucibleStatsRunFacet(RunFacet):
+    """Documents in/out of a stage and the documents each filter dropped."""
+
+    stage: str
+    docs_in: int
+    docs_out: int
+    dropped: dict = attr.field(factory=dict)
+
+    @staticmethod
+    def _get_schema() -> str:
+        return CUSTOM_FACET_SCHEMA + "crucible_stats"
+
+
+@attr.define
+class CrucibleConfigRunFacet(RunFacet):
+    """The config section a stage ran with."""
+
+    config: dict
+
+    @staticmethod
+    def _get_schema() -> str:
+        return CUSTOM_FACET_SCHEMA + "crucible_config"
+
+
+@attr.define
+class CrucibleEvalRunFacet(RunFacet):
+    """Evaluation results of one checkpoint."""
+
+    val_loss: float
+    perplexity: float
+    step: int
+
+    @staticmethod
+    def _get_schema() -> str:
+        return CUSTOM_FACET_SCHEMA + "crucible_eval"
 
 
 @dataclass(frozen=True)
@@ -95,6 +134,7 @@ class ActiveRun:
     job: JobRef
     inputs: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
+    run_facets: dict = field(default_factory=dict)  # added to COMPLETE (stats, config, eval results)
 
 
 class LineageEmitter:
@@ -112,7 +152,7 @@ class LineageEmitter:
 
     def emit(self, state: RunState, job: JobRef, *, parent: JobRef | None = None, root: JobRef | None = None,
              inputs: list | None = None, outputs: list | None = None, job_type: str = "TASK",
-             error: BaseException | None = None) -> RunEvent:
+             error: BaseException | None = None, extra_run_facets: dict | None = None) -> RunEvent:
         run_facets: dict[str, BaseFacet] = {
             "processing_engine": self._facet(processing_engine_run.ProcessingEngineRunFacet(
                 version=_prefect_version(), name="prefect", openlineageAdapterVersion=_ol_version())),
@@ -124,6 +164,8 @@ class LineageEmitter:
                 job=parent_run.Job(namespace=self.namespace, name=parent.name),
                 root=parent_run.Root(run=parent_run.RootRun(runId=root.run_id),
                                      job=parent_run.RootJob(namespace=self.namespace, name=root.name))))
+        for name, facet in (extra_run_facets or {}).items():
+            run_facets[name] = self._facet(facet)
         if error is not None:
             run_facets["errorMessage"] = self._facet(error_message_run.ErrorMessageRunFacet(
                 message=str(error) or type(error).__name__, programmingLanguage="PYTHON",
@@ -154,7 +196,7 @@ class LineageEmitter:
                       outputs=active.outputs, job_type=job_type, error=e)
             raise
         self.emit(RunState.COMPLETE, job, parent=parent, root=root, inputs=active.inputs,
-                  outputs=active.outputs, job_type=job_type)
+                  outputs=active.outputs, job_type=job_type, extra_run_facets=active.run_facets)
 
 
 def new_run_id() -> str:

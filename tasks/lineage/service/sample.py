@@ -22,48 +22,16 @@ import attr
 from openlineage.client.event_v2 import RunState
 from openlineage.client.facet_v2 import RunFacet, output_statistics_output_dataset
 
-from tasks.lineage.emitter import CUSTOM_FACET_SCHEMA, JobRef, LineageEmitter, dataset_for_path, model_version_dataset
+from tasks.lineage.emitter import (
+    CrucibleConfigRunFacet,
+    CrucibleEvalRunFacet,
+    CrucibleStatsRunFacet,
+    JobRef,
+)
+from tasks.lineage.emitter import LineageEmitter, dataset_for_path, model_version_dataset
 from tasks.lineage.service.store import node_id
 
 PRODUCER = "https://github.com/crucible-ml/crucible"
-
-
-@attr.define
-class CrucibleStatsRunFacet(RunFacet):
-    """Documents in/out of a stage and the documents each filter dropped."""
-
-    stage: str
-    docs_in: int
-    docs_out: int
-    dropped: dict = attr.field(factory=dict)
-
-    @staticmethod
-    def _get_schema() -> str:
-        return CUSTOM_FACET_SCHEMA + "crucible_stats"
-
-
-@attr.define
-class CrucibleConfigRunFacet(RunFacet):
-    """The config section a stage ran with."""
-
-    config: dict
-
-    @staticmethod
-    def _get_schema() -> str:
-        return CUSTOM_FACET_SCHEMA + "crucible_config"
-
-
-@attr.define
-class CrucibleEvalRunFacet(RunFacet):
-    """Evaluation results of one checkpoint."""
-
-    val_loss: float
-    perplexity: float
-    step: int
-
-    @staticmethod
-    def _get_schema() -> str:
-        return CUSTOM_FACET_SCHEMA + "crucible_eval"
 
 
 class _RunFacetsClient:
