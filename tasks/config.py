@@ -193,6 +193,66 @@ class TrainConfig(Section):
         return self
 
 
+class WikiTextEvalConfig(Section):
+    """WikiText-2 rolling perplexity (tasks.evaluate.suite)."""
+
+    enabled: bool = True
+    path: str = "eval/wikitext-2/test.txt"  # relative to data_root unless absolute
+    limit: int | None = Field(default=2, gt=0)  # documents (of 62), evenly spread; None: all
+    stride: int | None = Field(default=None, gt=0)  # targets per window; None: seq_len (lm-eval's windows)
+    detokenize: bool = False  # apply lm-eval's wikitext detokenizer before scoring (words: original text)
+
+
+class LambadaEvalConfig(Section):
+    """LAMBADA (OpenAI version) last-word accuracy and target perplexity."""
+
+    enabled: bool = True
+    path: str = "eval/lambada_test.jsonl"
+    limit: int | None = Field(default=200, gt=0)  # items (of 5153), evenly spread; None: all
+
+
+class HellaSwagEvalConfig(Section):
+    """HellaSwag validation accuracy / length-normalised accuracy."""
+
+    enabled: bool = True
+    path: str = "eval/hellaswag_val.jsonl"
+    limit: int | None = Field(default=100, gt=0)  # items (of 10042, 4 endings each); None: all
+
+
+class CalibrationEvalConfig(Section):
+    """Expected calibration error of the multiple-choice task(s) (computed from their scores)."""
+
+    enabled: bool = True
+    bins: int = Field(default=10, gt=0)
+
+
+class ReferenceEvalConfig(Section):
+    """Score the same LAMBADA / HellaSwag subset with a reference model behind any OpenAI-compatible
+    /v1/completions endpoint (tasks.evaluate.reference) and report it beside the checkpoint's."""
+
+    enabled: bool = False
+    base_url: str | None = None  # e.g. http://127.0.0.1:8600/v1 (the part before /completions)
+    model: str | None = None  # the endpoint's model id
+    api_key_env: str | None = None  # NAME of the env var holding the API key; the key is never logged
+    tasks: list[Literal["lambada", "hellaswag"]] = ["lambada", "hellaswag"]
+    # logprobs: echo + logprobs scoring, as lm-eval's completions models; generate: greedy
+    # generation; auto: logprobs, falling back to generate if the endpoint refuses logprobs
+    mode: Literal["auto", "logprobs", "generate"] = "auto"
+    lambada_max_tokens: int = Field(default=8, gt=0)  # generation mode: tokens generated per item
+    hellaswag_max_tokens: int = Field(default=24, gt=0)
+    batch_size: int = Field(default=16, gt=0)  # prompts per request
+    timeout: float = Field(default=120.0, gt=0)  # seconds per request
+    max_retries: int = Field(default=2, ge=0)  # on connection errors, 429 and 5xx
+
+    @model_validator(mode="after")
+    def _endpoint(self) -> "ReferenceEvalConfig":
+        if self.enabled and not (self.base_url and self.model):
+            raise ValueError("evaluate.reference.enabled needs base_url and model")
+        if self.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
+            raise ValueError("api_key_env is the NAME of an environment variable (e.g. OPENAI_API_KEY), not a key")
+        return self
+
+
 class EvaluateConfig(Section):
     max_val_batches: int = Field(default=20, gt=0)
     batch_size: int = Field(default=8, gt=0)
@@ -204,6 +264,14 @@ class EvaluateConfig(Section):
     # torch intra-op threads while evaluating (None: leave as is). 1 by default: a small model gains
     # little from more, and oversubscribed cores slowed evaluation ~10x when other stages ran.
     threads: int | None = Field(default=1, gt=0)
+    # Task suite (tasks.evaluate.suite); each task on/off with its subset size.
+    wikitext: WikiTextEvalConfig = WikiTextEvalConfig()
+    lambada: LambadaEvalConfig = LambadaEvalConfig()
+    hellaswag: HellaSwagEvalConfig = HellaSwagEvalConfig()
+    calibration: CalibrationEvalConfig = CalibrationEvalConfig()
+    reference: ReferenceEvalConfig = ReferenceEvalConfig()
+    task_batch_size: int = Field(default=16, gt=0)  # sequences per forward pass in the task suite
+    on_missing_data: Literal["error", "skip"] = "error"  # an enabled task whose data file is absent
 
 
 class DeployConfig(Section):

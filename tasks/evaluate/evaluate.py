@@ -1,13 +1,19 @@
-"""Evaluate a checkpoint: validation loss / perplexity and sample generations.
+"""Evaluate a checkpoint: validation loss / perplexity, sample generations and the task suite.
 
 Val windows are deterministic: non-overlapping windows of seq_len + 1 tokens spread evenly over
 the val split (all of them when they fit in max_val_batches x batch_size). Each prompt is sampled
 with a generator seeded by cfg.evaluate.seed, so the same checkpoint and config give the same report
 and a prompt's sample does not depend on the other prompts.
+
+The task suite (tasks.evaluate.suite: WikiText-2, LAMBADA, HellaSwag, calibration; each switched
+and sized in cfg.evaluate) adds report["tasks"][name]; with cfg.evaluate.reference enabled, the
+same LAMBADA / HellaSwag subsets are scored through an OpenAI-compatible endpoint
+(tasks.evaluate.reference) and report["reference"] holds both side by side.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -20,6 +26,8 @@ from tasks.core.hashing import sha256_file
 from tasks.tokenizer.bpe import load_tokenizer
 from tasks.tokens.binfile import load_index, open_split
 from tasks.train.checkpoint import load_model_for_inference
+
+log = logging.getLogger(__name__)
 
 
 def val_window_starts(n_tokens: int, window: int, max_windows: int) -> np.ndarray:
@@ -56,8 +64,11 @@ def evaluate_checkpoint(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Pat
     """Score the checkpoint on the val split and sample completions of cfg.evaluate.prompts.
 
     Writes the JSON report to out_path and returns it: {"step", "val_loss", "perplexity",
-    "samples": [{"prompt", "completion"}], "report_path", "checkpoint", "val_tokens", ...}.
-    With run_id, val_loss and perplexity are logged to that MLflow run at the checkpoint's step.
+    "samples": [{"prompt", "completion"}], "report_path", "checkpoint", "val_tokens",
+    "tasks": {name: {...}}, "task_metrics": {flat name: value}, "reference" (if enabled), ...}.
+    With run_id, val_loss, perplexity and the task metrics (wikitext_word_perplexity, lambada_acc,
+    hellaswag_acc_norm, hellaswag_ece, ...; reference_* for the reference model) are logged to
+    that MLflow run at the checkpoint's step.
     """
     ecfg = cfg.evaluate
     t0 = time.perf_counter()
@@ -99,6 +110,17 @@ def _evaluate(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Path, tokens_
         new = [t for t in out[0, len(ids):].tolist() if t != eos_id]
         samples.append({"prompt": prompt, "completion": tok.decode(new, skip_special_tokens=True)})
 
+    from tasks.evaluate.scoring import LMScorer
+    from tasks.evaluate.suite import run_suite
+
+    suite = run_suite(cfg, LMScorer(model, tok, eos_id, ecfg.task_batch_size))
+    log.info("evaluate: task suite of step %s in %s s: %s", meta["step"], suite["seconds"], suite["metrics"])
+    reference = None
+    if ecfg.reference.enabled:
+        from tasks.evaluate.reference import compare_with_reference
+
+        reference = compare_with_reference(cfg, suite["tasks"])
+
     report = {
         "step": meta["step"],
         "val_loss": round(loss, 6),
@@ -112,7 +134,11 @@ def _evaluate(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Path, tokens_
         "val_sha256": index["splits"]["val"].get("sha256"),
         "sampling": {"temperature": ecfg.temperature, "top_k": ecfg.top_k, "seed": ecfg.seed,
                      "max_new_tokens": ecfg.sample_tokens},
+        "tasks": _finite(suite["tasks"]),
+        "task_metrics": _finite(suite["metrics"]),
     }
+    if reference is not None:
+        report["reference"] = _finite(reference)
     out_path = Path(out_path).resolve()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     report["report_path"] = str(out_path)
@@ -123,8 +149,20 @@ def _evaluate(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Path, tokens_
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
+        values = {"val_loss": report["val_loss"], "perplexity": report["perplexity"], **report["task_metrics"]}
+        if reference is not None:
+            values.update({f"reference_{k}": v for k, v in report["reference"]["metrics"].items()})
         MlflowClient(tracking_uri=tracking_uri).log_batch(run_id, metrics=[
-            Metric("val_loss", report["val_loss"], ts, report["step"]),
-            Metric("perplexity", report["perplexity"], ts, report["step"]),
-        ])
+            Metric(name, float(v), ts, report["step"]) for name, v in values.items() if v is not None])
     return report
+
+
+def _finite(obj):
+    """A copy for JSON: floats rounded to 6 decimals, NaN and infinities as None."""
+    if isinstance(obj, float):
+        return round(obj, 6) if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj

@@ -1,0 +1,562 @@
+"""The embedded local stack: Prefect server, MLflow tracking server and (once a model has been
+deployed) the model server, as background processes under one state directory.
+
+    <state>/
+    ├── prefect/            PREFECT_HOME of the server (SQLite database prefect.db)
+    ├── mlflow/mlflow.db    MLflow backend store (runs, registry)
+    ├── mlflow/artifacts/   MLflow artifact store, served by the tracking server (mlflow-artifacts:/)
+    ├── run/<svc>.pid       pid of a running service (its process-group leader)
+    ├── run/<svc>.json      how the service was started (command, port, health URL)
+    ├── logs/<svc>.log      the service's stdout+stderr, appended across restarts
+    └── stack.lock          serialises up/down/deploy between concurrent `crucible` processes
+
+Every service is started with `start_new_session=True`, so it has its own process group and
+outlives the command that started it; stopping sends SIGTERM to the whole group and SIGKILL after
+a timeout. The state directory is `stack.state_dir` (relative to the working directory) unless
+the environment variable CRUCIBLE_STATE_DIR is set.
+
+Only the standard library is imported here, so `crucible status` stays fast.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+STATE_DIR_ENV = "CRUCIBLE_STATE_DIR"
+PREFECT = "prefect"
+MLFLOW = "mlflow"
+MODEL_SERVER = "model_server"
+CORE_SERVICES = (PREFECT, MLFLOW)
+STOP_ORDER = (MODEL_SERVER, MLFLOW, PREFECT)
+LOG_TAIL_LINES = 40
+
+# Children started by this process, kept so they can be reaped (no zombies in long-lived parents
+# such as pytest) and so Popen does not warn about dropping a running child.
+_CHILDREN: dict[int, subprocess.Popen] = {}
+
+
+class StackError(RuntimeError):
+    """A service could not be started or stopped; the message says which and why."""
+
+
+@dataclass
+class ServiceSpec:
+    """How to run and probe one service. Persisted as run/<name>.json."""
+
+    name: str
+    cmd: list[str]
+    host: str
+    port: int
+    health_path: str
+    url: str  # what a user opens: UI or API base
+    marker: list[str]  # substrings of the leader's command line: guards against pid reuse
+    env: dict[str, str] = field(default_factory=dict)  # added to os.environ; never secrets
+    info: dict[str, Any] = field(default_factory=dict)  # extra description shown by status
+
+    @property
+    def health_url(self) -> str:
+        return f"http://{_connect_host(self.host)}:{self.port}{self.health_path}"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ServiceSpec":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+# --------------------------------------------------------------------------------------- paths
+
+def state_dir(stack_cfg) -> Path:
+    """Absolute state directory: $CRUCIBLE_STATE_DIR, else stack.state_dir (relative to cwd)."""
+    raw = os.environ.get(STATE_DIR_ENV) or stack_cfg.state_dir
+    return Path(raw).expanduser().resolve()
+
+
+def _run_dir(stack_cfg) -> Path:
+    return state_dir(stack_cfg) / "run"
+
+
+def log_path(stack_cfg, name: str) -> Path:
+    return state_dir(stack_cfg) / "logs" / f"{name}.log"
+
+
+def _pid_path(stack_cfg, name: str) -> Path:
+    return _run_dir(stack_cfg) / f"{name}.pid"
+
+
+def _spec_path(stack_cfg, name: str) -> Path:
+    return _run_dir(stack_cfg) / f"{name}.json"
+
+
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def prefect_api_url(stack_cfg) -> str:
+    return f"http://{_connect_host(stack_cfg.host)}:{stack_cfg.prefect_port}/api"
+
+
+def prefect_ui_url(stack_cfg) -> str:
+    return f"http://{_connect_host(stack_cfg.host)}:{stack_cfg.prefect_port}"
+
+
+def mlflow_tracking_uri(stack_cfg) -> str:
+    return f"http://{_connect_host(stack_cfg.host)}:{stack_cfg.mlflow_port}"
+
+
+def client_env(stack_cfg) -> dict[str, str]:
+    """Environment a client process (e.g. `crucible run`) needs to talk to this stack."""
+    return {
+        "PREFECT_API_URL": prefect_api_url(stack_cfg),
+        "PREFECT_UI_URL": prefect_ui_url(stack_cfg),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "true",
+        "MLFLOW_TRACKING_URI": mlflow_tracking_uri(stack_cfg),
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        STATE_DIR_ENV: str(state_dir(stack_cfg)),
+    }
+
+
+def _bin(name: str) -> str:
+    """A console script of this interpreter's environment (the venv), else from PATH."""
+    here = Path(sys.executable).parent / name
+    if here.exists():
+        return str(here)
+    found = shutil.which(name)
+    if not found:
+        raise StackError(f"`{name}` is not installed in {sys.prefix}; run infra/setup.sh")
+    return found
+
+
+# ---------------------------------------------------------------------------- service specs
+
+def prefect_spec(stack_cfg) -> ServiceSpec:
+    home = state_dir(stack_cfg) / "prefect"
+    api = prefect_api_url(stack_cfg)
+    return ServiceSpec(
+        name=PREFECT,
+        cmd=[_bin("prefect"), "server", "start", "--host", stack_cfg.host, "--port", str(stack_cfg.prefect_port)],
+        host=stack_cfg.host, port=stack_cfg.prefect_port, health_path="/api/health",
+        url=prefect_ui_url(stack_cfg), marker=["prefect", "server", "start"],
+        env={
+            "PREFECT_HOME": str(home),
+            "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "true",
+            "PREFECT_API_URL": api,
+            "PREFECT_UI_API_URL": api,
+            "PREFECT_SERVER_API_HOST": stack_cfg.host,
+            "PREFECT_SERVER_API_PORT": str(stack_cfg.prefect_port),
+            "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+        },
+        info={"api_url": api},
+    )
+
+
+def mlflow_spec(stack_cfg) -> ServiceSpec:
+    root = state_dir(stack_cfg) / "mlflow"
+    return ServiceSpec(
+        name=MLFLOW,
+        cmd=[_bin("mlflow"), "server",
+             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+             # artifacts are proxied by the server (--serve-artifacts is the default), so clients
+             # log to mlflow-artifacts:/ over HTTP and never need the path below
+             "--artifacts-destination", str(root / "artifacts"),
+             "--host", stack_cfg.host, "--port", str(stack_cfg.mlflow_port),
+             "--workers", str(stack_cfg.mlflow_workers)],
+        host=stack_cfg.host, port=stack_cfg.mlflow_port, health_path="/health",
+        url=mlflow_tracking_uri(stack_cfg), marker=["mlflow", "server"],
+        env={
+            # the GenAI job runner (a dozen huey consumers) is not used by the pipeline
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+            "MLFLOW_DISABLE_TELEMETRY": "true",
+            "DO_NOT_TRACK": "true",
+        },
+    )
+
+
+# ------------------------------------------------------------------------------ processes
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, process group) from /proc, or None if there is no such process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return fields[0], int(fields[2])
+
+
+def _reap(pid: int) -> None:
+    proc = _CHILDREN.get(pid)
+    if proc is not None:
+        if proc.poll() is not None:
+            _CHILDREN.pop(pid, None)
+        return
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def pid_alive(pid: int) -> bool:
+    """True if pid is a live (not zombie) process."""
+    _reap(pid)
+    if Path("/proc").is_dir():
+        st = _proc_stat(pid)
+        return st is not None and st[0] not in ("Z", "X")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _owned(pid: int, marker: list[str]) -> bool:
+    """Alive and its command line looks like the service (not an unrelated reused pid)."""
+    if not pid_alive(pid):
+        return False
+    if not Path("/proc").is_dir():
+        return True
+    cmd = _cmdline(pid)
+    return all(m in cmd for m in marker)
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live processes in process group pgid."""
+    if not Path("/proc").is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError):
+            return []
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _proc_stat(int(entry))
+            if st and st[1] == pgid and st[0] not in ("Z", "X"):
+                out.append(int(entry))
+    return out
+
+
+def _read_pid(stack_cfg, name: str) -> int | None:
+    try:
+        return int(_pid_path(stack_cfg, name).read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def read_spec(stack_cfg, name: str) -> ServiceSpec | None:
+    try:
+        return ServiceSpec.from_dict(json.loads(_spec_path(stack_cfg, name).read_text()))
+    except (FileNotFoundError, ValueError, TypeError):
+        return None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def running_pid(stack_cfg, name: str) -> int | None:
+    """The pid of the service if its pid file names a live process of that service."""
+    pid = _read_pid(stack_cfg, name)
+    if pid is None:
+        return None
+    spec = read_spec(stack_cfg, name)
+    marker = spec.marker if spec else []
+    return pid if _owned(pid, marker) else None
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """GET url answers 2xx. Proxies from the environment are bypassed: this is loopback."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as resp:
+            return 200 <= resp.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            raise
+    return True
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def stack_lock(stack_cfg) -> Iterator[None]:
+    """Exclusive lock over the state directory, so concurrent up/down/deploy do not race."""
+    path = state_dir(stack_cfg) / "stack.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _launch(stack_cfg, spec: ServiceSpec) -> int:
+    """Start the service in its own session; write its spec and pid file. Returns the pid."""
+    log = log_path(stack_cfg, spec.name)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cwd = state_dir(stack_cfg)
+    env = {**os.environ, **spec.env}
+    with open(log, "ab") as logf:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        logf.write(f"\n=== crucible: starting {spec.name} at {stamp}: {' '.join(spec.cmd)}\n".encode())
+        logf.flush()
+        proc = subprocess.Popen(spec.cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                env=env, cwd=cwd, start_new_session=True, close_fds=True)
+    _CHILDREN[proc.pid] = proc
+    _write_atomic(_spec_path(stack_cfg, spec.name), json.dumps(asdict(spec), indent=2) + "\n")
+    _write_atomic(_pid_path(stack_cfg, spec.name), f"{proc.pid}\n")
+    return proc.pid
+
+
+def _wait_healthy(stack_cfg, pending: dict[str, tuple[ServiceSpec, int]], timeout: float) -> dict[str, float]:
+    """Poll until each (spec, pid) answers its health URL. On failure, stop what was started and
+    raise StackError with the log tail. Returns seconds until healthy per service."""
+    t0 = time.monotonic()
+    ready: dict[str, float] = {}
+    while len(ready) < len(pending):
+        for name, (spec, pid) in pending.items():
+            if name in ready:
+                continue
+            if http_ok(spec.health_url, timeout=1.0):
+                ready[name] = round(time.monotonic() - t0, 2)
+            elif not pid_alive(pid):
+                _abort(stack_cfg, pending, ready)
+                raise StackError(f"{name} exited during start-up (port {spec.port}). "
+                                 f"Last lines of {log_path(stack_cfg, name)}:\n{log_tail(log_path(stack_cfg, name))}")
+        if len(ready) == len(pending):
+            break
+        if time.monotonic() - t0 > timeout:
+            late = [n for n in pending if n not in ready]
+            _abort(stack_cfg, pending, ready)
+            tails = "\n".join(f"--- {n}: {log_path(stack_cfg, n)}\n{log_tail(log_path(stack_cfg, n))}" for n in late)
+            raise StackError(f"{', '.join(late)} not healthy after {timeout:.0f}s "
+                             f"({', '.join(pending[n][0].health_url for n in late)}).\n{tails}")
+        time.sleep(0.2)
+    return ready
+
+
+def _abort(stack_cfg, pending: dict[str, tuple[ServiceSpec, int]], ready: dict[str, float]) -> None:
+    """Start-up failed: stop the services this call started that are not healthy."""
+    for name in pending:
+        if name not in ready:
+            stop_service(stack_cfg, name)
+
+
+def _check_port(spec: ServiceSpec, stack_cfg) -> None:
+    if port_free(spec.host, spec.port):
+        return
+    what = "a service answering its health check" if http_ok(spec.health_url, 1.0) else "another process"
+    hint = {PREFECT: "stack.prefect_port", MLFLOW: "stack.mlflow_port", MODEL_SERVER: "deploy.port"}.get(spec.name)
+    raise StackError(
+        f"cannot start {spec.name}: port {spec.host}:{spec.port} is in use by {what} that this stack "
+        f"(state dir {state_dir(stack_cfg)}) did not start. Stop it, or choose another port"
+        + (f" (e.g. --set {hint}=...)" if hint else "") + ".")
+
+
+def _clean_stale(stack_cfg, name: str) -> None:
+    """Pid file without its process: stop leftovers of its process group, remove the pid file."""
+    pid = _read_pid(stack_cfg, name)
+    if pid is None:
+        _pid_path(stack_cfg, name).unlink(missing_ok=True)
+        return
+    if running_pid(stack_cfg, name) is None:
+        if _group_is_ours(stack_cfg, name, pid):
+            _kill_group(pid, timeout=5.0)  # leftovers whose leader died
+        _pid_path(stack_cfg, name).unlink(missing_ok=True)
+
+
+def _group_is_ours(stack_cfg, name: str, pgid: int) -> bool:
+    """May the process group `pgid` recorded for `name` be signalled? Yes if its leader is the
+    service, or if the leader is gone: Linux does not hand out a pid that is still some group's
+    id, so surviving members of that group are the service's own children. No if the pid now
+    belongs to an unrelated live process."""
+    if not pid_alive(pgid):
+        return True
+    spec = read_spec(stack_cfg, name)
+    return _owned(pgid, spec.marker if spec else [])
+
+
+def start_services(stack_cfg, specs: list[ServiceSpec], timeout: float | None = None,
+                   restart: bool = False) -> dict[str, dict]:
+    """Start each service unless a healthy instance of it already runs (restart=True: always
+    restart). Waits for all to be healthy. Caller holds stack_lock. Returns per service
+    {url, healthy, pid, started, seconds}."""
+    timeout = stack_cfg.start_timeout if timeout is None else timeout
+    out: dict[str, dict] = {}
+    pending: dict[str, tuple[ServiceSpec, int]] = {}
+    waiting_existing: dict[str, tuple[ServiceSpec, int]] = {}
+    to_start: list[ServiceSpec] = []
+    for spec in specs:
+        pid = running_pid(stack_cfg, spec.name)
+        if pid is not None and restart:
+            stop_service(stack_cfg, spec.name)
+            pid = None
+        if pid is not None:
+            old = read_spec(stack_cfg, spec.name)
+            if old and (old.host, old.port) != (spec.host, spec.port):
+                raise StackError(f"{spec.name} is already running (pid {pid}) on {old.host}:{old.port}, but the "
+                                 f"config asks for {spec.host}:{spec.port}; run `crucible down` first")
+            if http_ok(old.health_url if old else spec.health_url):
+                out[spec.name] = {"url": spec.url, "healthy": True, "pid": pid, "started": False, "seconds": 0.0}
+            else:  # alive but not (yet) healthy: perhaps still starting from another `up`
+                waiting_existing[spec.name] = (old or spec, pid)
+            continue
+        _clean_stale(stack_cfg, spec.name)
+        to_start.append(spec)
+    for spec in to_start:  # every port is checked before anything is launched
+        _check_port(spec, stack_cfg)
+    for spec in to_start:
+        pending[spec.name] = (spec, _launch(stack_cfg, spec))
+    everything = {**waiting_existing, **pending}
+    if everything:
+        ready = _wait_healthy(stack_cfg, everything, timeout)
+        for name, (spec, pid) in everything.items():
+            out[name] = {"url": spec.url, "healthy": True, "pid": pid, "started": name in pending,
+                         "seconds": ready[name]}
+    return out
+
+
+def _kill_group(pgid: int, timeout: float) -> str:
+    """SIGTERM the process group, SIGKILL whatever remains after timeout. Returns what happened."""
+    if not group_pids(pgid):
+        _reap(pgid)
+        return "not running"
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _reap(pgid)
+        if not group_pids(pgid):
+            return "stopped"
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and group_pids(pgid):
+        _reap(pgid)
+        time.sleep(0.05)
+    _reap(pgid)
+    return "killed"
+
+
+def stop_service(stack_cfg, name: str, timeout: float | None = None, forget: bool = False) -> str:
+    """Stop one service (its whole process group). forget=True also drops its spec, so `up` will
+    not bring it back. Returns "stopped", "killed" or "not running"."""
+    timeout = stack_cfg.stop_timeout if timeout is None else timeout
+    pid = _read_pid(stack_cfg, name)
+    result = "not running"
+    if pid is not None:
+        if _group_is_ours(stack_cfg, name, pid):
+            result = _kill_group(pid, timeout)
+        _pid_path(stack_cfg, name).unlink(missing_ok=True)
+    if forget:
+        _spec_path(stack_cfg, name).unlink(missing_ok=True)
+    return result
+
+
+def service_status(stack_cfg, name: str, spec: ServiceSpec | None = None) -> dict:
+    """{url, healthy, pid}. A running service is described by how it was started; a stopped one
+    by `spec` (from the config) if given."""
+    pid = running_pid(stack_cfg, name)
+    spec = (read_spec(stack_cfg, name) or spec) if pid is not None else (spec or read_spec(stack_cfg, name))
+    url = spec.url if spec else None
+    healthy = bool(spec) and pid is not None and http_ok(spec.health_url)
+    return {"url": url, "healthy": healthy, "pid": pid}
+
+
+# ------------------------------------------------------------------------------- public API
+
+def up(stack_cfg, timeout: float | None = None) -> dict:
+    """Start Prefect and MLflow (and the last deployed model server) unless already healthy.
+
+    Idempotent: healthy services are left alone, stale pid files are cleaned. Waits until every
+    service is healthy; raises StackError with the log tail otherwise. Returns
+    {service: {url, healthy, pid, started, seconds}} plus "seconds" for the whole call.
+    """
+    t0 = time.monotonic()
+    root = state_dir(stack_cfg)
+    for sub in ("prefect", "mlflow/artifacts", "run", "logs"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    with stack_lock(stack_cfg):
+        specs = [prefect_spec(stack_cfg), mlflow_spec(stack_cfg)]
+        out: dict = {}
+        model = read_spec(stack_cfg, MODEL_SERVER)
+        if model is not None:  # a model was deployed: serve it again (started alongside the others)
+            missing = [p for p in model.info.get("requires", []) if not Path(p).exists()]
+            if missing:
+                out[MODEL_SERVER] = {"url": model.url, "healthy": False, "pid": None, "started": False,
+                                     "error": f"deployed files are gone: {missing}"}
+            else:
+                specs.append(model)
+        out = {**start_services(stack_cfg, specs, timeout), **out}
+    out["seconds"] = round(time.monotonic() - t0, 2)
+    return out
+
+
+def down(stack_cfg, timeout: float | None = None) -> dict[str, str]:
+    """Stop the model server, then MLflow, then Prefect (SIGTERM to each process group, SIGKILL
+    after stack.stop_timeout). The model server's deployment record is kept, so `up` serves the
+    champion again. Returns {service: "stopped" | "killed" | "not running"}."""
+    if not state_dir(stack_cfg).is_dir():
+        return {name: "not running" for name in STOP_ORDER}
+    with stack_lock(stack_cfg):
+        # Prefect's and MLflow's specs are rebuilt from the config on `up`; the model server's
+        # is the deployment record and is kept.
+        return {name: stop_service(stack_cfg, name, timeout, forget=name in CORE_SERVICES) for name in STOP_ORDER}
+
+
+def status(stack_cfg) -> dict[str, dict]:
+    """{service: {url, healthy, pid}} for prefect, mlflow and, once deployed, model_server."""
+    out = {
+        PREFECT: service_status(stack_cfg, PREFECT, prefect_spec(stack_cfg)),
+        MLFLOW: service_status(stack_cfg, MLFLOW, mlflow_spec(stack_cfg)),
+    }
+    if read_spec(stack_cfg, MODEL_SERVER) is not None or _read_pid(stack_cfg, MODEL_SERVER) is not None:
+        out[MODEL_SERVER] = service_status(stack_cfg, MODEL_SERVER)
+    return out

@@ -1,0 +1,230 @@
+"""The document schema shared by ingest, curate and dedup, and sharded Parquet I/O for it.
+
+A document is a flat dict; on disk it is a row of `DOC_SCHEMA` in a Parquet shard:
+
+=================  ========  ==============================================================
+field              type      meaning
+=================  ========  ==============================================================
+id                 string    stable id: uuid5 of "<source>:<key>", key = WARC-Record-ID for
+                             WARC/WET records, else the record's own id, else its URL, else
+                             "<file name>:<line/row>" (see `make_doc_id`). Never null.
+text               string    the document text (extracted, NFC and whitespace normalised
+                             by ingest; C4 may later drop lines). Never null.
+url                string    WARC-Target-URI or the record's url field
+title              string    page title (trafilatura metadata or <title>), if known
+date               string    publication date found in the page (ISO 8601), else the crawl
+                             date; null if neither is known
+crawl_date         string    WARC-Date or the record's crawl timestamp, as given
+source             string    source name from the config's source registry
+licence            string    licence of that source (from the registry)
+content_type       string    HTTP/WARC content type of the raw record, if known
+warc_record_id     string    WARC-Record-ID of the record the text came from, if any
+language           string    ISO 639 code: set by curate's language id (fastText lid.176),
+                             or passed through from the source's metadata at ingest
+language_score     float64   confidence of `language`
+source_file        string    absolute path of the raw file the record was read from
+source_offset      int64     byte offset of the record in that file (compressed offset for
+                             WARC/WET; offset in the decompressed stream for JSONL; row for
+                             Parquet sources)
+=================  ========  ==============================================================
+
+Writing is atomic per shard: rows go to a hidden temp file in the target directory, renamed
+into place with `os.replace` when the shard is complete, so a reader never sees half a shard.
+Reading streams record batches (`iter_doc_batches`); nothing here loads a whole data set.
+"""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+DOC_SCHEMA = pa.schema([
+    pa.field("id", pa.string(), nullable=False),
+    pa.field("text", pa.string(), nullable=False),
+    pa.field("url", pa.string()),
+    pa.field("title", pa.string()),
+    pa.field("date", pa.string()),
+    pa.field("crawl_date", pa.string()),
+    pa.field("source", pa.string()),
+    pa.field("licence", pa.string()),
+    pa.field("content_type", pa.string()),
+    pa.field("warc_record_id", pa.string()),
+    pa.field("language", pa.string()),
+    pa.field("language_score", pa.float64()),
+    pa.field("source_file", pa.string()),
+    pa.field("source_offset", pa.int64()),
+])
+DOC_FIELDS = tuple(DOC_SCHEMA.names)
+
+_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://github.com/crucible-ml/crucible/doc")
+
+
+def make_doc_id(source: str, key: str) -> str:
+    """Stable document id: the same source and record key always give the same id."""
+    return str(uuid.uuid5(_ID_NAMESPACE, f"{source}:{key}"))
+
+
+def _tmp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+class ShardWriter:
+    """Write documents to `<out_dir>/<prefix>-00000.parquet`, `-00001`, ... of at most
+    `shard_docs` rows each, buffering `row_group_docs` rows per Parquet row group.
+
+    Use as a context manager (or call `close()`); `paths` lists the finished shards. On an
+    exception inside the `with` block the unfinished temp file is removed.
+    """
+
+    def __init__(self, out_dir: str | Path, prefix: str = "shard", shard_docs: int = 2000,
+                 row_group_docs: int = 500, schema: pa.Schema = DOC_SCHEMA, start_index: int = 0):
+        if shard_docs <= 0 or row_group_docs <= 0:
+            raise ValueError("shard_docs and row_group_docs must be positive")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.prefix = prefix
+        self.shard_docs = shard_docs
+        self.row_group_docs = min(row_group_docs, shard_docs)
+        self.schema = schema
+        self.paths: list[Path] = []
+        self.docs_written = 0
+        self._index = start_index
+        self._buffer: list[dict] = []
+        self._writer: pq.ParquetWriter | None = None
+        self._tmp: Path | None = None
+        self._final: Path | None = None
+        self._in_shard = 0
+
+    def _open(self) -> None:
+        self._final = self.out_dir / f"{self.prefix}-{self._index:05d}.parquet"
+        self._tmp = _tmp_path(self._final)
+        self._writer = pq.ParquetWriter(self._tmp, self.schema, compression="zstd")
+        self._index += 1
+        self._in_shard = 0
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        if self._writer is None:
+            self._open()
+        table = pa.Table.from_pylist(self._buffer, schema=self.schema)
+        self._writer.write_table(table)
+        self._in_shard += len(self._buffer)
+        self.docs_written += len(self._buffer)
+        self._buffer = []
+        if self._in_shard >= self.shard_docs:
+            self._finish_shard()
+
+    def _finish_shard(self) -> None:
+        if self._writer is None:
+            return
+        self._writer.close()
+        os.replace(self._tmp, self._final)
+        self.paths.append(self._final.resolve())
+        self._writer = self._tmp = self._final = None
+
+    def write(self, doc: dict) -> None:
+        if not isinstance(doc.get("id"), str) or not isinstance(doc.get("text"), str):
+            raise ValueError(f"document needs string id and text: {str(doc)[:200]}")
+        self._buffer.append(doc)
+        if len(self._buffer) >= self.row_group_docs or self._in_shard + len(self._buffer) >= self.shard_docs:
+            self._flush()
+
+    def write_many(self, docs: Iterable[dict]) -> None:
+        for doc in docs:
+            self.write(doc)
+
+    def close(self) -> list[Path]:
+        self._flush()
+        self._finish_shard()
+        return self.paths
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._tmp is not None and self._tmp.exists():
+            self._tmp.unlink()
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_docs(docs: Iterable[dict], out_dir: str | Path, shard_docs: int = 2000,
+               prefix: str = "shard") -> list[Path]:
+    """Write documents as sharded Parquet; returns the shard paths in order."""
+    with ShardWriter(out_dir, prefix=prefix, shard_docs=shard_docs) as w:
+        w.write_many(docs)
+    return w.paths
+
+
+def iter_doc_batches(paths: Iterable[str | Path], batch_size: int = 1000,
+                     columns: list[str] | None = None) -> Iterator[list[dict]]:
+    """Yield lists of at most `batch_size` documents, shard by shard, in row order."""
+    for path in paths:
+        pf = pq.ParquetFile(path)
+        try:
+            for batch in pf.iter_batches(batch_size=batch_size, columns=columns):
+                yield batch.to_pylist()
+        finally:
+            pf.close()
+
+
+def iter_docs(paths: Iterable[str | Path], batch_size: int = 1000,
+              columns: list[str] | None = None) -> Iterator[dict]:
+    for batch in iter_doc_batches(paths, batch_size=batch_size, columns=columns):
+        yield from batch
+
+
+def count_docs(paths: Iterable[str | Path]) -> int:
+    """Row count from the Parquet footers (no data read)."""
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
+
+
+class AtomicJsonlWriter:
+    """Append JSON lines to a temp file; `close()` renames it to `path` (always creates it)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = _tmp_path(self.path)
+        self._fh = open(self._tmp, "w", encoding="utf-8")
+        self.lines = 0
+
+    def write(self, obj: dict) -> None:
+        self._fh.write(json.dumps(obj, ensure_ascii=False, sort_keys=True) + "\n")
+        self.lines += 1
+
+    def close(self) -> Path:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+            os.replace(self._tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        if self._tmp.exists():
+            self._tmp.unlink()
+
+    def __enter__(self) -> "AtomicJsonlWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

@@ -1,0 +1,237 @@
+"""Heuristic quality filters: Gopher quality, Gopher repetition, C4, FineWeb.
+
+Each is a `tasks.core.steps.Filter` whose `decide(doc)` returns None (keep) or
+"<filter name>:<rule>", with the rule names of the reference implementation (datatrove's
+GopherQualityFilter, GopherRepetitionFilter, C4QualityFilter, FineWebQualityFilter as used to
+build FineWeb), so counts compare with published FineWeb statistics. Thresholds come from the
+matching config section; a threshold of 0 (or None) switches that single rule off, and
+`enabled: false` switches the whole filter off (`build_filters` leaves it out).
+
+The rules are re-implemented here from the reference definitions; the word tokeniser and
+sentence splitter are regex stand-ins for NLTK's (see `tasks.curate.text` for the deviation).
+Ratios whose denominator would be zero (a document with no words) skip that rule; the
+document is still caught by the first rule that applies (e.g. "gopher_short_doc").
+
+Order in `build_filters` follows the FineWeb pipeline: language id, Gopher repetition, Gopher
+quality, C4 (which rewrites the text, dropping lines), FineWeb quality.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from tasks.config import C4Config, CurateConfig, FineWebConfig, GopherQualityConfig, GopherRepetitionConfig
+from tasks.core.steps import Filter
+from tasks.curate.text import is_symbol_word, sentences, words
+
+
+def duplicates(items: list[str]) -> tuple[int, int]:
+    """(number of items equal to an earlier item, total characters of those repeats)."""
+    seen: set[str] = set()
+    n = chars = 0
+    for item in items:
+        if item in seen:
+            n += 1
+            chars += len(item)
+        else:
+            seen.add(item)
+    return n, chars
+
+
+def top_ngram_chars(toks: list[str], n: int) -> int:
+    """Characters covered by the most frequent n-gram (space-joined length × count); ties go to
+    the n-gram seen first. 0 when there are fewer than n tokens."""
+    grams = [" ".join(toks[i:i + n]) for i in range(len(toks) - n + 1)]
+    if not grams:
+        return 0
+    gram, count = Counter(grams).most_common(1)[0]
+    return len(gram) * count
+
+
+def duplicated_ngram_chars(toks: list[str], n: int) -> int:
+    """Characters in n-grams that repeat an earlier n-gram, scanning left to right and jumping
+    past a repeat so overlapping repeats are not counted twice (n-gram = tokens concatenated)."""
+    seen: set[str] = set()
+    chars = i = 0
+    while i < len(toks) - n + 1:
+        gram = "".join(toks[i:i + n])
+        if gram in seen:
+            chars += len(gram)
+            i += n
+        else:
+            seen.add(gram)
+            i += 1
+    return chars
+
+
+class GopherQualityFilter(Filter):
+    name = "gopher_quality"
+
+    def __init__(self, cfg: GopherQualityConfig):
+        self.cfg = cfg
+        self.stop_words = frozenset(cfg.stop_words)
+
+    def decide(self, doc: dict) -> str | None:
+        c, text = self.cfg, doc["text"]
+        toks = words(text)
+        n_words = len(toks)
+        real = [w for w in toks if not is_symbol_word(w)]
+        n_real = len(real)
+        if c.min_doc_words and n_real < c.min_doc_words:
+            return "gopher_quality:gopher_short_doc"
+        if c.max_doc_words and n_real > c.max_doc_words:
+            return "gopher_quality:gopher_long_doc"
+        if n_real:
+            avg = sum(len(w) for w in real) / n_real
+            if c.min_avg_word_length and avg < c.min_avg_word_length:
+                return "gopher_quality:gopher_below_avg_threshold"
+            if c.max_avg_word_length and avg > c.max_avg_word_length:
+                return "gopher_quality:gopher_above_avg_threshold"
+        if n_words and c.max_symbol_word_ratio:
+            if text.count("#") / n_words > c.max_symbol_word_ratio:
+                return "gopher_quality:gopher_too_many_hashes"
+            if (text.count("...") + text.count("…")) / n_words > c.max_symbol_word_ratio:
+                return "gopher_quality:gopher_too_many_ellipsis"
+        lines = text.splitlines()
+        if lines:
+            if c.max_bullet_lines_ratio:
+                bullets = sum(1 for ln in lines if ln.lstrip().startswith(("•", "-")))
+                if bullets / len(lines) > c.max_bullet_lines_ratio:
+                    return "gopher_quality:gopher_too_many_bullets"
+            if c.max_ellipsis_lines_ratio:
+                ends = sum(1 for ln in lines if ln.rstrip().endswith(("...", "…")))
+                if ends / len(lines) > c.max_ellipsis_lines_ratio:
+                    return "gopher_quality:gopher_too_many_end_ellipsis"
+        if n_words and c.max_non_alpha_words_ratio:
+            alpha = sum(1 for w in toks if any(ch.isalpha() for ch in w))
+            if alpha / n_words < c.max_non_alpha_words_ratio:
+                return "gopher_quality:gopher_below_alpha_threshold"
+        if c.min_stop_words and sum(1 for w in toks if w in self.stop_words) < c.min_stop_words:
+            return "gopher_quality:gopher_enough_stop_words"
+        return None
+
+
+class GopherRepetitionFilter(Filter):
+    name = "gopher_repetition"
+    _PARAGRAPHS = re.compile(r"\n{2,}")
+    _LINES = re.compile(r"\n+")
+
+    def __init__(self, cfg: GopherRepetitionConfig):
+        self.cfg = cfg
+
+    def decide(self, doc: dict) -> str | None:
+        c, text = self.cfg, doc["text"]
+        if not text:
+            return None
+        paragraphs = self._PARAGRAPHS.split(text.strip())
+        n_dup, dup_chars = duplicates(paragraphs)
+        if c.dup_para_frac and n_dup / len(paragraphs) > c.dup_para_frac:
+            return "gopher_repetition:dup_para_frac"
+        if c.dup_para_char_frac and dup_chars / len(text) > c.dup_para_char_frac:
+            return "gopher_repetition:dup_para_char_frac"
+        lines = self._LINES.split(text)
+        n_dup, dup_chars = duplicates(lines)
+        if c.dup_line_frac and n_dup / len(lines) > c.dup_line_frac:
+            return "gopher_repetition:dup_line_frac"
+        if c.dup_line_char_frac and dup_chars / len(text) > c.dup_line_char_frac:
+            return "gopher_repetition:dup_line_char_frac"
+        toks = words(text)
+        for n, frac in sorted(c.top_n_grams.items()):
+            if frac and top_ngram_chars(toks, n) / len(text) > frac:
+                return f"gopher_repetition:top_{n}_gram"
+        for n, frac in sorted(c.dup_n_grams.items()):
+            if frac and duplicated_ngram_chars(toks, n) / len(text) > frac:
+                return f"gopher_repetition:duplicated_{n}_n_grams"
+        return None
+
+
+class C4QualityFilter(Filter):
+    """C4 line and page rules (lines split on newlines, as in C4 and FineWeb). Lines failing a
+    line rule are removed from `doc["text"]`; lorem ipsum or a curly bracket drops the page,
+    as does having fewer than `min_num_sentences` sentences in the lines kept."""
+
+    name = "c4"
+    CITATION = re.compile(r"\[\d*]|\[edit]|\[citation needed]")
+    END_PUNCT = (".", "?", "!", '"', "'")
+    POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies",
+              "use cookies")
+
+    def __init__(self, cfg: C4Config):
+        self.cfg = cfg
+
+    def decide(self, doc: dict) -> str | None:
+        c = self.cfg
+        kept: list[str] = []
+        n_sentences = 0
+        for line in doc["text"].splitlines():
+            line = line.strip()
+            toks = line.split()
+            if c.max_word_length > 0 and any(len(w) > c.max_word_length for w in toks):
+                continue
+            if c.remove_citations:
+                line = self.CITATION.sub("", line)
+            if c.filter_no_terminal_punct and (not line.endswith(self.END_PUNCT) or line.endswith("...")):
+                continue
+            if len(toks) < c.min_words_per_line:
+                continue
+            low = line.lower()
+            if c.filter_lorem_ipsum and "lorem ipsum" in low:
+                return "c4:lorem_ipsum"
+            if c.filter_javascript and "javascript" in low:
+                continue
+            if c.filter_curly_bracket and "{" in line:
+                return "c4:curly_bracket"
+            if c.filter_policy and any(p in low for p in self.POLICY):
+                continue
+            n_sentences += len(sentences(line))
+            kept.append(line)
+        if n_sentences < c.min_num_sentences:
+            return "c4:too_few_sentences"
+        doc["text"] = "\n".join(kept).strip()
+        return None
+
+
+class FineWebQualityFilter(Filter):
+    name = "fineweb"
+    STOP_CHARS = (".", "'", '"', "!", "?")
+
+    def __init__(self, cfg: FineWebConfig):
+        self.cfg = cfg
+
+    def decide(self, doc: dict) -> str | None:
+        c, text = self.cfg, doc["text"]
+        lines = text.split("\n")
+        ratio = sum(1 for ln in lines if ln.endswith(self.STOP_CHARS)) / len(lines)
+        if ratio <= c.line_punct_thr and not (ratio == 0 and c.line_punct_exclude_zero):
+            return "fineweb:line_punct_ratio"
+        ratio = sum(1 for ln in lines if len(ln) <= c.short_line_length) / len(lines)
+        if ratio >= c.short_line_thr:
+            return "fineweb:short_line_ratio"
+        n_chars = len(text.replace("\n", ""))
+        if n_chars:
+            ratio = duplicates([ln for ln in lines if ln.strip()])[1] / n_chars
+            if ratio >= c.char_duplicates_ratio:
+                return "fineweb:char_dup_ratio"
+        toks = words(text)
+        if toks and text.count("\n") / len(toks) > c.new_line_ratio:
+            return "fineweb:list_ratio"
+        return None
+
+
+def build_filters(cfg: CurateConfig, langid_model=None) -> list[Filter]:
+    """The enabled filters in FineWeb order. The language filter loads fastText's lid.176 model
+    once (or uses `langid_model`)."""
+    from tasks.curate.langid import LangIdFilter
+
+    filters: list[Filter] = []
+    if cfg.langid.enabled:
+        filters.append(LangIdFilter(cfg.langid, model=langid_model))
+    if cfg.gopher_repetition.enabled:
+        filters.append(GopherRepetitionFilter(cfg.gopher_repetition))
+    if cfg.gopher_quality.enabled:
+        filters.append(GopherQualityFilter(cfg.gopher_quality))
+    if cfg.c4.enabled:
+        filters.append(C4QualityFilter(cfg.c4))
+    if cfg.fineweb.enabled:
+        filters.append(FineWebQualityFilter(cfg.fineweb))
+    return filters

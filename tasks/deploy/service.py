@@ -1,0 +1,68 @@
+"""The model server as a background service of the local stack (see infra/stack.py).
+
+`start_or_refresh_server` (re)starts `python -m tasks.deploy.server` on deploy.host:deploy.port
+with its pid file, spec and log under the stack's state directory, in its own session so it
+outlives `crucible run`. The spec is kept after `crucible down`, so `crucible up` serves the last
+deployed model again. A refresh stops the old server before starting the new one (a few seconds
+without an answer on the port).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from infra import stack
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def endpoint_url(deploy_cfg) -> str:
+    host = "127.0.0.1" if deploy_cfg.host in ("0.0.0.0", "", "::") else deploy_cfg.host
+    return f"http://{host}:{deploy_cfg.port}/v1"
+
+
+def server_spec(deploy_cfg, ckpt_dir: str | Path, tokenizer_path: str | Path, model_name: str) -> stack.ServiceSpec:
+    ckpt_dir, tokenizer_path = str(Path(ckpt_dir).resolve()), str(Path(tokenizer_path).resolve())
+    return stack.ServiceSpec(
+        name=stack.MODEL_SERVER,
+        cmd=[sys.executable, "-m", "tasks.deploy.server", "--checkpoint", ckpt_dir, "--tokenizer", tokenizer_path,
+             "--model-name", model_name, "--host", deploy_cfg.host, "--port", str(deploy_cfg.port),
+             "--threads", str(deploy_cfg.threads), "--max-tokens-limit", str(deploy_cfg.max_tokens_limit),
+             "--max-n", str(deploy_cfg.max_n)],
+        host=deploy_cfg.host, port=deploy_cfg.port, health_path="/health", url=endpoint_url(deploy_cfg),
+        marker=["tasks.deploy.server"],
+        # importable even if the repo is not pip-installed; the server runs from the state dir
+        env={"PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
+             "PYTHONUNBUFFERED": "1"},
+        info={"model_name": model_name, "checkpoint": ckpt_dir, "tokenizer": tokenizer_path,
+              "requires": [ckpt_dir, tokenizer_path]},
+    )
+
+
+def start_or_refresh_server(stack_cfg, deploy_cfg, ckpt_dir: str | Path, tokenizer_path: str | Path,
+                            model_name: str, timeout: float | None = None) -> dict:
+    """(Re)start the model server for this checkpoint and wait until GET /health answers.
+
+    Returns {"endpoint": "http://127.0.0.1:8600/v1", "pid": int, "log": path, "seconds": float}.
+    Raises infra.stack.StackError (with the server's log tail) if it does not become healthy.
+    """
+    spec = server_spec(deploy_cfg, ckpt_dir, tokenizer_path, model_name)
+    for p in spec.info["requires"]:
+        if not Path(p).exists():
+            raise FileNotFoundError(f"cannot serve {model_name}: {p} does not exist")
+    with stack.stack_lock(stack_cfg):
+        res = stack.start_services(stack_cfg, [spec], timeout=timeout, restart=True)[stack.MODEL_SERVER]
+    return {"endpoint": spec.url, "pid": res["pid"], "log": str(stack.log_path(stack_cfg, stack.MODEL_SERVER)),
+            "seconds": res["seconds"]}
+
+
+def stop_server(stack_cfg, forget: bool = False) -> str:
+    """Stop the model server; forget=True also drops its record so `crucible up` won't restart it."""
+    with stack.stack_lock(stack_cfg):
+        return stack.stop_service(stack_cfg, stack.MODEL_SERVER, forget=forget)
+
+
+def server_status(stack_cfg) -> dict | None:
+    """{url, healthy, pid} of the model server, or None if no model has been deployed."""
+    return stack.status(stack_cfg).get(stack.MODEL_SERVER)

@@ -1,0 +1,382 @@
+"""Streaming readers for raw source files: WARC, WET, JSONL(.gz), plain text and Parquet.
+
+`iter_records(path, fmt, max_record_bytes)` yields, in file order, either
+
+* `RawRecord`: one candidate document (a WARC `response`, a WET `conversion`, a JSONL line,
+  a text file, a Parquet row). When the reader could not make sense of the bytes the record
+  carries `error` (a quarantine reason) and `detail`; it still counts as one record read.
+* `Skipped`: a record of another type (warcinfo, request, metadata, resource...), counted
+  but not a candidate.
+
+Nothing loads a whole file: WARC/WET go record by record through warcio, JSONL (plain, gzip or
+zstd, detected from the first bytes) line by line
+(lines longer than `max_record_bytes` are skipped in chunks and quarantined), Parquet by
+batches. A text file is one document and is read whole only up to `max_record_bytes`.
+
+Bad input never raises out of a reader:
+
+* empty file → "empty_file"
+* WARC: a record warcio cannot parse (bad header, corrupt gzip member) → "malformed_warc",
+  then the reader resynchronises on the next gzip member (or "WARC/1." line when the file is
+  not gzipped) that parses, so one broken record does not lose the rest of the file; a record
+  shorter than its Content-Length (truncated file) → "truncated"; digest mismatch →
+  "digest_mismatch"; undecodable Content-Encoding → "bad_content_encoding"; payload over
+  `max_record_bytes` → "oversized_record"; a response without an HTTP header → "malformed_warc"
+* JSONL: truncated gzip → "truncated"; other gzip/zstd damage → "bad_gzip"; invalid UTF-8 →
+  "invalid_utf8"; unparsable line or not an object → "bad_json"; no string `text` → "missing_text"
+* WET payloads and text files must be UTF-8 → "invalid_utf8"
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from warcio.archiveiterator import ArchiveIterator
+
+_CHUNK = 1 << 20
+_GZIP_MAGIC = b"\x1f\x8b\x08"
+_WARC_MAGIC = b"WARC/1."
+
+
+@dataclass
+class RawRecord:
+    offset: int
+    kind: str = "text"  # "html": payload holds raw bytes to extract; "text": text is ready
+    payload: bytes | None = None
+    text: str | None = None
+    key: str | None = None  # stable per-source key for the document id
+    url: str | None = None
+    title: str | None = None
+    date: str | None = None
+    crawl_date: str | None = None
+    content_type: str | None = None
+    warc_record_id: str | None = None
+    language: str | None = None
+    language_score: float | None = None
+    http_status: int | None = None
+    error: str | None = None  # quarantine reason
+    detail: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Skipped:
+    offset: int
+    rec_type: str
+
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def _is_gzip(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
+def _open_text_stream(path: Path):
+    """Binary stream of the decompressed bytes: gzip (multi-member), zstd or plain."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head[:2] == b"\x1f\x8b":
+        return gzip.open(path, "rb")
+    if head == _ZSTD_MAGIC:
+        return io.BufferedReader(_ZstdRaw(path), _CHUNK)
+    return open(path, "rb")
+
+
+class _ZstdRaw(io.RawIOBase):
+    """Streaming zstd decompression over concatenated frames that raises EOFError when the file
+    ends inside a frame (zstandard's own stream reader just stops)."""
+
+    def __init__(self, path: Path):
+        import zstandard
+
+        self._zstd = zstandard.ZstdDecompressor()
+        self._f = open(path, "rb")
+        self._d = self._zstd.decompressobj()
+        self._in_frame = False
+        self._buf = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self._buf:
+            chunk = self._f.read(_CHUNK)
+            if not chunk:
+                if self._in_frame:
+                    raise EOFError("zstd stream ends inside a frame")
+                return 0
+            out = []
+            while chunk:
+                out.append(self._d.decompress(chunk))
+                self._in_frame = not self._d.eof
+                chunk = self._d.unused_data if self._d.eof else b""
+                if self._d.eof:
+                    self._d = self._zstd.decompressobj()
+            self._buf = b"".join(out)
+        n = min(len(b), len(self._buf))
+        b[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+
+def iter_records(path: str | Path, fmt: str, max_record_bytes: int = 10_000_000
+                 ) -> Iterator[RawRecord | Skipped]:
+    path = Path(path)
+    if path.stat().st_size == 0:
+        yield RawRecord(offset=0, error="empty_file", detail="file has 0 bytes")
+        return
+    if fmt in ("warc", "wet"):
+        yield from _iter_warc(path, "response" if fmt == "warc" else "conversion", max_record_bytes)
+    elif fmt == "jsonl":
+        yield from _iter_jsonl(path, max_record_bytes)
+    elif fmt == "text":
+        yield from _iter_text(path, max_record_bytes)
+    elif fmt == "parquet":
+        yield from _iter_parquet(path)
+    else:
+        raise ValueError(f"unknown source format {fmt!r}")
+
+
+# --------------------------------------------------------------------------- WARC / WET
+
+def _scan_for(fh, start: int, magic: bytes) -> int | None:
+    """Offset of the next `magic` at or after `start`, reading in chunks."""
+    pos = start
+    keep = len(magic) - 1
+    tail = b""
+    while True:
+        fh.seek(pos)
+        chunk = fh.read(_CHUNK)
+        if not chunk:
+            return None
+        buf = tail + chunk
+        i = buf.find(magic)
+        if i >= 0:
+            return pos - len(tail) + i
+        tail = buf[-keep:] if keep else b""
+        pos += len(chunk)
+
+
+def _warc_record(rec, offset: int, want: str, max_record_bytes: int) -> RawRecord:
+    h = rec.rec_headers
+    out = RawRecord(
+        offset=offset,
+        url=h.get_header("WARC-Target-URI"),
+        crawl_date=h.get_header("WARC-Date"),
+        warc_record_id=h.get_header("WARC-Record-ID"),
+    )
+    out.key = out.warc_record_id or out.url or f"offset:{offset}"
+    if want == "response":
+        out.kind = "html"
+        if rec.http_headers is None:
+            out.error, out.detail = "malformed_warc", "response record without an HTTP header"
+            return out
+        out.content_type = rec.http_headers.get_header("Content-Type")
+        try:
+            out.http_status = int(rec.http_headers.get_statuscode())
+        except (TypeError, ValueError):
+            out.http_status = None
+    else:
+        out.kind = "text"
+        out.content_type = h.get_header("Content-Type")
+        out.extra["warc_language"] = h.get_header("WARC-Identified-Content-Language")
+    try:
+        data = rec.content_stream().read(max_record_bytes + 1)
+    except (zlib.error, OSError, ValueError, EOFError) as e:
+        out.error, out.detail = "bad_content_encoding", f"{type(e).__name__}: {e}"[:300]
+        return out
+    if len(data) > max_record_bytes:
+        out.error, out.detail = "oversized_record", f"payload over {max_record_bytes} bytes"
+        return out
+    if rec.raw_stream.limit > 0:
+        out.error = "truncated"
+        out.detail = f"record ends {rec.raw_stream.limit} bytes before its Content-Length"
+        return out
+    if rec.digest_checker.passed is False:
+        out.error, out.detail = "digest_mismatch", "; ".join(rec.digest_checker.problems)[:300]
+        return out
+    if want == "response":
+        out.payload = data
+    else:
+        try:
+            out.text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            out.error, out.detail = "invalid_utf8", str(e)[:300]
+    return out
+
+
+def _iter_warc(path: Path, want: str, max_record_bytes: int) -> Iterator[RawRecord | Skipped]:
+    # warcio stops quietly when a gzip member is cut short or fails to inflate part-way (it
+    # reports on stderr and returns EOF), so a stream that ends before the end of the file is
+    # an error too. After any error we resynchronise on the next gzip member / "WARC/1." that
+    # parses ("probing": failures while probing are part of the same damaged span, not new
+    # records).
+    magic = _GZIP_MAGIC if _is_gzip(path) else _WARC_MAGIC
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        pos, probing = 0, False
+        while pos is not None and pos < size:
+            fh.seek(pos)
+            it = ArchiveIterator(fh, check_digests=True)
+            last, last_error = pos, None
+            try:
+                for rec in it:
+                    last = it.offset
+                    probing = False
+                    if rec.rec_type != want:
+                        last_error = None
+                        yield Skipped(last, rec.rec_type or "unknown")
+                        continue
+                    out = _warc_record(rec, last, want, max_record_bytes)
+                    last_error = out.error
+                    yield out
+                end = it.offset
+                if end >= size and last_error != "truncated":
+                    return
+                if end < size and not probing and last_error is None:
+                    yield RawRecord(offset=end, error="truncated",
+                                    detail=f"archive stream ends at byte {end} of {size}")
+                # a cut-short member may be followed by intact ones: look for them
+                resume = (last if last_error == "truncated" else max(end, last, pos)) + 1
+            except Exception as e:  # warcio/zlib/parse errors: quarantine, then resynchronise
+                fail = max(getattr(it, "offset", last), last)
+                if not probing:
+                    yield RawRecord(offset=fail, error="malformed_warc",
+                                    detail=f"{type(e).__name__}: {e}".strip()[:300])
+                resume = max(fail, pos) + 1
+            probing = True
+            pos = _scan_for(fh, resume, magic)
+
+
+# --------------------------------------------------------------------------- JSONL
+
+def _first_str(*values) -> str | None:
+    for v in values:
+        if isinstance(v, str) and v:
+            return v
+    return None
+
+
+def _jsonl_record(obj: dict, offset: int, line_no: int, path: Path) -> RawRecord:
+    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    out = RawRecord(offset=offset, kind="text")
+    out.extra["line"] = line_no
+    text = obj.get("text")
+    if not isinstance(text, str):
+        out.error, out.detail = "missing_text", f"line {line_no}: no string 'text' field"
+        return out
+    out.text = text
+    out.url = _first_str(obj.get("url"), meta.get("warc_url"), meta.get("url"))
+    out.title = _first_str(obj.get("title"), meta.get("title"))
+    out.date = _first_str(obj.get("date"), meta.get("date"))
+    out.crawl_date = _first_str(obj.get("crawl_date"), meta.get("warc_date"), meta.get("date_download"),
+                                obj.get("created"))
+    out.content_type = _first_str(obj.get("content_type"), meta.get("content_type"))
+    rid = _first_str(obj.get("warc_record_id"), meta.get("warc_record_id"), meta.get("warc_filename"))
+    out.warc_record_id = rid if rid and rid.startswith("<urn:") else None
+    lang = _first_str(obj.get("language"), meta.get("language"))
+    score = obj.get("language_score", meta.get("language_score"))
+    if lang:
+        out.language = lang
+        out.language_score = float(score) if isinstance(score, (int, float)) else None
+    rec_id = obj.get("id")
+    rec_id = str(rec_id) if isinstance(rec_id, (str, int)) and str(rec_id) else None
+    out.key = rec_id or out.url or f"{path.name}:{line_no}"
+    return out
+
+
+def _iter_jsonl(path: Path, max_line_bytes: int) -> Iterator[RawRecord]:
+    offset = line_no = n_lines = 0
+    with _open_text_stream(path) as fh:
+        while True:
+            try:
+                line = fh.readline(max_line_bytes + 1)
+                oversized = len(line) > max_line_bytes and not line.endswith(b"\n")
+                skipped = 0
+                while oversized and line and not line.endswith(b"\n"):
+                    skipped += len(line)
+                    line = fh.readline(_CHUNK)
+            except EOFError as e:
+                yield RawRecord(offset=offset, error="truncated", detail=f"line {line_no + 1}: {e}"[:300])
+                return
+            except Exception as e:  # gzip.BadGzipFile, zlib.error, zstd errors, OSError
+                yield RawRecord(offset=offset, error="bad_gzip", detail=f"line {line_no + 1}: {e}"[:300])
+                return
+            if not line and not oversized:
+                break
+            line_no += 1
+            start = offset
+            offset += len(line) + (skipped if oversized else 0)
+            if oversized:
+                yield RawRecord(offset=start, error="oversized_record",
+                                detail=f"line {line_no}: over {max_line_bytes} bytes", extra={"line": line_no})
+                continue
+            if not line.strip():
+                continue
+            n_lines += 1
+            try:
+                s = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield RawRecord(offset=start, error="invalid_utf8", detail=f"line {line_no}: {e}"[:300],
+                                extra={"line": line_no})
+                continue
+            try:
+                obj = json.loads(s)
+            except (ValueError, RecursionError) as e:
+                yield RawRecord(offset=start, error="bad_json", detail=f"line {line_no}: {e}"[:300],
+                                extra={"line": line_no})
+                continue
+            if not isinstance(obj, dict):
+                yield RawRecord(offset=start, error="bad_json", detail=f"line {line_no}: not an object",
+                                extra={"line": line_no})
+                continue
+            yield _jsonl_record(obj, start, line_no, path)
+    if n_lines == 0:
+        yield RawRecord(offset=0, error="empty_file", detail="no non-blank lines")
+
+
+# --------------------------------------------------------------------------- text / Parquet
+
+def _iter_text(path: Path, max_record_bytes: int) -> Iterator[RawRecord]:
+    if path.stat().st_size > max_record_bytes:
+        yield RawRecord(offset=0, error="oversized_record", detail=f"file over {max_record_bytes} bytes")
+        return
+    data = path.read_bytes()
+    out = RawRecord(offset=0, kind="text", key=path.name)
+    try:
+        out.text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        out.error, out.detail = "invalid_utf8", str(e)[:300]
+    yield out
+
+
+def _iter_parquet(path: Path) -> Iterator[RawRecord]:
+    import pyarrow.parquet as pq
+
+    row = 0
+    try:
+        pf = pq.ParquetFile(path)
+        batches = pf.iter_batches(batch_size=1000)
+        for batch in batches:
+            for obj in batch.to_pylist():
+                rec = _jsonl_record(obj, row, row + 1, path)
+                rec.extra.pop("line", None)
+                rec.extra["row"] = row
+                if rec.key == f"{path.name}:{row + 1}":
+                    rec.key = f"{path.name}:row{row}"
+                yield rec
+                row += 1
+    except Exception as e:  # unreadable Parquet: quarantine the rest of the file
+        yield RawRecord(offset=row, error="bad_parquet", detail=f"{type(e).__name__}: {e}"[:300])

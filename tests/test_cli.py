@@ -1,0 +1,94 @@
+"""The `crucible` command line: fast failure on bad configs, help with examples, status."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CRUCIBLE = [sys.executable, "-m", "infra.cli"]
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "CRUCIBLE_"))}
+    return {**env, **extra}
+
+
+def _crucible(*args: str, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*CRUCIBLE, *args], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bad_config_value_fails_fast_and_names_the_field(tmp_path):
+    t0 = time.monotonic()
+    r = _crucible("--state-dir", str(tmp_path / "state"), "run", TINY, "--set", "train.max_steps=-1")
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 2, r.stderr
+    assert elapsed < 2.0, f"took {elapsed:.2f}s"
+    assert "train.max_steps" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "state").exists(), "nothing may start before the config validates"
+
+
+def test_console_script_fails_fast_too(tmp_path):
+    script = Path(sys.executable).parent / "crucible"
+    assert script.exists(), "the `crucible` console script is not installed (pip install -e .)"
+    t0 = time.monotonic()
+    r = subprocess.run([str(script), "run", TINY, "--set", "model.n_head=3"], cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and time.monotonic() - t0 < 2.0
+    assert "model" in r.stderr and "divisible" in r.stderr
+
+
+def test_missing_config_and_bad_override_syntax(tmp_path):
+    r = _crucible("run", str(tmp_path / "nope.yaml"))
+    assert r.returncode == 2 and "config file not found" in r.stderr
+    r = _crucible("run", TINY, "--set", "train.max_steps")
+    assert r.returncode == 2 and "KEY=VALUE" in r.stderr
+
+
+def test_help_shows_examples():
+    r = _crucible("--help")
+    assert r.returncode == 0
+    for example in ("crucible up", "crucible down", "crucible status --json", "crucible run configs/tiny.yaml",
+                    "--set train.max_steps=", "--summary"):
+        assert example in r.stdout, example
+    r = _crucible("run", "--help")
+    assert r.returncode == 0 and "--summary" in r.stdout and "--set" in r.stdout
+
+
+def test_status_json_of_a_stopped_stack(tmp_path):
+    p_port, m_port = _free_port(), _free_port()
+    r = _crucible("--state-dir", str(tmp_path / "state"), "status", "--json", "--config", TINY,
+                  "--set", f"stack.prefect_port={p_port}", "--set", f"stack.mlflow_port={m_port}")
+    assert r.returncode == 1, r.stderr  # not healthy
+    assert json.loads(r.stdout) == {
+        "prefect": {"url": f"http://127.0.0.1:{p_port}", "healthy": False, "pid": None},
+        "mlflow": {"url": f"http://127.0.0.1:{m_port}", "healthy": False, "pid": None},
+    }
+    r = _crucible("--state-dir", str(tmp_path / "state"), "down", "--config", TINY)
+    assert r.returncode == 0 and "not running" in r.stdout
+
+
+def test_state_dir_from_env_overrides_config(tmp_path, monkeypatch):
+    from infra import stack
+    from tasks.config import StackConfig
+
+    cfg = StackConfig(state_dir="relative-state")
+    monkeypatch.delenv(stack.STATE_DIR_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert stack.state_dir(cfg) == (tmp_path / "relative-state").resolve()
+    monkeypatch.setenv(stack.STATE_DIR_ENV, str(tmp_path / "from-env"))
+    assert stack.state_dir(cfg) == (tmp_path / "from-env").resolve()
+    assert stack.client_env(cfg)[stack.STATE_DIR_ENV] == str((tmp_path / "from-env").resolve())

@@ -1,0 +1,314 @@
+"""Deployment: the gate, the MLflow registry (SQLite store in tmp_path), the OpenAI-compatible
+server (in process through TestClient, and as a real background process of the stack).
+
+The model is a small randomly initialised GPT saved with tasks.train's own checkpoint code."""
+from __future__ import annotations
+
+import math
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from infra import stack
+from tasks.config import DeployConfig, PipelineConfig, StackConfig
+from tasks.core.hashing import sha256_file
+from tasks.deploy import deploy_if_better, gate, start_or_refresh_server
+from tasks.deploy.generation import TextGenerator
+from tasks.deploy.server import create_app
+from tasks.train.checkpoint import save_checkpoint
+from tasks.train.model import GPT, GPTConfig
+
+TEXT = ("The Linux kernel is a free and open-source Unix-like kernel. Debian is a free operating system. "
+        "In Python, a list is a mutable sequence. ") * 40
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tokenizer(path: Path) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|bos|>", "<|endoftext|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TEXT], trainer=trainer)
+    tok.save(str(path))
+    return path
+
+
+def _checkpoint(out_dir: Path, tokenizer: Path, step: int, seed: int) -> Path:
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=vocab, n_layer=2, n_head=2, d_model=32, seq_len=32)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    meta = {"model": cfg.to_dict(), "eos_id": 1, "tokenizer_sha256": sha256_file(tokenizer), "run_name": "test"}
+    return save_checkpoint(model, opt, step, out_dir, meta)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    tok = _tokenizer(root / "tokenizer.json")
+    return {"tokenizer": tok, "ckpt": _checkpoint(root / "train", tok, 10, 0),
+            "ckpt2": _checkpoint(root / "train", tok, 20, 1), "root": root}
+
+
+@pytest.fixture(scope="module")
+def mlflow_store(tmp_path_factory):
+    """One SQLite tracking/registry store for the module (creating one costs seconds of migrations)."""
+    root = tmp_path_factory.mktemp("mlflow")
+    return {"uri": f"sqlite:///{root / 'mlflow.db'}", "artifacts": (root / "artifacts").as_uri()}
+
+
+@pytest.fixture(scope="module")
+def generator(tiny):
+    return TextGenerator.from_files(tiny["ckpt"], tiny["tokenizer"])
+
+
+@pytest.fixture(scope="module")
+def client(generator):
+    return TestClient(create_app(generator, "crucible-test", max_tokens_limit=64, max_n=4))
+
+
+# ------------------------------------------------------------------------------------- gate
+
+def test_gate():
+    cfg = DeployConfig(max_val_loss=6.0, min_improvement=0.05)
+    assert gate(cfg, {"val_loss": 5.0}, None)["passed"]
+    r = gate(cfg, {"val_loss": 6.0}, None)
+    assert not r["passed"] and "max_val_loss" in r["reason"]
+    assert not gate(cfg, {"val_loss": 7.0}, 9.0)["passed"]  # absolute threshold wins
+    assert gate(cfg, {"val_loss": 4.9}, 5.0)["passed"]  # improves by 0.1 >= 0.05
+    r = gate(cfg, {"val_loss": 4.98}, 5.0)
+    assert not r["passed"] and "champion" in r["reason"]  # improves by 0.02 < 0.05
+    assert not gate(cfg, {"val_loss": 5.2}, 5.0)["passed"]  # worse
+    strict = DeployConfig(max_val_loss=6.0, min_improvement=0.0)
+    assert not gate(strict, {"val_loss": 5.0}, 5.0)["passed"]  # equal is not better
+    assert gate(strict, {"val_loss": 4.999}, 5.0)["passed"]
+    for bad in ({}, {"val_loss": float("nan")}, {"val_loss": float("inf")}, {"val_loss": None}, {"val_loss": "3"}):
+        r = gate(cfg, bad, None)
+        assert not r["passed"] and "val_loss" in r["reason"]
+
+
+# --------------------------------------------------------------------------------- registry
+
+def test_registry_champion_alias_and_gate(tiny, mlflow_store):
+    from mlflow import MlflowClient
+
+    from tasks.deploy.registry import ALIAS, get_champion, register
+
+    uri = mlflow_store["uri"]
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    assert get_champion(uri, "crucible-test") is None
+
+    # the training run the checkpoint came from; its artifacts stay inside the temporary store
+    exp = client.create_experiment("train", artifact_location=mlflow_store["artifacts"])
+    train_run = client.create_run(exp).info.run_id
+    ev1 = {"val_loss": 5.5, "perplexity": math.exp(5.5), "step": 10, "checkpoint": str(tiny["ckpt"])}
+    reg = register(uri, "crucible-test", tiny["ckpt"], tiny["tokenizer"], ev1, train_run)
+    assert reg["model_name"] == "crucible-test" and reg["version"] == 1 and reg["alias"] == ALIAS
+    mv = client.get_model_version_by_alias("crucible-test", "champion")
+    assert str(mv.version) == "1" and mv.run_id == train_run
+    assert float(mv.tags["val_loss"]) == 5.5 and mv.tags["train_run_id"] == train_run
+    assert mv.tags["content_hash"] == reg["content_hash"] and len(reg["content_hash"]) == 64
+    champ = get_champion(uri, "crucible-test")
+    assert champ["version"] == 1 and champ["val_loss"] == 5.5
+
+    # a worse model does not pass the gate against the champion
+    cfg = DeployConfig(max_val_loss=8.0, min_improvement=0.0)
+    assert not gate(cfg, {"val_loss": 5.7}, champ["val_loss"])["passed"]
+    # a better one does and becomes champion (registered without a training run id)
+    assert gate(cfg, {"val_loss": 5.1}, champ["val_loss"])["passed"]
+    reg2 = register(uri, "crucible-test", tiny["ckpt2"], tiny["tokenizer"], {"val_loss": 5.1, "step": 20}, None)
+    assert reg2["version"] == 2
+    assert get_champion(uri, "crucible-test")["val_loss"] == 5.1
+    assert str(client.get_model_version_by_alias("crucible-test", "champion").version) == "2"
+    assert not list(Path.cwd().glob("mlruns")) and not list(Path.cwd().glob("mlflow.db")), \
+        "nothing may land in the working directory"
+
+    # the registered version is a usable pyfunc: weights-only export + tokenizer, same greedy text
+    import mlflow.pyfunc
+
+    v1 = client.get_model_version("crucible-test", "1")
+    lm = mlflow.pyfunc.load_model(v1.source)
+    out = lm.predict(["The Linux kernel"], params={"max_tokens": 6, "temperature": 0.0})
+    gen = TextGenerator.from_files(tiny["ckpt"], tiny["tokenizer"])
+    want = gen.complete(gen.encode("The Linux kernel"), max_tokens=6, temperature=0.0)[0].text
+    assert list(out) == [want]
+
+
+def _pipeline_cfg(tmp_path: Path, **deploy) -> PipelineConfig:
+    return PipelineConfig.model_validate({
+        "name": "t", "run_root": str(tmp_path / "runs"),
+        "sources": [{"name": "s", "uri": "x.jsonl", "format": "jsonl", "licence": "CC0", "provenance": "test"}],
+        "deploy": {"max_val_loss": 8.0, **deploy},
+        "stack": {"state_dir": str(tmp_path / "state")},
+    })
+
+
+def test_deploy_if_better_without_serving(tiny, tmp_path, mlflow_store):
+    uri = mlflow_store["uri"]
+    cfg = _pipeline_cfg(tmp_path, serve=False, model_name="crucible-gated")
+    ev = {"val_loss": 6.0, "step": 10, "checkpoint": str(tiny["ckpt"])}
+    first = deploy_if_better(cfg, uri, ev, tiny["tokenizer"], None)
+    assert first["passed"] and first["version"] == 1 and first["content_hash"] and first["endpoint"] is None
+    second = deploy_if_better(cfg, uri, {**ev, "val_loss": 6.5}, tiny["tokenizer"], None)
+    assert not second["passed"] and second["version"] is None
+    assert second["champion_version"] == 1 and second["champion_val_loss"] == 6.0
+    assert "champion" in second["reason"]
+
+
+# ----------------------------------------------------------------------------------- server
+
+def test_completion_answers_in_openai_shape(client):
+    r = client.post("/v1/completions", json={"model": "crucible-test", "prompt": "The Linux kernel",
+                                             "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == "crucible-test" and body["id"].startswith("cmpl-")
+    (choice,) = body["choices"]
+    assert set(choice) == {"text", "index", "logprobs", "finish_reason"}
+    assert isinstance(choice["text"], str) and choice["index"] == 0 and choice["finish_reason"] in ("stop", "length")
+    u = body["usage"]
+    assert u["prompt_tokens"] > 0 and 0 < u["completion_tokens"] <= 5
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+
+
+def test_greedy_and_seeded_sampling_match_gpt_generate(generator, client):
+    """The server's sampling loop draws exactly as GPT.generate (used by the evaluate stage)."""
+    ids = generator.encode("Debian is")
+    x = torch.tensor([ids])
+    for temperature, seed in ((0.0, None), (0.8, 7)):
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        out = generator.model.generate(x, 8, temperature=temperature, eos_id=generator.eos_id, generator=g)
+        new = [t for t in out[0, len(ids):].tolist() if t != generator.eos_id]
+        body = client.post("/v1/completions", json={"prompt": "Debian is", "max_tokens": 8,
+                                                    "temperature": temperature, "seed": seed}).json()
+        assert body["choices"][0]["text"] == generator.decode(new)
+
+
+def test_batch_prompts_n_echo_stop(client, generator):
+    body = client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 3,
+                                                "seed": 1}).json()
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    again = client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 3,
+                                                 "seed": 1}).json()
+    assert [c["text"] for c in again["choices"]] == [c["text"] for c in body["choices"]]  # seeded
+
+    echo = client.post("/v1/completions", json={"prompt": "In Python", "max_tokens": 2, "echo": True,
+                                                 "temperature": 0}).json()
+    assert echo["choices"][0]["text"].startswith("In Python")
+
+    free = client.post("/v1/completions", json={"prompt": "The", "max_tokens": 12, "temperature": 0}).json()
+    text = free["choices"][0]["text"]
+    if len(text) >= 3:  # stop at a substring the greedy completion is known to contain
+        stop = text[1:3]
+        cut = client.post("/v1/completions", json={"prompt": "The", "max_tokens": 12, "temperature": 0,
+                                                   "stop": [stop]}).json()["choices"][0]
+        assert cut["text"] == text[:text.find(stop)] and cut["finish_reason"] == "stop"
+
+    ids = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}).json()
+    assert ids["usage"]["prompt_tokens"] == 3 and len(ids["choices"]) == 1
+    empty = client.post("/v1/completions", json={"prompt": "", "max_tokens": 2}).json()
+    assert empty["usage"]["prompt_tokens"] == 0 and len(empty["choices"]) == 1
+    zero = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}).json()
+    assert zero["choices"][0] == {"text": "", "index": 0, "logprobs": None, "finish_reason": "length"}
+
+
+@pytest.mark.parametrize("payload,param", [
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 65}, "max_tokens"),  # over the server's limit
+    ({"prompt": "x", "temperature": 3}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 5}, "n"),
+    ({"prompt": 42}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [10 ** 9]}, "prompt"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "x", "stream": True}, "stream"),
+    ({"prompt": "x", "logprobs": 5}, "logprobs"),
+])
+def test_bad_request_gets_400_with_openai_error(client, payload, param):
+    r = client.post("/v1/completions", json=payload)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+
+
+def test_malformed_bodies_and_unknown_model(client):
+    for content in (b"{not json", b"[1, 2]", b"", b"null"):
+        r = client.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (content, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    r = client.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = client.get("/v1/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+    # and the server still answers afterwards
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_models_and_health(client, tiny):
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["crucible-test"]
+    assert models["data"][0]["object"] == "model"
+    assert client.get("/v1/models/crucible-test").json()["id"] == "crucible-test"
+    assert client.get("/v1/models/other").status_code == 404
+    h = client.get("/health").json()
+    assert h["status"] == "ok" and h["model"] == "crucible-test" and h["step"] == 10
+    assert h["checkpoint"] == str(Path(tiny["ckpt"]).resolve())
+
+
+def test_wrong_tokenizer_is_refused(tiny, tmp_path):
+    other = tmp_path / "tokenizer.json"
+    other.write_text(Path(tiny["tokenizer"]).read_text().replace('"<|pad|>"', '"<|PAD|>"'))
+    with pytest.raises(ValueError, match="not the one"):
+        TextGenerator.from_files(tiny["ckpt"], other)
+
+
+# ------------------------------------------------------------------- the server as a service
+
+def test_model_server_process_start_refresh_status_down(tiny, tmp_path, monkeypatch):
+    monkeypatch.delenv(stack.STATE_DIR_ENV, raising=False)
+    stack_cfg = StackConfig(state_dir=str(tmp_path / "state"), prefect_port=_free_port(),
+                            mlflow_port=_free_port(), start_timeout=120, stop_timeout=10)
+    deploy_cfg = DeployConfig(model_name="crucible-test", port=_free_port(), threads=1)
+
+    t0 = time.monotonic()
+    first = start_or_refresh_server(stack_cfg, deploy_cfg, tiny["ckpt"], tiny["tokenizer"], "crucible-test")
+    print(f"\nmodel server healthy after {time.monotonic() - t0:.1f}s")
+    assert first["endpoint"] == f"http://127.0.0.1:{deploy_cfg.port}/v1"
+    st = stack.status(stack_cfg)["model_server"]
+    assert st == {"url": first["endpoint"], "healthy": True, "pid": first["pid"]}
+
+    r = httpx.post(f"{first['endpoint']}/completions", json={"prompt": "The Linux kernel", "max_tokens": 4},
+                   timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+    assert httpx.post(f"{first['endpoint']}/completions", json={"max_tokens": "x"}, timeout=30).status_code == 400
+    assert httpx.get(f"{first['endpoint']}/models", timeout=10).json()["data"][0]["id"] == "crucible-test"
+
+    # refresh with a new checkpoint: a new process serves it, the old one is gone
+    second = start_or_refresh_server(stack_cfg, deploy_cfg, tiny["ckpt2"], tiny["tokenizer"], "crucible-test")
+    assert second["pid"] != first["pid"] and stack.group_pids(first["pid"]) == []
+    assert httpx.get(f"{second['endpoint'].removesuffix('/v1')}/health", timeout=10).json()["step"] == 20
+
+    assert stack.down(stack_cfg)["model_server"] in ("stopped", "killed")
+    assert stack.group_pids(second["pid"]) == []
+    st = stack.status(stack_cfg)["model_server"]  # still listed (deployed), but stopped
+    assert st["healthy"] is False and st["pid"] is None

@@ -1,0 +1,297 @@
+"""Ingest: readers on the real files in shared/data, a corrupted fixture set built in tmp_path,
+document fields and normalisation, and `run_ingest` on Ray (accounting, order, max_docs)."""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import unicodedata
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, IngestConfig, PipelineConfig, RayConfig, SourceConfig
+from tasks.core.documents import DOC_SCHEMA, ShardWriter, count_docs, iter_doc_batches, iter_docs
+from tasks.ingest import run_ingest
+from tasks.ingest.normalise import normalise_text
+from tasks.ingest.process import is_opted_out, process_file_range
+from tasks.ingest.readers import RawRecord, Skipped, iter_records
+
+DATA = Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
+WEB = DATA / "web"
+needs_data = pytest.mark.skipif(not (WEB / "docs-crawl-00000.warc.gz").exists(), reason=f"no data under {DATA}")
+
+
+def src(name: str, uri: str, fmt: str, **kw) -> SourceConfig:
+    return SourceConfig(name=name, uri=str(uri), format=fmt, licence=kw.pop("licence", "test-licence"),
+                        provenance=kw.pop("provenance", "test"), **kw)
+
+
+def split(items):
+    recs = [r for r in items if isinstance(r, RawRecord)]
+    skipped = Counter(r.rec_type for r in items if isinstance(r, Skipped))
+    return recs, skipped
+
+
+# ------------------------------------------------------------------ helpers for fixtures
+
+def warc_response(url: str, body: bytes, content_type: str = "text/html; charset=utf-8", status: str = "200 OK",
+                  record_id: str | None = None) -> bytes:
+    """One gzip member holding one WARC response record (written by warcio)."""
+    from warcio.statusandheaders import StatusAndHeaders
+    from warcio.warcwriter import WARCWriter
+
+    buf = io.BytesIO()
+    w = WARCWriter(buf, gzip=True)
+    http = StatusAndHeaders(status, [("Content-Type", content_type)], protocol="HTTP/1.1")
+    headers = {"WARC-Record-ID": record_id} if record_id else None
+    rec = w.create_warc_record(url, "response", payload=io.BytesIO(body), http_headers=http,
+                               warc_headers_dict=headers)
+    w.write_record(rec)
+    return buf.getvalue()
+
+
+def html_page(title: str, n: int = 6) -> bytes:
+    paras = "".join(
+        f"<p>{title} paragraph {i}: the quick brown fox jumps over the lazy dog while the documentation team "
+        f"explains how packages are built, tested and released to users around the world.</p>"
+        for i in range(n))
+    return (f"<html><head><title>{title}</title></head><body><nav>Home | About</nav>"
+            f"<article><h1>{title}</h1>{paras}</article><footer>Copyright</footer></body></html>").encode()
+
+
+# ------------------------------------------------------------------ unit pieces
+
+def test_normalise_text():
+    raw = "Cafe\u0301\r\nline\t two\u00a0 spaces  \n\n\n\n  next\u2028para\x00 \ufeff"
+    out = normalise_text(raw)
+    assert out == "Café\nline two spaces\n\nnext\npara"
+    assert unicodedata.is_normalized("NFC", out)
+    assert normalise_text(raw, nfc=False, whitespace=False) == raw
+
+
+def test_opt_out_matches_domain_and_subdomains():
+    assert is_opted_out("https://www.example.com/a", ["example.com"])
+    assert is_opted_out("example.com/path", ["example.com"])
+    assert not is_opted_out("https://notexample.com/", ["example.com"])
+    assert not is_opted_out(None, ["example.com"])
+
+
+def test_shard_writer_sizes_and_atomicity(tmp_path):
+    docs = [{"id": f"id{i}", "text": f"text {i}", "source": "s"} for i in range(25)]
+    with ShardWriter(tmp_path, shard_docs=10, row_group_docs=4) as w:
+        w.write_many(docs)
+    assert [p.name for p in w.paths] == ["shard-00000.parquet", "shard-00001.parquet", "shard-00002.parquet"]
+    assert [pq.ParquetFile(p).metadata.num_rows for p in w.paths] == [10, 10, 5]
+    assert pq.read_schema(w.paths[0]).equals(DOC_SCHEMA)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp files left
+    batches = list(iter_doc_batches(w.paths, batch_size=7))
+    assert max(len(b) for b in batches) <= 7
+    assert [d["id"] for d in iter_docs(w.paths)] == [d["id"] for d in docs]
+    with pytest.raises(RuntimeError):
+        with ShardWriter(tmp_path / "bad", shard_docs=10) as w2:
+            w2.write_many(docs[:3])
+            raise RuntimeError("boom")
+    assert list((tmp_path / "bad").iterdir()) == []
+
+
+def test_jsonl_zstd_multi_frame_and_truncation(tmp_path):
+    import zstandard
+
+    lines = [json.dumps({"id": f"z{i}", "text": f"row {i} " + hashlib.sha256(str(i).encode()).hexdigest() * 4})
+             for i in range(6000)]
+    frame_a = zstandard.ZstdCompressor().compress("\n".join(lines[:3000]).encode() + b"\n")
+    frame_b = zstandard.ZstdCompressor().compress("\n".join(lines[3000:]).encode() + b"\n")
+    (tmp_path / "ok.jsonl.zst").write_bytes(frame_a + frame_b)
+    recs, _ = split(list(iter_records(tmp_path / "ok.jsonl.zst", "jsonl")))
+    assert [r.key for r in recs] == [f"z{i}" for i in range(6000)] and not any(r.error for r in recs)
+    (tmp_path / "cut.jsonl.zst").write_bytes(frame_a + frame_b[: len(frame_b) // 2])
+    recs, _ = split(list(iter_records(tmp_path / "cut.jsonl.zst", "jsonl")))
+    assert recs[-1].error == "truncated" and not any(r.error for r in recs[:-1])
+    assert 3000 <= len(recs) - 1 < 6000 and [r.key for r in recs[:-1]] == [f"z{i}" for i in range(len(recs) - 1)]
+
+
+# ------------------------------------------------------------------ readers on real files
+
+@needs_data
+def test_real_warc_record_types():
+    recs, skipped = split(list(iter_records(WEB / "wget-sample-0001.warc.gz", "warc")))
+    assert len(recs) == 15 and not any(r.error for r in recs)
+    assert skipped == {"request": 15, "resource": 2, "warcinfo": 1, "metadata": 1}
+    assert all(r.kind == "html" and r.payload and r.url.startswith("http") for r in recs)
+    assert len({r.warc_record_id for r in recs}) == 15
+
+
+@needs_data
+def test_real_wet_conversion_record():
+    recs, skipped = split(list(iter_records(WEB / "whirlwind.warc.wet.gz", "wet")))
+    assert skipped == {"warcinfo": 1} and len(recs) == 1
+    r = recs[0]
+    assert r.error is None and r.kind == "text" and r.url == "https://an.wikipedia.org/wiki/Escopete"
+    assert "Escopete" in r.text and r.content_type == "text/plain"
+
+
+@needs_data
+def test_real_jsonl_dolma_and_multimember_gzip():
+    recs, _ = split(list(iter_records(WEB / "cc-main-2019-30-sample.jsonl.gz", "jsonl")))
+    assert len(recs) == 697 and not any(r.error for r in recs)
+    assert recs[0].url == "http://16thfleet.wikidot.com/chatter:anewhome"  # metadata.warc_url
+    assert recs[0].crawl_date == "2019-07-17T12:15:59.000Z"
+    assert len({r.key for r in recs}) == 697
+    net, _ = split(list(iter_records(WEB / "cc-net-head-sample.jsonl.gz", "jsonl")))
+    assert len(net) == 20  # both gzip members are read
+    assert net[0].title and net[0].language == "en" and net[0].language_score == pytest.approx(0.95)
+
+
+@needs_data
+def test_docs_crawl_documents_fields_and_ranges():
+    path = str(WEB / "docs-crawl-00000.warc.gz")
+    source = src("docs-crawl", path, "warc", licence="GPL-2.0+ OR CC-BY-SA-3.0")
+    whole = process_file_range(source, path, IngestConfig(), 0, 12)
+    assert whole["docs_in"] == 12 and whole["eof"] is False and whole["skipped"] == {"warcinfo": 1}
+    docs = whole["docs"]
+    assert whole["docs_out"] == len(docs) >= 10
+    for d in docs:
+        assert set(d) == set(DOC_SCHEMA.names)
+        assert d["source"] == "docs-crawl" and d["licence"] == "GPL-2.0+ OR CC-BY-SA-3.0"
+        assert d["url"].startswith("https://") and d["title"] and d["warc_record_id"].startswith("<urn:uuid:")
+        assert d["content_type"].startswith("text/html") and d["crawl_date"] and d["date"]
+        assert d["text"] and "\r" not in d["text"] and "\n\n\n" not in d["text"] and "  " not in d["text"]
+        assert unicodedata.is_normalized("NFC", d["text"])
+        assert d["source_file"] == path and d["source_offset"] > 0
+    # two ranges give the same documents in the same order, ids are stable
+    a = process_file_range(source, path, IngestConfig(), 0, 5)
+    b = process_file_range(source, path, IngestConfig(), 5, 12)
+    assert [d["id"] for d in a["docs"] + b["docs"]] == [d["id"] for d in docs]
+    assert a["skipped"] == {"warcinfo": 1} and b["skipped"] == {}
+
+
+# ------------------------------------------------------------------ corrupted fixture set
+
+@pytest.fixture(scope="module")
+def corrupted(tmp_path_factory):
+    """Bad inputs of every kind, with the quarantine/drop reasons each must produce."""
+    root = tmp_path_factory.mktemp("corrupted")
+    (root / "warc").mkdir()
+    (root / "jsonl").mkdir()
+    good = [warc_response(f"https://site.test/page{i}", html_page(f"Page {i}")) for i in range(4)]
+    garbage = gzip.compress(b"NOT-A-WARC header line\r\n\r\nnonsense\r\n\r\n")
+    bad_utf8 = warc_response("https://site.test/bad-utf8", html_page("Bad") + b"\xff\xfe\xfa broken bytes")
+    image = warc_response("https://site.test/logo.png", b"\x89PNG\r\n\x1a\n" + b"\0" * 64, content_type="image/png")
+    missing = warc_response("https://site.test/missing", html_page("Missing"), status="404 Not Found")
+    opted = warc_response("https://blocked.example/secret", html_page("Secret"))
+    empty_page = warc_response("https://site.test/empty", b"<html><body></body></html>")
+    # a.warc.gz: good, malformed member, good, bad UTF-8, non-HTML, 404, opt-out, empty page, good
+    (root / "warc" / "a.warc.gz").write_bytes(
+        good[0] + garbage + good[1] + bad_utf8 + image + missing + opted + empty_page + good[2])
+    # b.warc.gz: one good record, then a record cut in the middle (truncated gzip)
+    (root / "warc" / "b.warc.gz").write_bytes(good[3] + good[0][: len(good[0]) // 2])
+    (root / "warc" / "c.warc.gz").write_bytes(b"")  # empty file
+
+    lines = [
+        json.dumps({"id": "j1", "text": "First good line of text.", "url": "https://j.test/1"}).encode(),
+        b'{"id": "j2", "text": "broken json',
+        json.dumps({"id": "j3", "text": "Caf\u00e9 ok"}, ensure_ascii=False).encode()[:-2] + b"\xff\"}",
+        json.dumps({"id": "j4", "text": "x" * 3000}).encode(),  # oversized with max_doc_bytes=2000
+        json.dumps({"id": "j5", "no_text": True}).encode(),
+        json.dumps({"id": "j6", "text": "   "}).encode(),
+        json.dumps([1, 2, 3]).encode(),
+        json.dumps({"id": "j8", "text": "Last good line.", "metadata": {"url": "blocked.example/x"}}).encode(),
+        json.dumps({"id": "j9", "text": "Really the last good line.", "title": "bad \ud800 title"}).encode(),
+        json.dumps({"id": "j10", "text": "lone surrogate \ud800 in the text"}).encode(),
+        b'[[[[[[[[[[' * 20000 + b']' * 200000,  # deeper than the JSON parser goes
+    ]
+    (root / "jsonl" / "a.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    full = gzip.compress(b"\n".join(
+        json.dumps({"id": f"t{i}", "text": " ".join(hashlib.sha256(f"{i}:{j}".encode()).hexdigest() for j in range(20))}
+                   ).encode() for i in range(20)) + b"\n")
+    (root / "jsonl" / "b.jsonl.gz").write_bytes(full[: len(full) * 2 // 3])  # truncated gzip
+    (root / "jsonl" / "c.jsonl").write_bytes(b"")
+    expected = {
+        "quarantined": {"malformed_warc": 1, "invalid_utf8": 2, "truncated": 2, "empty_file": 2,
+                        "bad_json": 3, "oversized": 1, "missing_text": 1, "invalid_unicode": 1},
+        "dropped": {"non_html": 1, "http_status": 1, "opt_out": 2, "empty_extraction": 1, "empty_text": 1},
+    }
+    return root, expected
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    from tasks.core.ray_utils import init_ray
+
+    init_ray(RayConfig(num_cpus=2))
+    yield
+    ray.shutdown()
+
+
+def test_corrupted_inputs_quarantined_with_reasons(corrupted, ray_session, tmp_path):
+    root, expected = corrupted
+    cfg = PipelineConfig(
+        name="corrupted",
+        sources=[src("bad-warc", root / "warc" / "*.warc.gz", "warc", opt_out_domains=["blocked.example"]),
+                 src("bad-jsonl", root / "jsonl" / "*", "jsonl", opt_out_domains=["blocked.example"])],
+        ray=RayConfig(num_cpus=2), ingest=IngestConfig(max_doc_bytes=2000, shard_docs=3),
+    )
+    s = run_ingest(cfg, tmp_path / "out")
+    assert s["quarantined"] == expected["quarantined"]
+    assert s["dropped"] == expected["dropped"]
+    assert s["docs_in"] == s["docs_out"] + sum(s["dropped"].values()) + sum(s["quarantined"].values())
+    # good records survive around the damage: the WARC pages before and after the malformed
+    # member and before the cut, j1 and j9, and the complete lines of the truncated gzip
+    docs = list(iter_docs(s["shards"]))
+    urls = [d["url"] for d in docs if d["source"] == "bad-warc"]
+    assert urls == ["https://site.test/page0", "https://site.test/page1", "https://site.test/page2",
+                    "https://site.test/page3"]
+    jsonl_keys = [d["text"][:10] for d in docs if d["source"] == "bad-jsonl"]
+    assert jsonl_keys[:2] == ["First good", "Really the"]
+    assert len(jsonl_keys) == s["sources"]["bad-jsonl"]["docs_out"] >= 3
+    assert len(docs) == s["docs_out"] and all(pq.ParquetFile(p).metadata.num_rows <= 3 for p in s["shards"])
+    # quarantine file: one line per quarantined record, with source, file and offset
+    q = [json.loads(line) for line in Path(s["quarantine_file"]).read_text().splitlines()]
+    assert Counter(e["reason"] for e in q) == Counter(expected["quarantined"])
+    assert all(e["source"] in ("bad-warc", "bad-jsonl") and Path(e["file"]).is_absolute()
+               and isinstance(e["offset"], int) for e in q)
+    malformed = next(e for e in q if e["reason"] == "malformed_warc")
+    assert malformed["file"].endswith("a.warc.gz") and malformed["offset"] > 0
+    bad_json = [e for e in q if e["reason"] == "bad_json"]
+    assert sorted(e["line"] for e in bad_json) == [2, 7, 11]
+    assert next(d for d in docs if d["text"].startswith("Really"))["title"] == "bad \ufffd title"
+    assert s["sources"]["bad-warc"]["files"] == sorted(str(p) for p in (root / "warc").glob("*.warc.gz"))
+    assert s["sources"]["bad-warc"]["licence"] == "test-licence"
+
+
+@needs_data
+def test_run_ingest_real_sources_order_and_caps(ray_session, tmp_path):
+    cfg = PipelineConfig(
+        name="real",
+        sources=[src("docs-crawl", "web/docs-crawl-0000[01].warc.gz", "warc", max_docs=30),
+                 src("wget", "web/wget-sample-0001.warc.gz", "warc"),
+                 src("cc-net", "web/cc-net-head-sample.jsonl.gz", "jsonl", max_docs=7)],
+        data_root=str(DATA), ray=RayConfig(num_cpus=2), ingest=IngestConfig(shard_docs=20),
+    )
+    s = run_ingest(cfg, tmp_path / "out")
+    json.dumps(s)  # JSON-serialisable
+    assert s["docs_in"] == 30 + 15 + 7
+    assert s["docs_in"] == s["docs_out"] + sum(s["dropped"].values()) + sum(s["quarantined"].values())
+    assert s["sources"]["docs-crawl"]["docs_in"] == 30
+    assert s["sources"]["docs-crawl"]["files"] == [str(WEB / "docs-crawl-00000.warc.gz")]  # cap reached in file 0
+    assert s["sources"]["wget"]["skipped_records"] == {"metadata": 1, "request": 15, "resource": 2, "warcinfo": 1}
+    assert s["skipped_records"]["warcinfo"] == 2
+    assert count_docs(s["shards"]) == s["docs_out"] and Path(s["shards"][0]).name == "shard-00000.parquet"
+    assert not (tmp_path / "out" / "_parts").exists()
+    docs = list(iter_docs(s["shards"]))
+    # same documents, same order as a plain serial pass over the same records
+    serial = []
+    for source, n in ((cfg.sources[0], 30), (cfg.sources[1], None), (cfg.sources[2], 7)):
+        path = str(WEB / "docs-crawl-00000.warc.gz") if source.name == "docs-crawl" else cfg.resolve_uri(source.uri)
+        r = process_file_range(source, path, cfg.ingest, 0, n)
+        serial += r["docs"]
+    assert [d["id"] for d in docs] == [d["id"] for d in serial]
+    assert len({d["id"] for d in docs}) == len(docs)
+    assert [d["source"] for d in docs] == sorted((d["source"] for d in docs), key=["docs-crawl", "wget", "cc-net"].index)

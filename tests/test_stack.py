@@ -1,0 +1,148 @@
+"""The local stack with real processes: a Prefect server and an MLflow server on free ports in a
+temporary state directory (so a developer's own stack on the default ports is not disturbed)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from infra import stack
+from tasks.config import StackConfig
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+@pytest.fixture
+def stack_cfg(tmp_path):
+    return StackConfig(state_dir=str(tmp_path / "state"), prefect_port=_free_port(), mlflow_port=_free_port(),
+                       start_timeout=240, stop_timeout=15)
+
+
+@pytest.fixture(autouse=True)
+def _no_state_dir_env(monkeypatch):
+    monkeypatch.delenv(stack.STATE_DIR_ENV, raising=False)
+
+
+def test_up_idempotent_status_down(stack_cfg):
+    state = stack.state_dir(stack_cfg)
+    # a stale pid file from a crashed earlier stack is cleaned up, not trusted
+    (state / "run").mkdir(parents=True)
+    (state / "run" / "prefect.pid").write_text(f"{_dead_pid()}\n")
+
+    t0 = time.monotonic()
+    first = stack.up(stack_cfg)
+    cold = time.monotonic() - t0
+    print(f"\ncold `up`: {cold:.1f}s (prefect {first['prefect']['seconds']}s, mlflow {first['mlflow']['seconds']}s)")
+    for name in ("prefect", "mlflow"):
+        assert first[name]["healthy"] and first[name]["started"], first
+        assert stack.pid_alive(first[name]["pid"])
+        assert (state / "run" / f"{name}.pid").read_text().strip() == str(first[name]["pid"])
+        assert (state / "logs" / f"{name}.log").stat().st_size > 0
+
+    st = stack.status(stack_cfg)
+    assert set(st) == {"prefect", "mlflow"}
+    assert {n: (s["healthy"], s["pid"]) for n, s in st.items()} == \
+        {n: (True, first[n]["pid"]) for n in ("prefect", "mlflow")}
+    assert st["prefect"]["url"] == f"http://127.0.0.1:{stack_cfg.prefect_port}"
+    assert st["mlflow"]["url"] == stack.mlflow_tracking_uri(stack_cfg)
+
+    # the services really are what they claim: Prefect's API and MLflow's REST API on those ports,
+    # with their databases under the state directory
+    assert httpx.get(f"{stack.prefect_api_url(stack_cfg)}/health", timeout=10).json() is True
+    r = httpx.get(f"{stack.mlflow_tracking_uri(stack_cfg)}/api/2.0/mlflow/experiments/get-by-name",
+                  params={"experiment_name": "Default"}, timeout=10)
+    assert r.status_code == 200 and r.json()["experiment"]["name"] == "Default"
+    assert (state / "prefect" / "prefect.db").exists() and (state / "mlflow" / "mlflow.db").exists()
+
+    # `crucible status --json` prints exactly {service: {url, healthy, pid}}
+    out = subprocess.run([sys.executable, "-m", "infra.cli", "--state-dir", str(state), "status", "--json",
+                          "--set", f"stack.prefect_port={stack_cfg.prefect_port}",
+                          "--set", f"stack.mlflow_port={stack_cfg.mlflow_port}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == st
+
+    # idempotent: a second `up` leaves the healthy services alone
+    t0 = time.monotonic()
+    again = stack.up(stack_cfg)
+    assert time.monotonic() - t0 < 10
+    for name in ("prefect", "mlflow"):
+        assert again[name]["pid"] == first[name]["pid"] and not again[name]["started"]
+
+    # a port clash with a different config is refused while the stack runs
+    moved = stack_cfg.model_copy(update={"mlflow_port": _free_port()})
+    with pytest.raises(stack.StackError, match="crucible down"):
+        stack.up(moved)
+
+    pgids = [first[n]["pid"] for n in ("prefect", "mlflow")]
+    assert all(stack.group_pids(g) for g in pgids)
+    result = stack.down(stack_cfg)
+    assert result["prefect"] in ("stopped", "killed") and result["mlflow"] in ("stopped", "killed")
+    assert result["model_server"] == "not running"
+    st = stack.status(stack_cfg)
+    assert all(not s["healthy"] and s["pid"] is None for s in st.values()), st
+    assert all(stack.group_pids(g) == [] for g in pgids), "processes left behind after down"
+    assert not list((state / "run").glob("*.pid"))
+    assert stack.port_free("127.0.0.1", stack_cfg.prefect_port)
+    assert stack.port_free("127.0.0.1", stack_cfg.mlflow_port)
+    assert stack.down(stack_cfg) == {"model_server": "not running", "mlflow": "not running", "prefect": "not running"}
+
+
+def test_port_taken_by_another_process_is_a_clear_error(stack_cfg):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        cfg = stack_cfg.model_copy(update={"mlflow_port": taken})
+        with pytest.raises(stack.StackError, match=rf"port 127\.0\.0\.1:{taken} is in use.*stack\.mlflow_port"):
+            stack.up(cfg)
+    # nothing was launched: the check runs before any service starts
+    assert stack.status(cfg)["prefect"]["pid"] is None
+    assert not list((stack.state_dir(cfg) / "run").glob("*.pid"))
+
+
+def _spec(cfg, name: str, code: str, port: int) -> stack.ServiceSpec:
+    return stack.ServiceSpec(name=name, cmd=[sys.executable, "-c", code], host="127.0.0.1", port=port,
+                             health_path="/health", url=f"http://127.0.0.1:{port}", marker=["-c"])
+
+
+def test_service_that_dies_reports_its_log_tail(stack_cfg):
+    spec = _spec(stack_cfg, "broken", "import sys; print('boom: no database'); sys.exit(3)", _free_port())
+    with pytest.raises(stack.StackError, match="(?s)broken exited during start-up.*boom: no database"):
+        stack.start_services(stack_cfg, [spec], timeout=30)
+    assert stack.running_pid(stack_cfg, "broken") is None
+
+
+def test_service_that_never_gets_healthy_times_out_and_is_killed(stack_cfg):
+    # ignores SIGTERM, so the SIGKILL escalation is exercised too
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('hung', flush=True); time.sleep(60)"
+    spec = _spec(stack_cfg, "hung", code, _free_port())
+    cfg = stack_cfg.model_copy(update={"stop_timeout": 1.0})
+    t0 = time.monotonic()
+    with pytest.raises(stack.StackError, match="(?s)hung not healthy after 2s.*hung"):
+        stack.start_services(cfg, [spec], timeout=2)
+    assert time.monotonic() - t0 < 15
+    pid = json.loads((stack.state_dir(cfg) / "run" / "hung.json").read_text())  # spec kept for the record
+    assert pid["name"] == "hung"
+    assert not (stack.state_dir(cfg) / "run" / "hung.pid").exists()
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and "time.sleep(60)" in stack._cmdline(int(p))
+                and "SIG_IGN" in stack._cmdline(int(p))]
