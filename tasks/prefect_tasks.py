@@ -71,7 +71,7 @@ def _run_facets(cfg: PipelineConfig, stage: str, result: dict) -> dict:
     if "docs_in" in result:
         facets["crucible_stats"] = CrucibleStatsRunFacet(stage=stage, docs_in=result["docs_in"],
                                                          docs_out=result["docs_out"], dropped=result.get("dropped", {}))
-    if "val_loss" in result:
+    if stage == "evaluate":
         facets["crucible_eval"] = CrucibleEvalRunFacet(val_loss=result["val_loss"], perplexity=result["perplexity"],
                                                        step=result["step"])
     return facets

@@ -2,9 +2,10 @@
 
 `init_ray(cfg.ray)` reuses a Ray that is already initialised in this process (a Prefect task
 runner, a test fixture), otherwise calls `ray.init` with the config's address and CPU count.
-With no address a local Ray is started; `RAY_AUTH_MODE=disabled` is set for it unless the
-environment says otherwise. With an address ("auto", "ray://host:10001") Ray attaches and the
-CPU count comes from the cluster, so `num_cpus` is not passed.
+With no address (and no RAY_ADDRESS in the environment) a local Ray is started with
+`ray.num_cpus`; `RAY_AUTH_MODE=disabled` is set for it unless the environment says otherwise.
+With an address ("auto", "ray://host:10001") Ray attaches and the CPU count comes from the
+cluster, so `num_cpus` is not passed.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def init_ray(cfg: RayConfig | None = None) -> bool:
     cfg = cfg or RayConfig()
     kwargs: dict = {"include_dashboard": False, "ignore_reinit_error": True,
                     "logging_level": logging.WARNING}
-    if cfg.address is None:
+    if cfg.address is None and not os.environ.get("RAY_ADDRESS"):
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         kwargs["num_cpus"] = cfg.num_cpus
     ray.init(address=cfg.address, **kwargs)

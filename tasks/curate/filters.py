@@ -4,8 +4,10 @@ Each is a `tasks.core.steps.Filter` whose `decide(doc)` returns None (keep) or
 "<filter name>:<rule>", with the rule names of the reference implementation (datatrove's
 GopherQualityFilter, GopherRepetitionFilter, C4QualityFilter, FineWebQualityFilter as used to
 build FineWeb), so counts compare with published FineWeb statistics. Thresholds come from the
-matching config section; a threshold of 0 (or None) switches that single rule off, and
-`enabled: false` switches the whole filter off (`build_filters` leaves it out).
+matching config section and keep the reference's semantics for switching one rule off: Gopher
+rules with a threshold of 0; C4 numeric rules with -1 (booleans for the others); FineWeb rules
+with a threshold out of range (e.g. `line_punct_thr: -1`, `short_line_thr: 1.01`). `enabled:
+false` switches a whole filter off (`build_filters` leaves it out).
 
 The rules are re-implemented here from the reference definitions; the word tokeniser and
 sentence splitter are regex stand-ins for NLTK's (see `tasks.curate.text` for the deviation).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from itertools import accumulate
 
 from tasks.config import C4Config, CurateConfig, FineWebConfig, GopherQualityConfig, GopherRepetitionConfig
 from tasks.core.steps import Filter
@@ -38,23 +41,38 @@ def duplicates(items: list[str]) -> tuple[int, int]:
     return n, chars
 
 
-def top_ngram_chars(toks: list[str], n: int) -> int:
+class _Joined:
+    """Tokens joined once (with and without spaces) so an n-gram is one string slice."""
+
+    def __init__(self, toks: list[str]):
+        self.n_toks = len(toks)
+        self.cat = "".join(toks)
+        self.cat_sp = " ".join(toks)
+        self.ends = list(accumulate(len(t) for t in toks))  # end of token i in `cat`
+        self.starts = [0] + self.ends[:-1]
+        # n-gram of tokens i..i+k: cat[starts[i]:ends[i+k]]; space-joined: shift by i (spaces before)
+
+
+def top_ngram_chars(toks: list[str] | _Joined, n: int) -> int:
     """Characters covered by the most frequent n-gram (space-joined length × count); ties go to
     the n-gram seen first. 0 when there are fewer than n tokens."""
-    grams = [" ".join(toks[i:i + n]) for i in range(len(toks) - n + 1)]
-    if not grams:
+    j = toks if isinstance(toks, _Joined) else _Joined(toks)
+    if j.n_toks < n:
         return 0
-    gram, count = Counter(grams).most_common(1)[0]
+    cat, st, en, k = j.cat_sp, j.starts, j.ends, n - 1
+    gram, count = Counter(cat[st[i] + i:en[i + k] + i + k] for i in range(j.n_toks - k)).most_common(1)[0]
     return len(gram) * count
 
 
-def duplicated_ngram_chars(toks: list[str], n: int) -> int:
+def duplicated_ngram_chars(toks: list[str] | _Joined, n: int) -> int:
     """Characters in n-grams that repeat an earlier n-gram, scanning left to right and jumping
     past a repeat so overlapping repeats are not counted twice (n-gram = tokens concatenated)."""
+    j = toks if isinstance(toks, _Joined) else _Joined(toks)
     seen: set[str] = set()
     chars = i = 0
-    while i < len(toks) - n + 1:
-        gram = "".join(toks[i:i + n])
+    last, cat, st, en, k = j.n_toks - n, j.cat, j.starts, j.ends, n - 1
+    while i <= last:
+        gram = cat[st[i]:en[i + k]]
         if gram in seen:
             chars += len(gram)
             i += n
@@ -135,7 +153,7 @@ class GopherRepetitionFilter(Filter):
             return "gopher_repetition:dup_line_frac"
         if c.dup_line_char_frac and dup_chars / len(text) > c.dup_line_char_frac:
             return "gopher_repetition:dup_line_char_frac"
-        toks = words(text)
+        toks = _Joined(words(text))
         for n, frac in sorted(c.top_n_grams.items()):
             if frac and top_ngram_chars(toks, n) / len(text) > frac:
                 return f"gopher_repetition:top_{n}_gram"
@@ -166,7 +184,7 @@ class C4QualityFilter(Filter):
         for line in doc["text"].splitlines():
             line = line.strip()
             toks = line.split()
-            if c.max_word_length > 0 and any(len(w) > c.max_word_length for w in toks):
+            if c.max_word_length >= 0 and any(len(w) > c.max_word_length for w in toks):
                 continue
             if c.remove_citations:
                 line = self.CITATION.sub("", line)

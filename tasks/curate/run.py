@@ -1,9 +1,10 @@
 """`run_curate`: ingested shards → language id → heuristic filters → exact + MinHash dedup.
 
-1. Per input shard, on Ray actors (one per CPU, each loads the fastText model once):
+1. Per input row group (ingest writes 500-row groups), on Ray actors (one per CPU, each loads
+   the fastText model once):
    `run_filters` with the enabled filters (`filters.build_filters`), kept documents written to
    a part file; for every kept document the worker also returns its id, exact-dedup key,
-   MinHash signature and size. Actor results come back in shard order.
+   MinHash signature and size. Actor results come back in corpus order.
 2. In the driver, over the whole corpus in shard/row order: exact dedup (first copy kept),
    then MinHash LSH clustering of the remaining documents (first document of each cluster kept).
 3. The parts are streamed into `out_dir/shard-00000.parquet`, ... (`curate.shard_docs` rows
@@ -23,6 +24,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from tasks.config import CurateConfig, PipelineConfig
 from tasks.core.documents import AtomicJsonlWriter, ShardWriter, iter_doc_batches, iter_docs
 from tasks.core.ray_utils import cluster_cpus, init_ray
@@ -39,16 +42,29 @@ def filter_names(cfg: CurateConfig) -> list[str]:
     return [name for name, on in order if on]
 
 
+def _batches(shard: str | Path, row_groups: list[int] | None, batch_size: int):
+    if row_groups is None:
+        yield from iter_doc_batches([shard], batch_size=batch_size)
+        return
+    pf = pq.ParquetFile(shard)
+    try:
+        for batch in pf.iter_batches(batch_size=batch_size, row_groups=row_groups):
+            yield batch.to_pylist()
+    finally:
+        pf.close()
+
+
 def curate_shard(shard: str | Path, filters: list, hasher: MinHasher | None, part_dir: str | Path,
-                 part_name: str, batch_size: int = 500) -> dict:
-    """Filter one shard; write survivors to `<part_dir>/<part_name>-00000.parquet`."""
+                 part_name: str, row_groups: list[int] | None = None, batch_size: int = 500) -> dict:
+    """Filter one shard (or some of its row groups); write survivors to
+    `<part_dir>/<part_name>-00000.parquet`."""
     stats: dict[str, StepStats] = {}
     dropped: list = []
     languages: Counter = Counter()
     ids, keys, sigs, nbytes = [], [], [], []
     docs_in = 0
     with ShardWriter(part_dir, prefix=part_name, shard_docs=1 << 40) as writer:
-        for batch in iter_doc_batches([shard], batch_size=batch_size):
+        for batch in _batches(shard, row_groups, batch_size):
             docs_in += len(batch)
             for doc in run_filters(batch, filters, stats, dropped):
                 writer.write(doc)
@@ -75,21 +91,33 @@ class CurateWorker:
         mh = cfg.dedup.minhash
         self.hasher = MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram) if mh.enabled else None
 
-    def process(self, shard: str, part_dir: str, part_name: str) -> dict:
-        return curate_shard(shard, self.filters, self.hasher, part_dir, part_name)
+    def process(self, shard: str, part_dir: str, part_name: str, row_groups: list[int] | None = None) -> dict:
+        return curate_shard(shard, self.filters, self.hasher, part_dir, part_name, row_groups)
+
+
+def _jobs(shards: list[str], parts_dir: Path) -> list[tuple]:
+    """One job per Parquet row group (ingest writes 500-row groups), in corpus order, so a
+    corpus of one shard still spreads over all workers."""
+    jobs = []
+    for s in shards:
+        for rg in range(pq.ParquetFile(s).metadata.num_row_groups):
+            jobs.append((s, str(parts_dir), f"{len(jobs):05d}", [rg]))
+    return jobs
 
 
 def _map_shards(cfg: PipelineConfig, shards: list[str], parts_dir: Path) -> list[dict]:
     import ray
     from ray.util import ActorPool
 
+    jobs = _jobs(shards, parts_dir)
+    if not jobs:
+        return []
     init_ray(cfg.ray)
-    n = max(1, min(cluster_cpus(), len(shards)))
+    n = max(1, min(cluster_cpus(), len(jobs)))
     actor_cls = ray.remote(num_cpus=1)(CurateWorker)
     actors = [actor_cls.remote(cfg.curate) for _ in range(n)]
     try:
         pool = ActorPool(actors)
-        jobs = [(s, str(parts_dir), f"{i:05d}") for i, s in enumerate(shards)]
         return list(pool.map(lambda a, job: a.process.remote(*job), jobs))
     finally:
         for a in actors:
@@ -199,6 +227,6 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> dic
         "languages_out": {str(k): v for k, v in languages_out.most_common()},
         "shards": [str(p) for p in writer.paths],
         "dropped_file": str(dropped_path),
-        "workers": min(cluster_cpus(), len(shards)) if shards else 0,
+        "workers": min(cluster_cpus(), len(results)) if results else 0,
         "seconds": round(time.perf_counter() - t0, 3),
     }

@@ -54,8 +54,14 @@ def _sentence_words(sent: str) -> list[str]:
     return sent.split()
 
 
+@lru_cache(maxsize=4)
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(w for sent in sentences(text) for w in _sentence_words(sent))
+
+
 def words(text: str) -> list[str]:
-    return [w for sent in sentences(text) for w in _sentence_words(sent)]
+    """Word tokens of `text` (the last few texts are cached: consecutive filters share them)."""
+    return list(_words(text))
 
 
 @lru_cache(maxsize=4096)

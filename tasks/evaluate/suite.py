@@ -1,4 +1,4 @@
-"""The evaluation task suite: WikiText-2 perplexity, LAMBADA, HellaSwag and calibration.
+r"""The evaluation task suite: WikiText-2 perplexity, LAMBADA, HellaSwag and calibration.
 
 Each task follows the lm-evaluation-harness task of the same name (see tasks.evaluate.scoring for
 how text is scored), on the copies under data_root/eval:

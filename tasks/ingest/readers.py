@@ -31,7 +31,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
