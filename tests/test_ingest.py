@@ -115,6 +115,23 @@ def test_jsonl_zstd_multi_frame_and_truncation(tmp_path):
     assert 3000 <= len(recs) - 1 < 6000 and [r.key for r in recs[:-1]] == [f"z{i}" for i in range(len(recs) - 1)]
 
 
+def test_text_and_parquet_sources(tmp_path):
+    (tmp_path / "book.txt").write_text("Chapter one.\n\nIt was a dark night.", encoding="utf-8")
+    (tmp_path / "bad.txt").write_bytes(b"caf\xe9")
+    recs, _ = split(list(iter_records(tmp_path / "book.txt", "text")))
+    assert len(recs) == 1 and recs[0].text.startswith("Chapter one") and recs[0].key == "book.txt"
+    assert [r.error for r in iter_records(tmp_path / "bad.txt", "text")] == ["invalid_utf8"]
+    assert [r.error for r in iter_records(tmp_path / "book.txt", "text", max_record_bytes=10)] == ["oversized_record"]
+    paths = ShardWriter(tmp_path / "pq", shard_docs=100)
+    paths.write_many([{"id": "p0", "text": "first row", "url": "https://p.test/0"}, {"id": "p1", "text": "second row"}])
+    shard = paths.close()[0]
+    recs, _ = split(list(iter_records(shard, "parquet")))
+    assert [(r.key, r.text, r.url, r.offset) for r in recs] == [("p0", "first row", "https://p.test/0", 0),
+                                                                 ("p1", "second row", None, 1)]
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really parquet")
+    assert [r.error for r in iter_records(tmp_path / "broken.parquet", "parquet")] == ["bad_parquet"]
+
+
 # ------------------------------------------------------------------ readers on real files
 
 @needs_data

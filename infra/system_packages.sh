@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Debian packages Crucible needs beyond Python: the C++ toolchain and libraries to build KenLM's
+# lmplz/build_binary, and headless Chromium + its driver for the lineage page's browser test.
+# Installs only what is missing; needs root (or sudo) and apt-get.
+set -euo pipefail
+
+PACKAGES=(
+    cmake g++ make zlib1g-dev libbz2-dev liblzma-dev
+    libboost-program-options-dev libboost-system-dev libboost-thread-dev libboost-test-dev libeigen3-dev
+    chromium chromium-driver
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && { echo "setup: Debian packages present"; exit 0; }
+
+if ! command -v apt-get >/dev/null 2>&1; then
+    echo "setup: missing system packages (${missing[*]}) and no apt-get; install them with your package manager" >&2
+    exit 1
+fi
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+echo "setup: installing Debian packages: ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+LOG="$(mktemp)"
+if ! { $SUDO apt-get update -q && $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"; } >"$LOG" 2>&1; then
+    tail -n 30 "$LOG" >&2
+    echo "setup: apt-get install failed (full log: $LOG)" >&2
+    exit 1
+fi
+rm -f "$LOG"
