@@ -33,6 +33,7 @@ class SourceConfig(Section):
     provenance: str
     max_docs: int | None = Field(default=None, gt=0)  # cap per source, for quick runs
     opt_out_domains: list[str] = []
+    opt_out_url_patterns: list[str] = []  # regexes searched in the URL; a match drops the record "opt_out"
     pii_policy: Literal["redact", "keep"] = "redact"
     mixture_weight: float = Field(default=1.0, ge=0)
 
@@ -111,11 +112,101 @@ class MinHashConfig(Section):
     bands: int = Field(default=14, gt=0)
     rows: int = Field(default=8, gt=0)
     seed: int = 1
+    # datasketch permutation scheme the signatures match: "affine32" (its default since 2.0.0)
+    # or "legacy" (Mersenne-prime universal hash of datasketch < 2.0)
+    scheme: Literal["affine32", "legacy"] = "affine32"
+    verify: bool = False  # join an LSH candidate pair only if its exact shingle Jaccard >= threshold
+    verify_threshold: float = Field(default=0.8, ge=0, le=1)
+    batch_shingles: int = Field(default=16384, gt=0)  # shingles hashed per vectorised batch
 
 
 class DedupConfig(Section):
     exact: bool = True
     minhash: MinHashConfig = MinHashConfig()
+
+
+class PiiConfig(Section):
+    """PII redaction (tasks.curate.pii), applied per document according to its source's
+    `pii_policy`; documents whose source is not in the registry use `default_policy`."""
+
+    enabled: bool = True
+    kinds: list[Literal["email", "ip_address", "phone"]] = ["email", "ip_address", "phone"]
+    default_policy: Literal["redact", "keep"] = "redact"
+
+
+class DecontamBenchmark(Section):
+    name: str = Field(pattern=r"^[a-z0-9_\-]+$")
+    path: str  # relative to data_root unless absolute
+    # how items are read: lambada = one JSONL line {"text"}; hellaswag = ctx + gold ending per line;
+    # wikitext = one item per article (split at " = Title = " headings); jsonl_text = {"text"} per line
+    format: Literal["lambada", "hellaswag", "wikitext", "jsonl_text"]
+
+
+class DecontamConfig(Section):
+    """Drop documents sharing a normalised word n-gram with an evaluation set (tasks.curate.decontam)."""
+
+    enabled: bool = True
+    n: int = Field(default=13, ge=3)
+    benchmarks: list[DecontamBenchmark] = [
+        DecontamBenchmark(name="lambada", path="eval/lambada_test.jsonl", format="lambada"),
+        DecontamBenchmark(name="hellaswag", path="eval/hellaswag_val.jsonl", format="hellaswag"),
+        DecontamBenchmark(name="wikitext", path="eval/wikitext-2/test.txt", format="wikitext"),
+    ]
+    on_missing: Literal["error", "skip"] = "error"  # a configured benchmark file that is absent
+
+
+class QualityClassifierConfig(Section):
+    """fastText reference-vs-crawl quality classifier (tasks.quality.classifier)."""
+
+    enabled: bool = False
+    # positives: reference corpus (globs relative to data_root: .txt, .jsonl[.gz], .parquet)
+    positives: list[str] = ["text/gutenberg/*.txt", "text/linux-doc-rst.jsonl.gz"]
+    # negatives: raw crawl text, e.g. ingest output shards or raw web docs
+    negatives: list[str] = ["web/cc-main-2019-30-sample.jsonl.gz"]
+    max_docs_per_class: int = Field(default=3000, gt=0)
+    passage_words: int = Field(default=200, gt=0)  # .txt files are cut into passages of this many words
+    max_chars: int = Field(default=5000, gt=0)  # characters of a document used for training/scoring
+    heldout_fraction: float = Field(default=0.2, gt=0, lt=1)
+    seed: int = 0
+    epoch: int = Field(default=5, gt=0)
+    lr: float = Field(default=0.5, gt=0)
+    dim: int = Field(default=10, gt=0)  # with bucket=200k: an ~8 MB .bin
+    word_ngrams: int = Field(default=2, gt=0)
+    min_count: int = Field(default=2, gt=0)
+    bucket: int = Field(default=200_000, gt=0)  # hashed n-gram buckets: keeps the model a few MB
+    quantize: bool = False  # also write a quantised .ftz (product quantisation: slow, ~1 MB)
+    quantize_cutoff: int = Field(default=20_000, gt=0)  # rows of the input/n-gram matrix kept
+    threshold: float | None = Field(default=0.5, ge=0, le=1)  # keep docs scoring >= this
+    keep_top_fraction: float | None = Field(default=None, gt=0, le=1)  # or keep the best fraction
+
+
+class KenLMConfig(Section):
+    """CCNet-style KenLM perplexity (tasks.quality.kenlm_lm)."""
+
+    enabled: bool = False
+    reference: list[str] = ["text/gutenberg/*.txt", "text/linux-doc-rst.jsonl.gz"]
+    max_docs: int = Field(default=5000, gt=0)
+    order: int = Field(default=5, ge=2)
+    memory: str = "256M"  # lmplz -S
+    prune: list[int] = []  # lmplz --prune, e.g. [0, 0, 1]
+    bin_dir: str | None = None  # lmplz/build_binary; default: $CRUCIBLE_KENLM_BIN or infra/.build/kenlm/bin
+    head_percentile: float = Field(default=30, gt=0, lt=100)  # per-source perplexity cut-offs
+    tail_percentile: float = Field(default=60, gt=0, lt=100)
+    drop_buckets: list[Literal["head", "middle", "tail"]] = []  # [] tags only; ["tail"] drops the tail
+
+    @model_validator(mode="after")
+    def _order(self) -> "KenLMConfig":
+        if self.head_percentile >= self.tail_percentile:
+            raise ValueError("head_percentile must be below tail_percentile")
+        return self
+
+
+class QualityConfig(Section):
+    """Model-based quality (tasks/quality): an optional curate stage, off by default."""
+
+    classifier: QualityClassifierConfig = QualityClassifierConfig()
+    kenlm: KenLMConfig = KenLMConfig()
+    batch_docs: int = Field(default=500, gt=0)  # documents per scoring batch
 
 
 class CurateConfig(Section):
@@ -124,8 +215,11 @@ class CurateConfig(Section):
     gopher_repetition: GopherRepetitionConfig = GopherRepetitionConfig()
     c4: C4Config = C4Config()
     fineweb: FineWebConfig = FineWebConfig()
+    decontam: DecontamConfig = DecontamConfig()
+    pii: PiiConfig = PiiConfig()
     dedup: DedupConfig = DedupConfig()
     shard_docs: int = Field(default=2000, gt=0)  # documents per curated Parquet shard
+    resume: bool = True  # reuse finished per-job parts (sha256-verified) and a complete output
 
 
 class TokenizerConfig(Section):
@@ -183,6 +277,25 @@ class TrainConfig(Section):
     rdzv_id: str | None = None  # multi-node: job id shared by all nodes (default: the run name)
     grad_accum_steps: int = Field(default=1, gt=0)  # micro-batches per optimizer step
     resume: bool = False  # continue from the newest checkpoint in the output directory
+    # Global batch in tokens (None: micro_batch_size x seq_len x world x grad_accum_steps). When set,
+    # the gradient-accumulation steps follow from it and the world size, so the global sequence of
+    # batches does not depend on the world size (and a run may resume on another world size).
+    batch_tokens: int | None = Field(default=None, gt=0)
+    lr_schedule: Literal["cosine", "wsd"] = "cosine"  # wsd: warmup-stable-decay
+    wsd_decay_fraction: float = Field(default=0.2, gt=0, le=1)  # wsd: last fraction of max_steps decaying
+    wsd_decay_shape: Literal["linear", "sqrt"] = "linear"  # sqrt: lr follows 1 - sqrt(progress)
+    stop_at_step: int | None = Field(default=None, gt=0)  # end this launch after this step (checkpointed)
+    max_restarts: int = Field(default=0, ge=0)  # torchrun --max-restarts: workers restart, resume from latest
+    keep_last_checkpoints: int | None = Field(default=None, gt=0)  # None: keep all
+    keep_best_checkpoints: int = Field(default=0, ge=0)  # also keep the N best (val loss, else train loss)
+    peak_flops_per_s: float | None = Field(default=None, gt=0)  # per process; MFU is logged when set
+    spike_detection: bool = True
+    spike_window: int = Field(default=20, ge=2)  # rolling window of healthy steps
+    spike_min_history: int = Field(default=5, ge=2)  # healthy steps before detection starts
+    spike_sigma: float = Field(default=6.0, gt=0)  # a spike: loss or grad norm > mean + k * std
+    spike_rollback_after: int = Field(default=3, gt=0)  # consecutive spikes -> roll back to a checkpoint
+    spike_max_rollbacks: int = Field(default=3, ge=0)
+    node_rank: int | None = Field(default=None, ge=0)  # multi-node: this node's rank (torchrun --node-rank)
 
     @model_validator(mode="after")
     def _lr_order(self) -> "TrainConfig":
@@ -190,6 +303,8 @@ class TrainConfig(Section):
             raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the rendezvous)")
+        if self.stop_at_step is not None and self.stop_at_step > self.max_steps:
+            raise ValueError(f"stop_at_step ({self.stop_at_step}) must not exceed max_steps ({self.max_steps})")
         return self
 
 
@@ -271,7 +386,7 @@ class EvaluateConfig(Section):
     calibration: CalibrationEvalConfig = CalibrationEvalConfig()
     reference: ReferenceEvalConfig = ReferenceEvalConfig()
     task_batch_size: int = Field(default=16, gt=0)  # sequences per forward pass in the task suite
-    on_missing_data: Literal["error", "skip"] = "error"  # an enabled task whose data file is absent
+    on_missing: Literal["error", "skip"] = "error"  # an enabled task whose data file is absent
 
 
 class DeployConfig(Section):
@@ -284,6 +399,10 @@ class DeployConfig(Section):
     threads: int = Field(default=2, gt=0)  # torch threads of the model server
     max_tokens_limit: int = Field(default=1024, gt=0)  # largest max_tokens a request may ask for
     max_n: int = Field(default=16, gt=0)  # largest n (completions per prompt) a request may ask for
+    max_batch: int = Field(default=32, gt=0)  # sequences the server decodes together (continuous batching)
+    # name of the environment variable holding the bearer token clients must send (None: no auth)
+    api_key_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    reload_in_place: bool = True  # a new champion is swapped into the running server (POST /v1/admin/reload)
 
 
 class StackConfig(Section):
@@ -303,6 +422,12 @@ class LineageConfig(Section):
     service_port: int = Field(default=5055, gt=0, lt=65536)
     service_db: str = "lineage.db"  # SQLite store; relative to stack.state_dir unless absolute
     replay_batch_size: int = Field(default=500, gt=0)  # events per POST when replaying a lineage.jsonl
+    # Events always go to runs/<run>/lineage.jsonl (the record); also over HTTP, best effort, to
+    # http_url (e.g. Marquez, http://127.0.0.1:9000) or, when unset, to the stack's lineage service.
+    http_enabled: bool = True
+    http_url: str | None = Field(default=None, pattern=r"^https?://")
+    http_timeout: float = Field(default=5.0, gt=0)  # seconds per HTTP request
+    owner: str | None = "team:crucible"  # `ownership` facet of jobs and produced datasets; null: none
 
 
 # Dense BF16 peaks from the vendors' datasheets; prices are rough on-demand USD per GPU-hour.
@@ -376,6 +501,7 @@ class PipelineConfig(Section):
     stack: StackConfig = StackConfig()
     lineage: LineageConfig = LineageConfig()
     plan: PlanConfig = PlanConfig()
+    quality: QualityConfig = QualityConfig()
 
     @field_validator("sources")
     @classmethod

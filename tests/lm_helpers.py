@@ -63,7 +63,9 @@ def tiny_cfg(**sections) -> PipelineConfig:
         "train": {"nproc_per_node": 2, "max_steps": 20, "micro_batch_size": 8, "lr": 3e-3,
                   "min_lr": 3e-4, "warmup_steps": 5, "checkpoint_every": 10, "log_every": 5},
         "evaluate": {"max_val_batches": 4, "batch_size": 4, "sample_tokens": 8,
-                     "prompts": ["The Linux kernel", "Alice was"]},
+                     "prompts": ["The Linux kernel", "Alice was"],
+                     # small suite subsets keep stage tests fast; tests/test_eval_suite.py covers the suite
+                     "wikitext": {"limit": 1}, "lambada": {"limit": 20}, "hellaswag": {"limit": 10}},
     }
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)

@@ -31,7 +31,6 @@ from tasks.evaluate.suite import (
     multiple_choice_metrics,
     spread_indices,
 )
-from tasks.tokenizer.bpe import load_tokenizer
 from tasks.train.model import GPT
 
 EVAL_DIR = Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT) / "eval"
@@ -266,8 +265,17 @@ def test_tasks_switch_off_and_missing_data(base, run, tmp_path):
     missing = {**off, "lambada": {"path": str(tmp_path / "nope.jsonl"), "limit": 3}}
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         evaluate_checkpoint(tiny_cfg(evaluate=missing), *args, tmp_path / "m.json")
-    rep = evaluate_checkpoint(tiny_cfg(evaluate={**missing, "on_missing_data": "skip"}), *args, tmp_path / "m.json")
+    rep = evaluate_checkpoint(tiny_cfg(evaluate={**missing, "on_missing": "skip"}), *args, tmp_path / "m.json")
     assert "not found" in rep["tasks"]["lambada"]["skipped"]
+    # an unreachable reference endpoint is reported, and does not fail the checkpoint's evaluation
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    ref = {"enabled": True, "base_url": f"http://127.0.0.1:{closed}/v1", "model": "m", "max_retries": 0,
+           "tasks": ["lambada"]}
+    rep = evaluate_checkpoint(tiny_cfg(evaluate={**off, "lambada": {"limit": 2}, "reference": ref}), *args,
+                              tmp_path / "ref.json")
+    assert rep["tasks"]["lambada"]["n"] == 2 and "ConnectError" in rep["reference"]["error"]
 
 
 def test_reference_config_validation():
@@ -321,21 +329,35 @@ def test_reference_against_crucible_server_generation_mode(server, scorer, tmp_p
         ref = lambada_generate(client, items, max_tokens=6, batch_size=4)
     assert ref["acc"] == local["acc"] and ref["n"] == len(items) and ref["mode"] == "generate"
 
-    # the whole comparison through the config: auto mode falls back to generation (no logprobs)
+    # the whole comparison through the config. auto mode uses echo + logprobs when the server
+    # returns log-probs for the echoed prompt, and otherwise falls back to greedy generation
+    probe = httpx.post(f"{server}/completions", timeout=30, json={
+        "model": "crucible-test", "prompt": "The Linux kernel is", "max_tokens": 1, "echo": True, "logprobs": 1})
+    echoes = probe.status_code == 200 and len((probe.json()["choices"][0].get("logprobs") or {})
+                                               .get("token_logprobs") or []) > 1
+    mode = "logprobs" if echoes else "generate"
     cfg = tiny_cfg(evaluate={"lambada": {"limit": 6}, "hellaswag": {"limit": 4},
                              "reference": {"enabled": True, "base_url": server, "model": "crucible-test",
                                            "batch_size": 4, "hellaswag_max_tokens": 8}})
     local_tasks = {"lambada": eval_lambada(scorer, load_lambada(EVAL_DIR / "lambada_test.jsonl", 6)),
                    "hellaswag": {"acc": 0.25, "acc_norm": 0.5}, "calibration": {"hellaswag": {"ece": 0.4}}}
     cmp = compare_with_reference(cfg, local_tasks)
-    assert cmp["tasks"]["lambada"]["mode"] == "generate" and cmp["tasks"]["lambada"]["n"] == 6
-    assert cmp["tasks"]["hellaswag"]["mode"] == "generate" and cmp["tasks"]["hellaswag"]["n"] == 4
+    assert cmp["tasks"]["lambada"]["mode"] == mode and cmp["tasks"]["lambada"]["n"] == 6
+    assert cmp["tasks"]["hellaswag"]["mode"] == mode and cmp["tasks"]["hellaswag"]["n"] == 4
     side = cmp["side_by_side"]
     assert side["lambada_acc"]["crucible"] == local_tasks["lambada"]["acc"]
-    assert 0 <= side["lambada_acc"]["reference"] <= 1 and side["lambada_acc"]["reference_mode"] == "generate"
-    assert side["hellaswag_acc_norm"] == {"crucible": 0.5, "reference": None, "reference_mode": "generate"}
+    assert 0 <= side["lambada_acc"]["reference"] <= 1 and side["lambada_acc"]["reference_mode"] == mode
     assert side["hellaswag_ece"]["crucible"] == 0.4
-    assert set(cmp["metrics"]) == {"lambada_acc", "hellaswag_acc"}
+    if mode == "generate":
+        assert side["hellaswag_acc_norm"] == {"crucible": 0.5, "reference": None, "reference_mode": "generate"}
+        assert set(cmp["metrics"]) == {"lambada_acc", "hellaswag_acc"}
+    else:  # the same model behind the server: the same log-likelihoods as scored here
+        pairs = [(c, " of the") for c in contexts]
+        with CompletionsClient(server, "crucible-test") as client:
+            theirs = loglikelihoods(client, pairs, batch_size=4)
+        for (ll, _), s in zip(theirs, scorer.loglikelihood(pairs)):
+            assert ll == pytest.approx(s.logprob, abs=1e-3)
+        assert 0 <= cmp["metrics"]["hellaswag_ece"] <= 1
 
 
 def _fake_logprobs_endpoint(scorer: LMScorer, api_key: str, seen: list):
@@ -350,7 +372,8 @@ def _fake_logprobs_endpoint(scorer: LMScorer, api_key: str, seen: list):
         assert body["echo"] is True and body["logprobs"] == 1 and body["max_tokens"] == 1
         choices = []
         for i, prompt in enumerate(body["prompt"]):
-            ids = scorer.encode(prompt)
+            enc = scorer.tok.encode(prompt, add_special_tokens=False)
+            ids = enc.ids
             # rows[j]: log-probs of the token after ids[j] (ids[j+1], or the generated one), each
             # with up to L tokens of context, as a server with an L-token window would give them
             rows = [None] * len(ids)
@@ -360,7 +383,7 @@ def _fake_logprobs_endpoint(scorer: LMScorer, api_key: str, seen: list):
                     for j in range(e - k, e):
                         rows[j] = F.log_softmax(logits[0, j - s].float(), -1)
             gen = int(rows[-1].argmax())
-            offsets = [len(scorer.decode(ids[:j])) for j in range(len(ids))] + [len(prompt)]
+            offsets = [start for start, _ in enc.offsets] + [len(prompt)]
             token_lp = [None] + [float(rows[j - 1][t]) for j, t in enumerate(ids) if j] + [float(rows[-1][gen])]
             top = [None] + [{scorer.decode([int(r.argmax())]): float(r.max())} for r in rows]
             choices.append({"index": i, "text": prompt + scorer.decode([gen]), "finish_reason": "length",

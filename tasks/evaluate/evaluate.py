@@ -117,9 +117,14 @@ def _evaluate(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Path, tokens_
     log.info("evaluate: task suite of step %s in %s s: %s", meta["step"], suite["seconds"], suite["metrics"])
     reference = None
     if ecfg.reference.enabled:
-        from tasks.evaluate.reference import compare_with_reference
+        from tasks.evaluate.reference import EndpointError, compare_with_reference
 
-        reference = compare_with_reference(cfg, suite["tasks"])
+        try:
+            reference = compare_with_reference(cfg, suite["tasks"])
+        except EndpointError as e:  # the comparison is extra: the checkpoint's own report still stands
+            log.warning("evaluate: reference model comparison failed: %s", e)
+            reference = {"base_url": ecfg.reference.base_url, "model": ecfg.reference.model, "error": str(e),
+                         "metrics": {}}
 
     report = {
         "step": meta["step"],

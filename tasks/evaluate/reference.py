@@ -9,7 +9,8 @@ logprobs  As lm-eval's completions models do: the prompt is context + continuati
           logprobs=1, max_tokens=1, temperature=0. The continuation's log-likelihood is the sum of
           the echoed prompt tokens that overlap the continuation (located by `text_offset`; the
           generated token is ignored) and is_greedy holds when each of those tokens is the top-1
-          entry of top_logprobs. This gives the same metrics as the local suite (LAMBADA acc and
+          entry of top_logprobs. An answer whose logprobs do not cover the echoed prompt (servers
+          that echo the text but give logprobs of generated tokens only) counts as "no logprobs". This gives the same metrics as the local suite (LAMBADA acc and
           perplexity, HellaSwag acc, acc_norm and ECE), with the endpoint's own tokenizer.
 generate  For endpoints without echo/logprobs (Crucible's own server, most chat-era APIs): greedy
           generation (temperature 0).
@@ -122,6 +123,16 @@ def continuation_logprob(choice: dict, context: str, prompt: str) -> tuple[float
         raise LogprobsUnsupported("the answer has no echoed token_logprobs / text_offset")
     offsets, values = lp["text_offset"], lp["token_logprobs"]
     top = lp.get("top_logprobs") or [None] * len(values)
+    # Some servers honour echo for the text only and return logprobs of the generated tokens alone
+    # (offsets from 0 in the completion): refuse those rather than misread them as prompt tokens.
+    echoed = [i for i, off in enumerate(offsets) if off < len(prompt)]
+    if len(echoed) < 2 or offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:len(echoed)])):
+        raise LogprobsUnsupported("the logprobs do not cover the echoed prompt")
+    tokens = lp.get("tokens")
+    if isinstance(tokens, list) and len(tokens) == len(values) and all(isinstance(t, str) for t in tokens) \
+            and not any(t.startswith("bytes:") or "\ufffd" in t for t in tokens) \
+            and "".join(tokens[i] for i in echoed) != prompt:  # checked when tokens are whole characters
+        raise LogprobsUnsupported("the echoed tokens do not spell the prompt")
     total, greedy, n = 0.0, True, 0
     for i, (off, v) in enumerate(zip(offsets, values)):
         if off >= len(prompt):

@@ -116,6 +116,8 @@ class LMScorer:
         n_spaces = len(context) - len(context.rstrip())
         if n_spaces:
             context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+        if context == "":  # the context was only whitespace
+            return [self.eos_id], self.encode(continuation)
         whole = self.encode(context + continuation)
         ctx = self.encode(context)
         return ctx, whole[len(ctx):]

@@ -191,7 +191,7 @@ def multiple_choice_metrics(items: list[dict], lls: list[list[float]], n_bins: i
     acc, acc_norm, conf, correct = [], [], [], []
     for item, ll in zip(items, lls):
         ll = np.asarray(ll, dtype=np.float64)
-        lengths = np.array([float(len(c)) for c in item["choices"]])
+        lengths = np.array([float(max(len(c), 1)) for c in item["choices"]])
         pred = int(np.argmax(ll))
         acc.append(pred == item["gold"])
         acc_norm.append(int(np.argmax(ll / lengths)) == item["gold"])
@@ -246,7 +246,7 @@ def score_hellaswag(scorer: LMScorer, items: list[dict]) -> list[list[float]]:
 def run_suite(cfg, scorer: LMScorer) -> dict:
     """Run the tasks enabled in cfg.evaluate; returns {"tasks": {name: {...}}, "metrics": {flat name:
     value}, "seconds": {name: s}}. A task whose data file is missing raises, or with
-    evaluate.on_missing_data = "skip" is reported as {"skipped": reason}."""
+    evaluate.on_missing = "skip" is reported as {"skipped": reason}."""
     ecfg = cfg.evaluate
     tasks: dict[str, dict] = {}
     metrics: dict[str, float] = {}
@@ -256,12 +256,12 @@ def run_suite(cfg, scorer: LMScorer) -> dict:
         p = Path(cfg.resolve_uri(path))
         if p.is_file():
             return p
-        if ecfg.on_missing_data == "skip":
+        if ecfg.on_missing == "skip":
             log.warning("evaluate: %s data %s not found: task skipped", name, p)
             tasks[name] = {"skipped": f"data file not found: {p}"}
             return None
         raise FileNotFoundError(f"evaluate.{name}: data file not found: {p} "
-                                f"(set evaluate.{name}.enabled=false or evaluate.on_missing_data=skip)")
+                                f"(set evaluate.{name}.enabled=false or evaluate.on_missing=skip)")
 
     if ecfg.wikitext.enabled and (p := data("wikitext", ecfg.wikitext.path)):
         t0 = time.perf_counter()
