@@ -164,12 +164,13 @@ class QualityClassifierConfig(Section):
     # negatives: raw crawl text, e.g. ingest output shards or raw web docs
     negatives: list[str] = ["web/cc-main-2019-30-sample.jsonl.gz"]
     max_docs_per_class: int = Field(default=3000, gt=0)
+    balance: bool = True  # use as many positives as negatives (the smaller class sets the size)
     passage_words: int = Field(default=200, gt=0)  # .txt files are cut into passages of this many words
     max_chars: int = Field(default=5000, gt=0)  # characters of a document used for training/scoring
     heldout_fraction: float = Field(default=0.2, gt=0, lt=1)
     seed: int = 0
     epoch: int = Field(default=5, gt=0)
-    lr: float = Field(default=0.5, gt=0)
+    lr: float = Field(default=0.2, gt=0)  # halved and retried if fastText diverges (NaN)
     dim: int = Field(default=10, gt=0)  # with bucket=200k: an ~8 MB .bin
     word_ngrams: int = Field(default=2, gt=0)
     min_count: int = Field(default=2, gt=0)

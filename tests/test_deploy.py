@@ -165,10 +165,16 @@ def test_deploy_if_better_without_serving(tiny, tmp_path, mlflow_store):
     ev = {"val_loss": 6.0, "step": 10, "checkpoint": str(tiny["ckpt"])}
     first = deploy_if_better(cfg, uri, ev, tiny["tokenizer"], None)
     assert first["passed"] and first["version"] == 1 and first["content_hash"] and first["endpoint"] is None
-    second = deploy_if_better(cfg, uri, {**ev, "val_loss": 6.5}, tiny["tokenizer"], None)
+    worse = {"val_loss": 6.5, "step": 20, "checkpoint": str(tiny["ckpt2"])}
+    second = deploy_if_better(cfg, uri, worse, tiny["tokenizer"], None)
     assert not second["passed"] and second["version"] is None
     assert second["champion_version"] == 1 and second["champion_val_loss"] == 6.0
     assert "champion" in second["reason"]
+    # The champion's own checkpoint again (as when the triggered deploy-model flow got there first):
+    # reported as deployed, no new version.
+    again = deploy_if_better(cfg, uri, ev, tiny["tokenizer"], None)
+    assert again["passed"] and again["version"] == 1 and "already the champion" in again["reason"]
+    assert again["content_hash"] == first["content_hash"]
 
 
 # ----------------------------------------------------------------------------------- server
@@ -240,8 +246,10 @@ def test_batch_prompts_n_echo_stop(client, generator):
     ({"prompt": []}, "prompt"),
     ({"prompt": [10 ** 9]}, "prompt"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"prompt": "x", "stream": True}, "stream"),
-    ({"prompt": "x", "logprobs": 5}, "logprobs"),
+    ({"prompt": "x", "stream": "sometimes"}, "stream"),
+    ({"prompt": "x", "logprobs": 6}, "logprobs"),
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_bad_request_gets_400_with_openai_error(client, payload, param):
     r = client.post("/v1/completions", json=payload)
@@ -303,10 +311,18 @@ def test_model_server_process_start_refresh_status_down(tiny, tmp_path, monkeypa
     assert httpx.post(f"{first['endpoint']}/completions", json={"max_tokens": "x"}, timeout=30).status_code == 400
     assert httpx.get(f"{first['endpoint']}/models", timeout=10).json()["data"][0]["id"] == "crucible-test"
 
-    # refresh with a new checkpoint: a new process serves it, the old one is gone
+    # refresh with a new checkpoint: swapped into the running process (POST /v1/admin/reload)
     second = start_or_refresh_server(stack_cfg, deploy_cfg, tiny["ckpt2"], tiny["tokenizer"], "crucible-test")
-    assert second["pid"] != first["pid"] and stack.group_pids(first["pid"]) == []
+    assert second["reloaded"] and second["pid"] == first["pid"]
     assert httpx.get(f"{second['endpoint'].removesuffix('/v1')}/health", timeout=10).json()["step"] == 20
+    assert stack.read_spec(stack_cfg, "model_server").info["checkpoint"] == str(Path(tiny["ckpt2"]).resolve())
+
+    # without reload_in_place: a new process serves it, the old one is gone
+    restart_cfg = deploy_cfg.model_copy(update={"reload_in_place": False})
+    third = start_or_refresh_server(stack_cfg, restart_cfg, tiny["ckpt"], tiny["tokenizer"], "crucible-test")
+    assert not third["reloaded"] and third["pid"] != first["pid"] and stack.group_pids(first["pid"]) == []
+    assert httpx.get(f"{third['endpoint'].removesuffix('/v1')}/health", timeout=10).json()["step"] == 10
+    second = third
 
     assert stack.down(stack_cfg)["model_server"] in ("stopped", "killed")
     assert stack.group_pids(second["pid"]) == []

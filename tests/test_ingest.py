@@ -81,6 +81,21 @@ def test_opt_out_matches_domain_and_subdomains():
     assert not is_opted_out(None, ["example.com"])
 
 
+def test_opt_out_url_patterns_drop_records():
+    from tasks.ingest.process import matches_opt_out_pattern, record_to_doc
+
+    pats = [r"/private/", r"^https?://[^/]*\.example\.org/user/\d+"]
+    assert matches_opt_out_pattern("https://a.com/private/x", pats)
+    assert matches_opt_out_pattern("https://www.example.org/user/42/profile", pats)
+    assert not matches_opt_out_pattern("https://www.example.org/users/", pats)
+    assert not matches_opt_out_pattern(None, pats)
+    source = src("s", "x", "jsonl", opt_out_url_patterns=pats)
+    rec = RawRecord(offset=0, text="some text", url="https://a.com/private/page")
+    assert record_to_doc(rec, source, IngestConfig(), "f.jsonl")[:2] == ("dropped", "opt_out")
+    rec = RawRecord(offset=0, text="some text", url="https://a.com/public/page")
+    assert record_to_doc(rec, source, IngestConfig(), "f.jsonl")[0] == "kept"
+
+
 def test_shard_writer_sizes_and_atomicity(tmp_path):
     docs = [{"id": f"id{i}", "text": f"text {i}", "source": "s"} for i in range(25)]
     with ShardWriter(tmp_path, shard_docs=10, row_group_docs=4) as w:

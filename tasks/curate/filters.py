@@ -236,9 +236,12 @@ class FineWebQualityFilter(Filter):
         return None
 
 
-def build_filters(cfg: CurateConfig, langid_model=None) -> list[Filter]:
+def build_filters(cfg: CurateConfig, langid_model=None, *, decontam_index=None,
+                  pii_policies: dict[str, str] | None = None) -> list[Filter]:
     """The enabled filters in FineWeb order. The language filter loads fastText's lid.176 model
-    once (or uses `langid_model`)."""
+    once (or uses `langid_model`). With `decontam_index` (a `decontam.DecontamIndex`) and
+    `curate.decontam.enabled` the decontamination step follows; with `pii_policies` ({source:
+    redact|keep}) and `curate.pii.enabled` the PII redaction step comes last."""
     from tasks.curate.langid import LangIdFilter
 
     filters: list[Filter] = []
@@ -252,4 +255,12 @@ def build_filters(cfg: CurateConfig, langid_model=None) -> list[Filter]:
         filters.append(C4QualityFilter(cfg.c4))
     if cfg.fineweb.enabled:
         filters.append(FineWebQualityFilter(cfg.fineweb))
+    if decontam_index is not None and cfg.decontam.enabled:
+        from tasks.curate.decontam import DecontamFilter
+
+        filters.append(DecontamFilter(decontam_index))
+    if pii_policies is not None and cfg.pii.enabled:
+        from tasks.curate.pii import PiiRedactor
+
+        filters.append(PiiRedactor(cfg.pii.kinds, pii_policies, cfg.pii.default_policy))
     return filters

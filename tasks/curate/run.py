@@ -1,4 +1,5 @@
-"""`run_curate`: ingested shards → language id → heuristic filters → exact + MinHash dedup.
+"""`run_curate`: ingested shards → language id → heuristic filters → decontamination → PII
+redaction → exact + MinHash dedup.
 
 1. Per input row group (ingest writes 500-row groups), on Ray actors (one per CPU, each loads
    the fastText model once):
@@ -11,14 +12,43 @@
    each) without the deduplicated documents, and `out_dir/dropped.jsonl` gets one line per
    dropped document: {"id", "step", "reason"} (+ "duplicate_of" for dedup drops).
 
+Step order and why: decontamination runs after the heuristic filters (fewer, shorter documents
+to scan; C4 has already removed boilerplate lines) and PII redaction after decontamination (so
+n-grams are matched on the original text) and before dedup (so copies of a page that differ
+only in an e-mail address or phone number dedup together, and signatures are computed on the
+text that is written). The decontamination index (`decontam.build_index`) is built once in the
+driver (cached per process) and shipped to the actors with `ray.put`.
+
+Resumability: every job (one input row group) writes its part atomically (temp + rename), and
+the driver then writes `_parts/<job>.pkl` (atomically) with the job's result, a key (curate
+config, source PII policies, decontam index fingerprint, input shard path/size/mtime, row
+group) and the sha256 of the part. A re-run reuses a job whose key matches and whose part
+still has that sha256, and redoes the rest. The merged output is written shard by shard
+atomically, then `manifest.json` (sha256 and row count per output shard and side file, the run
+key and the summary) last; a re-run with the same key whose manifest verifies returns the
+stored summary without doing anything. A run killed at any point (even SIGKILL) leaves only
+hidden temp files (removed by the next run), complete parts, and complete shards without a
+manifest (rewritten by the next run), so the re-run gives byte-identical output.
+`curate.resume: false` redoes everything.
+
+Side files in `out_dir`: `dropped.jsonl`, `decontam_report.json` (index stats, hit counts
+per benchmark, and one entry per hit: benchmark, item, ngram, doc_id), `DATASET_CARD.md`
+(`tasks.curate.card`), `manifest.json`.
+
 Summary: docs_in, docs_out, dropped {reason: n} (docs_out + sum(dropped) == docs_in), steps
 (one `StepStats.to_dict()` per step, in order), languages (fastText label counts over every
 document the language filter saw), languages_out (over the curated output), shards,
-dropped_file, seconds. Memory in the driver is O(documents) for ids, keys and signatures
+dropped_file, pii ({"replacements": {source: {kind: n}}, "by_kind", "docs_changed"}),
+decontam (hits per benchmark, report path, index stats), sources (docs in/out per source),
+dataset_card, manifest, resumed_jobs, seconds. Memory in the driver is O(documents) for ids, keys and signatures
 (112 × 4 bytes per document with the default 14×8 LSH).
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import pickle
 import shutil
 import time
 from collections import Counter
@@ -28,17 +58,22 @@ import pyarrow.parquet as pq
 
 from tasks.config import CurateConfig, PipelineConfig
 from tasks.core.documents import AtomicJsonlWriter, ShardWriter, iter_doc_batches, iter_docs
+from tasks.core.hashing import sha256_file
 from tasks.core.ray_utils import cluster_cpus, init_ray
 from tasks.core.steps import StepStats, run_filters
 from tasks.dedup.exact import ExactDeduper, exact_key
 from tasks.dedup.minhash import MinHasher, minhash_clusters
+
+MANIFEST = "manifest.json"
+DATASET_CARD = "DATASET_CARD.md"
+DECONTAM_REPORT = "decontam_report.json"
 
 
 def filter_names(cfg: CurateConfig) -> list[str]:
     """Names of the enabled filter steps in the order `build_filters` runs them."""
     order = [("langid", cfg.langid.enabled), ("gopher_repetition", cfg.gopher_repetition.enabled),
              ("gopher_quality", cfg.gopher_quality.enabled), ("c4", cfg.c4.enabled),
-             ("fineweb", cfg.fineweb.enabled)]
+             ("fineweb", cfg.fineweb.enabled), ("decontam", cfg.decontam.enabled), ("pii", cfg.pii.enabled)]
     return [name for name, on in order if on]
 
 
@@ -61,11 +96,16 @@ def curate_shard(shard: str | Path, filters: list, hasher: MinHasher | None, par
     stats: dict[str, StepStats] = {}
     dropped: list = []
     languages: Counter = Counter()
+    sources_in: Counter = Counter()
     ids, keys, sigs, nbytes = [], [], [], []
     docs_in = 0
+    for f in filters:  # a previous job that failed half-way must not leak its extras
+        if hasattr(f, "drain"):
+            f.drain()
     with ShardWriter(part_dir, prefix=part_name, shard_docs=1 << 40) as writer:
         for batch in _batches(shard, row_groups, batch_size):
             docs_in += len(batch)
+            sources_in.update(d.get("source") or "" for d in batch)
             for doc in run_filters(batch, filters, stats, dropped):
                 writer.write(doc)
                 text = doc["text"]
@@ -74,25 +114,33 @@ def curate_shard(shard: str | Path, filters: list, hasher: MinHasher | None, par
                 sigs.append(hasher.signature(text) if hasher is not None else None)
                 nbytes.append(len(text.encode("utf-8")))
             languages.update(d["language"] for d in batch if d.get("language"))
+    extras = {f.name: f.drain() for f in filters if hasattr(f, "drain")}
     return {
         "docs_in": docs_in, "stats": {k: v.to_dict() for k, v in stats.items()},
         "dropped": dropped, "ids": ids, "keys": keys, "sigs": sigs, "nbytes": nbytes,
-        "languages": dict(languages), "parts": [str(p) for p in writer.paths],
+        "languages": dict(languages), "sources_in": dict(sources_in), "extras": extras,
+        "parts": [str(p) for p in writer.paths],
     }
+
+
+def source_policies(cfg: PipelineConfig) -> dict[str, str]:
+    return {s.name: s.pii_policy for s in cfg.sources}
 
 
 class CurateWorker:
     """Ray actor body: builds the filters (and loads the fastText model) once."""
 
-    def __init__(self, cfg: CurateConfig):
+    def __init__(self, cfg: CurateConfig, policies: dict[str, str] | None = None, decontam_index=None):
         from tasks.curate.filters import build_filters
 
-        self.filters = build_filters(cfg)
+        self.filters = build_filters(cfg, decontam_index=decontam_index, pii_policies=policies)
         mh = cfg.dedup.minhash
         self.hasher = MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram) if mh.enabled else None
 
     def process(self, shard: str, part_dir: str, part_name: str, row_groups: list[int] | None = None) -> dict:
-        return curate_shard(shard, self.filters, self.hasher, part_dir, part_name, row_groups)
+        res = curate_shard(shard, self.filters, self.hasher, part_dir, part_name, row_groups)
+        res["name"] = part_name
+        return res
 
 
 def _jobs(shards: list[str], parts_dir: Path) -> list[tuple]:
@@ -105,20 +153,138 @@ def _jobs(shards: list[str], parts_dir: Path) -> list[tuple]:
     return jobs
 
 
-def _map_shards(cfg: PipelineConfig, shards: list[str], parts_dir: Path) -> list[dict]:
+# ------------------------------------------------------------------ resumability
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def job_base_key(cfg: PipelineConfig, index) -> str:
+    """What every job's output depends on besides its input: the curate config (re-validated,
+    so a default `3` and a loaded `3.0` agree), the sources' PII policies, the decontam index."""
+    cur = CurateConfig.model_validate(cfg.curate.model_dump()).model_dump(exclude={"resume"})
+    return _digest([cur, source_policies(cfg), index.fingerprint() if index is not None else None])
+
+
+def job_key(base: str, job: tuple) -> str:
+    """Key of one job (input shard path/size/mtime and row groups) under `job_base_key`."""
+    return _digest([base, _file_identity(job[0]), job[3]])
+
+
+def _file_identity(path: str) -> list:
+    st = os.stat(path)
+    return [path, st.st_size, st.st_mtime_ns]
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _load_done_job(parts_dir: Path, name: str, key: str) -> dict | None:
+    """The stored result of job `name` if its key matches and every part verifies, else None."""
+    path = parts_dir / f"{name}.pkl"
+    if not path.is_file():
+        return None
+    try:
+        stored = pickle.loads(path.read_bytes())
+    except Exception:  # noqa: BLE001 - a damaged result file just means: redo the job
+        return None
+    if stored.get("key") != key:
+        return None
+    for part, digest in stored["part_sha256"].items():
+        if not Path(part).is_file() or sha256_file(part) != digest:
+            return None
+    return stored["result"]
+
+
+def _save_job(parts_dir: Path, name: str, key: str, result: dict) -> None:
+    shas = {p: sha256_file(p) for p in result["parts"]}
+    _atomic_write_bytes(parts_dir / f"{name}.pkl",
+                        pickle.dumps({"key": key, "part_sha256": shas, "result": result}, protocol=5))
+
+
+def _remove_temp_files(d: Path) -> None:
+    if d.is_dir():
+        for p in d.glob(".*.tmp-*"):
+            p.unlink(missing_ok=True)
+
+
+def _verify_manifest(out_dir: Path, run_key: str) -> dict | None:
+    path = out_dir / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        m = json.loads(path.read_text())
+    except ValueError:
+        return None
+    if m.get("key") != run_key:
+        return None
+    for entry in m["files"]:
+        f = out_dir / entry["path"]
+        if not f.is_file() or sha256_file(f) != entry["sha256"]:
+            return None
+    return m
+
+
+def _write_manifest(out_dir: Path, run_key: str, summary: dict) -> Path:
+    files = []
+    for p in summary["shards"]:
+        files.append({"path": Path(p).name, "sha256": sha256_file(p), "docs": pq.ParquetFile(p).metadata.num_rows})
+    for name in ("dropped.jsonl", DECONTAM_REPORT, DATASET_CARD):
+        if (out_dir / name).is_file():
+            files.append({"path": name, "sha256": sha256_file(out_dir / name)})
+    path = out_dir / MANIFEST
+    body = {"key": run_key, "files": files, "summary": summary}
+    _atomic_write_bytes(path, (json.dumps(body, indent=1, sort_keys=True) + "\n").encode())
+    return path
+
+
+# ------------------------------------------------------------------ map
+
+_INDEX_CACHE: dict[str, object] = {}
+
+
+def _decontam_index(cfg: PipelineConfig):
+    """The decontamination index for `cfg` (None when disabled), cached per process by the
+    config and the benchmark files' size/mtime."""
+    dc = cfg.curate.decontam
+    if not dc.enabled:
+        return None
+    from tasks.curate.decontam import build_index
+
+    ident = []
+    for b in dc.benchmarks:
+        path = cfg.resolve_uri(b.path)
+        ident.append(_file_identity(path) if os.path.isfile(path) else [path, None])
+    key = _digest([dc.model_dump(), ident])
+    if key not in _INDEX_CACHE:
+        _INDEX_CACHE.clear()
+        _INDEX_CACHE[key] = build_index(dc, cfg)
+    return _INDEX_CACHE[key]
+
+
+def _map_shards(cfg: PipelineConfig, jobs: list[tuple], index, on_result) -> None:
+    """Run `jobs` on Ray actors; `on_result(result)` is called in the driver as each finishes."""
     import ray
     from ray.util import ActorPool
 
-    jobs = _jobs(shards, parts_dir)
     if not jobs:
-        return []
+        return
     init_ray(cfg.ray)
     n = max(1, min(cluster_cpus(), len(jobs)))
     actor_cls = ray.remote(num_cpus=1)(CurateWorker)
-    actors = [actor_cls.remote(cfg.curate) for _ in range(n)]
+    index_ref = ray.put(index) if index is not None else None
+    policies = source_policies(cfg)
+    actors = [actor_cls.remote(cfg.curate, policies, index_ref) for _ in range(n)]
     try:
         pool = ActorPool(actors)
-        return list(pool.map(lambda a, job: a.process.remote(*job), jobs))
+        for res in pool.map_unordered(lambda a, job: a.process.remote(*job), jobs):
+            on_result(res)
     finally:
         for a in actors:
             ray.kill(a)
@@ -128,13 +294,55 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> dic
     t0 = time.perf_counter()
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
+    parts_dir = out_dir / "_parts"
+    shards = [str(Path(s).resolve()) for s in in_shards]
+
+    t_index = time.perf_counter()
+    index = _decontam_index(cfg)
+    index_seconds = time.perf_counter() - t_index
+    policies = source_policies(cfg)
+    job_base = job_base_key(cfg, index)
+    run_key = _digest([job_base, [_file_identity(s) for s in shards]])
+
+    if cfg.curate.resume:
+        m = _verify_manifest(out_dir, run_key)
+        if m is not None:
+            return {**m["summary"], "resumed_jobs": m["summary"].get("jobs", 0), "resumed_complete": True,
+                    "seconds": round(time.perf_counter() - t0, 3)}
+    # from here on the old output is invalid: manifest first, so a kill never leaves a stale one
+    (out_dir / MANIFEST).unlink(missing_ok=True)
     for stale in out_dir.glob("shard-*.parquet"):
         stale.unlink()
-    parts_dir = out_dir / "_parts"
-    shutil.rmtree(parts_dir, ignore_errors=True)
-    parts_dir.mkdir()
-    shards = [str(Path(s).resolve()) for s in in_shards]
-    results = _map_shards(cfg, shards, parts_dir) if shards else []
+    _remove_temp_files(out_dir)
+    if not cfg.curate.resume:
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    parts_dir.mkdir(exist_ok=True)
+    _remove_temp_files(parts_dir)
+
+    jobs = _jobs(shards, parts_dir)
+    job_keys = {job[2]: job_key(job_base, job) for job in jobs}
+    for stale in parts_dir.glob("*.pkl"):
+        if stale.stem not in job_keys:
+            stale.unlink()
+    done: dict[str, dict] = {}
+    for job in jobs:
+        r = _load_done_job(parts_dir, job[2], job_keys[job[2]])
+        if r is not None:
+            done[job[2]] = r
+    resumed = len(done)
+    todo = [job for job in jobs if job[2] not in done]
+    for job in todo:  # parts of jobs that will be redone
+        for p in parts_dir.glob(f"{job[2]}-*.parquet"):
+            p.unlink()
+
+    def on_result(res: dict) -> None:
+        _save_job(parts_dir, res["name"], job_keys[res["name"]], res)
+        done[res["name"]] = res
+
+    t_map = time.perf_counter()
+    _map_shards(cfg, todo, index, on_result)
+    map_seconds = time.perf_counter() - t_map
+    results = [done[job[2]] for job in jobs]
 
     # filter steps, in order
     steps: list[StepStats] = []
@@ -146,8 +354,10 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> dic
         steps.append(st)
     docs_in = sum(r["docs_in"] for r in results)
     languages: Counter = Counter()
+    sources_in: Counter = Counter()
     for r in results:
         languages.update(r["languages"])
+        sources_in.update(r.get("sources_in", {}))
 
     ids = [i for r in results for i in r["ids"]]
     keys = [k for r in results for k in r["keys"]]
@@ -196,6 +406,8 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> dic
 
     removed = {d[0] for d in dedup_drops}
     languages_out: Counter = Counter()
+    sources_out: Counter = Counter()
+    bytes_out = 0
     dropped_path = out_dir / "dropped.jsonl"
     with AtomicJsonlWriter(dropped_path) as dw:
         for r in results:
@@ -210,7 +422,8 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> dic
                     continue
                 writer.write(doc)
                 languages_out[doc.get("language")] += 1
-    shutil.rmtree(parts_dir, ignore_errors=True)
+                sources_out[doc.get("source") or ""] += 1
+                bytes_out += len(doc["text"].encode("utf-8"))
 
     dropped: Counter = Counter()
     for st in steps:
@@ -218,15 +431,65 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> dic
     docs_out = writer.docs_written
     if docs_out + sum(dropped.values()) != docs_in:
         raise RuntimeError(f"curate accounting broken: {docs_in} in, {docs_out} out, {dict(dropped)} dropped")
-    return {
+
+    # PII and decontamination reports
+    pii_repl: dict[str, Counter] = {}
+    pii_changed: Counter = Counter()
+    hits: list[dict] = []
+    for r in results:
+        extras = r.get("extras", {})
+        for src, counts in extras.get("pii", {}).get("replacements", {}).items():
+            pii_repl.setdefault(src, Counter()).update(counts)
+        pii_changed.update(extras.get("pii", {}).get("docs_changed", {}))
+        hits += extras.get("decontam", [])
+    by_kind: Counter = Counter()
+    for c in pii_repl.values():
+        by_kind.update(c)
+    pii = {"replacements": {s: dict(sorted(c.items())) for s, c in sorted(pii_repl.items())},
+           "by_kind": dict(sorted(by_kind.items())), "docs_changed": dict(sorted(pii_changed.items())),
+           "policies": policies}
+    decontam = None
+    if index is not None:
+        per_bench = Counter(r.split(":", 1)[1] for r in dropped.elements() if r.startswith("decontam:"))
+        items_hit: dict[str, set] = {}
+        for h in hits:
+            items_hit.setdefault(h["benchmark"], set()).add(h["item"])
+        report = {"index": {k: v for k, v in index.stats.items() if k != "build_seconds"},
+                  "docs_dropped": dict(sorted(per_bench.items())),
+                  "items_hit": {b: sorted(v) for b, v in sorted(items_hit.items())},
+                  "hits": hits}
+        report_path = out_dir / DECONTAM_REPORT
+        _atomic_write_bytes(report_path, (json.dumps(report, indent=1, sort_keys=True) + "\n").encode())
+        decontam = {"docs_dropped": report["docs_dropped"],
+                    "items_hit": {b: len(v) for b, v in report["items_hit"].items()},
+                    "report": str(report_path), "index_ngrams": len(index),
+                    "index_build_seconds": index.stats["build_seconds"]}
+    summary = {
         "docs_in": docs_in,
         "docs_out": docs_out,
+        "bytes_out": bytes_out,
         "dropped": dict(sorted(dropped.items())),
         "steps": [st.to_dict() for st in steps],
         "languages": dict(languages.most_common()),
         "languages_out": {str(k): v for k, v in languages_out.most_common()},
+        "sources": {s: {"docs_in": sources_in.get(s, 0), "docs_out": sources_out.get(s, 0)}
+                    for s in sorted(set(sources_in) | set(sources_out))},
+        "pii": pii,
+        "decontam": decontam,
         "shards": [str(p) for p in writer.paths],
         "dropped_file": str(dropped_path),
-        "workers": min(cluster_cpus(), len(results)) if results else 0,
-        "seconds": round(time.perf_counter() - t0, 3),
+        "jobs": len(jobs),
+        "workers": min(cluster_cpus(), len(todo)) if todo else 0,
     }
+    from tasks.curate.card import write_dataset_card
+
+    summary["dataset_card"] = str(write_dataset_card(cfg, summary, out_dir / DATASET_CARD))
+    summary["manifest"] = str(out_dir / MANIFEST)
+    _write_manifest(out_dir, run_key, summary)
+    shutil.rmtree(parts_dir, ignore_errors=True)
+    summary["resumed_jobs"] = resumed
+    summary["timings"] = {"decontam_index_s": round(index_seconds, 3), "map_s": round(map_seconds, 3),
+                          "map_docs_per_s": round(sum(done[j[2]]["docs_in"] for j in todo) / map_seconds, 1)
+                          if todo and map_seconds > 0 else None}
+    summary["seconds"] = round(time.perf_counter() - t0, 3)
+    return summary

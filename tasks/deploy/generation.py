@@ -4,7 +4,14 @@ and the registered MLflow model.
 The loop makes the same torch calls as `GPT.generate` (temperature, top-k, one multinomial draw
 per step from a seeded generator), so with top_p = 1 and no stop strings a seeded completion equals
 the evaluation stage's sample for the same prompt. On top it supports nucleus sampling (top_p),
-stop strings and per-row finish reasons. No KV cache: each step reruns the last seq_len tokens.
+stop strings, per-row finish reasons and logprobs.
+
+Generation is KV-cached (tasks.train.model.KVCache): a `Sequence` is prefilled once and then decoded
+one token per step; `step_sequences` advances any number of sequences (of any lengths, even of
+different loaded models) together, which is what the server's continuous-batching scheduler calls
+between admissions. Once a sequence has filled the model's window, each step re-runs the last
+seq_len tokens from scratch, exactly as the uncached loop crops its context, so outputs equal
+GPT.generate's (up to float rounding in the batched attention).
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ class Completion:
     text: str
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     completion_tokens: int
+    logprobs: dict | None = None  # OpenAI's {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
 
 
 def load_tokenizer(path: str | Path):
@@ -93,46 +101,23 @@ class TextGenerator:
 
     # ---------------------------------------------------------------------------- sampling
 
+    def new_sequence(self, prompt_ids: list[int], max_tokens: int = 16, temperature: float = 1.0,
+                     top_p: float = 1.0, top_k: int | None = None, stop: list[str] | None = None,
+                     seed: int | None = None, logprobs: int | None = None, on_event=None) -> "Sequence":
+        return Sequence(self, self.context_ids(prompt_ids), max_tokens, temperature, top_p, top_k,
+                        [s for s in (stop or []) if s], seed, logprobs, on_event)
+
     @torch.no_grad()
     def complete(self, prompt_ids: list[int], max_tokens: int = 16, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int | None = None, n: int = 1, stop: list[str] | None = None,
-                 seed: int | None = None) -> list[Completion]:
-        """n completions of one tokenized prompt."""
-        stop = [s for s in (stop or []) if s]
-        ctx = self.context_ids(prompt_ids)
+                 seed: int | None = None, logprobs: int | None = None) -> list[Completion]:
+        """n completions of one tokenized prompt, generated together (KV-cached) under the lock.
+        Choice j > 0 of a seeded request uses seed + j * CHOICE_SEED_STRIDE."""
+        seqs = [self.new_sequence(prompt_ids, max_tokens, temperature, top_p, top_k, stop,
+                                  choice_seed(seed, j), logprobs) for j in range(n)]
         with self.lock:
-            gen = torch.Generator().manual_seed(seed) if seed is not None else None
-            idx = torch.tensor([ctx] * n, dtype=torch.long)
-            out: list[list[int]] = [[] for _ in range(n)]
-            counted = [0] * n
-            finish: list[str | None] = [None] * n
-            cut: list[str | None] = [None] * n
-            for _ in range(max_tokens):
-                logits, _ = self.model(idx[:, -self.seq_len:])
-                next_id = self._sample(logits[:, -1, :].float(), temperature, top_p, top_k, gen)
-                for i in range(n):
-                    if finish[i] is not None:
-                        next_id[i, 0] = self.eos_id  # finished rows are padded, as in GPT.generate
-                        continue
-                    t = int(next_id[i, 0])
-                    counted[i] += 1
-                    if t == self.eos_id:
-                        finish[i] = "stop"
-                        continue
-                    out[i].append(t)
-                    if stop:
-                        text = self.decode(out[i])
-                        hit = _first_stop(text, stop)
-                        if hit is not None:
-                            finish[i], cut[i] = "stop", text[:hit]
-                idx = torch.cat([idx, next_id], dim=1)
-                if all(f is not None for f in finish):
-                    break
-        results = []
-        for i in range(n):
-            text = cut[i] if cut[i] is not None else self.decode(out[i])
-            results.append(Completion(text, finish[i] or "length", counted[i]))
-        return results
+            run_to_completion(seqs)
+        return [s.result() for s in seqs]
 
     @staticmethod
     def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int | None,
@@ -157,3 +142,155 @@ class TextGenerator:
 def _first_stop(text: str, stops: list[str]) -> int | None:
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(hits) if hits else None
+
+
+CHOICE_SEED_STRIDE = 1_000_003
+
+
+def choice_seed(seed: int | None, j: int) -> int | None:
+    return None if seed is None else seed + j * CHOICE_SEED_STRIDE
+
+
+class Sequence:
+    """One completion being generated: its context, KV cache, sampling settings and output.
+
+    on_event(seq, delta_text, finished) is called from the stepping thread after each step that
+    produced safe-to-show text (stop-string prefixes and partial UTF-8 are held back) and once at
+    the end with finished=True."""
+
+    def __init__(self, gen: TextGenerator, ctx: list[int], max_tokens: int, temperature: float, top_p: float,
+                 top_k: int | None, stop: list[str], seed: int | None, logprobs: int | None, on_event=None):
+        self.gen, self.ctx = gen, list(ctx)
+        self.max_tokens, self.temperature, self.top_p, self.top_k = max_tokens, temperature, top_p, top_k
+        self.stop, self.logprobs, self.on_event = stop, logprobs, on_event
+        self.rng = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.out: list[int] = []
+        self.counted = 0
+        self.finish: str | None = "length" if max_tokens <= 0 else None
+        self.cut: str | None = None
+        self.cache = None
+        self.logits: torch.Tensor | None = None  # next-token logits (vocab,) once prefilled
+        self.emitted = 0  # characters of text already passed to on_event
+        self.cancelled = False
+        self.error: str | None = None
+        self.index, self.prompt_text = 0, ""  # the server's choice index and prompt text
+        self.lp_tokens: list[str] = []
+        self.lp_values: list[float] = []
+        self.lp_top: list[dict] = []
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None or self.cancelled or self.error is not None
+
+    def text(self) -> str:
+        return self.cut if self.cut is not None else self.gen.decode(self.out)
+
+    def result(self) -> Completion:
+        lp = None
+        if self.logprobs is not None:
+            offsets, pos = [], 0
+            for t in self.lp_tokens:
+                offsets.append(pos)
+                pos += len(t)
+            lp = {"tokens": self.lp_tokens, "token_logprobs": self.lp_values,
+                  "top_logprobs": self.lp_top if self.logprobs > 0 else None, "text_offset": offsets}
+        return Completion(self.text(), self.finish or "length", self.counted, lp)
+
+    # --------------------------------------------------------------------- model calls
+
+    def _prefill(self) -> None:
+        from tasks.train.model import KVCache
+
+        model = self.gen.model
+        if self.cache is None:
+            self.cache = KVCache(model.cfg)
+        window = self.ctx[-self.gen.seq_len:]
+        self.logits = model.prefill(torch.tensor([window], dtype=torch.long), self.cache)[0].float()
+
+    def _accept(self, t: int) -> None:
+        """Record sampled token t; decide whether the sequence is finished."""
+        self.counted += 1
+        if self.logprobs is not None:
+            lp = torch.log_softmax(self.logits, dim=-1)
+            piece = self.gen.decode([t]) if t != self.gen.eos_id else ""
+            self.lp_tokens.append(piece)
+            self.lp_values.append(round(float(lp[t]), 6))
+            if self.logprobs > 0:
+                top = torch.topk(lp, min(self.logprobs, lp.numel()))
+                self.lp_top.append({self.gen.decode([int(i)]): round(float(v), 6)
+                                    for v, i in zip(top.values, top.indices)})
+        if t == self.gen.eos_id:
+            self.finish = "stop"
+            return
+        self.out.append(t)
+        if self.stop:
+            text = self.gen.decode(self.out)
+            hit = _first_stop(text, self.stop)
+            if hit is not None:
+                self.finish, self.cut = "stop", text[:hit]
+                return
+        if self.counted >= self.max_tokens:
+            self.finish = "length"
+        self.ctx.append(t)
+
+    def _notify(self) -> None:
+        if self.on_event is None:
+            return
+        if self.done:
+            text = self.text()
+            delta = text[self.emitted:]
+            self.emitted = len(text)
+            self.on_event(self, delta, True)
+            return
+        text = self.gen.decode(self.out)
+        safe = len(text)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
+            safe = len(text.rstrip("\ufffd"))
+        for s in self.stop:  # hold back a tail that could still become a stop string
+            for k in range(min(len(s) - 1, safe), 0, -1):
+                if text[:safe].endswith(s[:k]):
+                    safe -= k
+                    break
+        if safe > self.emitted:
+            delta = text[self.emitted:safe]
+            self.emitted = safe
+            self.on_event(self, delta, False)
+
+
+def step_sequences(seqs: list[Sequence]) -> None:
+    """Advance every unfinished sequence by one token: prefill the new ones (their first token is
+    sampled from the prefill logits), sample, then one batched decode step per loaded model for the
+    sequences that continue. Callers serialise calls per model."""
+    live = [s for s in seqs if not s.done]
+    for s in live:
+        if s.logits is None:
+            s._prefill()
+    for s in live:
+        t = int(TextGenerator._sample(s.logits[None], s.temperature, s.top_p, s.top_k, s.rng)[0, 0])
+        s._accept(t)
+    going = [s for s in live if not s.done]
+    by_model: dict[int, list[Sequence]] = {}
+    for s in going:
+        if s.cache.length >= s.gen.seq_len:  # the window is full: recompute it, as the uncached loop does
+            s._prefill()
+        else:
+            by_model.setdefault(id(s.gen.model), []).append(s)
+    for group in by_model.values():
+        model = group[0].gen.model
+        logits = model.decode_step(torch.tensor([s.ctx[-1] for s in group], dtype=torch.long),
+                                   [s.cache for s in group]).float()
+        for s, row in zip(group, logits):
+            s.logits = row
+    for s in live:
+        s._notify()
+        if s.done:
+            s.cache = s.logits = None  # free memory early
+
+
+@torch.no_grad()
+def run_to_completion(seqs: list[Sequence]) -> None:
+    for s in seqs:
+        if s.done:
+            s._notify()
+    while any(not s.done for s in seqs):
+        step_sequences(seqs)

@@ -5,30 +5,46 @@
 
 Endpoints:
     POST /v1/completions   prompt (string, list of strings, token ids), max_tokens, temperature,
-                           top_p, stop, n, seed, echo; top_k as an extension. Non-streaming.
+                           top_p, stop, n, seed, echo, logprobs (0..5), stream (server-sent events
+                           in OpenAI's chunk format, ending with `data: [DONE]`; stream_options
+                           include_usage; with logprobs, a choice's logprobs come in its
+                           final chunk, the one with finish_reason); top_k as an extension.
     GET  /v1/models        the one served model;  GET /v1/models/{id}
-    GET  /health           {"status": "ok", model, checkpoint, step, ...}
+    POST /v1/admin/reload  {"checkpoint": DIR, "tokenizer": optional tokenizer.json}: load a new
+                           checkpoint and serve it; requests already admitted finish on the old one.
+    GET  /health           {"status": "ok", model, checkpoint, step, batching stats, ...}
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: malformed or
-unsupported requests get 400, an unknown model 404; nothing a client sends stops the server.
-Generation requests are served one at a time (a lock around the model).
+unsupported requests get 400, an unknown model 404, a missing/wrong bearer token 401 (when the
+server has an API key: --api-key-env NAME names the environment variable holding it); nothing a
+client sends stops the server.
+
+Generation is continuously batched (tasks.deploy.scheduler): one thread steps all active
+sequences together with a KV cache and admits new requests between steps.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hmac
+import json
 import logging
+import os
+import queue
 import sys
+import threading
 import time
 import uuid
 from typing import Any, Union
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tasks.deploy.generation import TextGenerator
+from tasks.deploy.generation import Sequence, TextGenerator, choice_seed
+from tasks.deploy.scheduler import BatchScheduler
 
 log = logging.getLogger("crucible.server")
 
@@ -36,6 +52,7 @@ MAX_PROMPTS = 64  # prompts per request
 MAX_CHOICES = 64  # prompts x n per request
 MAX_PROMPT_CHARS = 200_000
 MAX_STOP = 4
+MAX_LOGPROBS = 5  # as OpenAI's completions API
 
 
 class APIError(Exception):
@@ -70,13 +87,21 @@ class CompletionRequest(BaseModel):
     seed: StrictInt | None = None
     echo: bool | None = None
     stream: bool | None = None
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = Field(default=None, ge=0)
+    stream_options: dict[str, Any] | None = None
     best_of: StrictInt | None = None
     suffix: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+
+class ReloadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: StrictStr
+    tokenizer: StrictStr | None = None
 
 
 def _loc_param(loc: tuple) -> str | None:
@@ -86,14 +111,46 @@ def _loc_param(loc: tuple) -> str | None:
     return ".".join(keep) if keep else None
 
 
-def create_app(generator: TextGenerator, model_name: str, max_tokens_limit: int = 1024, max_n: int = 16) -> FastAPI:
-    app = FastAPI(title="Crucible model server", version="1", docs_url="/docs", redoc_url=None)
+class ServerState:
+    """The generator being served (swapped by /v1/admin/reload) and the batching scheduler."""
+
+    def __init__(self, generator: TextGenerator, max_batch: int):
+        self.generator = generator
+        self.scheduler = BatchScheduler(max_batch)
+        self.reload_lock = threading.Lock()
+        self.reloads = 0
+
+
+def create_app(generator: TextGenerator, model_name: str, max_tokens_limit: int = 1024, max_n: int = 16,
+               api_key: str | None = None, max_batch: int = 32) -> FastAPI:
+    state = ServerState(generator, max_batch)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        state.scheduler.shutdown()
+
+    app = FastAPI(title="Crucible model server", version="1", docs_url="/docs", redoc_url=None, lifespan=lifespan)
+    app.state.crucible = state
     created = int(generator.loaded_at)
     started = time.time()
 
+    def require_key(request: Request) -> None:
+        if not api_key:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            msg = ("You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'." if not auth
+                   else "Incorrect API key provided.")
+            raise APIError(401, msg, None, "invalid_api_key")
+
+    auth = [Depends(require_key)]
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
-        return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
@@ -121,27 +178,48 @@ def create_app(generator: TextGenerator, model_name: str, max_tokens_limit: int 
 
     def _model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "crucible",
-                "root": generator.checkpoint, "max_model_len": generator.seq_len}
+                "root": state.generator.checkpoint, "max_model_len": state.generator.seq_len}
 
     @app.get("/health")
     def health() -> dict:
-        return {"status": "ok", "model": model_name, "checkpoint": generator.checkpoint,
-                "step": generator.meta.get("step"), "seq_len": generator.seq_len,
-                "vocab_size": generator.vocab_size, "uptime_s": round(time.time() - started, 1)}
+        g = state.generator
+        return {"status": "ok", "model": model_name, "checkpoint": g.checkpoint,
+                "step": g.meta.get("step"), "seq_len": g.seq_len, "vocab_size": g.vocab_size,
+                "uptime_s": round(time.time() - started, 1), "reloads": state.reloads,
+                "batching": state.scheduler.stats(), "auth": bool(api_key)}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=auth)
     def list_models() -> dict:
         return {"object": "list", "data": [_model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
     def get_model(model_id: str) -> dict:
         if model_id != model_name:
             raise APIError(404, f"The model '{model_id}' does not exist", "model", "model_not_found")
         return _model_card()
 
-    @app.post("/v1/completions")
-    def completions(req: CompletionRequest) -> dict:
-        prompts, echo = _prompts(req, generator), bool(req.echo)
+    @app.post("/v1/admin/reload", dependencies=auth)
+    def reload(req: ReloadRequest) -> dict:
+        """Load a checkpoint and make it the served model. Sequences already admitted keep the
+        generator they were encoded with and finish on it."""
+        with state.reload_lock:
+            old = state.generator
+            tokenizer = req.tokenizer or old.tokenizer_path
+            try:
+                new = TextGenerator.from_files(req.checkpoint, tokenizer)
+            except (OSError, ValueError, KeyError, RuntimeError) as e:
+                raise APIError(400, f"cannot load {req.checkpoint}: {type(e).__name__}: {e}", "checkpoint",
+                               "invalid_value") from None
+            state.generator = new
+            state.reloads += 1
+        log.info("reloaded: now serving %s (step %s), was %s", new.checkpoint, new.meta.get("step"), old.checkpoint)
+        return {"status": "reloaded", "checkpoint": new.checkpoint, "step": new.meta.get("step"),
+                "previous": old.checkpoint}
+
+    @app.post("/v1/completions", dependencies=auth)
+    def completions(req: CompletionRequest):
+        gen = state.generator  # one generator for the whole request, even if a reload happens meanwhile
+        prompts, echo = _prompts(req, gen), bool(req.echo)
         _check_unsupported(req)
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{model_name}'",
@@ -159,23 +237,91 @@ def create_app(generator: TextGenerator, model_name: str, max_tokens_limit: int 
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > MAX_STOP:
             raise APIError(400, f"at most {MAX_STOP} stop sequences are allowed", "stop", "invalid_value")
+        if req.logprobs is not None and req.logprobs > MAX_LOGPROBS:
+            raise APIError(400, f"logprobs is {req.logprobs}; at most {MAX_LOGPROBS} are allowed", "logprobs",
+                           "invalid_value")
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", "stream_options", "invalid_value")
         temperature = 1.0 if req.temperature is None else req.temperature
         top_p = 1.0 if req.top_p is None else req.top_p
 
-        choices, prompt_tokens, completion_tokens = [], 0, 0
+        events: queue.Queue = queue.Queue()
+
+        def on_event(seq: Sequence, delta: str, finished: bool) -> None:
+            events.put((seq.index, delta, finished))
+
+        seqs: list[Sequence] = []
+        prompt_tokens = 0
         for p_index, (text, ids) in enumerate(prompts):
             prompt_tokens += len(ids)
-            outs = generator.complete(ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                      top_k=req.top_k, n=n, stop=stop,
-                                      seed=None if req.seed is None else req.seed + p_index)
-            for j, c in enumerate(outs):
-                completion_tokens += c.completion_tokens
-                choices.append({"text": (text + c.text) if echo else c.text, "index": p_index * n + j,
-                                "logprobs": None, "finish_reason": c.finish_reason})
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": model_name, "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
+            base = None if req.seed is None else req.seed + p_index
+            for j in range(n):
+                s = gen.new_sequence(ids, max_tokens, temperature, top_p, req.top_k, stop, choice_seed(base, j),
+                                     req.logprobs, on_event)
+                s.index, s.prompt_text = p_index * n + j, text
+                seqs.append(s)
+        cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        state.scheduler.submit(seqs)
+
+        def usage() -> dict:
+            done = sum(s.counted for s in seqs)
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+
+        if not req.stream:
+            remaining = len(seqs)
+            while remaining:
+                if events.get()[2]:
+                    remaining -= 1
+            failed = [s.error for s in seqs if s.error]
+            if failed:
+                raise APIError(500, failed[0], None, None, "server_error")
+            choices = []
+            for s in seqs:
+                c = s.result()
+                choices.append({"text": (s.prompt_text + c.text) if echo else c.text, "index": s.index,
+                                "logprobs": c.logprobs, "finish_reason": c.finish_reason})
+            return {"id": cid, "object": "text_completion", "created": now, "model": model_name,
+                    "choices": choices, "usage": usage()}
+
+        def chunk(index: int, text: str, finish: str | None, logprobs=None) -> str:
+            body = {"id": cid, "object": "text_completion", "created": now, "model": model_name,
+                    "choices": [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}]}
+            if include_usage:
+                body["usage"] = None
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        def stream():
+            try:
+                if echo:
+                    for s in seqs:
+                        yield chunk(s.index, s.prompt_text, None)
+                remaining = len(seqs)
+                while remaining:
+                    index, delta, finished = events.get()
+                    s = seqs[index]
+                    if not finished:
+                        yield chunk(index, delta, None)
+                        continue
+                    remaining -= 1
+                    if s.error:
+                        err = error_body(s.error, "server_error")
+                        yield f"data: {json.dumps(err)}\n\n"
+                        continue
+                    if delta:
+                        yield chunk(index, delta, None)
+                    yield chunk(index, "", s.finish or "length", s.result().logprobs)
+                if include_usage:
+                    body = {"id": cid, "object": "text_completion", "created": now, "model": model_name,
+                            "choices": [], "usage": usage()}
+                    yield f"data: {json.dumps(body)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:  # the client went away (or we are done): stop generating for it
+                for s in seqs:
+                    s.cancelled = True
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     return app
 
@@ -212,10 +358,6 @@ def _prompts(req: CompletionRequest, gen: TextGenerator) -> list[tuple[str, list
 
 
 def _check_unsupported(req: CompletionRequest) -> None:
-    if req.stream:
-        raise APIError(400, "stream=true is not supported by this server", "stream", "unsupported_value")
-    if req.logprobs:
-        raise APIError(400, "logprobs are not supported by this server", "logprobs", "unsupported_value")
     if req.suffix:
         raise APIError(400, "suffix is not supported by this server", "suffix", "unsupported_value")
     if req.best_of is not None and req.best_of != (req.n or 1):
@@ -238,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--max-tokens-limit", type=int, default=1024)
     ap.add_argument("--max-n", type=int, default=16)
+    ap.add_argument("--max-batch", type=int, default=32,
+                    help="sequences decoded together (continuous batching); 1 = one at a time")
+    ap.add_argument("--api-key-env", default=None,
+                    help="name of the environment variable holding the bearer token clients must send")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -250,7 +396,13 @@ def main(argv: list[str] | None = None) -> int:
     generator = TextGenerator.from_files(args.checkpoint, args.tokenizer)
     log.info("loaded %s (step %s, %d parameters) in %.1fs", args.checkpoint, generator.meta.get("step"),
              sum(p.numel() for p in generator.model.parameters()), time.perf_counter() - t0)
-    app = create_app(generator, args.model_name, args.max_tokens_limit, args.max_n)
+    api_key = None
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env) or None
+        if api_key is None:
+            log.warning("--api-key-env %s is not set: the server accepts requests without a key", args.api_key_env)
+    app = create_app(generator, args.model_name, args.max_tokens_limit, args.max_n, api_key=api_key,
+                     max_batch=args.max_batch)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0
 

@@ -4,7 +4,8 @@
 directly. Per candidate record, in order:
 
 1. reader error → quarantined with the reader's reason (see `readers`)
-2. URL host in the source's `opt_out_domains` (the domain or any subdomain) → dropped "opt_out"
+2. URL host in the source's `opt_out_domains` (the domain or any subdomain), or the URL matching
+   one of its `opt_out_url_patterns` (regex search) → dropped "opt_out"
 3. WARC responses: HTTP status not 2xx → dropped "http_status"; content type not HTML →
    dropped "non_html"; raw payload decoded (strict, see `extract.decode_html`: failures are
    quarantined) and extracted with trafilatura; nothing extracted → dropped "empty_extraction"
@@ -55,6 +56,19 @@ def is_opted_out(url: str | None, domains: list[str]) -> bool:
     return False
 
 
+def matches_opt_out_pattern(url: str | None, patterns: list[str]) -> bool:
+    return bool(url and patterns) and any(_compiled(p).search(url) for p in patterns)
+
+
+_PATTERN_CACHE: dict[str, re.Pattern] = {}
+
+
+def _compiled(pattern: str) -> re.Pattern:
+    if pattern not in _PATTERN_CACHE:
+        _PATTERN_CACHE[pattern] = re.compile(pattern)
+    return _PATTERN_CACHE[pattern]
+
+
 _SURROGATES = re.compile("[\ud800-\udfff]")
 
 
@@ -75,7 +89,8 @@ def record_to_doc(rec: RawRecord, source: SourceConfig, ingest: IngestConfig, pa
     "kept" | "dropped" | "quarantined"."""
     if rec.error:
         return "quarantined", rec.error, None, rec.detail
-    if is_opted_out(rec.url, source.opt_out_domains):
+    if is_opted_out(rec.url, source.opt_out_domains) or \
+            matches_opt_out_pattern(rec.url, source.opt_out_url_patterns):
         return "dropped", "opt_out", None, ""
     title, date = rec.title, rec.date
     if rec.kind == "html":

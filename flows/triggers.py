@@ -1,0 +1,218 @@
+"""Event-triggered evaluation and deployment, served by one long-running process.
+
+    python -m flows.triggers serve        # what the stack runs (infra/triggers_service.py)
+
+Two deployments, served with prefect's `serve` (each flow run in its own subprocess):
+
+    evaluate-checkpoint/evaluate-checkpoint
+        triggered by `crucible.checkpoint.saved` (tasks/train/worker.py, resource
+        crucible.checkpoint.<run>.<step>; payload path/step/run_id/run_name). Evaluates the
+        checkpoint (tasks.evaluate.evaluate_checkpoint) and emits `crucible.eval.completed`
+        (resource crucible.eval.<run>.<step>, label crucible.eval.passed "true"/"false"; payload
+        passed, reason, val_loss, perplexity, checkpoint, step, run_name, run_id, report_path,
+        tokenizer). `passed` is the deployment gate against the current champion at that moment.
+    deploy-model/deploy-model
+        triggered by `crucible.eval.completed` with crucible.eval.passed = "true". Runs
+        tasks.deploy.deploy_if_better (the gate again, against the champion of now: register,
+        alias champion, swap into the running model server). Deployment concurrency limit 1.
+
+The run's other artifacts are derived from the checkpoint path, which the pipeline lays out as
+run_dir/train/checkpoints/step-N: run_dir/config.json (the resolved pipeline config),
+run_dir/tokenizer/tokenizer.json, run_dir/tokens/index.json. Payload keys tokenizer / tokens_index /
+config_path, if the training worker ever sends them, take precedence.
+
+Evaluations of one run never run two at a time: each holds a slot of the Prefect global
+concurrency limit `crucible-eval-<run_name>` (limit 1, created on first use). A failed evaluation
+is retried (task retries, exponential backoff with jitter; CRUCIBLE_EVAL_RETRIES, default 2, and
+CRUCIBLE_EVAL_RETRY_BACKOFF seconds, default 10). Reports go to run_dir/evaluate/triggered/.
+
+Without the stack (plain `python -m flows.pretrain`) none of this runs: the pretrain flow
+evaluates and deploys its checkpoints itself.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
+
+log = logging.getLogger("crucible.triggers")
+
+CHECKPOINT_EVENT = "crucible.checkpoint.saved"  # = tasks.train.metrics.CHECKPOINT_EVENT
+EVAL_EVENT = "crucible.eval.completed"
+DEPLOYED_EVENT = "crucible.model.deployed"
+EVAL_DEPLOYMENT = "evaluate-checkpoint/evaluate-checkpoint"
+DEPLOY_DEPLOYMENT = "deploy-model/deploy-model"
+EVAL_RETRIES = int(os.environ.get("CRUCIBLE_EVAL_RETRIES", "2"))
+EVAL_RETRY_BACKOFF = float(os.environ.get("CRUCIBLE_EVAL_RETRY_BACKOFF", "10"))
+
+
+def _none(v):
+    """Trigger parameters are rendered templates: a missing payload value arrives as "None" or ""."""
+    return None if v is None or (isinstance(v, str) and v.strip() in ("", "None", "null")) else v
+
+
+def run_paths(checkpoint: str | Path, payload: dict | None = None) -> dict:
+    """{run_dir, config, tokenizer, tokens_index, checkpoint} of a checkpoint in a pipeline run."""
+    payload = payload or {}
+    ckpt = Path(checkpoint).resolve()
+    if ckpt.parent.name != "checkpoints" or ckpt.parent.parent.name != "train":
+        raise ValueError(f"{ckpt} is not a pipeline checkpoint (run_dir/train/checkpoints/step-N)")
+    run_dir = ckpt.parent.parent.parent
+    return {"run_dir": str(run_dir), "checkpoint": str(ckpt),
+            "config": str(_none(payload.get("config_path")) or run_dir / "config.json"),
+            "tokenizer": str(_none(payload.get("tokenizer")) or run_dir / "tokenizer" / "tokenizer.json"),
+            "tokens_index": str(_none(payload.get("tokens_index")) or run_dir / "tokens" / "index.json")}
+
+
+def _load_cfg(path: str):
+    from tasks.config import PipelineConfig
+
+    return PipelineConfig.model_validate_json(Path(path).read_text())
+
+
+def _tracking_uri(cfg) -> str:
+    from tasks.pipeline_run import default_tracking_uri
+
+    return default_tracking_uri(cfg)
+
+
+def eval_limit_name(run_name: str) -> str:
+    return "crucible-eval-" + re.sub(r"[^A-Za-z0-9_.-]", "_", run_name or "unknown")
+
+
+def _ensure_limit(name: str) -> None:
+    """Create the global concurrency limit `name` (limit 1) unless it exists."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+            return
+        except ObjectNotFound:
+            pass
+        try:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+        except ObjectAlreadyExists:
+            pass
+
+
+def _emit(event: str, resource: dict, payload: dict) -> None:
+    from prefect.events import emit_event
+    from prefect.events.worker import EventsWorker
+
+    emit_event(event=event, resource=resource, payload=payload)
+    EventsWorker.drain_all(timeout=10)
+
+
+@task(name="evaluate", retries=EVAL_RETRIES, retry_delay_seconds=exponential_backoff(backoff_factor=EVAL_RETRY_BACKOFF),
+      retry_jitter_factor=0.2, cache_policy=NO_CACHE, persist_result=False)
+def evaluate_task(paths: dict, run_id: str | None) -> dict:
+    from tasks.evaluate import evaluate_checkpoint
+
+    cfg = _load_cfg(paths["config"])
+    for key in ("checkpoint", "tokenizer", "tokens_index"):
+        if not Path(paths[key]).exists():
+            raise FileNotFoundError(f"{key} {paths[key]} does not exist")
+    report = Path(paths["run_dir"]) / "evaluate" / "triggered" / f"{Path(paths['checkpoint']).name}.json"
+    return evaluate_checkpoint(cfg, Path(paths["checkpoint"]), Path(paths["tokenizer"]), Path(paths["tokens_index"]),
+                               report, tracking_uri=_tracking_uri(cfg), run_id=run_id)
+
+
+@flow(name="evaluate-checkpoint", log_prints=True)
+def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run_name: str | None = None,
+                             run_id: str | None = None, tokenizer: str | None = None,
+                             tokens_index: str | None = None, config_path: str | None = None) -> dict:
+    """Evaluate one checkpoint (one at a time per run), gate it, emit crucible.eval.completed."""
+    from prefect.concurrency.sync import concurrency
+
+    from tasks.deploy import gate
+    from tasks.deploy.registry import champion_val_loss
+
+    run_id, run_name = _none(run_id), _none(run_name)
+    paths = run_paths(checkpoint, {"tokenizer": tokenizer, "tokens_index": tokens_index, "config_path": config_path})
+    run_name = run_name or Path(paths["run_dir"]).name
+    limit = eval_limit_name(run_name)
+    _ensure_limit(limit)
+    with concurrency(limit, occupy=1, strict=True):
+        report = evaluate_task(paths, run_id)
+    cfg = _load_cfg(paths["config"])
+    decision = gate(cfg.deploy, report, champion_val_loss(_tracking_uri(cfg), cfg.deploy.model_name))
+    step = report.get("step", _none(step))
+    payload = {"passed": decision["passed"], "reason": decision["reason"], "val_loss": report["val_loss"],
+               "perplexity": report.get("perplexity"), "checkpoint": paths["checkpoint"], "step": step,
+               "run_name": run_name, "run_id": run_id, "report_path": report["report_path"],
+               "tokenizer": paths["tokenizer"], "task_metrics": report.get("task_metrics", {})}
+    _emit(EVAL_EVENT, {"prefect.resource.id": f"crucible.eval.{run_name}.{step}",
+                       "crucible.eval.passed": str(decision["passed"]).lower()}, payload)
+    print(f"evaluated {paths['checkpoint']}: val_loss {report['val_loss']}; gate: {decision['reason']}")
+    return payload
+
+
+@flow(name="deploy-model", log_prints=True)
+def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = None, run_id: str | None = None,
+                      tokenizer: str | None = None) -> dict:
+    """Gate against the current champion, register, alias champion, serve (swap in place)."""
+    from tasks.deploy import deploy_if_better
+
+    run_id, run_name = _none(run_id), _none(run_name)
+    paths = run_paths(checkpoint, {"tokenizer": tokenizer})
+    cfg = _load_cfg(paths["config"])
+    evaluation = json.loads(Path(report_path).read_text())
+    result = deploy_if_better(cfg, _tracking_uri(cfg), evaluation, Path(paths["tokenizer"]), run_id)
+    if result.get("version") is not None:
+        _emit(DEPLOYED_EVENT, {"prefect.resource.id": f"crucible.model.{result['model_name']}.{result['version']}"},
+              {k: result.get(k) for k in ("model_name", "version", "checkpoint", "val_loss", "endpoint")})
+    print(f"deploy {checkpoint}: {result['reason']}")
+    return result
+
+
+def build_deployments() -> list:
+    from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
+
+    evaluate = evaluate_checkpoint_flow.to_deployment(
+        name="evaluate-checkpoint", tags=["crucible"],
+        description="Evaluate a checkpoint when training saves it (crucible.checkpoint.saved).",
+        triggers=[DeploymentEventTrigger(
+            name="on-checkpoint-saved", expect={CHECKPOINT_EVENT},
+            match={"prefect.resource.id": "crucible.checkpoint.*"},
+            parameters={"checkpoint": "{{ event.payload.path }}", "step": "{{ event.payload.step }}",
+                        "run_name": "{{ event.payload.run_name }}", "run_id": "{{ event.payload.run_id }}"})])
+    deploy = deploy_model_flow.to_deployment(
+        name="deploy-model", tags=["crucible"], concurrency_limit=1,
+        description="Register and serve an evaluated checkpoint that passed the gate (crucible.eval.completed).",
+        triggers=[DeploymentEventTrigger(
+            name="on-eval-passed", expect={EVAL_EVENT},
+            match={"prefect.resource.id": "crucible.eval.*", "crucible.eval.passed": "true"},
+            parameters={"checkpoint": "{{ event.payload.checkpoint }}",
+                        "report_path": "{{ event.payload.report_path }}",
+                        "run_name": "{{ event.payload.run_name }}", "run_id": "{{ event.payload.run_id }}",
+                        "tokenizer": "{{ event.payload.tokenizer }}"})])
+    return [evaluate, deploy]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flows.triggers", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="register the deployments and serve them until interrupted")
+    s.add_argument("--limit", type=int, default=4, help="flow runs executing at once in this process")
+    s.add_argument("--webserver", action="store_true", help="expose the runner's /health (PREFECT_RUNNER_SERVER_*)")
+    args = ap.parse_args(argv)
+    from prefect import serve
+
+    serve(*build_deployments(), limit=args.limit, webserver=args.webserver)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The event-triggered evaluate/deploy process (flows/triggers.py) as a service of the local stack.
+
+`triggers_spec(stack_cfg)` describes `python -m flows.triggers serve --webserver`: prefect's
+`serve` of the deployments evaluate-checkpoint and deploy-model, whose runs talk to this stack's
+Prefect and MLflow (infra.stack.client_env). Its health check is the runner's own webserver
+(GET /health answers 200 while the runner polls the Prefect API; PREFECT_RUNNER_SERVER_*).
+
+Registered in infra/stack.py like the other core services (see the lead's note in the issue-6
+report): started after Prefect and MLflow, stopped before them.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from infra import stack
+
+TRIGGERS = "triggers"
+DEFAULT_PORT = 8610  # the runner webserver (health only)
+
+
+def triggers_spec(stack_cfg, lineage_cfg=None, port: int = DEFAULT_PORT) -> stack.ServiceSpec:
+    host = stack_cfg.host
+    env = {
+        **stack.client_env(stack_cfg, lineage_cfg),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(stack.REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
+        "PYTHONUNBUFFERED": "1",
+        "PREFECT_RUNNER_SERVER_ENABLE": "true",
+        "PREFECT_RUNNER_SERVER_HOST": host,
+        "PREFECT_RUNNER_SERVER_PORT": str(port),
+        "PREFECT_HOME": str(stack.state_dir(stack_cfg) / "prefect-client"),
+    }
+    return stack.ServiceSpec(
+        name=TRIGGERS,
+        cmd=[sys.executable, "-m", "flows.triggers", "serve", "--webserver"],
+        host=host, port=port, health_path="/health", url=stack.prefect_ui_url(stack_cfg) + "/deployments",
+        marker=["flows.triggers", "serve"], env=env,
+        info={"deployments": ["evaluate-checkpoint/evaluate-checkpoint", "deploy-model/deploy-model"],
+              "events": ["crucible.checkpoint.saved", "crucible.eval.completed"]},
+    )

@@ -1,0 +1,156 @@
+"""`crucible dedup INPUT.jsonl --out RESULT.jsonl [--config C]`: exact + MinHash dedup of JSONL.
+
+Input: one {"id", "text", ...} object per line (.jsonl or .jsonl.gz). Output: one line per input
+document, in input order: {"id", "cluster", "keep"} — `cluster` is the id of the cluster's
+survivor (the first document of the cluster in input order), `keep` is true for survivors only.
+
+Steps (config `curate.dedup`, or a bare dedup section — see `load_dedup_config`):
+1. exact: documents with the same normalised text (`exact_key`) join the first copy;
+2. MinHash: signatures of the exact survivors (`MinHasher`, vectorised), LSH band keys,
+   candidate pairs joined with a union-find (connected components); with `minhash.verify` a
+   pair is joined only if its exact shingle Jaccard is ≥ `minhash.verify_threshold`. A
+   candidate pair is (the first document filed under a band key, a later document sharing
+   that key), so a document can join a cluster only through a verified pair.
+A summary (StepStats of both steps, clusters, seconds) is printed as JSON on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import yaml
+
+from tasks.config import DedupConfig, PipelineConfig
+from tasks.core.documents import AtomicJsonlWriter
+from tasks.core.steps import StepStats
+from tasks.dedup.exact import exact_key
+from tasks.dedup.minhash import MinHasher, UnionFind, candidate_pairs, jaccard, shingles
+
+
+def load_dedup_config(path: str | Path | None) -> DedupConfig:
+    """A pipeline config (uses `curate.dedup`), a file with a top-level `dedup:` section, or a
+    bare dedup section ({exact, minhash}). None: the defaults."""
+    if path is None:
+        return DedupConfig()
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    if "sources" in raw:
+        from tasks.config import load_config
+
+        return load_config(path).curate.dedup
+    if "curate" in raw:
+        raw = raw["curate"]
+    if "dedup" in raw:
+        raw = raw["dedup"]
+    return DedupConfig.model_validate(raw or {})
+
+
+def read_jsonl(path: str | Path) -> Iterator[dict]:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                doc = json.loads(line)
+                if not isinstance(doc.get("text"), str):
+                    raise ValueError(f"{path}:{n}: no string 'text'")
+                doc.setdefault("id", str(n))
+                yield doc
+
+
+def dedup_texts(texts: list[str], cfg: DedupConfig) -> tuple[list[int], list[StepStats]]:
+    """Cluster roots (index of each document's survivor, first in order) and per-step stats."""
+    n = len(texts)
+    uf = UnionFind(n)
+    steps: list[StepStats] = []
+    nbytes = [len(t.encode("utf-8")) for t in texts]
+    alive = list(range(n))
+    if cfg.exact:
+        st, t0, first, survivors = StepStats("exact_dedup"), time.perf_counter(), {}, []
+        for i in alive:
+            st.docs_in += 1
+            st.bytes_in += nbytes[i]
+            j = first.setdefault(exact_key(texts[i]), i)
+            if j == i:
+                survivors.append(i)
+                st.docs_out += 1
+                st.bytes_out += nbytes[i]
+            else:
+                uf.union(i, j)
+                st.dropped["exact_dedup"] += 1
+        st.seconds = time.perf_counter() - t0
+        steps.append(st)
+        alive = survivors
+    mh = cfg.minhash
+    if mh.enabled:
+        st, t0 = StepStats("minhash_dedup"), time.perf_counter()
+        hasher = MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram, scheme=mh.scheme)
+        sigs = hasher.signatures([texts[i] for i in alive], max_shingles=mh.batch_shingles)
+        cache: dict[int, set] = {}
+
+        def sh(k: int) -> set:
+            if k not in cache:
+                cache[k] = shingles(texts[alive[k]], mh.ngram)
+            return cache[k]
+
+        sub = UnionFind(len(alive))
+        for j, i in candidate_pairs(sigs, mh.bands, mh.rows):
+            if sub.find(i) == sub.find(j):
+                continue
+            if not mh.verify or jaccard(sh(i), sh(j)) >= mh.verify_threshold:
+                sub.union(i, j)
+        for k, r in enumerate(sub.roots()):
+            i = alive[k]
+            st.docs_in += 1
+            st.bytes_in += nbytes[i]
+            if r == k:
+                st.docs_out += 1
+                st.bytes_out += nbytes[i]
+            else:
+                uf.union(i, alive[r])
+                st.dropped["minhash_dedup"] += 1
+        st.seconds = time.perf_counter() - t0
+        steps.append(st)
+    return uf.roots(), steps
+
+
+def dedup_jsonl(in_path: str | Path, out_path: str | Path, cfg: DedupConfig) -> dict:
+    t0 = time.perf_counter()
+    docs = list(read_jsonl(in_path))
+    ids = [str(d["id"]) for d in docs]
+    roots, steps = dedup_texts([d["text"] for d in docs], cfg)
+    with AtomicJsonlWriter(out_path) as w:
+        for i, r in enumerate(roots):
+            w.write({"id": ids[i], "cluster": ids[r], "keep": r == i})
+    kept = sum(1 for i, r in enumerate(roots) if r == i)
+    return {
+        "input": str(in_path), "output": str(out_path), "docs_in": len(docs), "docs_out": kept,
+        "clusters_with_duplicates": len({r for i, r in enumerate(roots) if r != i}),
+        "steps": [s.to_dict() for s in steps], "seconds": round(time.perf_counter() - t0, 3),
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("input", help="JSONL (.jsonl or .jsonl.gz) of {\"id\", \"text\"} documents")
+    parser.add_argument("--out", required=True, help="result JSONL: {\"id\", \"cluster\", \"keep\"} per doc")
+    parser.add_argument("--config", default=None,
+                        help="pipeline config (curate.dedup) or a dedup section; default: built-in")
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = dedup_jsonl(args.input, args.out, load_dedup_config(args.config))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="crucible dedup", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

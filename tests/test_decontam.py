@@ -1,0 +1,109 @@
+"""Decontamination: normalisation, the n-gram index over the real LAMBADA / HellaSwag /
+WikiText-2 files, drop decisions, and `run_curate` dropping an embedded LAMBADA passage with a
+report naming the benchmark item."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tasks.config import (DATA_ROOT_ENV, DEFAULT_DATA_ROOT, CurateConfig, DecontamConfig, PipelineConfig,
+                          RayConfig, SourceConfig)
+from tasks.core.documents import iter_docs, write_docs
+from tasks.curate.decontam import DecontamFilter, build_index, ngram_hashes, normalise_words, read_items
+
+DATA = Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
+EVAL = DATA / "eval"
+pytestmark = pytest.mark.skipif(not (EVAL / "lambada_test.jsonl").exists(), reason=f"no eval data under {DATA}")
+
+CLEAN = ("The Debian project publishes a new stable release roughly every two years. Each release is "
+         "supported with security updates for about three years, and the long term support team extends "
+         "that for two more years. Packages move from unstable to testing after a few days without bugs.")
+
+
+@pytest.fixture(scope="module")
+def index():
+    return build_index(DecontamConfig(), str(DATA))
+
+
+def test_normalisation_matches_tokenised_and_raw_text():
+    wiki = "He was a well @-@ known actor , with 1 @,@ 000 fans who don 't care ."
+    web = "He was a well-known actor, with 1,000 fans who don't care."
+    assert normalise_words(wiki) == normalise_words(web)
+    assert normalise_words("Hello, World!  x") == ["hello", "world", "x"]
+    a = ngram_hashes("a b c d e".split(), 3)
+    assert len(a) == 3 and a[0] == ngram_hashes("a b c".split(), 3)[0] and len(set(a.tolist())) == 3
+    assert len(ngram_hashes("a b".split(), 3)) == 0
+
+
+def test_index_over_real_benchmarks(index):
+    st = index.stats["benchmarks"]
+    assert st["lambada"]["items"] == 5153 and st["hellaswag"]["items"] == 10042 and st["wikitext"]["items"] == 62
+    assert 500_000 < len(index) < 1_500_000
+    assert list(index.hashes) == sorted(index.hashes)  # sorted for searchsorted
+
+
+def test_embedded_lambada_passage_dropped_clean_kept(index):
+    f = DecontamFilter(index)
+    passage = read_items(EVAL / "lambada_test.jsonl", "lambada")[1234]
+    doc = {"id": "dirty", "text": CLEAN + "\n\n" + passage.upper().replace(".", " .")}
+    assert f.decide(doc) == "decontam:lambada"
+    assert f.decide({"id": "clean", "text": CLEAN}) is None
+    hits = f.drain()
+    assert [(h["benchmark"], h["item"], h["doc_id"]) for h in hits] == [("lambada", 1234, "dirty")]
+    assert hits[0]["ngram"] in " ".join(normalise_words(passage))
+    assert len(hits[0]["ngram"].split()) == 13
+
+
+def test_hellaswag_and_wikitext_hits_and_short_overlap(index):
+    f = DecontamFilter(index)
+    hs = read_items(EVAL / "hellaswag_val.jsonl", "hellaswag")[77]
+    assert f.decide({"id": "h", "text": "Intro sentence here. " + hs}) == "decontam:hellaswag"
+    wiki_article = read_items(EVAL / "wikitext-2" / "test.txt", "wikitext")[5]
+    words = wiki_article.split()
+    assert f.decide({"id": "w", "text": " ".join(words[200:260])}) == "decontam:wikitext"
+    # twelve words of a passage are not enough
+    lam = normalise_words(read_items(EVAL / "lambada_test.jsonl", "lambada")[0])
+    assert f.decide({"id": "s", "text": "zzqx " + " ".join(lam[:12]) + " zzqy"}) is None
+
+
+def test_missing_benchmark(tmp_path):
+    cfg = DecontamConfig(benchmarks=[{"name": "mine", "path": "nope.jsonl", "format": "jsonl_text"}])
+    with pytest.raises(FileNotFoundError):
+        build_index(cfg, str(tmp_path))
+    idx = build_index(cfg.model_copy(update={"on_missing": "skip"}), str(tmp_path))
+    assert len(idx) == 0 and idx.stats["benchmarks"]["mine"]["missing"]
+    assert DecontamFilter(idx).decide({"id": "x", "text": CLEAN}) is None
+
+
+def test_run_curate_drops_and_reports(tmp_path):
+    import ray
+
+    from tasks.core.ray_utils import init_ray
+    from tasks.curate import run_curate
+
+    passage = read_items(EVAL / "lambada_test.jsonl", "lambada")[42]
+    docs = [{"id": f"d{i}", "text": f"Document {i}. " + CLEAN, "source": "web"} for i in range(3)]
+    docs.append({"id": "dirty", "text": CLEAN + "\n" + passage, "source": "web"})
+    in_shards = write_docs(docs, tmp_path / "in")
+    off = {"enabled": False}
+    cur = CurateConfig(langid=off, gopher_quality=off, gopher_repetition=off, c4=off, fineweb=off,
+                       dedup={"exact": False, "minhash": off})
+    cfg = PipelineConfig(name="t", data_root=str(DATA), ray=RayConfig(num_cpus=1), curate=cur,
+                         sources=[SourceConfig(name="web", uri="x", format="jsonl", licence="t", provenance="t")])
+    init_ray(cfg.ray)
+    try:
+        s = run_curate(cfg, in_shards, tmp_path / "out")
+    finally:
+        ray.shutdown()
+    assert s["dropped"] == {"decontam:lambada": 1} and s["docs_out"] == 3
+    assert [d["id"] for d in iter_docs(s["shards"])] == ["d0", "d1", "d2"]
+    assert s["decontam"]["docs_dropped"] == {"lambada": 1} and s["decontam"]["items_hit"] == {"lambada": 1}
+    report = json.loads(Path(s["decontam"]["report"]).read_text())
+    assert report["hits"][0]["benchmark"] == "lambada" and report["hits"][0]["item"] == 42
+    assert report["hits"][0]["doc_id"] == "dirty" and len(report["hits"][0]["ngram"].split()) == 13
+    assert report["items_hit"] == {"lambada": [42]}
+    card = Path(s["dataset_card"]).read_text()
+    assert "## Decontamination" in card and "| lambada | 1 | 1 |" in card

@@ -1,0 +1,66 @@
+"""Hugging Face-compatible export: files, model card, weights that round-trip to the same logits;
+loading with transformers only if it is installed."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tasks.config import PipelineConfig
+from tasks.deploy.export import export_hf, load_exported
+from tasks.train.checkpoint import load_model_for_inference
+from test_deploy import _checkpoint, _tokenizer
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    tok = _tokenizer(root / "tokenizer.json")
+    ckpt = _checkpoint(root / "train", tok, 10, 0)
+    cfg = PipelineConfig.model_validate({
+        "name": "t", "run_root": str(root / "runs"),
+        "sources": [{"name": "wiki", "uri": "x.jsonl", "format": "jsonl", "licence": "CC-BY-SA-4.0",
+                     "provenance": "https://dumps.wikimedia.org"}],
+        "deploy": {"model_name": "crucible-export-test"}})
+    report = {"val_loss": 5.5, "perplexity": 244.69, "val_tokens": 1024, "task_metrics": {"lambada_acc": 0.01},
+              "samples": [{"prompt": "The", "completion": " kernel"}]}
+    res = export_hf(ckpt, tok, root / "hf", cfg, report)
+    return {"res": res, "ckpt": ckpt, "tok": tok, "out": root / "hf"}
+
+
+def test_export_files_and_card(exported):
+    out = exported["out"]
+    files = set(exported["res"]["files"])
+    weights = "model.safetensors" if importlib.util.find_spec("safetensors") else "pytorch_model.bin"
+    assert {"config.json", weights, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+            "generation_config.json", "README.md"} <= files
+    c = json.loads((out / "config.json").read_text())
+    assert c["model_type"] == "llama" and c["tie_word_embeddings"] and c["num_hidden_layers"] == 2
+    assert c["eos_token_id"] == 1 and c["max_position_embeddings"] == 32
+    card = (out / "README.md").read_text()
+    for needle in ("CC-BY-SA-4.0", "https://dumps.wikimedia.org", "## Training configuration", "5.5",
+                   "lambada_acc", "## Limitations", "crucible-export-test"):
+        assert needle in card, needle
+
+
+def test_weights_round_trip_to_the_same_logits(exported):
+    model, _ = load_model_for_inference(exported["ckpt"])
+    back = load_exported(exported["out"])
+    x = torch.randint(0, model.cfg.vocab_size, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(back(x)[0], model(x)[0])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_transformers_loads_the_export_with_the_same_logits(exported):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(exported["out"]).eval()
+    tok = AutoTokenizer.from_pretrained(exported["out"])
+    model, _ = load_model_for_inference(exported["ckpt"])
+    ids = tok("The Linux kernel", return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids)[0], rtol=1e-4, atol=1e-4)

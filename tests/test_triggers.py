@@ -1,0 +1,151 @@
+"""Event-triggered evaluation and deployment against a real Prefect server and a real `serve`
+process (the stack's triggers service spec): checkpoint events for two tiny real checkpoints of one
+run -> evaluate-checkpoint flow runs (never overlapping) -> crucible.eval.completed -> deploy-model
+flow run -> a champion in the MLflow registry."""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from flows.triggers import EVAL_RETRIES, evaluate_task, run_paths
+from infra import stack
+from infra.triggers_service import triggers_spec
+from lm_helpers import tiny_cfg, tokenizer_artifact, tokens_artifact
+from tasks.config import StackConfig
+from tasks.core.hashing import sha256_file
+from tasks.train.checkpoint import save_checkpoint
+from tasks.train.model import GPT, GPTConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_run_paths_from_checkpoint(tmp_path):
+    p = run_paths(tmp_path / "runs" / "r1" / "train" / "checkpoints" / "step-000010")
+    run = (tmp_path / "runs" / "r1").resolve()
+    assert p["run_dir"] == str(run) and p["config"] == str(run / "config.json")
+    assert p["tokenizer"] == str(run / "tokenizer" / "tokenizer.json")
+    assert p["tokens_index"] == str(run / "tokens" / "index.json")
+    assert run_paths(run / "train" / "checkpoints" / "step-1", {"tokenizer": "/x/t.json"})["tokenizer"] == "/x/t.json"
+    with pytest.raises(ValueError):
+        run_paths(tmp_path / "somewhere" / "step-1")
+    assert evaluate_task.retries == EVAL_RETRIES >= 1  # a failed evaluation is retried (with backoff)
+
+
+def _make_run(base: Path, root: Path, store: str) -> tuple[Path, list[Path]]:
+    tok, tokens = tokenizer_artifact(base), tokens_artifact(base)
+    run_dir = root / "runs" / "trig-run"
+    (run_dir / "tokenizer").mkdir(parents=True)
+    shutil.copy(tok["path"], run_dir / "tokenizer" / "tokenizer.json")
+    shutil.copytree(Path(tokens["index_path"]).parent, run_dir / "tokens")
+    off = {"enabled": False}
+    cfg = tiny_cfg(evaluate={"wikitext": off, "lambada": off, "hellaswag": off, "calibration": off,
+                             "sample_tokens": 4},
+                   deploy={"max_val_loss": 100.0, "serve": False, "model_name": "trig-model"})
+    cfg = cfg.model_copy(update={"run_root": str(root / "runs")})
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    index = json.loads((run_dir / "tokens" / "index.json").read_text())
+    ckpts = []
+    for step, seed in ((10, 0), (20, 1)):
+        torch.manual_seed(seed)
+        mcfg = GPTConfig(vocab_size=index["vocab_size"], **cfg.model.model_dump())
+        model = GPT(mcfg)
+        meta = {"model": mcfg.to_dict(), "eos_id": index["eos_id"], "run_name": "trig-run",
+                "tokenizer_sha256": sha256_file(run_dir / "tokenizer" / "tokenizer.json"), "step": step}
+        ckpts.append(save_checkpoint(model, torch.optim.AdamW(model.parameters()), step, run_dir / "train", meta))
+    return run_dir, ckpts
+
+
+def _event(name: str, resource: dict, payload: dict) -> dict:
+    return {"id": str(uuid.uuid4()), "occurred": datetime.now(timezone.utc).isoformat(), "event": name,
+            "resource": resource, "payload": payload, "related": []}
+
+
+def _wait(what: str, fn, timeout: float, every: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.e2e
+def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, monkeypatch):
+    monkeypatch.delenv(stack.STATE_DIR_ENV, raising=False)
+    base = tmp_path_factory.getbasetemp() / "lm"
+    store = f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"  # nothing may land in the working directory
+    run_dir, ckpts = _make_run(base, tmp_path, store)
+    stack_cfg = StackConfig(state_dir=str(tmp_path / "state"), prefect_port=_free_port(),
+                            mlflow_port=_free_port(), start_timeout=150, stop_timeout=10)
+    spec = triggers_spec(stack_cfg, port=_free_port())
+    spec.env.update({"MLFLOW_TRACKING_URI": store, "CRUCIBLE_EVAL_RETRY_BACKOFF": "1"})
+    api = stack.prefect_api_url(stack_cfg)
+    t0 = time.monotonic()
+    try:
+        with stack.stack_lock(stack_cfg):
+            stack.start_services(stack_cfg, [stack.prefect_spec(stack_cfg)])
+            stack.start_services(stack_cfg, [spec])
+        print(f"\nprefect + serve healthy after {time.monotonic() - t0:.1f}s")
+        c = httpx.Client(base_url=api, timeout=30, trust_env=False)
+        deps = {}
+        for name in ("evaluate-checkpoint/evaluate-checkpoint", "deploy-model/deploy-model"):
+            r = c.get(f"/deployments/name/{name}")
+            assert r.status_code == 200, r.text
+            deps[name.split("/")[0]] = r.json()["id"]
+        autos = _wait("automations", lambda: [a for a in c.post("/automations/filter", json={}).json()
+                                              if a["enabled"]] if len(c.post("/automations/filter", json={}).json()) >= 2 else None, 60)
+        assert len(autos) >= 2
+        time.sleep(3)  # let the server's trigger service load the new automations
+
+        events = [_event("crucible.checkpoint.saved", {"prefect.resource.id": f"crucible.checkpoint.trig-run.{s}"},
+                         {"path": str(p), "step": s, "run_id": None, "run_name": "trig-run"})
+                  for s, p in zip((10, 20), ckpts)]
+        assert c.post("/events", json=events).status_code in (200, 204)
+
+        def runs(dep_id):
+            return c.post("/flow_runs/filter", json={"flow_runs": {"deployment_id": {"any_": [dep_id]}}}).json()
+
+        def finished(dep_id, n):
+            rs = runs(dep_id)
+            failed = [r for r in rs if r["state_type"] in ("FAILED", "CRASHED")]
+            assert not failed, (failed[0]["state"], (Path(stack_cfg.state_dir) / "logs").exists())
+            return rs if len([r for r in rs if r["state_type"] == "COMPLETED"]) >= n else None
+
+        evals = _wait("two completed evaluate-checkpoint runs", lambda: finished(deps["evaluate-checkpoint"], 2), 300, 2)
+        assert sorted(r["parameters"]["checkpoint"] for r in evals) == sorted(str(p) for p in ckpts)
+        # one run's evaluations never overlap: the `evaluate` task runs follow each other
+        trs = c.post("/task_runs/filter", json={"flow_runs": {"id": {"any_": [r["id"] for r in evals]}},
+                                                "task_runs": {"name": {"like_": "evaluate"}}}).json()
+        spans = sorted((tr["start_time"], tr["end_time"]) for tr in trs if tr["state_type"] == "COMPLETED")
+        assert len(spans) == 2 and spans[0][1] <= spans[1][0], spans
+        limit = c.post("/v2/concurrency_limits/filter", json={}).json()
+        assert any(lim["name"] == "crucible-eval-trig-run" and lim["limit"] == 1 for lim in limit)
+
+        deploys = _wait("a completed deploy-model run", lambda: finished(deps["deploy-model"], 1), 180, 2)
+        assert deploys[0]["parameters"]["checkpoint"] in [str(p) for p in ckpts]
+        assert list((run_dir / "evaluate" / "triggered").glob("step-*.json"))
+
+        from mlflow import MlflowClient
+
+        mv = MlflowClient(tracking_uri=store, registry_uri=store).get_model_version_by_alias("trig-model", "champion")
+        assert mv.tags["checkpoint"] in [str(p) for p in ckpts]
+        print(f"checkpoint events -> evaluations -> deployment in {time.monotonic() - t0:.1f}s")
+        assert not list(Path.cwd().glob("mlflow.db")) and not list(Path.cwd().glob("mlruns"))
+    finally:
+        with stack.stack_lock(stack_cfg):
+            for name in ("triggers", stack.PREFECT):
+                stack.stop_service(stack_cfg, name)
