@@ -7,6 +7,8 @@
 - Causal self-attention through F.scaled_dot_product_attention(is_causal=True).
 - SwiGLU MLP: w2(silu(w1 x) * w3 x).
 - Tied embeddings: the output projection reuses the token embedding matrix.
+- Inference only: a per-sequence KV cache (`KVCache`, `GPT.prefill`, `GPT.decode_step`) used by
+  the model server; `forward` and `generate` never touch it.
 """
 from __future__ import annotations
 
@@ -70,7 +72,12 @@ def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[..., :h/2], x[..., h/2:]) by the position angle. x: (B, n_head, T, head_dim)."""
     T = x.size(-2)
-    cos, sin = cos[:T].to(x.dtype), sin[:T].to(x.dtype)
+    return _rotate(x, cos[:T], sin[:T])
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope with cos/sin already aligned to x's positions (broadcastable to x[..., :h/2])."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
@@ -93,6 +100,15 @@ class CausalSelfAttention(nn.Module):
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.proj(y)
+
+    def _qkv_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        return tuple(t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+
+    def _out(self, y: torch.Tensor) -> torch.Tensor:
+        B, _, T, _ = y.shape
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 
 
 class SwiGLU(nn.Module):
@@ -119,6 +135,21 @@ class Block(nn.Module):
         x = x + self.drop(self.attn(self.attn_norm(x), cos, sin))
         x = x + self.drop(self.mlp(self.mlp_norm(x)))
         return x
+
+
+class KVCache:
+    """Keys and values of one sequence for every layer, (n_layer, n_head, seq_len, head_dim) each;
+    positions [0, length) are filled. Inference only (no grad)."""
+
+    def __init__(self, cfg: GPTConfig, dtype: torch.dtype = torch.float32, device=None):
+        shape = (cfg.n_layer, cfg.n_head, cfg.seq_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.size(2)
 
 
 class GPT(nn.Module):
@@ -200,3 +231,56 @@ class GPT(nn.Module):
                 break
         self.train(was_training)
         return idx
+
+    # ------------------------------------------------------------------ KV-cached inference
+
+    @torch.no_grad()
+    def prefill(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Run one sequence idx (1, T), T <= seq_len, at positions 0..T-1, filling `cache` from
+        scratch; returns the last position's logits (1, vocab). Same math as forward(idx)."""
+        B, T = idx.shape
+        if B != 1 or T > self.cfg.seq_len or T == 0:
+            raise ValueError(f"prefill takes one sequence of 1..{self.cfg.seq_len} tokens, got {tuple(idx.shape)}")
+        x = self.tok_emb(idx)
+        for layer, block in enumerate(self.blocks):
+            attn = block.attn
+            q, k, v = attn._qkv_heads(block.attn_norm(x))
+            q, k = apply_rope(q, self.rope_cos, self.rope_sin), apply_rope(k, self.rope_cos, self.rope_sin)
+            cache.k[layer, :, :T] = k[0]
+            cache.v[layer, :, :T] = v[0]
+            x = x + attn._out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+            x = x + block.mlp(block.mlp_norm(x))
+        cache.length = T
+        return F.linear(self.norm(x[:, -1:]), self.tok_emb.weight)[:, 0]
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """One new token per sequence: tokens (B,) go at position caches[i].length of sequence i
+        (each < seq_len); appends their keys/values to the caches and returns logits (B, vocab).
+        Sequences of different lengths are batched with a padding mask."""
+        B = tokens.size(0)
+        pos = torch.tensor([c.length for c in caches], dtype=torch.long)
+        if B != len(caches) or int(pos.max()) >= self.cfg.seq_len:
+            raise ValueError("decode_step needs one cache per token, each with room for one more position")
+        S = int(pos.max()) + 1  # attend over the longest sequence's positions only
+        K = torch.stack([c.k[:, :, :S] for c in caches])  # (B, n_layer, n_head, S, head_dim)
+        V = torch.stack([c.v[:, :, :S] for c in caches])
+        cos, sin = self.rope_cos[pos][:, None, None, :], self.rope_sin[pos][:, None, None, :]
+        mask = (torch.arange(S)[None, :] <= pos[:, None])[:, None, None, :]  # (B, 1, 1, S)
+        rows = torch.arange(B)
+        x = self.tok_emb(tokens[:, None])
+        for layer, block in enumerate(self.blocks):
+            attn = block.attn
+            q, k, v = attn._qkv_heads(block.attn_norm(x))  # (B, n_head, 1, head_dim)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            K[rows, layer, :, pos] = k[:, :, 0]
+            V[rows, layer, :, pos] = v[:, :, 0]
+            y = F.scaled_dot_product_attention(q, K[:, layer], V[:, layer], attn_mask=mask)
+            x = x + attn._out(y)
+            x = x + block.mlp(block.mlp_norm(x))
+        for i, c in enumerate(caches):
+            p = int(pos[i])
+            c.k[:, :, p] = K[i, :, :, p]
+            c.v[:, :, p] = V[i, :, :, p]
+            c.length = p + 1
+        return F.linear(self.norm(x), self.tok_emb.weight)[:, 0]
