@@ -198,10 +198,85 @@ def test_torchrun_command(tmp_path):
     assert "--standalone" in single and single[single.index("--nproc_per_node") + 1] == "2"
     assert single[single.index("-m", 3) + 1] == "tasks.train.worker"
     assert single[-2:] == ["--run-id", "abc"]
+    assert single[single.index("--max-restarts") + 1] == "0"
+    healing = torchrun_command(tiny_cfg(train={"max_restarts": 3}), tmp_path / "c.json", tmp_path / "i.json",
+                               tmp_path, "r1", None)
+    assert healing[healing.index("--max-restarts") + 1] == "3"
     multi = torchrun_command(tiny_cfg(train={"nnodes": 2, "rdzv_endpoint": "node0:29500"}),
                              tmp_path / "c.json", tmp_path / "i.json", tmp_path, "r1", None)
     assert "--standalone" not in multi and "--run-id" not in multi
     assert multi[multi.index("--rdzv-endpoint") + 1] == "node0:29500"
     assert multi[multi.index("--rdzv-id") + 1] == "r1" and multi[multi.index("--nnodes") + 1] == "2"
+    node1 = torchrun_command(tiny_cfg(train={"nnodes": 2, "rdzv_endpoint": "node0:29500", "node_rank": 1}),
+                             tmp_path / "c.json", tmp_path / "i.json", tmp_path, "r1", None)
+    assert node1[node1.index("--node-rank") + 1] == "1" and node1[node1.index("--rdzv-conf") + 1] == "is_host=false"
     with pytest.raises(Exception, match="rdzv_endpoint"):
         tiny_cfg(train={"nnodes": 2})
+
+
+def test_wsd_schedule():
+    t = tiny_cfg(train={"max_steps": 100, "warmup_steps": 10, "lr": 1e-3, "min_lr": 1e-4,
+                        "lr_schedule": "wsd", "wsd_decay_fraction": 0.2}).train
+    assert lr_at(5, t) == pytest.approx(5e-4)
+    assert lr_at(10, t) == lr_at(50, t) == lr_at(80, t) == pytest.approx(1e-3)  # stable
+    assert lr_at(90, t) == pytest.approx(1e-4 + 0.5 * 9e-4)  # linear decay over steps 81-100
+    assert lr_at(100, t) == pytest.approx(1e-4)
+    s = t.model_copy(update={"wsd_decay_shape": "sqrt"})
+    assert lr_at(90, s) == pytest.approx(1e-4 + (1 - 0.5 ** 0.5) * 9e-4)
+    lrs = [lr_at(k, t) for k in range(10, 101)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_global_windows_independent_of_world_size(base):
+    from tasks.train.data import GlobalWindows
+
+    index = tokens_artifact(base)["index_path"]
+    d = GlobalWindows(index, "train", 32, 2, seed=3)
+    # one step of 8 samples starting at 16: 4 ranks x 1 micro, 2 ranks x 2 micro, 1 rank x 4 micro
+    ref = d.samples(16, 8)
+    for world, accum in ((4, 1), (2, 2), (1, 4)):
+        parts = {(m * world + r): d.micro_batch(16, m, r, world) for m in range(accum) for r in range(world)}
+        got = torch.cat([torch.cat([parts[i][0], parts[i][1][:, -1:]], dim=1) for i in sorted(parts)])
+        assert torch.equal(got, ref), world
+    # an epoch visits every window once, in a seeded order
+    n = d.n_windows
+    starts = {int(d._window(g)) for g in range(n)}
+    assert starts == set(range(n))
+    other = GlobalWindows(index, "train", 32, 2, seed=4)
+    assert [d._window(g) for g in range(10)] != [other._window(g) for g in range(10)]
+    d.skip_ranges = [(8, 16), (16, 24)]
+    assert d.step_start(8) == 24 and d.step_start(4) == 4
+
+
+def test_spike_detector():
+    from tasks.train.spikes import SpikeDetector
+
+    det = SpikeDetector(window=5, min_history=3, sigma=4.0, rollback_after=2)
+    assert det.check(100.0, 100.0) is None  # no history yet: nothing is a spike
+    for loss in (5.0, 4.9, 5.1, 5.0):
+        assert det.check(loss, 1.0) is None
+        det.healthy(loss, 1.0)
+    assert det.check(5.05, 1.01) is None
+    assert det.check(9.0, 1.0)["reason"] == "loss"
+    assert det.check(5.0, 50.0)["reason"] == "grad_norm"
+    assert det.check(float("nan"), 1.0) is not None
+    assert det.spiked(10, 80) is False and det.spiked(11, 88) is True
+    assert det.streak_first_step == 10 and det.streak_start == 80
+    restored = SpikeDetector(window=5, min_history=3, sigma=4.0, rollback_after=2)
+    restored.load(json.loads(json.dumps(det.state())))
+    assert restored.state() == det.state()
+
+
+def test_flops_batch_and_faults():
+    from tasks.train.worker import flops_per_token, global_batch, parse_faults
+
+    assert flops_per_token(1000, 2, 4, 16, 64) == 6 * 1000 + 12 * 2 * 4 * 16 * 64
+    t = tiny_cfg(train={"micro_batch_size": 4, "batch_tokens": 16 * 64}).train
+    assert global_batch(t, 64, 2) == (16, 2) and global_batch(t, 64, 4) == (16, 1)
+    with pytest.raises(ValueError, match="multiple"):
+        global_batch(t, 64, 3)
+    assert global_batch(tiny_cfg(train={"grad_accum_steps": 3}).train, 64, 2) == (48, 3)
+    assert parse_faults("corrupt:9-10, kill:8:1,corrupt:13") == [
+        ("corrupt", 9, 10, None), ("kill", 8, 8, 1), ("corrupt", 13, 13, None)]
+    with pytest.raises(Exception, match="stop_at_step"):
+        tiny_cfg(train={"stop_at_step": 30})

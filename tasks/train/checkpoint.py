@@ -6,20 +6,31 @@ Layout: out_dir/checkpoints/step-000100/ holds the DCP files (.metadata, __*_*.d
      "optim": {"state": AdamW moments per parameter FQN},
      "train": {"step": tensor}}
 
-and, beside them, crucible_checkpoint.json: step, model config, vocab size, eos id, run ids.
-Only tensors go into DCP (the optimizer's param groups are rebuilt from the config), so nothing is
-ever unpickled on load. A checkpoint is written into step-XXXXXX.tmp and renamed once complete,
-so a directory named step-XXXXXX is always whole.
+and, beside them, crucible_checkpoint.json: step, model config, vocab size, eos id, run ids and
+the trainer state (data loader position in global samples, skipped data ranges, the loss-spike
+windows), and rng/rank-XXXXX.json per rank (torch, numpy, python and data-generator RNG states).
+Only tensors go into DCP (the optimizer's param groups are rebuilt from the config), and the rest
+is JSON, so nothing is ever unpickled on load. A checkpoint is written into step-XXXXXX.tmp and
+renamed once complete, so a directory named step-XXXXXX is always whole.
+
+out_dir/checkpoints/checkpoints.json (the manifest, written by rank 0) lists every kept checkpoint
+with its step, losses and the sha256 of each file; `apply_retention` keeps the last N and the best K.
 
 `load_model_for_inference` works in a plain process without a process group.
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
+import os
+import random
 import re
 import shutil
 import warnings
 from pathlib import Path
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -36,6 +47,8 @@ from torch.distributed.checkpoint.state_dict import (
 from tasks.train.model import GPT, GPTConfig
 
 META_FILE = "crucible_checkpoint.json"
+MANIFEST = "checkpoints.json"
+RNG_DIR = "rng"
 FORMAT = "torch.distributed.checkpoint"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -68,20 +81,27 @@ def _barrier() -> None:
 
 
 def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                    out_dir: str | Path, meta: dict) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
+                    out_dir: str | Path, meta: dict, rng_state: dict | None = None) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint directory.
+
+    rng_state: this rank's RNG states (see `capture_rng_state`), written to rng/rank-XXXXX.json.
+    """
     final = checkpoint_dir(out_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     rank = _rank()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        (tmp / RNG_DIR).mkdir(parents=True)
     _barrier()
+    if rng_state is not None:
+        (tmp / RNG_DIR / f"rank-{rank:05d}.json").write_text(json.dumps(rng_state))
     osd = get_optimizer_state_dict(model, optimizer)
+    consumed = int((meta.get("trainer") or {}).get("consumed_samples", 0))
     state = {
         "model": get_model_state_dict(model),
         "optim": {"state": osd["state"]},
-        "train": {"step": torch.tensor(step, dtype=torch.int64)},
+        "train": {"step": torch.tensor(step, dtype=torch.int64),
+                  "consumed_samples": torch.tensor(consumed, dtype=torch.int64)},
     }
     dcp.save(state, checkpoint_id=str(tmp))  # returns on every rank once the metadata is written
     if rank == 0:
@@ -95,7 +115,9 @@ def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: in
 
 
 def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: str | Path) -> int:
-    """Collective resume: load model and optimizer state in place; returns the checkpoint's step."""
+    """Collective resume: load model and optimizer state in place; returns the checkpoint's step.
+
+    DCP reshards on load, so the world size may differ from the one that saved."""
     osd = get_optimizer_state_dict(model, optimizer)  # initialises moments so shapes are known
     state = {
         "model": get_model_state_dict(model),
@@ -108,6 +130,144 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir
                              {"state": state["optim"]["state"], "param_groups": osd["param_groups"]},
                              options=StateDictOptions(strict=True))
     return int(state["train"]["step"])
+
+
+# ---------------------------------------------------------------- RNG states (JSON, per rank)
+
+def capture_rng_state(data_rng: np.random.Generator | None = None) -> dict:
+    """This process's torch (CPU and, if used, CUDA), numpy global, python and data RNG states."""
+    np_state = np.random.get_state()
+    out = {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    if data_rng is not None:
+        out["data"] = data_rng.bit_generator.state
+    return out
+
+
+def restore_rng_state(state: dict, data_rng: np.random.Generator | None = None) -> None:
+    raw = np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()
+    torch.set_rng_state(torch.from_numpy(raw))
+    if "cuda" in state and torch.cuda.is_available():
+        raw = np.frombuffer(base64.b64decode(state["cuda"]), dtype=np.uint8).copy()
+        torch.cuda.set_rng_state(torch.from_numpy(raw))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    p = state["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))
+    if data_rng is not None and "data" in state:
+        data_rng.bit_generator.state = state["data"]
+
+
+def read_rng_state(ckpt_dir: str | Path, rank: int) -> dict | None:
+    """This rank's saved RNG states, or None (e.g. resuming on more ranks than saved)."""
+    path = Path(ckpt_dir) / RNG_DIR / f"rank-{rank:05d}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+# ---------------------------------------------------------------- manifest and retention
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_manifest(out_dir: str | Path) -> dict:
+    path = Path(out_dir) / "checkpoints" / MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else {"checkpoints": []}
+
+
+def _write_manifest(out_dir: str | Path, manifest: dict) -> None:
+    path = Path(out_dir) / "checkpoints" / MANIFEST
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def checkpoint_entry(ckpt_dir: str | Path) -> dict:
+    ckpt_dir = Path(ckpt_dir)
+    meta = read_meta(ckpt_dir)
+    files = sorted(p for p in ckpt_dir.rglob("*") if p.is_file())
+    return {
+        "step": meta["step"],
+        "path": ckpt_dir.name,
+        "train_loss": meta.get("train_loss"),
+        "val_loss": meta.get("val_loss"),
+        "files": {str(p.relative_to(ckpt_dir)): _sha256(p) for p in files},
+        "bytes": sum(p.stat().st_size for p in files),
+    }
+
+
+def _score(entry: dict) -> float:
+    v = entry.get("val_loss")
+    v = entry.get("train_loss") if v is None else v
+    return float("inf") if v is None else float(v)
+
+
+def apply_retention(out_dir: str | Path, new_ckpt: str | Path | None, keep_last: int | None,
+                    keep_best: int = 0) -> dict:
+    """Rank 0 only: add new_ckpt to the manifest (with sha256 per file), then delete checkpoints
+    that are neither among the keep_last newest nor the keep_best best (by val loss where every
+    candidate has one, else train loss). The newest is always kept. Returns the manifest."""
+    manifest = read_manifest(out_dir)
+    entries = {e["step"]: e for e in manifest["checkpoints"]}
+    on_disk = {int(p.name.split("-")[1]): p for p in list_checkpoints(out_dir)}
+    entries = {s: e for s, e in entries.items() if s in on_disk}
+    for s, p in on_disk.items():  # new ones, and any the manifest missed
+        if s not in entries or (new_ckpt is not None and Path(new_ckpt).name == p.name):
+            entries[s] = checkpoint_entry(p)
+    steps = sorted(entries)
+    keep = set(steps[-keep_last:]) if keep_last else set(steps)
+    if steps:
+        keep.add(steps[-1])
+    if keep_best and steps:
+        use_val = all(entries[s].get("val_loss") is not None for s in steps)
+        key = (lambda s: entries[s]["val_loss"]) if use_val else (lambda s: _score(entries[s]))
+        best = sorted(steps, key=key)[:keep_best]
+        keep |= set(best)
+        for s in steps:
+            entries[s]["best"] = s in best
+    for s in steps:
+        if s not in keep:
+            shutil.rmtree(on_disk[s], ignore_errors=True)
+            del entries[s]
+    manifest = {"checkpoints": [entries[s] for s in sorted(entries)],
+                "keep_last": keep_last, "keep_best": keep_best}
+    _write_manifest(out_dir, manifest)
+    return manifest
+
+
+def verify_checkpoint(ckpt_dir: str | Path, manifest: dict | None = None) -> bool:
+    """True when every file the manifest lists for this checkpoint has its recorded sha256
+    (a checkpoint absent from the manifest counts as valid if it is complete)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / META_FILE).is_file():
+        return False
+    manifest = manifest if manifest is not None else read_manifest(ckpt_dir.parent.parent)
+    entry = next((e for e in manifest["checkpoints"] if e["path"] == ckpt_dir.name), None)
+    if entry is None:
+        return True
+    return all((ckpt_dir / f).is_file() and _sha256(ckpt_dir / f) == h for f, h in entry["files"].items())
+
+
+def latest_checkpoint(out_dir: str | Path, before_step: int | None = None, verify: bool = True
+                      ) -> Path | None:
+    """The newest complete checkpoint (older than before_step if given) whose files match the manifest."""
+    manifest = read_manifest(out_dir)
+    for p in reversed(list_checkpoints(out_dir)):
+        if before_step is not None and int(p.name.split("-")[1]) >= before_step:
+            continue
+        if not verify or verify_checkpoint(p, manifest):
+            return p
+        print(f"[checkpoint] WARNING: {p} does not match its sha256 in {MANIFEST}: skipped", flush=True)
+    return None
 
 
 def load_model_for_inference(ckpt_dir: str | Path, device: str | torch.device = "cpu"

@@ -31,3 +31,61 @@ class RandomWindows:
                             for s in starts])
         w = torch.from_numpy(windows)
         return w[:, :-1], w[:, 1:]
+
+
+class GlobalWindows:
+    """Training samples addressed by a global sample index, independent of the world size.
+
+    The train split is cut into n = (tokens - 1) // seq_len windows of seq_len + 1 tokens (stride
+    seq_len). Epoch e visits them in a permutation seeded by (seed, e); global sample g is window
+    perm_{g // n}[g % n]. Optimizer step s reads the global samples [c, c + global_batch) where c
+    is the loader position (samples consumed so far), and rank r, micro-batch m of W ranks takes
+    the slice starting at c + (m * W + r) * micro_batch_size. So a run resumed on another world
+    size, with the same global batch, reads the same samples in the same steps.
+
+    `skip_ranges` ([start, end) global sample ranges) are jumped over: a loss-spike rollback
+    records the offending data there.
+    """
+
+    def __init__(self, index_path: str | Path, split: str, seq_len: int, micro_batch_size: int,
+                 seed: int):
+        self.tokens = open_split(index_path, split)
+        self.seq_len, self.micro_batch_size, self.seed = seq_len, micro_batch_size, seed
+        self.n_windows = (len(self.tokens) - 1) // seq_len
+        if self.n_windows < 1:
+            raise ValueError(f"{split} split has {len(self.tokens)} tokens, fewer than seq_len + 1 "
+                             f"= {seq_len + 1}: make the corpus larger or seq_len smaller")
+        self._perm_epoch, self._perm = -1, None
+        self.skip_ranges: list[tuple[int, int]] = []
+
+    def _window(self, g: int) -> int:
+        epoch, i = divmod(g, self.n_windows)
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+            self._perm_epoch = epoch
+        return int(self._perm[i])
+
+    def samples(self, first: int, count: int) -> torch.Tensor:
+        """(count, seq_len + 1) int64 windows for global samples first .. first + count - 1."""
+        rows = []
+        for g in range(first, first + count):
+            s = self._window(g) * self.seq_len
+            rows.append(np.asarray(self.tokens[s:s + self.seq_len + 1], dtype=np.int64))
+        return torch.from_numpy(np.stack(rows))
+
+    def step_start(self, position: int) -> int:
+        """First sample of the next step from a loader position (skipping recorded bad ranges)."""
+        moved = True
+        while moved:
+            moved = False
+            for a, b in self.skip_ranges:
+                if a <= position < b:
+                    position, moved = b, True
+        return position
+
+    def micro_batch(self, step_start: int, micro: int, rank: int, world: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) for one rank's micro-batch of the step whose first global sample is step_start."""
+        first = step_start + (micro * world + rank) * self.micro_batch_size
+        w = self.samples(first, self.micro_batch_size)
+        return w[:, :-1], w[:, 1:]

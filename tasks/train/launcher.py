@@ -36,7 +36,14 @@ def torchrun_command(cfg: PipelineConfig, config_json: Path, tokens_index: Path,
     else:
         cmd += ["--nnodes", str(t.nnodes), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", str(t.rdzv_endpoint), "--rdzv-id", t.rdzv_id or run_name]
-    cmd += ["--nproc_per_node", str(t.nproc_per_node), "--max-restarts", "0",
+        if t.node_rank is not None:
+            # node 0 hosts the rendezvous store at rdzv_endpoint; the others only connect (torchrun's
+            # guess from the host name fails when several "nodes" share one machine)
+            cmd += ["--node-rank", str(t.node_rank),
+                    "--rdzv-conf", f"is_host={'true' if t.node_rank == 0 else 'false'}"]
+    # on a worker failure torchrun restarts every worker (up to max_restarts times); a restarted
+    # worker sees TORCHELASTIC_RESTART_COUNT > 0 and resumes from the newest checkpoint
+    cmd += ["--nproc_per_node", str(t.nproc_per_node), "--max-restarts", str(t.max_restarts),
             "-m", "tasks.train.worker",
             "--config-json", str(config_json), "--tokens-index", str(tokens_index),
             "--out-dir", str(out_dir), "--run-name", run_name]
@@ -62,7 +69,9 @@ def run_training(cfg: PipelineConfig, tokens_index: Path, out_dir: Path, mlflow_
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     tokens_index = Path(tokens_index).resolve()
-    config_json = out_dir / CONFIG_JSON
+    # several "nodes" sharing one out_dir (e.g. on one machine) each keep their own config and log
+    suffix = f"-node{cfg.train.node_rank}" if cfg.train.nnodes > 1 and cfg.train.node_rank is not None else ""
+    config_json = out_dir / (Path(CONFIG_JSON).stem + suffix + ".json")
     config_json.write_text(cfg.model_dump_json(indent=2))
 
     env = dict(os.environ)
@@ -80,7 +89,7 @@ def run_training(cfg: PipelineConfig, tokens_index: Path, out_dir: Path, mlflow_
     env["PYTHONPATH"] = os.pathsep.join([repo_root, *filter(None, [env.get("PYTHONPATH")])])
 
     cmd = torchrun_command(cfg, config_json, tokens_index, out_dir, run_name, mlflow_run_id)
-    log_path = out_dir / TORCHRUN_LOG
+    log_path = out_dir / (Path(TORCHRUN_LOG).stem + suffix + ".log")
     tail: collections.deque[str] = collections.deque(maxlen=60)
     t0 = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:

@@ -16,6 +16,7 @@ from pathlib import Path
 log = logging.getLogger("crucible.train")
 
 TRAIN_LOG = "train_log.jsonl"
+SPIKE_LOG = "spikes.jsonl"
 CHECKPOINT_EVENT = "crucible.checkpoint.saved"
 # jsonl field -> MLflow metric key
 MLFLOW_KEYS = {"loss": "train_loss", "grad_norm": "grad_norm", "lr": "lr", "tokens_per_s": "tokens_per_s"}
@@ -60,6 +61,32 @@ class MetricsLogger:
             for k, v in values.items():
                 parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
             print(" | ".join(parts), flush=True)
+            self.flush()
+
+    def rewind(self, step: int) -> None:
+        """Drop the log's records after `step` (a loss-spike rollback redoes those steps)."""
+        self._file.close()
+        kept = [line for line in self.path.read_text(encoding="utf-8").splitlines()
+                if line.strip() and json.loads(line)["step"] <= step]
+        self._file = open(self.path, "w", encoding="utf-8")
+        self._file.writelines(line + "\n" for line in kept)
+        self._file.flush()
+
+    def log_spike(self, step: int, action: str, **details) -> None:
+        """A loss-spike action: a line in spikes.jsonl, an MLflow metric (spike_skip /
+        spike_rollback = 1 at that step) and the tag spike.last_action."""
+        rec = {"step": step, "action": action, **details}
+        with open(self.path.parent / SPIKE_LOG, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(f"[spike] step {step}: {action} " + json.dumps(details), flush=True)
+        if self._client is not None:
+            from mlflow.entities import Metric
+
+            self._pending.append(Metric(f"spike_{action}", 1.0, int(time.time() * 1000), step))
+            try:
+                self._client.set_tag(self._run_id, "spike.last_action", f"{action}@{step}")
+            except Exception as e:
+                print(f"[metrics] WARNING: MLflow set_tag failed: {e}", flush=True)
             self.flush()
 
     def log_params(self, params: dict) -> None:
@@ -120,3 +147,29 @@ def drain_events(timeout: float = 10.0) -> None:
         EventsWorker.drain_all(timeout=timeout)
     except Exception as e:
         print(f"[events] WARNING: draining events failed: {e}", flush=True)
+
+
+SPIKE_EVENT = "crucible.train.spike"
+
+
+def emit_spike_event(action: str, step: int, run_id: str | None, run_name: str, **details) -> bool:
+    """Emit the Prefect event `crucible.train.spike` (only when PREFECT_API_URL is set).
+
+    action: "skip" (batch skipped, no optimizer step) or "rollback" (back to a checkpoint, data
+    range skipped) or "rollback_unavailable"."""
+    if not os.environ.get("PREFECT_API_URL"):
+        return False
+    try:
+        from prefect.events import emit_event
+
+        event = emit_event(
+            event=SPIKE_EVENT,
+            resource={"prefect.resource.id": f"crucible.train.{run_name}.spike.{step}",
+                      "crucible.action": action},
+            payload={"action": action, "step": step, "run_id": run_id, "run_name": run_name, **details},
+        )
+    except Exception as e:  # events are observability; never fail training on them
+        print(f"[events] WARNING: {SPIKE_EVENT} failed: {e}", flush=True)
+        return False
+    print(f"[events] {SPIKE_EVENT} {action} step {step}: {'emitted' if event else 'not emitted'}", flush=True)
+    return event is not None

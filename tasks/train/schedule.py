@@ -1,4 +1,10 @@
-"""Learning rate: linear warmup to lr, then cosine decay to min_lr at max_steps."""
+"""Learning rate schedules, by optimizer step (1-based: the first update is step 1).
+
+- cosine: linear warmup to lr, then cosine decay to min_lr at max_steps.
+- wsd (warmup-stable-decay, as MiniCPM / "Scaling Laws and Compute-Optimal Training Beyond Fixed
+  Training Durations"): linear warmup, lr held constant, then in the last wsd_decay_fraction of
+  max_steps a decay to min_lr, linear or 1 - sqrt(progress).
+"""
 from __future__ import annotations
 
 import math
@@ -12,6 +18,14 @@ def lr_at(step: int, tcfg: TrainConfig) -> float:
     """Learning rate for optimizer step `step` (1-based: the first update is step 1)."""
     if tcfg.warmup_steps and step <= tcfg.warmup_steps:
         return tcfg.lr * step / tcfg.warmup_steps
+    if tcfg.lr_schedule == "wsd":
+        decay_steps = max(1, round(tcfg.wsd_decay_fraction * tcfg.max_steps))
+        decay_start = max(tcfg.warmup_steps, tcfg.max_steps - decay_steps)
+        if step <= decay_start:
+            return tcfg.lr
+        progress = min(1.0, (step - decay_start) / max(1, tcfg.max_steps - decay_start))
+        frac = 1.0 - (math.sqrt(progress) if tcfg.wsd_decay_shape == "sqrt" else progress)
+        return tcfg.min_lr + frac * (tcfg.lr - tcfg.min_lr)
     decay_steps = tcfg.max_steps - tcfg.warmup_steps
     if decay_steps <= 0:
         return tcfg.lr

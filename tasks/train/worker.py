@@ -14,23 +14,30 @@ import argparse
 import contextlib
 import math
 import os
+import random
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tasks.config import PipelineConfig
 from tasks.tokens.binfile import load_index
-from tasks.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from tasks.train.data import RandomWindows
-from tasks.train.metrics import MetricsLogger, drain_events, emit_checkpoint_event
+from tasks.train.checkpoint import (MANIFEST, apply_retention, capture_rng_state, latest_checkpoint,
+                                    list_checkpoints, load_checkpoint, read_meta, read_rng_state,
+                                    restore_rng_state, save_checkpoint)
+from tasks.train.data import GlobalWindows
+from tasks.train.metrics import (SPIKE_LOG, MetricsLogger, drain_events, emit_checkpoint_event,
+                                 emit_spike_event)
 from tasks.train.model import GPT, GPTConfig
 from tasks.train.optimizer import build_optimizer
 from tasks.train.schedule import lr_at, set_lr
+from tasks.train.spikes import SpikeDetector
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,17 +64,59 @@ def main(argv: list[str] | None = None) -> int:
     cfg = PipelineConfig.model_validate_json(args.config_json.read_text())
     tcfg = cfg.train
     torch.set_num_threads(tcfg.threads_per_proc)
-    dist.init_process_group(backend=tcfg.backend)
+    # Keys in the rendezvous store carry the restart attempt: after torchrun restarts the workers,
+    # a stale address of a dead rank from the previous attempt must not be read (gloo then fails
+    # with "connection refused").
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    store, rank, world = next(dist.rendezvous("env://"))
+    dist.init_process_group(backend=tcfg.backend, store=dist.PrefixStore(f"crucible/attempt-{restart}", store),
+                            rank=rank, world_size=world)
     try:
         return train(cfg, args)
     finally:
         dist.destroy_process_group()
 
 
+def flops_per_token(n_params: int, n_layer: int, n_head: int, head_dim: int, seq_len: int) -> int:
+    """Training FLOPs per token as torchtitan counts them: 6N for the matmuls of forward and
+    backward, plus 12 * L * H * Q * T for attention scores and values. N counts the tied
+    embedding once: as the output projection it is a real matmul."""
+    return 6 * n_params + 12 * n_layer * n_head * head_dim * seq_len
+
+
+def parse_faults(text: str | None) -> list[tuple[str, int, int, int | None]]:
+    """CRUCIBLE_TRAIN_FAULTS, a test hook: comma-separated `corrupt:A[-B]` (the batches of steps
+    A..B, counted as in a run without skips, become random token ids with the loss scaled by 100)
+    and `kill:S[:RANK]` (SIGKILL this process at the start of step S, first attempt only)."""
+    faults = []
+    for item in filter(None, (t.strip() for t in (text or "").split(","))):
+        kind, _, rest = item.partition(":")
+        parts = rest.split(":")
+        a, _, b = parts[0].partition("-")
+        faults.append((kind, int(a), int(b or a), int(parts[1]) if len(parts) > 1 else None))
+    return faults
+
+
+def global_batch(tcfg, seq_len: int, world: int) -> tuple[int, int]:
+    """(global samples per optimizer step, micro-batches per rank per step)."""
+    per_micro = tcfg.micro_batch_size * world
+    if tcfg.batch_tokens is None:
+        return per_micro * tcfg.grad_accum_steps, tcfg.grad_accum_steps
+    if tcfg.batch_tokens % seq_len:
+        raise ValueError(f"train.batch_tokens ({tcfg.batch_tokens}) must be a multiple of seq_len ({seq_len})")
+    samples = tcfg.batch_tokens // seq_len
+    if samples % per_micro:
+        raise ValueError(f"train.batch_tokens gives {samples} sequences per step, not a multiple of "
+                         f"micro_batch_size x world size = {per_micro}")
+    return samples, samples // per_micro
+
+
 def train(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     tcfg = cfg.train
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    faults = parse_faults(os.environ.get("CRUCIBLE_TRAIN_FAULTS"))
     if tcfg.device == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -78,23 +127,60 @@ def train(cfg: PipelineConfig, args: argparse.Namespace) -> int:
 
     index = load_index(args.tokens_index)
     gcfg = GPTConfig.from_model_config(cfg.model, index["vocab_size"])
-    data = RandomWindows(args.tokens_index, "train", gcfg.seq_len, tcfg.micro_batch_size,
-                         seed=tcfg.seed, rank=rank)
+    data = GlobalWindows(args.tokens_index, "train", gcfg.seq_len, tcfg.micro_batch_size, seed=tcfg.seed)
+    G, accum = global_batch(tcfg, gcfg.seq_len, world)
     torch.manual_seed(tcfg.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     model = GPT(gcfg).to(device)
     optimizer = build_optimizer(model, tcfg)
+    # per-rank RNG streams after the shared init (dropout differs per rank); saved in checkpoints
+    torch.manual_seed(tcfg.seed + 1 + rank)
+    np.random.seed((tcfg.seed + 1 + rank) % 2**32)
+    random.seed(tcfg.seed + 1 + rank)
+    data_rng = np.random.default_rng([tcfg.seed, rank])  # per-rank data generator (fault hook)
+    detector = SpikeDetector(tcfg.spike_window, tcfg.spike_min_history, tcfg.spike_sigma,
+                             tcfg.spike_rollback_after)
+    trainer = {"consumed_samples": 0, "skip_ranges": [], "rollbacks": 0}
+
+    def restore(ckpt: Path) -> int:
+        step = load_checkpoint(model, optimizer, ckpt)
+        meta = read_meta(ckpt)
+        tr = meta.get("trainer") or {}
+        trainer.update(consumed_samples=int(tr.get("consumed_samples", 0)),
+                       skip_ranges=[tuple(r) for r in tr.get("skip_ranges", [])],
+                       rollbacks=int(tr.get("rollbacks", 0)))
+        if "consumed_samples" not in tr:  # a checkpoint from before the loader position was saved
+            trainer["consumed_samples"] = step * G
+        data.skip_ranges = list(trainer["skip_ranges"])
+        detector.load(tr.get("spike") or {})
+        rng = read_rng_state(ckpt, rank) if meta.get("world_size") == world else None
+        if rng is not None:
+            restore_rng_state(rng, data_rng)
+        else:  # another world size: the per-rank streams cannot carry over; derive fresh ones
+            torch.manual_seed(tcfg.seed + 1 + rank + 7919 * step)
+            np.random.seed((tcfg.seed + 1 + rank + 7919 * step) % 2**32)
+            random.seed(tcfg.seed + 1 + rank + 7919 * step)
+            data_rng.bit_generator.state = np.random.default_rng([tcfg.seed, rank, step]).bit_generator.state
+        return step
 
     start_step = 0
-    if tcfg.resume and (ckpts := list_checkpoints(out_dir)):
-        start_step = load_checkpoint(model, optimizer, ckpts[-1])
+    resume = tcfg.resume or restart > 0
+    ckpt = latest_checkpoint(out_dir) if resume else None
+    if ckpt is not None:
+        start_step = restore(ckpt)
         if rank == 0:
-            print(f"[train] resumed from {ckpts[-1]} at step {start_step}", flush=True)
-    elif rank == 0 and (stale := list_checkpoints(out_dir)):
+            why = f"restart {restart} (torchrun)" if restart else "resume"
+            print(f"[train] {why}: resumed from {ckpt} at step {start_step}, "
+                  f"data position {trainer['consumed_samples']}", flush=True)
+    elif not resume and rank == 0 and (stale := list_checkpoints(out_dir)):
         # a fresh run owns out_dir, as it owns train_log.jsonl: older checkpoints would be mistaken for ours
         print(f"[train] resume is off: removing {len(stale)} old checkpoint(s) under {out_dir / 'checkpoints'}",
               flush=True)
         for p in stale:
             shutil.rmtree(p)
+    if rank == 0 and start_step == 0:
+        (out_dir / "checkpoints" / MANIFEST).unlink(missing_ok=True)
+        (out_dir / SPIKE_LOG).unlink(missing_ok=True)
+    dist.barrier()
     ddp = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
 
     metrics = None
@@ -104,8 +190,10 @@ def train(cfg: PipelineConfig, args: argparse.Namespace) -> int:
                                 run_id=os.environ.get("MLFLOW_RUN_ID") or None,
                                 resume_step=start_step)
         metrics.log_params({**_flat_params(cfg), "n_params": model.num_params(), "world_size": world,
-                            "vocab_size": gcfg.vocab_size, "train_tokens": index["splits"]["train"]["tokens"]})
+                            "vocab_size": gcfg.vocab_size, "train_tokens": index["splits"]["train"]["tokens"],
+                            "global_batch_samples": G, "grad_accum_steps_effective": accum})
         print(f"[train] {model.num_params():,} params | world {world} x {tcfg.threads_per_proc} threads | "
+              f"global batch {G} x {gcfg.seq_len} tokens ({accum} micro-batch(es) per rank) | "
               f"train split {index['splits']['train']['tokens']:,} tokens | steps {start_step + 1}..{tcfg.max_steps}",
               flush=True)
 
@@ -118,40 +206,99 @@ def train(cfg: PipelineConfig, args: argparse.Namespace) -> int:
         "run_name": args.run_name,
         "run_id": args.run_id,
         "world_size": world,
+        "global_batch_samples": G,
     }
-    accum = tcfg.grad_accum_steps
-    tokens_per_step = tcfg.micro_batch_size * gcfg.seq_len * accum * world
+    tokens_per_step = G * gcfg.seq_len
+    fpt = flops_per_token(model.num_params(), gcfg.n_layer, gcfg.n_head, gcfg.head_dim, gcfg.seq_len)
+    stop = tcfg.stop_at_step or tcfg.max_steps
     ddp.train()
-    for step in range(start_step + 1, tcfg.max_steps + 1):
+    step = start_step
+    while step < stop:
+        step += 1
         t0 = time.perf_counter()
+        for kind, a, _, who in faults:
+            if kind == "kill" and a == step and restart == 0 and who in (None, rank):
+                print(f"[fault] rank {rank}: SIGKILL at step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
         lr = lr_at(step, tcfg)
         set_lr(optimizer, lr)
         optimizer.zero_grad(set_to_none=True)
+        pos = data.step_start(trainer["consumed_samples"])
+        corrupt = any(kind == "corrupt" and (a - 1) * G <= pos < b * G for kind, a, b, _ in faults)
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
-            x, y = (t.to(device) for t in data.batch(step, micro))
+            x, y = data.micro_batch(pos, micro, rank, world)
+            if corrupt:
+                x = torch.from_numpy(data_rng.integers(0, gcfg.vocab_size, size=tuple(x.shape)))
+                y = torch.from_numpy(data_rng.integers(0, gcfg.vocab_size, size=tuple(y.shape)))
+            x, y = x.to(device), y.to(device)
             # all-reduce gradients only on the last micro-batch
             sync = contextlib.nullcontext() if micro == accum - 1 else ddp.no_sync()
             with sync:
                 _, loss = ddp(x, y)
+                if corrupt:
+                    loss = loss * 100.0
                 (loss / accum).backward()
             loss_sum += loss.detach()
         # total norm before clipping (gradients are identical on every rank after DDP's all-reduce)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
-        optimizer.step()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip))
         loss_avg = loss_sum / accum
         dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM)  # gloo has no AVG
         loss_val = loss_avg.item() / world
-        dt = time.perf_counter() - t0
-        if not math.isfinite(loss_val):
+        end = pos + G
+        spike = detector.check(loss_val, grad_norm) if tcfg.spike_detection else None
+        if spike is None and not math.isfinite(loss_val):
             raise FloatingPointError(f"loss is {loss_val} at step {step} (lr {lr:.3g}): stopping")
+        if spike is None:
+            optimizer.step()
+            detector.healthy(loss_val, grad_norm)
+        else:
+            optimizer.zero_grad(set_to_none=True)  # skip the batch: no update
+        trainer["consumed_samples"] = end
+        dt = time.perf_counter() - t0
         if metrics is not None:
-            metrics.log_step(step, loss=loss_val, grad_norm=float(grad_norm), lr=lr,
-                             tokens_per_s=tokens_per_step / dt)
-        if step % tcfg.checkpoint_every == 0 or step == tcfg.max_steps:
+            values = {"loss": loss_val, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens_per_step / dt,
+                      "flops_per_s": fpt * tokens_per_step / dt / world}
+            if tcfg.peak_flops_per_s:
+                values["mfu"] = values["flops_per_s"] / tcfg.peak_flops_per_s
+            values["data_start"] = pos
+            if spike is not None:
+                values["skipped"] = 1
+            metrics.log_step(step, **values)
+        if spike is not None:
+            persistent = detector.spiked(step, pos)
+            details = {**spike, "data_range": [pos, end], "consecutive": detector.consecutive}
+            if metrics is not None:
+                metrics.log_spike(step, "skip", **details)
+                emit_spike_event("skip", step, args.run_id, args.run_name, **details)
+            if persistent:
+                first_step, bad_start = detector.streak_first_step, detector.streak_start
+                target = latest_checkpoint(out_dir, before_step=first_step)
+                if target is not None and trainer["rollbacks"] < tcfg.spike_max_rollbacks:
+                    ranges = list(trainer["skip_ranges"]) + [(bad_start, end)]
+                    rollbacks, spike_step = trainer["rollbacks"] + 1, step
+                    step = restore(target)
+                    trainer.update(skip_ranges=ranges, rollbacks=rollbacks)
+                    data.skip_ranges = list(ranges)
+                    info = {"to_checkpoint": target.name, "to_step": step, "skipped_data": [bad_start, end],
+                            "spike_steps": [first_step, spike_step], "rollbacks": rollbacks}
+                    if metrics is not None:
+                        metrics.rewind(step)
+                        metrics.log_spike(step, "rollback", **info)
+                        emit_spike_event("rollback", step, args.run_id, args.run_name, **info)
+                    continue
+                if metrics is not None:
+                    why = "no checkpoint before the spike" if target is None else "spike_max_rollbacks reached"
+                    metrics.log_spike(step, "rollback_unavailable", reason=why)
+                    emit_spike_event("rollback_unavailable", step, args.run_id, args.run_name, reason=why)
+        if step % tcfg.checkpoint_every == 0 or step == tcfg.max_steps or step == stop:
+            tr_state = {**trainer, "skip_ranges": [list(r) for r in trainer["skip_ranges"]],
+                        "spike": detector.state()}
             path = save_checkpoint(model, optimizer, step, out_dir,
-                                   {**meta_base, "train_loss": loss_val})
+                                   {**meta_base, "train_loss": loss_val, "trainer": tr_state},
+                                   rng_state=capture_rng_state(data_rng))
             if rank == 0:
+                apply_retention(out_dir, path, tcfg.keep_last_checkpoints, tcfg.keep_best_checkpoints)
                 print(f"[checkpoint] step {step} -> {path}", flush=True)
                 emit_checkpoint_event(path, step, args.run_id, args.run_name)
     if metrics is not None:
