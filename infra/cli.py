@@ -17,21 +17,26 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 EXAMPLES = """\
 examples:
-  crucible up                                  start Prefect + MLflow (+ the deployed model server)
+  crucible up                                  start Prefect + MLflow + the lineage service (+ the deployed model server)
   crucible status                              URLs, health and pids of the local services
   crucible status --json                       the same as JSON: {service: {url, healthy, pid}}
   crucible run configs/tiny.yaml               the whole pipeline: curate → tokenizer → train → evaluate → deploy
   crucible run configs/tiny.yaml --set train.max_steps=50 --summary runs/summary.json
-  crucible down                                stop the model server, MLflow and Prefect
+  crucible lineage replay runs/<run>/lineage.jsonl                  send a run's lineage log to the lineage service
+  crucible lineage replay runs/<run>/lineage.jsonl --url http://127.0.0.1:9000   ... or to Marquez
+  crucible plan --params 7e9                   size a pre-training run: tokens, FLOPs, GPUs, days, cost
+  crucible plan --flops 1e22 --gpu h100 --json
+  crucible down                                stop the model server, the lineage service, MLflow and Prefect
   crucible --state-dir /tmp/crucible up        keep the stack's databases, logs and pid files elsewhere
-  crucible up --set stack.prefect_port=4300 --set stack.mlflow_port=5300
+  crucible up --set stack.prefect_port=4300 --set stack.mlflow_port=5300 --set lineage.service_port=5355
 
 The stack's ports and state directory come from the config (--config, default configs/tiny.yaml;
-section `stack`, and `deploy` for the model server). Logs: <state dir>/logs/<service>.log.
+section `stack`, `lineage` for the lineage service and `deploy` for the model server).
+Logs: <state dir>/logs/<service>.log.
 """
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(with_plan: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="crucible",
         description="Crucible: an open, auditable pipeline for pre-training language models.",
@@ -48,12 +53,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="override a config value, e.g. stack.prefect_port=4300 (repeatable)")
 
     sp = sub.add_parser("up", help="start the local stack (idempotent)",
-                        description="Start the Prefect server, the MLflow server and, if a model has been "
-                                    "deployed, the model server. Healthy services are left alone.")
+                        description="Start the Prefect server, the MLflow server, the lineage service and, if a "
+                                    "model has been deployed, the model server. Healthy services are left alone.")
     stack_opts(sp)
     sp.add_argument("--json", action="store_true", help="print the result as JSON")
     sp = sub.add_parser("down", help="stop the local stack",
-                        description="Stop the model server, then MLflow, then Prefect (SIGTERM, then SIGKILL).")
+                        description="Stop the model server, then the lineage service, MLflow and Prefect "
+                                    "(SIGTERM, then SIGKILL).")
     stack_opts(sp)
     sp = sub.add_parser("status", help="show URLs, health and pids of the local services")
     stack_opts(sp)
@@ -68,6 +74,36 @@ def _parser() -> argparse.ArgumentParser:
                     help="override a config value, e.g. train.max_steps=50 (repeatable)")
     sp.add_argument("--summary", metavar="PATH", help="also write the run's JSON summary to PATH")
     sp.add_argument("--run-name", metavar="NAME", help="run name (default: <config name>-<timestamp>)")
+
+    sp = sub.add_parser("lineage", help="lineage tools: replay a run's lineage log to a lineage endpoint",
+                        description="OpenLineage events of every run are in runs/<run>/lineage.jsonl.")
+    lsub = sp.add_subparsers(dest="lineage_command", metavar="SUBCOMMAND", required=True)
+    rp = lsub.add_parser(
+        "replay", help="send lineage.jsonl file(s) to the lineage service (default) or to Marquez",
+        description="POST every event of each LOG to the lineage service of the local stack (default; it "
+                    "ingests idempotently, so replaying twice is harmless) or to --url, e.g. Marquez. Events "
+                    "are sent in batches; a server that takes one event per request (Marquez) is detected.",
+        epilog="examples:\n  crucible lineage replay runs/tiny-*/lineage.jsonl\n"
+               "  crucible lineage replay runs/<run>/lineage.jsonl --url http://127.0.0.1:9000",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    rp.add_argument("logs", nargs="+", metavar="LOG.jsonl", help="lineage log(s) to send")
+    rp.add_argument("--url", help="lineage endpoint: base URL (Marquez: its API, e.g. http://127.0.0.1:9000) or "
+                                  "full .../api/v1/lineage URL (default: the stack's lineage service)")
+    rp.add_argument("--batch-size", type=int, default=None, metavar="N",
+                    help="events per request (default lineage.replay_batch_size)")
+    rp.add_argument("--single", action="store_true", help="one event per request")
+    stack_opts(rp)
+
+    plan_help = "size a pre-training run from a parameter count or a FLOP budget"
+    if not with_plan:  # listed in --help; its options are mounted only when it runs (import time)
+        sub.add_parser("plan", help=plan_help)
+        return p
+    from tasks.plan import cli as plan_cli
+
+    sp = sub.add_parser("plan", help=plan_help, description=plan_cli.__doc__.split("\n\n")[0],
+                        epilog="examples:\n" + plan_cli.__doc__.split("\n\n")[1].replace("    plan ", "  crucible plan "),
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan_cli.add_arguments(sp)
     return p
 
 
@@ -83,9 +119,9 @@ def _load(path: str, overrides: list[str]):
 
 
 def _stack_configs(args):
-    """(stack section, deploy section) from --config (default configs/tiny.yaml, looked up in the
+    """(stack, deploy, lineage sections) from --config (default configs/tiny.yaml, looked up in the
     working directory, then in the repository); the defaults if no default config exists."""
-    from tasks.config import DeployConfig, StackConfig, apply_overrides
+    from tasks.config import DeployConfig, LineageConfig, StackConfig, apply_overrides
 
     path = args.config
     if path is None:
@@ -95,9 +131,10 @@ def _stack_configs(args):
                 break
     if path is not None:
         cfg = _load(path, args.overrides)
-        return cfg.stack, cfg.deploy
+        return cfg.stack, cfg.deploy, cfg.lineage
     raw = apply_overrides({}, args.overrides)
-    return StackConfig.model_validate(raw.get("stack", {})), DeployConfig.model_validate(raw.get("deploy", {}))
+    return (StackConfig.model_validate(raw.get("stack", {})), DeployConfig.model_validate(raw.get("deploy", {})),
+            LineageConfig.model_validate(raw.get("lineage", {})))
 
 
 def _print_status(st: dict) -> None:
@@ -114,9 +151,9 @@ def _print_status(st: dict) -> None:
 def cmd_up(args) -> int:
     from infra import stack
 
-    stack_cfg, _ = _stack_configs(args)
+    stack_cfg, _, lineage_cfg = _stack_configs(args)
     print(f"starting the local stack in {stack.state_dir(stack_cfg)} ...", file=sys.stderr)
-    res = stack.up(stack_cfg)
+    res = stack.up(stack_cfg, lineage_cfg=lineage_cfg)
     if args.json:
         print(json.dumps(res, indent=2))
     else:
@@ -128,7 +165,7 @@ def cmd_up(args) -> int:
 def cmd_down(args) -> int:
     from infra import stack
 
-    stack_cfg, _ = _stack_configs(args)
+    stack_cfg, _, _ = _stack_configs(args)
     for name, what in stack.down(stack_cfg).items():
         print(f"  {name:<13} {what}")
     return 0
@@ -137,8 +174,8 @@ def cmd_down(args) -> int:
 def cmd_status(args) -> int:
     from infra import stack
 
-    stack_cfg, _ = _stack_configs(args)
-    st = stack.status(stack_cfg)
+    stack_cfg, _, lineage_cfg = _stack_configs(args)
+    st = stack.status(stack_cfg, lineage_cfg)
     if args.json:
         print(json.dumps(st, indent=2))
     else:
@@ -153,9 +190,9 @@ def cmd_run(args) -> int:
 
     print(f"config {args.config} is valid; bringing up the local stack in {stack.state_dir(cfg.stack)} ...",
           file=sys.stderr)
-    res = stack.up(cfg.stack)
+    res = stack.up(cfg.stack, lineage_cfg=cfg.lineage)
     _print_status({k: v for k, v in res.items() if isinstance(v, dict)})
-    os.environ.update(stack.client_env(cfg.stack))
+    os.environ.update(stack.client_env(cfg.stack, cfg.lineage))
 
     from flows.pretrain import run_pipeline  # imports Prefect, which reads PREFECT_API_URL now
 
@@ -185,14 +222,60 @@ def _print_links(summary: dict, seconds: float) -> None:
         print(f"  Deployment gate  : not deployed: {deploy['reason']}")
     print(f"  Served model     : {deploy.get('endpoint')}")
     print(f"  Lineage log      : {summary.get('lineage_log')}")
+    lineage = summary.get("lineage") or {}
+    if lineage.get("page_url"):
+        print(f"  Lineage page     : {lineage['page_url']}")
+    http = lineage.get("http") or {}
+    if http.get("failed") or http.get("skipped"):
+        replayed = lineage.get("replayed") or {}
+        note = ("replayed at the end" if replayed.get("events") else
+                f"send them with: crucible lineage replay {summary.get('lineage_log')}")
+        print(f"  Lineage endpoint : {http.get('url')} missed {http['failed'] + http['skipped']} events "
+              f"({http.get('last_error') or 'unavailable'}); {note}")
     print(f"  Run directory    : {summary.get('run_dir')}")
 
 
-COMMANDS = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "run": cmd_run}
+def cmd_lineage(args) -> int:
+    from infra import stack
+
+    _, _, lineage_cfg = _stack_configs(args)
+    url = args.url or stack.lineage_url(lineage_cfg)
+    from tasks.lineage.service.replay import ReplayError, replay
+
+    import httpx
+
+    batch = args.batch_size or lineage_cfg.replay_batch_size
+    code = 0
+    for path in args.logs:
+        try:
+            result = replay(path, url, batch_size=batch, single=args.single)
+        except (ReplayError, ValueError, OSError, httpx.HTTPError) as e:
+            hint = "" if args.url else " (is the stack up? `crucible up`)"
+            print(f"crucible: replay of {path} to {url} failed: {e}{hint}", file=sys.stderr)
+            code = 1
+            continue
+        print(json.dumps({"file": path, **result}))
+    return code
+
+
+def cmd_plan(args) -> int:
+    from tasks.plan import cli as plan_cli
+
+    return plan_cli.run(args)
+
+
+COMMANDS = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "run": cmd_run, "lineage": cmd_lineage,
+            "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with_plan = "plan" in argv
+    if with_plan:  # `--params -7e9` -> `--params=-7e9`, so the planner reports the bad value
+        from tasks.plan.cli import _join_negative_values
+
+        argv = _join_negative_values(argv)
+    args = _parser(with_plan).parse_args(argv)
     if args.state_dir:
         os.environ["CRUCIBLE_STATE_DIR"] = str(Path(args.state_dir).expanduser().resolve())
     from tasks.config import ConfigError

@@ -1,10 +1,11 @@
-"""The embedded local stack: Prefect server, MLflow tracking server and (once a model has been
-deployed) the model server, as background processes under one state directory.
+"""The embedded local stack: Prefect server, MLflow tracking server, the lineage service and (once
+a model has been deployed) the model server, as background processes under one state directory.
 
     <state>/
     ├── prefect/            PREFECT_HOME of the server (SQLite database prefect.db)
     ├── mlflow/mlflow.db    MLflow backend store (runs, registry)
     ├── mlflow/artifacts/   MLflow artifact store, served by the tracking server (mlflow-artifacts:/)
+    ├── lineage.db          the lineage service's SQLite store (lineage.service_db)
     ├── run/<svc>.pid       pid of a running service (its process-group leader)
     ├── run/<svc>.json      how the service was started (command, port, health URL)
     ├── logs/<svc>.log      the service's stdout+stderr, appended across restarts
@@ -15,7 +16,7 @@ outlives the command that started it; stopping sends SIGTERM to the whole group 
 a timeout. The state directory is `stack.state_dir` (relative to the working directory) unless
 the environment variable CRUCIBLE_STATE_DIR is set.
 
-Only the standard library is imported here, so `crucible status` stays fast.
+Only the standard library is imported at module level, so `crucible status` stays fast.
 """
 from __future__ import annotations
 
@@ -37,11 +38,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 STATE_DIR_ENV = "CRUCIBLE_STATE_DIR"
+REPO_ROOT = Path(__file__).resolve().parent.parent
 PREFECT = "prefect"
 MLFLOW = "mlflow"
 MODEL_SERVER = "model_server"
-CORE_SERVICES = (PREFECT, MLFLOW)
-STOP_ORDER = (MODEL_SERVER, MLFLOW, PREFECT)
+LINEAGE = "lineage"
+CORE_SERVICES = (PREFECT, MLFLOW, LINEAGE)
+STOP_ORDER = (MODEL_SERVER, LINEAGE, MLFLOW, PREFECT)
+LINEAGE_URL_ENV = "CRUCIBLE_LINEAGE_URL"  # the lineage service a client process sends events to
 LOG_TAIL_LINES = 40
 
 # Children started by this process, kept so they can be reaped (no zombies in long-lived parents
@@ -116,9 +120,29 @@ def mlflow_tracking_uri(stack_cfg) -> str:
     return f"http://{_connect_host(stack_cfg.host)}:{stack_cfg.mlflow_port}"
 
 
-def client_env(stack_cfg) -> dict[str, str]:
+def _lineage_cfg(lineage_cfg):
+    if lineage_cfg is None:
+        from tasks.config import LineageConfig  # pydantic only; keeps the defaults in one place
+
+        return LineageConfig()
+    return lineage_cfg
+
+
+def lineage_url(lineage_cfg=None) -> str:
+    """Base URL of the lineage service (its page, and its API under /api/v1)."""
+    lineage_cfg = _lineage_cfg(lineage_cfg)
+    return f"http://{_connect_host(lineage_cfg.service_host)}:{lineage_cfg.service_port}"
+
+
+def lineage_db(stack_cfg, lineage_cfg=None) -> Path:
+    db = Path(_lineage_cfg(lineage_cfg).service_db).expanduser()
+    return db if db.is_absolute() else state_dir(stack_cfg) / db
+
+
+def client_env(stack_cfg, lineage_cfg=None) -> dict[str, str]:
     """Environment a client process (e.g. `crucible run`) needs to talk to this stack."""
     return {
+        LINEAGE_URL_ENV: lineage_url(lineage_cfg),
         "PREFECT_API_URL": prefect_api_url(stack_cfg),
         "PREFECT_UI_URL": prefect_ui_url(stack_cfg),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -184,6 +208,24 @@ def mlflow_spec(stack_cfg) -> ServiceSpec:
             "MLFLOW_DISABLE_TELEMETRY": "true",
             "DO_NOT_TRACK": "true",
         },
+    )
+
+
+def lineage_spec(stack_cfg, lineage_cfg=None) -> ServiceSpec:
+    """The lineage service (tasks/lineage/service): FastAPI + SQLite, Marquez-shaped API and page."""
+    lineage_cfg = _lineage_cfg(lineage_cfg)
+    db = lineage_db(stack_cfg, lineage_cfg)
+    return ServiceSpec(
+        name=LINEAGE,
+        cmd=[sys.executable, "-m", "tasks.lineage.service", "--db", str(db),
+             "--host", lineage_cfg.service_host, "--port", str(lineage_cfg.service_port),
+             "--prefect-ui", prefect_ui_url(stack_cfg), "--mlflow-ui", mlflow_tracking_uri(stack_cfg)],
+        host=lineage_cfg.service_host, port=lineage_cfg.service_port, health_path="/healthz",
+        url=lineage_url(lineage_cfg), marker=["tasks.lineage.service", "--db"],
+        # the service is this repository's code: importable from the state directory too
+        env={"PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
+             "DO_NOT_TRACK": "true"},
+        info={"db": str(db), "api_url": lineage_url(lineage_cfg) + "/api/v1"},
     )
 
 
@@ -392,7 +434,8 @@ def _check_port(spec: ServiceSpec, stack_cfg) -> None:
     if port_free(spec.host, spec.port):
         return
     what = "a service answering its health check" if http_ok(spec.health_url, 1.0) else "another process"
-    hint = {PREFECT: "stack.prefect_port", MLFLOW: "stack.mlflow_port", MODEL_SERVER: "deploy.port"}.get(spec.name)
+    hint = {PREFECT: "stack.prefect_port", MLFLOW: "stack.mlflow_port", MODEL_SERVER: "deploy.port",
+            LINEAGE: "lineage.service_port"}.get(spec.name)
     raise StackError(
         f"cannot start {spec.name}: port {spec.host}:{spec.port} is in use by {what} that this stack "
         f"(state dir {state_dir(stack_cfg)}) did not start. Stop it, or choose another port"
@@ -512,8 +555,9 @@ def service_status(stack_cfg, name: str, spec: ServiceSpec | None = None) -> dic
 
 # ------------------------------------------------------------------------------- public API
 
-def up(stack_cfg, timeout: float | None = None) -> dict:
-    """Start Prefect and MLflow (and the last deployed model server) unless already healthy.
+def up(stack_cfg, timeout: float | None = None, lineage_cfg=None) -> dict:
+    """Start Prefect, MLflow, the lineage service (and the last deployed model server) unless
+    already healthy. `lineage_cfg`: the config's `lineage` section (port, database); defaults if None.
 
     Idempotent: healthy services are left alone, stale pid files are cleaned. Waits until every
     service is healthy; raises StackError with the log tail otherwise. Returns
@@ -524,7 +568,7 @@ def up(stack_cfg, timeout: float | None = None) -> dict:
     for sub in ("prefect", "mlflow/artifacts", "run", "logs"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     with stack_lock(stack_cfg):
-        specs = [prefect_spec(stack_cfg), mlflow_spec(stack_cfg)]
+        specs = [prefect_spec(stack_cfg), mlflow_spec(stack_cfg), lineage_spec(stack_cfg, lineage_cfg)]
         out: dict = {}
         model = read_spec(stack_cfg, MODEL_SERVER)
         if model is not None:  # a model was deployed: serve it again (started alongside the others)
@@ -540,22 +584,23 @@ def up(stack_cfg, timeout: float | None = None) -> dict:
 
 
 def down(stack_cfg, timeout: float | None = None) -> dict[str, str]:
-    """Stop the model server, then MLflow, then Prefect (SIGTERM to each process group, SIGKILL
-    after stack.stop_timeout). The model server's deployment record is kept, so `up` serves the
+    """Stop the model server, then the lineage service, MLflow and Prefect (SIGTERM to each process
+    group, SIGKILL after stack.stop_timeout). The model server's deployment record is kept, so `up` serves the
     champion again. Returns {service: "stopped" | "killed" | "not running"}."""
     if not state_dir(stack_cfg).is_dir():
         return {name: "not running" for name in STOP_ORDER}
     with stack_lock(stack_cfg):
-        # Prefect's and MLflow's specs are rebuilt from the config on `up`; the model server's
-        # is the deployment record and is kept.
+        # Prefect's, MLflow's and the lineage service's specs are rebuilt from the config on `up`;
+        # the model server's is the deployment record and is kept.
         return {name: stop_service(stack_cfg, name, timeout, forget=name in CORE_SERVICES) for name in STOP_ORDER}
 
 
-def status(stack_cfg) -> dict[str, dict]:
-    """{service: {url, healthy, pid}} for prefect, mlflow and, once deployed, model_server."""
+def status(stack_cfg, lineage_cfg=None) -> dict[str, dict]:
+    """{service: {url, healthy, pid}} for prefect, mlflow, lineage and, once deployed, model_server."""
     out = {
         PREFECT: service_status(stack_cfg, PREFECT, prefect_spec(stack_cfg)),
         MLFLOW: service_status(stack_cfg, MLFLOW, mlflow_spec(stack_cfg)),
+        LINEAGE: service_status(stack_cfg, LINEAGE, lineage_spec(stack_cfg, lineage_cfg)),
     }
     if read_spec(stack_cfg, MODEL_SERVER) is not None or _read_pid(stack_cfg, MODEL_SERVER) is not None:
         out[MODEL_SERVER] = service_status(stack_cfg, MODEL_SERVER)

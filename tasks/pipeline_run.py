@@ -1,8 +1,13 @@
 """A pipeline run's identity and bookkeeping: run directory, MLflow parent run, root lineage run,
-per-stage timings and the JSON summary. Plain Python; the pretrain flow uses it."""
+per-stage timings and the JSON summary. Plain Python; the pretrain flow uses it.
+
+Lineage: events always go to `<run dir>/lineage.jsonl`; also over HTTP to `lineage.http_url` or,
+when that is unset, to the lineage service named by $CRUCIBLE_LINEAGE_URL (`crucible run` sets it
+to the stack's service), unless `lineage.http_enabled` is false."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from contextlib import contextmanager
@@ -14,7 +19,11 @@ from pydantic import BaseModel
 
 from tasks.config import PipelineConfig
 from tasks.lineage import JobRef, LineageEmitter
+from tasks.lineage.emitter import CrucibleLinksRunFacet, lineage_page, model_version_node
 from tasks.tracking import Tracker
+
+LINEAGE_URL_ENV = "CRUCIBLE_LINEAGE_URL"  # set by `crucible run`: the stack's lineage service
+log = logging.getLogger("crucible.lineage")
 
 
 class RunContext(BaseModel):
@@ -29,9 +38,34 @@ class RunContext(BaseModel):
     root_run_id: str  # the pretrain flow run id (= its OpenLineage run id)
     root_job: str = "pretrain"
     prefect_ui_url: str | None = None
+    mlflow_experiment_id: str | None = None
+    lineage_url: str | None = None  # where events also go over HTTP (None: the JSONL log only)
+    lineage_service_url: str | None = None  # Crucible's lineage service, when it receives the events
 
     def emitter(self, cfg: PipelineConfig) -> LineageEmitter:
-        return LineageEmitter(self.lineage_log, cfg.lineage.namespace, cfg.lineage.producer)
+        return LineageEmitter(self.lineage_log, cfg.lineage.namespace, cfg.lineage.producer,
+                              http_url=self.lineage_url, http_timeout=cfg.lineage.http_timeout,
+                              owner=cfg.lineage.owner)
+
+    def mlflow_run_url(self, run_id: str | None) -> str | None:
+        if run_id and self.mlflow_experiment_id and self.tracking_uri.startswith("http"):
+            return f"{self.tracking_uri.rstrip('/')}/#/experiments/{self.mlflow_experiment_id}/runs/{run_id}"
+        return None
+
+    def links(self, *, mlflow_run_id: str | None, flow_run_id: str | None,
+              task_run_id: str | None = None) -> CrucibleLinksRunFacet:
+        """The crucible_links run facet: this run in MLflow and in Prefect."""
+        ui = prefect_ui_base()
+        return CrucibleLinksRunFacet(
+            mlflow_run_id=mlflow_run_id, mlflow_run_url=self.mlflow_run_url(mlflow_run_id),
+            mlflow_experiment=self.experiment, prefect_flow_run_id=flow_run_id,
+            prefect_flow_run_url=f"{ui}/runs/flow-run/{flow_run_id}" if ui and flow_run_id else None,
+            prefect_task_run_id=task_run_id,
+            prefect_task_run_url=f"{ui}/runs/task-run/{task_run_id}" if ui and task_run_id else None)
+
+    def lineage_page(self, node_id: str) -> str | None:
+        """Link to the lineage service's page of a node, if the service is receiving this run."""
+        return lineage_page(self.lineage_service_url, node_id) if self.lineage_service_url else None
 
     def stage_dir(self, stage: str) -> Path:
         path = Path(self.run_dir) / stage
@@ -52,11 +86,26 @@ def default_tracking_uri(cfg: PipelineConfig) -> str:
     return f"sqlite:///{root / 'mlflow.db'}"
 
 
-def prefect_ui_url(flow_run_id: str) -> str | None:
+def prefect_ui_base() -> str | None:
     from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
     ui = PREFECT_UI_URL.value() or (PREFECT_API_URL.value() or "").removesuffix("/api")
-    return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui else None
+    return ui.rstrip("/") or None
+
+
+def prefect_ui_url(flow_run_id: str) -> str | None:
+    ui = prefect_ui_base()
+    return f"{ui}/runs/flow-run/{flow_run_id}" if ui else None
+
+
+def lineage_targets(cfg: PipelineConfig) -> tuple[str | None, str | None]:
+    """(HTTP target of the events, Crucible lineage service receiving them) for this process:
+    lineage.http_url if set, else $CRUCIBLE_LINEAGE_URL; the second only if it is the first."""
+    service = (os.environ.get(LINEAGE_URL_ENV) or "").strip().rstrip("/") or None
+    if not cfg.lineage.http_enabled:
+        return None, None
+    target = (cfg.lineage.http_url or "").rstrip("/") or service
+    return target, (service if target == service else None)
 
 
 def new_run_name(cfg: PipelineConfig) -> str:
@@ -75,9 +124,11 @@ def open_run(cfg: PipelineConfig, run_name: str | None = None) -> RunContext:
     parent = tracker.start_run(run_name, tags={"crucible.prefect_flow_run_id": flow_run.id})
     tracker.log_params(parent, cfg.model_dump(mode="json"))
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    target, service = lineage_targets(cfg)
     return RunContext(run_name=run_name, run_dir=str(run_dir), lineage_log=str(run_dir / "lineage.jsonl"),
                       tracking_uri=tracking_uri, experiment=cfg.name, mlflow_parent_run_id=parent,
-                      root_run_id=flow_run.id, prefect_ui_url=prefect_ui_url(flow_run.id))
+                      root_run_id=flow_run.id, prefect_ui_url=prefect_ui_url(flow_run.id),
+                      mlflow_experiment_id=tracker.experiment_id, lineage_url=target, lineage_service_url=service)
 
 
 class Summary:
@@ -88,6 +139,8 @@ class Summary:
         self.stages: dict = {}
         self.status = "RUNNING"
         self.error: str | None = None
+        self.lineage: dict = {"log": ctx.lineage_log, "http_url": ctx.lineage_url,
+                              "service_url": ctx.lineage_service_url}
 
     def record(self, **stages: dict | list) -> None:
         self.stages.update(stages)
@@ -117,6 +170,7 @@ class Summary:
             "mlflow": {"tracking_uri": self.ctx.tracking_uri, "experiment": self.ctx.experiment,
                        "run_id": self.ctx.mlflow_parent_run_id},
             "lineage_log": self.ctx.lineage_log,
+            "lineage": self.lineage,
             "stages": stages,
             "timings_s": self.timings(),
         }
@@ -128,25 +182,101 @@ def timings_markdown(summary: dict) -> str:
     return f"# Stage timings — {summary['run_name']}\n\n| stage | seconds |\n|---|---|\n{rows}\n| **total** | {total:.1f} |\n"
 
 
+PRETRAIN_DOC = ("The pretrain flow (flows/pretrain.py): raw web pages -> curated corpus -> tokenizer -> token "
+                "shards -> torchrun training -> evaluation of every checkpoint -> gated deployment.")
+
+
+def final_output_node(ctx: RunContext, stages: dict) -> str | None:
+    """What the run produced, as a lineage node: the model version, else the best checkpoint."""
+    deploy = stages.get("deploy") or {}
+    if deploy.get("version") is not None and deploy.get("model_name"):
+        return model_version_node(ctx.tracking_uri, deploy["model_name"], deploy["version"])
+    evals = stages.get("evaluate")
+    evals = evals if isinstance(evals, list) else []
+    best = min(evals, key=lambda e: e.get("val_loss", float("inf")), default=None)
+    return f"dataset:file:{Path(best['checkpoint']).resolve()}" if best and best.get("checkpoint") else None
+
+
+def finish_lineage(ctx: RunContext, stages: dict, missed_before: int = 0) -> dict:
+    """After the last event: delivery counts of the HTTP transport; if events were missed while the
+    lineage service was down and it is up now, replay the log to it (idempotent there); the page of
+    the run's final output. Never raises."""
+    from tasks.lineage.transport import endpoint_url, http_stats, service_healthy
+
+    out: dict = {}
+    if ctx.lineage_url:
+        stats = http_stats(endpoint_url(ctx.lineage_url))
+        out["http"] = stats.as_dict()
+        missed = stats.missed - missed_before
+        if missed > 0 and ctx.lineage_service_url and service_healthy(ctx.lineage_service_url):
+            try:
+                from tasks.lineage.service.replay import replay
+
+                out["replayed"] = replay(ctx.lineage_log, ctx.lineage_service_url, timeout=30)
+                log.info("lineage service missed %d events; replayed %s", missed, ctx.lineage_log)
+            except Exception as e:  # noqa: BLE001 - the JSONL log is complete; replay can be run later
+                out["replayed"] = {"error": f"{type(e).__name__}: {e}"}
+                log.warning("could not replay %s to %s: %s", ctx.lineage_log, ctx.lineage_service_url, e)
+    node = final_output_node(ctx, stages)
+    if node:
+        out["output_node"] = node
+        out["page_url"] = ctx.lineage_page(node)
+    return out
+
+
+def create_lineage_link(ctx: RunContext, node: str | None, what: str, key: str | None = None) -> str | None:
+    """A Prefect link artifact on the current flow/task run to the lineage page of `node`, when the
+    lineage service is up. Returns the URL (None when no artifact was made). Never raises."""
+    page = ctx.lineage_page(node) if node else None
+    if not page:
+        return None
+    from tasks.lineage.transport import service_healthy
+
+    if not service_healthy(ctx.lineage_service_url):
+        return None
+    try:
+        from prefect.artifacts import create_link_artifact
+
+        create_link_artifact(link=page, link_text=f"Lineage of {what}", key=key,
+                             description=f"Upstream lineage of {what} in the lineage service: the runs and "
+                                         f"artifacts it came from, down to the raw files and their licences.")
+    except Exception as e:  # noqa: BLE001 - a missing link must not fail the run
+        log.warning("could not create the lineage link artifact: %s", e)
+        return None
+    return page
+
+
 @contextmanager
 def pretrain_scope(cfg: PipelineConfig, ctx: RunContext) -> Iterator[Summary]:
-    """Root lineage run + MLflow parent run status + summary file + Prefect timing artifact."""
+    """Root lineage run + MLflow parent run status + summary file + Prefect timing artifact and a
+    link artifact to the lineage of what the run produced."""
     from prefect.artifacts import create_markdown_artifact
+
+    from tasks.lineage.transport import endpoint_url, http_stats
 
     summary = Summary(ctx)
     tracker = Tracker(ctx.tracking_uri, ctx.experiment)
     t0 = time.perf_counter()
+    missed_before = http_stats(endpoint_url(ctx.lineage_url)).missed if ctx.lineage_url else 0
+    links = ctx.links(mlflow_run_id=ctx.mlflow_parent_run_id, flow_run_id=ctx.root_run_id)
     try:
-        with ctx.emitter(cfg).run(ctx.root, job_type="FLOW"):
+        with ctx.emitter(cfg).run(ctx.root, job_type="FLOW", run_facets={"crucible_links": links},
+                                  job_doc=PRETRAIN_DOC, code_path="flows/pretrain.py"):
             yield summary
     except BaseException as e:
         summary.status, summary.error = "FAILED", f"{type(e).__name__}: {e}"
         tracker.end_run(ctx.mlflow_parent_run_id, "FAILED")
         raise
     finally:
+        summary.lineage.update(finish_lineage(ctx, summary.stages, missed_before))
         data = summary.as_dict()
         (Path(ctx.run_dir) / "summary.json").write_text(json.dumps(data, indent=2, default=str))
     summary.status = "COMPLETED"
+    deploy = summary.stages.get("deploy") or {}
+    what = (f"model {deploy['model_name']} version {deploy['version']}" if deploy.get("version") is not None
+            else "the best checkpoint")
+    summary.lineage["artifact_url"] = create_lineage_link(ctx, summary.lineage.get("output_node"), what,
+                                                          key="lineage-model-version")
     data = summary.as_dict()
     (Path(ctx.run_dir) / "summary.json").write_text(json.dumps(data, indent=2, default=str))
     tracker.log_metrics(ctx.mlflow_parent_run_id, {f"time_s.{k}": v for k, v in data["timings_s"].items()})

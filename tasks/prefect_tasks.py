@@ -1,9 +1,11 @@
 """Thin Prefect @task wrappers around the stages' plain-Python logic.
 
-Each wrapper does the same three things around the stage function: an MLflow run nested under the
+Each wrapper does the same things around the stage function: an MLflow run nested under the
 pipeline's parent run (params, counts, timing), OpenLineage START/COMPLETE-or-FAIL for the task run
-(Prefect's task-run id is the OpenLineage run id; the parent facet names the enclosing flow run),
-and the real artifacts as lineage inputs/outputs. Stage logic never imports Prefect.
+(Prefect's task-run id is the OpenLineage run id; the parent facet names the enclosing flow run;
+`crucible_links` names the MLflow run and the Prefect runs), the real artifacts as lineage
+inputs/outputs with their facets, and, when the lineage service is up, a Prefect link artifact to
+the lineage page of the stage's main output. Stage logic never imports Prefect.
 """
 from __future__ import annotations
 
@@ -17,9 +19,61 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 from tasks.config import PipelineConfig
 from tasks.lineage import JobRef, dataset_for_path, model_version_dataset
-from tasks.lineage.emitter import CrucibleConfigRunFacet, CrucibleEvalRunFacet, CrucibleStatsRunFacet
-from tasks.pipeline_run import RunContext
+from tasks.lineage.emitter import (
+    CrucibleConfigRunFacet,
+    CrucibleEvalRunFacet,
+    CrucibleSourceDatasetFacet,
+    CrucibleStatsRunFacet,
+    file_node,
+    model_version_node,
+)
+from tasks.lineage.facets import parquet_values
+from tasks.pipeline_run import RunContext, create_lineage_link
 from tasks.tracking import Tracker
+
+TASKS_CODE = "tasks/prefect_tasks.py"
+FLOWS_CODE = "flows/pretrain.py"
+
+# What each job does (the `documentation` job facet).
+FLOW_DOCS = {
+    "curate": "Subflow: ingest the registered sources, then filter and deduplicate the documents.",
+    "train_tokenizer": "Subflow: train the byte-level BPE tokenizer on the curated corpus.",
+    "prepare_tokens": "Subflow: encode the curated corpus with the tokenizer and pack it into token shards.",
+    "train": "Subflow: train the model with torchrun, writing distributed checkpoints.",
+    "evaluate": "Subflow: evaluate every checkpoint (validation loss, perplexity, task suite).",
+    "deploy": "Subflow: gate the best checkpoint, register it in MLflow and serve it.",
+}
+TASK_DOCS = {
+    "ingest": "Read the raw files of every registered source (WARC/WET/JSONL/...), extract and normalise the text "
+              "and write Parquet document shards; unreadable or oversized records go to quarantine.jsonl.",
+    "curate": "Language ID, Gopher quality/repetition, C4 and FineWeb filters, decontamination, PII redaction, "
+              "exact and MinHash deduplication of the ingested shards; dropped documents are listed in dropped.jsonl.",
+    "tokenizer": "Train a byte-level BPE tokenizer (Hugging Face tokenizers) on the curated shards.",
+    "tokens": "Encode the curated shards with the tokenizer and pack the token ids into train/validation shards.",
+    "train": "Train the GPT model under torchrun (DDP) on the token shards, saving torch.distributed checkpoints.",
+    "evaluate": "Evaluate one checkpoint: validation loss and perplexity, the task suite and sample generations.",
+    "deploy": "Gate the best checkpoint on its evaluation, register it as an MLflow model version (alias champion) "
+              "and serve it with the OpenAI-compatible model server.",
+}
+# What each artifact is (the `documentation` dataset facet).
+DOCS = {
+    "raw": "Raw input file of source {source} ({format}) from the config's source registry.",
+    "ingest_shard": "Ingested documents: text extracted from the raw records, NFC/whitespace normalised, one row per "
+                    "document with its source, licence, URL and raw-file offset (Parquet, tasks/core/documents.py).",
+    "quarantine": "Raw records set aside during ingest (unreadable or oversized), one JSON object per record with "
+                  "the reason.",
+    "curated_shard": "Curated documents: ingested documents that passed language ID, quality, repetition, "
+                     "decontamination and deduplication filters, PII redacted (Parquet, same schema as ingest).",
+    "dropped": "Documents removed by curation, one JSON object per document with the filter that removed it.",
+    "tokenizer": "Byte-level BPE tokenizer (Hugging Face tokenizers JSON) trained on the curated shards.",
+    "tokens_index": "Index of the packed token shards: splits, token counts, dtype and the tokenizer used.",
+    "tokens_split": "Packed token ids of the {split} split (flat binary array, see index.json for the dtype).",
+    "checkpoint": "torch.distributed checkpoint of the model (and optimizer) after training step {step}.",
+    "eval_report": "Evaluation report of checkpoint {checkpoint}: validation loss, perplexity, task-suite scores and "
+                   "sample generations (JSON).",
+    "model_version": "Registered MLflow model version {name}/{version}: the checkpoint that passed the deployment "
+                     "gate, served by the model server.",
+}
 
 
 def _current_flow() -> JobRef:
@@ -29,21 +83,29 @@ def _current_flow() -> JobRef:
 @contextmanager
 def flow_lineage(cfg: PipelineConfig, ctx: RunContext) -> Iterator[None]:
     """START/COMPLETE for a subflow run, parented to the pretrain flow run."""
-    with ctx.emitter(cfg).run(_current_flow(), parent=ctx.root, root=ctx.root, job_type="FLOW"):
+    flow = _current_flow()
+    links = ctx.links(mlflow_run_id=ctx.mlflow_parent_run_id, flow_run_id=flow.run_id)
+    with ctx.emitter(cfg).run(flow, parent=ctx.root, root=ctx.root, job_type="FLOW",
+                              run_facets={"crucible_links": links}, job_doc=FLOW_DOCS.get(flow.name),
+                              code_path=FLOWS_CODE):
         yield
 
 
 @contextmanager
 def _stage(cfg: PipelineConfig, ctx: RunContext, stage: str, inputs: list) -> Iterator[dict]:
-    """MLflow nested run + task-run lineage around one stage; the body fills `out`."""
+    """MLflow nested run + task-run lineage around one stage; the body fills `out` (inputs and
+    outputs known at the end, `result`, and optionally `primary`: the output node to link to)."""
     tracker = Tracker(ctx.tracking_uri, ctx.experiment)
     mlflow_run = tracker.start_run(stage, parent_run_id=ctx.mlflow_parent_run_id,
                                    tags={"crucible.stage": stage, "crucible.run_name": ctx.run_name})
     job = JobRef(f"{flow_run.flow_name}.{task_run.task_name}", task_run.id)
-    out: dict[str, Any] = {"mlflow_run_id": mlflow_run, "inputs": [], "outputs": [], "result": {}}
+    links = ctx.links(mlflow_run_id=mlflow_run, flow_run_id=flow_run.id, task_run_id=task_run.id)
+    out: dict[str, Any] = {"mlflow_run_id": mlflow_run, "inputs": [], "outputs": [], "result": {}, "primary": None}
     t0 = time.perf_counter()
     try:
-        with ctx.emitter(cfg).run(job, parent=_current_flow(), root=ctx.root, inputs=inputs) as active:
+        with ctx.emitter(cfg).run(job, parent=_current_flow(), root=ctx.root, inputs=inputs,
+                                  run_facets={"crucible_links": links}, job_doc=TASK_DOCS.get(stage),
+                                  code_path=TASKS_CODE) as active:
             yield out
             active.inputs.extend(out["inputs"])
             active.outputs.extend(out["outputs"])
@@ -58,6 +120,14 @@ def _stage(cfg: PipelineConfig, ctx: RunContext, stage: str, inputs: list) -> It
     tracker.log_metrics(mlflow_run, {f"dropped.{k}": v for k, v in out["result"].get("dropped", {}).items()})
     tracker.log_dict(mlflow_run, out["result"], f"{stage}.json")
     tracker.end_run(mlflow_run)
+    primary = out["primary"] or (_node(out["outputs"][0]) if out["outputs"] else None)
+    if primary:
+        label = primary.split(":models/", 1)[1] if ":models/" in primary else primary.rsplit("/", 1)[-1]
+        create_lineage_link(ctx, primary, f"the {stage} output {label}")
+
+
+def _node(ds) -> str:
+    return f"dataset:{ds.namespace}:{ds.name}"
 
 
 STAGE_CONFIG = {"ingest": ("sources", "ingest"), "curate": ("curate",), "tokenizer": ("tokenizer",),
@@ -82,6 +152,27 @@ def _source_for(cfg: PipelineConfig, name: str) -> dict:
     return {"name": src.name, "licence": src.licence, "provenance": src.provenance}
 
 
+def _shard_sources(cfg: PipelineConfig, shard: str | Path) -> CrucibleSourceDatasetFacet | None:
+    """The raw sources of one document shard, from its `source` column (None: unknown, so the
+    emitter falls back to the union over the stage's inputs)."""
+    known = {s.name for s in cfg.sources}
+    names = [n for n in parquet_values(shard, "source") if n in known]
+    if not names:
+        return None
+    return CrucibleSourceDatasetFacet.union(
+        {"source": n, "licence": e["licence"], "provenance": e["provenance"]}
+        for n in names for e in [_source_for(cfg, n)])
+
+
+def _shard_output(cfg: PipelineConfig, path: str, doc: str):
+    return dataset_for_path(path, output=True, doc=doc, source=_shard_sources(cfg, path))
+
+
+def _optional_file(path: str | None, doc: str) -> list:
+    """An extra output file (quarantine, dropped documents) if the stage wrote it."""
+    return [dataset_for_path(path, output=True, doc=doc)] if path and Path(path).is_file() else []
+
+
 TASK_OPTS = dict(cache_policy=NO_CACHE, persist_result=False)
 
 
@@ -90,12 +181,15 @@ def ingest_sources(config: dict, ctx: RunContext) -> dict:
     from tasks.ingest import run_ingest
 
     cfg = PipelineConfig.model_validate(config)
+    formats = {s.name: s.format for s in cfg.sources}
     with _stage(cfg, ctx, "ingest", inputs=[]) as out:
         result = run_ingest(cfg, ctx.stage_dir("ingest"))
         # The raw files read are known only now; COMPLETE carries them as inputs with their licences.
-        out["inputs"] += [dataset_for_path(f, source=_source_for(cfg, name))
+        out["inputs"] += [dataset_for_path(f, source=_source_for(cfg, name),
+                                           doc=DOCS["raw"].format(source=name, format=formats.get(name)))
                           for name, info in result["sources"].items() for f in info["files"]]
-        out["outputs"] += [dataset_for_path(p, output=True) for p in result["shards"]]
+        out["outputs"] += [_shard_output(cfg, p, DOCS["ingest_shard"]) for p in result["shards"]]
+        out["outputs"] += _optional_file(result.get("quarantine_file"), DOCS["quarantine"])
         out["result"] = result
     return result
 
@@ -107,7 +201,8 @@ def filter_and_dedup(config: dict, ctx: RunContext, shards: list[str]) -> dict:
     cfg = PipelineConfig.model_validate(config)
     with _stage(cfg, ctx, "curate", inputs=[dataset_for_path(p) for p in shards]) as out:
         result = run_curate(cfg, [Path(p) for p in shards], ctx.stage_dir("curate"))
-        out["outputs"] += [dataset_for_path(p, output=True) for p in result["shards"]]
+        out["outputs"] += [_shard_output(cfg, p, DOCS["curated_shard"]) for p in result["shards"]]
+        out["outputs"] += _optional_file(result.get("dropped_file"), DOCS["dropped"])
         out["result"] = result
     return result
 
@@ -119,9 +214,28 @@ def train_bpe(config: dict, ctx: RunContext, shards: list[str]) -> dict:
     cfg = PipelineConfig.model_validate(config)
     with _stage(cfg, ctx, "tokenizer", inputs=[dataset_for_path(p) for p in shards]) as out:
         result = train_tokenizer(cfg, [Path(p) for p in shards], ctx.stage_dir("tokenizer"))
-        out["outputs"].append(dataset_for_path(result["path"], output=True))
+        out["outputs"].append(dataset_for_path(result["path"], output=True, doc=DOCS["tokenizer"]))
         out["result"] = result
     return result
+
+
+def _split_paths(tokens_index: str | Path) -> list[Path]:
+    """The token shards an index.json lists (files beside it), for lineage inputs."""
+    import json
+
+    index = Path(tokens_index)
+    try:
+        splits = json.loads(index.read_text()).get("splits", {})
+    except (OSError, ValueError, AttributeError):
+        return []
+    paths = []
+    for info in splits.values() if isinstance(splits, dict) else []:
+        name = info.get("path") or info.get("file") if isinstance(info, dict) else None
+        if name:
+            p = Path(name) if Path(name).is_absolute() else index.parent / name
+            if p.is_file():
+                paths.append(p)
+    return paths
 
 
 @task(name="encode_and_pack", **TASK_OPTS)
@@ -132,8 +246,10 @@ def encode_and_pack(config: dict, ctx: RunContext, tokenizer_path: str, shards: 
     inputs = [dataset_for_path(tokenizer_path)] + [dataset_for_path(p) for p in shards]
     with _stage(cfg, ctx, "tokens", inputs=inputs) as out:
         result = prepare_tokens(cfg, Path(tokenizer_path), [Path(p) for p in shards], ctx.stage_dir("tokens"))
-        out["outputs"] += [dataset_for_path(result["index_path"], output=True)]
-        out["outputs"] += [dataset_for_path(s["path"], output=True) for s in result["splits"].values()]
+        out["outputs"] += [dataset_for_path(result["index_path"], output=True, doc=DOCS["tokens_index"])]
+        out["outputs"] += [dataset_for_path(s["path"], output=True, doc=DOCS["tokens_split"].format(split=name),
+                                            rows=s.get("tokens"))
+                           for name, s in result["splits"].items()]
         out["result"] = result
     return result
 
@@ -143,12 +259,21 @@ def torchrun_train(config: dict, ctx: RunContext, tokens_index: str) -> dict:
     from tasks.train import run_training
 
     cfg = PipelineConfig.model_validate(config)
-    with _stage(cfg, ctx, "train", inputs=[dataset_for_path(tokens_index)]) as out:
+    inputs = [dataset_for_path(tokens_index)] + [dataset_for_path(p) for p in _split_paths(tokens_index)]
+    with _stage(cfg, ctx, "train", inputs=inputs) as out:
         result = run_training(cfg, Path(tokens_index), ctx.stage_dir("train"), ctx.tracking_uri,
                               out["mlflow_run_id"], ctx.run_name)
-        out["outputs"] += [dataset_for_path(c, output=True) for c in result["checkpoints"]]
+        out["outputs"] += [dataset_for_path(c, output=True, doc=DOCS["checkpoint"].format(step=_step(c)))
+                           for c in result["checkpoints"]]
+        if result["checkpoints"]:
+            out["primary"] = file_node(result["checkpoints"][-1])
         out["result"] = result
     return result
+
+
+def _step(checkpoint: str | Path) -> str:
+    digits = "".join(ch for ch in Path(checkpoint).name if ch.isdigit())
+    return str(int(digits)) if digits else Path(checkpoint).name
 
 
 @task(name="evaluate_checkpoint", **TASK_OPTS)
@@ -162,7 +287,8 @@ def evaluate_one(config: dict, ctx: RunContext, checkpoint: str, tokenizer_path:
         report = ctx.stage_dir("evaluate") / f"{Path(checkpoint).name}.json"
         result = evaluate_checkpoint(cfg, Path(checkpoint), Path(tokenizer_path), Path(tokens_index), report,
                                      tracking_uri=ctx.tracking_uri, run_id=train_mlflow_run_id)
-        out["outputs"].append(dataset_for_path(result["report_path"], output=True))
+        out["outputs"].append(dataset_for_path(result["report_path"], output=True,
+                                               doc=DOCS["eval_report"].format(checkpoint=Path(checkpoint).name)))
         out["result"] = result
     return result
 
@@ -178,7 +304,10 @@ def gate_register_serve(config: dict, ctx: RunContext, evaluation: dict, tokeniz
     with _stage(cfg, ctx, "deploy", inputs=inputs) as out:
         result = deploy_if_better(cfg, ctx.tracking_uri, evaluation, Path(tokenizer_path), train_mlflow_run_id)
         if result.get("version") is not None:
-            out["outputs"].append(model_version_dataset(ctx.tracking_uri, result["model_name"], result["version"],
-                                                        content_hash=result["content_hash"]))
+            name, version = result["model_name"], result["version"]
+            out["outputs"].append(model_version_dataset(
+                ctx.tracking_uri, name, version, content_hash=result["content_hash"],
+                doc=DOCS["model_version"].format(name=name, version=version)))
+            out["primary"] = model_version_node(ctx.tracking_uri, name, version)
         out["result"] = result
     return result

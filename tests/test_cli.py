@@ -62,20 +62,27 @@ def test_help_shows_examples():
     r = _crucible("--help")
     assert r.returncode == 0
     for example in ("crucible up", "crucible down", "crucible status --json", "crucible run configs/tiny.yaml",
-                    "--set train.max_steps=", "--summary"):
+                    "--set train.max_steps=", "--summary", "crucible lineage replay", "--url http://",
+                    "crucible plan --params 7e9"):
         assert example in r.stdout, example
     r = _crucible("run", "--help")
     assert r.returncode == 0 and "--summary" in r.stdout and "--set" in r.stdout
+    r = _crucible("lineage", "replay", "--help")
+    assert r.returncode == 0 and "--url" in r.stdout and "Marquez" in r.stdout
+    r = _crucible("plan", "--help")
+    assert r.returncode == 0 and "--params" in r.stdout and "crucible plan --flops 1e22" in r.stdout
 
 
 def test_status_json_of_a_stopped_stack(tmp_path):
-    p_port, m_port = _free_port(), _free_port()
+    p_port, m_port, l_port = _free_port(), _free_port(), _free_port()
     r = _crucible("--state-dir", str(tmp_path / "state"), "status", "--json", "--config", TINY,
-                  "--set", f"stack.prefect_port={p_port}", "--set", f"stack.mlflow_port={m_port}")
+                  "--set", f"stack.prefect_port={p_port}", "--set", f"stack.mlflow_port={m_port}",
+                  "--set", f"lineage.service_port={l_port}")
     assert r.returncode == 1, r.stderr  # not healthy
     assert json.loads(r.stdout) == {
         "prefect": {"url": f"http://127.0.0.1:{p_port}", "healthy": False, "pid": None},
         "mlflow": {"url": f"http://127.0.0.1:{m_port}", "healthy": False, "pid": None},
+        "lineage": {"url": f"http://127.0.0.1:{l_port}", "healthy": False, "pid": None},
     }
     r = _crucible("--state-dir", str(tmp_path / "state"), "down", "--config", TINY)
     assert r.returncode == 0 and "not running" in r.stdout
@@ -92,3 +99,32 @@ def test_state_dir_from_env_overrides_config(tmp_path, monkeypatch):
     monkeypatch.setenv(stack.STATE_DIR_ENV, str(tmp_path / "from-env"))
     assert stack.state_dir(cfg) == (tmp_path / "from-env").resolve()
     assert stack.client_env(cfg)[stack.STATE_DIR_ENV] == str((tmp_path / "from-env").resolve())
+    # the lineage service's database lives in the state directory unless given as an absolute path
+    from tasks.config import LineageConfig
+
+    assert stack.lineage_db(cfg) == (tmp_path / "from-env" / "lineage.db").resolve()
+    assert stack.lineage_db(cfg, LineageConfig(service_db=str(tmp_path / "x.db"))) == tmp_path / "x.db"
+    assert stack.client_env(cfg, LineageConfig(service_port=5999))[stack.LINEAGE_URL_ENV] == "http://127.0.0.1:5999"
+
+
+def test_plan_subcommand_prints_the_plan_as_json():
+    r = _crucible("plan", "--params", "7e9", "--json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["tokens"] == 1.4e11 and plan["params"] == 7e9
+    r = _crucible("plan", "--params", "-7e9")  # a negative value is reported as such, exit 2
+    assert r.returncode == 2 and "positive" in r.stderr
+    r = _crucible("plan")
+    assert r.returncode == 2 and "params" in r.stderr
+
+
+def test_lineage_replay_to_a_stopped_service_fails_with_a_hint(tmp_path):
+    log = tmp_path / "lineage.jsonl"
+    log.write_text("")
+    r = _crucible("--state-dir", str(tmp_path / "state"), "lineage", "replay", str(log), "--config", TINY,
+                  "--set", f"lineage.service_port={_free_port()}")
+    assert r.returncode == 0 and json.loads(r.stdout)["events"] == 0  # nothing to send: nothing to fail
+    log.write_text('{"eventType": "START"}\n')
+    r = _crucible("--state-dir", str(tmp_path / "state"), "lineage", "replay", str(log), "--config", TINY,
+                  "--set", f"lineage.service_port={_free_port()}")
+    assert r.returncode == 1 and "crucible up" in r.stderr and "Traceback" not in r.stderr

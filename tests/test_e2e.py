@@ -34,6 +34,7 @@ def run(tmp_path_factory):
     overrides = [
         f"stack.state_dir={tmp / 'state'}", f"stack.prefect_port={_free_port()}",
         f"stack.mlflow_port={_free_port()}", f"deploy.port={_free_port()}", f"run_root={tmp / 'runs'}",
+        f"lineage.service_port={_free_port()}",
     ]
     sets = [a for o in overrides for a in ("--set", o)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
@@ -163,3 +164,110 @@ def test_lineage_start_complete_for_every_task_run(run):
     assert any(n.startswith("models/") for n in outputs)
     raw = [i for e in events for i in e.get("inputs", []) if "crucible_source" in i.get("facets", {})]
     assert {i["facets"]["crucible_source"]["source"] for i in raw} >= {"docs_crawl", "cc_main_2019_30"}
+
+
+def _datasets(events: list[dict]) -> dict[str, list[dict]]:
+    """Every dataset occurrence in the log, by name."""
+    out: dict[str, list[dict]] = defaultdict(list)
+    for e in events:
+        for ds in (e.get("inputs") or []) + (e.get("outputs") or []):
+            out[ds["name"]].append(ds)
+    return out
+
+
+def _produced(events: list[dict]) -> dict[str, dict]:
+    """Each output dataset as its producer's COMPLETE event describes it, by name."""
+    return {ds["name"]: ds for e in events if e["eventType"] == "COMPLETE" for ds in e.get("outputs") or []}
+
+
+def test_every_consumed_file_is_a_lineage_dataset_with_facets(run):
+    s = run["summary"]
+    run_dir = Path(s["run_dir"])
+    events = read_events(s["lineage_log"])
+    datasets = _datasets(events)
+    produced = _produced(events)
+    expected = {
+        "ingest shards": sorted(run_dir.glob("ingest/shard-*.parquet")),
+        "curated shards": sorted(run_dir.glob("curate/shard-*.parquet")),
+        "quarantine / dropped": [p for p in (run_dir / "ingest" / "quarantine.jsonl", run_dir / "curate" / "dropped.jsonl")
+                                 if p.exists()],
+        "tokenizer": [run_dir / "tokenizer" / "tokenizer.json"],
+        "token shards": [run_dir / "tokens" / n for n in ("train.bin", "val.bin", "index.json")],
+        "checkpoints": sorted(p for p in run_dir.glob("train/checkpoints/step-*") if p.is_dir()),
+        "eval reports": sorted(run_dir.glob("evaluate/*.json")),
+    }
+    for what, paths in expected.items():
+        if what != "quarantine / dropped":
+            assert paths, f"the run wrote no {what}"
+        missing = [str(p) for p in paths if str(p.resolve()) not in datasets]
+        assert not missing, f"{what} not in the lineage log: {missing}"
+
+    # Parquet shards carry their schema and row counts; the rows add up to the stages' counts
+    for stage in ("ingest", "curate"):
+        rows = 0
+        for shard in s["stages"][stage]["shards"]:
+            facets = produced[str(Path(shard).resolve())]["facets"]
+            assert "text" in [f["name"] for f in facets["schema"]["fields"]]
+            assert facets["documentation"]["description"]
+            rows += facets["dataQualityMetrics"]["rowCount"]
+        assert rows == s["stages"][stage]["docs_out"], stage
+
+    # licences propagate: every output downstream of the raw files lists the licences of its raw sources
+    raw = [i for e in events for i in e.get("inputs", [])
+           if "crucible_source" in i.get("facets", {}) and not i["facets"]["crucible_source"]["derived"]]
+    all_licences = {i["facets"]["crucible_source"]["licence"] for i in raw}
+    assert len(all_licences) >= 2
+    model = [o for e in events for o in e.get("outputs", []) if o["name"].startswith("models/")]
+    assert model and set(model[0]["facets"]["crucible_source"]["licences"]) == all_licences
+    for what in ("curated shards", "tokenizer", "token shards", "checkpoints", "eval reports"):
+        for p in expected[what]:
+            src = produced[str(p.resolve())]["facets"]["crucible_source"]
+            assert produced[str(p.resolve())]["facets"]["documentation"]["description"], p
+            assert src["derived"] and src["licences"] and set(src["licences"]) <= all_licences, (what, p)
+
+    # jobs say where their code is and what they do; runs link to MLflow and Prefect
+    for e in events:
+        job = e["job"]["facets"]
+        assert job["sourceCodeLocation"]["type"] == "git" and len(job["sourceCodeLocation"]["version"]) == 40
+        assert job["documentation"]["description"] and job["ownership"]["owners"]
+        links = e["run"]["facets"]["crucible_links"]
+        assert links["mlflow_run_id"] and links["prefect_flow_run_url"].startswith("http://127.0.0.1:")
+        if e["job"]["facets"]["jobType"]["jobType"] == "TASK":
+            assert e["run"]["runId"] in links["prefect_task_run_url"]
+
+
+def test_lineage_service_in_the_stack_answers_the_model_upstream_graph(run):
+    s = run["summary"]
+    assert run["status"]["lineage"]["healthy"]
+    base = run["status"]["lineage"]["url"]
+    events = read_events(s["lineage_log"])
+    # every event arrived over HTTP while the run went on
+    assert s["lineage"]["http"]["sent"] == len(events) and s["lineage"]["http"]["failed"] == 0
+    assert httpx.get(f"{base}/api/v1/crucible/stats", timeout=30).json()["events"] == len(events)
+    dep = s["stages"]["deploy"]
+    node = s["lineage"]["output_node"]
+    assert node.endswith(f":models/{dep['model_name']}/{dep['version']}")
+    graph = httpx.get(f"{base}/api/v1/lineage", params={"nodeId": node, "direction": "upstream"}, timeout=60).json()
+    ids = {n["id"] for n in graph["graph"]}
+    raw = {f"dataset:file:{f}" for info in s["stages"]["ingest"]["sources"].values() for f in info["files"]}
+    assert raw and raw <= ids, raw - ids
+    trace = httpx.get(f"{base}/api/v1/crucible/trace", params={"nodeId": node}, timeout=60).json()
+    assert {src["nodeId"] for src in trace["sources"]} == raw and trace["unlicensed"] == []
+    assert s["lineage"]["page_url"].startswith(base + "/#node=")
+    assert s["lineage"]["page_url"] in run["stdout"]
+
+
+def test_prefect_runs_link_to_the_lineage_page(run):
+    s = run["summary"]
+    api = run["status"]["prefect"]["url"].rstrip("/") + "/api"
+    base = run["status"]["lineage"]["url"]
+    # link artifacts (Prefect stores them as markdown links) pointing at the lineage service's page
+    links = [a for a in httpx.post(f"{api}/artifacts/filter", json={}, timeout=30).json()
+             if f"]({base}/#node=" in (a.get("data") or "")]
+    by_flow = [a for a in links if a.get("flow_run_id") == s["flow_run_id"] and a.get("task_run_id") is None]
+    assert len(by_flow) == 1 and f"]({s['lineage']['page_url']})" in by_flow[0]["data"], by_flow
+    assert by_flow[0]["key"] == "lineage-model-version"
+    task_links = [a for a in links if a.get("task_run_id")]
+    assert len(task_links) >= 7, task_links  # one per stage task run
+    deploy_link = [a for a in task_links if "deploy" in a["data"]]
+    assert deploy_link and s["lineage"]["output_node"].split(":models/")[1] in deploy_link[0]["data"]

@@ -70,3 +70,206 @@ def test_validator_rejects_broken_events(tmp_path):
     bad = json.loads(json.dumps(event))
     bad["eventType"] = "FINISHED"
     assert event_errors(bad)
+
+
+# ------------------------------------------------------------------------ facets and propagation
+
+def _parquet(path, sources):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": [f"d{i}" for i in range(len(sources))],
+                             "text": [f"document {i}" for i in range(len(sources))],
+                             "source": sources, "language_score": [0.9] * len(sources)}), path)
+    return path
+
+
+SOURCES = {"web": {"name": "web", "licence": "CC-BY-4.0", "provenance": "a crawl"},
+           "docs": {"name": "docs", "licence": "GPL-2.0", "provenance": "Debian packages"}}
+
+
+def test_dataset_facets_and_licences_propagate_to_every_downstream_artifact(tmp_path):
+    from tasks.lineage.facets import git_info
+
+    log = tmp_path / "lineage.jsonl"
+    raw = {name: tmp_path / "raw" / f"{name}.jsonl" for name in SOURCES}
+    for name, p in raw.items():
+        p.parent.mkdir(exist_ok=True)
+        p.write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c"}\n')
+    root = _ref("pretrain")
+    shard = _parquet(tmp_path / "ingest" / "shard-00000.parquet", ["web", "docs"])
+    em = LineageEmitter(log, "crucible", PRODUCER, owner="team:auditors")
+    with em.run(_ref("curate.ingest_sources"), parent=root, job_doc="reads raw files",
+                code_path="tasks/prefect_tasks.py") as run:
+        run.inputs += [dataset_for_path(p, source=SOURCES[n]) for n, p in raw.items()]
+        run.outputs.append(dataset_for_path(shard, output=True, doc="ingested documents"))
+    # a later stage, with a new emitter on the same log (as each Prefect task has): its input picks up
+    # the shard's licences from the log, and its outputs carry them on
+    tok = tmp_path / "tokenizer" / "tokenizer.json"
+    tok.parent.mkdir()
+    tok.write_text("{}")
+    em2 = LineageEmitter(log, "crucible", PRODUCER, owner="team:auditors")
+    with em2.run(_ref("train_tokenizer.train_bpe"), parent=root, inputs=[dataset_for_path(shard)]) as run:
+        run.outputs.append(dataset_for_path(tok, output=True))
+    with em2.run(_ref("deploy.gate_register_serve"), parent=root, inputs=[dataset_for_path(tok)]) as run:
+        run.outputs.append(model_version_dataset("http://127.0.0.1:5000", "m", 1, "abc", doc="the model"))
+
+    events = read_events(log)
+    for e in events:
+        assert event_errors(e) == [], (e["job"]["name"], event_errors(e)[:3])
+    ingest = events[1]
+    raw_in = {i["name"]: i["facets"]["crucible_source"] for i in ingest["inputs"]}
+    assert raw_in[str(raw["web"])] == {**raw_in[str(raw["web"])], "source": "web", "licence": "CC-BY-4.0",
+                                       "derived": False}
+    assert ingest["inputs"][0]["facets"]["dataQualityMetrics"]["rowCount"] == 3  # JSONL lines
+    out = ingest["outputs"][0]
+    f = out["facets"]
+    assert [(c["name"], c["type"]) for c in f["schema"]["fields"]] == [
+        ("id", "string"), ("text", "string"), ("source", "string"), ("language_score", "double")]
+    assert f["dataQualityMetrics"]["rowCount"] == 2 and f["dataQualityMetrics"]["bytes"] == shard.stat().st_size
+    assert out["outputFacets"]["outputStatistics"]["rowCount"] == 2
+    assert f["documentation"]["description"] == "ingested documents"
+    assert f["ownership"]["owners"] == [{"name": "team:auditors", "type": "MAINTAINER"}]
+    src = f["crucible_source"]
+    assert src["derived"] is True and src["licences"] == ["CC-BY-4.0", "GPL-2.0"]
+    assert [s["source"] for s in src["sources"]] == ["docs", "web"]
+    job = ingest["job"]["facets"]
+    assert job["documentation"]["description"] == "reads raw files"
+    assert job["ownership"]["owners"][0]["name"] == "team:auditors"
+    if git_info()["commit"]:
+        loc = job["sourceCodeLocation"]
+        assert loc["type"] == "git" and loc["version"] == git_info()["commit"] and loc["path"] == "tasks/prefect_tasks.py"
+        assert loc["url"].startswith(("file://", "https://", "http://", "ssh://"))
+    # the tokenizer's input took the shard's licences from the log; the tokenizer and the model version carry them
+    bpe_start = events[3]
+    assert bpe_start["inputs"][0]["facets"]["crucible_source"]["licences"] == ["CC-BY-4.0", "GPL-2.0"]
+    model = events[-1]["outputs"][0]
+    assert model["namespace"] == "mlflow://127.0.0.1:5000"
+    assert model["facets"]["crucible_source"]["licences"] == ["CC-BY-4.0", "GPL-2.0"]
+    assert model["facets"]["documentation"]["description"] == "the model"
+
+
+def test_validator_checks_custom_facets_against_their_schemas(tmp_path):
+    log = tmp_path / "lineage.jsonl"
+    from tasks.lineage.emitter import CrucibleLinksRunFacet, CrucibleStatsRunFacet
+
+    em = LineageEmitter(log, "crucible", PRODUCER)
+    em.emit(RunState.COMPLETE, _ref("x"), extra_run_facets={
+        "crucible_stats": CrucibleStatsRunFacet(stage="curate", docs_in=3, docs_out=2, dropped={"c4": 1}),
+        "crucible_links": CrucibleLinksRunFacet(mlflow_run_id="abc", mlflow_run_url="http://127.0.0.1:5000/#/r")})
+    event = read_events(log)[0]
+    assert event_errors(event) == []
+    assert event["run"]["facets"]["crucible_stats"]["_schemaURL"].endswith(
+        "docs/lineage-facets/CrucibleStatsRunFacet.json#/$defs/CrucibleStatsRunFacet")
+    bad = json.loads(json.dumps(event))
+    bad["run"]["facets"]["crucible_stats"]["docs_in"] = "three"
+    assert any("crucible_stats" in err for err in event_errors(bad))
+    bad = json.loads(json.dumps(event))
+    del bad["run"]["facets"]["crucible_stats"]["stage"]
+    assert any("crucible_stats" in err and "stage" in err for err in event_errors(bad))
+    bad = json.loads(json.dumps(event))
+    bad["run"]["facets"]["crucible_stats"]["_schemaURL"] = "https://example.com/elsewhere.json"
+    assert any("not a Crucible facet schema" in err for err in event_errors(bad))
+
+
+# ------------------------------------------------------------------------------- HTTP transport
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_service(db, port):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-m", "tasks.lineage.service", "--db", str(db), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.monotonic() < deadline, "lineage service did not start"
+        time.sleep(0.1)
+
+
+def test_down_service_never_fails_the_run_and_replay_fills_it(tmp_path):
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    from tasks.lineage.service.sample import emit_pipeline
+    from tasks.lineage.transport import endpoint_url, http_stats, reset_http_stats
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    reset_http_stats()
+    # the service is down for this run: every event still reaches the JSONL log, quickly
+    log = tmp_path / "run1" / "lineage.jsonl"
+    t0 = time.monotonic()
+    p1 = emit_pipeline(LineageEmitter(log, "crucible", PRODUCER, http_url=url, http_timeout=2), tmp_path / "run1",
+                       raw_dir=tmp_path / "raw")
+    assert time.monotonic() - t0 < 20
+    events = read_events(log)
+    stats = http_stats(endpoint_url(url))
+    assert stats.sent == 0 and stats.failed >= 1 and stats.missed == len(events), stats
+    assert "ConnectionError" in stats.last_error
+
+    proc = _start_service(tmp_path / "lineage.db", port)
+    try:
+        # the service is back when the run ends: the pretrain flow's epilogue replays the log to it
+        from tasks.pipeline_run import RunContext, finish_lineage
+
+        ctx = RunContext(run_name="run1", run_dir=str(tmp_path / "run1"), lineage_log=str(log),
+                         tracking_uri="http://127.0.0.1:5000", experiment="tiny", mlflow_parent_run_id="r",
+                         root_run_id=p1.root.run_id, lineage_url=url, lineage_service_url=url)
+        done = finish_lineage(ctx, {"deploy": {"model_name": "crucible-tiny", "version": 1}})
+        assert done["http"]["failed"] >= 1 and done["replayed"]["ingested"] == len(events), done
+        assert done["output_node"] == p1.model_version_node and done["page_url"].startswith(url + "/#node=")
+        assert httpx.get(f"{url}/api/v1/crucible/stats").json()["events"] == len(events)
+
+        # `crucible lineage replay` afterwards: the service holds every event of the run once (it ingests
+        # idempotently), and the model version's upstream graph reaches the raw files
+        r = subprocess.run([sys.executable, "-m", "infra.cli", "lineage", "replay", str(log), "--url", url],
+                           cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["duplicates"] == len(events)
+        assert httpx.get(f"{url}/api/v1/crucible/stats").json()["events"] == len(events)
+        graph = httpx.get(f"{url}/api/v1/lineage", params={"nodeId": p1.model_version_node,
+                                                           "direction": "upstream"}).json()["graph"]
+        assert {p1.file_node(f) for f in p1.raw_files} <= {n["id"] for n in graph}
+
+        # with the service up, a run's events arrive over HTTP as they are emitted (no replay needed)
+        reset_http_stats()
+        log2 = tmp_path / "run2" / "lineage.jsonl"
+        emit_pipeline(LineageEmitter(log2, "crucible", PRODUCER, http_url=url), tmp_path / "run2",
+                      raw_dir=tmp_path / "raw", run_name="run2", version=2)
+        n2 = len(read_events(log2))
+        assert http_stats(endpoint_url(url)).sent == n2
+        assert httpx.get(f"{url}/api/v1/crucible/stats").json()["events"] == len(events) + n2
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_a_jsonl_failure_fails_the_emit(tmp_path):
+    log = tmp_path / "lineage.jsonl"
+    log.mkdir()  # not writable as a file
+    em = LineageEmitter(log, "crucible", PRODUCER, http_url=f"http://127.0.0.1:{_free_port()}")
+    with pytest.raises(Exception):
+        em.emit(RunState.START, _ref("x"))

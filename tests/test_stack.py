@@ -1,5 +1,6 @@
-"""The local stack with real processes: a Prefect server and an MLflow server on free ports in a
-temporary state directory (so a developer's own stack on the default ports is not disturbed)."""
+"""The local stack with real processes: a Prefect server, an MLflow server and the lineage service on
+free ports in a temporary state directory (so a developer's own stack on the default ports is not
+disturbed)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 from infra import stack
-from tasks.config import StackConfig
+from tasks.config import LineageConfig, StackConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,33 +38,43 @@ def stack_cfg(tmp_path):
                        start_timeout=240, stop_timeout=15)
 
 
+@pytest.fixture
+def lineage_cfg():
+    return LineageConfig(service_port=_free_port())
+
+
 @pytest.fixture(autouse=True)
 def _no_state_dir_env(monkeypatch):
     monkeypatch.delenv(stack.STATE_DIR_ENV, raising=False)
 
 
-def test_up_idempotent_status_down(stack_cfg):
+SERVICES = ("prefect", "mlflow", "lineage")
+
+
+def test_up_idempotent_status_down(stack_cfg, lineage_cfg):
     state = stack.state_dir(stack_cfg)
     # a stale pid file from a crashed earlier stack is cleaned up, not trusted
     (state / "run").mkdir(parents=True)
     (state / "run" / "prefect.pid").write_text(f"{_dead_pid()}\n")
 
     t0 = time.monotonic()
-    first = stack.up(stack_cfg)
+    first = stack.up(stack_cfg, lineage_cfg=lineage_cfg)
     cold = time.monotonic() - t0
-    print(f"\ncold `up`: {cold:.1f}s (prefect {first['prefect']['seconds']}s, mlflow {first['mlflow']['seconds']}s)")
-    for name in ("prefect", "mlflow"):
+    print(f"\ncold `up`: {cold:.1f}s (prefect {first['prefect']['seconds']}s, mlflow {first['mlflow']['seconds']}s, "
+          f"lineage {first['lineage']['seconds']}s)")
+    for name in SERVICES:
         assert first[name]["healthy"] and first[name]["started"], first
         assert stack.pid_alive(first[name]["pid"])
         assert (state / "run" / f"{name}.pid").read_text().strip() == str(first[name]["pid"])
         assert (state / "logs" / f"{name}.log").stat().st_size > 0
 
-    st = stack.status(stack_cfg)
-    assert set(st) == {"prefect", "mlflow"}
+    st = stack.status(stack_cfg, lineage_cfg)
+    assert set(st) == set(SERVICES)
     assert {n: (s["healthy"], s["pid"]) for n, s in st.items()} == \
-        {n: (True, first[n]["pid"]) for n in ("prefect", "mlflow")}
+        {n: (True, first[n]["pid"]) for n in SERVICES}
     assert st["prefect"]["url"] == f"http://127.0.0.1:{stack_cfg.prefect_port}"
     assert st["mlflow"]["url"] == stack.mlflow_tracking_uri(stack_cfg)
+    assert st["lineage"]["url"] == f"http://127.0.0.1:{lineage_cfg.service_port}" == stack.lineage_url(lineage_cfg)
 
     # the services really are what they claim: Prefect's API and MLflow's REST API on those ports,
     # with their databases under the state directory
@@ -72,49 +83,69 @@ def test_up_idempotent_status_down(stack_cfg):
                   params={"experiment_name": "Default"}, timeout=10)
     assert r.status_code == 200 and r.json()["experiment"]["name"] == "Default"
     assert (state / "prefect" / "prefect.db").exists() and (state / "mlflow" / "mlflow.db").exists()
+    # the lineage service takes events and answers the Marquez-shaped API, its SQLite store in the state dir
+    lineage = stack.lineage_url(lineage_cfg)
+    event = {"eventType": "COMPLETE", "eventTime": "2026-01-01T00:00:00Z", "producer": "https://example.com/p",
+             "schemaURL": "https://openlineage.io/spec/2-0-2/OpenLineage.json#/$defs/RunEvent",
+             "run": {"runId": "0195f7a3-0000-7000-8000-000000000001"}, "job": {"namespace": "crucible", "name": "j"},
+             "inputs": [], "outputs": [{"namespace": "file", "name": "/tmp/out.bin"}]}
+    r = httpx.post(f"{lineage}/api/v1/lineage", json=event, timeout=10)
+    assert r.status_code == 201 and r.json()["ingested"] == 1, r.text
+    assert httpx.get(f"{lineage}/api/v1/namespaces/crucible/jobs/j", timeout=10).json()["latestRun"]["state"] \
+        == "COMPLETED"
+    assert (state / "lineage.db").exists()
+    assert "--prefect-ui" in stack._cmdline(first["lineage"]["pid"])  # the page links Prefect runs
 
     # `crucible status --json` prints exactly {service: {url, healthy, pid}}
     out = subprocess.run([sys.executable, "-m", "infra.cli", "--state-dir", str(state), "status", "--json",
                           "--set", f"stack.prefect_port={stack_cfg.prefect_port}",
-                          "--set", f"stack.mlflow_port={stack_cfg.mlflow_port}"],
+                          "--set", f"stack.mlflow_port={stack_cfg.mlflow_port}",
+                          "--set", f"lineage.service_port={lineage_cfg.service_port}"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == st
 
     # idempotent: a second `up` leaves the healthy services alone
     t0 = time.monotonic()
-    again = stack.up(stack_cfg)
+    again = stack.up(stack_cfg, lineage_cfg=lineage_cfg)
     assert time.monotonic() - t0 < 10
-    for name in ("prefect", "mlflow"):
+    for name in SERVICES:
         assert again[name]["pid"] == first[name]["pid"] and not again[name]["started"]
 
     # a port clash with a different config is refused while the stack runs
     moved = stack_cfg.model_copy(update={"mlflow_port": _free_port()})
     with pytest.raises(stack.StackError, match="crucible down"):
-        stack.up(moved)
+        stack.up(moved, lineage_cfg=lineage_cfg)
+    with pytest.raises(stack.StackError, match="lineage is already running"):
+        stack.up(stack_cfg, lineage_cfg=lineage_cfg.model_copy(update={"service_port": _free_port()}))
 
-    pgids = [first[n]["pid"] for n in ("prefect", "mlflow")]
+    pgids = [first[n]["pid"] for n in SERVICES]
     assert all(stack.group_pids(g) for g in pgids)
     result = stack.down(stack_cfg)
-    assert result["prefect"] in ("stopped", "killed") and result["mlflow"] in ("stopped", "killed")
+    assert all(result[n] in ("stopped", "killed") for n in SERVICES), result
     assert result["model_server"] == "not running"
-    st = stack.status(stack_cfg)
+    assert list(result) == ["model_server", "lineage", "mlflow", "prefect"]  # stop order
+    st = stack.status(stack_cfg, lineage_cfg)
     assert all(not s["healthy"] and s["pid"] is None for s in st.values()), st
     assert all(stack.group_pids(g) == [] for g in pgids), "processes left behind after down"
     assert not list((state / "run").glob("*.pid"))
     assert stack.port_free("127.0.0.1", stack_cfg.prefect_port)
     assert stack.port_free("127.0.0.1", stack_cfg.mlflow_port)
-    assert stack.down(stack_cfg) == {"model_server": "not running", "mlflow": "not running", "prefect": "not running"}
+    assert stack.port_free("127.0.0.1", lineage_cfg.service_port)
+    assert stack.down(stack_cfg) == {"model_server": "not running", "lineage": "not running", "mlflow": "not running",
+                                     "prefect": "not running"}
 
 
-def test_port_taken_by_another_process_is_a_clear_error(stack_cfg):
+def test_port_taken_by_another_process_is_a_clear_error(stack_cfg, lineage_cfg):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         taken = s.getsockname()[1]
         cfg = stack_cfg.model_copy(update={"mlflow_port": taken})
         with pytest.raises(stack.StackError, match=rf"port 127\.0\.0\.1:{taken} is in use.*stack\.mlflow_port"):
-            stack.up(cfg)
+            stack.up(cfg, lineage_cfg=lineage_cfg)
+        with pytest.raises(stack.StackError, match=rf"port 127\.0\.0\.1:{taken} is in use.*lineage\.service_port"):
+            stack.up(stack_cfg, lineage_cfg=lineage_cfg.model_copy(update={"service_port": taken}))
     # nothing was launched: the check runs before any service starts
     assert stack.status(cfg)["prefect"]["pid"] is None
     assert not list((stack.state_dir(cfg) / "run").glob("*.pid"))
@@ -146,3 +177,20 @@ def test_service_that_never_gets_healthy_times_out_and_is_killed(stack_cfg):
     assert not (stack.state_dir(cfg) / "run" / "hung.pid").exists()
     assert not [p for p in os.listdir("/proc") if p.isdigit() and "time.sleep(60)" in stack._cmdline(int(p))
                 and "SIG_IGN" in stack._cmdline(int(p))]
+
+
+def test_marquez_compose_file_binds_loopback_and_uses_official_images():
+    import yaml
+
+    compose = yaml.safe_load((REPO / "infra" / "docker-compose.marquez.yml").read_text())
+    services = compose["services"]
+    images = {name: s["image"].split(":")[0] for name, s in services.items()}
+    assert images == {"marquez-db": "postgres", "marquez-api": "marquezproject/marquez",
+                      "marquez-web": "marquezproject/marquez-web"}
+    assert all(":" in s["image"] and not s["image"].endswith(":latest") for s in services.values())  # pinned
+    ports = [p for s in services.values() for p in s.get("ports", [])]
+    assert ports and all(p.startswith("127.0.0.1:") for p in ports), ports
+    assert "ports" not in services["marquez-db"]  # the database stays on the compose network
+    # the README says how to point the HTTP transport at it and how to replay a log into it
+    readme = (REPO / "README.md").read_text()
+    assert "lineage.http_url=http://127.0.0.1:9000" in readme and "crucible lineage replay" in readme

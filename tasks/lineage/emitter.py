@@ -3,89 +3,61 @@
 Datasets follow the spec's naming: namespace `file` + absolute path for local files; a registered
 model version is `mlflow://<tracking host>` + `models/<name>/<version>`. Each dataset's version facet
 is a content hash, so an auditor can tell two artifacts with the same name apart.
-The default transport is an append-only JSONL file in the run directory (one event per line).
+
+Events go to an append-only JSONL file in the run directory (one event per line), the record; with
+`http_url` also, best effort, to a lineage endpoint (tasks/lineage/transport.py).
+
+Licences propagate: an input without a `crucible_source` facet gets the one its producer recorded
+in the same log, and an output without one gets the union of its inputs' raw sources. So every
+artifact downstream of the raw files (curated shards, tokenizer, token shards, checkpoints, eval
+reports, the model version) lists the licences of the raw files it came from.
 """
 from __future__ import annotations
 
+import json
+import threading
 import traceback
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
 from datetime import datetime, timezone
+from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
-import attr
 from openlineage.client import OpenLineageClient
 from openlineage.client.event_v2 import InputDataset, Job, OutputDataset, Run, RunEvent, RunState
 from openlineage.client.facet_v2 import (
     BaseFacet,
     DatasetFacet,
-    RunFacet,
     data_quality_metrics_input_dataset,
     dataset_version_dataset,
     error_message_run,
     job_type_job,
+    output_statistics_output_dataset,
     parent_run,
     processing_engine_run,
 )
-from openlineage.client.transport.file import FileConfig, FileTransport
 
 from tasks.core.hashing import sha256_tree
-
-CUSTOM_FACET_SCHEMA = "https://github.com/crucible-ml/crucible/blob/main/docs/lineage-facets.md#"
-
-
-@attr.define
-class CrucibleSourceDatasetFacet(DatasetFacet):
-    """Licence and provenance of raw data, from the config's source registry."""
-
-    source: str
-    licence: str
-    provenance: str
-
-    @staticmethod
-    def _get_schema() -> str:
-        return CUSTOM_FACET_SCHEMA + "crucible_source"
-
-
-@attr.define
-class CrucibleStatsRunFacet(RunFacet):
-    """Documents in/out of a stage and the documents each filter dropped."""
-
-    stage: str
-    docs_in: int
-    docs_out: int
-    dropped: dict = attr.field(factory=dict)
-
-    @staticmethod
-    def _get_schema() -> str:
-        return CUSTOM_FACET_SCHEMA + "crucible_stats"
-
-
-@attr.define
-class CrucibleConfigRunFacet(RunFacet):
-    """The config section a stage ran with."""
-
-    config: dict
-
-    @staticmethod
-    def _get_schema() -> str:
-        return CUSTOM_FACET_SCHEMA + "crucible_config"
-
-
-@attr.define
-class CrucibleEvalRunFacet(RunFacet):
-    """Evaluation results of one checkpoint."""
-
-    val_loss: float
-    perplexity: float
-    step: int
-
-    @staticmethod
-    def _get_schema() -> str:
-        return CUSTOM_FACET_SCHEMA + "crucible_eval"
+from tasks.lineage.facets import (  # noqa: F401 - re-exported: the facets' historical home
+    CUSTOM_FACET_SCHEMA_BASE,
+    CrucibleConfigRunFacet,
+    CrucibleEvalRunFacet,
+    CrucibleLinksRunFacet,
+    CrucibleSourceDatasetFacet,
+    CrucibleStatsRunFacet,
+    DataQualityMetricsDatasetFacet,
+    dataset_ownership,
+    documentation,
+    file_stats,
+    job_documentation,
+    job_ownership,
+    schema_facet,
+    source_code_location,
+    source_entries,
+)
+from tasks.lineage.transport import make_transport
 
 
 @dataclass(frozen=True)
@@ -101,30 +73,71 @@ def _now() -> str:
 
 
 def dataset_for_path(path: str | Path, *, rows: int | None = None, n_bytes: int | None = None,
-                     source: dict | None = None, output: bool = False):
-    """An Input/OutputDataset for a local file or directory, versioned by its sha256."""
+                     source: dict | CrucibleSourceDatasetFacet | None = None, output: bool = False,
+                     doc: str | None = None, inspect: bool = True):
+    """An Input/OutputDataset for a local file or directory, versioned by its sha256.
+
+    `source`: a registry entry {name, licence, provenance} (a raw file) or a ready facet (e.g. the
+    union for a shard). `doc`: what the artifact is (documentation facet). `inspect`: read sizes,
+    Parquet schemas and row counts from the file (footer only) for `schema`, `dataQualityMetrics`
+    and, on outputs, `outputStatistics`; `rows`/`n_bytes` override what is read."""
     path = Path(path).resolve()
     facets: dict[str, DatasetFacet] = {
         "version": dataset_version_dataset.DatasetVersionDatasetFacet(datasetVersion=sha256_tree(path)),
     }
-    if source:
-        facets["crucible_source"] = CrucibleSourceDatasetFacet(
-            source=source["name"], licence=source["licence"], provenance=source["provenance"])
+    if isinstance(source, dict):
+        facets["crucible_source"] = CrucibleSourceDatasetFacet.raw(source["name"], source["licence"],
+                                                                   source["provenance"])
+    elif source is not None:
+        facets["crucible_source"] = source
+    stats = file_stats(path) if inspect and path.exists() else {}
+    rows = rows if rows is not None else stats.get("rows")
+    n_bytes = n_bytes if n_bytes is not None else stats.get("bytes")
+    if stats.get("columns"):
+        facets["schema"] = schema_facet(stats["columns"])
+    if rows is not None or n_bytes is not None:
+        facets["dataQualityMetrics"] = DataQualityMetricsDatasetFacet(
+            rowCount=rows, bytes=n_bytes, fileCount=stats.get("files"), columnMetrics={})
+    if doc:
+        facets["documentation"] = documentation(doc)
     cls = OutputDataset if output else InputDataset
     ds = cls(namespace="file", name=str(path), facets=facets)
-    if rows is not None and not output:
+    if output and (rows is not None or n_bytes is not None):
+        ds.outputFacets = {"outputStatistics": output_statistics_output_dataset.OutputStatisticsOutputDatasetFacet(
+            rowCount=rows, size=n_bytes, fileCount=stats.get("files"))}
+    elif rows is not None:
         ds.inputFacets = {"dataQualityMetrics": data_quality_metrics_input_dataset.DataQualityMetricsInputDatasetFacet(
             rowCount=rows, bytes=n_bytes, columnMetrics={})}
     return ds
 
 
 def model_version_dataset(tracking_uri: str, model_name: str, version: str | int, content_hash: str,
-                          output: bool = True):
+                          output: bool = True, doc: str | None = None):
     """A registered model version as a dataset: the end point an auditor traces back from."""
     cls = OutputDataset if output else InputDataset
     host = tracking_uri.split("://", 1)[-1].rstrip("/")
-    return cls(namespace=f"mlflow://{host}", name=f"models/{model_name}/{version}", facets={
-        "version": dataset_version_dataset.DatasetVersionDatasetFacet(datasetVersion=content_hash)})
+    facets: dict[str, DatasetFacet] = {
+        "version": dataset_version_dataset.DatasetVersionDatasetFacet(datasetVersion=content_hash)}
+    if doc:
+        facets["documentation"] = documentation(doc)
+    return cls(namespace=f"mlflow://{host}", name=f"models/{model_name}/{version}", facets=facets)
+
+
+def model_version_node(tracking_uri: str, model_name: str, version: str | int) -> str:
+    """The lineage node id (Marquez form) of a registered model version."""
+    host = tracking_uri.split("://", 1)[-1].rstrip("/")
+    return f"dataset:mlflow://{host}:models/{model_name}/{version}"
+
+
+def file_node(path: str | Path) -> str:
+    return f"dataset:file:{Path(path).resolve()}"
+
+
+def lineage_page(service_url: str, node_id: str, direction: str = "upstream") -> str:
+    """The lineage service's page opened on `node_id` (its graph, detail and trace)."""
+    from urllib.parse import urlencode
+
+    return f"{service_url.rstrip('/')}/#{urlencode({'node': node_id, 'direction': direction})}"
 
 
 @dataclass
@@ -137,22 +150,83 @@ class ActiveRun:
     run_facets: dict = field(default_factory=dict)  # added to COMPLETE (stats, config, eval results)
 
 
+class _SourceIndex:
+    """crucible_source facets by dataset (namespace, name), read incrementally from the JSONL log."""
+
+    def __init__(self, log_path: Path):
+        self.log_path = log_path
+        self.offset = 0
+        self.facets: dict[tuple[str, str], dict] = {}
+        self.lock = threading.Lock()
+
+    def refresh(self) -> None:
+        with self.lock:
+            try:
+                with open(self.log_path, "rb") as f:
+                    f.seek(self.offset)
+                    data = f.read()
+            except FileNotFoundError:
+                return
+            end = data.rfind(b"\n") + 1  # a line still being written is read next time
+            self.offset += end
+            for line in data[:end].splitlines():
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                for ds in (event.get("inputs") or []) + (event.get("outputs") or []):
+                    facet = (ds.get("facets") or {}).get("crucible_source")
+                    if isinstance(facet, dict) and source_entries(facet):
+                        self.facets[(ds.get("namespace"), ds.get("name"))] = facet
+
+    def get(self, namespace: str, name: str) -> dict | None:
+        return self.facets.get((namespace, name))
+
+
 class LineageEmitter:
-    def __init__(self, log_path: str | Path, namespace: str, producer: str):
+    def __init__(self, log_path: str | Path, namespace: str, producer: str, *, http_url: str | None = None,
+                 http_timeout: float = 5.0, owner: str | None = None):
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.namespace = namespace
         self.producer = producer
-        transport = FileTransport(FileConfig(log_file_path=str(self.log_path), append=True))
-        self.client = OpenLineageClient(transport=transport)
+        self.owner = owner
+        self.http_url = http_url
+        self.client = OpenLineageClient(transport=make_transport(self.log_path, http_url, http_timeout))
+        self._sources = _SourceIndex(self.log_path)
 
     def _facet(self, facet: BaseFacet) -> BaseFacet:
         facet._producer = self.producer
         return facet
 
+    def _propagate_sources(self, inputs: list, outputs: list) -> None:
+        """Inputs take the crucible_source their producer recorded in this log; outputs without one
+        get the union of their inputs' raw sources."""
+        self._sources.refresh()
+        entries: list[dict] = []
+        for ds in inputs:
+            facets = ds.facets if ds.facets is not None else {}
+            if "crucible_source" not in facets:
+                known = self._sources.get(ds.namespace, ds.name)
+                if known:
+                    facets["crucible_source"] = CrucibleSourceDatasetFacet.union(source_entries(known)) \
+                        if known.get("derived") else CrucibleSourceDatasetFacet.raw(
+                            known["source"], known["licence"], known.get("provenance", ""))
+                    ds.facets = facets
+            entries += source_entries(facets.get("crucible_source"))
+        union = CrucibleSourceDatasetFacet.union(entries)
+        for ds in outputs:
+            facets = ds.facets if ds.facets is not None else {}
+            if union is not None and "crucible_source" not in facets:
+                facets["crucible_source"] = union
+            if self.owner and "ownership" not in facets:
+                facets["ownership"] = dataset_ownership(self.owner)
+            ds.facets = facets
+
     def emit(self, state: RunState, job: JobRef, *, parent: JobRef | None = None, root: JobRef | None = None,
              inputs: list | None = None, outputs: list | None = None, job_type: str = "TASK",
-             error: BaseException | None = None, extra_run_facets: dict | None = None) -> RunEvent:
+             error: BaseException | None = None, extra_run_facets: dict | None = None,
+             job_doc: str | None = None, code_path: str | None = None) -> RunEvent:
         run_facets: dict[str, BaseFacet] = {
             "processing_engine": self._facet(processing_engine_run.ProcessingEngineRunFacet(
                 version=_prefect_version(), name="prefect", openlineageAdapterVersion=_ol_version())),
@@ -170,33 +244,45 @@ class LineageEmitter:
             run_facets["errorMessage"] = self._facet(error_message_run.ErrorMessageRunFacet(
                 message=str(error) or type(error).__name__, programmingLanguage="PYTHON",
                 stackTrace="".join(traceback.format_exception(error))[-8000:]))
-        job_facets = {"jobType": self._facet(job_type_job.JobTypeJobFacet(
+        job_facets: dict[str, BaseFacet] = {"jobType": self._facet(job_type_job.JobTypeJobFacet(
             processingType="BATCH", integration="PREFECT", jobType=job_type))}
-        for ds in (inputs or []) + (outputs or []):
-            for facet in (ds.facets or {}).values():
-                facet._producer = self.producer
-            for facet in (getattr(ds, "inputFacets", None) or {}).values():
-                facet._producer = self.producer
+        code = source_code_location(code_path)
+        if code is not None:
+            job_facets["sourceCodeLocation"] = self._facet(code)
+        if job_doc:
+            job_facets["documentation"] = self._facet(job_documentation(job_doc))
+        if self.owner:
+            job_facets["ownership"] = self._facet(job_ownership(self.owner))
+        inputs, outputs = list(inputs or []), list(outputs or [])
+        self._propagate_sources(inputs, outputs)
+        for ds in inputs + outputs:
+            for group in ("facets", "inputFacets", "outputFacets"):
+                for facet in (getattr(ds, group, None) or {}).values():
+                    facet._producer = self.producer
         event = RunEvent(eventType=state, eventTime=_now(), run=Run(runId=job.run_id, facets=run_facets),
                          job=Job(namespace=self.namespace, name=job.name, facets=job_facets),
-                         inputs=inputs or [], outputs=outputs or [], producer=self.producer)
+                         inputs=inputs, outputs=outputs, producer=self.producer)
         self.client.emit(event)
         return event
 
     @contextmanager
     def run(self, job: JobRef, *, parent: JobRef | None = None, root: JobRef | None = None,
-            inputs: list | None = None, job_type: str = "TASK") -> Iterator[ActiveRun]:
-        """START now; COMPLETE with the collected outputs, or FAIL with the error, at the end."""
+            inputs: list | None = None, job_type: str = "TASK", run_facets: dict | None = None,
+            job_doc: str | None = None, code_path: str | None = None) -> Iterator[ActiveRun]:
+        """START now; COMPLETE with the collected outputs, or FAIL with the error, at the end.
+        `run_facets` go on every event (e.g. crucible_links); the body's `active.run_facets` on
+        COMPLETE only."""
         active = ActiveRun(job=job, inputs=list(inputs or []))
-        self.emit(RunState.START, job, parent=parent, root=root, inputs=active.inputs, job_type=job_type)
+        common = dict(parent=parent, root=root, job_type=job_type, job_doc=job_doc, code_path=code_path)
+        self.emit(RunState.START, job, inputs=active.inputs, extra_run_facets=run_facets, **common)
         try:
             yield active
         except BaseException as e:
-            self.emit(RunState.FAIL, job, parent=parent, root=root, inputs=active.inputs,
-                      outputs=active.outputs, job_type=job_type, error=e)
+            self.emit(RunState.FAIL, job, inputs=active.inputs, outputs=active.outputs, error=e,
+                      extra_run_facets=run_facets, **common)
             raise
-        self.emit(RunState.COMPLETE, job, parent=parent, root=root, inputs=active.inputs,
-                  outputs=active.outputs, job_type=job_type, extra_run_facets=active.run_facets)
+        self.emit(RunState.COMPLETE, job, inputs=active.inputs, outputs=active.outputs,
+                  extra_run_facets={**(run_facets or {}), **active.run_facets}, **common)
 
 
 def new_run_id() -> str:

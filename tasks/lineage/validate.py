@@ -3,7 +3,9 @@
 The schemas are not shipped by openlineage-python; they live in ../shared/data/openlineage-spec/
 (a copy of the spec's website folder), so `https://openlineage.io/spec/<path>` maps to
 `<spec dir>/<path>`. Each event is checked against the event schema and each standard facet against
-its own schema (named by the facet's `_schemaURL`).
+its own schema (named by the facet's `_schemaURL`). Crucible's custom facets (`crucible_*`) are
+checked against their schemas in docs/lineage-facets/ (see docs/lineage-facets.md); a facet whose
+`_schemaURL` points anywhere else is only checked by the event schema.
 """
 from __future__ import annotations
 
@@ -15,22 +17,27 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 
 from tasks.config import DEFAULT_DATA_ROOT
+from tasks.lineage.facets import CUSTOM_FACET_SCHEMA_BASE, FACET_SCHEMA_DIR
 
 SPEC_URL = "https://openlineage.io/spec/"
 EVENT_SCHEMA = SPEC_URL + "2-0-2/OpenLineage.json"
 
 
 @lru_cache(maxsize=4)
-def _registry(spec_dir: str) -> Registry:
+def _registry(spec_dir: str, custom_dir: str) -> Registry:
     resources = []
     for p in Path(spec_dir).rglob("*.json"):
         doc = json.loads(p.read_text())
         resources.append((doc.get("$id", SPEC_URL + str(p.relative_to(spec_dir))), Resource.from_contents(doc)))
+    for p in sorted(Path(custom_dir).glob("*.json")):
+        doc = json.loads(p.read_text())
+        resources.append((doc.get("$id", CUSTOM_FACET_SCHEMA_BASE + p.name), Resource.from_contents(doc)))
     return Registry().with_resources(resources)
 
 
-def _validator(spec_dir: str, url: str) -> Draft202012Validator:
-    registry = _registry(spec_dir)
+@lru_cache(maxsize=256)
+def _validator(spec_dir: str, url: str, custom_dir: str = str(FACET_SCHEMA_DIR)) -> Draft202012Validator:
+    registry = _registry(spec_dir, custom_dir)
     schema = registry.contents(url.split("#")[0])
     if "#" in url and url.split("#", 1)[1]:
         schema = {"$ref": url}
@@ -50,9 +57,16 @@ def event_errors(event: dict, spec_dir: str | Path | None = None) -> list[str]:
     spec_dir = str(spec_dir or DEFAULT_DATA_ROOT / "openlineage-spec")
     errors = [f"event: {e.message}" for e in _validator(spec_dir, EVENT_SCHEMA).iter_errors(event)]
     for name, facet in _facets(event):
-        url = facet.get("_schemaURL", "")
-        if url.startswith(SPEC_URL):
-            errors += [f"facet {name}: {e.message}" for e in _validator(spec_dir, url).iter_errors(facet)]
+        url = facet.get("_schemaURL", "") if isinstance(facet, dict) else ""
+        if url.startswith(SPEC_URL) or url.startswith(CUSTOM_FACET_SCHEMA_BASE):
+            try:
+                validator = _validator(spec_dir, url)
+            except Exception as e:  # noqa: BLE001 - an unknown schema is an error of the event
+                errors.append(f"facet {name}: schema {url} not found ({type(e).__name__})")
+                continue
+            errors += [f"facet {name}: {e.message}" for e in validator.iter_errors(facet)]
+        elif name.startswith("crucible_"):
+            errors.append(f"facet {name}: _schemaURL {url!r} is not a Crucible facet schema")
     return errors
 
 

@@ -41,6 +41,7 @@ from tasks.lineage.service.views import (
     jobs_objs,
     run_links,
     run_obj,
+    unique_links,
     version_obj,
     _ms,
 )
@@ -328,7 +329,7 @@ def _node_detail(store: LineageStore, node: Node, links: Links) -> dict:
                              "links": run_links(r["run_id"], row[0]["job_type"], facets, links)})
         return {"nodeId": node.id, "type": "JOB", "namespace": node.namespace, "name": node.name, "data": job,
                 "jobType": row[0]["job_type"], "runs": run_list,
-                "links": facet_urls(job["facets"]) + (run_list[0]["links"] if run_list else [])}
+                "links": unique_links(facet_urls(job["facets"]) + (run_list[0]["links"] if run_list else []))}
     row = store.query("SELECT * FROM datasets WHERE namespace = ? AND name = ?", node.key)[0]
     data = dataset_obj(row)
     io_rows = store.query(
@@ -369,5 +370,5 @@ def _node_detail(store: LineageStore, node: Node, links: Links) -> dict:
         "versions": [{"version": v["version"], "createdAt": v["created_at"], "createdByRun": v["created_by_run"]}
                      for v in versions],
         "producers": producers[:20], "consumers": consumers[:20],
-        "links": dataset_links(node.namespace, node.name, data["facets"], links) + run_link_list,
+        "links": unique_links(dataset_links(node.namespace, node.name, data["facets"], links) + run_link_list),
     }

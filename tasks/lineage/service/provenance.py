@@ -5,7 +5,9 @@ runs and artifact versions that led to the node. The report uses whatever facets
 and leaves a section empty (with a note) when they carry nothing for it. Recognised, besides the
 standard OpenLineage facets:
 
-- licences: the `crucible_source` dataset facet (source, licence, provenance);
+- licences: the `crucible_source` dataset facet (source, licence, provenance) of raw files; the
+  same facet with `derived: true` on derived artifacts (the union of their raw sources) is not a
+  source itself;
 - row counts: input `dataQualityMetrics` / `inputStatistics` and output `outputStatistics` rowCount,
   or `docs_in` / `docs_out` / `rows_in` / `rows_out` numbers in any custom facet;
 - drop counts: a `dropped` object ({reason: count}) in any custom run, job or output-dataset facet;
@@ -31,7 +33,7 @@ TRACE_DEPTH = 200  # job hops; deep enough for any real chain, bounded against c
 # Facets that are plumbing rather than content, left out of the "custom facets" of a stage.
 _PLUMBING = {"processing_engine", "processingEngine", "parent", "tags", "jobType", "version", "crucible_source",
              "dataQualityMetrics", "inputStatistics", "outputStatistics", "nominalTime", "errorMessage",
-             "environment-properties", "sourceCodeLocation", "documentation", "ownership", "schema",
+             "environment-properties", "crucible_links", "sourceCodeLocation", "documentation", "ownership", "schema",
              "dataSource", "symlinks", "storage", "lifecycleStateChange", "columnLineage"}
 _CONFIG_NAME = re.compile(r"config|param|hyper|setting", re.IGNORECASE)
 _EVAL_NAME = re.compile(r"eval|metric|result|score", re.IGNORECASE)
@@ -46,6 +48,12 @@ STAGE_KINDS = [("ingest", ("ingest",)), ("tokenizer", ("tokenizer", "bpe")),
                ("deploy", ("deploy", "register", "gate", "serve")), ("curate", ("curate", "filter", "dedup")),
                ("train", ("train",))]
 FILTER_KINDS = {"ingest", "curate"}
+
+
+def raw_source(facets: dict) -> dict | None:
+    """The `crucible_source` facet of a raw file (None for derived artifacts and unlabelled data)."""
+    src = facets.get("crucible_source") if isinstance(facets, dict) else None
+    return src if isinstance(src, dict) and not src.get("derived") else None
 
 
 def stage_kind(job_name: str, facets: dict | None = None) -> str:
@@ -170,21 +178,26 @@ class Provenance:
         produced = {o["nodeId"] for r in runs for o in r["outputs"]}
         # inputs nobody in the walk produced: roots, unless a run beyond the depth limit produced them
         unseen = {(i["namespace"], i["name"]) for r in runs for i in r["inputs"]
-                  if i["nodeId"] not in produced and not isinstance(i["facets"].get("crucible_source"), dict)}
+                  if i["nodeId"] not in produced and raw_source(i["facets"]) is None}
         beyond = {node_id("DATASET", r["namespace"], r["name"])
                   for r in self.store._io_for_datasets("out", sorted(unseen))} if unseen else set()
         sources: dict[tuple, dict] = {}
         for r in runs:
             for i in r["inputs"]:
-                src = i["facets"].get("crucible_source")
-                if not isinstance(src, dict) and (i["nodeId"] in produced or i["nodeId"] in beyond):
+                src = raw_source(i["facets"])
+                if src is None and (i["nodeId"] in produced or i["nodeId"] in beyond):
                     continue
+                if src is None:  # a root: a derived artifact made elsewhere still says what it carries
+                    src = i["facets"].get("crucible_source")
                 key = (i["nodeId"], i["version"])
                 entry = sources.setdefault(key, {
                     "nodeId": i["nodeId"], "namespace": i["namespace"], "name": i["name"], "version": i["version"],
                     "source": src.get("source") if isinstance(src, dict) else None,
                     "licence": src.get("licence") if isinstance(src, dict) else None,
                     "provenance": src.get("provenance") if isinstance(src, dict) else None,
+                    "derived": bool(isinstance(src, dict) and src.get("derived")),
+                    "entries": [e for e in (src.get("sources") or []) if isinstance(e, dict)]
+                    if isinstance(src, dict) and src.get("derived") else [],
                     "rows": None, "bytes": None, "readBy": []})
                 dq = i["ioFacets"].get("dataQualityMetrics")
                 if isinstance(dq, dict):
@@ -195,11 +208,13 @@ class Provenance:
         ordered = sorted(sources.values(), key=lambda s: (s["source"] or "~", s["name"]))
         licences: dict[str, list[str]] = {}
         for s in ordered:
-            if s["licence"]:
-                names = licences.setdefault(s["licence"], [])
-                label = s["source"] or s["name"]
-                if label not in names:
-                    names.append(label)
+            pairs = [(e.get("licence"), e.get("source")) for e in s.pop("entries")] or [(s["licence"], s["source"])]
+            for licence, label in pairs:
+                if licence:
+                    names = licences.setdefault(licence, [])
+                    label = label or s["name"]
+                    if label not in names:
+                        names.append(label)
         return {"nodeId": node.id, "sources": ordered, "licences": licences,
                 "unlicensed": [s["nodeId"] for s in ordered if not s["licence"]],
                 "truncated": walk.truncated}

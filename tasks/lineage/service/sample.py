@@ -8,8 +8,9 @@ registered model version. Raw inputs carry their licences (`crucible_source`).
 
 With `stats=True` the stage runs also carry the run facets the provenance report reads
 (`crucible_stats` with drop counts, `crucible_config`, `crucible_eval`) and the curated outputs an
-`outputStatistics` facet. The emitter has no parameter for extra run facets yet, so they are
-added to the COMPLETE event on its way to the emitter's transport (see `_RunFacetsClient`).
+`outputStatistics` facet. They are added to the COMPLETE event on its way to the emitter's
+transport (see `_RunFacetsClient`); the pipeline itself uses `ActiveRun.run_facets`. Derived
+artifacts get the union of their raw sources' licences from the emitter, as in a real run.
 """
 from __future__ import annotations
 

@@ -155,6 +155,20 @@ def jobs_objs(store: LineageStore, job_rows: list[sqlite3.Row]) -> list[dict]:
 # Links
 
 _URL_KEY = re.compile(r"(url|uri|link|href)$", re.IGNORECASE)
+# Readable labels for the URLs of Crucible's crucible_links run facet.
+_URL_LABELS = {"crucible_links.mlflow_run_url": "MLflow run", "crucible_links.prefect_flow_run_url": "Prefect flow run",
+               "crucible_links.prefect_task_run_url": "Prefect task run"}
+
+
+def unique_links(links: list[dict]) -> list[dict]:
+    """Links in order, each URL once (the first label wins)."""
+    seen: set[str] = set()
+    out = []
+    for link in links:
+        if link["url"] not in seen:
+            seen.add(link["url"])
+            out.append(link)
+    return out
 
 
 def facet_urls(facets: Any, depth: int = 4) -> list[dict]:
@@ -169,7 +183,8 @@ def facet_urls(facets: Any, depth: int = 4) -> list[dict]:
                 if k.startswith("_"):
                     continue
                 if isinstance(v, str) and _URL_KEY.search(k) and re.match(r"^https?://", v):
-                    found.append({"label": f"{path}{k}".lstrip("."), "url": v})
+                    label = f"{path}{k}".lstrip(".")
+                    found.append({"label": _URL_LABELS.get(label, label), "url": v})
                 else:
                     visit(v, f"{path}{k}.", level + 1)
         elif isinstance(obj, list):
@@ -201,7 +216,7 @@ def dataset_links(namespace: str, name: str, facets: dict, links: Links) -> list
     url = mlflow_model_url(namespace, name, links)
     if url:
         out.append({"label": "MLflow model version", "url": url})
-    return out + facet_urls(facets)
+    return unique_links(out + facet_urls(facets))
 
 
 def run_links(run_id: str, job_type: str | None, run_facets: dict, links: Links) -> list[dict]:
@@ -210,7 +225,7 @@ def run_links(run_id: str, job_type: str | None, run_facets: dict, links: Links)
     if links.prefect_ui_url and isinstance(engine, dict) and str(engine.get("name", "")).lower() == "prefect":
         kind = "flow-run" if job_type == "FLOW" else "task-run"
         out.append({"label": f"Prefect {kind}", "url": f"{links.prefect_ui_url.rstrip('/')}/runs/{kind}/{run_id}"})
-    return out + facet_urls({k: v for k, v in run_facets.items() if k != "parent"})
+    return unique_links(out + facet_urls({k: v for k, v in run_facets.items() if k != "parent"}))
 
 
 # ----------------------------------------------------------------------------------------------

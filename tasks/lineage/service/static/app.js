@@ -62,9 +62,19 @@ function fmtTime(t) { return t ? t.replace("T", " ").replace(/\.\d+Z$/, "Z") : "
 
 function truncate(s, n) { return s && s.length > n ? s.slice(0, n - 1) + "…" : (s || ""); }
 
-function sourceFacet(data) {
+function sourceFacet(data) {  // a raw file's licence and provenance
   const f = data && data.facets && data.facets.crucible_source;
-  return f && typeof f === "object" ? f : null;
+  return f && typeof f === "object" && !f.derived ? f : null;
+}
+
+function derivedFacet(data) {  // the licences a derived artifact carries (union of its raw sources)
+  const f = data && data.facets && data.facets.crucible_source;
+  return f && typeof f === "object" && f.derived ? f : null;
+}
+
+function licenceCount(f) {
+  const n = (f.licences || []).length;
+  return `${n} licence${n === 1 ? "" : "s"} upstream`;
 }
 
 function isModel(ns, name) { return ns.startsWith("mlflow://") && /^models\/.+\/[^/]+$/.test(name); }
@@ -97,6 +107,8 @@ function nodeSub(n) {
   }
   const src = sourceFacet(d);
   if (src) return src.licence || "no licence recorded";
+  const derived = derivedFacet(d);
+  if (derived && !isModel(d.namespace || "", d.name || "")) return licenceCount(derived);
   const versions = (d.crucible && d.crucible.versions) || [];
   const v = versions.length === 1 ? versions[0] : d.currentVersion;
   const extra = versions.length > 1 ? ` (+${versions.length - 1})` : "";
@@ -376,8 +388,9 @@ async function selectDetail(nodeId) {
   $("detail").dataset.nodeId = nodeId;
   const model = d.type === "DATASET" && d.isModelVersion;
   const badge = $("detail-type");
-  badge.textContent = model ? "MODEL VERSION" : d.source ? "RAW SOURCE" : d.type;
-  badge.className = "badge " + (model ? "MODEL" : d.source ? "SOURCE" : d.type);
+  const raw = d.source && !d.source.derived;
+  badge.textContent = model ? "MODEL VERSION" : raw ? "RAW SOURCE" : d.type;
+  badge.className = "badge " + (model ? "MODEL" : raw ? "SOURCE" : d.type);
   $("detail-name").textContent = d.name;
   $("detail-namespace").textContent = `namespace ${d.namespace}`;
 
@@ -388,10 +401,16 @@ async function selectDetail(nodeId) {
   const tbody = $("detail-facts").tBodies[0];
   tbody.replaceChildren();
   fact(tbody, "node id", nodeId, { mono: true });
+  const doc = d.data && d.data.facets && d.data.facets.documentation;
+  if (doc && typeof doc === "object") fact(tbody, "about", doc.description, { testid: "detail-about" });
   if (d.type === "DATASET") {
     fact(tbody, "version", d.version, { mono: true, testid: "detail-version" });
     if (d.versions && d.versions.length > 1) fact(tbody, "versions", `${d.versions.length} recorded`);
-    if (d.source) {
+    if (d.source && d.source.derived) {
+      fact(tbody, "raw sources", d.source.source);
+      fact(tbody, "licences", (d.source.licences || []).join("\n") || d.source.licence,
+           { className: "licence", testid: "detail-licences" });
+    } else if (d.source) {
       fact(tbody, "source", d.source.source);
       fact(tbody, "licence", d.source.licence, { className: "licence", testid: "detail-licence" });
       fact(tbody, "provenance", d.source.provenance);
