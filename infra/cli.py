@@ -26,6 +26,8 @@ examples:
   crucible lineage replay runs/<run>/lineage.jsonl --url http://127.0.0.1:9000   ... or to Marquez
   crucible plan --params 7e9                   size a pre-training run: tokens, FLOPs, GPUs, days, cost
   crucible plan --flops 1e22 --gpu h100 --json
+  crucible filter docs.jsonl --out decisions.jsonl   why each document is kept or dropped
+  crucible dedup docs.jsonl --out clusters.jsonl     exact + MinHash near-duplicate clusters
   crucible down                                stop the model server, the lineage service, MLflow and Prefect
   crucible --state-dir /tmp/crucible up        keep the stack's databases, logs and pid files elsewhere
   crucible up --set stack.prefect_port=4300 --set stack.mlflow_port=5300 --set lineage.service_port=5355
@@ -36,7 +38,15 @@ Logs: <state dir>/logs/<service>.log.
 """
 
 
-def _parser(with_plan: bool = True) -> argparse.ArgumentParser:
+TOOLS = (
+    ("filter", "tasks.curate.cli",
+     "language ID + heuristic filters on JSONL documents: one {id, keep, reason, scores} line per document"),
+    ("dedup", "tasks.dedup.cli",
+     "exact + MinHash dedup on JSONL documents: one {id, cluster, keep} line per document"),
+)
+
+
+def _parser(with_plan: bool = True, argv_commands: set[str] | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="crucible",
         description="Crucible: an open, auditable pipeline for pre-training language models.",
@@ -93,6 +103,12 @@ def _parser(with_plan: bool = True) -> argparse.ArgumentParser:
                     help="events per request (default lineage.replay_batch_size)")
     rp.add_argument("--single", action="store_true", help="one event per request")
     stack_opts(rp)
+
+    # Document-level tools; their options (and imports) are mounted only when the command runs.
+    for name, module, help_ in TOOLS:
+        tp = sub.add_parser(name, help=help_, description=help_)
+        if name in (argv_commands or ()):
+            __import__(module, fromlist=["add_arguments"]).add_arguments(tp)
 
     plan_help = "size a pre-training run from a parameter count or a FLOP budget"
     if not with_plan:  # listed in --help; its options are mounted only when it runs (import time)
@@ -258,6 +274,11 @@ def cmd_lineage(args) -> int:
     return code
 
 
+def cmd_tool(args) -> int:
+    module = dict((n, m) for n, m, _ in TOOLS)[args.command]
+    return __import__(module, fromlist=["run"]).run(args)
+
+
 def cmd_plan(args) -> int:
     from tasks.plan import cli as plan_cli
 
@@ -265,7 +286,7 @@ def cmd_plan(args) -> int:
 
 
 COMMANDS = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "run": cmd_run, "lineage": cmd_lineage,
-            "plan": cmd_plan}
+            "plan": cmd_plan, "filter": cmd_tool, "dedup": cmd_tool}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         from tasks.plan.cli import _join_negative_values
 
         argv = _join_negative_values(argv)
-    args = _parser(with_plan).parse_args(argv)
+    args = _parser(with_plan, {a for a in argv if a in ("filter", "dedup")}).parse_args(argv)
     if args.state_dir:
         os.environ["CRUCIBLE_STATE_DIR"] = str(Path(args.state_dir).expanduser().resolve())
     from tasks.config import ConfigError

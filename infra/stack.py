@@ -43,8 +43,9 @@ PREFECT = "prefect"
 MLFLOW = "mlflow"
 MODEL_SERVER = "model_server"
 LINEAGE = "lineage"
-CORE_SERVICES = (PREFECT, MLFLOW, LINEAGE)
-STOP_ORDER = (MODEL_SERVER, LINEAGE, MLFLOW, PREFECT)
+TRIGGERS = "triggers"  # the serve process of the event-triggered deployments (infra/triggers_service.py)
+CORE_SERVICES = (PREFECT, MLFLOW, LINEAGE, TRIGGERS)
+STOP_ORDER = (MODEL_SERVER, TRIGGERS, LINEAGE, MLFLOW, PREFECT)
 LINEAGE_URL_ENV = "CRUCIBLE_LINEAGE_URL"  # the lineage service a client process sends events to
 LOG_TAIL_LINES = 40
 
@@ -435,7 +436,7 @@ def _check_port(spec: ServiceSpec, stack_cfg) -> None:
         return
     what = "a service answering its health check" if http_ok(spec.health_url, 1.0) else "another process"
     hint = {PREFECT: "stack.prefect_port", MLFLOW: "stack.mlflow_port", MODEL_SERVER: "deploy.port",
-            LINEAGE: "lineage.service_port"}.get(spec.name)
+            LINEAGE: "lineage.service_port", TRIGGERS: "stack.triggers_port"}.get(spec.name)
     raise StackError(
         f"cannot start {spec.name}: port {spec.host}:{spec.port} is in use by {what} that this stack "
         f"(state dir {state_dir(stack_cfg)}) did not start. Stop it, or choose another port"
@@ -579,6 +580,10 @@ def up(stack_cfg, timeout: float | None = None, lineage_cfg=None) -> dict:
             else:
                 specs.append(model)
         out = {**start_services(stack_cfg, specs, timeout), **out}
+        if stack_cfg.triggers:  # its deployments register with Prefect, so it starts once Prefect is healthy
+            from infra.triggers_service import triggers_spec  # lazy: that module imports this one
+
+            out.update(start_services(stack_cfg, [triggers_spec(stack_cfg, lineage_cfg)], timeout))
     out["seconds"] = round(time.monotonic() - t0, 2)
     return out
 
@@ -602,6 +607,10 @@ def status(stack_cfg, lineage_cfg=None) -> dict[str, dict]:
         MLFLOW: service_status(stack_cfg, MLFLOW, mlflow_spec(stack_cfg)),
         LINEAGE: service_status(stack_cfg, LINEAGE, lineage_spec(stack_cfg, lineage_cfg)),
     }
+    if stack_cfg.triggers:
+        from infra.triggers_service import triggers_spec
+
+        out[TRIGGERS] = service_status(stack_cfg, TRIGGERS, triggers_spec(stack_cfg, lineage_cfg))
     if read_spec(stack_cfg, MODEL_SERVER) is not None or _read_pid(stack_cfg, MODEL_SERVER) is not None:
         out[MODEL_SERVER] = service_status(stack_cfg, MODEL_SERVER)
     return out

@@ -19,8 +19,9 @@ TRIGGERS = "triggers"
 DEFAULT_PORT = 8610  # the runner webserver (health only)
 
 
-def triggers_spec(stack_cfg, lineage_cfg=None, port: int = DEFAULT_PORT) -> stack.ServiceSpec:
+def triggers_spec(stack_cfg, lineage_cfg=None, port: int | None = None) -> stack.ServiceSpec:
     host = stack_cfg.host
+    port = port or getattr(stack_cfg, "triggers_port", DEFAULT_PORT)
     env = {
         **stack.client_env(stack_cfg, lineage_cfg),
         "PYTHONPATH": os.pathsep.join(p for p in (str(stack.REPO_ROOT), os.environ.get("PYTHONPATH")) if p),

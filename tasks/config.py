@@ -412,6 +412,10 @@ class StackConfig(Section):
     prefect_port: int = Field(default=4200, gt=0, lt=65536)
     mlflow_port: int = Field(default=5000, gt=0, lt=65536)
     mlflow_workers: int = Field(default=1, gt=0)  # uvicorn workers of the MLflow server
+    # the serve process of the event-triggered evaluate/deploy deployments (health webserver port);
+    # false: checkpoints are evaluated only by the pretrain flow itself
+    triggers: bool = True
+    triggers_port: int = Field(default=8610, gt=0, lt=65536)
     start_timeout: float = Field(default=180.0, gt=0)  # seconds for a service to become healthy
     stop_timeout: float = Field(default=15.0, gt=0)  # seconds between SIGTERM and SIGKILL
 

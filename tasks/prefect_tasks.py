@@ -204,7 +204,24 @@ def filter_and_dedup(config: dict, ctx: RunContext, shards: list[str]) -> dict:
         out["outputs"] += [_shard_output(cfg, p, DOCS["curated_shard"]) for p in result["shards"]]
         out["outputs"] += _optional_file(result.get("dropped_file"), DOCS["dropped"])
         out["result"] = result
+    publish_curation_artifacts(result)
     return result
+
+
+def publish_curation_artifacts(result: dict) -> None:
+    """Per-step counts as a Prefect table, the dataset card as markdown: what a user checks first."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    rows = [{"step": s["name"], "docs_in": s["docs_in"], "docs_out": s["docs_out"],
+             "dropped": sum(s["dropped"].values()), "bytes_in": s["bytes_in"], "bytes_out": s["bytes_out"],
+             "seconds": s["seconds"]} for s in result["steps"]]
+    create_table_artifact(key="curation-steps", table=rows, description="Documents and bytes per curation step")
+    reasons = [{"reason": k, "docs": v} for k, v in sorted(result["dropped"].items(), key=lambda kv: -kv[1])]
+    create_table_artifact(key="curation-drop-reasons", table=reasons, description="Dropped documents by reason")
+    card = result.get("dataset_card")
+    if card and Path(card).is_file():
+        create_markdown_artifact(key="dataset-card", markdown=Path(card).read_text(),
+                                 description="Dataset card of the curated corpus")
 
 
 @task(name="train_bpe", **TASK_OPTS)

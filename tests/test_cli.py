@@ -128,3 +128,26 @@ def test_lineage_replay_to_a_stopped_service_fails_with_a_hint(tmp_path):
     r = _crucible("--state-dir", str(tmp_path / "state"), "lineage", "replay", str(log), "--config", TINY,
                   "--set", f"lineage.service_port={_free_port()}")
     assert r.returncode == 1 and "crucible up" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_filter_and_dedup_subcommands_on_real_documents(tmp_path):
+    import gzip
+
+    from tasks.config import DEFAULT_DATA_ROOT
+
+    docs = tmp_path / "docs.jsonl"
+    with gzip.open(DEFAULT_DATA_ROOT / "web" / "cc-main-2019-30-sample.jsonl.gz", "rt") as f, docs.open("w") as out:
+        rows = [json.loads(line) for _, line in zip(range(40), f)]
+        copies = [{**r, "id": r["id"] + "-copy"} for r in rows[:3]]  # exact copies for dedup to remove
+        for r in rows + copies:
+            out.write(json.dumps({"id": r["id"], "text": r["text"]}) + "\n")
+    decisions, clusters = tmp_path / "decisions.jsonl", tmp_path / "clusters.jsonl"
+    for cmd, out in (("filter", decisions), ("dedup", clusters)):
+        proc = subprocess.run([sys.executable, "-m", "infra.cli", cmd, str(docs), "--out", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(x) for x in decisions.read_text().splitlines()]
+    assert len(lines) == 43 and {"id", "keep", "reason", "scores"} <= set(lines[0])
+    assert any(d["keep"] for d in lines) and any(not d["keep"] and d["reason"] for d in lines)
+    result = [json.loads(x) for x in clusters.read_text().splitlines()]
+    assert len(result) == 43 and sum(not r["keep"] for r in result) >= 3

@@ -34,7 +34,7 @@ def run(tmp_path_factory):
     overrides = [
         f"stack.state_dir={tmp / 'state'}", f"stack.prefect_port={_free_port()}",
         f"stack.mlflow_port={_free_port()}", f"deploy.port={_free_port()}", f"run_root={tmp / 'runs'}",
-        f"lineage.service_port={_free_port()}",
+        f"lineage.service_port={_free_port()}", f"stack.triggers_port={_free_port()}",
     ]
     sets = [a for o in overrides for a in ("--set", o)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}

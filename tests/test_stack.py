@@ -35,7 +35,7 @@ def _dead_pid() -> int:
 @pytest.fixture
 def stack_cfg(tmp_path):
     return StackConfig(state_dir=str(tmp_path / "state"), prefect_port=_free_port(), mlflow_port=_free_port(),
-                       start_timeout=240, stop_timeout=15)
+                       triggers_port=_free_port(), start_timeout=240, stop_timeout=15)
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def _no_state_dir_env(monkeypatch):
     monkeypatch.delenv(stack.STATE_DIR_ENV, raising=False)
 
 
-SERVICES = ("prefect", "mlflow", "lineage")
+SERVICES = ("prefect", "mlflow", "lineage", "triggers")
 
 
 def test_up_idempotent_status_down(stack_cfg, lineage_cfg):
@@ -124,7 +124,7 @@ def test_up_idempotent_status_down(stack_cfg, lineage_cfg):
     result = stack.down(stack_cfg)
     assert all(result[n] in ("stopped", "killed") for n in SERVICES), result
     assert result["model_server"] == "not running"
-    assert list(result) == ["model_server", "lineage", "mlflow", "prefect"]  # stop order
+    assert list(result) == ["model_server", "triggers", "lineage", "mlflow", "prefect"]  # stop order
     st = stack.status(stack_cfg, lineage_cfg)
     assert all(not s["healthy"] and s["pid"] is None for s in st.values()), st
     assert all(stack.group_pids(g) == [] for g in pgids), "processes left behind after down"
@@ -132,8 +132,8 @@ def test_up_idempotent_status_down(stack_cfg, lineage_cfg):
     assert stack.port_free("127.0.0.1", stack_cfg.prefect_port)
     assert stack.port_free("127.0.0.1", stack_cfg.mlflow_port)
     assert stack.port_free("127.0.0.1", lineage_cfg.service_port)
-    assert stack.down(stack_cfg) == {"model_server": "not running", "lineage": "not running", "mlflow": "not running",
-                                     "prefect": "not running"}
+    assert stack.down(stack_cfg) == {"model_server": "not running", "triggers": "not running", "lineage": "not running",
+                                     "mlflow": "not running", "prefect": "not running"}
 
 
 def test_port_taken_by_another_process_is_a_clear_error(stack_cfg, lineage_cfg):
