@@ -105,6 +105,8 @@ def record_to_doc(rec: RawRecord, source: SourceConfig, ingest: IngestConfig, pa
         try:
             text, page_title, page_date = extract_html(html, rec.url, ingest.favour_precision,
                                                        ingest.extract_metadata)
+        except ImportError:  # a broken installation is not bad input: fail loudly, quarantine nothing
+            raise
         except Exception as e:  # lxml/trafilatura failures on hostile HTML: keep going
             return "quarantined", "extraction_error", None, f"{type(e).__name__}: {e}"[:300]
         if not text or not text.strip():
