@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from tasks.lineage import JobRef, LineageEmitter, dataset_for_path
+from tasks.lineage.service.launch import start_service
 from tasks.lineage.service import create_app, replay
 from tasks.lineage.service.sample import DEFAULT_SOURCES, FILTER_DROPS, PRODUCER, write_sample_log
 from tasks.lineage.service.store import LineageStore, Node, split_node_id
@@ -304,21 +305,8 @@ def _free_port() -> int:
 def test_server_entry_and_replay_over_http(sample, tmp_path):
     _, log, (_, second) = sample
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tasks.lineage.service", "--db", str(tmp_path / "l.db"),
-                             "--host", "127.0.0.1", "--port", str(port)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
+    proc, base = start_service(tmp_path / "l.db", port)
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "service did not start"
-            time.sleep(0.1)
         result = replay(log, base, batch_size=25)
         assert result["mode"] == "batch" and result["requests"] == 3 and result["ingested"] == 60
         resp = httpx.get(f"{base}/api/v1/lineage", params={"nodeId": second.model_version_node, "depth": 20})

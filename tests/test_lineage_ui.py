@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tasks.lineage.service.launch import start_service
 from tasks.lineage.service.sample import DEFAULT_SOURCES, write_sample_log
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,21 +35,8 @@ def _free_port() -> int:
 def service(tmp_path):
     log, pipelines = write_sample_log(tmp_path / "work", pipelines=2)
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tasks.lineage.service", "--db", str(tmp_path / "lineage.db"),
-                             "--host", "127.0.0.1", "--port", str(port), "--load", str(log)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
-    base = f"http://127.0.0.1:{port}"
+    proc, base = start_service(tmp_path / "lineage.db", port, load=log)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "lineage service did not start"
-            time.sleep(0.1)
         yield base, pipelines
     finally:
         proc.terminate()
