@@ -18,7 +18,7 @@ Reported, for positives = pairs with true Jaccard ≥ `--threshold` (0.8):
                     (connected components, so a chain can join a pair below threshold);
 each with precision, recall, F1 and counts. Writes benchmarks/results/dedup_quality.json.
 
-    python benchmarks/dedup_quality.py [--bases 300] [--variants 4] [--seed 0]
+    python benchmarks/dedup_quality.py [--bases 300] [--variants 4] [--seed 0] [--hash fast|sha1]
 """
 from __future__ import annotations
 
@@ -134,6 +134,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--bands", type=int, default=14)
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hash", choices=["fast", "sha1"], default="fast", help="shingle hash (minhash.hash)")
     ap.add_argument("--out", default=str(HERE / "results" / "dedup_quality.json"))
     args = ap.parse_args(argv)
 
@@ -144,7 +145,7 @@ def main(argv=None) -> dict:
     truth = {p for p, j in truth_j.items() if j >= args.threshold}
     hist = np.histogram(list(truth_j.values()), bins=[0.3, 0.5, 0.7, 0.8, 0.9, 1.0001])[0].tolist()
 
-    hasher = MinHasher(args.bands, args.rows, seed=1, ngram=5)
+    hasher = MinHasher(args.bands, args.rows, seed=1, ngram=5, hash=args.hash)
     t1 = time.perf_counter()
     sigs = hasher.signatures(texts)
     sig_s = time.perf_counter() - t1
@@ -165,7 +166,7 @@ def main(argv=None) -> dict:
 
     def cluster_pairs(verify: bool) -> set:
         cfg = DedupConfig(exact=True, minhash=MinHashConfig(bands=args.bands, rows=args.rows, verify=verify,
-                                                            verify_threshold=args.threshold))
+                                                            verify_threshold=args.threshold, hash=args.hash))
         roots, _ = dedup_texts(texts, cfg)
         members: dict[int, list[int]] = defaultdict(list)
         for i, r in enumerate(roots):
@@ -174,7 +175,7 @@ def main(argv=None) -> dict:
 
     res = {
         "docs": len(texts), "bases": args.bases, "variants_per_base": args.variants,
-        "threshold": args.threshold, "bands": args.bands, "rows": args.rows,
+        "threshold": args.threshold, "bands": args.bands, "rows": args.rows, "hash": args.hash,
         "positive_pairs": len(truth),
         "positive_pairs_outside_edit_groups": sum(1 for a, b in truth if groups[a] != groups[b]),
         "pairs_by_true_jaccard": dict(zip(["0.3-0.5", "0.5-0.7", "0.7-0.8", "0.8-0.9", "0.9-1.0"], hist)),

@@ -25,7 +25,6 @@ import platform
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tasks.lineage.service.launch import start_service  # noqa: E402
 from tasks.lineage.service.replay import iter_events, replay  # noqa: E402
 from tasks.lineage.service.sample import write_sample_log  # noqa: E402
 from tasks.lineage.service.store import LineageStore  # noqa: E402
@@ -105,23 +105,12 @@ def _run(args: argparse.Namespace, work: Path) -> int:
     again_s, _, again = _ingest_direct(work / "direct.db", events, args.batch_size)
     assert direct["ingested"] == n and again["duplicates"] == n
 
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "tasks.lineage.service", "--db", str(work / "http.db"),
-                             "--host", "127.0.0.1", "--port", str(port)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                print("lineage service did not start", file=sys.stderr)
-                return 1
-            time.sleep(0.1)
+        proc, base = start_service(work / "http.db", _free_port(), timeout=60)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
+    try:
         t0 = time.perf_counter()
         http = replay(log, base, batch_size=args.batch_size)
         http_s = time.perf_counter() - t0

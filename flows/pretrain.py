@@ -2,7 +2,7 @@
 evaluation of every checkpoint → gated deployment.
 
     pretrain
-    ├── curate            ingest_sources → filter_and_dedup
+    ├── curate            ingest_sources → filter_and_dedup → quality_filter
     ├── train_tokenizer   train_bpe
     ├── prepare_tokens    encode_and_pack
     ├── train             torchrun_train            (emits crucible.checkpoint.saved per checkpoint)
@@ -10,6 +10,9 @@ evaluation of every checkpoint → gated deployment.
     └── deploy            gate_register_serve       (best passing checkpoint)
 
 Run it with `crucible run CONFIG` (against the local stack) or `python -m flows.pretrain CONFIG`.
+With the stack's triggers service up, the event-triggered flows (flows/triggers.py) evaluate and
+deploy the checkpoints while training runs; `evaluate` and `deploy` then collect their results
+instead of doing the work again. Without it they evaluate and deploy directly.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from prefect import flow
 
+from flows.triggers import triggers_active
 from tasks.config import ConfigError, PipelineConfig, load_config
 from tasks.pipeline_run import RunContext, new_run_name, open_run, pretrain_scope
 from tasks.prefect_tasks import (
@@ -29,6 +33,7 @@ from tasks.prefect_tasks import (
     flow_lineage,
     gate_register_serve,
     ingest_sources,
+    quality_filter,
     torchrun_train,
     train_bpe,
 )
@@ -39,7 +44,8 @@ def curate(config: dict, ctx: RunContext) -> dict:
     with flow_lineage(PipelineConfig.model_validate(config), ctx):
         ingested = ingest_sources(config, ctx)
         curated = filter_and_dedup(config, ctx, ingested["shards"])
-    return {"ingest": ingested, "curate": curated}
+        scored = quality_filter(config, ctx, curated["shards"])
+    return {"ingest": ingested, "curate": curated, "quality": scored}
 
 
 @flow(name="train_tokenizer")
@@ -79,16 +85,19 @@ def deploy(config: dict, ctx: RunContext, evaluations: list[dict], tokenizer_pat
 def pretrain(config: dict, run_name: str | None = None) -> dict:
     cfg = PipelineConfig.model_validate(config)
     ctx = open_run(cfg, run_name)
+    # with the stack's triggers service up, its flows evaluate and deploy each checkpoint as it is
+    # saved; evaluate/deploy below then collect their results instead of doing the work again
+    ctx = ctx.model_copy(update={"triggered": triggers_active(cfg)})
     with pretrain_scope(cfg, ctx) as summary:
         data = curate(config, ctx)
-        shards = data["curate"]["shards"]
+        shards = data["quality"]["shards"]
         tok = train_tokenizer(config, ctx, shards)
         tokens = prepare_tokens(config, ctx, tok["path"], shards)
         trained = train(config, ctx, tokens["index_path"])
         evals = evaluate(config, ctx, trained["checkpoints"], tok["path"], tokens["index_path"],
                          trained.get("mlflow_run_id"))
         deployed = deploy(config, ctx, evals, tok["path"], trained.get("mlflow_run_id"))
-        summary.record(ingest=data["ingest"], curate=data["curate"], tokenizer=tok, tokens=tokens,
+        summary.record(ingest=data["ingest"], curate=data["curate"], quality=data["quality"], tokenizer=tok, tokens=tokens,
                        train=trained, evaluate=evals, deploy=deployed)
     return summary.as_dict()
 

@@ -24,10 +24,14 @@ config_path, if the training worker ever sends them, take precedence.
 Evaluations of one run never run two at a time: each holds a slot of the Prefect global
 concurrency limit `crucible-eval-<run_name>` (limit 1, created on first use). A failed evaluation
 is retried (task retries, exponential backoff with jitter; CRUCIBLE_EVAL_RETRIES, default 2, and
-CRUCIBLE_EVAL_RETRY_BACKOFF seconds, default 10). Reports go to run_dir/evaluate/triggered/.
+CRUCIBLE_EVAL_RETRY_BACKOFF seconds, default 10). Reports go to run_dir/evaluate/triggered/ (with
+the gate's verdict under "gate"; a failed gate is also recorded on the training run), deploy
+results to run_dir/deploy/triggered/ (tasks/deploy/triggered.py). Each evaluation updates the
+run's Prefect table artifact comparing all its checkpoints (key eval-checkpoints-<run>).
 
-Without the stack (plain `python -m flows.pretrain`) none of this runs: the pretrain flow
-evaluates and deploys its checkpoints itself.
+With the stack up (`crucible run`), the pretrain flow leaves evaluation and deployment to these
+flows and waits for their results (triggers_active). Without it (plain `python -m flows.pretrain`)
+none of this runs: the pretrain flow evaluates and deploys its checkpoints itself.
 """
 from __future__ import annotations
 
@@ -84,6 +88,26 @@ def _tracking_uri(cfg) -> str:
     return default_tracking_uri(cfg)
 
 
+def triggers_active(cfg) -> bool:
+    """True when the stack's triggers service is up and this process talks to that stack's Prefect
+    and MLflow: its deployments then evaluate and deploy this run's checkpoints (the pretrain flow
+    waits for them instead of doing the work twice)."""
+    from infra import stack
+
+    if not cfg.stack.triggers:
+        return False
+    api = (os.environ.get("PREFECT_API_URL") or "").rstrip("/")
+    if api != stack.prefect_api_url(cfg.stack).rstrip("/") or _tracking_uri(cfg) != stack.mlflow_tracking_uri(cfg.stack):
+        return False
+    from infra.triggers_service import TRIGGERS, triggers_spec
+
+    try:
+        return bool(stack.service_status(cfg.stack, TRIGGERS, triggers_spec(cfg.stack, cfg.lineage)).get("healthy"))
+    except Exception as e:  # noqa: BLE001 - unknown means: do the work here
+        log.warning("cannot tell whether the triggers service is up (%s); evaluating in the flow", e)
+        return False
+
+
 def eval_limit_name(run_name: str) -> str:
     return "crucible-eval-" + re.sub(r"[^A-Za-z0-9_.-]", "_", run_name or "unknown")
 
@@ -123,7 +147,9 @@ def evaluate_task(paths: dict, run_id: str | None) -> dict:
     for key in ("checkpoint", "tokenizer", "tokens_index"):
         if not Path(paths[key]).exists():
             raise FileNotFoundError(f"{key} {paths[key]} does not exist")
-    report = Path(paths["run_dir"]) / "evaluate" / "triggered" / f"{Path(paths['checkpoint']).name}.json"
+    from tasks.deploy.triggered import eval_report_path
+
+    report = eval_report_path(paths["run_dir"], paths["checkpoint"])
     return evaluate_checkpoint(cfg, Path(paths["checkpoint"]), Path(paths["tokenizer"]), Path(paths["tokens_index"]),
                                report, tracking_uri=_tracking_uri(cfg), run_id=run_id)
 
@@ -136,7 +162,9 @@ def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run
     from prefect.concurrency.sync import concurrency
 
     from tasks.deploy import gate
-    from tasks.deploy.registry import champion_val_loss
+    from tasks.deploy.registry import champion_val_loss, record_gate
+    from tasks.deploy.triggered import write_gate
+    from tasks.prefect_tasks import publish_eval_table
 
     run_id, run_name = _none(run_id), _none(run_name)
     paths = run_paths(checkpoint, {"tokenizer": tokenizer, "tokens_index": tokens_index, "config_path": config_path})
@@ -146,7 +174,12 @@ def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run
     with concurrency(limit, occupy=1, strict=True):
         report = evaluate_task(paths, run_id)
     cfg = _load_cfg(paths["config"])
-    decision = gate(cfg.deploy, report, champion_val_loss(_tracking_uri(cfg), cfg.deploy.model_name))
+    champion_loss = champion_val_loss(_tracking_uri(cfg), cfg.deploy.model_name)
+    decision = gate(cfg.deploy, report, champion_loss)
+    write_gate(report, decision, champion_loss)
+    if not decision["passed"]:  # no deploy-model run follows: the verdict is recorded here
+        record_gate(_tracking_uri(cfg), run_id, report.get("step"), decision)
+    publish_eval_table(paths["run_dir"], run_name)
     step = report.get("step", _none(step))
     payload = {"passed": decision["passed"], "reason": decision["reason"], "val_loss": report["val_loss"],
                "perplexity": report.get("perplexity"), "checkpoint": paths["checkpoint"], "step": step,
@@ -168,7 +201,10 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
     paths = run_paths(checkpoint, {"tokenizer": tokenizer})
     cfg = _load_cfg(paths["config"])
     evaluation = json.loads(Path(report_path).read_text())
+    from tasks.deploy.triggered import deploy_record_path, write_json_atomic
+
     result = deploy_if_better(cfg, _tracking_uri(cfg), evaluation, Path(paths["tokenizer"]), run_id)
+    write_json_atomic(deploy_record_path(paths["run_dir"], paths["checkpoint"]), result)
     if result.get("version") is not None:
         _emit(DEPLOYED_EVENT, {"prefect.resource.id": f"crucible.model.{result['model_name']}.{result['version']}"},
               {k: result.get(k) for k in ("model_name", "version", "checkpoint", "val_loss", "endpoint")})

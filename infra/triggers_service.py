@@ -29,6 +29,8 @@ def triggers_spec(stack_cfg, lineage_cfg=None, port: int | None = None) -> stack
         "PREFECT_RUNNER_SERVER_ENABLE": "true",
         "PREFECT_RUNNER_SERVER_HOST": host,
         "PREFECT_RUNNER_SERVER_PORT": str(port),
+        # a triggered run waits up to one poll for the runner to pick it up (Prefect's default: 10 s)
+        "PREFECT_RUNNER_POLL_FREQUENCY": "2",
         "PREFECT_HOME": str(stack.state_dir(stack_cfg) / "prefect-client"),
     }
     return stack.ServiceSpec(

@@ -27,7 +27,7 @@ class SourceConfig(Section):
     """One entry of the source registry."""
 
     name: str = Field(pattern=r"^[a-z0-9_\-]+$")
-    uri: str  # glob, relative to data_root unless absolute or a URL
+    uri: str  # path/glob relative to data_root unless absolute, or file://, http(s)://, s3:// (extra `s3`)
     format: Literal["warc", "wet", "jsonl", "parquet", "text"]
     licence: str
     provenance: str
@@ -52,6 +52,7 @@ class IngestConfig(Section):
     normalise_whitespace: bool = True  # collapse runs of spaces, strip lines, at most one blank line
     extract_metadata: bool = True  # trafilatura title/date (about 1.4x slower); off: <title> and WARC-Date
     max_record_bytes: int = Field(default=10_000_000, gt=0)  # raw payload/line cap, quarantined above
+    resume: bool = True  # reuse finished per-file jobs (sha256-verified parts) and a complete output
 
 
 class LangIdConfig(Section):
@@ -118,6 +119,18 @@ class MinHashConfig(Section):
     verify: bool = False  # join an LSH candidate pair only if its exact shingle Jaccard >= threshold
     verify_threshold: float = Field(default=0.8, ge=0, le=1)
     batch_shingles: int = Field(default=16384, gt=0)  # shingles hashed per vectorised batch
+    # shingle hash: "fast" (word hashes combined, `tasks.dedup.minhash.fast_hash32`) or "sha1"
+    # (datasketch's default sha1_hash32); datasketch gives equal values with hashfunc= either one
+    hash: Literal["fast", "sha1"] = "fast"
+    # clustering: "local" (in-process union-find), "ray" (band keys spilled to Parquet partitions,
+    # distributed connected components: tasks.dedup.cluster) or "auto" (ray from ray_min_docs)
+    clustering: Literal["auto", "local", "ray"] = "auto"
+    ray_min_docs: int = Field(default=200_000, gt=0)
+    partitions: int = Field(default=0, ge=0)  # band-key partitions; 0: from the corpus size
+    # which document of a cluster is kept: the first in corpus order, or the highest
+    # `quality_field` score (ties and documents without a score: first seen)
+    survivor: Literal["first_seen", "quality"] = "first_seen"
+    quality_field: str = "quality_score"
 
 
 class DedupConfig(Section):
@@ -202,12 +215,50 @@ class KenLMConfig(Section):
         return self
 
 
+class QualityTrainingData(Section):
+    """Licence of files the quality models train on (recorded on them in lineage, like a source's)."""
+
+    name: str = Field(pattern=r"^[a-z0-9_\-]+$")
+    pattern: str  # glob, relative to data_root unless absolute
+    licence: str
+    provenance: str
+
+
 class QualityConfig(Section):
     """Model-based quality (tasks/quality): an optional curate stage, off by default."""
 
     classifier: QualityClassifierConfig = QualityClassifierConfig()
     kenlm: KenLMConfig = KenLMConfig()
     batch_docs: int = Field(default=500, gt=0)  # documents per scoring batch
+    # trained models are kept under <model_dir>/<kind>-<key>, key = sha256 of the training config and
+    # the content of the training files; a later run with the same key reuses them (None: <run_root>/quality-models)
+    model_dir: str | None = None
+    reuse_models: bool = True
+    # a training file matching none of these is recorded without a licence (and reported as unlicensed)
+    training_data: list[QualityTrainingData] = [
+        QualityTrainingData(name="gutenberg", pattern="text/gutenberg/*.txt", licence="public domain (Project Gutenberg)",
+                            provenance="NLTK Gutenberg books via juletx/corpus-linguistics (shared/data/README.md)"),
+        QualityTrainingData(name="linux_doc_rst", pattern="text/linux-doc-rst.jsonl.gz",
+                            licence="GPL-2.0 (Linux kernel documentation)",
+                            provenance="Debian linux-doc-6.1 RST sources as JSONL (shared/data/README.md)"),
+        QualityTrainingData(name="cc_main_2019_30", pattern="web/cc-main-2019-30-sample.jsonl.gz",
+                            licence="third-party web content from Common Crawl CC-MAIN-2019-30 (Common Crawl terms of use)",
+                            provenance="allenai/dolma tests/data/formats/gz sample (shared/data/README.md)"),
+    ]
+
+    @property
+    def enabled(self) -> bool:
+        return self.classifier.enabled or self.kenlm.enabled
+
+
+class AblateConfig(Section):
+    """The curation ablation (tasks/ablate, `crucible ablate`): langid-only vs fully curated corpus."""
+
+    eval_path: str = "eval/wikitext-2/valid.txt"  # clean held-out text, relative to data_root unless absolute
+    detokenize: bool = True  # lm-eval's WikiText detokenizer: score natural text, not " @-@ " tokens
+    eval_max_tokens: int | None = Field(default=None, gt=0)  # cap on held-out tokens (None: the whole file)
+    eval_batch_size: int = Field(default=16, gt=0)  # windows per forward pass
+    target_improvement: float = Field(default=0.05, ge=0)  # relative held-out loss reduction reported against
 
 
 class CurateConfig(Section):
@@ -223,6 +274,19 @@ class CurateConfig(Section):
     resume: bool = True  # reuse finished per-job parts (sha256-verified) and a complete output
 
 
+class TokenizerProbesConfig(Section):
+    """Real samples (relative to data_root) for the report's code / math / non-Latin-script rows."""
+
+    enabled: bool = True
+    rst: str = "text/linux-doc-rst.jsonl.gz"  # kernel docs: code-block and math bodies
+    # Debian handbook pages per language; shard 00007 by default because configs/tiny.yaml trains on
+    # shards 00000-00001 and every page sits in exactly one shard (shared/data/README.md).
+    warc: str = "web/docs-crawl-00007.warc.gz"
+    prose: str = "text/gutenberg/austen-persuasion.txt"  # English baseline row
+    pages_per_language: int = Field(default=2, gt=0)
+    max_chars: int = Field(default=20000, gt=0)  # per category
+
+
 class TokenizerConfig(Section):
     vocab_size: int = Field(default=4096, ge=300)
     min_frequency: int = Field(default=2, ge=1)
@@ -230,13 +294,21 @@ class TokenizerConfig(Section):
     eos_token: str = "<|endoftext|>"
     pad_token: str = "<|pad|>"
     batch_docs: int = Field(default=1000, gt=0)  # documents per batch fed to the BPE trainer
-    roundtrip_sample_docs: int = Field(default=200, ge=0)  # docs checked for decode(encode(x)) == x
+    normalizer: Literal["none", "nfc"] = "none"  # nfc is lossless on ingest's NFC text (round trip holds)
+    split_digits: bool = False  # pre-tokenise every digit on its own (numbers never merge)
+    # Held out of training (chosen by a hash of the document id, so independent of shard order):
+    # the validation report's compression figures and the round trip on EVERY one of them.
+    validation_fraction: float = Field(default=0.05, ge=0, lt=1)
+    sample_fraction: float = Field(default=1.0, gt=0, le=1)  # of the other documents, the share trained on
+    reference: bool = True  # also train HF's stock ByteLevelBPETokenizer on the same sample, for the report
+    probes: TokenizerProbesConfig = TokenizerProbesConfig()
 
 
 class TokensConfig(Section):
     val_fraction: float = Field(default=0.05, gt=0, lt=1)
     seed: int = 1234
     batch_docs: int = Field(default=512, gt=0)  # documents per encode_batch call
+    ray: bool = True  # encode shards in parallel as Ray tasks (output identical either way)
 
 
 class ModelConfig(Section):
@@ -247,6 +319,10 @@ class ModelConfig(Section):
     mlp_ratio: float = Field(default=8 / 3, gt=0)
     rope_theta: float = 10000.0
     dropout: float = Field(default=0.0, ge=0, lt=1)
+    # Off by default: the Hugging Face (Llama) export carries neither QK-norm nor a soft cap
+    qk_norm: bool = False  # RMSNorm on each head's queries and keys before RoPE
+    logit_softcap: float | None = Field(default=None, gt=0)  # logits -> cap * tanh(logits / cap)
+    tie_embeddings: bool = True  # False: a separate output projection (lm_head)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -297,6 +373,12 @@ class TrainConfig(Section):
     spike_rollback_after: int = Field(default=3, gt=0)  # consecutive spikes -> roll back to a checkpoint
     spike_max_rollbacks: int = Field(default=3, ge=0)
     node_rank: int | None = Field(default=None, ge=0)  # multi-node: this node's rank (torchrun --node-rank)
+    # attention never crosses a document boundary in a packed sequence; RoPE restarts per document
+    doc_mask: bool = False
+    z_loss: float = Field(default=0.0, ge=0)  # coefficient of logsumexp(logits)^2 (PaLM: 1e-4); 0: off
+    parallelism: Literal["ddp", "fsdp2"] = "ddp"  # fsdp2: torch.distributed.fsdp.fully_shard per block
+    dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast (fsdp2: bf16 params) with fp32 master weights
+    compile: bool = False  # torch.compile each transformer block
 
     @model_validator(mode="after")
     def _lr_order(self) -> "TrainConfig":
@@ -507,6 +589,7 @@ class PipelineConfig(Section):
     lineage: LineageConfig = LineageConfig()
     plan: PlanConfig = PlanConfig()
     quality: QualityConfig = QualityConfig()
+    ablate: AblateConfig = AblateConfig()
 
     @field_validator("sources")
     @classmethod

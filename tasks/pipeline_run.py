@@ -41,6 +41,9 @@ class RunContext(BaseModel):
     mlflow_experiment_id: str | None = None
     lineage_url: str | None = None  # where events also go over HTTP (None: the JSONL log only)
     lineage_service_url: str | None = None  # Crucible's lineage service, when it receives the events
+    # the stack's triggers service evaluates and deploys the checkpoints (flows/triggers.py); the
+    # pretrain flow then waits for its results instead of doing the work twice
+    triggered: bool = False
 
     def emitter(self, cfg: PipelineConfig) -> LineageEmitter:
         return LineageEmitter(self.lineage_log, cfg.lineage.namespace, cfg.lineage.producer,

@@ -27,7 +27,9 @@ from tasks.lineage.emitter import (
     file_node,
     model_version_node,
 )
+from tasks.lineage.artifacts import eval_data_inputs, token_split_paths
 from tasks.lineage.facets import parquet_values
+from tasks.lineage.torchrun import TorchrunLineage, checkpoint_output
 from tasks.pipeline_run import RunContext, create_lineage_link
 from tasks.tracking import Tracker
 
@@ -48,12 +50,16 @@ TASK_DOCS = {
               "and write Parquet document shards; unreadable or oversized records go to quarantine.jsonl.",
     "curate": "Language ID, Gopher quality/repetition, C4 and FineWeb filters, decontamination, PII redaction, "
               "exact and MinHash deduplication of the ingested shards; dropped documents are listed in dropped.jsonl.",
+    "quality": "Train (or reuse, by content hash) the fastText quality classifier and the KenLM model, score every "
+               "curated document on Ray workers and keep those passing the classifier threshold and KenLM buckets.",
     "tokenizer": "Train a byte-level BPE tokenizer (Hugging Face tokenizers) on the curated shards.",
     "tokens": "Encode the curated shards with the tokenizer and pack the token ids into train/validation shards.",
     "train": "Train the GPT model under torchrun (DDP) on the token shards, saving torch.distributed checkpoints.",
     "evaluate": "Evaluate one checkpoint: validation loss and perplexity, the task suite and sample generations.",
-    "deploy": "Gate the best checkpoint on its evaluation, register it as an MLflow model version (alias champion) "
-              "and serve it with the OpenAI-compatible model server.",
+    "deploy": "Gate the best checkpoint on its evaluation, register it as an MLflow model version (alias challenger), "
+              "serve it with the OpenAI-compatible model server and, once it answers, promote it to champion.",
+    "ablate": "Curation ablation: train the same model with the same token budget on the langid-only and the fully "
+              "curated corpus (one tokenizer) and compare their loss on clean held-out text.",
 }
 # What each artifact is (the `documentation` dataset facet).
 DOCS = {
@@ -65,12 +71,22 @@ DOCS = {
     "curated_shard": "Curated documents: ingested documents that passed language ID, quality, repetition, "
                      "decontamination and deduplication filters, PII redacted (Parquet, same schema as ingest).",
     "dropped": "Documents removed by curation, one JSON object per document with the filter that removed it.",
+    "quality_shard": "Quality-filtered documents: curated documents kept by the fastText quality classifier and the "
+                     "KenLM perplexity buckets (Parquet, same schema as ingest).",
+    "quality_scores": "Per-document quality scores of the curated corpus: classifier score, KenLM perplexity, "
+                      "bucket and keep decision (Parquet).",
+    "quality_dropped": "Documents removed by the quality stage, one JSON object per document with the reason.",
+    "quality_classifier": "fastText quality classifier (reference corpus vs raw crawl) trained by the quality stage.",
+    "quality_kenlm": "KenLM n-gram model (binary) trained on the normalised reference corpus by the quality stage.",
+    "quality_reference": "Training file of the quality models (reference corpus or raw-crawl negatives).",
     "tokenizer": "Byte-level BPE tokenizer (Hugging Face tokenizers JSON) trained on the curated shards.",
+    "tokenizer_report": "Tokenizer validation report: bytes per token per source and language on held-out documents, "
+                        "round trip of every held-out document, code/maths/non-Latin-script behaviour vs a reference.",
     "tokens_index": "Index of the packed token shards: splits, token counts, dtype and the tokenizer used.",
     "tokens_split": "Packed token ids of the {split} split (flat binary array, see index.json for the dtype).",
-    "checkpoint": "torch.distributed checkpoint of the model (and optimizer) after training step {step}.",
     "eval_report": "Evaluation report of checkpoint {checkpoint}: validation loss, perplexity, task-suite scores and "
                    "sample generations (JSON).",
+    "ablation": "Result of the curation ablation: held-out loss of each arm, corpus sizes, token budget (JSON).",
     "model_version": "Registered MLflow model version {name}/{version}: the checkpoint that passed the deployment "
                      "gate, served by the model server.",
 }
@@ -100,7 +116,8 @@ def _stage(cfg: PipelineConfig, ctx: RunContext, stage: str, inputs: list) -> It
                                    tags={"crucible.stage": stage, "crucible.run_name": ctx.run_name})
     job = JobRef(f"{flow_run.flow_name}.{task_run.task_name}", task_run.id)
     links = ctx.links(mlflow_run_id=mlflow_run, flow_run_id=flow_run.id, task_run_id=task_run.id)
-    out: dict[str, Any] = {"mlflow_run_id": mlflow_run, "inputs": [], "outputs": [], "result": {}, "primary": None}
+    out: dict[str, Any] = {"mlflow_run_id": mlflow_run, "inputs": [], "outputs": [], "result": {}, "primary": None,
+                           "job": job, "links": links}
     t0 = time.perf_counter()
     try:
         with ctx.emitter(cfg).run(job, parent=_current_flow(), root=ctx.root, inputs=inputs,
@@ -130,8 +147,9 @@ def _node(ds) -> str:
     return f"dataset:{ds.namespace}:{ds.name}"
 
 
-STAGE_CONFIG = {"ingest": ("sources", "ingest"), "curate": ("curate",), "tokenizer": ("tokenizer",),
-                "tokens": ("tokens",), "train": ("model", "train"), "evaluate": ("evaluate",), "deploy": ("deploy",)}
+STAGE_CONFIG = {"ingest": ("sources", "ingest"), "curate": ("curate",), "quality": ("quality",), "tokenizer": ("tokenizer",),
+                "tokens": ("tokens",), "train": ("model", "train"), "evaluate": ("evaluate",), "deploy": ("deploy",),
+                "ablate": ("curate", "quality", "tokenizer", "model", "train", "ablate")}
 
 
 def _run_facets(cfg: PipelineConfig, stage: str, result: dict) -> dict:
@@ -176,6 +194,28 @@ def _optional_file(path: str | None, doc: str) -> list:
 TASK_OPTS = dict(cache_policy=NO_CACHE, persist_result=False)
 
 
+def stage_progress(stage: str, unit: str, interval: float = 2.0):
+    """A `progress(done, total, note)` callback for a stage: a console bar on stderr and a Prefect
+    progress artifact (`<stage>-progress`), created at the first call, updated at most every
+    `interval` seconds and at the end (each update is an API call)."""
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+    from tasks.core.progress import ConsoleProgress, Throttle, fan_out
+
+    state: dict[str, Any] = {"id": None}
+    throttle = Throttle(interval)
+
+    def artifact(done: int, total: int, note: str = "") -> None:
+        pct = 100.0 * done / total if total else 100.0
+        description = f"{stage}: {done}/{total} {unit}" + (f" ({note})" if note and note != stage else "")
+        if state["id"] is None:
+            state["id"] = create_progress_artifact(progress=pct, key=f"{stage}-progress", description=description)
+        elif throttle(done, total):
+            update_progress_artifact(state["id"], progress=pct, description=description)
+
+    return fan_out(ConsoleProgress(stage), artifact)
+
+
 @task(name="ingest_sources", **TASK_OPTS)
 def ingest_sources(config: dict, ctx: RunContext) -> dict:
     from tasks.ingest import run_ingest
@@ -183,11 +223,12 @@ def ingest_sources(config: dict, ctx: RunContext) -> dict:
     cfg = PipelineConfig.model_validate(config)
     formats = {s.name: s.format for s in cfg.sources}
     with _stage(cfg, ctx, "ingest", inputs=[]) as out:
-        result = run_ingest(cfg, ctx.stage_dir("ingest"))
-        # The raw files read are known only now; COMPLETE carries them as inputs with their licences.
+        result = run_ingest(cfg, ctx.stage_dir("ingest"), progress=stage_progress("ingest", "source files read"))
+        # The raw files read are known only now; COMPLETE carries them as inputs with their licences
+        # (local files: remote URIs are not hashed here).
         out["inputs"] += [dataset_for_path(f, source=_source_for(cfg, name),
                                            doc=DOCS["raw"].format(source=name, format=formats.get(name)))
-                          for name, info in result["sources"].items() for f in info["files"]]
+                          for name, info in result["sources"].items() for f in info["files"] if "://" not in f]
         out["outputs"] += [_shard_output(cfg, p, DOCS["ingest_shard"]) for p in result["shards"]]
         out["outputs"] += _optional_file(result.get("quarantine_file"), DOCS["quarantine"])
         out["result"] = result
@@ -200,10 +241,15 @@ def filter_and_dedup(config: dict, ctx: RunContext, shards: list[str]) -> dict:
 
     cfg = PipelineConfig.model_validate(config)
     with _stage(cfg, ctx, "curate", inputs=[dataset_for_path(p) for p in shards]) as out:
-        result = run_curate(cfg, [Path(p) for p in shards], ctx.stage_dir("curate"))
+        result = run_curate(cfg, [Path(p) for p in shards], ctx.stage_dir("curate"),
+                            progress=stage_progress("curate", "row groups filtered"))
         out["outputs"] += [_shard_output(cfg, p, DOCS["curated_shard"]) for p in result["shards"]]
         out["outputs"] += _optional_file(result.get("dropped_file"), DOCS["dropped"])
         out["result"] = result
+        if result.get("dedup"):
+            from tasks.dedup.report import report_metrics
+
+            Tracker(ctx.tracking_uri, ctx.experiment).log_metrics(out["mlflow_run_id"], report_metrics(result["dedup"]))
     publish_curation_artifacts(result)
     return result
 
@@ -222,37 +268,111 @@ def publish_curation_artifacts(result: dict) -> None:
     if card and Path(card).is_file():
         create_markdown_artifact(key="dataset-card", markdown=Path(card).read_text(),
                                  description="Dataset card of the curated corpus")
+    if result.get("dedup"):
+        from tasks.dedup.report import report_markdown, report_tables
+
+        tables = report_tables(result["dedup"])
+        create_table_artifact(key="dedup-by-source", table=tables["by_source"], description="Duplicate rate per source")
+        create_table_artifact(key="dedup-cluster-sizes", table=tables["cluster_sizes"],
+                              description="Clusters by number of documents (1: kept documents without copies)")
+        create_markdown_artifact(key="dedup-report", markdown=report_markdown(result["dedup"]),
+                                 description="Duplicates per source, cluster sizes, example pairs with their Jaccard")
+
+
+@task(name="quality_filter", **TASK_OPTS)
+def quality_filter(config: dict, ctx: RunContext, shards: list[str]) -> dict:
+    from tasks.quality.run import run_quality
+
+    cfg = PipelineConfig.model_validate(config)
+    with _stage(cfg, ctx, "quality", inputs=[dataset_for_path(p) for p in shards]) as out:
+        result = run_quality(cfg, [Path(p) for p in shards], ctx.stage_dir("quality"))
+        models = result["models"]
+        out["inputs"] += [dataset_for_path(f["path"], doc=DOCS["quality_reference"], source=_training_data_source(cfg, f["path"]))
+                          for f in {f["path"]: f for m in models.values() for f in m["training_files"]}.values()]
+        out["outputs"] += [_shard_output(cfg, p, DOCS["quality_shard"]) for p in result["shards"]
+                           if result["enabled"]]
+        out["outputs"] += _optional_file(result.get("scores_file"), DOCS["quality_scores"])
+        out["outputs"] += _optional_file(result.get("dropped_file"), DOCS["quality_dropped"])
+        out["outputs"] += [dataset_for_path(m["model"], output=True, doc=DOCS[f"quality_{kind}"])
+                           for kind, m in models.items()]
+        _log_quality_models(ctx, out["mlflow_run_id"], result)
+        out["result"] = result
+    if result["enabled"]:
+        from prefect.artifacts import create_table_artifact
+
+        rows = [{"step": s["name"], "docs_in": s["docs_in"], "docs_out": s["docs_out"],
+                 "dropped": sum(s["dropped"].values())} for s in result["steps"]]
+        rows += [{"step": f"model: {kind}", "docs_in": None, "docs_out": None,
+                  "dropped": None, **{k: m.get("heldout", {}).get(k) for k in ("precision", "recall", "roc_auc")},
+                  "reused": m["reused"], "sha256": m["sha256"][:12]} for kind, m in result["models"].items()]
+        create_table_artifact(key="quality-steps", table=rows,
+                              description="Model-based quality: documents per step and the models used")
+    return result
+
+
+def _training_data_source(cfg: PipelineConfig, path: str) -> dict | None:
+    """The licence entry (quality.training_data) of a file the quality models trained on."""
+    from fnmatch import fnmatch
+
+    for entry in cfg.quality.training_data:
+        if fnmatch(str(Path(path).resolve()), str(Path(cfg.resolve_uri(entry.pattern)).resolve())):
+            return {"name": entry.name, "licence": entry.licence, "provenance": entry.provenance}
+    return None
+
+
+def _log_quality_models(ctx: RunContext, run_id: str, result: dict) -> None:
+    """Held-out P/R/AUC as metrics; the models (path, sha256, reused) as params and, when small, artifacts."""
+    tracker = Tracker(ctx.tracking_uri, ctx.experiment)
+    tracker.log_metrics(run_id, result.get("metrics", {}))
+    for kind, m in result["models"].items():
+        tracker.log_params(run_id, {f"{kind}.model": m["model"], f"{kind}.sha256": m["sha256"],
+                                    f"{kind}.key": m["key"], f"{kind}.reused": m["reused"]})
+        if Path(m["model"]).stat().st_size <= 64 << 20:
+            tracker.log_artifact(run_id, m["model"], f"quality/{kind}")
+        info = Path(m["dir"]) / ("metrics.json" if kind == "classifier" else "kenlm.json")
+        if info.is_file():
+            tracker.log_artifact(run_id, info, f"quality/{kind}")
 
 
 @task(name="train_bpe", **TASK_OPTS)
 def train_bpe(config: dict, ctx: RunContext, shards: list[str]) -> dict:
-    from tasks.tokenizer import train_tokenizer
+    from tasks.tokenizer import TokenizerValidationError, train_tokenizer
 
     cfg = PipelineConfig.model_validate(config)
     with _stage(cfg, ctx, "tokenizer", inputs=[dataset_for_path(p) for p in shards]) as out:
-        result = train_tokenizer(cfg, [Path(p) for p in shards], ctx.stage_dir("tokenizer"))
+        out_dir = ctx.stage_dir("tokenizer")
+        try:
+            result = train_tokenizer(cfg, [Path(p) for p in shards], out_dir)
+        except TokenizerValidationError:
+            publish_tokenizer_report(ctx, out["mlflow_run_id"], out_dir)  # the failing report is what to read
+            raise
+        publish_tokenizer_report(ctx, out["mlflow_run_id"], out_dir)
         out["outputs"].append(dataset_for_path(result["path"], output=True, doc=DOCS["tokenizer"]))
+        out["outputs"].append(dataset_for_path(result["report_path"], output=True, doc=DOCS["tokenizer_report"]))
         out["result"] = result
     return result
 
 
-def _split_paths(tokens_index: str | Path) -> list[Path]:
-    """The token shards an index.json lists (files beside it), for lineage inputs."""
+def publish_tokenizer_report(ctx: RunContext, mlflow_run_id: str, out_dir: Path) -> None:
+    """The validation report as a Prefect markdown + table artifact and as MLflow metrics/artifacts."""
     import json
 
-    index = Path(tokens_index)
-    try:
-        splits = json.loads(index.read_text()).get("splits", {})
-    except (OSError, ValueError, AttributeError):
-        return []
-    paths = []
-    for info in splits.values() if isinstance(splits, dict) else []:
-        name = info.get("path") or info.get("file") if isinstance(info, dict) else None
-        if name:
-            p = Path(name) if Path(name).is_absolute() else index.parent / name
-            if p.is_file():
-                paths.append(p)
-    return paths
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from tasks.tokenizer.bpe import REPORT_FILE, REPORT_MARKDOWN
+    from tasks.tokenizer.report import compression_rows, report_metrics
+
+    report_path, md_path = Path(out_dir) / REPORT_FILE, Path(out_dir) / REPORT_MARKDOWN
+    if not report_path.is_file():
+        return
+    report = json.loads(report_path.read_text())
+    create_markdown_artifact(key="tokenizer-report", markdown=md_path.read_text(),
+                             description="Tokenizer validation: compression, round trip, code/maths/scripts vs reference")
+    create_table_artifact(key="tokenizer-compression", table=compression_rows(report),
+                          description="Bytes per token per slice and probe, crucible vs reference tokenizer")
+    tracker = Tracker(ctx.tracking_uri, ctx.experiment)
+    tracker.log_metrics(mlflow_run_id, report_metrics(report))
+    tracker.log_artifact(mlflow_run_id, report_path, "tokenizer")
+    tracker.log_artifact(mlflow_run_id, md_path, "tokenizer")
 
 
 @task(name="encode_and_pack", **TASK_OPTS)
@@ -267,6 +387,8 @@ def encode_and_pack(config: dict, ctx: RunContext, tokenizer_path: str, shards: 
         out["outputs"] += [dataset_for_path(s["path"], output=True, doc=DOCS["tokens_split"].format(split=name),
                                             rows=s.get("tokens"))
                            for name, s in result["splits"].items()]
+        # document start offsets: training reads them for document-aware attention masks
+        out["outputs"] += [dataset_for_path(s["doc_starts"], output=True) for s in result["splits"].values()]
         out["result"] = result
     return result
 
@@ -276,50 +398,86 @@ def torchrun_train(config: dict, ctx: RunContext, tokens_index: str) -> dict:
     from tasks.train import run_training
 
     cfg = PipelineConfig.model_validate(config)
-    inputs = [dataset_for_path(tokens_index)] + [dataset_for_path(p) for p in _split_paths(tokens_index)]
+    inputs = [dataset_for_path(tokens_index)] + [dataset_for_path(p) for p in token_split_paths(tokens_index)]
     with _stage(cfg, ctx, "train", inputs=inputs) as out:
+        # the torchrun job is a lineage run of its own, child of this task run (tasks/lineage/torchrun.py)
+        torchrun = TorchrunLineage(ctx.emitter(cfg), parent=out["job"], root=ctx.root,
+                                   run_facets={"crucible_links": out["links"]},
+                                   tokenizer=Path(ctx.run_dir) / "tokenizer" / "tokenizer.json")
         result = run_training(cfg, Path(tokens_index), ctx.stage_dir("train"), ctx.tracking_uri,
-                              out["mlflow_run_id"], ctx.run_name)
-        out["outputs"] += [dataset_for_path(c, output=True, doc=DOCS["checkpoint"].format(step=_step(c)))
-                           for c in result["checkpoints"]]
+                              out["mlflow_run_id"], ctx.run_name, lineage=torchrun)
+        result["lineage_run_id"] = torchrun.run_id
+        out["outputs"] += [checkpoint_output(c) for c in result["checkpoints"]]
         if result["checkpoints"]:
             out["primary"] = file_node(result["checkpoints"][-1])
         out["result"] = result
     return result
 
 
-def _step(checkpoint: str | Path) -> str:
-    digits = "".join(ch for ch in Path(checkpoint).name if ch.isdigit())
-    return str(int(digits)) if digits else Path(checkpoint).name
-
-
 @task(name="evaluate_checkpoint", **TASK_OPTS)
 def evaluate_one(config: dict, ctx: RunContext, checkpoint: str, tokenizer_path: str, tokens_index: str,
                  train_mlflow_run_id: str | None = None) -> dict:
+    from tasks.deploy import gate
+    from tasks.deploy.registry import champion_val_loss
+    from tasks.deploy.triggered import await_evaluation, write_gate
     from tasks.evaluate import evaluate_checkpoint
 
     cfg = PipelineConfig.model_validate(config)
     inputs = [dataset_for_path(checkpoint), dataset_for_path(tokenizer_path), dataset_for_path(tokens_index)]
+    inputs += [dataset_for_path(p) for p in token_split_paths(tokens_index, ("val",))]
     with _stage(cfg, ctx, "evaluate", inputs=inputs) as out:
-        report = ctx.stage_dir("evaluate") / f"{Path(checkpoint).name}.json"
-        result = evaluate_checkpoint(cfg, Path(checkpoint), Path(tokenizer_path), Path(tokens_index), report,
-                                     tracking_uri=ctx.tracking_uri, run_id=train_mlflow_run_id)
+        # with the stack's triggers service up, the evaluate-checkpoint flow already evaluates each
+        # checkpoint as it is saved: collect its report (None: it failed, so evaluate here)
+        result = await_evaluation(ctx.run_dir, checkpoint) if ctx.triggered else None
+        if result is None:
+            report = ctx.stage_dir("evaluate") / f"{Path(checkpoint).name}.json"
+            result = evaluate_checkpoint(cfg, Path(checkpoint), Path(tokenizer_path), Path(tokens_index), report,
+                                         tracking_uri=ctx.tracking_uri, run_id=train_mlflow_run_id)
+            champion_loss = champion_val_loss(ctx.tracking_uri, cfg.deploy.model_name)
+            write_gate(result, gate(cfg.deploy, result, champion_loss), champion_loss)  # verdict now, for the table
+        out["inputs"] += eval_data_inputs(result, cfg.data_root)  # the benchmark files the suite read
         out["outputs"].append(dataset_for_path(result["report_path"], output=True,
                                                doc=DOCS["eval_report"].format(checkpoint=Path(checkpoint).name)))
         out["result"] = result
+    publish_eval_table(ctx.run_dir, ctx.run_name)
     return result
+
+
+def publish_eval_table(run_dir: str | Path, run_name: str) -> None:
+    """All evaluated checkpoints of the run side by side (step, val loss, ppl, suite metrics, gate)
+    as a Prefect table artifact keyed per run; every evaluation, triggered or direct, updates it.
+    Never raises: the table is a view of the reports on disk."""
+    from prefect.artifacts import create_table_artifact
+
+    from tasks.evaluate.compare import checkpoint_rows, table_key
+
+    try:
+        rows = checkpoint_rows(run_dir)
+        if rows:
+            create_table_artifact(key=table_key(run_name), table=rows,
+                                  description=f"Checkpoints of run {run_name}: validation loss, perplexity, "
+                                              f"task-suite metrics and the deployment gate's verdict")
+    except Exception as e:  # noqa: BLE001
+        import logging
+
+        logging.getLogger(__name__).warning("could not publish the checkpoint table of %s: %s", run_name, e)
 
 
 @task(name="gate_register_serve", **TASK_OPTS)
 def gate_register_serve(config: dict, ctx: RunContext, evaluation: dict, tokenizer_path: str,
                         train_mlflow_run_id: str | None = None) -> dict:
     from tasks.deploy import deploy_if_better
+    from tasks.deploy.triggered import await_deployment
 
     cfg = PipelineConfig.model_validate(config)
     inputs = [dataset_for_path(evaluation["checkpoint"]), dataset_for_path(evaluation["report_path"]),
               dataset_for_path(tokenizer_path)]
     with _stage(cfg, ctx, "deploy", inputs=inputs) as out:
-        result = deploy_if_better(cfg, ctx.tracking_uri, evaluation, Path(tokenizer_path), train_mlflow_run_id)
+        # with the stack's triggers service up, deploy-model runs deploy passing checkpoints as they
+        # are evaluated: report what they did (None: one failed, so deploy here)
+        result = await_deployment(cfg, ctx.tracking_uri, ctx.run_dir, evaluation) if ctx.triggered else None
+        if result is None:
+            result = deploy_if_better(cfg, ctx.tracking_uri, evaluation, Path(tokenizer_path), train_mlflow_run_id)
         if result.get("version") is not None:
             name, version = result["model_name"], result["version"]
             out["outputs"].append(model_version_dataset(
@@ -327,4 +485,29 @@ def gate_register_serve(config: dict, ctx: RunContext, evaluation: dict, tokeniz
                 doc=DOCS["model_version"].format(name=name, version=version)))
             out["primary"] = model_version_node(ctx.tracking_uri, name, version)
         out["result"] = result
+    return result
+
+
+@task(name="ablate_curation", **TASK_OPTS)
+def ablate_curation(config: dict, ctx: RunContext) -> dict:
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    from tasks.ablate import ablation_markdown, run_ablation
+
+    cfg = PipelineConfig.model_validate(config)
+    with _stage(cfg, ctx, "ablate", inputs=[]) as out:
+        result = run_ablation(cfg, ctx.stage_dir("ablate"), ctx.tracking_uri, ctx.experiment,
+                              parent_run_id=out["mlflow_run_id"], run_name=ctx.run_name)
+        out["inputs"].append(dataset_for_path(result["eval"]["path"]))
+        out["outputs"].append(dataset_for_path(Path(ctx.stage_dir("ablate")) / "ablation.json", output=True,
+                                               doc=DOCS["ablation"]))
+        out["outputs"].append(dataset_for_path(result["tokenizer"]["path"], output=True, doc=DOCS["tokenizer"]))
+        out["outputs"] += [checkpoint_output(a["checkpoint"]) for a in result["arms"].values()]
+        out["result"] = result
+    create_table_artifact(key="ablation", description="Curation ablation: held-out loss per arm", table=[
+        {"arm": arm, "docs": a["corpus"]["docs"], "train_tokens": a["train_tokens_available"],
+         "tokens_trained": a["tokens_trained"], "epochs": a["epochs"], "heldout_loss": a["heldout_loss"]}
+        for arm, a in result["arms"].items()])
+    create_markdown_artifact(key="ablation-report", markdown=ablation_markdown(result),
+                             description="Curation ablation report")
     return result

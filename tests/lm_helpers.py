@@ -58,7 +58,7 @@ def tiny_cfg(**sections) -> PipelineConfig:
         "sources": [{"name": "test", "uri": "text/x", "format": "text", "licence": "test",
                      "provenance": "test"}],
         "tokenizer": {"vocab_size": 512, "min_frequency": 2},
-        "tokens": {"val_fraction": 0.1, "seed": 7},
+        "tokens": {"val_fraction": 0.1, "seed": 7, "ray": False},  # Ray path: test_tokens.py
         "model": {"n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 64},
         "train": {"nproc_per_node": 2, "max_steps": 20, "micro_batch_size": 8, "lr": 3e-3,
                   "min_lr": 3e-4, "warmup_steps": 5, "checkpoint_every": 10, "log_every": 5},

@@ -17,6 +17,18 @@ def test_tiny_and_large_configs_validate():
     assert large.resolve_uri(large.sources[0].uri).startswith("s3://")
 
 
+def test_h100_config_validates():
+    """configs/h100.yaml (docs/gpu.md): bf16 + FSDP2 + compile, a global batch one GPU can split."""
+    from tasks.train.worker import global_batch
+
+    h100 = load_config(REPO / "configs" / "h100.yaml")
+    t = h100.train
+    assert (t.device, t.backend, t.parallelism, t.dtype, t.compile) == ("cuda", "nccl", "fsdp2", "bf16", True)
+    assert t.peak_flops_per_s == h100.plan.gpus["h100"].peak_bf16_flops
+    assert global_batch(t, h100.model.seq_len, t.nproc_per_node) == (256, 64)
+    assert global_batch(t, h100.model.seq_len, 8) == (256, 8)  # the same batch on a full node
+
+
 def test_override_is_parsed_as_yaml_and_applied():
     cfg = load_config(REPO / "configs" / "tiny.yaml", ["train.max_steps=7", "curate.langid.languages={en: 0.5}"])
     assert cfg.train.max_steps == 7

@@ -15,7 +15,7 @@ from datasketch.hashfunc import sha1_hash32
 
 from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT
 from tasks.dedup.cli import add_arguments, load_dedup_config, run
-from tasks.dedup.minhash import MinHasher, UnionFind, sha1_hash32_many, shingles
+from tasks.dedup.minhash import MinHasher, UnionFind, fast_hash32, sha1_hash32_many, shingles
 
 DATA = Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
 LINUX = DATA / "text" / "linux-doc-rst.jsonl.gz"
@@ -37,31 +37,56 @@ def test_vectorised_sha1_hash32_matches_datasketch():
 
 
 @pytest.mark.parametrize("scheme", ["affine32", "legacy"])
-def test_signatures_equal_datasketch(real_docs, scheme):
-    texts = real_docs + ["", "!!!", "three words only", "naïve café " * 40, "w" * 80 + " long token doc here"]
-    hasher = MinHasher(bands=14, rows=8, seed=3, ngram=5, scheme=scheme)
+@pytest.mark.parametrize("shingle_hash", ["sha1", "fast"])
+def test_signatures_equal_datasketch(real_docs, scheme, shingle_hash):
+    # fast_hash32 runs per shingle in Python inside datasketch: fewer documents for that one
+    texts = real_docs[: 60 if shingle_hash == "sha1" else 15]
+    texts += ["", "!!!", "three words only", "naïve café " * 40, "w" * 80 + " long token doc here",
+              "a b c d e", "a b c d", "x"]
+    hasher = MinHasher(bands=14, rows=8, seed=3, ngram=5, scheme=scheme, hash=shingle_hash)
+    # datasketch's own default hash for "sha1"; our fast_hash32 handed to datasketch for "fast"
+    kw = {} if shingle_hash == "sha1" else {"hashfunc": fast_hash32}
     sigs = hasher.signatures(texts, max_shingles=2000)  # several vectorised batches
     for text, sig in zip(texts, sigs):
         sh = shingles(text, 5)
         if not sh:
             assert sig is None
             continue
-        m = MinHash(num_perm=112, seed=3, scheme=scheme)
+        m = MinHash(num_perm=112, seed=3, scheme=scheme, **kw)
         m.update_batch(list(sh))
         assert np.array_equal(m.hashvalues, sig)
     # from the same shingle sets, as MinHash.bulk takes them
     sets = [list(shingles(t, 5)) for t in texts]
-    bulk = MinHash.bulk([s for s in sets if s], num_perm=112, seed=3, scheme=scheme)
+    bulk = MinHash.bulk([s for s in sets if s], num_perm=112, seed=3, scheme=scheme, **kw)
     ours = [s for s in hasher.signatures_from_shingles(sets) if s is not None]
-    assert all(np.array_equal(m.hashvalues, s) for m, s in zip(bulk, ours))
+    assert len(bulk) == len(ours) and all(np.array_equal(m.hashvalues, s) for m, s in zip(bulk, ours))
 
 
-def test_signatures_load_as_lean_minhash_and_index_in_datasketch_lsh(real_docs):
-    hasher = MinHasher(seed=1)
+def test_fast_hash_is_deterministic_order_sensitive_and_differs_from_sha1():
+    import subprocess
+    import sys
+
+    assert fast_hash32(b"the quick brown fox jumps") == fast_hash32(b"the quick brown fox jumps")
+    assert fast_hash32(b"the quick brown fox jumps") != fast_hash32(b"quick the brown fox jumps")
+    assert fast_hash32(b"the quick brown fox jumps") != sha1_hash32(b"the quick brown fox jumps")
+    # another interpreter (another PYTHONHASHSEED) gives the same value: no Python hash()
+    code = "from tasks.dedup.minhash import fast_hash32; print(fast_hash32(b'the quick brown fox jumps'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONHASHSEED": "123"})
+    assert int(out.stdout) == fast_hash32(b"the quick brown fox jumps")
+    # spread: distinct 5-grams of real words give distinct 32-bit values (birthday bound ≈ 1e-3)
+    words = [f"w{i}" for i in range(3000)]
+    grams = {" ".join(words[i:i + 5]).encode() for i in range(len(words) - 4)}
+    assert len({fast_hash32(g) for g in grams}) == len(grams)
+
+
+@pytest.mark.parametrize("shingle_hash", ["sha1", "fast"])
+def test_signatures_load_as_lean_minhash_and_index_in_datasketch_lsh(real_docs, shingle_hash):
+    hasher = MinHasher(seed=1, hash=shingle_hash)
     a, b = real_docs[0], real_docs[1]
     sa, sb = hasher.signatures([a, b])
     la, lb = hasher.lean(sa), LeanMinHash(seed=1, hashvalues=sb, scheme="affine32")
-    m = MinHash(num_perm=112, seed=1)
+    m = MinHash(num_perm=112, seed=1, hashfunc=hasher.hashfunc)
     m.update_batch(list(shingles(a)))
     assert la == LeanMinHash(m) and la.jaccard(LeanMinHash(m)) == 1.0
     assert la.jaccard(lb) == pytest.approx(float(np.mean(sa == sb)))
@@ -133,3 +158,32 @@ def test_incremental_index_persists_and_flags_new_near_duplicates(real_docs, tmp
     assert loaded.add(["b0", "b1", "b2"], hasher.signatures(new)) == ["a2", None, "b1"]
     with pytest.raises(ValueError, match="rows"):
         MinHashIndex.load(tmp_path / "idx", rows=4)
+    with pytest.raises(ValueError, match="hash"):  # sha1 signatures cannot be compared with these
+        MinHashIndex.load(tmp_path / "idx", hash="sha1")
+
+
+def test_dedup_cli_quality_survivor_and_report(real_docs, tmp_path, capsys):
+    base = [t for t in real_docs if len(t.split()) > 400][:4]
+    docs = [{"id": f"d{i}", "text": t, "source": "kernel", "quality_score": 0.5} for i, t in enumerate(base)]
+    docs.append({"id": "better", "text": _edit(base[0], 0.01, 3), "source": "mirror", "quality_score": 0.9})
+    docs.append({"id": "worse", "text": _edit(base[1], 0.01, 4), "source": "mirror", "quality_score": 0.1})
+    docs.append({"id": "copy", "text": base[2] + "\n", "source": "mirror"})  # exact copy, no score
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    cfg = tmp_path / "dedup.yaml"
+    cfg.write_text("minhash:\n  survivor: quality\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "out.jsonl"
+    assert run(parser.parse_args([str(src), "--out", str(out), "--config", str(cfg)])) == 0
+    by = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert by["better"]["keep"] and by["d0"] == {"id": "d0", "cluster": "better", "keep": False}
+    assert by["d1"]["keep"] and by["worse"]["cluster"] == "d1"
+    assert by["copy"]["cluster"] == "d2" and not by["copy"]["keep"]
+    summary = json.loads(capsys.readouterr().out)
+    rep = summary["report"]
+    assert rep["duplicates"] == 3 and rep["by_source"]["mirror"]["duplicates"] == 2
+    assert rep["by_source"]["mirror"]["exact_duplicates"] == 1 and rep["by_source"]["kernel"]["near_duplicates"] == 1
+    assert rep["cluster_sizes"] == {"1": 1, "2": 3}
+    assert all(0.8 < e["jaccard"] <= 1.0 for e in rep["examples"])
+    assert summary["clustering"] == "local"

@@ -46,12 +46,12 @@ def _tokenizer(path: Path) -> Path:
     return path
 
 
-def _checkpoint(out_dir: Path, tokenizer: Path, step: int, seed: int) -> Path:
+def _checkpoint(out_dir: Path, tokenizer: Path, step: int, seed: int, **model_options) -> Path:
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
     torch.manual_seed(seed)
-    cfg = GPTConfig(vocab_size=vocab, n_layer=2, n_head=2, d_model=32, seq_len=32)
+    cfg = GPTConfig(vocab_size=vocab, n_layer=2, n_head=2, d_model=32, seq_len=32, **model_options)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     meta = {"model": cfg.to_dict(), "eos_id": 1, "tokenizer_sha256": sha256_file(tokenizer), "run_name": "test"}
@@ -108,7 +108,7 @@ def test_gate():
 def test_registry_champion_alias_and_gate(tiny, mlflow_store):
     from mlflow import MlflowClient
 
-    from tasks.deploy.registry import ALIAS, get_champion, register
+    from tasks.deploy.registry import ALIAS, CHALLENGER, get_champion, promote, register
 
     uri = mlflow_store["uri"]
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
@@ -117,10 +117,19 @@ def test_registry_champion_alias_and_gate(tiny, mlflow_store):
     # the training run the checkpoint came from; its artifacts stay inside the temporary store
     exp = client.create_experiment("train", artifact_location=mlflow_store["artifacts"])
     train_run = client.create_run(exp).info.run_id
-    ev1 = {"val_loss": 5.5, "perplexity": math.exp(5.5), "step": 10, "checkpoint": str(tiny["ckpt"])}
-    reg = register(uri, "crucible-test", tiny["ckpt"], tiny["tokenizer"], ev1, train_run)
-    assert reg["model_name"] == "crucible-test" and reg["version"] == 1 and reg["alias"] == ALIAS
+    ev1 = {"val_loss": 5.5, "perplexity": math.exp(5.5), "step": 10, "checkpoint": str(tiny["ckpt"]),
+           "task_metrics": {"lambada_acc": 0.25}}
+    reg = register(uri, "crucible-test", tiny["ckpt"], tiny["tokenizer"], ev1, train_run,
+                   extra_tags={"data.licences": "CC0"})
+    # registered as challenger; champion only after promote
+    assert reg["model_name"] == "crucible-test" and reg["version"] == 1 and reg["alias"] == CHALLENGER
+    assert get_champion(uri, "crucible-test") is None
+    assert str(client.get_model_version_by_alias("crucible-test", CHALLENGER).version) == "1"
+    promote(uri, "crucible-test", 1, "checked by the test")
+    assert client.get_registered_model("crucible-test").aliases == {ALIAS: 1}  # challenger alias dropped
     mv = client.get_model_version_by_alias("crucible-test", "champion")
+    assert mv.tags["eval.lambada_acc"] == "0.25" and mv.tags["data.licences"] == "CC0"
+    assert mv.tags["deployment.status"] == "champion" and mv.tags["deployment.verified"] == "checked by the test"
     assert str(mv.version) == "1" and mv.run_id == train_run
     assert float(mv.tags["val_loss"]) == 5.5 and mv.tags["train_run_id"] == train_run
     assert mv.tags["content_hash"] == reg["content_hash"] and len(reg["content_hash"]) == 64
@@ -133,7 +142,8 @@ def test_registry_champion_alias_and_gate(tiny, mlflow_store):
     # a better one does and becomes champion (registered without a training run id)
     assert gate(cfg, {"val_loss": 5.1}, champ["val_loss"])["passed"]
     reg2 = register(uri, "crucible-test", tiny["ckpt2"], tiny["tokenizer"], {"val_loss": 5.1, "step": 20}, None)
-    assert reg2["version"] == 2
+    assert reg2["version"] == 2 and get_champion(uri, "crucible-test")["version"] == 1
+    promote(uri, "crucible-test", 2, "checked by the test")
     assert get_champion(uri, "crucible-test")["val_loss"] == 5.1
     assert str(client.get_model_version_by_alias("crucible-test", "champion").version) == "2"
     assert not list(Path.cwd().glob("mlruns")) and not list(Path.cwd().glob("mlflow.db")), \
@@ -160,21 +170,63 @@ def _pipeline_cfg(tmp_path: Path, **deploy) -> PipelineConfig:
 
 
 def test_deploy_if_better_without_serving(tiny, tmp_path, mlflow_store):
+    from mlflow import MlflowClient
+
     uri = mlflow_store["uri"]
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    exp = client.create_experiment("train-gated", artifact_location=mlflow_store["artifacts"])
+    train_run = client.create_run(exp).info.run_id
     cfg = _pipeline_cfg(tmp_path, serve=False, model_name="crucible-gated")
-    ev = {"val_loss": 6.0, "step": 10, "checkpoint": str(tiny["ckpt"])}
-    first = deploy_if_better(cfg, uri, ev, tiny["tokenizer"], None)
+    ev = {"val_loss": 6.0, "step": 10, "checkpoint": str(tiny["ckpt"]), "run_name": "test",
+          "task_metrics": {"hellaswag_acc_norm": 0.3}}
+    first = deploy_if_better(cfg, uri, ev, tiny["tokenizer"], train_run)
     assert first["passed"] and first["version"] == 1 and first["content_hash"] and first["endpoint"] is None
+    # challenger -> verified (loaded back from the registry and run) -> champion
+    assert first["alias"] == "champion" and "loaded from the registry" in first["verified"]
+    assert client.get_registered_model("crucible-gated").aliases == {"champion": 1}
+    tags = client.get_model_version("crucible-gated", "1").tags
+    assert tags["train_run_id"] == train_run and tags["val_loss"] == "6.0" and tags["step"] == "10"
+    assert tags["eval.hellaswag_acc_norm"] == "0.3" and tags["deployment.status"] == "champion"
+    assert tags["data.licences"] == "CC0" and tags["data.sources"].startswith("s (CC0; test)")
+    assert tags["lineage.checkpoint_node"] == f"dataset:file:{Path(tiny['ckpt']).resolve()}"
     worse = {"val_loss": 6.5, "step": 20, "checkpoint": str(tiny["ckpt2"])}
-    second = deploy_if_better(cfg, uri, worse, tiny["tokenizer"], None)
+    second = deploy_if_better(cfg, uri, worse, tiny["tokenizer"], train_run)
     assert not second["passed"] and second["version"] is None
     assert second["champion_version"] == 1 and second["champion_val_loss"] == 6.0
     assert "champion" in second["reason"]
+    # the failed gate is recorded with its reason on the training run; the champion stays
+    run = client.get_run(train_run).data
+    assert run.tags["gate.step-20.passed"] == "false" and run.tags["gate.step-20.reason"] == second["reason"]
+    assert run.tags["gate.step-10.passed"] == "true"
+    assert {(m.step, m.value) for m in client.get_metric_history(train_run, "gate_passed")} == {(10, 1.0), (20, 0.0)}
+    assert client.get_registered_model("crucible-gated").aliases == {"champion": 1}
     # The champion's own checkpoint again (as when the triggered deploy-model flow got there first):
     # reported as deployed, no new version.
     again = deploy_if_better(cfg, uri, ev, tiny["tokenizer"], None)
     assert again["passed"] and again["version"] == 1 and "already the champion" in again["reason"]
     assert again["content_hash"] == first["content_hash"]
+
+
+def test_challenger_that_cannot_be_served_is_rejected_and_champion_stays(tiny, tmp_path, mlflow_store):
+    from mlflow import MlflowClient
+
+    uri = mlflow_store["uri"]
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    name = "crucible-unservable"
+    ok = deploy_if_better(_pipeline_cfg(tmp_path, serve=False, model_name=name), uri,
+                          {"val_loss": 6.0, "step": 10, "checkpoint": str(tiny["ckpt"])}, tiny["tokenizer"], None)
+    assert ok["version"] == 1 and ok["alias"] == "champion"
+    with socket.socket() as busy:  # another process holds the model server's port: serving must fail
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        cfg = _pipeline_cfg(tmp_path, serve=True, model_name=name, port=busy.getsockname()[1])
+        res = deploy_if_better(cfg, uri, {"val_loss": 5.0, "step": 20, "checkpoint": str(tiny["ckpt2"])},
+                               tiny["tokenizer"], None)
+    assert not res["passed"] and res["version"] is None and "failed verification" in res["reason"]
+    assert "in use" in res["reason"]
+    assert client.get_registered_model(name).aliases == {"champion": 1}  # no challenger left behind
+    v2 = client.get_model_version(name, "2").tags
+    assert v2["deployment.status"] == "rejected" and v2["deployment.reason"] == res["reason"]
 
 
 # ----------------------------------------------------------------------------------- server

@@ -34,8 +34,8 @@ def exported(tmp_path_factory):
 def test_export_files_and_card(exported):
     out = exported["out"]
     files = set(exported["res"]["files"])
-    weights = "model.safetensors" if importlib.util.find_spec("safetensors") else "pytorch_model.bin"
-    assert {"config.json", weights, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    assert exported["res"]["format"] == "safetensors"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
             "generation_config.json", "README.md"} <= files
     c = json.loads((out / "config.json").read_text())
     assert c["model_type"] == "llama" and c["tie_word_embeddings"] and c["num_hidden_layers"] == 2
@@ -56,11 +56,40 @@ def test_weights_round_trip_to_the_same_logits(exported):
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
 def test_transformers_loads_the_export_with_the_same_logits(exported):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(exported["out"]).eval()
+    assert isinstance(hf, LlamaForCausalLM)  # a standard architecture, no remote code
     tok = AutoTokenizer.from_pretrained(exported["out"])
     model, _ = load_model_for_inference(exported["ckpt"])
-    ids = tok("The Linux kernel", return_tensors="pt").input_ids
+    text = "The Linux kernel is a free and open-source operating system kernel."
+    ids = tok(text, return_tensors="pt").input_ids
+    assert ids[0].tolist() == Tokenizer.from_file(str(exported["tok"])).encode(text, add_special_tokens=False).ids
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model(ids)[0], rtol=1e-4, atol=1e-4)
+        # greedy decoding with transformers' own KV cache picks the same tokens as our model
+        ours = model.generate(ids[:, :8], 6, temperature=0.0)
+        theirs = hf.generate(ids[:, :8], max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert theirs[0].tolist() == ours[0].tolist()
+
+
+def test_untied_head_exports_and_round_trips(tmp_path):
+    tok = _tokenizer(tmp_path / "tokenizer.json")
+    ckpt = _checkpoint(tmp_path / "train", tok, 10, 3, tie_embeddings=False)
+    res = export_hf(ckpt, tok, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is False
+    model, _ = load_model_for_inference(ckpt)
+    back = load_exported(res["out_dir"])
+    x = torch.randint(0, model.cfg.vocab_size, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(back(x)[0], model(x)[0])
+
+
+@pytest.mark.parametrize("option", [{"qk_norm": True}, {"logit_softcap": 30.0}])
+def test_options_without_a_llama_equivalent_are_refused(tmp_path, option):
+    tok = _tokenizer(tmp_path / "tokenizer.json")
+    ckpt = _checkpoint(tmp_path / "train", tok, 10, 3, **option)
+    with pytest.raises(ValueError, match="no Llama equivalent"):
+        export_hf(ckpt, tok, tmp_path / "hf")
+    assert not (tmp_path / "hf" / "model.safetensors").exists()

@@ -91,6 +91,19 @@ def test_curation_counts_add_up_and_shrink(run):
         assert any(r.startswith(family) for r in reasons), (family, reasons)
 
 
+def test_quality_stage_ran_and_counts_add_up(run):
+    curate, quality = run["summary"]["stages"]["curate"], run["summary"]["stages"]["quality"]
+    assert quality["enabled"] and quality["docs_in"] == curate["docs_out"]
+    assert quality["docs_out"] + sum(quality["dropped"].values()) == quality["docs_in"]
+    for step in quality["steps"]:
+        assert step["docs_in"] == step["docs_out"] + sum(step["dropped"].values()), step
+    assert set(quality["models"]) == {"classifier", "kenlm"}
+    assert 0 < quality["models"]["classifier"]["heldout"]["roc_auc"] <= 1
+    assert all(Path(m["model"]).is_file() for m in quality["models"].values())
+    assert run["summary"]["stages"]["tokens"]["splits"]["train"]["docs"] + \
+        run["summary"]["stages"]["tokens"]["splits"]["val"]["docs"] == quality["docs_out"]
+
+
 def test_tokenizer_round_trips_curated_text(run):
     from tokenizers import Tokenizer
     import pyarrow.parquet as pq
@@ -122,12 +135,29 @@ def test_eval_metrics_in_mlflow_and_champion_alias(run):
     train_run = client.get_run(s["stages"]["train"]["mlflow_run_id"])
     assert "val_loss" in train_run.data.metrics
     history = client.get_metric_history(train_run.info.run_id, "val_loss")
-    # Each checkpoint has val_loss at its step. With the stack's triggers process running, the
-    # event-triggered evaluation logs the same step too, so a step may appear twice.
-    assert sorted({m.step for m in history}) == sorted(e["step"] for e in evals)
+    # Each checkpoint has val_loss at its step, once: with the stack's triggers service up, the
+    # event-triggered flows evaluate (and deploy); the pretrain flow only collects their results.
+    assert sorted(m.step for m in history) == sorted(e["step"] for e in evals)
+    assert all(e["evaluated_by"] == "evaluate-checkpoint (event-triggered)" for e in evals)
+    assert s["stages"]["deploy"]["deployed_by"] == "deploy-model (event-triggered)"
     dep = s["stages"]["deploy"]
     mv = client.get_model_version_by_alias(dep["model_name"], "champion")
     assert str(mv.version) == str(dep["version"])
+
+
+def test_checkpoint_table_artifact_compares_every_checkpoint(run):
+    from tasks.evaluate.compare import table_key
+
+    s = run["summary"]
+    api = run["status"]["prefect"]["url"].rstrip("/") + "/api"
+    arts = httpx.post(f"{api}/artifacts/filter", timeout=30,
+                      json={"artifacts": {"key": {"any_": [table_key(s["run_name"])]}}}).json()
+    assert arts and all(a["type"] == "table" for a in arts)
+    rows = json.loads(max(arts, key=lambda a: a["created"])["data"])
+    evals = s["stages"]["evaluate"]["checkpoints"]
+    assert [r["step"] for r in rows] == sorted(e["step"] for e in evals)
+    assert all(r["val_loss"] and r["perplexity"] and r["gate"] for r in rows)
+    assert sum(r["best"] for r in rows) == 1
 
 
 def test_served_model_answers_completions(run):
@@ -161,6 +191,25 @@ def test_lineage_start_complete_for_every_task_run(run):
     for e in events:
         if e["run"]["runId"] != root_id:
             assert e["run"]["facets"]["parent"]["root"]["run"]["runId"] == root_id
+    # torchrun is a job run of its own, child of the train task run: token shards in, checkpoints out
+    train = run["summary"]["stages"]["train"]
+    torchrun = [e for e in events if e["job"]["name"] == "train.torchrun_train.torchrun"]
+    assert [e["eventType"] for e in torchrun] == ["START", "COMPLETE"]
+    train_task_runs = {e["run"]["runId"] for e in task_events if e["job"]["name"] == "train.torchrun_train"}
+    assert torchrun[0]["run"]["runId"] == train["lineage_run_id"] not in train_task_runs
+    assert torchrun[0]["run"]["facets"]["parent"]["run"]["runId"] in train_task_runs
+    assert torchrun[0]["job"]["facets"]["jobType"]["integration"] == "TORCH"
+    assert any(i["name"].endswith("/tokens/train.bin") for i in torchrun[1]["inputs"])
+    assert {o["name"] for o in torchrun[1]["outputs"]} >= set(train["checkpoints"])
+    # every evaluation reads the val shard and the suite's evaluation data (licence, content hash)
+    evals = [e for e in task_events if e["job"]["name"] == "evaluate.evaluate_checkpoint" and e["eventType"] == "COMPLETE"]
+    for e in evals:
+        data = {i["facets"]["crucible_source"]["source"]: i for i in e["inputs"]
+                if i["facets"].get("crucible_source", {}).get("use") == "evaluation"}
+        assert set(data) == {"wikitext", "lambada", "hellaswag"}, e["inputs"]
+        assert all(d["facets"]["version"]["datasetVersion"] and d["facets"]["crucible_source"]["licence"]
+                   for d in data.values())
+        assert any(i["name"].endswith("/tokens/val.bin") for i in e["inputs"])
     # The served model traces back to raw sources with licences.
     outputs = {o["name"] for e in events for o in e.get("outputs", [])}
     assert any(n.startswith("models/") for n in outputs)
@@ -196,7 +245,10 @@ def test_every_consumed_file_is_a_lineage_dataset_with_facets(run):
         "tokenizer": [run_dir / "tokenizer" / "tokenizer.json"],
         "token shards": [run_dir / "tokens" / n for n in ("train.bin", "val.bin", "index.json")],
         "checkpoints": sorted(p for p in run_dir.glob("train/checkpoints/step-*") if p.is_dir()),
-        "eval reports": sorted(run_dir.glob("evaluate/*.json")),
+        "eval reports": sorted(run_dir.glob("evaluate/**/*.json")),  # triggered ones in evaluate/triggered/
+        "evaluation data": sorted({Path(t["data"]) for e in s["stages"]["evaluate"]["checkpoints"]
+                                   for t in e["tasks"].values() if "data" in t}),
+        "training log": [run_dir / "train" / "train_log.jsonl"],
     }
     for what, paths in expected.items():
         if what != "quarantine / dropped":
@@ -215,7 +267,8 @@ def test_every_consumed_file_is_a_lineage_dataset_with_facets(run):
         assert rows == s["stages"][stage]["docs_out"], stage
 
     # licences propagate: every output downstream of the raw files lists the licences of its raw sources
-    raw = [i for e in events for i in e.get("inputs", [])
+    # (the ingested files; evaluation data and the quality models' training files are labelled, not sources)
+    raw = [i for e in events if e["job"]["name"] == "curate.ingest_sources" for i in e.get("inputs", [])
            if "crucible_source" in i.get("facets", {}) and not i["facets"]["crucible_source"]["derived"]]
     all_licences = {i["facets"]["crucible_source"]["licence"] for i in raw}
     assert len(all_licences) >= 2
@@ -254,7 +307,10 @@ def test_lineage_service_in_the_stack_answers_the_model_upstream_graph(run):
     raw = {f"dataset:file:{f}" for info in s["stages"]["ingest"]["sources"].values() for f in info["files"]}
     assert raw and raw <= ids, raw - ids
     trace = httpx.get(f"{base}/api/v1/crucible/trace", params={"nodeId": node}, timeout=60).json()
-    assert {src["nodeId"] for src in trace["sources"]} == raw and trace["unlicensed"] == []
+    # ... and to the files the quality models trained on, each with its licence
+    quality_files = {f"dataset:file:{f['path']}" for m in s["stages"]["quality"]["models"].values()
+                     for f in m["training_files"]}
+    assert {src["nodeId"] for src in trace["sources"]} == raw | quality_files and trace["unlicensed"] == []
     assert s["lineage"]["page_url"].startswith(base + "/#node=")
     assert s["lineage"]["page_url"] in run["stdout"]
 
@@ -265,7 +321,7 @@ def test_prefect_runs_link_to_the_lineage_page(run):
     base = run["status"]["lineage"]["url"]
     # link artifacts (Prefect stores them as markdown links) pointing at the lineage service's page
     links = [a for a in httpx.post(f"{api}/artifacts/filter", json={}, timeout=30).json()
-             if f"]({base}/#node=" in (a.get("data") or "")]
+             if isinstance(a.get("data"), str) and f"]({base}/#node=" in a["data"]]  # progress artifacts hold numbers
     by_flow = [a for a in links if a.get("flow_run_id") == s["flow_run_id"] and a.get("task_run_id") is None]
     assert len(by_flow) == 1 and f"]({s['lineage']['page_url']})" in by_flow[0]["data"], by_flow
     assert by_flow[0]["key"] == "lineage-model-version"

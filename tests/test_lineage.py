@@ -1,10 +1,12 @@
 import json
 import uuid
+from pathlib import Path
 
 import pytest
 from openlineage.client.event_v2 import RunState
 
 from tasks.lineage import JobRef, LineageEmitter, dataset_for_path, model_version_dataset
+from tasks.lineage.service.launch import start_service
 from tasks.lineage.validate import event_errors, read_events
 
 PRODUCER = "https://github.com/crucible-ml/crucible"
@@ -183,33 +185,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_service(db, port):
-    import os
-    import subprocess
-    import sys
-    import time
-
-    import httpx
-
-    proc = subprocess.Popen([sys.executable, "-m", "tasks.lineage.service", "--db", str(db), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, proc.stdout.read().decode()
-        assert time.monotonic() < deadline, "lineage service did not start"
-        time.sleep(0.1)
-
-
 def test_down_service_never_fails_the_run_and_replay_fills_it(tmp_path):
     import subprocess
     import sys
     import time
-    from pathlib import Path
 
     import httpx
 
@@ -230,7 +209,7 @@ def test_down_service_never_fails_the_run_and_replay_fills_it(tmp_path):
     assert stats.sent == 0 and stats.failed >= 1 and stats.missed == len(events), stats
     assert "ConnectionError" in stats.last_error
 
-    proc = _start_service(tmp_path / "lineage.db", port)
+    proc, _ = start_service(tmp_path / "lineage.db", port)
     try:
         # the service is back when the run ends: the pretrain flow's epilogue replays the log to it
         from tasks.pipeline_run import RunContext, finish_lineage
@@ -273,3 +252,183 @@ def test_a_jsonl_failure_fails_the_emit(tmp_path):
     em = LineageEmitter(log, "crucible", PRODUCER, http_url=f"http://127.0.0.1:{_free_port()}")
     with pytest.raises(Exception):
         em.emit(RunState.START, _ref("x"))
+
+
+# ------------------------------------------------- torchrun job and evaluation data (real runs)
+
+@pytest.fixture(scope="module")
+def lm_lineage(tmp_path_factory):
+    """The lineage of a pipeline from the token shards on, emitted as the Prefect tasks emit it
+    (pretrain → prepare_tokens / train / evaluate task runs): a real 1-process torchrun run launched
+    by run_training with TorchrunLineage under the train task run, then a real evaluation (task suite
+    on the shared WikiText-2 / LAMBADA / HellaSwag files) of its last checkpoint."""
+    from lm_helpers import corpus_shards, tiny_cfg, tokenizer_artifact, tokens_artifact
+
+    from tasks.evaluate import evaluate_checkpoint
+    from tasks.lineage.artifacts import eval_data_inputs, token_split_paths
+    from tasks.lineage.torchrun import TorchrunLineage, checkpoint_output
+    from tasks.train import run_training
+
+    base = tmp_path_factory.getbasetemp() / "lm"
+    tok, tokens = tokenizer_artifact(base), tokens_artifact(base)
+    index = Path(tokens["index_path"])
+    work = tmp_path_factory.mktemp("lineage-lm")
+    log = work / "lineage.jsonl"
+    cfg = tiny_cfg(train={"nproc_per_node": 1, "max_steps": 4, "warmup_steps": 1, "checkpoint_every": 2,
+                          "log_every": 1})
+    em = LineageEmitter(log, "crucible", PRODUCER, owner="team:crucible")
+    root = _ref("pretrain")
+    tasks = {name: _ref(name) for name in ("train_tokenizer.train_bpe", "prepare_tokens.encode_and_pack",
+                                           "train.torchrun_train", "evaluate.evaluate_checkpoint")}
+    shards = [dataset_for_path(p, source={"name": "linux-doc", "licence": "GPL-2.0", "provenance": "Debian"})
+              for p in corpus_shards(base)]
+    with em.run(root, job_type="FLOW"):
+        with em.run(tasks["train_tokenizer.train_bpe"], parent=root, inputs=shards) as run:
+            run.outputs.append(dataset_for_path(tok["path"], output=True))
+        with em.run(tasks["prepare_tokens.encode_and_pack"], parent=root, inputs=shards) as run:
+            run.outputs += [dataset_for_path(p, output=True) for p in [index, *token_split_paths(index)]]
+        task = tasks["train.torchrun_train"]
+        with em.run(task, parent=root, inputs=[dataset_for_path(index)]) as run:
+            torchrun = TorchrunLineage(LineageEmitter(log, "crucible", PRODUCER, owner="team:crucible"),
+                                       parent=task, root=root, tokenizer=tok["path"])
+            result = run_training(cfg, index, work / "train", None, None, "lineage-test", lineage=torchrun)
+            run.outputs += [checkpoint_output(c) for c in result["checkpoints"]]
+        ckpt = result["checkpoints"][-1]
+        with em.run(tasks["evaluate.evaluate_checkpoint"], parent=root,
+                    inputs=[dataset_for_path(ckpt), dataset_for_path(tok["path"]), dataset_for_path(index)]
+                    + [dataset_for_path(p) for p in token_split_paths(index, ("val",))]) as run:
+            report = evaluate_checkpoint(cfg, Path(ckpt), Path(tok["path"]), index, work / "evaluate" / "report.json")
+            run.inputs += eval_data_inputs(report, cfg.data_root)
+            run.outputs.append(dataset_for_path(report["report_path"], output=True))
+    return {"log": log, "events": read_events(log), "root": root, "tasks": tasks, "torchrun": torchrun,
+            "result": result, "report": report, "index": index, "tokenizer": tok["path"], "cfg": cfg, "work": work}
+
+
+def test_torchrun_job_is_its_own_run_under_the_train_task(lm_lineage):
+    import torch
+
+    from tasks.core.hashing import sha256_tree
+    from tasks.lineage.facets import git_info
+
+    events, root = lm_lineage["events"], lm_lineage["root"]
+    task, torchrun = lm_lineage["tasks"]["train.torchrun_train"], lm_lineage["torchrun"]
+    for e in events:
+        assert event_errors(e) == [], (e["job"]["name"], event_errors(e)[:3])
+    order = [(e["job"]["name"], e["eventType"]) for e in events]
+    job = "train.torchrun_train.torchrun"
+    # START after the task started, COMPLETE before the task completed
+    assert order.index((job, "START")) > order.index((task.name, "START"))
+    assert order.index((job, "COMPLETE")) < order.index((task.name, "COMPLETE"))
+    runs = [e for e in events if e["job"]["name"] == job]
+    assert [e["eventType"] for e in runs] == ["START", "COMPLETE"]
+    for e in runs:
+        assert e["run"]["runId"] == torchrun.run_id != task.run_id
+        parent = e["run"]["facets"]["parent"]
+        assert parent["run"]["runId"] == task.run_id and (parent["job"]["namespace"], parent["job"]["name"]) == ("crucible", task.name)
+        assert parent["root"]["run"]["runId"] == root.run_id and parent["root"]["job"]["name"] == "pretrain"
+        jt = e["job"]["facets"]["jobType"]
+        assert (jt["processingType"], jt["integration"], jt["jobType"]) == ("BATCH", "TORCH", "JOB")
+        engine = e["run"]["facets"]["processing_engine"]
+        assert engine["name"] == "torch" and engine["version"] == torch.__version__
+        config = e["run"]["facets"]["crucible_config"]["config"]
+        assert config["train"]["max_steps"] == 4 and config["model"]["n_layer"] == 2
+        assert e["job"]["facets"]["documentation"]["description"].startswith("torchrun job")
+        if git_info()["commit"]:
+            assert e["job"]["facets"]["sourceCodeLocation"]["path"] == "tasks/train/worker.py"
+    start, complete = runs
+    index = lm_lineage["index"]
+    inputs = {i["name"] for i in start["inputs"]}
+    assert inputs == {str(index.resolve()), str((index.parent / "train.bin").resolve()),
+                      str(Path(lm_lineage["tokenizer"]).resolve())}
+    # the token shards' and tokenizer's licences (recorded by their producers in the log) reach the checkpoints
+    assert all(i["facets"]["crucible_source"]["licences"] == ["GPL-2.0"] for i in complete["inputs"])
+    ckpts = lm_lineage["result"]["checkpoints"]
+    assert [Path(c).name for c in ckpts] == ["step-000002", "step-000004"]
+    outputs = {o["name"]: o for o in complete["outputs"]}
+    assert set(outputs) == {*ckpts, str((lm_lineage["work"] / "train" / "train_log.jsonl").resolve())}
+    for c in ckpts:
+        assert outputs[c]["facets"]["version"]["datasetVersion"] == sha256_tree(c)
+        assert outputs[c]["facets"]["crucible_source"]["licences"] == ["GPL-2.0"]
+        assert outputs[c]["facets"]["ownership"]["owners"][0]["name"] == "team:crucible"
+
+
+def test_lineage_graph_connects_token_shards_through_torchrun_to_checkpoints(lm_lineage, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from tasks.lineage.service import create_app, replay
+
+    with TestClient(create_app(tmp_path / "lineage.db")) as client:
+        assert replay(lm_lineage["log"], "http://testserver", client=client)["ingested"] == len(lm_lineage["events"])
+        train_bin = f"dataset:file:{(lm_lineage['index'].parent / 'train.bin').resolve()}"
+        resp = client.get("/api/v1/lineage", params={"nodeId": train_bin, "direction": "downstream", "depth": 1})
+        assert resp.status_code == 200, resp.text
+        graph = {n["id"]: n for n in resp.json()["graph"]}
+    job = "job:crucible:train.torchrun_train.torchrun"
+    assert {e["origin"] for e in graph[job]["inEdges"]} >= {train_bin}
+    assert {e["destination"] for e in graph[job]["outEdges"]} >= {
+        f"dataset:file:{c}" for c in lm_lineage["result"]["checkpoints"]}
+
+
+def test_evaluation_data_are_inputs_with_licence_and_content_hash(lm_lineage):
+    from tasks.core.hashing import sha256_file
+    from tasks.lineage.facets import data_readme_entry
+
+    events, report, cfg = lm_lineage["events"], lm_lineage["report"], lm_lineage["cfg"]
+    complete = next(e for e in events if e["job"]["name"] == "evaluate.evaluate_checkpoint"
+                    and e["eventType"] == "COMPLETE")
+    inputs = {i["name"]: i for i in complete["inputs"]}
+    assert str((lm_lineage["index"].parent / "val.bin").resolve()) in inputs
+    used = {name: str(Path(info["data"]).resolve()) for name, info in report["tasks"].items() if "data" in info}
+    assert set(used) == {"wikitext", "lambada", "hellaswag"}
+    for task, path in used.items():
+        ds = inputs[path]
+        readme = data_readme_entry(path, cfg.data_root)
+        # the content hash is the file's sha256, which is the one the data README lists
+        assert ds["facets"]["version"]["datasetVersion"] == sha256_file(path) == readme["sha256"]
+        src = ds["facets"]["crucible_source"]
+        assert src["use"] == "evaluation" and not src["derived"] and src["source"] == task
+        assert src["licence"] == readme["licence"] and readme["sha256"] in src["provenance"]
+    assert "CC BY 4.0" in inputs[used["lambada"]]["facets"]["crucible_source"]["licence"]
+    # benchmark licences are recorded, not propagated: the report carries the training data's only
+    out = complete["outputs"][0]
+    assert out["facets"]["crucible_source"]["licences"] == ["GPL-2.0"]
+
+
+def test_trace_lists_evaluation_data_apart_from_sources(lm_lineage, tmp_path):
+    from tasks.lineage.service.provenance import Provenance, report_markdown
+    from tasks.lineage.service.store import LineageStore
+
+    store = LineageStore(tmp_path / "lineage.db")
+    try:
+        store.ingest_batch(lm_lineage["events"])
+        node = f"dataset:file:{lm_lineage['report']['report_path']}"
+        trace = Provenance(store).trace(node)
+        assert {s["source"] for s in trace["sources"]} == {"linux-doc"} and trace["unlicensed"] == []
+        assert sorted(d["task"] for d in trace["evaluationData"]) == ["hellaswag", "lambada", "wikitext"]
+        assert all(d["licence"] and d["readBy"] == ["evaluate.evaluate_checkpoint"] for d in trace["evaluationData"])
+        md = report_markdown(Provenance(store).report(node))
+        assert "## Evaluation data" in md and "HellaSwag MIT" in md
+    finally:
+        store.close()
+
+
+def test_failed_torchrun_job_emits_fail_with_the_error(lm_lineage, tmp_path):
+    from lm_helpers import tiny_cfg
+
+    from tasks.lineage.torchrun import TorchrunLineage
+    from tasks.train import TrainingError, run_training
+
+    log = tmp_path / "lineage.jsonl"
+    task, root = _ref("train.torchrun_train"), _ref("pretrain")
+    torchrun = TorchrunLineage(LineageEmitter(log, "crucible", PRODUCER), parent=task, root=root)
+    # seq_len longer than the train split: the worker cannot draw a window and torchrun exits non-zero
+    cfg = tiny_cfg(model={"seq_len": 1 << 20}, train={"nproc_per_node": 1})
+    with pytest.raises(TrainingError):
+        run_training(cfg, lm_lineage["index"], tmp_path / "fail", None, None, "fail", lineage=torchrun)
+    events = read_events(log)
+    assert [e["eventType"] for e in events] == ["START", "FAIL"]
+    fail = events[1]
+    assert event_errors(fail) == []
+    assert fail["run"]["runId"] == torchrun.run_id and fail["run"]["facets"]["parent"]["run"]["runId"] == task.run_id
+    assert "torchrun exited with code" in fail["run"]["facets"]["errorMessage"]["message"]
+    assert fail["outputs"] == []

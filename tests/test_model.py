@@ -113,3 +113,172 @@ def test_config_validation():
         ModelConfig(d_model=30, n_head=4)
     with pytest.raises(ValueError):
         ModelConfig(d_model=12, n_head=4)  # head dim 3 is odd
+
+
+# ---------------------------------------------------------------- document masking, QK-norm, soft cap, z-loss
+
+def _packed(model, d1, d2):
+    """Run the two documents packed into one sequence with the document mask and per-document
+    RoPE positions, as the training loader feeds them."""
+    ids = torch.tensor([[0] * d1.size(1) + [1] * d2.size(1)])
+    pos = torch.tensor([list(range(d1.size(1))) + list(range(d2.size(1)))])
+    return model(torch.cat([d1, d2], 1), doc_ids=ids, positions=pos)[0]
+
+
+@pytest.mark.parametrize("options", [{}, {"qk_norm": True, "logit_softcap": 20.0, "tie_embeddings": False}])
+def test_packed_documents_match_running_each_alone(options):
+    model = tiny(**options).eval()
+    torch.manual_seed(2)
+    d1, d2 = torch.randint(0, 97, (1, 6)), torch.randint(0, 97, (1, 10))
+    with torch.no_grad():
+        packed = _packed(model, d1, d2)
+        alone1, alone2 = model(d1)[0], model(d2)[0]
+        unmasked = model(torch.cat([d1, d2], 1))[0]
+    # identical up to float32 rounding (the matmuls run on other shapes, so not bit for bit)
+    assert torch.allclose(packed[:, 6:], alone2, rtol=0, atol=1e-5)
+    assert torch.allclose(packed[:, :6], alone1, rtol=0, atol=1e-5)
+    # without the mask, doc 2 sees doc 1 and its logits are different
+    assert (unmasked[:, 6:] - alone2).abs().max() > 1e-3
+
+
+def test_document_mask_blocks_cross_document_attention():
+    from tasks.train.model import document_causal_mask
+
+    mask = document_causal_mask(torch.tensor([[0, 0, 1, 1, 1]]))
+    expected = torch.tensor([[1, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0],
+                             [0, 0, 1, 0, 0],
+                             [0, 0, 1, 1, 0],
+                             [0, 0, 1, 1, 1]], dtype=torch.bool)
+    assert mask.shape == (1, 1, 5, 5) and torch.equal(mask[0, 0], expected)
+    model = tiny().eval()
+    d1, d2 = torch.randint(0, 97, (1, 6)), torch.randint(0, 97, (1, 10))
+    other = (d1 + 1) % 97
+    with torch.no_grad():
+        a, b = _packed(model, d1, d2), _packed(model, other, d2)
+    assert torch.equal(a[:, 6:], b[:, 6:])  # changing doc 1 changes nothing in doc 2, bit for bit
+    assert not torch.allclose(a[:, :6], b[:, :6])
+    # and no gradient flows from doc 2's outputs into doc 1's inputs (one block, embeddings as leaves)
+    ids = torch.tensor([[0] * 6 + [1] * 10])
+    pos = torch.tensor([list(range(6)) + list(range(10))])
+    x = model.tok_emb(torch.cat([d1, d2], 1)).detach().requires_grad_(True)
+    out = model.blocks[0](x, model.rope_cos[pos][:, None], model.rope_sin[pos][:, None], document_causal_mask(ids))
+    out[:, 6:].sum().backward()
+    assert torch.count_nonzero(x.grad[:, :6]) == 0 and torch.count_nonzero(x.grad[:, 6:]) > 0
+
+
+def test_qk_norm_makes_attention_invariant_to_query_key_scale():
+    """RMSNorm on q and k: scaling the q/k projections cannot blow up the attention logits."""
+    idx = torch.randint(0, 97, (2, 16))
+    for qk_norm in (True, False):
+        model = tiny(qk_norm=qk_norm).eval()
+        with torch.no_grad():
+            before = model(idx)[0]
+            for block in model.blocks:
+                block.attn.qkv.weight[:2 * 32] *= 30.0  # the q and k rows
+            after = model(idx)[0]
+        same = torch.allclose(before, after, atol=1e-4)
+        assert same == qk_norm, qk_norm
+    names = [n for n, _ in tiny(qk_norm=True).named_parameters()]
+    assert "blocks.0.attn.q_norm.weight" in names and "blocks.0.attn.k_norm.weight" in names
+
+
+def test_logit_softcap_and_untied_head():
+    model = tiny(logit_softcap=2.0, tie_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(500.0)  # raw logits far beyond the cap
+        logits = model(torch.randint(0, 97, (2, 16)))[0]
+    assert logits.abs().max() <= 2.0 and logits.abs().max() > 1.9
+    names = [n for n, _ in model.named_parameters()]
+    assert "lm_head.weight" in names and model.lm_head.weight is not model.tok_emb.weight
+    # FLOPs count the head but not the (lookup-only) embedding table; tied, the table is the head
+    assert model.num_matmul_params() == model.num_params() - 97 * 32
+    assert tiny().num_matmul_params() == tiny().num_params()
+
+
+def test_kv_cache_matches_forward_with_new_options():
+    """The server's prefill/decode path applies QK-norm, the soft cap and the untied head too."""
+    from tasks.train.model import KVCache
+
+    model = tiny(qk_norm=True, logit_softcap=5.0, tie_embeddings=False).eval()
+    idx = torch.randint(0, 97, (1, 9))
+    with torch.no_grad():
+        full = model(idx)[0]
+        cache = KVCache(model.cfg)
+        first = model.prefill(idx[:, :8], cache)
+        nxt = model.decode_step(idx[0, 8:9], [cache])
+    assert torch.allclose(first, full[:, 7], atol=1e-5) and torch.allclose(nxt, full[:, 8], atol=1e-5)
+
+
+def test_z_loss_value_and_ignore_index():
+    from tasks.train.model import lm_loss
+
+    torch.manual_seed(4)
+    logits = torch.randn(2, 5, 11) * 3
+    targets = torch.randint(0, 11, (2, 5))
+    targets[1, 3] = -1
+    total, ce, z = lm_loss(logits, targets, 1e-2)
+    keep = targets.reshape(-1) != -1
+    lse = torch.logsumexp(logits.reshape(-1, 11), -1)[keep]
+    expected_ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 11)[keep], targets.reshape(-1)[keep])
+    assert torch.allclose(ce, expected_ce) and torch.allclose(z, 1e-2 * lse.pow(2).mean())
+    assert torch.allclose(total, ce + z)
+    total0, ce0, z0 = lm_loss(logits, targets, 0.0)
+    assert z0 is None and torch.equal(total0, ce0) and torch.equal(ce0, ce)
+    # the model's own loss is the plain cross-entropy
+    model = tiny()
+    x, y = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
+    logits, loss = model(x, y)
+    assert torch.equal(loss, lm_loss(logits, y)[0])
+
+
+# ---------------------------------------------------------------- bf16 autocast and torch.compile
+
+def test_bf16_autocast_keeps_fp32_master_weights():
+    from tasks.train.worker import autocast_context
+    from tasks.train.model import lm_loss
+
+    from lm_helpers import tiny_cfg
+
+    model = tiny(qk_norm=True)
+    x, y = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
+    ref_loss = lm_loss(model(x)[0], y)[0].item()
+    with autocast_context(tiny_cfg(train={"dtype": "bf16"}).train, torch.device("cpu")):
+        logits, _ = model(x)
+        loss, _, _ = lm_loss(logits, y, 1e-4)
+    loss.backward()
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    assert abs(loss.item() - ref_loss) < 0.05
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    with autocast_context(tiny_cfg().train, torch.device("cpu")):  # fp32 (the default): no autocast
+        assert model(x)[0].dtype == torch.float32
+
+
+def _cxx_compiler() -> str | None:
+    import shutil
+
+    return shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+@pytest.mark.skipif(_cxx_compiler() is None, reason="torch.compile (inductor, CPU) needs a C++ compiler; none on PATH")
+def test_compiled_blocks_train_like_eager():
+    from tasks.train.worker import compile_blocks
+
+    eager, compiled = tiny(n_layer=1), tiny(n_layer=1)
+    compile_blocks(compiled)
+    assert list(compiled.state_dict()) == list(eager.state_dict())  # checkpoints keep their names
+    torch.manual_seed(5)
+    x = torch.randint(0, 97, (4, 16))
+    y = torch.roll(x, -1, dims=1)
+    losses = {}
+    for name, model in (("eager", eager), ("compiled", compiled)):
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses[name] = []
+        for _ in range(3):
+            _, loss = model(x, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    assert losses["compiled"] == pytest.approx(losses["eager"], abs=1e-4)
+    assert losses["compiled"][-1] < losses["compiled"][0]

@@ -122,3 +122,103 @@ def test_kenlm_perplexity_lower_in_domain_than_shuffled(corpora, tmp_path):
     records, summary = score_docs(docs, QualityConfig(kenlm=KenLMConfig(drop_buckets=["tail"])), kenlm_path=s["model"])
     assert [r["kenlm_bucket"] for r in records].count("head") == 9  # 30% of 30
     assert summary["docs_out"] == sum(r["kenlm_bucket"] != "tail" for r in records)
+
+
+# ------------------------------------------------------------------ the pipeline stage (run_quality)
+
+@pytest.fixture(scope="module")
+def stage_cfg(tmp_path_factory):
+    from tasks.config import PipelineConfig, RayConfig, SourceConfig
+
+    root = tmp_path_factory.mktemp("quality-stage")
+    return PipelineConfig(
+        name="quality-test", data_root=str(DATA), run_root=str(root / "runs"), ray=RayConfig(num_cpus=2),
+        sources=[SourceConfig(name="x", uri="web/*", format="jsonl", licence="test", provenance="shared/data")],
+        quality=QualityConfig(
+            model_dir=str(root / "models"), batch_docs=40,
+            classifier=QualityClassifierConfig(enabled=True, positives=["text/gutenberg/*.txt"], negatives=CRAWL,
+                                               max_docs_per_class=300, max_chars=2000, bucket=50_000),
+            kenlm=KenLMConfig(enabled=True, reference=["text/gutenberg/*.txt"], max_docs=300, order=3,
+                              memory="64M", drop_buckets=["tail"])))
+
+
+@pytest.fixture(scope="module")
+def stage_input(corpora, tmp_path_factory):
+    from tasks.core.documents import write_docs
+
+    ref, crawl = corpora
+    docs = [{"id": f"ref-{i}", "text": t, "source": "reference"} for i, t in enumerate(ref[:60])] + \
+           [{"id": f"web-{i}", "text": t, "source": "crawl"} for i, t in enumerate(crawl[:60])]
+    random.Random(3).shuffle(docs)
+    return docs, write_docs(docs, tmp_path_factory.mktemp("quality-in"), shard_docs=50)  # 3 shards
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    from tasks.config import RayConfig
+    from tasks.core.ray_utils import init_ray
+
+    init_ray(RayConfig(num_cpus=2))
+    yield
+    ray.shutdown()
+
+
+@needs_data
+@needs_kenlm
+def test_quality_stage_accounts_for_every_document_and_reuses_models(stage_cfg, stage_input, ray_session, tmp_path):
+    import json
+
+    import pyarrow.parquet as pq
+
+    from tasks.core.documents import iter_docs
+    from tasks.quality.run import classifier_key, run_quality
+
+    docs, shards = stage_input
+    s = run_quality(stage_cfg, shards, tmp_path / "q1")
+    n = len(docs)
+    assert s["docs_in"] == n and s["docs_out"] + sum(s["dropped"].values()) == n
+    assert set(s["dropped"]) == {"quality_classifier", "kenlm_tail"}
+    assert [st["name"] for st in s["steps"]] == ["quality_classifier", "kenlm"]
+    assert all(st["docs_in"] == st["docs_out"] + sum(st["dropped"].values()) for st in s["steps"])
+    # the output is the kept documents, in input order; dropped.jsonl and scores.parquet explain the rest
+    kept = [d["id"] for d in iter_docs(s["shards"])]
+    assert len(kept) == s["docs_out"] and kept == [d["id"] for d in docs if d["id"] in set(kept)]
+    lines = [json.loads(x) for x in Path(s["dropped_file"]).read_text().splitlines()]
+    assert len(lines) == n - len(kept) and not {x["id"] for x in lines} & set(kept)
+    scores = pq.read_table(s["scores_file"]).to_pylist()
+    assert len(scores) == n and {r["id"] for r in scores if r["keep"]} == set(kept)
+    assert all(r["kenlm_bucket"] in ("head", "middle", "tail") and r["perplexity"] > 0 for r in scores)
+    # the reference text outscores the crawl
+    assert sum(k.startswith("ref-") for k in kept) > 2 * sum(k.startswith("web-") for k in kept)
+    models = s["models"]
+    assert not models["classifier"]["reused"] and not models["kenlm"]["reused"]
+    assert models["classifier"]["heldout"]["roc_auc"] > 0.8 and s["metrics"]["classifier_heldout_roc_auc"] > 0.8
+
+    # same training inputs and config: both models reused (scoring settings are not part of the key)
+    cfg2 = stage_cfg.model_copy(deep=True)
+    cfg2.quality.classifier.threshold, cfg2.quality.classifier.keep_top_fraction = None, 0.5
+    cfg2.quality.kenlm.drop_buckets = []  # tag only
+    s2 = run_quality(cfg2, shards, tmp_path / "q2")
+    assert s2["models"]["classifier"]["reused"] and s2["models"]["kenlm"]["reused"]
+    assert s2["models"]["classifier"]["sha256"] == models["classifier"]["sha256"]
+    # the top half (ties at the cut-off stay); nothing dropped by KenLM in tag mode
+    assert n // 2 <= s2["docs_out"] < n and s2["dropped"] == {"quality_classifier": n - s2["docs_out"]}
+    assert sum(s2["buckets"].values()) == n
+    # another training config is another model
+    cfg3 = stage_cfg.model_copy(deep=True)
+    cfg3.quality.classifier.epoch += 1
+    assert classifier_key(cfg3)[0] != classifier_key(stage_cfg)[0] == models["classifier"]["key"]
+
+
+def test_quality_stage_disabled_passes_shards_through(tmp_path):
+    from tasks.config import PipelineConfig, SourceConfig
+    from tasks.core.documents import write_docs
+    from tasks.quality.run import run_quality
+
+    cfg = PipelineConfig(name="q", sources=[SourceConfig(name="x", uri="x", format="jsonl", licence="l",
+                                                         provenance="p")])
+    shards = write_docs([{"id": str(i), "text": "t"} for i in range(5)], tmp_path / "in")
+    s = run_quality(cfg, shards, tmp_path / "out")
+    assert not s["enabled"] and s["docs_out"] == s["docs_in"] == 5 and s["shards"] == [str(p.resolve()) for p in shards]

@@ -161,3 +161,142 @@ def test_damaged_part_is_redone(setup, tmp_path):
     assert second["resumed_jobs"] == len(jobs) - 1
     assert _output(tmp_path / "a") == _output(out)
     assert second["docs_out"] == first["docs_out"]
+
+
+# ------------------------------------------------------------------ ingest
+
+INGEST_RUNNER = """
+import sys
+from pathlib import Path
+from tasks.config import PipelineConfig
+from tasks.ingest import run_ingest
+cfg = PipelineConfig.model_validate_json(Path(sys.argv[1]).read_text())
+run_ingest(cfg, Path(sys.argv[2]))
+"""
+INGEST_FILES = ("quarantine.jsonl",)
+
+
+@pytest.fixture(scope="module")
+def ingest_setup(tmp_path_factory):
+    """Ten source files (eight JSONL.gz slices of a real Common Crawl sample, one with a broken
+    line, and two copies of a real wget WARC) in two sources: ten ingest jobs."""
+    import gzip
+    import shutil
+
+    root = tmp_path_factory.mktemp("ingest-resume")
+    src_dir = root / "src"
+    src_dir.mkdir()
+    with gzip.open(WEB / "cc-main-2019-30-sample.jsonl.gz", "rt", encoding="utf-8") as f:
+        lines = f.readlines()
+    per = len(lines) // 8 + 1
+    for i in range(8):
+        chunk = lines[i * per:(i + 1) * per]
+        if i == 3:
+            chunk = chunk[:5] + ['{"id": "broken", "text": \n'] + chunk[5:]
+        with gzip.open(src_dir / f"cc-{i:02d}.jsonl.gz", "wt", encoding="utf-8") as f:
+            f.writelines(chunk)
+    for i in range(2):
+        shutil.copy(WEB / "wget-sample-0001.warc.gz", src_dir / f"wget-{i}.warc.gz")
+    sources = [SourceConfig(name="cc", uri=str(src_dir / "cc-*.jsonl.gz"), format="jsonl", licence="cc-tou",
+                            provenance="dolma sample, sliced"),
+               SourceConfig(name="wget", uri=f"file://{src_dir}/wget-*.warc.gz", format="warc", licence="apache",
+                            provenance="dolma wget sample, copied")]
+    cfg = PipelineConfig(name="ingest-resume", sources=sources, data_root=str(DATA), ray=RayConfig(num_cpus=1),
+                         ingest={"shard_docs": 200})
+    return root, cfg
+
+
+def _ingest_output(out: Path) -> dict[str, str]:
+    files = sorted(out.glob("shard-*.parquet")) + [out / n for n in INGEST_FILES if (out / n).exists()]
+    return {p.name: _sha(p) for p in files}
+
+
+def test_ingest_sigkill_then_resume_is_identical(ingest_setup):
+    import ray
+
+    from tasks.core.ray_utils import init_ray
+    from tasks.ingest import run_ingest
+
+    root, cfg = ingest_setup
+    out = root / "killed"
+    (root / "cfg.json").write_text(cfg.model_dump_json())
+    proc = subprocess.Popen([sys.executable, "-c", INGEST_RUNNER, str(root / "cfg.json"), str(out)],
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    try:
+        while True:
+            done = len(list((out / "_parts").glob("*.pkl"))) if (out / "_parts").is_dir() else 0
+            if done >= 3:
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+            if proc.poll() is not None:
+                pytest.fail(f"ingest finished (rc {proc.returncode}) before it could be killed: "
+                            f"{proc.stderr.read().decode()[-2000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail("no ingest job finished in time")
+            time.sleep(0.005)
+        proc.wait(timeout=30)
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+        proc.stderr.close()
+    # nothing partial is visible
+    assert not (out / "manifest.json").exists() and not list(out.glob("shard-*.parquet"))
+    assert not (out / "quarantine.jsonl").exists()
+
+    calls: list[tuple[int, int, str]] = []
+    init_ray(RayConfig(num_cpus=2))
+    try:
+        resumed = run_ingest(cfg, out, progress=lambda d, t, n: calls.append((d, t, n)))
+        fresh = run_ingest(cfg, root / "fresh")
+        again = run_ingest(cfg, out)  # complete: verified, nothing redone
+    finally:
+        ray.shutdown()
+    assert 3 <= resumed["resumed_jobs"] < 10 and fresh["resumed_jobs"] == 0
+    assert _ingest_output(out) == _ingest_output(root / "fresh")
+    assert not list(out.glob(".*")) and not (out / "_parts").exists()
+    for k in ("docs_in", "docs_out", "dropped", "quarantined", "skipped_records", "sources"):
+        assert resumed[k] == fresh[k], k
+    assert resumed["quarantined"] == {"bad_json": 1}
+    assert resumed["dropped"]["duplicate_id"] == resumed["sources"]["wget"]["docs_out"]  # the copy of the WARC
+    assert again["resumed_complete"] and again["shards"] == resumed["shards"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {f["path"]: f["sha256"] for f in manifest["files"]} == _ingest_output(out)
+    # progress: counted in source files, monotonic, ends at 10/10
+    assert calls[-1][:2] == (10, 10) and all(t == 10 for _, t, _ in calls)
+    assert [d for d, _, _ in calls] == sorted(d for d, _, _ in calls)
+    assert "resumed" in calls[0][2]
+
+
+def test_ingest_changed_source_is_reread(ingest_setup, tmp_path):
+    """A complete output is reused only while its sources are unchanged (size/mtime in the key)."""
+    import gzip
+    import shutil
+
+    import ray
+
+    from tasks.core.ray_utils import init_ray
+    from tasks.ingest import run_ingest
+
+    root, cfg = ingest_setup
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("cc-00.jsonl.gz", "cc-01.jsonl.gz"):
+        shutil.copy(root / "src" / name, src / name)
+    cfg = cfg.model_copy(update={"sources": [cfg.sources[0].model_copy(update={"uri": str(src / "cc-*.jsonl.gz")})]})
+    out = tmp_path / "out"
+    init_ray(RayConfig(num_cpus=1))
+    try:
+        first = run_ingest(cfg, out)
+        assert run_ingest(cfg, out).get("resumed_complete")
+        with gzip.open(src / "cc-01.jsonl.gz", "at", encoding="utf-8") as f:
+            f.write(json.dumps({"id": "new-doc", "text": "A document added to the source after the first run."}) + "\n")
+        second = run_ingest(cfg, out)
+    finally:
+        ray.shutdown()
+    assert not second.get("resumed_complete")
+    assert second["docs_in"] == first["docs_in"] + 1 and second["docs_out"] == first["docs_out"] + 1

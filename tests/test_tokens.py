@@ -115,3 +115,64 @@ def test_dtype_for_vocab():
     assert dtype_for_vocab(4096) == np.dtype("<u2")
     assert dtype_for_vocab(65536) == np.dtype("<u2")  # ids 0..65535
     assert dtype_for_vocab(65537) == np.dtype("<u4")
+
+
+def test_document_starts_beside_each_split(index):
+    """<split>.doc_starts.npy: int64 offsets of every document, named in index.json, readable with
+    plain numpy, and exactly the positions after each EOS (every document ends with one)."""
+    from tasks.core.hashing import sha256_file
+    from tasks.tokens import open_doc_starts
+
+    on_disk = json.loads(Path(index["index_path"]).read_text())
+    for split in ("train", "val"):
+        info = index["splits"][split]
+        assert on_disk["splits"][split]["doc_starts"] == f"{split}.doc_starts.npy"  # relative, like the .bin
+        assert sha256_file(info["doc_starts"]) == info["doc_starts_sha256"]
+        starts = np.load(info["doc_starts"])  # the plain reader
+        assert starts.dtype == np.int64 and len(starts) == info["docs"]
+        arr = np.asarray(open_split(index["index_path"], split))
+        after_eos = np.flatnonzero(arr == index["eos_id"]) + 1
+        assert starts[0] == 0 and np.array_equal(starts[1:], after_eos[:-1])
+        assert np.all(np.diff(starts) > 1)  # a document holds at least one token and its EOS
+        assert np.array_equal(open_doc_starts(index["index_path"], split), starts)
+
+
+def test_document_starts_from_an_older_index(index, tmp_path):
+    """An index written before doc_starts existed: the offsets are derived from the EOS ids."""
+    import shutil
+
+    from tasks.tokens import open_doc_starts
+
+    old = json.loads(Path(index["index_path"]).read_text())
+    for split in ("train", "val"):
+        shutil.copy(index["splits"][split]["path"], tmp_path / f"{split}.bin")
+        del old["splits"][split]["doc_starts"], old["splits"][split]["doc_starts_sha256"]
+    (tmp_path / "index.json").write_text(json.dumps(old))
+    for split in ("train", "val"):
+        assert np.array_equal(open_doc_starts(tmp_path / "index.json", split),
+                              np.load(index["splits"][split]["doc_starts"]))
+
+
+def test_ray_parallel_encoding_writes_the_same_bytes(base, tmp_path):
+    """Shards encoded as Ray tasks (one per shard) give the same files as encoding in-process."""
+    import ray
+
+    shards = corpus_shards(base)
+    assert len(shards) > 1
+    tok_path = Path(tokenizer_artifact(base)["path"])
+    started = not ray.is_initialized()
+    try:
+        parallel = prepare_tokens(tiny_cfg(tokens={"val_fraction": 0.1, "seed": 7, "ray": True},
+                                           ray={"num_cpus": 2}),
+                                  tok_path, shards, tmp_path / "ray")
+        assert ray.is_initialized()  # the Ray path really ran
+    finally:
+        if started:
+            ray.shutdown()
+    serial = prepare_tokens(tiny_cfg(), tok_path, shards, tmp_path / "serial")
+    for split in ("train", "val"):
+        for key in ("path", "doc_starts"):
+            assert Path(parallel["splits"][split][key]).read_bytes() == \
+                Path(serial["splits"][split][key]).read_bytes()
+        assert parallel["splits"][split]["docs"] == serial["splits"][split]["docs"]
+    assert not (tmp_path / "ray" / "parts").exists()  # part files are cleaned up

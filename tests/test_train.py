@@ -61,6 +61,10 @@ def test_metrics_in_mlflow_every_step(run, monkeypatch):
     assert grad == pytest.approx({r["step"]: r["grad_norm"] for r in _log(run)}, rel=1e-5)
     params = client.get_run(run["mlflow"]["run_id"]).data.params
     assert params["model.d_model"] == "64" and params["world_size"] == "2"
+    # the training options are run parameters too
+    assert params["train.parallelism"] == "ddp" and params["train.dtype"] == "fp32"
+    assert params["train.doc_mask"] == "False" and params["train.z_loss"] == "0.0"
+    assert params["model.qk_norm"] == "False" and params["model.tie_embeddings"] == "True"
 
 
 def test_checkpoints_written(run, base):
@@ -280,3 +284,67 @@ def test_flops_batch_and_faults():
         ("corrupt", 9, 10, None), ("kill", 8, 8, 1), ("corrupt", 13, 13, None)]
     with pytest.raises(Exception, match="stop_at_step"):
         tiny_cfg(train={"stop_at_step": 30})
+
+
+# ---------------------------------------------------------------- document masks, FSDP2, bf16, z-loss
+
+def test_global_windows_documents_follow_the_index_boundaries(base):
+    """Per input token: the document id (from 0 in each sequence) steps up exactly after an EOS,
+    and the RoPE position restarts at 0 there."""
+    from tasks.train.data import GlobalWindows
+
+    info = tokens_artifact(base)
+    d = GlobalWindows(info["index_path"], "train", 64, 4, seed=3, documents=True)
+    eos = info["eos_id"]
+    n = min(d.n_windows, 400)
+    x = d.samples(0, n)[:, :-1]
+    ids, pos = d.documents(0, n)
+    assert ids.shape == pos.shape == x.shape and ids.dtype == pos.dtype == torch.int64
+    boundary = x[:, :-1] == eos  # the token after an EOS starts a new document
+    assert torch.equal(ids[:, 1:] - ids[:, :-1], boundary.long())
+    assert torch.equal(pos[:, 1:], torch.where(boundary, 0, pos[:, :-1] + 1))
+    assert bool((ids[:, 0] == 0).all()) and bool((pos[:, 0] == 0).all())
+    assert int(boundary.sum()) > 10  # the check saw real boundaries
+    # micro-batches line up with micro_batch's inputs
+    mx, _ = d.micro_batch(16, 1, 0, 2)
+    mids, _ = d.micro_batch_documents(16, 1, 0, 2)
+    first = 16 + 2 * 4
+    assert torch.equal(mx, x[first:first + 4]) and torch.equal(mids, ids[first:first + 4])
+
+
+def test_untied_head_is_weight_decayed():
+    model = GPT(GPTConfig(vocab_size=50, n_layer=1, n_head=2, d_model=16, seq_len=8, tie_embeddings=False))
+    opt = build_optimizer(model, tiny_cfg().train)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay = {names[id(p)] for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert "lm_head.weight" in decay and "tok_emb.weight" not in decay
+
+
+def test_fsdp2_matches_ddp_and_resumes_with_bf16_doc_mask_z_loss(run, base, tmp_path):
+    """A 2-process FSDP2 (fully_shard, gloo, CPU) run: the same losses as the DDP run for the first
+    steps; its sharded DCP checkpoint loads for inference and resumes training under FSDP2 with
+    bf16 compute, document masking and z-loss switched on."""
+    index = Path(tokens_artifact(base)["index_path"])
+    out = tmp_path / "fsdp2"
+    res = run_training(tiny_cfg(train={"parallelism": "fsdp2", "stop_at_step": 4, "log_every": 1}),
+                       index, out, None, None, "fsdp2")
+    assert res["steps"] == 4 and "fsdp2 fp32" in Path(res["log"]).read_text()
+    ddp_log, log = _log(run), [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    for r, q in zip(log, ddp_log[:4]):
+        assert r["loss"] == pytest.approx(q["loss"], rel=1e-4), (r, q)
+        assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=1e-3), (r, q)
+        assert r["data_start"] == q["data_start"]
+    model, meta = load_model_for_inference(res["checkpoints"][-1])  # unsharded by DCP
+    assert meta["step"] == 4 and model.tok_emb.weight.shape == (512, 64)
+
+    res = run_training(tiny_cfg(train={"parallelism": "fsdp2", "resume": True, "stop_at_step": 6, "log_every": 1,
+                                       "dtype": "bf16", "doc_mask": True, "z_loss": 1e-4}),
+                       index, out, None, None, "fsdp2")
+    text = Path(res["log"]).read_text()
+    assert "resumed from" in text and "fsdp2 bf16 doc-mask" in text
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
+    for r, q in zip(log[4:], ddp_log[4:6]):
+        assert abs(r["loss"] - q["loss"]) < 0.1, (r, q)  # bf16 and the mask move it a little
+        assert 0 < r["z_loss"] < 1e-2  # 1e-4 * logsumexp^2, logged every step
+    assert Path(res["checkpoints"][-1]).name == "step-000006"

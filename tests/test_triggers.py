@@ -44,6 +44,40 @@ def test_run_paths_from_checkpoint(tmp_path):
     assert evaluate_task.retries == EVAL_RETRIES >= 1  # a failed evaluation is retried (with backoff)
 
 
+def test_checkpoint_table_and_triggered_handover_files(tmp_path):
+    """The run's checkpoint table (newest report per step, triggered or direct) and the pretrain
+    flow's wait for triggered results: a report without its gate verdict is not taken; a missing
+    one times out (-> the flow evaluates itself)."""
+    from tasks.deploy.triggered import await_evaluation, eval_report_path, write_gate, write_json_atomic
+    from tasks.evaluate.compare import checkpoint_rows, table_key
+
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "train" / "checkpoints" / "step-000010"
+    direct = {"step": 10, "val_loss": 6.0, "perplexity": 403.4, "checkpoint": str(ckpt),
+              "task_metrics": {"lambada_acc": 0.1}, "report_path": str(run_dir / "evaluate" / "step-000010.json")}
+    write_json_atomic(Path(direct["report_path"]), direct)
+    path = eval_report_path(run_dir, ckpt)
+    trig = {**direct, "step": 20, "val_loss": 5.0, "task_metrics": {"hellaswag_acc": 0.3},
+            "checkpoint": str(ckpt.with_name("step-000020")), "report_path": str(path.with_name("step-000020.json"))}
+    write_json_atomic(Path(trig["report_path"]), trig)
+    (run_dir / "evaluate" / "notes.json").write_text("[1, 2]")  # not a report: ignored
+    rows = checkpoint_rows(run_dir)
+    assert [r["step"] for r in rows] == [10, 20] and [r["best"] for r in rows] == [False, True]
+    assert set(rows[0]) == set(rows[1]) >= {"val_loss", "perplexity", "lambada_acc", "hellaswag_acc", "gate"}
+    assert rows[0]["lambada_acc"] == 0.1 and rows[0]["hellaswag_acc"] is None and rows[1]["gate"] is None
+    assert [r["evaluated_by"] for r in rows] == ["pretrain flow", "trigger"]
+    assert table_key("Tiny-2026_01 x") == "eval-checkpoints-tiny-2026-01-x"
+
+    assert await_evaluation(run_dir, ckpt, timeout=0.5) is None  # nothing there yet
+    report = {**direct, "report_path": str(path)}
+    write_json_atomic(path, report)
+    assert await_evaluation(run_dir, ckpt, timeout=0.5) is None  # not gated yet: still being written
+    write_gate(report, {"passed": False, "reason": "val_loss too high"}, 4.0)
+    got = await_evaluation(run_dir, ckpt, timeout=0.5)
+    assert got["gate"] == {"passed": False, "reason": "val_loss too high", "champion_val_loss": 4.0}
+    assert checkpoint_rows(run_dir)[0]["gate"] == "failed: val_loss too high"
+
+
 def _make_run(base: Path, root: Path, store: str) -> tuple[Path, list[Path]]:
     tok, tokens = tokenizer_artifact(base), tokens_artifact(base)
     run_dir = root / "runs" / "trig-run"
@@ -141,11 +175,91 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
 
         from mlflow import MlflowClient
 
-        mv = MlflowClient(tracking_uri=store, registry_uri=store).get_model_version_by_alias("trig-model", "champion")
+        client = MlflowClient(tracking_uri=store, registry_uri=store)
+        mv = client.get_model_version_by_alias("trig-model", "champion")
         assert mv.tags["checkpoint"] in [str(p) for p in ckpts]
+        # challenger -> verified -> champion; no challenger alias left once the deploys are done
+        assert mv.tags["deployment.status"] == "champion" and mv.tags["deployment.verified"]
+        assert mv.tags["data.licences"] and mv.tags["lineage.checkpoint_node"].endswith(mv.tags["checkpoint"])
+
+        # what a pretrain flow with the stack up collects instead of evaluating/deploying again
+        from tasks.config import PipelineConfig
+        from tasks.deploy.triggered import await_deployment, await_evaluation, flow_run_failed
+        from tasks.evaluate.compare import table_key
+
+        monkeypatch.setenv("PREFECT_API_URL", api)
+        reports = [await_evaluation(run_dir, p, timeout=5) for p in ckpts]
+        assert all(r and r["gate"]["reason"] for r in reports)
+        assert flow_run_failed("evaluate-checkpoint", ckpts[0]) is None
+        cfg = PipelineConfig.model_validate_json((run_dir / "config.json").read_text())
+        best = min(reports, key=lambda r: r["val_loss"])
+        deployed = await_deployment(cfg, store, run_dir, best, timeout=120)  # every passing one's deploy
+        champ = client.get_model_version_by_alias("trig-model", "champion")
+        assert deployed["version"] == int(champ.version) and deployed["checkpoint"] == champ.tags["checkpoint"]
+        assert "challenger" not in client.get_registered_model("trig-model").aliases
+        # the run's checkpoint table, updated by each triggered evaluation
+        arts = c.post("/artifacts/filter", json={"artifacts": {"key": {"any_": [table_key("trig-run")]}}}).json()
+        rows = json.loads(max(arts, key=lambda a: a["created"])["data"])
+        assert [r["step"] for r in rows] == [10, 20] and all(r["gate"] for r in rows)
+        # the pretrain flow leaves the work to the triggers only when they serve its own Prefect and MLflow
+        from flows.triggers import triggers_active
+
+        tcfg = cfg.model_copy(update={"stack": stack_cfg})
+        assert not triggers_active(tcfg)  # MLflow here is a SQLite file, not the stack's server
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", stack.mlflow_tracking_uri(stack_cfg))
+        assert triggers_active(tcfg)
+        monkeypatch.delenv("PREFECT_API_URL")
+        assert not triggers_active(tcfg)
         print(f"checkpoint events -> evaluations -> deployment in {time.monotonic() - t0:.1f}s")
         assert not list(Path.cwd().glob("mlflow.db")) and not list(Path.cwd().glob("mlruns"))
     finally:
         with stack.stack_lock(stack_cfg):
             for name in ("triggers", stack.PREFECT):
                 stack.stop_service(stack_cfg, name)
+
+
+@pytest.mark.e2e
+def test_without_triggers_the_pretrain_subflows_evaluate_and_deploy_directly(tmp_path, tmp_path_factory,
+                                                                             monkeypatch):
+    """No triggers service (plain `python -m flows.pretrain`): the pretrain flow's evaluate and
+    deploy subflows do the work themselves, with the gate verdict and the checkpoint table too."""
+    from mlflow import MlflowClient
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.pretrain import deploy, evaluate
+    from flows.triggers import triggers_active
+    from tasks.config import PipelineConfig
+    from tasks.evaluate.compare import table_key
+    from tasks.pipeline_run import RunContext
+    from tasks.tracking import Tracker
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    store = f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"
+    run_dir, ckpts = _make_run(tmp_path_factory.getbasetemp() / "lm", tmp_path, store)
+    cfg = PipelineConfig.model_validate_json((run_dir / "config.json").read_text())
+    MlflowClient(tracking_uri=store).create_experiment(cfg.name, artifact_location=(tmp_path / "art").as_uri())
+    tracker = Tracker(store, cfg.name)
+    parent = tracker.start_run("trig-run")
+    train_run = tracker.start_run("train", parent_run_id=parent)
+    tok, index = str(run_dir / "tokenizer" / "tokenizer.json"), str(run_dir / "tokens" / "index.json")
+    with prefect_test_harness(server_startup_timeout=180):  # a real temporary Prefect server
+        assert not triggers_active(cfg)
+        ctx = RunContext(run_name="trig-run", run_dir=str(run_dir), lineage_log=str(run_dir / "lineage.jsonl"),
+                         tracking_uri=store, experiment=cfg.name, mlflow_parent_run_id=parent,
+                         root_run_id=str(uuid.uuid4()))
+        config = cfg.model_dump(mode="json")
+        evals = evaluate(config, ctx, [str(p) for p in ckpts], tok, index, train_run)
+        deployed = deploy(config, ctx, evals, tok, train_run)
+        api = PREFECT_API_URL.value().rstrip("/")
+        arts = httpx.post(f"{api}/artifacts/filter", timeout=60,
+                          json={"artifacts": {"key": {"any_": [table_key("trig-run")]}}}).json()
+    assert [Path(e["report_path"]).parent for e in evals] == [run_dir / "evaluate"] * 2
+    assert all(e["gate"]["reason"] and "evaluated_by" not in e for e in evals)
+    assert not (run_dir / "evaluate" / "triggered").exists()
+    assert deployed["version"] == 1 and deployed["alias"] == "champion" and "deployed_by" not in deployed
+    assert sorted(m.step for m in MlflowClient(tracking_uri=store).get_metric_history(train_run, "val_loss")) == [10, 20]
+    rows = json.loads(max(arts, key=lambda a: a["created"])["data"])
+    assert [r["step"] for r in rows] == [10, 20] and all(r["evaluated_by"] == "pretrain flow" for r in rows)

@@ -7,7 +7,9 @@ redaction → exact + MinHash dedup.
    a part file; for every kept document the worker also returns its id, exact-dedup key,
    MinHash signature and size. Actor results come back in corpus order.
 2. In the driver, over the whole corpus in shard/row order: exact dedup (first copy kept),
-   then MinHash LSH clustering of the remaining documents (first document of each cluster kept).
+   then MinHash LSH clustering of the remaining documents (first document of each cluster kept,
+   or with `minhash.survivor: quality` the highest quality score; in process, or on Ray with
+   band keys spilled to Parquet from `minhash.ray_min_docs` documents: `tasks.dedup.cluster`).
 3. The parts are streamed into `out_dir/shard-00000.parquet`, ... (`curate.shard_docs` rows
    each) without the deduplicated documents, and `out_dir/dropped.jsonl` gets one line per
    dropped document: {"id", "step", "reason"} (+ "duplicate_of" for dedup drops).
@@ -19,7 +21,8 @@ only in an e-mail address or phone number dedup together, and signatures are com
 text that is written). The decontamination index (`decontam.build_index`) is built once in the
 driver (cached per process) and shipped to the actors with `ray.put`.
 
-Resumability: every job (one input row group) writes its part atomically (temp + rename), and
+Resumability (the machinery is `tasks.core.resume`, shared with ingest): every job (one input
+row group) writes its part atomically (temp + rename), and
 the driver then writes `_parts/<job>.pkl` (atomically) with the job's result, a key (curate
 config, source PII policies, decontam index fingerprint, input shard path/size/mtime, row
 group) and the sha256 of the part. A re-run reuses a job whose key matches and whose part
@@ -40,15 +43,14 @@ Summary: docs_in, docs_out, dropped {reason: n} (docs_out + sum(dropped) == docs
 document the language filter saw), languages_out (over the curated output), shards,
 dropped_file, pii ({"replacements": {source: {kind: n}}, "by_kind", "docs_changed"}),
 decontam (hits per benchmark, report path, index stats), sources (docs in/out per source),
+dedup (`tasks.dedup.report`: duplicate rate per source, cluster sizes, example pairs, clustering),
 dataset_card, manifest, resumed_jobs, seconds. Memory in the driver is O(documents) for ids, keys and signatures
 (112 × 4 bytes per document with the default 14×8 LSH).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import pickle
 import shutil
 import time
 from collections import Counter
@@ -58,13 +60,18 @@ import pyarrow.parquet as pq
 
 from tasks.config import CurateConfig, PipelineConfig
 from tasks.core.documents import AtomicJsonlWriter, ShardWriter, iter_doc_batches, iter_docs
-from tasks.core.hashing import sha256_file
+from tasks.core.resume import (MANIFEST, JobStore, atomic_write_bytes as _atomic_write_bytes, digest as _digest,
+                               file_identity as _file_identity, remove_temp_files as _remove_temp_files,
+                               verify_manifest as _verify_manifest, write_manifest)
+from tasks.core.progress import Progress
 from tasks.core.ray_utils import cluster_cpus, init_ray
 from tasks.core.steps import StepStats, run_filters
 from tasks.dedup.exact import ExactDeduper, exact_key
-from tasks.dedup.minhash import MinHasher, minhash_clusters
+from tasks.dedup.cli import clustering_method
+from tasks.dedup.cluster import cluster_signatures
+from tasks.dedup.minhash import MinHasher
+from tasks.dedup.report import add_text_jaccard, dedup_report, example_ids
 
-MANIFEST = "manifest.json"
 DATASET_CARD = "DATASET_CARD.md"
 DECONTAM_REPORT = "decontam_report.json"
 
@@ -90,14 +97,15 @@ def _batches(shard: str | Path, row_groups: list[int] | None, batch_size: int):
 
 
 def curate_shard(shard: str | Path, filters: list, hasher: MinHasher | None, part_dir: str | Path,
-                 part_name: str, row_groups: list[int] | None = None, batch_size: int = 500) -> dict:
+                 part_name: str, row_groups: list[int] | None = None, batch_size: int = 500,
+                 score_field: str | None = None) -> dict:
     """Filter one shard (or some of its row groups); write survivors to
     `<part_dir>/<part_name>-00000.parquet`."""
     stats: dict[str, StepStats] = {}
     dropped: list = []
     languages: Counter = Counter()
     sources_in: Counter = Counter()
-    ids, keys, sigs, nbytes = [], [], [], []
+    ids, keys, sigs, nbytes, doc_sources, scores = [], [], [], [], [], []
     docs_in = 0
     for f in filters:  # a previous job that failed half-way must not leak its extras
         if hasattr(f, "drain"):
@@ -106,18 +114,23 @@ def curate_shard(shard: str | Path, filters: list, hasher: MinHasher | None, par
         for batch in _batches(shard, row_groups, batch_size):
             docs_in += len(batch)
             sources_in.update(d.get("source") or "" for d in batch)
+            kept = []
             for doc in run_filters(batch, filters, stats, dropped):
                 writer.write(doc)
                 text = doc["text"]
+                kept.append(text)
                 ids.append(doc["id"])
                 keys.append(exact_key(text))
-                sigs.append(hasher.signature(text) if hasher is not None else None)
                 nbytes.append(len(text.encode("utf-8")))
+                doc_sources.append(doc.get("source") or "")
+                scores.append(doc.get(score_field) if score_field else None)
+            sigs.extend(hasher.signatures(kept) if hasher is not None else [None] * len(kept))
             languages.update(d["language"] for d in batch if d.get("language"))
     extras = {f.name: f.drain() for f in filters if hasattr(f, "drain")}
     return {
         "docs_in": docs_in, "stats": {k: v.to_dict() for k, v in stats.items()},
         "dropped": dropped, "ids": ids, "keys": keys, "sigs": sigs, "nbytes": nbytes,
+        "doc_sources": doc_sources, "scores": scores,
         "languages": dict(languages), "sources_in": dict(sources_in), "extras": extras,
         "parts": [str(p) for p in writer.paths],
     }
@@ -135,10 +148,12 @@ class CurateWorker:
 
         self.filters = build_filters(cfg, decontam_index=decontam_index, pii_policies=policies)
         mh = cfg.dedup.minhash
-        self.hasher = MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram) if mh.enabled else None
+        self.hasher = MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram, mh.scheme, mh.hash) if mh.enabled else None
+        self.score_field = mh.quality_field if mh.enabled and mh.survivor == "quality" else None
 
     def process(self, shard: str, part_dir: str, part_name: str, row_groups: list[int] | None = None) -> dict:
-        res = curate_shard(shard, self.filters, self.hasher, part_dir, part_name, row_groups)
+        res = curate_shard(shard, self.filters, self.hasher, part_dir, part_name, row_groups,
+                           score_field=self.score_field)
         res["name"] = part_name
         return res
 
@@ -155,10 +170,6 @@ def _jobs(shards: list[str], parts_dir: Path) -> list[tuple]:
 
 # ------------------------------------------------------------------ resumability
 
-def _digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
 def job_base_key(cfg: PipelineConfig, index) -> str:
     """What every job's output depends on besides its input: the curate config (re-validated,
     so a default `3` and a loaded `3.0` agree), the sources' PII policies, the decontam index."""
@@ -171,77 +182,13 @@ def job_key(base: str, job: tuple) -> str:
     return _digest([base, _file_identity(job[0]), job[3]])
 
 
-def _file_identity(path: str) -> list:
-    st = os.stat(path)
-    return [path, st.st_size, st.st_mtime_ns]
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _load_done_job(parts_dir: Path, name: str, key: str) -> dict | None:
-    """The stored result of job `name` if its key matches and every part verifies, else None."""
-    path = parts_dir / f"{name}.pkl"
-    if not path.is_file():
-        return None
-    try:
-        stored = pickle.loads(path.read_bytes())
-    except Exception:  # noqa: BLE001 - a damaged result file just means: redo the job
-        return None
-    if stored.get("key") != key:
-        return None
-    for part, digest in stored["part_sha256"].items():
-        if not Path(part).is_file() or sha256_file(part) != digest:
-            return None
-    return stored["result"]
-
-
 def _save_job(parts_dir: Path, name: str, key: str, result: dict) -> None:
-    shas = {p: sha256_file(p) for p in result["parts"]}
-    _atomic_write_bytes(parts_dir / f"{name}.pkl",
-                        pickle.dumps({"key": key, "part_sha256": shas, "result": result}, protocol=5))
-
-
-def _remove_temp_files(d: Path) -> None:
-    if d.is_dir():
-        for p in d.glob(".*.tmp-*"):
-            p.unlink(missing_ok=True)
-
-
-def _verify_manifest(out_dir: Path, run_key: str) -> dict | None:
-    path = out_dir / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        m = json.loads(path.read_text())
-    except ValueError:
-        return None
-    if m.get("key") != run_key:
-        return None
-    for entry in m["files"]:
-        f = out_dir / entry["path"]
-        if not f.is_file() or sha256_file(f) != entry["sha256"]:
-            return None
-    return m
+    JobStore(parts_dir).save(name, key, result)
 
 
 def _write_manifest(out_dir: Path, run_key: str, summary: dict) -> Path:
-    files = []
-    for p in summary["shards"]:
-        files.append({"path": Path(p).name, "sha256": sha256_file(p), "docs": pq.ParquetFile(p).metadata.num_rows})
-    for name in ("dropped.jsonl", DECONTAM_REPORT, DATASET_CARD):
-        if (out_dir / name).is_file():
-            files.append({"path": name, "sha256": sha256_file(out_dir / name)})
-    path = out_dir / MANIFEST
-    body = {"key": run_key, "files": files, "summary": summary}
-    _atomic_write_bytes(path, (json.dumps(body, indent=1, sort_keys=True) + "\n").encode())
-    return path
+    return write_manifest(out_dir, run_key, summary, summary["shards"],
+                          ["dropped.jsonl", DECONTAM_REPORT, DATASET_CARD])
 
 
 # ------------------------------------------------------------------ map
@@ -290,7 +237,9 @@ def _map_shards(cfg: PipelineConfig, jobs: list[tuple], index, on_result) -> Non
             ray.kill(a)
 
 
-def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> dict:
+def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progress: Progress | None = None) -> dict:
+    """Curate `in_shards` into `out_dir` (see the module docstring). `progress(done, total, note)`,
+    if given, is called as jobs (input row groups) finish, resumed ones included."""
     t0 = time.perf_counter()
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -321,12 +270,11 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> dic
 
     jobs = _jobs(shards, parts_dir)
     job_keys = {job[2]: job_key(job_base, job) for job in jobs}
-    for stale in parts_dir.glob("*.pkl"):
-        if stale.stem not in job_keys:
-            stale.unlink()
+    store = JobStore(parts_dir)
+    store.prune(set(job_keys))
     done: dict[str, dict] = {}
     for job in jobs:
-        r = _load_done_job(parts_dir, job[2], job_keys[job[2]])
+        r = store.load(job[2], job_keys[job[2]])
         if r is not None:
             done[job[2]] = r
     resumed = len(done)
@@ -335,9 +283,13 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> dic
         for p in parts_dir.glob(f"{job[2]}-*.parquet"):
             p.unlink()
 
+    report = progress or (lambda done_, total, note: None)
+    report(resumed, len(jobs), f"curate: {resumed} jobs resumed" if resumed else "curate")
+
     def on_result(res: dict) -> None:
         _save_job(parts_dir, res["name"], job_keys[res["name"]], res)
         done[res["name"]] = res
+        report(len(done), len(jobs), "curate")
 
     t_map = time.perf_counter()
     _map_shards(cfg, todo, index, on_result)
@@ -384,11 +336,14 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> dic
         steps.append(st)
 
     mh = cfg.curate.dedup.minhash
+    clustering = None
     if mh.enabled:
         t1 = time.perf_counter()
         st = StepStats("minhash_dedup")
-        roots = minhash_clusters([sigs[i] for i in alive], mh.bands, mh.rows, mh.seed,
-                                 scheme=MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram).scheme)
+        scores = [s for r in results for s in r.get("scores", [])] if mh.survivor == "quality" else None
+        roots, clustering = cluster_signatures(  # prints the memory estimate first
+            [sigs[i] for i in alive], mh.bands, mh.rows, method=clustering_method(mh, len(alive)),
+            work_dir=parts_dir, partitions=mh.partitions, scores=[scores[i] for i in alive] if scores else None)
         survivors = []
         for pos, i in enumerate(alive):
             st.docs_in += 1
@@ -405,6 +360,10 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> dic
         steps.append(st)
 
     removed = {d[0] for d in dedup_drops}
+    dedup = dedup_report(ids, [x for r in results for x in r.get("doc_sources", [])],
+                         [(d[0], d[1], d[3]) for d in dedup_drops], signatures=dict(zip(ids, sigs)),
+                         ngram=mh.ngram)
+    wanted, example_texts = example_ids(dedup), {}
     languages_out: Counter = Counter()
     sources_out: Counter = Counter()
     bytes_out = 0
@@ -418,6 +377,8 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> dic
     with ShardWriter(out_dir, prefix="shard", shard_docs=cfg.curate.shard_docs) as writer:
         for r in results:
             for doc in iter_docs(r["parts"]):
+                if doc["id"] in wanted:
+                    example_texts[doc["id"]] = doc["text"]
                 if doc["id"] in removed:
                     continue
                 writer.write(doc)
@@ -476,6 +437,7 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> dic
                     for s in sorted(set(sources_in) | set(sources_out))},
         "pii": pii,
         "decontam": decontam,
+        "dedup": {**add_text_jaccard(dedup, example_texts, mh.ngram), "clustering": clustering},
         "shards": [str(p) for p in writer.paths],
         "dropped_file": str(dropped_path),
         "jobs": len(jobs),

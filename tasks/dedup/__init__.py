@@ -1,12 +1,17 @@
 """Deduplication: exact (hash of normalised text) and near-duplicate (MinHash LSH).
 
-Both keep the first document in corpus order; `run_curate` applies exact then MinHash after
-the filters, and `crucible dedup` (`tasks.dedup.cli`) runs both on a JSONL file. MinHash
-signatures are numpy-vectorised and equal to datasketch's (`tasks.dedup.minhash`).
+Exact copies keep the first document in corpus order; MinHash clusters keep the first document
+or the highest quality score. `run_curate` applies exact then MinHash after the filters, and
+`crucible dedup` (`tasks.dedup.cli`) runs both on a JSONL file. MinHash signatures are
+numpy-vectorised and equal to datasketch's given the same shingle hash (`tasks.dedup.minhash`:
+the fast default `fast_hash32` or datasketch's `sha1_hash32`); clustering runs in process or on
+Ray with bounded memory (`tasks.dedup.cluster`); `tasks.dedup.report` summarises the duplicates.
 """
+from tasks.dedup.cluster import cluster_signatures
 from tasks.dedup.exact import ExactDeduper, exact_key
-from tasks.dedup.minhash import (MinHasher, UnionFind, band_keys, candidate_pairs, minhash_clusters, shingles,
-                                 simplify)
+from tasks.dedup.minhash import (MinHasher, UnionFind, band_keys, candidate_pairs, fast_hash32, minhash_clusters,
+                                 shingles, simplify)
+from tasks.dedup.report import dedup_report
 
 __all__ = ["ExactDeduper", "exact_key", "MinHasher", "UnionFind", "band_keys", "candidate_pairs",
-           "minhash_clusters", "shingles", "simplify"]
+           "cluster_signatures", "dedup_report", "fast_hash32", "minhash_clusters", "shingles", "simplify"]

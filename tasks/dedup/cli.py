@@ -2,7 +2,8 @@
 
 Input: one {"id", "text", ...} object per line (.jsonl or .jsonl.gz). Output: one line per input
 document, in input order: {"id", "cluster", "keep"} — `cluster` is the id of the cluster's
-survivor (the first document of the cluster in input order), `keep` is true for survivors only.
+survivor (the first document of the cluster in input order, or with `minhash.survivor: quality`
+the one with the highest `quality_field` value), `keep` is true for survivors only.
 
 Steps (config `curate.dedup`, or a bare dedup section — see `load_dedup_config`):
 1. exact: documents with the same normalised text (`exact_key`) join the first copy;
@@ -10,8 +11,11 @@ Steps (config `curate.dedup`, or a bare dedup section — see `load_dedup_config
    candidate pairs joined with a union-find (connected components); with `minhash.verify` a
    pair is joined only if its exact shingle Jaccard is ≥ `minhash.verify_threshold`. A
    candidate pair is (the first document filed under a band key, a later document sharing
-   that key), so a document can join a cluster only through a verified pair.
-A summary (StepStats of both steps, clusters, seconds) is printed as JSON on stdout.
+   that key), so a document can join a cluster only through a verified pair. Clustering runs
+   in process or, from `minhash.ray_min_docs` documents (`minhash.clustering`), on Ray with
+   bounded memory (`tasks.dedup.cluster`); both give the same clusters.
+A summary (StepStats of both steps, clusters, the dedup report of `tasks.dedup.report`,
+seconds) is printed as JSON on stdout.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import argparse
 import gzip
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -29,7 +34,9 @@ from tasks.config import DedupConfig, PipelineConfig
 from tasks.core.documents import AtomicJsonlWriter
 from tasks.core.steps import StepStats
 from tasks.dedup.exact import exact_key
-from tasks.dedup.minhash import MinHasher, UnionFind, candidate_pairs, jaccard, shingles
+from tasks.dedup.cluster import cluster_signatures
+from tasks.dedup.minhash import MinHasher, jaccard, shingles
+from tasks.dedup.report import dedup_report
 
 
 def load_dedup_config(path: str | Path | None) -> DedupConfig:
@@ -61,10 +68,24 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
                 yield doc
 
 
-def dedup_texts(texts: list[str], cfg: DedupConfig) -> tuple[list[int], list[StepStats]]:
-    """Cluster roots (index of each document's survivor, first in order) and per-step stats."""
+def clustering_method(mh, n_docs: int) -> str:
+    """"local" or "ray" for `minhash.clustering` ("auto": ray from `ray_min_docs` documents)."""
+    if mh.clustering != "auto":
+        return mh.clustering
+    return "ray" if n_docs >= mh.ray_min_docs else "local"
+
+
+def dedup_texts(texts: list[str], cfg: DedupConfig, scores: list[float | None] | None = None,
+                work_dir: str | Path | None = None, info: dict | None = None) -> tuple[list[int], list[StepStats]]:
+    """Cluster roots (index of each document's survivor) and per-step stats. The survivor of an
+    exact-duplicate group is its first document; of a MinHash cluster, the first document or
+    (`minhash.survivor: quality`) the one with the highest score in `scores`. `info`, if given,
+    receives the clustering stats, the signatures of the MinHash step and the step that dropped
+    each removed document (all by document index)."""
     n = len(texts)
-    uf = UnionFind(n)
+    survivor = list(range(n))  # per step: the document this one was folded into
+    info = {} if info is None else info
+    dropped_by = info.setdefault("dropped_by", {})  # document index → step name
     steps: list[StepStats] = []
     nbytes = [len(t.encode("utf-8")) for t in texts]
     alive = list(range(n))
@@ -79,7 +100,8 @@ def dedup_texts(texts: list[str], cfg: DedupConfig) -> tuple[list[int], list[Ste
                 st.docs_out += 1
                 st.bytes_out += nbytes[i]
             else:
-                uf.union(i, j)
+                survivor[i] = j
+                dropped_by[i] = "exact_dedup"
                 st.dropped["exact_dedup"] += 1
         st.seconds = time.perf_counter() - t0
         steps.append(st)
@@ -87,7 +109,7 @@ def dedup_texts(texts: list[str], cfg: DedupConfig) -> tuple[list[int], list[Ste
     mh = cfg.minhash
     if mh.enabled:
         st, t0 = StepStats("minhash_dedup"), time.perf_counter()
-        hasher = MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram, scheme=mh.scheme)
+        hasher = MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram, scheme=mh.scheme, hash=mh.hash)
         sigs = hasher.signatures([texts[i] for i in alive], max_shingles=mh.batch_shingles)
         cache: dict[int, set] = {}
 
@@ -96,13 +118,17 @@ def dedup_texts(texts: list[str], cfg: DedupConfig) -> tuple[list[int], list[Ste
                 cache[k] = shingles(texts[alive[k]], mh.ngram)
             return cache[k]
 
-        sub = UnionFind(len(alive))
-        for j, i in candidate_pairs(sigs, mh.bands, mh.rows):
-            if sub.find(i) == sub.find(j):
-                continue
-            if not mh.verify or jaccard(sh(i), sh(j)) >= mh.verify_threshold:
-                sub.union(i, j)
-        for k, r in enumerate(sub.roots()):
+        def verify(j: int, i: int) -> bool:
+            return jaccard(sh(i), sh(j)) >= mh.verify_threshold
+
+        sub_scores = [scores[i] for i in alive] if scores is not None and mh.survivor == "quality" else None
+        with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
+            roots, cstats = cluster_signatures(sigs, mh.bands, mh.rows, method=clustering_method(mh, len(alive)),
+                                               work_dir=tmp, partitions=mh.partitions,
+                                               verify=verify if mh.verify else None, scores=sub_scores)
+        info["clustering"] = cstats
+        info["signatures"] = {alive[k]: s for k, s in enumerate(sigs)}
+        for k, r in enumerate(roots):
             i = alive[k]
             st.docs_in += 1
             st.bytes_in += nbytes[i]
@@ -110,26 +136,37 @@ def dedup_texts(texts: list[str], cfg: DedupConfig) -> tuple[list[int], list[Ste
                 st.docs_out += 1
                 st.bytes_out += nbytes[i]
             else:
-                uf.union(i, alive[r])
+                survivor[i] = alive[r]
+                dropped_by[i] = "minhash_dedup"
                 st.dropped["minhash_dedup"] += 1
         st.seconds = time.perf_counter() - t0
         steps.append(st)
-    return uf.roots(), steps
+    # an exact copy follows its first copy into that one's MinHash cluster
+    return [survivor[survivor[i]] for i in range(n)], steps
 
 
 def dedup_jsonl(in_path: str | Path, out_path: str | Path, cfg: DedupConfig) -> dict:
     t0 = time.perf_counter()
     docs = list(read_jsonl(in_path))
     ids = [str(d["id"]) for d in docs]
-    roots, steps = dedup_texts([d["text"] for d in docs], cfg)
+    texts = [d["text"] for d in docs]
+    field = cfg.minhash.quality_field
+    scores = [d.get(field) if isinstance(d.get(field), (int, float)) else None for d in docs]
+    info: dict = {}
+    roots, steps = dedup_texts(texts, cfg, scores=scores, work_dir=Path(out_path).resolve().parent, info=info)
     with AtomicJsonlWriter(out_path) as w:
         for i, r in enumerate(roots):
             w.write({"id": ids[i], "cluster": ids[r], "keep": r == i})
     kept = sum(1 for i, r in enumerate(roots) if r == i)
+    drops = [(ids[i], info["dropped_by"][i], ids[r]) for i, r in enumerate(roots) if r != i]
+    sigs = {ids[k]: s for k, s in info.get("signatures", {}).items()}
+    report = dedup_report(ids, [str(d.get("source") or "") for d in docs], drops, signatures=sigs,
+                          texts=dict(zip(ids, texts)), ngram=cfg.minhash.ngram)
     return {
         "input": str(in_path), "output": str(out_path), "docs_in": len(docs), "docs_out": kept,
         "clusters_with_duplicates": len({r for i, r in enumerate(roots) if r != i}),
-        "steps": [s.to_dict() for s in steps], "seconds": round(time.perf_counter() - t0, 3),
+        "steps": [s.to_dict() for s in steps], "clustering": info.get("clustering", {}).get("method"),
+        "report": report, "seconds": round(time.perf_counter() - t0, 3),
     }
 
 

@@ -8,7 +8,8 @@ Documents found to be duplicates are not indexed (their survivor already is).
 Unverified: a shared band key is the LSH candidate test (p ≈ 0.92 at Jaccard 0.8 with 14×8).
 
 `save(dir)` writes `index.parquet` (band:int16, key:binary, doc_id:string) and `meta.json`;
-`MinHashIndex.load(dir)` reads them back; a run with other LSH parameters is refused.
+`MinHashIndex.load(dir)` reads them back; a run with other LSH parameters or another shingle
+hash ("fast" / "sha1": their signatures are not comparable) is refused.
 """
 from __future__ import annotations
 
@@ -24,14 +25,15 @@ from tasks.dedup.minhash import band_keys
 
 
 class MinHashIndex:
-    def __init__(self, bands: int = 14, rows: int = 8, seed: int = 1, scheme: str = "affine32"):
-        self.bands, self.rows, self.seed, self.scheme = bands, rows, seed, scheme
+    def __init__(self, bands: int = 14, rows: int = 8, seed: int = 1, scheme: str = "affine32",
+                 hash: str = "fast"):
+        self.bands, self.rows, self.seed, self.scheme, self.hash = bands, rows, seed, scheme, hash
         self.keys: dict[bytes, str] = {}
         self.docs = 0
 
     def meta(self) -> dict:
         return {"bands": self.bands, "rows": self.rows, "seed": self.seed, "scheme": self.scheme,
-                "docs": self.docs, "keys": len(self.keys)}
+                "hash": self.hash, "docs": self.docs, "keys": len(self.keys)}
 
     def query(self, sig: np.ndarray) -> str | None:
         for key in band_keys(sig, self.bands, self.rows):
@@ -70,13 +72,14 @@ class MinHashIndex:
 
     @classmethod
     def load(cls, directory: str | Path, bands: int | None = None, rows: int | None = None,
-             seed: int | None = None, scheme: str | None = None) -> "MinHashIndex":
+             seed: int | None = None, scheme: str | None = None, hash: str | None = None) -> "MinHashIndex":
         d = Path(directory)
         meta = json.loads((d / "meta.json").read_text())
-        for name, want in (("bands", bands), ("rows", rows), ("seed", seed), ("scheme", scheme)):
+        meta.setdefault("hash", "sha1")  # indexes written before the fast shingle hash existed
+        for name, want in (("bands", bands), ("rows", rows), ("seed", seed), ("scheme", scheme), ("hash", hash)):
             if want is not None and meta[name] != want:
                 raise ValueError(f"index {d} has {name}={meta[name]!r}, this run wants {want!r}")
-        idx = cls(meta["bands"], meta["rows"], meta["seed"], meta["scheme"])
+        idx = cls(meta["bands"], meta["rows"], meta["seed"], meta["scheme"], meta["hash"])
         t = pq.read_table(d / "index.parquet")
         for band, key, doc_id in zip(t["band"].to_pylist(), t["key"].to_pylist(), t["doc_id"].to_pylist()):
             idx.keys[bytes((band,)) + key] = doc_id

@@ -1,8 +1,8 @@
-"""Deployment: gate a checkpoint on its evaluation, register it in MLflow (alias `champion`) and
-serve it behind an OpenAI-compatible API.
+"""Deployment: gate a checkpoint on its evaluation, register it in MLflow (alias `challenger`,
+then `champion` once verified) and serve it behind an OpenAI-compatible API.
 
     gate.py          gate(deploy_cfg, eval_result, champion_val_loss) -> {passed, reason}
-    registry.py      get_champion / register (MLflow model registry)
+    registry.py      get_champion / register / promote / reject / record_gate (MLflow model registry)
     server.py        the FastAPI server (python -m tasks.deploy.server ...): completions with SSE
                      streaming and logprobs, bearer auth, POST /v1/admin/reload (hot swap)
     scheduler.py     continuous batching: one thread steps all active sequences together
@@ -10,6 +10,7 @@ serve it behind an OpenAI-compatible API.
                      (a new champion is swapped into the running server in place)
     generation.py    KV-cached sampling shared by the server and the registered pyfunc
     export.py        Hugging Face-compatible export (Llama layout) + model card
+    triggered.py     hand-over files between the event-triggered flows and a waiting pretrain flow
 
 Event-triggered evaluation/deployment lives in flows/triggers.py (served by infra/triggers_service.py).
 
@@ -28,17 +29,65 @@ log = logging.getLogger(__name__)
 __all__ = ["gate", "deploy_if_better", "start_or_refresh_server", "stop_server", "server_status", "endpoint_url"]
 
 
+def lineage_tags(cfg, evaluation: dict, tokenizer_path: Path) -> dict:
+    """Model-version tags naming the data the model came from: the sources and their licences, the
+    run's lineage log and the checkpoint's lineage node (open it in the lineage service), the
+    tokenizer / val-split hashes (from the evaluation report) and the token index's hash."""
+    from tasks.core.hashing import sha256_file
+    from tasks.lineage.emitter import file_node
+
+    ckpt = Path(evaluation["checkpoint"]).resolve()
+    tags = {"data.sources": "; ".join(f"{s.name} ({s.licence}; {s.provenance})" for s in cfg.sources),
+            "data.licences": ", ".join(sorted({s.licence for s in cfg.sources})),
+            "lineage.namespace": cfg.lineage.namespace, "lineage.checkpoint_node": file_node(ckpt),
+            "lineage.tokenizer_node": file_node(tokenizer_path), "run_name": evaluation.get("run_name")}
+    if ckpt.parent.name == "checkpoints" and ckpt.parent.parent.name == "train":  # a pipeline run's layout
+        run_dir = ckpt.parents[2]
+        tags["lineage.run_dir"] = str(run_dir)
+        if (run_dir / "lineage.jsonl").is_file():
+            tags["lineage.log"] = str(run_dir / "lineage.jsonl")
+        index = run_dir / "tokens" / "index.json"
+        if index.is_file():
+            tags["data.tokens_index"] = str(index)
+            tags["data.tokens_index_sha256"] = sha256_file(index)
+    return tags
+
+
+def _check_served(deploy_cfg, endpoint: str, step) -> str:
+    """The server answers /health with the new checkpoint's step and completes a prompt."""
+    import os
+
+    import httpx
+
+    headers = {}
+    if deploy_cfg.api_key_env and os.environ.get(deploy_cfg.api_key_env):
+        headers["Authorization"] = f"Bearer {os.environ[deploy_cfg.api_key_env]}"
+    health = httpx.get(f"{endpoint.removesuffix('/v1')}/health", timeout=30, trust_env=False).json()
+    if step is not None and health.get("step") not in (None, step):
+        raise RuntimeError(f"the server reports step {health.get('step')}, not the challenger's {step}")
+    r = httpx.post(f"{endpoint}/completions", headers=headers, timeout=120, trust_env=False,
+                   json={"prompt": "The", "max_tokens": 1, "temperature": 0})
+    if r.status_code != 200 or not r.json().get("choices"):
+        raise RuntimeError(f"the server answered {r.status_code}: {r.text[:300]}")
+    return f"served at {endpoint} and answered a completion"
+
+
 def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: Path,
                      train_run_id: str | None = None) -> dict:
     """Gate `evaluation` (an evaluate-stage report: checkpoint, val_loss, ...) against the current
-    champion; if it passes, register it as the new champion and (deploy.serve) serve it.
+    champion. Pass: register it as `challenger` (tagged with the eval results, training run and
+    data lineage), verify it (deploy.serve: swapped into the model server, which must answer;
+    else loaded back from the registry and run), then `promote` it to `champion`. Fail: the
+    verdict is recorded on the training run (record_gate) and the champion stays. A challenger
+    failing verification is rejected (tagged with the reason) and the previous champion is served
+    again.
 
     Returns {"passed", "reason", "model_name", "val_loss", "checkpoint", "champion_version",
-    "champion_val_loss", "version", "alias", "content_hash", "source", "endpoint", "pid"}.
-    When the gate fails, version/alias/content_hash are None and `endpoint` is the running
-    server's (still the previous champion) if there is one.
+    "champion_val_loss", "version", "alias", "content_hash", "source", "endpoint", "pid",
+    "verified"}. When the gate or verification fails, version/alias are None and `endpoint` is
+    the running server's (still the previous champion) if there is one.
     """
-    from tasks.deploy.registry import get_champion, model_content_hash, register
+    from tasks.deploy.registry import get_champion, model_content_hash, promote, record_gate, register, reject
 
     dcfg = cfg.deploy
     champion = get_champion(tracking_uri, dcfg.model_name)
@@ -54,7 +103,7 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
             "champion_val_loss": champion["val_loss"], "version": int(champion["version"]), "alias": "champion",
             "content_hash": content_hash, "source": champion.get("source"),
             "endpoint": current["url"] if current and current["healthy"] else None,
-            "pid": current["pid"] if current else None,
+            "pid": current["pid"] if current else None, "verified": champion["tags"].get("deployment.verified"),
         }
     decision = gate(dcfg, evaluation, champion["val_loss"] if champion else None)
     result = {
@@ -63,18 +112,51 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
         "champion_version": champion["version"] if champion else None,
         "champion_val_loss": champion["val_loss"] if champion else None,
         "version": None, "alias": None, "content_hash": None, "source": None, "endpoint": None, "pid": None,
+        "verified": None,
     }
     log.info("deploy gate for %s: %s", evaluation.get("checkpoint"), decision["reason"])
-    if decision["passed"]:
-        reg = register(tracking_uri, dcfg.model_name, evaluation["checkpoint"], tokenizer_path, evaluation,
-                       train_run_id)
-        result.update({k: reg[k] for k in ("version", "alias", "content_hash", "source")})
+    record_gate(tracking_uri, train_run_id, evaluation.get("step"), decision)
+    if not decision["passed"]:
+        current = server_status(cfg.stack)
+        if current and current["healthy"]:
+            result.update(endpoint=current["url"], pid=current["pid"])
+        return result
+
+    reg = register(tracking_uri, dcfg.model_name, evaluation["checkpoint"], tokenizer_path, evaluation,
+                   train_run_id, extra_tags=lineage_tags(cfg, evaluation, Path(tokenizer_path)))
+    result.update({k: reg[k] for k in ("version", "alias", "content_hash", "source")})
+    try:
         if dcfg.serve:
             served = start_or_refresh_server(cfg.stack, dcfg, evaluation["checkpoint"], tokenizer_path,
                                              dcfg.model_name)
             result.update(endpoint=served["endpoint"], pid=served["pid"])
-    else:
-        current = server_status(cfg.stack)
-        if current and current["healthy"]:
-            result.update(endpoint=current["url"], pid=current["pid"])
+            verified = _check_served(dcfg, served["endpoint"], evaluation.get("step"))
+        else:
+            from tasks.deploy.registry import verify_registered
+
+            verified = verify_registered(tracking_uri, dcfg.model_name, reg["version"])
+    except Exception as e:  # noqa: BLE001 - any failure to load or serve keeps the champion
+        why = f"challenger version {reg['version']} failed verification: {type(e).__name__}: {e}"
+        log.warning("deploy: %s; the champion stays", why)
+        reject(tracking_uri, dcfg.model_name, reg["version"], why)
+        result.update(passed=False, reason=why, version=None, alias=None, endpoint=None, pid=None)
+        if dcfg.serve:
+            result.update(_serve_champion_again(cfg, champion))
+        return result
+    promote(tracking_uri, dcfg.model_name, reg["version"], verified)
+    result.update(alias="champion", verified=verified)
     return result
+
+
+def _serve_champion_again(cfg, champion: dict | None) -> dict:
+    """After a challenger failed to serve: the previous champion back in the server (best effort)."""
+    if not champion:
+        return {}
+    ckpt, tok = champion["tags"].get("checkpoint"), champion["tags"].get("tokenizer")
+    try:
+        if ckpt and tok and Path(ckpt).exists() and Path(tok).exists():
+            served = start_or_refresh_server(cfg.stack, cfg.deploy, ckpt, tok, cfg.deploy.model_name)
+            return {"endpoint": served["endpoint"], "pid": served["pid"]}
+    except Exception as e:  # noqa: BLE001
+        log.warning("deploy: could not serve the champion (version %s) again: %s", champion["version"], e)
+    return {}

@@ -7,7 +7,7 @@ The GPT is Llama-shaped (pre-norm RMSNorm, rotary embeddings with the rotate-hal
 SwiGLU MLP, no biases, tied embeddings), so the export is a `LlamaForCausalLM` checkpoint:
 
     config.json                 model_type llama, sizes, rope_theta, rms_norm_eps, tie_word_embeddings
-    model.safetensors           if `safetensors` is installed, else pytorch_model.bin (torch.save)
+    model.safetensors           the weights (float32, safetensors)
     generation_config.json
     tokenizer.json              the run's tokenizer, unchanged
     tokenizer_config.json       PreTrainedTokenizerFast, eos "<|endoftext|>", model_max_length
@@ -35,14 +35,6 @@ RMS_EPS = 1e-6  # tasks.train.model.RMSNorm's default
 EOS_TOKEN = "<|endoftext|>"
 
 
-def _has_safetensors() -> bool:
-    try:
-        import safetensors.torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
     sd, C = model.state_dict(), model.cfg.d_model
     out = {"model.embed_tokens.weight": sd["tok_emb.weight"], "model.norm.weight": sd["norm.weight"]}
@@ -57,7 +49,19 @@ def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
             h + "input_layernorm.weight": sd[p + "attn_norm.weight"],
             h + "post_attention_layernorm.weight": sd[p + "mlp_norm.weight"],
         })
+    if not model.cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
     return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in out.items()}
+
+
+def check_llama_compatible(model_cfg) -> None:
+    """Llama has no QK-norm and no logit soft cap: exporting such a model as Llama would load
+    in transformers and silently compute something else, so refuse with the reason."""
+    unsupported = [name for name, on in (("model.qk_norm", model_cfg.qk_norm),
+                                         ("model.logit_softcap", model_cfg.logit_softcap)) if on]
+    if unsupported:
+        raise ValueError(f"cannot export as a Hugging Face Llama model: {', '.join(unsupported)} "
+                         "has no Llama equivalent (train with these options off to export)")
 
 
 def from_hf_state_dict(hf: dict[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:
@@ -71,6 +75,8 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], n_layer: int) -> dict[str, t
         sd[p + "mlp.w2.weight"] = hf[h + "mlp.down_proj.weight"]
         sd[p + "attn_norm.weight"] = hf[h + "input_layernorm.weight"]
         sd[p + "mlp_norm.weight"] = hf[h + "post_attention_layernorm.weight"]
+    if "lm_head.weight" in hf:
+        sd["lm_head.weight"] = hf["lm_head.weight"]
     return sd
 
 
@@ -82,7 +88,8 @@ def hf_config(model_cfg, eos_id: int, bos_id: int | None) -> dict:
         "num_attention_heads": model_cfg.n_head, "num_key_value_heads": model_cfg.n_head,
         "head_dim": model_cfg.head_dim, "max_position_embeddings": model_cfg.seq_len,
         "hidden_act": "silu", "rms_norm_eps": RMS_EPS, "rope_theta": model_cfg.rope_theta, "rope_scaling": None,
-        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": True,
+        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        "tie_word_embeddings": model_cfg.tie_embeddings,
         "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32",
         "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": None,
     }
@@ -97,6 +104,7 @@ def export_hf(ckpt_dir: str | Path, tokenizer_path: str | Path, out_dir: str | P
 
     ckpt_dir, tokenizer_path, out = Path(ckpt_dir).resolve(), Path(tokenizer_path).resolve(), Path(out_dir)
     model, meta = load_model_for_inference(ckpt_dir)
+    check_llama_compatible(model.cfg)
     want = meta.get("tokenizer_sha256")
     if want and want != sha256_file(tokenizer_path):
         raise ValueError(f"tokenizer {tokenizer_path} is not the one checkpoint {ckpt_dir} was trained with")
@@ -105,15 +113,10 @@ def export_hf(ckpt_dir: str | Path, tokenizer_path: str | Path, out_dir: str | P
     bos_id = tok.token_to_id("<|bos|>")
     out.mkdir(parents=True, exist_ok=True)
 
-    weights = to_hf_state_dict(model)
-    if _has_safetensors():
-        from safetensors.torch import save_file
+    from safetensors.torch import save_file
 
-        weights_file, fmt = out / "model.safetensors", "safetensors"
-        save_file(weights, str(weights_file), metadata={"format": "pt"})
-    else:
-        weights_file, fmt = out / "pytorch_model.bin", "pytorch"
-        torch.save(weights, weights_file)
+    weights_file, fmt = out / "model.safetensors", "safetensors"
+    save_file(to_hf_state_dict(model), str(weights_file), metadata={"format": "pt"})
 
     (out / "config.json").write_text(json.dumps(hf_config(model.cfg, eos_id, bos_id), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(
@@ -146,14 +149,12 @@ def load_exported(out_dir: str | Path):
 
     out = Path(out_dir)
     c = json.loads((out / "config.json").read_text())
-    if (out / "model.safetensors").exists():
-        from safetensors.torch import load_file
+    from safetensors.torch import load_file
 
-        hf = load_file(str(out / "model.safetensors"))
-    else:
-        hf = torch.load(out / "pytorch_model.bin", weights_only=True)
+    hf = load_file(str(out / "model.safetensors"))
     cfg = GPTConfig(vocab_size=c["vocab_size"], n_layer=c["num_hidden_layers"], n_head=c["num_attention_heads"],
-                    d_model=c["hidden_size"], seq_len=c["max_position_embeddings"], rope_theta=c["rope_theta"])
+                    d_model=c["hidden_size"], seq_len=c["max_position_embeddings"], rope_theta=c["rope_theta"],
+                    tie_embeddings=c.get("tie_word_embeddings", True))
     if cfg.mlp_hidden != c["intermediate_size"]:
         raise ValueError("intermediate_size does not match the GPT's mlp_ratio rounding")
     model = GPT(cfg)

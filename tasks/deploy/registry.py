@@ -2,9 +2,14 @@
 
 A registered version is an MLflow pyfunc model (tasks/deploy/mlflow_model.py, "models from code")
 whose artifacts are an inference-only export of the checkpoint (model weights, no optimizer state)
-and the tokenizer. Evaluation results and the training run id are model-version tags, so the gate
-can read the champion's val_loss back without touching runs. The alias `champion` marks the
-version being served. Only MlflowClient with an explicit tracking URI is used (no global state).
+and the tokenizer. Evaluation results, the training run id and the data lineage (sources and
+licences, tokenizer / val-split hashes, the run's lineage log) are model-version tags, so the gate
+can read the champion's val_loss back without touching runs.
+
+Aliases: a version that passed the gate is registered as `challenger`; only once it is verified
+(served, or loaded and run) does `promote` move `champion` to it (and drop `challenger`). A
+challenger that fails verification is `reject`ed (tagged with the reason); the champion stays.
+Only MlflowClient with an explicit tracking URI is used (no global state).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from tasks.core.hashing import sha256_file, sha256_text, sha256_tree
 log = logging.getLogger(__name__)
 
 ALIAS = "champion"
+CHALLENGER = "challenger"
 REGISTRY_EXPERIMENT = "crucible-registry"
 MODEL_CODE = Path(__file__).with_name("mlflow_model.py")
 # What loading the pyfunc needs besides the crucible package itself (pinned as in pyproject.toml).
@@ -37,7 +43,10 @@ def _client(tracking_uri: str) -> MlflowClient:
 
 
 def _missing(e: MlflowException) -> bool:
-    return e.error_code in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND") or e.get_http_status_code() == 404
+    if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND") or e.get_http_status_code() == 404:
+        return True
+    # a registered model without the alias: MLflow answers INVALID_PARAMETER_VALUE "alias ... not found"
+    return e.error_code == "INVALID_PARAMETER_VALUE" and "alias" in e.message and "not found" in e.message
 
 
 def get_champion(tracking_uri: str, model_name: str) -> dict | None:
@@ -104,11 +113,12 @@ def _artifact_run(client: MlflowClient, tracking_uri: str, model_name: str) -> s
 
 
 def register(tracking_uri: str, model_name: str, ckpt_dir: str | Path, tokenizer_path: str | Path,
-             eval_result: dict, run_id: str | None) -> dict:
+             eval_result: dict, run_id: str | None, extra_tags: dict | None = None) -> dict:
     """Log the checkpoint + tokenizer as a pyfunc model, register it as a new version of
-    `model_name`, tag it with the evaluation results and the training run id, and point the alias
-    `champion` at it. The files are logged under the training run (`run_id`); without one, under a
-    run of the experiment "crucible-registry".
+    `model_name`, tag it with the evaluation results (val_loss, perplexity, step, eval.<metric> for
+    every task metric), the training run id and `extra_tags` (data lineage), and point the alias
+    `challenger` at it (`promote` makes it champion). The files are logged under the training run
+    (`run_id`); without one, under a run of the experiment "crucible-registry".
 
     Returns {"model_name", "version", "alias", "content_hash", "source", "run_id"}.
     """
@@ -157,10 +167,73 @@ def register(tracking_uri: str, model_name: str, ckpt_dir: str | Path, tokenizer
             raise
     tags = {f"eval.{k}" if k not in ("val_loss", "perplexity", "step") else k: str(eval_result[k])
             for k in EVAL_TAGS if eval_result.get(k) is not None}
+    tags.update({f"eval.{k}": str(v) for k, v in (eval_result.get("task_metrics") or {}).items() if v is not None})
+    tags.update({k: str(v)[:5000] for k, v in (extra_tags or {}).items() if v is not None})
     tags.update({"train_run_id": str(run_id or ""), "content_hash": content_hash,
-                 "checkpoint": str(ckpt_dir), "tokenizer": str(tokenizer_path)})
+                 "checkpoint": str(ckpt_dir), "tokenizer": str(tokenizer_path), "deployment.status": CHALLENGER})
     mv = client.create_model_version(model_name, source=source, run_id=target_run, tags=tags,
                                      description=f"checkpoint {ckpt_dir.name}, val_loss {eval_result.get('val_loss')}")
-    client.set_registered_model_alias(model_name, ALIAS, mv.version)
-    return {"model_name": model_name, "version": int(mv.version), "alias": ALIAS, "content_hash": content_hash,
+    client.set_registered_model_alias(model_name, CHALLENGER, mv.version)
+    return {"model_name": model_name, "version": int(mv.version), "alias": CHALLENGER, "content_hash": content_hash,
             "source": source, "run_id": target_run}
+
+
+def _drop_challenger(client: MlflowClient, model_name: str, version: int) -> None:
+    """Remove the alias `challenger` if it still points at `version` (a later one may own it)."""
+    try:
+        mv = client.get_model_version_by_alias(model_name, CHALLENGER)
+    except MlflowException as e:
+        if _missing(e):
+            return
+        raise
+    if int(mv.version) == int(version):
+        client.delete_registered_model_alias(model_name, CHALLENGER)
+
+
+def promote(tracking_uri: str, model_name: str, version: int, verified: str) -> None:
+    """Move `champion` to a verified challenger; `verified` says how (tag deployment.verified)."""
+    client = _client(tracking_uri)
+    client.set_model_version_tag(model_name, str(version), "deployment.verified", verified)
+    client.set_registered_model_alias(model_name, ALIAS, str(version))
+    client.set_model_version_tag(model_name, str(version), "deployment.status", ALIAS)
+    _drop_challenger(client, model_name, version)
+
+
+def reject(tracking_uri: str, model_name: str, version: int, reason: str) -> None:
+    """A challenger that failed verification: tagged rejected with the reason; champion unchanged."""
+    client = _client(tracking_uri)
+    client.set_model_version_tag(model_name, str(version), "deployment.status", "rejected")
+    client.set_model_version_tag(model_name, str(version), "deployment.reason", reason[:5000])
+    _drop_challenger(client, model_name, version)
+
+
+def record_gate(tracking_uri: str, run_id: str | None, step: int | None, decision: dict) -> None:
+    """The gate's verdict on the training run: tags gate.step-N.passed / .reason and the metric
+    gate_passed (1/0) at the checkpoint's step. Nothing without a run id."""
+    if not run_id:
+        return
+    import time
+
+    from mlflow.entities import Metric, RunTag
+
+    key = f"gate.step-{int(step) if step is not None else 'unknown'}"
+    _client(tracking_uri).log_batch(
+        run_id, metrics=[Metric("gate_passed", float(bool(decision["passed"])), int(time.time() * 1000), int(step or 0))],
+        tags=[RunTag(f"{key}.passed", str(bool(decision["passed"])).lower()),
+              RunTag(f"{key}.reason", str(decision["reason"])[:5000])])
+
+
+def verify_registered(tracking_uri: str, model_name: str, version: int) -> str:
+    """Load version `version` back from the registry as a pyfunc and generate one token; returns
+    what was checked. Raises if the model cannot be loaded or does not answer."""
+    import mlflow.artifacts
+    import mlflow.pyfunc
+
+    source = _client(tracking_uri).get_model_version(model_name, str(version)).source
+    with tempfile.TemporaryDirectory(prefix="crucible-verify-") as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=tmp, tracking_uri=tracking_uri)
+        out = mlflow.pyfunc.load_model(local).predict(["The"], params={"max_tokens": 1, "temperature": 0.0})
+    if len(out) != 1 or not isinstance(out[0], str):
+        raise RuntimeError(f"the registered model answered {out!r}")
+    return "loaded from the registry and generated"

@@ -1,6 +1,6 @@
 """Streaming readers for raw source files: WARC, WET, JSONL(.gz), plain text and Parquet.
 
-`iter_records(path, fmt, max_record_bytes)` yields, in file order, either
+`iter_records(uri, fmt, max_record_bytes)` yields, in file order, either
 
 * `RawRecord`: one candidate document (a WARC `response`, a WET `conversion`, a JSONL line,
   a text file, a Parquet row). When the reader could not make sense of the bytes the record
@@ -8,10 +8,14 @@
 * `Skipped`: a record of another type (warcinfo, request, metadata, resource...), counted
   but not a candidate.
 
-Nothing loads a whole file: WARC/WET go record by record through warcio, JSONL (plain, gzip or
+Files are opened by URI (`tasks.ingest.fs.open_source`: local paths, file://, http(s)://,
+s3://) as buffered streams. Nothing loads a whole file: WARC/WET go record by record through
+warcio (gzip per record), JSONL (plain, gzip or
 zstd, detected from the first bytes) line by line
 (lines longer than `max_record_bytes` are skipped in chunks and quarantined), Parquet by
-batches. A text file is one document and is read whole only up to `max_record_bytes`.
+batches (through a seekable fsspec file). A text file is one document and is read only up to
+`max_record_bytes`. An HTTP stream cannot seek: a damaged WARC record there ends the file
+(quarantined as "malformed_warc", detail saying the rest was not read) instead of resynchronising.
 
 Bad input never raises out of a reader:
 
@@ -31,12 +35,15 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import posixpath
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 from warcio.archiveiterator import ArchiveIterator
+
+from tasks.ingest.fs import open_random, open_source
 
 _CHUNK = 1 << 20
 _GZIP_MAGIC = b"\x1f\x8b\x08"
@@ -73,31 +80,26 @@ class Skipped:
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
-def _is_gzip(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(2) == b"\x1f\x8b"
-
-
-def _open_text_stream(path: Path):
-    """Binary stream of the decompressed bytes: gzip (multi-member), zstd or plain."""
-    with open(path, "rb") as f:
-        head = f.read(4)
+def _decompressed(fh: io.BufferedReader):
+    """Binary stream of the decompressed bytes of `fh`: gzip (multi-member), zstd or plain,
+    detected from the first bytes (peeked, so nothing is read twice)."""
+    head = fh.peek(4)[:4]
     if head[:2] == b"\x1f\x8b":
-        return gzip.open(path, "rb")
+        return gzip.GzipFile(fileobj=fh, mode="rb")
     if head == _ZSTD_MAGIC:
-        return io.BufferedReader(_ZstdRaw(path), _CHUNK)
-    return open(path, "rb")
+        return io.BufferedReader(_ZstdRaw(fh), _CHUNK)
+    return fh
 
 
 class _ZstdRaw(io.RawIOBase):
     """Streaming zstd decompression over concatenated frames that raises EOFError when the file
     ends inside a frame (zstandard's own stream reader just stops)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, fh):
         import zstandard
 
         self._zstd = zstandard.ZstdDecompressor()
-        self._f = open(path, "rb")
+        self._f = fh
         self._d = self._zstd.decompressobj()
         self._in_frame = False
         self._buf = b""
@@ -130,22 +132,25 @@ class _ZstdRaw(io.RawIOBase):
         super().close()
 
 
-def iter_records(path: str | Path, fmt: str, max_record_bytes: int = 10_000_000
+def iter_records(uri: str | Path, fmt: str, max_record_bytes: int = 10_000_000
                  ) -> Iterator[RawRecord | Skipped]:
-    path = Path(path)
-    if path.stat().st_size == 0:
-        yield RawRecord(offset=0, error="empty_file", detail="file has 0 bytes")
-        return
-    if fmt in ("warc", "wet"):
-        yield from _iter_warc(path, "response" if fmt == "warc" else "conversion", max_record_bytes)
-    elif fmt == "jsonl":
-        yield from _iter_jsonl(path, max_record_bytes)
-    elif fmt == "text":
-        yield from _iter_text(path, max_record_bytes)
-    elif fmt == "parquet":
-        yield from _iter_parquet(path)
-    else:
+    """Records of the source file `uri` (a local path or any URI `fs.open_source` opens)."""
+    uri = str(uri)
+    if fmt not in ("warc", "wet", "jsonl", "text", "parquet"):
         raise ValueError(f"unknown source format {fmt!r}")
+    if fmt == "parquet":
+        yield from _iter_parquet(uri)
+        return
+    with open_source(uri) as fh:
+        if not fh.peek(1)[:1]:
+            yield RawRecord(offset=0, error="empty_file", detail="file has 0 bytes")
+            return
+        if fmt in ("warc", "wet"):
+            yield from _iter_warc(fh, "response" if fmt == "warc" else "conversion", max_record_bytes)
+        elif fmt == "jsonl":
+            yield from _iter_jsonl(fh, posixpath.basename(uri), max_record_bytes)
+        else:
+            yield from _iter_text(fh, posixpath.basename(uri), max_record_bytes)
 
 
 # --------------------------------------------------------------------------- WARC / WET
@@ -216,47 +221,80 @@ def _warc_record(rec, offset: int, want: str, max_record_bytes: int) -> RawRecor
     return out
 
 
-def _iter_warc(path: Path, want: str, max_record_bytes: int) -> Iterator[RawRecord | Skipped]:
+def _iter_warc(fh: io.BufferedReader, want: str, max_record_bytes: int) -> Iterator[RawRecord | Skipped]:
     # warcio stops quietly when a gzip member is cut short or fails to inflate part-way (it
     # reports on stderr and returns EOF), so a stream that ends before the end of the file is
     # an error too. After any error we resynchronise on the next gzip member / "WARC/1." that
     # parses ("probing": failures while probing are part of the same damaged span, not new
-    # records).
-    magic = _GZIP_MAGIC if _is_gzip(path) else _WARC_MAGIC
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        pos, probing = 0, False
-        while pos is not None and pos < size:
-            fh.seek(pos)
-            it = ArchiveIterator(fh, check_digests=True)
-            last, last_error = pos, None
-            try:
-                for rec in it:
-                    last = it.offset
-                    probing = False
-                    if rec.rec_type != want:
-                        last_error = None
-                        yield Skipped(last, rec.rec_type or "unknown")
-                        continue
-                    out = _warc_record(rec, last, want, max_record_bytes)
-                    last_error = out.error
-                    yield out
-                end = it.offset
-                if end >= size and last_error != "truncated":
-                    return
-                if end < size and not probing and last_error is None:
-                    yield RawRecord(offset=end, error="truncated",
-                                    detail=f"archive stream ends at byte {end} of {size}")
-                # a cut-short member may be followed by intact ones: look for them
-                resume = (last if last_error == "truncated" else max(end, last, pos)) + 1
-            except Exception as e:  # warcio/zlib/parse errors: quarantine, then resynchronise
-                fail = max(getattr(it, "offset", last), last)
-                if not probing:
-                    yield RawRecord(offset=fail, error="malformed_warc",
-                                    detail=f"{type(e).__name__}: {e}".strip()[:300])
-                resume = max(fail, pos) + 1
-            probing = True
-            pos = _scan_for(fh, resume, magic)
+    # records). A stream that cannot seek (HTTP) is read once, front to back.
+    magic = _GZIP_MAGIC if fh.peek(2)[:2] == b"\x1f\x8b" else _WARC_MAGIC
+    if not fh.seekable():
+        yield from _iter_warc_sequential(fh, want, max_record_bytes)
+        return
+    size = fh.seek(0, io.SEEK_END)
+    fh.seek(0)
+    pos, probing = 0, False
+    while pos is not None and pos < size:
+        fh.seek(pos)
+        it = ArchiveIterator(fh, check_digests=True)
+        last, last_error = pos, None
+        try:
+            for rec in it:
+                last = it.offset
+                probing = False
+                if rec.rec_type != want:
+                    last_error = None
+                    yield Skipped(last, rec.rec_type or "unknown")
+                    continue
+                out = _warc_record(rec, last, want, max_record_bytes)
+                last_error = out.error
+                yield out
+            end = it.offset
+            if end >= size and last_error != "truncated":
+                return
+            if end < size and not probing and last_error is None:
+                yield RawRecord(offset=end, error="truncated",
+                                detail=f"archive stream ends at byte {end} of {size}")
+            # a cut-short member may be followed by intact ones: look for them
+            resume = (last if last_error == "truncated" else max(end, last, pos)) + 1
+        except Exception as e:  # warcio/zlib/parse errors: quarantine, then resynchronise
+            fail = max(getattr(it, "offset", last), last)
+            if not probing:
+                yield RawRecord(offset=fail, error="malformed_warc",
+                                detail=f"{type(e).__name__}: {e}".strip()[:300])
+            resume = max(fail, pos) + 1
+        probing = True
+        pos = _scan_for(fh, resume, magic)
+
+
+def _iter_warc_sequential(fh, want: str, max_record_bytes: int) -> Iterator[RawRecord | Skipped]:
+    """One pass over a non-seekable stream: the first damage ends the file (quarantined with
+    the reason and a note that the rest was not read, since nothing can be re-read)."""
+    it = ArchiveIterator(fh, check_digests=True)
+    last, last_error = 0, None
+    try:
+        for rec in it:
+            last = it.offset
+            if rec.rec_type != want:
+                last_error = None
+                yield Skipped(last, rec.rec_type or "unknown")
+                continue
+            out = _warc_record(rec, last, want, max_record_bytes)
+            last_error = out.error
+            yield out
+            if last_error == "truncated":
+                return
+    except Exception as e:  # noqa: BLE001 - quarantine, cannot resynchronise without seeking
+        yield RawRecord(offset=max(getattr(it, "offset", last), last), error="malformed_warc",
+                        detail=f"{type(e).__name__}: {e}; rest of the stream not read (not seekable)".strip()[:300])
+        return
+    try:
+        rest = fh.read(1)
+    except Exception:  # noqa: BLE001
+        rest = b"?"
+    if rest:
+        yield RawRecord(offset=it.offset, error="truncated",
+                        detail=f"archive stream ends at byte {it.offset} before the end of the source")
 
 
 # --------------------------------------------------------------------------- JSONL
@@ -268,7 +306,7 @@ def _first_str(*values) -> str | None:
     return None
 
 
-def _jsonl_record(obj: dict, offset: int, line_no: int, path: Path) -> RawRecord:
+def _jsonl_record(obj: dict, offset: int, line_no: int, name: str) -> RawRecord:
     meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
     out = RawRecord(offset=offset, kind="text")
     out.extra["line"] = line_no
@@ -292,13 +330,13 @@ def _jsonl_record(obj: dict, offset: int, line_no: int, path: Path) -> RawRecord
         out.language_score = float(score) if isinstance(score, (int, float)) else None
     rec_id = obj.get("id")
     rec_id = str(rec_id) if isinstance(rec_id, (str, int)) and str(rec_id) else None
-    out.key = rec_id or out.url or f"{path.name}:{line_no}"
+    out.key = rec_id or out.url or f"{name}:{line_no}"
     return out
 
 
-def _iter_jsonl(path: Path, max_line_bytes: int) -> Iterator[RawRecord]:
+def _iter_jsonl(raw: io.BufferedReader, name: str, max_line_bytes: int) -> Iterator[RawRecord]:
     offset = line_no = n_lines = 0
-    with _open_text_stream(path) as fh:
+    with _decompressed(raw) as fh:
         while True:
             try:
                 line = fh.readline(max_line_bytes + 1)
@@ -341,19 +379,19 @@ def _iter_jsonl(path: Path, max_line_bytes: int) -> Iterator[RawRecord]:
                 yield RawRecord(offset=start, error="bad_json", detail=f"line {line_no}: not an object",
                                 extra={"line": line_no})
                 continue
-            yield _jsonl_record(obj, start, line_no, path)
+            yield _jsonl_record(obj, start, line_no, name)
     if n_lines == 0:
         yield RawRecord(offset=0, error="empty_file", detail="no non-blank lines")
 
 
 # --------------------------------------------------------------------------- text / Parquet
 
-def _iter_text(path: Path, max_record_bytes: int) -> Iterator[RawRecord]:
-    if path.stat().st_size > max_record_bytes:
+def _iter_text(fh: io.BufferedReader, name: str, max_record_bytes: int) -> Iterator[RawRecord]:
+    data = fh.read(max_record_bytes + 1)
+    if len(data) > max_record_bytes:
         yield RawRecord(offset=0, error="oversized_record", detail=f"file over {max_record_bytes} bytes")
         return
-    data = path.read_bytes()
-    out = RawRecord(offset=0, kind="text", key=path.name)
+    out = RawRecord(offset=0, kind="text", key=name)
     try:
         out.text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -361,21 +399,26 @@ def _iter_text(path: Path, max_record_bytes: int) -> Iterator[RawRecord]:
     yield out
 
 
-def _iter_parquet(path: Path) -> Iterator[RawRecord]:
+def _iter_parquet(uri: str) -> Iterator[RawRecord]:
     import pyarrow.parquet as pq
 
+    name = posixpath.basename(uri)
     row = 0
     try:
-        pf = pq.ParquetFile(path)
-        batches = pf.iter_batches(batch_size=1000)
-        for batch in batches:
-            for obj in batch.to_pylist():
-                rec = _jsonl_record(obj, row, row + 1, path)
-                rec.extra.pop("line", None)
-                rec.extra["row"] = row
-                if rec.key == f"{path.name}:{row + 1}":
-                    rec.key = f"{path.name}:row{row}"
-                yield rec
-                row += 1
+        with open_random(uri) as f:
+            if f.seek(0, io.SEEK_END) == 0:
+                yield RawRecord(offset=0, error="empty_file", detail="file has 0 bytes")
+                return
+            f.seek(0)
+            pf = pq.ParquetFile(f)
+            for batch in pf.iter_batches(batch_size=1000):
+                for obj in batch.to_pylist():
+                    rec = _jsonl_record(obj, row, row + 1, name)
+                    rec.extra.pop("line", None)
+                    rec.extra["row"] = row
+                    if rec.key == f"{name}:{row + 1}":
+                        rec.key = f"{name}:row{row}"
+                    yield rec
+                    row += 1
     except Exception as e:  # unreadable Parquet: quarantine the rest of the file
         yield RawRecord(offset=row, error="bad_parquet", detail=f"{type(e).__name__}: {e}"[:300])

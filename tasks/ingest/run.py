@@ -12,21 +12,33 @@ candidate records read (WARC responses, WET conversions, JSONL lines, text files
 rows, plus one per unreadable span that was quarantined: an empty file, a broken gzip tail).
 Records of other WARC types are not candidates; they are counted in `skipped_records`.
 A document id seen before (same source and record key) is dropped as "duplicate_id".
+
+Sources are read by URI (`tasks.ingest.fs`: local paths and globs, file://, http(s)://, s3://
+with the `s3` extra), streaming.
+
+Resumable (`tasks.core.resume`, the machinery curate uses): each job's result is stored in
+`_parts/<job>.pkl` with the sha256 of its part file and a key (ingest config, source entry, the
+file's size and change stamp, the record range); a re-run reuses every job whose key matches
+and whose part verifies, and reads only the other source files. The merged shards and
+`quarantine.jsonl` are written atomically, then `manifest.json` (sha256 per file, the run key,
+the summary) last; a re-run whose manifest verifies returns the stored summary at once. A run
+killed at any point (SIGKILL included) re-runs to byte-identical output. `ingest.resume:
+false` redoes everything.
 """
 from __future__ import annotations
 
-import glob
 import math
-import os
-import re
 import shutil
 import time
 from collections import Counter
 from pathlib import Path
 
-from tasks.config import PipelineConfig, SourceConfig
+from tasks.config import IngestConfig, PipelineConfig, SourceConfig
 from tasks.core.documents import AtomicJsonlWriter, ShardWriter, iter_docs
+from tasks.core.progress import Progress
 from tasks.core.ray_utils import cluster_cpus, init_ray
+from tasks.core.resume import MANIFEST, JobStore, digest, remove_temp_files, verify_manifest, write_manifest
+from tasks.ingest.fs import expand_uri, file_identity
 from tasks.core.steps import StepStats
 from tasks.ingest.process import process_file_range
 
@@ -43,10 +55,9 @@ def _remote():
 
 
 def resolve_source_files(cfg: PipelineConfig, source: SourceConfig) -> list[str]:
+    """The files of `source` (sorted), by URI: local paths/globs, file://, http(s)://, s3://."""
     uri = cfg.resolve_uri(source.uri)
-    if re.match(r"^[a-z][a-z0-9+.\-]*://", uri):
-        raise ValueError(f"source {source.name}: remote URI {uri!r} is not supported yet (local paths only)")
-    files = sorted(str(Path(p).resolve()) for p in glob.glob(uri) if os.path.isfile(p))
+    files = expand_uri(uri)
     if not files:
         raise FileNotFoundError(f"source {source.name}: no files match {uri!r}")
     return files
@@ -73,66 +84,127 @@ class _CappedSource:
         self.fi += 1  # either the file ended or the cap is reached
 
 
-def run_ingest(cfg: PipelineConfig, out_dir: Path) -> dict:
+def _config_key(cfg: PipelineConfig) -> str:
+    """What every ingest job depends on besides its source and file: the ingest config
+    (re-validated, so a default `3` and a loaded `3.0` agree; `resume` excluded)."""
+    return digest(IngestConfig.model_validate(cfg.ingest.model_dump()).model_dump(exclude={"resume"}))
+
+
+def run_ingest(cfg: PipelineConfig, out_dir: Path, progress: Progress | None = None) -> dict:
     """Read all sources of `cfg`, write `out_dir/shard-*.parquet` and `out_dir/quarantine.jsonl`,
-    return the JSON-serialisable summary (see module docstring)."""
+    return the JSON-serialisable summary (see module docstring). `progress(done, total, note)`,
+    if given, is called as source files are finished (resumed ones included)."""
     import ray
 
     t0 = time.perf_counter()
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob("shard-*.parquet"):
-        stale.unlink()
     parts_dir = out_dir / "_parts"
-    shutil.rmtree(parts_dir, ignore_errors=True)
-    parts_dir.mkdir()
+    resume = cfg.ingest.resume
 
     plan = [(source, resolve_source_files(cfg, source)) for source in cfg.sources]
+    idents = {f: file_identity(f) for _, files in plan for f in files}
+    base = _config_key(cfg)
+    run_key = digest([base, [[s.model_dump(), [idents[f] for f in files]] for s, files in plan]])
+    if resume:
+        m = verify_manifest(out_dir, run_key)
+        if m is not None:
+            n_files = sum(len(f) for _, f in plan)
+            if progress:
+                progress(n_files, n_files, "ingest: complete output verified, nothing to do")
+            return {**m["summary"], "resumed_jobs": m["summary"].get("jobs", 0), "resumed_complete": True,
+                    "seconds": round(time.perf_counter() - t0, 3)}
+    # from here on the old output is invalid: manifest first, so a kill never leaves a stale one
+    (out_dir / MANIFEST).unlink(missing_ok=True)
+    for stale in out_dir.glob("shard-*.parquet"):
+        stale.unlink()
+    remove_temp_files(out_dir)
+    if not resume:
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    parts_dir.mkdir(exist_ok=True)
+    remove_temp_files(parts_dir)
+    store = JobStore(parts_dir)
+
     init_ray(cfg.ray)
     workers = cluster_cpus()
     fn = _remote()
+    results: dict[tuple[int, int, int], dict] = {}
+    job_names: dict[tuple[int, int, int], tuple[str, str]] = {}
+    pending: dict = {}
+    files_done: set[tuple[int, int]] = set()
+    n_files = sum(len(files) for _, files in plan)
+    resumed = 0
+    report = progress or (lambda done, total, note: None)
 
-    def submit(si: int, fi: int, start: int, stop: int | None):
+    def launch(si: int, fi: int, start: int, stop: int | None) -> None:
+        nonlocal resumed
         source, files = plan[si]
         name = f"{si:03d}-{fi:05d}-{start:010d}"
-        return fn.remote(source, files[fi], cfg.ingest, start, stop, str(parts_dir), name)
+        key = digest([base, source.model_dump(), idents[files[fi]], start, stop])
+        job_names[(si, fi, start)] = (name, key)
+        stored = store.load(name, key) if resume else None
+        if stored is not None:
+            results[(si, fi, start)] = stored
+            resumed += 1
+            return
+        for p in parts_dir.glob(f"{name}-*.parquet"):  # a part left by a killed attempt
+            p.unlink()
+        pending[fn.remote(source, files[fi], cfg.ingest, start, stop, str(parts_dir), name)] = (si, fi, start)
 
-    results: dict[tuple[int, int, int], dict] = {}
-    pending = {}
+    capped = [_CappedSource(si, s, f, workers) for si, (s, f) in enumerate(plan) if s.max_docs is not None]
+    waves: dict[int, list[tuple[int, int, int]]] = {}  # capped source index -> jobs of its current wave
+
+    def start_wave(c: _CappedSource) -> None:
+        wave = c.next_wave()
+        waves[c.si] = [w[:3] for w in wave]
+        if not wave:  # cap reached or no file left: the source's other files are not read
+            files_done.update((c.si, fi) for fi in range(len(c.files)))
+        for w in wave:
+            launch(*w)
+
+    def advance() -> None:
+        """Finish the uncapped files and the capped waves whose jobs all have results."""
+        moved = True
+        while moved:
+            moved = False
+            for c in capped:
+                wave = waves.get(c.si)
+                if wave and all(j in results for j in wave):
+                    files_done.add((c.si, c.fi))
+                    c.wave_done([results[j] for j in wave])
+                    start_wave(c)
+                    moved = True
+        files_done.update(k[:2] for k in results if plan[k[0]][0].max_docs is None)
+        report(len(files_done), n_files, f"ingest ({resumed} jobs resumed)" if resumed else "ingest")
+
     for si, (source, files) in enumerate(plan):
         if source.max_docs is None:
             for fi in range(len(files)):
-                pending[submit(si, fi, 0, None)] = (si, fi, 0)
-    capped = [_CappedSource(si, s, f, workers) for si, (s, f) in enumerate(plan) if s.max_docs is not None]
-    waves: dict[int, list] = {}  # capped source index -> refs of its current wave
-
-    def submit_wave(c: _CappedSource) -> None:
-        waves[c.si] = []
-        for w in c.next_wave():
-            ref = submit(*w)
-            waves[c.si].append(ref)
-            pending[ref] = w[:3]
-
+                launch(si, fi, 0, None)
     for c in capped:
-        submit_wave(c)
+        start_wave(c)
+    advance()
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1)
         for ref in ready:
-            results[pending.pop(ref)] = ray.get(ref)
-        for c in capped:
-            refs = waves.get(c.si)
-            if refs and all(r not in pending for r in refs):
-                c.wave_done([results[k] for k in sorted(k for k in results if k[:2] == (c.si, c.fi))])
-                submit_wave(c)
+            job = pending.pop(ref)
+            res = ray.get(ref)
+            store.save(*job_names[job], res)
+            results[job] = res
+        advance()
 
-    summary = _merge(cfg, plan, results, out_dir, parts_dir)
-    shutil.rmtree(parts_dir, ignore_errors=True)
+    summary = _merge(cfg, plan, results, out_dir)
+    summary["jobs"] = len(results)
     summary["workers"] = workers
+    write_manifest(out_dir, run_key, summary, summary["shards"], ["quarantine.jsonl"])
+    summary["manifest"] = str(out_dir / MANIFEST)
+    shutil.rmtree(parts_dir, ignore_errors=True)
+    summary["resumed_jobs"] = resumed
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
 
 
-def _merge(cfg: PipelineConfig, plan, results: dict, out_dir: Path, parts_dir: Path) -> dict:
+def _merge(cfg: PipelineConfig, plan, results: dict, out_dir: Path) -> dict:
     total = StepStats("ingest")
     skipped: Counter = Counter()
     per_source: dict[str, dict] = {}
@@ -165,8 +237,6 @@ def _merge(cfg: PipelineConfig, plan, results: dict, out_dir: Path, parts_dir: P
                     writer.write(doc)
                     st.docs_out += 1
                     st.bytes_out += len(doc["text"].encode("utf-8"))
-            for p in parts_dir.glob(f"{si:03d}-*"):
-                p.unlink()
             per_source[source.name] = {
                 "files": read_files, "licence": source.licence, "provenance": source.provenance,
                 "docs_in": st.docs_in, "docs_out": st.docs_out,

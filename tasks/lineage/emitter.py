@@ -226,10 +226,14 @@ class LineageEmitter:
     def emit(self, state: RunState, job: JobRef, *, parent: JobRef | None = None, root: JobRef | None = None,
              inputs: list | None = None, outputs: list | None = None, job_type: str = "TASK",
              error: BaseException | None = None, extra_run_facets: dict | None = None,
-             job_doc: str | None = None, code_path: str | None = None) -> RunEvent:
+             job_doc: str | None = None, code_path: str | None = None, integration: str = "PREFECT",
+             engine: tuple[str, str] | None = None) -> RunEvent:
+        """One event. `integration` (jobType facet) and `engine` ((name, version), the
+        processing_engine facet) default to Prefect, which runs the flows and tasks."""
+        engine_name, engine_version = engine or ("prefect", _prefect_version())
         run_facets: dict[str, BaseFacet] = {
             "processing_engine": self._facet(processing_engine_run.ProcessingEngineRunFacet(
-                version=_prefect_version(), name="prefect", openlineageAdapterVersion=_ol_version())),
+                version=engine_version, name=engine_name, openlineageAdapterVersion=_ol_version())),
         }
         if parent is not None:
             root = root or parent
@@ -245,7 +249,7 @@ class LineageEmitter:
                 message=str(error) or type(error).__name__, programmingLanguage="PYTHON",
                 stackTrace="".join(traceback.format_exception(error))[-8000:]))
         job_facets: dict[str, BaseFacet] = {"jobType": self._facet(job_type_job.JobTypeJobFacet(
-            processingType="BATCH", integration="PREFECT", jobType=job_type))}
+            processingType="BATCH", integration=integration, jobType=job_type))}
         code = source_code_location(code_path)
         if code is not None:
             job_facets["sourceCodeLocation"] = self._facet(code)
@@ -268,12 +272,14 @@ class LineageEmitter:
     @contextmanager
     def run(self, job: JobRef, *, parent: JobRef | None = None, root: JobRef | None = None,
             inputs: list | None = None, job_type: str = "TASK", run_facets: dict | None = None,
-            job_doc: str | None = None, code_path: str | None = None) -> Iterator[ActiveRun]:
+            job_doc: str | None = None, code_path: str | None = None, integration: str = "PREFECT",
+            engine: tuple[str, str] | None = None) -> Iterator[ActiveRun]:
         """START now; COMPLETE with the collected outputs, or FAIL with the error, at the end.
         `run_facets` go on every event (e.g. crucible_links); the body's `active.run_facets` on
         COMPLETE only."""
         active = ActiveRun(job=job, inputs=list(inputs or []))
-        common = dict(parent=parent, root=root, job_type=job_type, job_doc=job_doc, code_path=code_path)
+        common = dict(parent=parent, root=root, job_type=job_type, job_doc=job_doc, code_path=code_path,
+                      integration=integration, engine=engine)
         self.emit(RunState.START, job, inputs=active.inputs, extra_run_facets=run_facets, **common)
         try:
             yield active

@@ -52,6 +52,9 @@ class CrucibleSourceDatasetFacet(DatasetFacet):
     derived: bool = False
     licences: list[str] = attr.field(factory=list)  # distinct licences, sorted
     sources: list[dict] = attr.field(factory=list)  # derived: [{source, licence, provenance}], by name
+    # "evaluation": benchmark data a job scores with (not training data); its licence is recorded on
+    # the file but not propagated to what the job writes, and it is not a source of the model
+    use: str | None = None
 
     @staticmethod
     def _get_schema() -> str:
@@ -60,6 +63,11 @@ class CrucibleSourceDatasetFacet(DatasetFacet):
     @classmethod
     def raw(cls, name: str, licence: str, provenance: str) -> "CrucibleSourceDatasetFacet":
         return cls(source=name, licence=licence, provenance=provenance, derived=False, licences=[licence])
+
+    @classmethod
+    def evaluation(cls, name: str, licence: str, provenance: str) -> "CrucibleSourceDatasetFacet":
+        return cls(source=name, licence=licence, provenance=provenance, derived=False, licences=[licence],
+                   use="evaluation")
 
     @classmethod
     def union(cls, entries: Iterable[dict]) -> "CrucibleSourceDatasetFacet | None":
@@ -82,6 +90,8 @@ def source_entries(facet: Any) -> list[dict]:
     if facet is None:
         return []
     d = facet if isinstance(facet, dict) else attr.asdict(facet)
+    if d.get("use") == "evaluation":  # benchmark data: licence recorded, never propagated
+        return []
     if d.get("derived"):
         return [s for s in d.get("sources") or [] if isinstance(s, dict) and "source" in s]
     if "source" in d and "licence" in d:
@@ -220,6 +230,44 @@ def parquet_values(path: str | Path, column: str) -> list[str]:
         col = f.read_row_group(i, columns=[column]).column(0)
         seen.update(v for v in pc.unique(col).to_pylist() if v is not None)
     return sorted(seen)
+
+
+def data_readme_entry(path: str | Path, data_root: str | Path) -> dict | None:
+    """{"file", "origin", "licence", "how_made", "sha256"} of a file of the shared data folder, from
+    the file table of its README.md (`| file | origin | license | how made | ... | sha256 |`, paths
+    relative to data_root); None when the file is outside data_root or not listed."""
+    path, root = Path(path).resolve(), Path(data_root).resolve()
+    try:
+        rel = path.relative_to(root).as_posix()
+    except ValueError:
+        return None
+    readme = root / "README.md"
+    try:
+        st = readme.stat()
+    except OSError:
+        return None
+    return _readme_table(str(readme), st.st_mtime_ns, st.st_size).get(rel)
+
+
+@lru_cache(maxsize=4)
+def _readme_table(readme: str, mtime_ns: int, size: int) -> dict[str, dict]:
+    rows: dict[str, dict] = {}
+    header: list[str] | None = None
+    for line in Path(readme).read_text(encoding="utf-8").splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = [c.lower() for c in cells]
+            continue
+        if not {"file", "license"} <= set(header) or len(cells) != len(header) or set(cells[0]) <= {"-", " "}:
+            continue
+        row = dict(zip(header, cells))
+        name = row["file"].strip("`")
+        rows[name] = {"file": name, "origin": row.get("origin", ""), "licence": row["license"],
+                      "how_made": row.get("how made", ""), "sha256": row.get("sha256", "").strip("`")}
+    return rows
 
 
 def count_lines(path: Path) -> int:

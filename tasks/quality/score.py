@@ -1,7 +1,7 @@
 """Score Parquet shards with the quality models, Ray-parallel, each model loaded once per worker.
 
 `score_shards(cfg, shards, model_path=None, kenlm_path=None)` runs one `QualityWorker` actor per
-CPU (`init_ray(cfg.ray)`); a job is one shard; each worker loads the fastText and/or KenLM
+CPU (`init_ray(cfg.ray)`); a job is one Parquet row group; each worker loads the fastText and/or KenLM
 model once. Returns, in shard/row order, one record per document:
 {"id", "source", "quality_score"?, "perplexity"?, "kenlm_bucket"?, "keep"} plus a summary:
 per-source perplexity cut-offs (`kenlm.head_percentile`/`tail_percentile`), the classifier
@@ -41,11 +41,33 @@ class QualityWorker:
                 rec["perplexity"] = self.lm.perplexity(d["text"])
         return out
 
-    def score_shard(self, shard: str) -> list[dict]:
+    def score_shard(self, shard: str, row_groups: list[int] | None = None) -> list[dict]:
+        if row_groups is None:
+            batches = iter_doc_batches([shard], batch_size=self.cfg.batch_docs, columns=["id", "text", "source"])
+        else:
+            batches = _row_group_batches(shard, row_groups, self.cfg.batch_docs)
         out: list[dict] = []
-        for batch in iter_doc_batches([shard], batch_size=self.cfg.batch_docs, columns=["id", "text", "source"]):
+        for batch in batches:
             out.extend(self.score_batch(batch))
         return out
+
+
+def _row_group_batches(shard: str, row_groups: list[int], batch_size: int):
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(shard)
+    try:
+        for batch in pf.iter_batches(batch_size=batch_size, row_groups=row_groups, columns=["id", "text", "source"]):
+            yield batch.to_pylist()
+    finally:
+        pf.close()
+
+
+def shard_jobs(shards: Sequence[str]) -> list[tuple[str, list[int]]]:
+    """One job per Parquet row group, in corpus order, so one shard still spreads over all workers."""
+    import pyarrow.parquet as pq
+
+    return [(s, [rg]) for s in shards for rg in range(pq.ParquetFile(s).metadata.num_row_groups)]
 
 
 def decide(records: list[dict], cfg: QualityConfig) -> dict:
@@ -121,13 +143,14 @@ def score_shards(cfg: PipelineConfig, shards: Sequence[str | Path], model_path: 
     if not shards:
         return [], decide([], cfg.quality)
     init_ray(cfg.ray)
-    n = max(1, min(cluster_cpus(), len(shards)))
+    jobs = shard_jobs(shards)
+    n = max(1, min(cluster_cpus(), len(jobs)))
     actor_cls = ray.remote(num_cpus=1)(QualityWorker)
     actors = [actor_cls.remote(cfg.quality, str(model_path) if model_path else None,
                                str(kenlm_path) if kenlm_path else None) for _ in range(n)]
     try:
         pool = ActorPool(actors)
-        per_shard = list(pool.map(lambda a, s: a.score_shard.remote(s), shards))
+        per_shard = list(pool.map(lambda a, job: a.score_shard.remote(*job), jobs))
     finally:
         for a in actors:
             ray.kill(a)

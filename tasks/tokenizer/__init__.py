@@ -1,4 +1,4 @@
-"""Tokenizer stage: byte-level BPE trained on the curated corpus."""
-from tasks.tokenizer.bpe import load_tokenizer, special_token_ids, train_tokenizer
+"""Tokenizer stage: byte-level BPE trained on the curated corpus, validated by a report."""
+from tasks.tokenizer.bpe import TokenizerValidationError, load_tokenizer, special_token_ids, train_tokenizer
 
-__all__ = ["train_tokenizer", "load_tokenizer", "special_token_ids"]
+__all__ = ["train_tokenizer", "load_tokenizer", "special_token_ids", "TokenizerValidationError"]

@@ -1,34 +1,84 @@
 """Byte-level BPE tokenizer trained with HF `tokenizers`, streamed from the curated Parquet shards.
 
-Byte-level means every string is representable (no <unk>), and with no normalizer and no added
-prefix space `decode(encode(x)) == x` holds exactly. Special tokens (bos, eos, pad) take ids 0, 1, 2.
-Training is deterministic: shards are read in the given order and the BPE trainer breaks ties
-between equally frequent pairs by the pair itself.
+Byte-level means every string is representable (no <unk>), and with no lossy normalizer and no
+added prefix space `decode(encode(x)) == x` holds exactly. Special tokens (bos, eos, pad) take ids
+0, 1, 2. Training is deterministic: shards are read in the given order, the held-out and sampled
+documents are chosen by a hash of the document id, and the BPE trainer breaks ties between equally
+frequent pairs by the pair itself.
+
+A share of the documents (`tokenizer.validation_fraction`) is held out of training; after training
+every held-out document must round-trip exactly (else `TokenizerValidationError` names them), and
+the validation report (tasks/tokenizer/report.py) compares the tokenizer with HF's stock
+ByteLevelBPETokenizer trained on the same sample: tokenizer_report.json and .md in the output dir.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-import random
 import time
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import ByteLevelBPETokenizer, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from tasks.config import PipelineConfig
+from tasks.config import PipelineConfig, TokenizerConfig
 from tasks.core.hashing import sha256_file
-from tasks.tokenizer.corpus import iter_text_batches
+from tasks.tokenizer.corpus import iter_doc_columns
+from tasks.tokenizer.probes import load_probe_samples
+from tasks.tokenizer.report import (
+    UNKNOWN,
+    LineOverlap,
+    Measured,
+    SliceTallies,
+    measure_probes,
+    render_markdown,
+    roundtrip_failures,
+)
 
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
+REFERENCE_FILE = "reference_tokenizer.json"
+REPORT_FILE = "tokenizer_report.json"
+REPORT_MARKDOWN = "tokenizer_report.md"
+REFERENCE_DESCRIPTION = ("HF tokenizers' stock ByteLevelBPETokenizer (default ByteLevel pre-tokenisation, "
+                         "no normalizer), same vocabulary size, min_frequency, special tokens and training documents")
 
 
-def build_empty_tokenizer() -> Tokenizer:
+class TokenizerValidationError(ValueError):
+    """Held-out documents did not round-trip; the message lists their ids (all of them in the report)."""
+
+
+def build_empty_tokenizer(tcfg: TokenizerConfig | None = None) -> Tokenizer:
+    tcfg = tcfg or TokenizerConfig()
     tok = Tokenizer(models.BPE())  # no unk token: byte-level covers every byte
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if tcfg.normalizer == "nfc":
+        tok.normalizer = normalizers.NFC()
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # Digits first: "2024" becomes four pre-tokens, so no merge can join digits (Llama/PaLM style).
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if tcfg.split_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     return tok
+
+
+def _unit(salt: str, key: str) -> float:
+    """A stable number in [0, 1) from a key (same on every machine and Python run)."""
+    return int.from_bytes(hashlib.blake2b(f"{salt}:{key}".encode(), digest_size=8).digest(), "big") / 2 ** 64
+
+
+def doc_key(doc_id: str | None, text: str) -> str:
+    """The id a document is held out and reported by (a text hash when the shard has no ids)."""
+    return doc_id if doc_id is not None else "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def split_of(key: str, tcfg: TokenizerConfig) -> str:
+    """"validation" (held out), "train" (in the sample) or "unused" (outside the sample)."""
+    if _unit("tokenizer-validation", key) < tcfg.validation_fraction:
+        return "validation"
+    if tcfg.sample_fraction >= 1 or _unit("tokenizer-sample", key) < tcfg.sample_fraction:
+        return "train"
+    return "unused"
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -55,11 +105,14 @@ def special_token_ids(tok: Tokenizer, cfg: PipelineConfig) -> dict[str, int]:
 
 
 def train_tokenizer(cfg: PipelineConfig, shards: list[Path], out_dir: Path) -> dict:
-    """Train byte-level BPE on the shards' `text` column; save `out_dir/tokenizer.json`.
+    """Train byte-level BPE on the shards' `text` column (minus the held-out documents); save
+    `out_dir/tokenizer.json`, validate it and write the report (module doc).
 
-    Returns {"path", "vocab_size", "docs", "bytes", "roundtrip_ok", "roundtrip_docs",
-    "bytes_per_token", "bos_id", "eos_id", "pad_id", "sha256", "seconds"}. `bytes_per_token`
-    is measured on the round-trip sample (a seeded reservoir sample of documents).
+    Returns {"path", "vocab_size", "docs" (trained on), "bytes", "docs_total", "validation_docs",
+    "roundtrip_ok", "roundtrip_docs", "bytes_per_token" (held-out), "reference_bytes_per_token",
+    "report_path", "report_markdown_path", "reference_path", "bos_id", "eos_id", "pad_id",
+    "sha256", "seconds"}. Raises TokenizerValidationError (after writing the report) when any
+    held-out document does not round-trip.
     """
     tcfg = cfg.tokenizer
     out_dir = Path(out_dir)
@@ -67,30 +120,30 @@ def train_tokenizer(cfg: PipelineConfig, shards: list[Path], out_dir: Path) -> d
     shards = [Path(s) for s in shards]
     if not shards:
         raise ValueError("train_tokenizer: no shards given")
-    t0 = time.perf_counter()
-
-    counts = {"docs": 0, "bytes": 0}
-    sample: list[str] = []
-    rng = random.Random(cfg.tokens.seed)
-
-    def batches():
-        for texts in iter_text_batches(shards, tcfg.batch_docs):
-            for text in texts:
-                n = counts["docs"]
-                counts["docs"] += 1
-                counts["bytes"] += len(text.encode("utf-8"))
-                # reservoir sample (Algorithm R) for the round-trip check, deterministic by seed
-                if len(sample) < tcfg.roundtrip_sample_docs:
-                    sample.append(text)
-                elif tcfg.roundtrip_sample_docs:
-                    j = rng.randint(0, n)
-                    if j < tcfg.roundtrip_sample_docs:
-                        sample[j] = text
-            yield texts
-
     specials = [tcfg.bos_token, tcfg.eos_token, tcfg.pad_token]
     if len(set(specials)) != 3:
         raise ValueError(f"special tokens must be distinct: {specials}")
+    t0 = time.perf_counter()
+
+    probes = load_probe_samples(cfg)
+    overlap = LineOverlap(probes)
+    counts = {"validation": 0, "train": 0, "unused": 0, "bytes": 0}
+
+    def training_batches(first_pass: bool):
+        for cols in iter_doc_columns(shards, ["id"], tcfg.batch_docs):
+            batch = []
+            for doc_id, text in zip(cols["id"], cols["text"]):
+                part = split_of(doc_key(doc_id, text), tcfg)
+                if first_pass:
+                    counts[part] += 1
+                if part == "train":
+                    batch.append(text)
+                    if first_pass:
+                        counts["bytes"] += len(text.encode("utf-8"))
+                        overlap.feed(text)
+            if batch:
+                yield batch
+
     trainer = trainers.BpeTrainer(
         vocab_size=tcfg.vocab_size,
         min_frequency=tcfg.min_frequency,
@@ -98,43 +151,109 @@ def train_tokenizer(cfg: PipelineConfig, shards: list[Path], out_dir: Path) -> d
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok = build_empty_tokenizer()
-    tok.train_from_iterator(batches(), trainer=trainer)
-    if counts["docs"] == 0:
+    tok = build_empty_tokenizer(tcfg)
+    tok.train_from_iterator(training_batches(first_pass=True), trainer=trainer)
+    docs_total = counts["validation"] + counts["train"] + counts["unused"]
+    if docs_total == 0:
         raise ValueError(f"train_tokenizer: the shards hold no documents: {[str(s) for s in shards]}")
-
+    if counts["train"] == 0:
+        raise ValueError(f"train_tokenizer: no training documents left: all {docs_total} were held out or "
+                         f"not sampled (validation_fraction {tcfg.validation_fraction}, "
+                         f"sample_fraction {tcfg.sample_fraction})")
     path = out_dir / TOKENIZER_FILE
     tok.save(str(path), pretty=False)
 
-    # Round trip on the sample, through the saved file as consumers will load it.
-    loaded = load_tokenizer(path)
-    n_tokens = n_bytes = 0
-    failures = []
-    encodings = loaded.encode_batch(sample) if sample else []
-    for text, enc in zip(sample, encodings):
-        n_tokens += len(enc.ids)
-        n_bytes += len(text.encode("utf-8"))
-        if loaded.decode(enc.ids, skip_special_tokens=False) != text:
-            failures.append(text[:80])
-    if failures:
-        log.warning("tokenizer round trip failed on %d/%d sampled docs, e.g. %r",
-                    len(failures), len(sample), failures[0])
+    measured = [Measured("crucible", load_tokenizer(path))]  # as consumers will load it
+    ref_path = None
+    if tcfg.reference:
+        reference = ByteLevelBPETokenizer()
+        reference.train_from_iterator(training_batches(first_pass=False), vocab_size=tcfg.vocab_size,
+                                      min_frequency=tcfg.min_frequency, special_tokens=specials,
+                                      show_progress=False)
+        ref_path = out_dir / REFERENCE_FILE
+        reference.save(str(ref_path), pretty=False)
+        measured.append(Measured("reference", load_tokenizer(ref_path)))
 
+    validation = validate_held_out(shards, tcfg, measured)
+    report = {
+        "tokenizers": [m.name for m in measured],
+        "tokenizer": {"path": str(path.resolve()), "vocab_size": measured[0].tok.get_vocab_size(),
+                      "sha256": sha256_file(path), "normalizer": tcfg.normalizer, "split_digits": tcfg.split_digits},
+        "reference": ({"path": str(ref_path.resolve()), "description": REFERENCE_DESCRIPTION,
+                       "vocab_size": measured[1].tok.get_vocab_size(), "sha256": sha256_file(ref_path)}
+                      if ref_path else None),
+        "training": {"docs": counts["train"], "bytes": counts["bytes"], "docs_total": docs_total,
+                     "docs_unused": counts["unused"], "validation_fraction": tcfg.validation_fraction,
+                     "sample_fraction": tcfg.sample_fraction},
+        "validation": validation,
+        "probes": measure_probes(probes, measured, overlap.fractions()),
+    }
+    report_path, md_path = out_dir / REPORT_FILE, out_dir / REPORT_MARKDOWN
+    report_path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    md_path.write_text(render_markdown(report))
+
+    failures = validation["roundtrip_failures"]
+    if failures:
+        shown = ", ".join(failures[:50]) + (f" and {len(failures) - 50} more" if len(failures) > 50 else "")
+        raise TokenizerValidationError(
+            f"tokenizer round trip failed on {len(failures)} of {validation['docs']} held-out documents "
+            f"(decode(encode(text)) != text): {shown}; full list in {report_path}")
+    overall = validation["slices"].get("all", {})
     result = {
         "path": str(path.resolve()),
-        "vocab_size": loaded.get_vocab_size(),
-        "docs": counts["docs"],
+        "vocab_size": measured[0].tok.get_vocab_size(),
+        "docs": counts["train"],
         "bytes": counts["bytes"],
-        "roundtrip_ok": not failures,
-        "roundtrip_docs": len(sample),
-        "bytes_per_token": round(n_bytes / n_tokens, 4) if n_tokens else None,
-        **special_token_ids(loaded, cfg),
+        "docs_total": docs_total,
+        "validation_docs": validation["docs"],
+        "roundtrip_ok": validation["roundtrip_ok"],
+        "roundtrip_docs": validation["docs"],
+        "bytes_per_token": overall.get("crucible", {}).get("bytes_per_token"),
+        "reference_bytes_per_token": overall.get("reference", {}).get("bytes_per_token"),
+        "report_path": str(report_path.resolve()),
+        "report_markdown_path": str(md_path.resolve()),
+        "reference_path": str(ref_path.resolve()) if ref_path else None,
+        **special_token_ids(measured[0].tok, cfg),
         "sha256": sha256_file(path),
         "seconds": round(time.perf_counter() - t0, 3),
     }
-    stats = {k: v for k, v in result.items() if k not in ("seconds", "path")}  # reproducible file
-    (out_dir / "tokenizer_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-    log.info("tokenizer: vocab %d from %d docs (%d bytes), %.2f bytes/token, round trip %s",
-             result["vocab_size"], result["docs"], result["bytes"], result["bytes_per_token"] or 0,
-             "ok" if result["roundtrip_ok"] else "FAILED")
+    stats = {k: v for k, v in result.items() if k not in ("seconds",) and not k.endswith("path")}
+    (out_dir / "tokenizer_stats.json").write_text(json.dumps(stats, indent=2) + "\n")  # reproducible file
+    log.info("tokenizer: vocab %d from %d docs (%d bytes); held out %d docs, all round-trip; %.2f bytes/token "
+             "(reference %s)", result["vocab_size"], result["docs"], result["bytes"], result["validation_docs"],
+             result["bytes_per_token"] or 0, result["reference_bytes_per_token"])
     return result
+
+
+def validate_held_out(shards: list[Path], tcfg: TokenizerConfig, measured: list[Measured]) -> dict:
+    """Encode every held-out document with each tokenizer: compression per slice (all, source:…,
+    language:…) and the exact round trip (the first tokenizer's failures decide the stage)."""
+    tallies = SliceTallies([m.name for m in measured])
+    failures: dict[str, list[str]] = {m.name: [] for m in measured}
+    docs = 0
+    for cols in iter_doc_columns(shards, ["id", "source", "language"], tcfg.batch_docs):
+        keys, texts, slices = [], [], []
+        for doc_id, text, source, language in zip(cols["id"], cols["text"], cols["source"], cols["language"]):
+            key = doc_key(doc_id, text)
+            if split_of(key, tcfg) != "validation":
+                continue
+            keys.append(key)
+            texts.append(text)
+            slices.append(["all", f"source:{source or UNKNOWN}", f"language:{language or UNKNOWN}"])
+        if not texts:
+            continue
+        docs += len(texts)
+        for m in measured:
+            encodings = m.tok.encode_batch(texts, add_special_tokens=False)
+            failures[m.name] += roundtrip_failures(m.tok, keys, texts, encodings)
+            for text, enc, sl in zip(texts, encodings, slices):
+                tallies.add(sl, m.name, text, enc.ids, m.fallback)
+    if docs == 0 and tcfg.validation_fraction > 0:
+        log.warning("tokenizer: no document fell into the held-out set (validation_fraction %s): "
+                    "round trip and compression not measured", tcfg.validation_fraction)
+    main = measured[0].name
+    out = {"docs": docs, "roundtrip_ok": not failures[main], "roundtrip_failures": failures[main],
+           "slices": tallies.rows()}
+    for m in measured[1:]:
+        out[f"{m.name}_roundtrip_failures"] = failures[m.name]
+    return out

@@ -34,6 +34,32 @@ def iter_doc_batches(shards: Iterable[str | Path], batch_docs: int = 1000
                 yield ids, texts
 
 
+def iter_doc_columns(shards: Iterable[str | Path], columns: Iterable[str], batch_docs: int = 1000
+                     ) -> Iterator[dict[str, list]]:
+    """Yield `{column: values}` per record batch, in shard order then row order (deterministic).
+
+    `text` is required; any other requested column a shard lacks comes back as a list of None
+    (e.g. `language` before curation's language id). Null texts are skipped with their row.
+    """
+    columns = list(dict.fromkeys(["text", *columns]))
+    for shard in shards:
+        pf = pq.ParquetFile(str(shard))
+        names = set(pf.schema_arrow.names)
+        if "text" not in names:
+            raise ValueError(f"shard {shard} has no 'text' column (columns: {sorted(names)})")
+        present = [c for c in columns if c in names]
+        for batch in pf.iter_batches(batch_size=batch_docs, columns=present):
+            texts = batch.column("text").to_pylist()
+            keep = [k for k, t in enumerate(texts) if t is not None]
+            if not keep:
+                continue
+            out = {}
+            for c in columns:
+                values = batch.column(c).to_pylist() if c in present else [None] * len(texts)
+                out[c] = [values[k] for k in keep] if len(keep) < len(texts) else values
+            yield out
+
+
 def iter_text_batches(shards: Iterable[str | Path], batch_docs: int = 1000) -> Iterator[list[str]]:
     for _, texts in iter_doc_batches(shards, batch_docs):
         yield texts

@@ -1,6 +1,7 @@
 """Tokens stage: encode the curated corpus into flat train/val token files.
 
-Every document is followed by one EOS id. Documents go to train or val by a hash of
+Every document is followed by one EOS id; `<split>.doc_starts.npy` records where each document
+starts (for document-aware attention masks in training). Documents go to train or val by a hash of
 (seed, document id), so a document is never split across the two and the split does not
 depend on shard order or on the other documents. The corpus streams batch by batch.
 """
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +33,68 @@ def is_val_doc(doc_key: str, val_fraction: float, seed: int) -> bool:
     return h / 2.0**64 < val_fraction
 
 
+def encode_shard(tokenizer_path: str, shard: str, eos_token: str, batch_docs: int,
+                 val_fraction: float, seed: int, part_prefix: str) -> dict:
+    """Encode one shard into `<part_prefix>.<split>.bin` files (EOS after every document).
+
+    Returns per split the token/doc/byte counts and each document's token length, so the caller
+    can concatenate the parts in shard order and derive document start offsets. Runs in-process
+    or as a Ray task; both give the same bytes.
+    """
+    tok = load_tokenizer(Path(tokenizer_path))
+    eos_id = tok.token_to_id(eos_token)
+    dtype = dtype_for_vocab(tok.get_vocab_size())
+    stats = {s: {"tokens": 0, "docs": 0, "bytes": 0} for s in SPLITS}
+    doc_lens = {s: array("q") for s in SPLITS}
+    paths = {s: f"{part_prefix}.{s}.bin" for s in SPLITS}
+    files = {s: open(paths[s], "wb") for s in SPLITS}
+    try:
+        for ids, texts in iter_doc_batches([shard], batch_docs):
+            keys = ids if ids is not None else [None] * len(texts)
+            keys = [k if k is not None else "sha256:" + sha256_text(t) for k, t in zip(keys, texts)]
+            encodings = tok.encode_batch(texts, add_special_tokens=False)
+            chunks: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
+            for key, text, enc in zip(keys, texts, encodings):
+                split = "val" if is_val_doc(key, val_fraction, seed) else "train"
+                arr = np.empty(len(enc.ids) + 1, dtype=dtype)
+                arr[:-1] = enc.ids
+                arr[-1] = eos_id
+                chunks[split].append(arr)
+                doc_lens[split].append(arr.size)
+                stats[split]["tokens"] += arr.size
+                stats[split]["docs"] += 1
+                stats[split]["bytes"] += len(text.encode("utf-8"))
+            for s in SPLITS:
+                if chunks[s]:
+                    np.concatenate(chunks[s]).tofile(files[s])
+    finally:
+        for f in files.values():
+            f.close()
+    return {"paths": paths, "stats": stats, "doc_lens": {s: doc_lens[s].tobytes() for s in SPLITS}}
+
+
+def _encode_all(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path], parts_dir: Path) -> list[dict]:
+    """Encode every shard, on Ray when configured and there is more than one shard."""
+    tcfg = cfg.tokens
+    jobs = [(str(tokenizer_path), str(shard), cfg.tokenizer.eos_token, tcfg.batch_docs,
+             tcfg.val_fraction, tcfg.seed, str(parts_dir / f"part-{i:05d}"))
+            for i, shard in enumerate(shards)]
+    if not tcfg.ray or len(jobs) < 2:
+        return [encode_shard(*job) for job in jobs]
+    import ray
+
+    from tasks.core.ray_utils import init_ray
+
+    init_ray(cfg.ray)
+    remote = ray.remote(num_cpus=1)(encode_shard)
+    return ray.get([remote.remote(*job) for job in jobs])  # results come back in shard order
+
+
 def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path], out_dir: Path) -> dict:
     """Encode shards into out_dir/{train,val}.bin and out_dir/index.json.
 
+    Shards are encoded in parallel (one Ray task each, `tokens.ray`) into part files, then
+    concatenated in shard order, so the output does not depend on the number of workers.
     Returns the index dict (with absolute split paths) plus "index_path". A document without an
     `id` is keyed by the sha256 of its text. Documents sharing an id land in the same split.
     """
@@ -48,30 +110,28 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path]
     tcfg = cfg.tokens
     t0 = time.perf_counter()
 
+    parts_dir = out_dir / "parts"
+    shutil.rmtree(parts_dir, ignore_errors=True)
+    parts_dir.mkdir()
+    parts = _encode_all(cfg, tokenizer_path, [Path(s) for s in shards], parts_dir)
+
     stats = {s: {"tokens": 0, "docs": 0, "bytes": 0} for s in SPLITS}
+    doc_starts: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
     paths = {s: out_dir / f"{s}.bin" for s in SPLITS}
-    files = {s: open(paths[s], "wb") for s in SPLITS}
-    try:
-        for ids, texts in iter_doc_batches(shards, tcfg.batch_docs):
-            keys = ids if ids is not None else [None] * len(texts)
-            keys = [k if k is not None else "sha256:" + sha256_text(t) for k, t in zip(keys, texts)]
-            encodings = tok.encode_batch(texts, add_special_tokens=False)
-            chunks: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
-            for key, text, enc in zip(keys, texts, encodings):
-                split = "val" if is_val_doc(key, tcfg.val_fraction, tcfg.seed) else "train"
-                arr = np.empty(len(enc.ids) + 1, dtype=dtype)
-                arr[:-1] = enc.ids
-                arr[-1] = eos_id
-                chunks[split].append(arr)
-                stats[split]["tokens"] += arr.size
-                stats[split]["docs"] += 1
-                stats[split]["bytes"] += len(text.encode("utf-8"))
-            for s in SPLITS:
-                if chunks[s]:
-                    np.concatenate(chunks[s]).tofile(files[s])
-    finally:
-        for f in files.values():
-            f.close()
+    starts_paths = {s: out_dir / f"{s}.doc_starts.npy" for s in SPLITS}
+    for s in SPLITS:
+        with open(paths[s], "wb") as out:
+            for part in parts:
+                lens = np.frombuffer(part["doc_lens"][s], dtype=np.int64)
+                doc_starts[s].append(stats[s]["tokens"] + np.concatenate(([0], np.cumsum(lens)[:-1]))
+                                     if lens.size else lens)
+                for key in stats[s]:
+                    stats[s][key] += part["stats"][s][key]
+                with open(part["paths"][s], "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+        np.save(starts_paths[s], np.concatenate(doc_starts[s]).astype(np.int64) if doc_starts[s]
+                else np.zeros(0, dtype=np.int64))
+    shutil.rmtree(parts_dir, ignore_errors=True)
     total_docs = sum(stats[s]["docs"] for s in SPLITS)
     if total_docs == 0:
         raise ValueError(f"prepare_tokens: the shards hold no documents: {[str(s) for s in shards]}")
@@ -87,13 +147,16 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path]
         "val_fraction": tcfg.val_fraction,
         "seed": tcfg.seed,
         "splits": {
-            s: {"path": paths[s].name, **stats[s], "sha256": sha256_file(paths[s])} for s in SPLITS
+            s: {"path": paths[s].name, **stats[s], "sha256": sha256_file(paths[s]),
+                "doc_starts": starts_paths[s].name, "doc_starts_sha256": sha256_file(starts_paths[s])}
+            for s in SPLITS
         },
     }
     index_path = out_dir / INDEX_FILE
     index_path.write_text(json.dumps(index, indent=2) + "\n")
     for s in SPLITS:
         index["splits"][s]["path"] = str(paths[s].resolve())
+        index["splits"][s]["doc_starts"] = str(starts_paths[s].resolve())
     index["index_path"] = str(index_path.resolve())
     index["seconds"] = round(time.perf_counter() - t0, 3)
     log.info("tokens: train %d tokens / %d docs, val %d tokens / %d docs (%s) in %.1fs",

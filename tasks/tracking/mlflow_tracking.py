@@ -30,12 +30,24 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def local_artifact_location(tracking_uri: str, experiment: str) -> str | None:
+    """Artifacts of a SQLite store live beside the database file; MLflow's default for a
+    database store would be ./mlruns in whatever the current directory is. None (the
+    server's choice) for a tracking server."""
+    prefix = "sqlite:///"
+    if not tracking_uri.startswith(prefix):
+        return None
+    db = Path(tracking_uri[len(prefix):]).resolve()
+    return (db.parent / "mlartifacts" / experiment).as_uri()
+
+
 class Tracker:
     def __init__(self, tracking_uri: str, experiment: str):
         self.tracking_uri = tracking_uri
         self.client = MlflowClient(tracking_uri=tracking_uri)
         found = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        self.experiment_id = found.experiment_id if found else self.client.create_experiment(
+            experiment, artifact_location=local_artifact_location(tracking_uri, experiment))
         self.experiment = experiment
 
     def start_run(self, name: str, parent_run_id: str | None = None, tags: dict[str, str] | None = None) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tasks.tokens.binfile import open_split
+from tasks.tokens.binfile import open_doc_starts, open_split
 
 
 class RandomWindows:
@@ -45,11 +45,17 @@ class GlobalWindows:
 
     `skip_ranges` ([start, end) global sample ranges) are jumped over: a loss-spike rollback
     records the offending data there.
+
+    With `documents=True` the split's document starts are loaded and `micro_batch_documents`
+    gives, per input token, its document id within the sequence and its position in that
+    document (for the model's document mask and per-document RoPE positions). A document cut by
+    the window's start counts from 0 at the window start, as the unmasked model would see it.
     """
 
     def __init__(self, index_path: str | Path, split: str, seq_len: int, micro_batch_size: int,
-                 seed: int):
+                 seed: int, documents: bool = False):
         self.tokens = open_split(index_path, split)
+        self.doc_starts = np.asarray(open_doc_starts(index_path, split)) if documents else None
         self.seq_len, self.micro_batch_size, self.seed = seq_len, micro_batch_size, seed
         self.n_windows = (len(self.tokens) - 1) // seq_len
         if self.n_windows < 1:
@@ -64,6 +70,21 @@ class GlobalWindows:
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
             self._perm_epoch = epoch
         return int(self._perm[i])
+
+    def documents(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(doc_ids, positions), each (count, seq_len) int64, for the input tokens of global
+        samples first .. first + count - 1: doc_ids count documents from 0 in each sequence."""
+        if self.doc_starts is None:
+            raise RuntimeError("GlobalWindows was built without documents=True")
+        offsets = np.arange(self.seq_len, dtype=np.int64)
+        ids, pos = [], []
+        for g in range(first, first + count):
+            s = self._window(g) * self.seq_len
+            doc = np.searchsorted(self.doc_starts, s + offsets, side="right") - 1
+            begin = np.maximum(self.doc_starts[doc], s)
+            ids.append(doc - doc[0])
+            pos.append(s + offsets - begin)
+        return torch.from_numpy(np.stack(ids)), torch.from_numpy(np.stack(pos))
 
     def samples(self, first: int, count: int) -> torch.Tensor:
         """(count, seq_len + 1) int64 windows for global samples first .. first + count - 1."""
@@ -86,6 +107,13 @@ class GlobalWindows:
     def micro_batch(self, step_start: int, micro: int, rank: int, world: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) for one rank's micro-batch of the step whose first global sample is step_start."""
-        first = step_start + (micro * world + rank) * self.micro_batch_size
-        w = self.samples(first, self.micro_batch_size)
+        w = self.samples(self._first(step_start, micro, rank, world), self.micro_batch_size)
         return w[:, :-1], w[:, 1:]
+
+    def micro_batch_documents(self, step_start: int, micro: int, rank: int, world: int
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(doc_ids, positions) matching micro_batch's x."""
+        return self.documents(self._first(step_start, micro, rank, world), self.micro_batch_size)
+
+    def _first(self, step_start: int, micro: int, rank: int, world: int) -> int:
+        return step_start + (micro * world + rank) * self.micro_batch_size

@@ -14,10 +14,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tasks.config import PipelineConfig
 from tasks.train.checkpoint import list_checkpoints
 from tasks.train.metrics import TRAIN_LOG
+
+if TYPE_CHECKING:
+    from tasks.lineage.torchrun import TorchrunLineage
 
 TORCHRUN_LOG = "torchrun.log"
 CONFIG_JSON = "train_config.json"
@@ -59,13 +63,20 @@ def read_train_log(path: Path) -> list[dict]:
 
 
 def run_training(cfg: PipelineConfig, tokens_index: Path, out_dir: Path, mlflow_tracking_uri: str | None,
-                 mlflow_run_id: str | None, run_name: str) -> dict:
+                 mlflow_run_id: str | None, run_name: str, lineage: TorchrunLineage | None = None) -> dict:
     """Train under torchrun; stream its output to the console and out_dir/torchrun.log.
 
     Returns {"steps", "first_loss", "final_loss", "checkpoints" (absolute paths, oldest first),
     "log" (torchrun.log), "train_log" (train_log.jsonl), "tokens_per_s" (mean over steps after the
     first), "seconds"}. Raises TrainingError with the log tail when torchrun fails.
+    With `lineage`, the torchrun job is an OpenLineage job run of its own (tasks/lineage/torchrun.py):
+    START before torchrun starts, COMPLETE with the checkpoints, or FAIL with the error.
     """
+    if lineage is not None:
+        with lineage.run(cfg, tokens_index) as job:
+            result = run_training(cfg, tokens_index, out_dir, mlflow_tracking_uri, mlflow_run_id, run_name)
+            job.outputs += lineage.outputs(result)
+        return result
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     tokens_index = Path(tokens_index).resolve()

@@ -4,9 +4,16 @@
 
 - RMSNorm instead of LayerNorm, pre-norm residual blocks, no biases anywhere.
 - Rotary position embeddings (RoPE) on queries and keys; no learned position table.
-- Causal self-attention through F.scaled_dot_product_attention(is_causal=True).
+- Causal self-attention through F.scaled_dot_product_attention(is_causal=True); with document ids
+  (packed sequences) a block-diagonal causal boolean mask instead, so attention never crosses a
+  document boundary, and RoPE positions restart at 0 in every document (each document is computed
+  exactly as if it were alone, as it is at inference).
+- Optional QK-norm: RMSNorm over head_dim on each head's queries and keys, before RoPE (OLMo 2 /
+  Qwen3 style), which keeps attention logits bounded at high learning rates.
 - SwiGLU MLP: w2(silu(w1 x) * w3 x).
-- Tied embeddings: the output projection reuses the token embedding matrix.
+- Tied embeddings by default (the output projection reuses the token embedding matrix); optional
+  separate output head. Optional logit soft-capping cap * tanh(logits / cap) (Gemma 2).
+- `lm_loss` adds the optional z-loss coef * logsumexp(logits)^2 (PaLM) to the cross-entropy.
 - Inference only: a per-sequence KV cache (`KVCache`, `GPT.prefill`, `GPT.decode_step`) used by
   the model server; `forward` and `generate` never touch it.
 """
@@ -30,6 +37,11 @@ class GPTConfig:
     mlp_ratio: float = 8 / 3
     rope_theta: float = 10000.0
     dropout: float = 0.0
+    # the defaults below are the original architecture, so checkpoints written before these
+    # options existed (their JSON lacks the keys) load unchanged
+    qk_norm: bool = False
+    logit_softcap: float | None = None
+    tie_embeddings: bool = True
 
     @classmethod
     def from_model_config(cls, model_cfg, vocab_size: int) -> "GPTConfig":
@@ -75,6 +87,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return _rotate(x, cos[:T], sin[:T])
 
 
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean SDPA mask (B, 1, T, T) from document ids (B, T): position i may attend to j iff
+    j <= i and both lie in the same document. The diagonal is always allowed, so no row is empty."""
+    T = doc_ids.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rope with cos/sin already aligned to x's positions (broadcastable to x[..., :h/2])."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
@@ -89,22 +109,30 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
+        self.q_norm = RMSNorm(cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.proj(y)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """cos/sin already aligned to the positions: (T, head_dim/2) or (B, 1, T, head_dim/2).
+        mask: None for plain causal attention, else a boolean (B, 1, T, T) "may attend" mask."""
+        q, k, v = self._qkv_heads(x)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        dropout = self.dropout if self.training else 0.0
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        return self._out(y)
 
     def _qkv_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, T, C) -> q, k, v of (B, n_head, T, head_dim), QK-norm applied (RoPE not yet)."""
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        return tuple(t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in self.qkv(x).split(C, dim=2))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
     def _out(self, y: torch.Tensor) -> torch.Tensor:
         B, _, T, _ = y.shape
@@ -131,8 +159,9 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, mask))
         x = x + self.drop(self.mlp(self.mlp_norm(x)))
         return x
 
@@ -152,6 +181,21 @@ class KVCache:
         return self.k.size(2)
 
 
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Training objective: (total, cross-entropy, z-loss or None). The z-loss, coef * mean of
+    logsumexp(logits)^2 over the scored positions (PaLM, coef ~1e-4), pulls the softmax normaliser
+    towards 1 and so keeps logits from drifting; target -1 is ignored in both terms."""
+    flat = logits.float().view(-1, logits.size(-1))
+    targets = targets.reshape(-1)
+    ce = F.cross_entropy(flat, targets, ignore_index=-1)
+    if not z_loss:
+        return ce, ce, None
+    keep = (targets != -1).float()
+    z = z_loss * (torch.logsumexp(flat, dim=-1).pow(2) * keep).sum() / keep.sum().clamp(min=1)
+    return ce + z, ce, z
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -162,6 +206,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         # RoPE tables are derived from the config, so they are not saved in checkpoints
         cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -180,18 +225,40 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    def num_matmul_params(self) -> int:
+        """Parameters used in matmuls, for FLOPs: a separate embedding table is only a lookup
+        (tied, it is also the output projection and counts)."""
+        return self.num_params() - (0 if self.lm_head is None else self.tok_emb.weight.numel())
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states -> logits (tied or separate head, then the soft cap)."""
+        logits = F.linear(x, self.tok_emb.weight if self.lm_head is None else self.lm_head.weight)
+        if self.cfg.logit_softcap:
+            cap = self.cfg.logit_softcap
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx, targets: (B, T) int64 with T <= seq_len. Returns logits (B, T, vocab) and the mean
-        cross-entropy over all positions (None without targets; target -1 is ignored)."""
+        cross-entropy over all positions (None without targets; target -1 is ignored).
+
+        doc_ids (B, T): document of each token in a packed sequence; attention then stays inside
+        each document. positions (B, T): RoPE position of each token (default 0..T-1), restarting
+        at 0 in every document for packed sequences (see data.GlobalWindows.documents)."""
         B, T = idx.shape
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
+        if positions is None:
+            cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        else:
+            cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        mask = None if doc_ids is None else document_causal_mask(doc_ids)
         x = self.drop(self.tok_emb(idx))
         for block in self.blocks:
-            x = block(x, self.rope_cos, self.rope_sin)
-        x = self.norm(x)
-        logits = F.linear(x, self.tok_emb.weight)  # tied embeddings
+            x = block(x, cos, sin, mask)
+        logits = self._head(self.norm(x))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
@@ -251,7 +318,7 @@ class GPT(nn.Module):
             x = x + attn._out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
             x = x + block.mlp(block.mlp_norm(x))
         cache.length = T
-        return F.linear(self.norm(x[:, -1:]), self.tok_emb.weight)[:, 0]
+        return self._head(self.norm(x[:, -1:]))[:, 0]
 
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
@@ -283,4 +350,4 @@ class GPT(nn.Module):
             c.k[:, :, p] = K[i, :, :, p]
             c.v[:, :, p] = V[i, :, :, p]
             c.length = p + 1
-        return F.linear(self.norm(x), self.tok_emb.weight)[:, 0]
+        return self._head(self.norm(x))[:, 0]

@@ -1,4 +1,4 @@
-"""torchrun entry point: one process per rank, data-parallel training with DDP.
+"""torchrun entry point: one process per rank, data-parallel training with DDP or FSDP2.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 -m tasks.train.worker \
         --config-json run/config.json --tokens-index run/tokens/index.json --out-dir run/train \
@@ -7,6 +7,11 @@
 Rank 0 writes train_log.jsonl and the console lines, logs metrics to MLflow when MLFLOW_RUN_ID
 is set (with MLFLOW_TRACKING_URI), and after each checkpoint emits the Prefect event
 `crucible.checkpoint.saved` when PREFECT_API_URL is set.
+
+Options (train.*): parallelism ddp | fsdp2 (fully_shard per block, then the root; works on CPU
+with gloo), dtype fp32 | bf16 (DDP: autocast over fp32 weights; FSDP2: bf16 compute parameters,
+fp32 sharded master weights and fp32 gradient reduction), compile (torch.compile per block),
+doc_mask (document-aware attention from the token index's document starts), z_loss.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ from tasks.train.checkpoint import (MANIFEST, apply_retention, capture_rng_state
 from tasks.train.data import GlobalWindows
 from tasks.train.metrics import (SPIKE_LOG, MetricsLogger, drain_events, emit_checkpoint_event,
                                  emit_spike_event)
-from tasks.train.model import GPT, GPTConfig
+from tasks.train.model import GPT, GPTConfig, lm_loss
 from tasks.train.optimizer import build_optimizer
 from tasks.train.schedule import lr_at, set_lr
 from tasks.train.spikes import SpikeDetector
@@ -97,6 +102,46 @@ def parse_faults(text: str | None) -> list[tuple[str, int, int, int | None]]:
     return faults
 
 
+def compile_blocks(model: GPT) -> None:
+    """torch.compile every transformer block, in place (nn.Module.compile), so parameter names and
+    checkpoints are unchanged; the per-block graph is the same for every layer (torchtitan style)."""
+    for block in model.blocks:
+        block.compile()
+
+
+def parallelize(model: GPT, tcfg, device: torch.device) -> torch.nn.Module:
+    """Compile and wrap the model for data parallelism; returns the module to call. Under FSDP2
+    that is `model` itself (sharded in place), under DDP the DDP wrapper. Build the optimizer
+    afterwards: FSDP2 replaces the parameters with sharded DTensors."""
+    if tcfg.compile:
+        compile_blocks(model)
+    if tcfg.parallelism == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if tcfg.dtype == "bf16" else MixedPrecisionPolicy())
+        for block in model.blocks:  # one all-gather per block: memory holds one full block at a time
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)  # embedding, final norm (and lm_head)
+        return model
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def autocast_context(tcfg, device: torch.device):
+    """bf16 autocast for DDP (weights stay fp32); FSDP2 casts through its MixedPrecisionPolicy."""
+    if tcfg.dtype == "bf16" and tcfg.parallelism == "ddp":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def grad_sync_context(wrapped: torch.nn.Module, last_micro: bool):
+    """Reduce gradients across ranks only on the last micro-batch of a step."""
+    if isinstance(wrapped, DDP):
+        return contextlib.nullcontext() if last_micro else wrapped.no_sync()
+    wrapped.set_requires_gradient_sync(last_micro)  # FSDP2
+    return contextlib.nullcontext()
+
+
 def global_batch(tcfg, seq_len: int, world: int) -> tuple[int, int]:
     """(global samples per optimizer step, micro-batches per rank per step)."""
     per_micro = tcfg.micro_batch_size * world
@@ -127,10 +172,13 @@ def train(cfg: PipelineConfig, args: argparse.Namespace) -> int:
 
     index = load_index(args.tokens_index)
     gcfg = GPTConfig.from_model_config(cfg.model, index["vocab_size"])
-    data = GlobalWindows(args.tokens_index, "train", gcfg.seq_len, tcfg.micro_batch_size, seed=tcfg.seed)
+    data = GlobalWindows(args.tokens_index, "train", gcfg.seq_len, tcfg.micro_batch_size, seed=tcfg.seed,
+                         documents=tcfg.doc_mask)
     G, accum = global_batch(tcfg, gcfg.seq_len, world)
     torch.manual_seed(tcfg.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     model = GPT(gcfg).to(device)
+    n_params, n_matmul_params = model.num_params(), model.num_matmul_params()
+    wrapped = parallelize(model, tcfg, device)
     optimizer = build_optimizer(model, tcfg)
     # per-rank RNG streams after the shared init (dropout differs per rank); saved in checkpoints
     torch.manual_seed(tcfg.seed + 1 + rank)
@@ -181,7 +229,6 @@ def train(cfg: PipelineConfig, args: argparse.Namespace) -> int:
         (out_dir / "checkpoints" / MANIFEST).unlink(missing_ok=True)
         (out_dir / SPIKE_LOG).unlink(missing_ok=True)
     dist.barrier()
-    ddp = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
 
     metrics = None
     if rank == 0:
@@ -189,10 +236,12 @@ def train(cfg: PipelineConfig, args: argparse.Namespace) -> int:
                                 tracking_uri=os.environ.get("MLFLOW_TRACKING_URI") or None,
                                 run_id=os.environ.get("MLFLOW_RUN_ID") or None,
                                 resume_step=start_step)
-        metrics.log_params({**_flat_params(cfg), "n_params": model.num_params(), "world_size": world,
+        metrics.log_params({**_flat_params(cfg), "n_params": n_params, "world_size": world,
                             "vocab_size": gcfg.vocab_size, "train_tokens": index["splits"]["train"]["tokens"],
                             "global_batch_samples": G, "grad_accum_steps_effective": accum})
-        print(f"[train] {model.num_params():,} params | world {world} x {tcfg.threads_per_proc} threads | "
+        print(f"[train] {n_params:,} params | {tcfg.parallelism} {tcfg.dtype}"
+              f"{' compiled' if tcfg.compile else ''}{' doc-mask' if tcfg.doc_mask else ''} | "
+              f"world {world} x {tcfg.threads_per_proc} threads | "
               f"global batch {G} x {gcfg.seq_len} tokens ({accum} micro-batch(es) per rank) | "
               f"train split {index['splits']['train']['tokens']:,} tokens | steps {start_step + 1}..{tcfg.max_steps}",
               flush=True)
@@ -207,11 +256,12 @@ def train(cfg: PipelineConfig, args: argparse.Namespace) -> int:
         "run_id": args.run_id,
         "world_size": world,
         "global_batch_samples": G,
+        "train_options": {k: getattr(tcfg, k) for k in ("parallelism", "dtype", "compile", "doc_mask", "z_loss")},
     }
     tokens_per_step = G * gcfg.seq_len
-    fpt = flops_per_token(model.num_params(), gcfg.n_layer, gcfg.n_head, gcfg.head_dim, gcfg.seq_len)
+    fpt = flops_per_token(n_matmul_params, gcfg.n_layer, gcfg.n_head, gcfg.head_dim, gcfg.seq_len)
     stop = tcfg.stop_at_step or tcfg.max_steps
-    ddp.train()
+    wrapped.train()
     step = start_step
     while step < stop:
         step += 1
@@ -225,26 +275,34 @@ def train(cfg: PipelineConfig, args: argparse.Namespace) -> int:
         optimizer.zero_grad(set_to_none=True)
         pos = data.step_start(trainer["consumed_samples"])
         corrupt = any(kind == "corrupt" and (a - 1) * G <= pos < b * G for kind, a, b, _ in faults)
-        loss_sum = torch.zeros((), device=device)
+        loss_sum = torch.zeros(2, device=device)  # cross-entropy, z-loss
         for micro in range(accum):
             x, y = data.micro_batch(pos, micro, rank, world)
+            doc_ids = positions = None
+            if tcfg.doc_mask:
+                doc_ids, positions = (t.to(device) for t in data.micro_batch_documents(pos, micro, rank, world))
             if corrupt:
                 x = torch.from_numpy(data_rng.integers(0, gcfg.vocab_size, size=tuple(x.shape)))
                 y = torch.from_numpy(data_rng.integers(0, gcfg.vocab_size, size=tuple(y.shape)))
             x, y = x.to(device), y.to(device)
-            # all-reduce gradients only on the last micro-batch
-            sync = contextlib.nullcontext() if micro == accum - 1 else ddp.no_sync()
-            with sync:
-                _, loss = ddp(x, y)
+            with grad_sync_context(wrapped, micro == accum - 1):
+                with autocast_context(tcfg, device):
+                    logits, _ = wrapped(x, doc_ids=doc_ids, positions=positions)
+                    loss, ce, z = lm_loss(logits, y, tcfg.z_loss)
                 if corrupt:
-                    loss = loss * 100.0
+                    loss, ce = loss * 100.0, ce * 100.0
                 (loss / accum).backward()
-            loss_sum += loss.detach()
-        # total norm before clipping (gradients are identical on every rank after DDP's all-reduce)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip))
+            loss_sum[0] += ce.detach()
+            if z is not None:
+                loss_sum[1] += z.detach()
+        # total norm before clipping (identical on every rank: DDP all-reduces the gradients;
+        # under FSDP2 the norm of the sharded DTensor gradients is reduced across ranks)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         loss_avg = loss_sum / accum
         dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM)  # gloo has no AVG
-        loss_val = loss_avg.item() / world
+        loss_val = loss_avg[0].item() / world
+        z_val = loss_avg[1].item() / world
         end = pos + G
         spike = detector.check(loss_val, grad_norm) if tcfg.spike_detection else None
         if spike is None and not math.isfinite(loss_val):
@@ -259,6 +317,8 @@ def train(cfg: PipelineConfig, args: argparse.Namespace) -> int:
         if metrics is not None:
             values = {"loss": loss_val, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens_per_step / dt,
                       "flops_per_s": fpt * tokens_per_step / dt / world}
+            if tcfg.z_loss:
+                values["z_loss"] = z_val
             if tcfg.peak_flops_per_s:
                 values["mfu"] = values["flops_per_s"] / tcfg.peak_flops_per_s
             values["data_start"] = pos

@@ -51,9 +51,17 @@ FILTER_KINDS = {"ingest", "curate"}
 
 
 def raw_source(facets: dict) -> dict | None:
-    """The `crucible_source` facet of a raw file (None for derived artifacts and unlabelled data)."""
+    """The `crucible_source` facet of a raw file (None for derived artifacts, evaluation data and
+    unlabelled data)."""
     src = facets.get("crucible_source") if isinstance(facets, dict) else None
-    return src if isinstance(src, dict) and not src.get("derived") else None
+    return src if isinstance(src, dict) and not src.get("derived") and src.get("use") != "evaluation" else None
+
+
+def evaluation_data(facets: dict) -> dict | None:
+    """The `crucible_source` facet of evaluation data (`use: evaluation`): benchmark files a job
+    scored with, listed apart from the sources of what it made."""
+    src = facets.get("crucible_source") if isinstance(facets, dict) else None
+    return src if isinstance(src, dict) and src.get("use") == "evaluation" else None
 
 
 def stage_kind(job_name: str, facets: dict | None = None) -> str:
@@ -178,12 +186,22 @@ class Provenance:
         produced = {o["nodeId"] for r in runs for o in r["outputs"]}
         # inputs nobody in the walk produced: roots, unless a run beyond the depth limit produced them
         unseen = {(i["namespace"], i["name"]) for r in runs for i in r["inputs"]
-                  if i["nodeId"] not in produced and raw_source(i["facets"]) is None}
+                  if i["nodeId"] not in produced and raw_source(i["facets"]) is None
+                  and evaluation_data(i["facets"]) is None}
         beyond = {node_id("DATASET", r["namespace"], r["name"])
                   for r in self.store._io_for_datasets("out", sorted(unseen))} if unseen else set()
         sources: dict[tuple, dict] = {}
+        evaluation: dict[tuple, dict] = {}
         for r in runs:
             for i in r["inputs"]:
+                if (data := evaluation_data(i["facets"])) is not None:
+                    entry = evaluation.setdefault((i["nodeId"], i["version"]), {
+                        "nodeId": i["nodeId"], "namespace": i["namespace"], "name": i["name"],
+                        "version": i["version"], "task": data.get("source"), "licence": data.get("licence"),
+                        "provenance": data.get("provenance"), "readBy": []})
+                    if r["job"] not in entry["readBy"]:
+                        entry["readBy"].append(r["job"])
+                    continue
                 src = raw_source(i["facets"])
                 if src is None and (i["nodeId"] in produced or i["nodeId"] in beyond):
                     continue
@@ -217,6 +235,7 @@ class Provenance:
                         names.append(label)
         return {"nodeId": node.id, "sources": ordered, "licences": licences,
                 "unlicensed": [s["nodeId"] for s in ordered if not s["licence"]],
+                "evaluationData": sorted(evaluation.values(), key=lambda e: (e["task"] or "~", e["name"])),
                 "truncated": walk.truncated}
 
     # -- report -----------------------------------------------------------------------------------
@@ -254,6 +273,7 @@ class Provenance:
             "pipelineRuns": pipeline_runs,
             "sources": trace["sources"],
             "licences": trace["licences"],
+            "evaluationData": trace["evaluationData"],
             "stages": stages,
             "filterStages": [s for s in stages if s["kind"] in FILTER_KINDS or s["dropped"]],
             "tokenizer": [self._artifact_section(s) for s in by_kind.get("tokenizer", [])],
@@ -418,6 +438,12 @@ def report_markdown(report: dict) -> str:
         lines += [f"- **{lic}** — {', '.join(names)}" for lic, names in report["licences"].items()] or ["- none recorded"]
     else:
         lines.append("No upstream sources found.")
+    if report.get("evaluationData"):
+        lines += ["", "## Evaluation data", "", "Benchmark files the evaluations scored with (not training data).", "",
+                  "| task | licence | provenance | file | version |", "| --- | --- | --- | --- | --- |"]
+        for d in report["evaluationData"]:
+            lines.append(f"| {_md(d['task'])} | {_md(d['licence'])} | {_md(d['provenance'])} | `{d['name']}` | "
+                         f"{_short(d['version'])} |")
     lines += ["", "## Stages", "", "| stage | job | run | state | duration | rows in | rows out | dropped |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for st in report["stages"]:

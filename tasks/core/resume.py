@@ -1,0 +1,126 @@
+"""Resumable stages: atomic writes, per-job results with sha256-verified parts, a manifest.
+
+A stage splits its work into jobs (ingest: one per source file or file range; curate: one per
+input row group). Each job writes its part files atomically (temp + rename, see
+`tasks.core.documents.ShardWriter`); the driver then stores the job's result with
+`JobStore.save` as `<parts_dir>/<job>.pkl` (atomically), together with a key (everything the
+job's output depends on) and the sha256 of each part. On a re-run `JobStore.load` returns the
+stored result only when the key matches and every part still has its sha256, so a job is either
+reused whole or redone.
+
+The merged output is written file by file atomically, then `manifest.json` last (sha256 per
+output file, the run key, the summary); `verify_manifest` accepts it on a re-run only when the
+key matches and every file verifies. A stage killed at any point (even SIGKILL) leaves hidden
+temp files (removed by `remove_temp_files`), complete parts and maybe complete shards without a
+manifest, so the re-run produces byte-identical output.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+from pathlib import Path
+
+from tasks.core.hashing import sha256_file
+
+MANIFEST = "manifest.json"
+
+
+def digest(obj) -> str:
+    """sha256 of a JSON rendering of `obj` (keys sorted; non-JSON values by str)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def file_identity(path: str) -> list:
+    """[path, size, mtime_ns] of a local file: part of a key, so a changed input is redone."""
+    st = os.stat(path)
+    return [path, st.st_size, st.st_mtime_ns]
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def remove_temp_files(d: Path) -> None:
+    """Remove the hidden temp files a killed writer left in `d` (`.<name>.tmp-<pid>`)."""
+    d = Path(d)
+    if d.is_dir():
+        for p in d.glob(".*.tmp-*"):
+            p.unlink(missing_ok=True)
+
+
+class JobStore:
+    """Finished jobs' results in `parts_dir`, each verified by key and part sha256 on load."""
+
+    def __init__(self, parts_dir: Path):
+        self.dir = Path(parts_dir)
+
+    def load(self, name: str, key: str) -> dict | None:
+        """The stored result of job `name` if its key matches and every part verifies, else None."""
+        path = self.dir / f"{name}.pkl"
+        if not path.is_file():
+            return None
+        try:
+            stored = pickle.loads(path.read_bytes())
+        except Exception:  # noqa: BLE001 - a damaged result file just means: redo the job
+            return None
+        if not isinstance(stored, dict) or stored.get("key") != key:
+            return None
+        for part, sha in stored["part_sha256"].items():
+            if not Path(part).is_file() or sha256_file(part) != sha:
+                return None
+        return stored["result"]
+
+    def save(self, name: str, key: str, result: dict) -> None:
+        shas = {p: sha256_file(p) for p in result.get("parts", [])}
+        atomic_write_bytes(self.dir / f"{name}.pkl",
+                           pickle.dumps({"key": key, "part_sha256": shas, "result": result}, protocol=5))
+
+    def prune(self, keep: set[str]) -> None:
+        """Drop stored results of jobs that are no longer part of the run."""
+        for stale in self.dir.glob("*.pkl"):
+            if stale.stem not in keep:
+                stale.unlink()
+
+
+def verify_manifest(out_dir: Path, run_key: str) -> dict | None:
+    """The manifest of `out_dir` if it was written for `run_key` and every listed file verifies."""
+    path = Path(out_dir) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        m = json.loads(path.read_text())
+    except ValueError:
+        return None
+    if m.get("key") != run_key:
+        return None
+    for entry in m["files"]:
+        f = Path(out_dir) / entry["path"]
+        if not f.is_file() or sha256_file(f) != entry["sha256"]:
+            return None
+    return m
+
+
+def write_manifest(out_dir: Path, run_key: str, summary: dict, shards: list, side_files: list[str]) -> Path:
+    """Write `manifest.json` last: sha256 and row count per Parquet shard, sha256 per side file
+    (names relative to `out_dir`, listed only when present)."""
+    import pyarrow.parquet as pq
+
+    out_dir = Path(out_dir)
+    files = []
+    for p in shards:
+        files.append({"path": Path(p).name, "sha256": sha256_file(p), "docs": pq.ParquetFile(p).metadata.num_rows})
+    for name in side_files:
+        if (out_dir / name).is_file():
+            files.append({"path": name, "sha256": sha256_file(out_dir / name)})
+    path = out_dir / MANIFEST
+    body = {"key": run_key, "files": files, "summary": summary}
+    atomic_write_bytes(path, (json.dumps(body, indent=1, sort_keys=True) + "\n").encode())
+    return path

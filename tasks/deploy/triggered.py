@@ -1,0 +1,147 @@
+"""The hand-over between the event-triggered flows (flows/triggers.py) and a pretrain run that
+leaves evaluation and deployment to them (the stack's triggers service is up).
+
+Files, in the run directory:
+    evaluate/triggered/step-N.json   the evaluate-checkpoint flow's report, plus "gate": its verdict
+                                     against the champion at evaluation time (written last, atomically)
+    deploy/triggered/step-N.json     the deploy-model flow's deploy_if_better result
+
+The pretrain flow waits for these instead of evaluating / deploying itself. It stops waiting for a
+checkpoint as soon as the Prefect flow run that should produce the file has FAILED or CRASHED (or
+after CRUCIBLE_TRIGGERED_TIMEOUT seconds, default 1800) and then does the work directly, so a
+broken trigger costs time, never the run's result.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+EVAL_DEPLOYMENT = "evaluate-checkpoint"
+DEPLOY_DEPLOYMENT = "deploy-model"
+TIMEOUT = float(os.environ.get("CRUCIBLE_TRIGGERED_TIMEOUT", "1800"))
+POLL = 1.0
+
+
+def eval_report_path(run_dir: str | Path, checkpoint: str | Path) -> Path:
+    return Path(run_dir) / "evaluate" / "triggered" / f"{Path(checkpoint).name}.json"
+
+
+def deploy_record_path(run_dir: str | Path, checkpoint: str | Path) -> Path:
+    return Path(run_dir) / "deploy" / "triggered" / f"{Path(checkpoint).name}.json"
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def write_gate(report: dict, decision: dict, champion_val_loss: float | None) -> dict:
+    """Add the gate's verdict to an evaluation report (in memory and in its file)."""
+    report["gate"] = {"passed": bool(decision["passed"]), "reason": decision["reason"],
+                      "champion_val_loss": champion_val_loss}
+    write_json_atomic(Path(report["report_path"]), report)
+    return report
+
+
+def _read(path: Path, key: str | None = None) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and (key is None or key in data) else None
+
+
+def flow_run_failed(deployment: str, checkpoint: str | Path) -> str | None:
+    """The state of the newest flow run of `deployment` for this checkpoint if it FAILED or
+    CRASHED (retries exhausted); None while it is scheduled/running/completed or unknown."""
+    import httpx
+
+    api = os.environ.get("PREFECT_API_URL")
+    if not api:
+        return None
+    try:
+        runs = httpx.post(f"{api.rstrip('/')}/flow_runs/filter", timeout=10, trust_env=False, json={
+            "deployments": {"name": {"any_": [deployment]}}, "sort": "EXPECTED_START_TIME_DESC",
+            "limit": 200}).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    want = str(Path(checkpoint).resolve())
+    mine = [r for r in runs if isinstance(r, dict) and
+            str(Path(str((r.get("parameters") or {}).get("checkpoint", ""))).resolve()) == want]
+    if mine and mine[0].get("state_type") in ("FAILED", "CRASHED"):
+        return f"{deployment} flow run {mine[0].get('name')} {mine[0]['state_type']}"
+    return None
+
+
+def _await(path: Path, key: str, deployment: str, checkpoint: str | Path, timeout: float) -> dict | None:
+    deadline = time.monotonic() + timeout
+    checked = 0.0
+    while True:
+        data = _read(path, key)
+        if data is not None:
+            return data
+        if time.monotonic() - checked > 10:  # the Prefect API is asked every 10 s, the file every second
+            checked = time.monotonic()
+            failed = flow_run_failed(deployment, checkpoint)
+            if failed:
+                log.warning("triggered: %s; falling back to doing it directly", failed)
+                return None
+        if time.monotonic() > deadline:
+            log.warning("triggered: no %s after %.0f s; falling back to doing it directly", path, timeout)
+            return None
+        time.sleep(POLL)
+
+
+def await_evaluation(run_dir: str | Path, checkpoint: str | Path, timeout: float = TIMEOUT) -> dict | None:
+    """The triggered evaluation report of `checkpoint` (with its gate verdict), or None."""
+    report = _await(eval_report_path(run_dir, checkpoint), "gate", EVAL_DEPLOYMENT, checkpoint, timeout)
+    if report is not None:
+        report["evaluated_by"] = "evaluate-checkpoint (event-triggered)"
+    return report
+
+
+def await_deployment(cfg, tracking_uri: str, run_dir: str | Path, best: dict,
+                     timeout: float = TIMEOUT) -> dict | None:
+    """What the triggered deploy-model runs made of this run, in deploy_if_better's shape: waits
+    for the deploy record of every checkpoint whose triggered evaluation passed the gate; returns
+    the record of the run's checkpoint that is champion now, else a not-deployed result for
+    `best` with its gate reason. None if a record did not come (the caller deploys directly)."""
+    from tasks.deploy.registry import get_champion
+    from tasks.deploy.service import server_status
+
+    run_dir = Path(run_dir)
+    records = []
+    for report_file in sorted((run_dir / "evaluate" / "triggered").glob("*.json")):
+        report = _read(report_file, "gate")
+        if report is None or not report["gate"].get("passed"):
+            continue
+        rec = _await(deploy_record_path(run_dir, report["checkpoint"]), "reason", DEPLOY_DEPLOYMENT,
+                     report["checkpoint"], timeout)
+        if rec is None:
+            return None
+        records.append(rec)
+    champion = get_champion(tracking_uri, cfg.deploy.model_name)
+    current = server_status(cfg.stack)
+    live = {"endpoint": current["url"], "pid": current["pid"]} if current and current["healthy"] else {}
+    for rec in records:
+        if champion and rec.get("version") is not None and int(rec["version"]) == champion["version"]:
+            return {**rec, **live, "deployed_by": "deploy-model (event-triggered)"}
+    if any(r.get("version") is not None for r in records):
+        reason = "a later champion replaced this run's model"
+    elif records:
+        reason = records[-1]["reason"]  # passed at evaluation time, then the gate or verification failed
+    else:
+        reason = (best.get("gate") or {}).get("reason", "no checkpoint of this run passed the gate")
+    return {"passed": False, "reason": reason, "model_name": cfg.deploy.model_name,
+            "val_loss": best.get("val_loss"), "checkpoint": best.get("checkpoint"),
+            "champion_version": champion["version"] if champion else None,
+            "champion_val_loss": champion["val_loss"] if champion else None,
+            "version": None, "alias": None, "content_hash": None, "source": None, "endpoint": None, "pid": None,
+            "verified": None, **live, "deployed_by": "deploy-model (event-triggered)"}

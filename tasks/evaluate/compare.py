@@ -1,0 +1,59 @@
+"""All checkpoints of a run side by side: one row per evaluated checkpoint, from the evaluation
+reports under run_dir/evaluate (direct: evaluate/step-N.json; event-triggered:
+evaluate/triggered/step-N.json; the newest report of a step wins).
+
+Each row: step, checkpoint, val_loss, perplexity, every task-suite metric, the deployment gate's
+verdict at evaluation time (report["gate"], written by whoever gated it) and whether it is the
+run's best. Publishing it (a Prefect table artifact keyed per run) is the Prefect side's job
+(tasks/prefect_tasks.publish_eval_table)."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+
+def table_key(run_name: str) -> str:
+    """Prefect artifact key of a run's checkpoint table (lowercase letters, digits, dashes)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", (run_name or "run").lower()).strip("-") or "run"
+    return f"eval-checkpoints-{slug}"[:200]
+
+
+def _reports(run_dir: Path) -> dict[int, tuple[float, Path, dict]]:
+    newest: dict[int, tuple[float, Path, dict]] = {}
+    for path in sorted((Path(run_dir) / "evaluate").rglob("*.json")):
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # being written, or not a report
+        if not isinstance(report, dict) or not isinstance(report.get("step"), int) or "val_loss" not in report:
+            continue
+        mtime = path.stat().st_mtime
+        if report["step"] not in newest or mtime >= newest[report["step"]][0]:
+            newest[report["step"]] = (mtime, path, report)
+    return newest
+
+
+def gate_text(gate: dict | None) -> str | None:
+    if not isinstance(gate, dict):
+        return None
+    return ("passed: " if gate.get("passed") else "failed: ") + str(gate.get("reason", ""))
+
+
+def checkpoint_rows(run_dir: str | Path) -> list[dict]:
+    """The run's checkpoints in step order; every row has the same columns."""
+    found = _reports(Path(run_dir))
+    metrics = sorted({k for _, _, r in found.values() for k in (r.get("task_metrics") or {})})
+    losses = [r["val_loss"] for _, _, r in found.values() if isinstance(r.get("val_loss"), (int, float))]
+    best = min(losses, default=None)
+    rows = []
+    for step in sorted(found):
+        _, path, r = found[step]
+        tm = r.get("task_metrics") or {}
+        rows.append({"step": step, "checkpoint": Path(str(r.get("checkpoint", ""))).name or None,
+                     "val_loss": r.get("val_loss"), "perplexity": r.get("perplexity"),
+                     **{m: tm.get(m) for m in metrics},
+                     "gate": gate_text(r.get("gate")), "best": best is not None and r.get("val_loss") == best,
+                     "evaluated_by": "trigger" if path.parent.name == "triggered" else "pretrain flow"})
+    return rows
+
