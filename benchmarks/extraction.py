@@ -142,12 +142,17 @@ def main(argv=None) -> dict:
     p.add_argument("--cache", default=str(DEFAULT_CACHE), help="where the extracted documents are cached")
     p.add_argument("--max-files", type=int, default=None, help="only the first N source files (quick look)")
     p.add_argument("--skip-curate", action="store_true")
+    p.add_argument("--extraction-from", default=None,
+                   help="reuse the extraction figures of an earlier results JSON (run only the curate part)")
     p.add_argument("--out", default=str(HERE / "results" / "extraction.json"))
     args = p.parse_args(argv)
 
     result: dict = {"cpu_count": os.cpu_count()}
-    print("extraction (single process) ...", file=sys.stderr)
-    result["extraction"] = ex = extract_web(Path(args.cache), args.max_files)
+    if args.extraction_from:
+        result["extraction"] = ex = json.loads(Path(args.extraction_from).read_text())["extraction"]
+    else:
+        print("extraction (2 processes) ...", file=sys.stderr)
+        result["extraction"] = ex = extract_web(Path(args.cache), args.max_files)
     print(f"extraction: {ex['html_pages']} HTML pages in {ex['cpu_seconds']} CPU-s = "
           f"{ex['pages_per_s_per_core']} pages/s/core ({ex['html_docs_extracted']} with text)")
     if not args.skip_curate:
