@@ -141,7 +141,7 @@ def run(cfg, args, device_type: str) -> dict:
             "step_s_min_max": [round(min(timed), 4), round(max(timed), 4)],
             "tokens_per_s": round(tps, 1), "tokens_per_s_per_gpu": round(tps / world, 1),
             "model_flops_per_s_per_gpu": fpt * tps / world,
-            "mfu": round(fpt * tps / world / peak, 4),
+            "mfu": float(f"{fpt * tps / world / peak:.4g}"),  # 4 significant digits: tiny on CPU
         }
         if device_type == "cuda":
             result["max_memory_allocated_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)

@@ -10,7 +10,6 @@ Run it with `crucible ablate CONFIG` (against the local stack) or `python -m flo
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -18,7 +17,8 @@ from pathlib import Path
 from prefect import flow
 
 from tasks.ablate.run import ablation_scope
-from tasks.config import ConfigError, PipelineConfig, load_config
+from tasks.config import PipelineConfig
+from tasks.core.cli import run_flow_cli
 from tasks.pipeline_run import new_run_name, open_run
 from tasks.prefect_tasks import ablate_curation
 
@@ -42,20 +42,9 @@ def run_ablation_flow(cfg: PipelineConfig, out: str | Path | None = None, run_na
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.ablate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--out", default=None, help="also write the JSON result here")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
-    result = run_ablation_flow(cfg, args.out)
-    print(json.dumps({k: result[k] for k in ("heldout_loss", "relative_improvement", "run_dir")}, indent=2))
-    return 0
+    return run_flow_cli("python -m flows.ablate", __doc__, run_ablation_flow, "--out",
+                        "also write the JSON result here",
+                        ("heldout_loss", "relative_improvement", "run_dir"), argv)
 
 
 if __name__ == "__main__":

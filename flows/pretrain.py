@@ -16,7 +16,6 @@ instead of doing the work again. Without it they evaluate and deploy directly.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -24,7 +23,8 @@ from pathlib import Path
 from prefect import flow
 
 from flows.triggers import triggers_active
-from tasks.config import ConfigError, PipelineConfig, load_config
+from tasks.config import PipelineConfig
+from tasks.core.cli import run_flow_cli
 from tasks.pipeline_run import RunContext, new_run_name, open_run, pretrain_scope
 from tasks.prefect_tasks import (
     encode_and_pack,
@@ -127,20 +127,8 @@ def _failed_summary(cfg: PipelineConfig, run_name: str, state) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.pretrain", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--summary", default=None)
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
-    summary = run_pipeline(cfg, args.summary)
-    print(json.dumps({k: summary[k] for k in ("status", "run_dir", "lineage_log")}, indent=2))
-    return 0
+    return run_flow_cli("python -m flows.pretrain", __doc__, run_pipeline, "--summary",
+                        "also write the run summary JSON here", ("status", "run_dir", "lineage_log"), argv)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ class SourceConfig(Section):
     opt_out_url_patterns: list[str] = []  # regexes searched in the URL; a match drops the record "opt_out"
     pii_policy: Literal["redact", "keep"] = "redact"
     mixture_weight: float = Field(default=1.0, ge=0)
+    retention: str = ""  # retention note: how long the raw and derived data may be kept, and why
 
 
 class RayConfig(Section):
@@ -365,6 +366,9 @@ class TrainConfig(Section):
     max_restarts: int = Field(default=0, ge=0)  # torchrun --max-restarts: workers restart, resume from latest
     keep_last_checkpoints: int | None = Field(default=None, gt=0)  # None: keep all
     keep_best_checkpoints: int = Field(default=0, ge=0)  # also keep the N best (val loss, else train loss)
+    # write checkpoints in a background thread (dcp.async_save) while training goes on; a checkpoint
+    # becomes visible (renamed, in the manifest, event sent) only once completely written
+    async_checkpoint: bool = False
     peak_flops_per_s: float | None = Field(default=None, gt=0)  # per process; MFU is logged when set
     spike_detection: bool = True
     spike_window: int = Field(default=20, ge=2)  # rolling window of healthy steps

@@ -92,7 +92,8 @@ def test_run_curate_drops_and_reports(tmp_path):
     cur = CurateConfig(langid=off, gopher_quality=off, gopher_repetition=off, c4=off, fineweb=off,
                        dedup={"exact": False, "minhash": off})
     cfg = PipelineConfig(name="t", data_root=str(DATA), ray=RayConfig(num_cpus=1), curate=cur,
-                         sources=[SourceConfig(name="web", uri="x", format="jsonl", licence="t", provenance="t")])
+                         sources=[SourceConfig(name="web", uri="x", format="jsonl", licence="t", provenance="t",
+                                                       retention="30 days", mixture_weight=2)])
     init_ray(cfg.ray)
     try:
         s = run_curate(cfg, in_shards, tmp_path / "out")
@@ -107,3 +108,4 @@ def test_run_curate_drops_and_reports(tmp_path):
     assert report["items_hit"] == {"lambada": [42]}
     card = Path(s["dataset_card"]).read_text()
     assert "## Decontamination" in card and "| lambada | 1 | 1 |" in card
+    assert "| web | t | t | redact | 2 | 30 days |" in card  # the registry entry, retention note included

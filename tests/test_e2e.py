@@ -160,6 +160,18 @@ def test_checkpoint_table_artifact_compares_every_checkpoint(run):
     assert sum(r["best"] for r in rows) == 1
 
 
+def test_long_stages_report_progress_to_prefect(run):
+    """Ingest and curate each keep a Prefect progress artifact, at 100 % once the stage is done."""
+    api = run["status"]["prefect"]["url"].rstrip("/") + "/api"
+    for stage in ("ingest", "curate"):
+        arts = httpx.post(f"{api}/artifacts/filter", timeout=30,
+                          json={"artifacts": {"key": {"any_": [f"{stage}-progress"]}}}).json()
+        assert arts, f"no {stage}-progress artifact"
+        latest = max(arts, key=lambda a: a["updated"])
+        assert latest["type"] == "progress" and float(latest["data"]) == 100.0, latest
+        assert stage in latest["description"]
+
+
 def test_served_model_answers_completions(run):
     endpoint = run["summary"]["stages"]["deploy"]["endpoint"]
     assert endpoint.startswith("http://127.0.0.1:") and endpoint.endswith("/v1")

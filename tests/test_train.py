@@ -348,3 +348,47 @@ def test_fsdp2_matches_ddp_and_resumes_with_bf16_doc_mask_z_loss(run, base, tmp_
         assert abs(r["loss"] - q["loss"]) < 0.1, (r, q)  # bf16 and the mask move it a little
         assert 0 < r["z_loss"] < 1e-2  # 1e-4 * logsumexp^2, logged every step
     assert Path(res["checkpoints"][-1]).name == "step-000006"
+
+
+def test_async_checkpoint_is_a_snapshot_published_only_when_complete(tmp_path):
+    """dcp.async_save stages the state to CPU memory before returning: optimizer steps (and any
+    in-place change) after the start do not reach the checkpoint, and the checkpoint only becomes
+    visible (final name, meta file) in wait_and_finalize."""
+    from tasks.train.checkpoint import load_checkpoint, start_checkpoint
+
+    tcfg = tiny_cfg().train
+    cfg = GPTConfig(vocab_size=128, n_layer=2, n_head=2, d_model=32, seq_len=16)
+
+    def model_and_opt():
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        return model, build_optimizer(model, tcfg)
+
+    model, opt = model_and_opt()
+    x = torch.randint(0, 128, (4, 16))
+    for _ in range(2):
+        opt.zero_grad()
+        model(x, targets=x)[1].backward()
+        opt.step()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    want_moments = {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+    pending = start_checkpoint(model, opt, 2, tmp_path, {"model": cfg.to_dict(), "trainer": {}},
+                               async_save=True)
+    assert pending.is_async and list_checkpoints(tmp_path) == []
+    for _ in range(2):  # training goes on while the checkpoint is written
+        opt.zero_grad()
+        model(x, targets=x)[1].backward()
+        opt.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert list_checkpoints(tmp_path) == []  # not visible before wait_and_finalize
+    path = pending.wait_and_finalize()
+    assert list_checkpoints(tmp_path) == [path] and not path.with_name(path.name + ".tmp").exists()
+    got, _ = load_model_for_inference(path)
+    assert all(torch.equal(got.state_dict()[k], want[k]) for k in want)
+    assert not torch.equal(got.state_dict()["tok_emb.weight"], model.state_dict()["tok_emb.weight"])
+    fresh, fresh_opt = model_and_opt()
+    assert load_checkpoint(fresh, fresh_opt, path) == 2
+    for n, p in fresh.named_parameters():
+        assert torch.equal(fresh_opt.state[p]["exp_avg"], want_moments[n]), n

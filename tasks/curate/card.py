@@ -58,18 +58,18 @@ def render_dataset_card(cfg: PipelineConfig, summary: dict) -> str:
       f"({_pct(summary['docs_out'], summary['docs_in'])}).\n")
 
     w("## Sources\n")
-    w("| source | licence | provenance | PII policy | docs in | docs out |")
-    w("|---|---|---|---|---:|---:|")
+    w("| source | licence | provenance | PII policy | mixture weight | retention | docs in | docs out |")
+    w("|---|---|---|---|---:|---|---:|---:|")
     per_source = summary.get("sources", {})
     known = set()
     for s in cfg.sources:
         known.add(s.name)
         c = per_source.get(s.name, {})
-        w(f"| {s.name} | {_fmt(s.licence)} | {_fmt(s.provenance)} | {s.pii_policy} | "
-          f"{c.get('docs_in', 0):,} | {c.get('docs_out', 0):,} |")
+        w(f"| {s.name} | {_fmt(s.licence)} | {_fmt(s.provenance)} | {s.pii_policy} | {s.mixture_weight:g} | "
+          f"{_fmt(s.retention) if s.retention else 'not stated'} | {c.get('docs_in', 0):,} | {c.get('docs_out', 0):,} |")
     for name, c in per_source.items():
         if name not in known:
-            w(f"| {name or '(none)'} | (not in registry) | | {cfg.curate.pii.default_policy} | "
+            w(f"| {name or '(none)'} | (not in registry) | | {cfg.curate.pii.default_policy} | | | "
               f"{c['docs_in']:,} | {c['docs_out']:,} |")
     w("")
 

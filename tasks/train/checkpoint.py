@@ -13,6 +13,11 @@ Only tensors go into DCP (the optimizer's param groups are rebuilt from the conf
 is JSON, so nothing is ever unpickled on load. A checkpoint is written into step-XXXXXX.tmp and
 renamed once complete, so a directory named step-XXXXXX is always whole.
 
+Async saving (train.async_checkpoint): `start_checkpoint(..., async_save=True)` copies the state
+to CPU memory and returns while a background thread writes it (dcp.async_save, on a gloo group of
+its own); `PendingCheckpoint.wait_and_finalize()` waits for the write and only then writes the meta
+file and renames, so the rename stays the moment a checkpoint becomes visible.
+
 out_dir/checkpoints/checkpoints.json (the manifest, written by rank 0) lists every kept checkpoint
 with its step, losses and the sha256 of each file; `apply_retention` keeps the last N and the best K.
 
@@ -27,6 +32,7 @@ import os
 import random
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -80,12 +86,82 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                    out_dir: str | Path, meta: dict, rng_state: dict | None = None) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory.
+def new_checkpoint_group() -> "dist.ProcessGroup | None":
+    """Collective (every rank, same point): a gloo group of all ranks for asynchronous saves.
 
-    rng_state: this rank's RNG states (see `capture_rng_state`), written to rng/rank-XXXXX.json.
-    """
+    The writer thread of an async save runs DCP's collectives (plan gather, finish) while the main
+    thread runs training all-reduces; on one shared group the two streams of collectives would
+    interleave differently on each rank, so async saves get a group of their own (as torchtitan
+    does). None when no process group is initialised (single process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo")
+
+
+class PendingCheckpoint:
+    """A checkpoint being written into step-XXXXXX.tmp; `wait_and_finalize` makes it visible.
+
+    Finalising (rank 0 writes the meta file and renames .tmp to the final name, then all ranks
+    meet at a barrier) happens only after DCP has written every rank's shards, so a directory
+    named step-XXXXXX is always complete. Collective: every rank calls it at the same point.
+    blocked_s: time the caller was blocked starting the save (for a sync save: the whole write);
+    write_s: from start until this rank's write finished; total_s: from start until finalised."""
+
+    def __init__(self, step: int, tmp: Path, final: Path, meta_json: str, future=None,
+                 started: float = 0.0, blocked_s: float = 0.0):
+        self.step, self.tmp, self.final = step, tmp, final
+        self._meta_json, self._future = meta_json, future
+        self.started, self.blocked_s = started, blocked_s
+        self.write_s: float | None = None if future is not None else blocked_s
+        self.total_s: float | None = None
+        self.path: Path | None = None
+        if future is not None:
+            future.add_done_callback(lambda _: setattr(self, "write_s", time.perf_counter() - started))
+
+    @property
+    def is_async(self) -> bool:
+        return self._future is not None
+
+    def done(self) -> bool:
+        """True when this rank's write has finished (finalising still has to be called)."""
+        return self._future is None or self._future.done()
+
+    def wait_and_finalize(self) -> Path:
+        """Wait for the write (re-raising its error), then publish the checkpoint. Idempotent."""
+        if self.path is not None:
+            return self.path
+        if self._future is not None:
+            self._future.result()  # DCP returns once the global metadata of all ranks is written
+            if self.write_s is None:  # done-callbacks may run just after result() returns
+                self.write_s = time.perf_counter() - self.started
+        if _rank() == 0:
+            (self.tmp / META_FILE).write_text(self._meta_json)
+            if self.final.exists():  # a rerun of the same out_dir without resume
+                shutil.rmtree(self.final)
+            self.tmp.rename(self.final)
+        _barrier()
+        self.total_s = time.perf_counter() - self.started
+        self.path = self.final
+        return self.final
+
+
+def start_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
+                     out_dir: str | Path, meta: dict, rng_state: dict | None = None,
+                     async_save: bool = False, process_group: "dist.ProcessGroup | None" = None
+                     ) -> PendingCheckpoint:
+    """Collective: every rank calls it. Starts writing the checkpoint of `step`.
+
+    Sync (async_save False): the DCP write is done when this returns. Async: the state is first
+    copied to CPU memory (dcp.async_save's staging, so later optimizer steps cannot change what
+    is saved) and written by a background thread; `process_group` must then be a group of its
+    own (see `new_checkpoint_group`) when a process group is initialised. The meta (and the
+    trainer state in it) is serialised now, so later changes to the dicts do not leak in either.
+    Call `wait_and_finalize()` on the result before the next save and before the process ends."""
+    started = time.perf_counter()
+    distributed = dist.is_available() and dist.is_initialized()
+    if async_save and distributed and process_group is None:
+        raise ValueError("async checkpoint saving needs its own process group (new_checkpoint_group()): "
+                         "the default group also carries the training collectives")
     final = checkpoint_dir(out_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     rank = _rank()
@@ -95,6 +171,7 @@ def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: in
     _barrier()
     if rng_state is not None:
         (tmp / RNG_DIR / f"rank-{rank:05d}.json").write_text(json.dumps(rng_state))
+    meta_json = json.dumps({"format": FORMAT, "step": step, **meta}, indent=2) + "\n"
     osd = get_optimizer_state_dict(model, optimizer)
     consumed = int((meta.get("trainer") or {}).get("consumed_samples", 0))
     state = {
@@ -103,15 +180,22 @@ def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: in
         "train": {"step": torch.tensor(step, dtype=torch.int64),
                   "consumed_samples": torch.tensor(consumed, dtype=torch.int64)},
     }
-    dcp.save(state, checkpoint_id=str(tmp))  # returns on every rank once the metadata is written
-    if rank == 0:
-        full_meta = {"format": FORMAT, "step": step, **meta}
-        (tmp / META_FILE).write_text(json.dumps(full_meta, indent=2) + "\n")
-        if final.exists():  # a rerun of the same out_dir without resume
-            shutil.rmtree(final)
-        tmp.rename(final)
-    _barrier()
-    return final
+    future = None
+    if async_save:
+        future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=process_group)
+    else:
+        dcp.save(state, checkpoint_id=str(tmp))  # returns on every rank once the metadata is written
+    return PendingCheckpoint(step, tmp, final, meta_json, future, started,
+                             blocked_s=time.perf_counter() - started)
+
+
+def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
+                    out_dir: str | Path, meta: dict, rng_state: dict | None = None) -> Path:
+    """Collective: every rank calls it. Blocking save; returns the final checkpoint directory.
+
+    rng_state: this rank's RNG states (see `capture_rng_state`), written to rng/rank-XXXXX.json.
+    """
+    return start_checkpoint(model, optimizer, step, out_dir, meta, rng_state).wait_and_finalize()
 
 
 def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: str | Path) -> int:

@@ -11,7 +11,8 @@ is set (with MLFLOW_TRACKING_URI), and after each checkpoint emits the Prefect e
 Options (train.*): parallelism ddp | fsdp2 (fully_shard per block, then the root; works on CPU
 with gloo), dtype fp32 | bf16 (DDP: autocast over fp32 weights; FSDP2: bf16 compute parameters,
 fp32 sharded master weights and fp32 gradient reduction), compile (torch.compile per block),
-doc_mask (document-aware attention from the token index's document starts), z_loss.
+doc_mask (document-aware attention from the token index's document starts), z_loss,
+async_checkpoint (checkpoints written in the background; published only once complete).
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tasks.config import PipelineConfig
 from tasks.tokens.binfile import load_index
 from tasks.train.checkpoint import (MANIFEST, apply_retention, capture_rng_state, latest_checkpoint,
-                                    list_checkpoints, load_checkpoint, read_meta, read_rng_state,
-                                    restore_rng_state, save_checkpoint)
+                                    list_checkpoints, load_checkpoint, new_checkpoint_group, read_meta,
+                                    read_rng_state, restore_rng_state, start_checkpoint)
 from tasks.train.data import GlobalWindows
 from tasks.train.metrics import (SPIKE_LOG, MetricsLogger, drain_events, emit_checkpoint_event,
                                  emit_spike_event)
@@ -258,6 +259,24 @@ def train(cfg: PipelineConfig, args: argparse.Namespace) -> int:
         "global_batch_samples": G,
         "train_options": {k: getattr(tcfg, k) for k in ("parallelism", "dtype", "compile", "doc_mask", "z_loss")},
     }
+    ckpt_group = new_checkpoint_group() if tcfg.async_checkpoint else None
+    pending = None  # the checkpoint being written (async), published by finish_checkpoint
+
+    def finish_checkpoint() -> None:
+        """Wait for the pending checkpoint, publish it, then (rank 0) manifest/retention and event:
+        nothing refers to a checkpoint before it is complete."""
+        nonlocal pending
+        if pending is None:
+            return
+        done, pending = pending, None
+        path = done.wait_and_finalize()
+        if rank == 0:
+            apply_retention(out_dir, path, tcfg.keep_last_checkpoints, tcfg.keep_best_checkpoints)
+            how = (f" (async: blocked {done.blocked_s:.2f}s, written in {done.write_s:.2f}s)"
+                   if done.is_async else "")
+            print(f"[checkpoint] step {done.step} -> {path}{how}", flush=True)
+            emit_checkpoint_event(path, step=done.step, run_id=args.run_id, run_name=args.run_name)
+
     tokens_per_step = G * gcfg.seq_len
     fpt = flops_per_token(n_matmul_params, gcfg.n_layer, gcfg.n_head, gcfg.head_dim, gcfg.seq_len)
     stop = tcfg.stop_at_step or tcfg.max_steps
@@ -333,6 +352,7 @@ def train(cfg: PipelineConfig, args: argparse.Namespace) -> int:
                 emit_spike_event("skip", step, args.run_id, args.run_name, **details)
             if persistent:
                 first_step, bad_start = detector.streak_first_step, detector.streak_start
+                finish_checkpoint()  # a checkpoint still being written may be the rollback target
                 target = latest_checkpoint(out_dir, before_step=first_step)
                 if target is not None and trainer["rollbacks"] < tcfg.spike_max_rollbacks:
                     ranges = list(trainer["skip_ranges"]) + [(bad_start, end)]
@@ -354,13 +374,14 @@ def train(cfg: PipelineConfig, args: argparse.Namespace) -> int:
         if step % tcfg.checkpoint_every == 0 or step == tcfg.max_steps or step == stop:
             tr_state = {**trainer, "skip_ranges": [list(r) for r in trainer["skip_ranges"]],
                         "spike": detector.state()}
-            path = save_checkpoint(model, optimizer, step, out_dir,
-                                   {**meta_base, "train_loss": loss_val, "trainer": tr_state},
-                                   rng_state=capture_rng_state(data_rng))
-            if rank == 0:
-                apply_retention(out_dir, path, tcfg.keep_last_checkpoints, tcfg.keep_best_checkpoints)
-                print(f"[checkpoint] step {step} -> {path}", flush=True)
-                emit_checkpoint_event(path, step, args.run_id, args.run_name)
+            finish_checkpoint()  # one save in flight at a time
+            pending = start_checkpoint(model, optimizer, step, out_dir,
+                                       {**meta_base, "train_loss": loss_val, "trainer": tr_state},
+                                       rng_state=capture_rng_state(data_rng),
+                                       async_save=tcfg.async_checkpoint, process_group=ckpt_group)
+            if not tcfg.async_checkpoint:
+                finish_checkpoint()
+    finish_checkpoint()
     if metrics is not None:
         metrics.close()
         drain_events()

@@ -1,0 +1,216 @@
+"""Checkpoint save time (sync vs async), size on disk and resume time, at the model size of
+benchmarks/train_throughput.py; nanoGPT's torch.save checkpoint as the reference, in the same run.
+Prints the figures and writes benchmarks/results/checkpoint.json.
+
+    .venv/bin/python benchmarks/checkpoint.py [--d-model 256 --n-layer 4 --n-head 4 --seq-len 256
+        --batch 8 --vocab 4096 --rounds 3 --threads 1]
+
+One process with a 1-rank gloo group, as a torchrun worker has (so DCP runs its collectives and
+the async writer uses its own group, see tasks.train.checkpoint.new_checkpoint_group):
+
+- sync: start_checkpoint + wait_and_finalize back to back; the loop is blocked for all of it.
+- async: start_checkpoint(async_save=True) (state copied to CPU memory, writer thread started),
+  one real training step while the checkpoint is written, then wait_and_finalize. Blocked time =
+  the start + whatever was left to wait for after the step; the step's time is compared with a
+  step without a save in flight (the writer competes for the same cores).
+- resume: load_checkpoint into a fresh model and optimizer (what a resumed run does), and
+  load_model_for_inference (what evaluation and serving do).
+- manifest: apply_retention's sha256 of every file (rank 0, after each save in the worker).
+- reference_nanogpt: torch.save({"model", "optimizer"}) to one file, torch.load(weights_only=True)
+  + load_state_dict.
+Rounds alternate sync and async so load from other processes falls on both alike.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.train_throughput import ArrayWindows  # noqa: E402
+from tasks.config import TrainConfig  # noqa: E402
+from tasks.train.checkpoint import (apply_retention, load_checkpoint, load_model_for_inference,  # noqa: E402
+                                    new_checkpoint_group, start_checkpoint)
+from tasks.train.model import GPT, GPTConfig  # noqa: E402
+from tasks.train.optimizer import build_optimizer  # noqa: E402
+from tasks.train.schedule import lr_at, set_lr  # noqa: E402
+
+RESULT = REPO / "benchmarks" / "results" / "checkpoint.json"
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def med(xs: list[float]) -> float:
+    return round(statistics.median(xs), 4)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--work-dir", type=Path, default=None, help="where checkpoints are written (default: a temp dir)")
+    ap.add_argument("--out", type=Path, default=RESULT)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=a.work_dir))
+    dist.init_process_group("gloo", init_method=f"file://{work / 'store'}", rank=0, world_size=1)
+    try:
+        return run(a, work)
+    finally:
+        dist.destroy_process_group()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(a: argparse.Namespace, work: Path) -> int:
+    tokens = np.random.default_rng(0).integers(0, a.vocab, size=400_000, dtype=np.int64)
+    tcfg = TrainConfig(max_steps=1000, warmup_steps=10, micro_batch_size=a.batch)
+    gcfg = GPTConfig(vocab_size=a.vocab, n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, seq_len=a.seq_len)
+    torch.manual_seed(0)
+    model = GPT(gcfg)
+    model.train()
+    optimizer = build_optimizer(model, tcfg)
+    data = ArrayWindows(tokens, a.seq_len, a.batch, seed=tcfg.seed)
+    state = {"step": 0, "pos": 0}
+
+    def train_step() -> float:
+        t0 = time.perf_counter()
+        state["step"] += 1
+        set_lr(optimizer, lr_at(state["step"], tcfg))
+        optimizer.zero_grad(set_to_none=True)
+        pos = data.step_start(state["pos"])
+        x, y = data.micro_batch(pos, 0, 0, 1)
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+        optimizer.step()
+        state["pos"] = pos + a.batch
+        return time.perf_counter() - t0
+
+    for _ in range(2):  # AdamW moments exist from the first step on
+        train_step()
+    group = new_checkpoint_group()
+    meta = {"model": gcfg.to_dict(), "vocab_size": a.vocab, "trainer": {"consumed_samples": 0}}
+    n_params = model.num_params()
+    load_start = os.getloadavg()[0]
+    sync = {"blocked_s": [], "step_s": []}
+    asyn = {"blocked_s": [], "start_s": [], "wait_s": [], "written_s": [], "step_s": []}
+    plain_steps, ref = [], {"save_s": [], "load_s": []}
+    last = {}
+    for r in range(a.rounds):
+        # sync: the loop waits for the whole save
+        p = start_checkpoint(model, optimizer, state["step"], work / "sync", meta)
+        last["sync"] = p.wait_and_finalize()
+        sync["blocked_s"].append(p.total_s)
+        sync["step_s"].append(train_step())
+        # async: one training step runs while the checkpoint is written
+        p = start_checkpoint(model, optimizer, state["step"], work / "async", meta, async_save=True,
+                             process_group=group)
+        step_s = train_step()
+        t0 = time.perf_counter()
+        last["async"] = p.wait_and_finalize()
+        wait_s = time.perf_counter() - t0
+        asyn["start_s"].append(p.blocked_s)
+        asyn["wait_s"].append(wait_s)
+        asyn["blocked_s"].append(p.blocked_s + wait_s)
+        asyn["written_s"].append(p.write_s)
+        asyn["step_s"].append(step_s)
+        # a step with no save in flight, and nanoGPT's single-file checkpoint
+        plain_steps.append(train_step())
+        ref_path = work / "ref" / "ckpt.pt"
+        ref_path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "iter_num": state["step"]},
+                   ref_path)
+        ref["save_s"].append(time.perf_counter() - t0)
+        fresh = GPT(gcfg)
+        fresh_opt = build_optimizer(fresh, tcfg)
+        t0 = time.perf_counter()
+        ck = torch.load(ref_path, map_location="cpu", weights_only=True)
+        fresh.load_state_dict(ck["model"])
+        fresh_opt.load_state_dict(ck["optimizer"])
+        ref["load_s"].append(time.perf_counter() - t0)
+        print(f"round {r + 1}: sync blocked {sync['blocked_s'][-1]:.3f}s | async blocked {asyn['blocked_s'][-1]:.3f}s "
+              f"(start {p.blocked_s:.3f} + wait {wait_s:.3f}; written in {p.write_s:.3f}s) | "
+              f"step {plain_steps[-1]:.2f}s, with async save in flight {step_s:.2f}s | "
+              f"nanoGPT torch.save {ref['save_s'][-1]:.3f}s", flush=True)
+
+    ckpt = last["async"]
+    resume_s, inference_s = [], []
+    for _ in range(a.rounds):
+        fresh = GPT(gcfg)
+        fresh_opt = build_optimizer(fresh, tcfg)
+        t0 = time.perf_counter()
+        load_checkpoint(fresh, fresh_opt, ckpt)
+        resume_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        load_model_for_inference(ckpt)
+        inference_s.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    apply_retention(work / "async", ckpt, None)
+    manifest_s = time.perf_counter() - t0
+    ckpt_bytes = dir_bytes(ckpt)
+    weights_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    results = {
+        "sync": {"blocked_s": med(sync["blocked_s"]), "blocked_s_all": [round(x, 4) for x in sync["blocked_s"]]},
+        "async": {"blocked_s": med(asyn["blocked_s"]), "start_s": med(asyn["start_s"]),
+                  "wait_after_one_step_s": med(asyn["wait_s"]), "written_s": med(asyn["written_s"]),
+                  "blocked_s_all": [round(x, 4) for x in asyn["blocked_s"]]},
+        "step_s": {"no_save": med(plain_steps), "async_save_in_flight": med(asyn["step_s"]),
+                   "after_sync_save": med(sync["step_s"])},
+        "size": {"checkpoint_bytes": ckpt_bytes, "weights_fp32_bytes": weights_bytes,
+                 "bytes_over_weights": round(ckpt_bytes / weights_bytes, 3),
+                 "files": sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())},
+        "resume": {"load_checkpoint_s": med(resume_s), "load_model_for_inference_s": med(inference_s)},
+        "manifest_sha256_s": round(manifest_s, 4),
+        "reference_nanogpt_torch_save": {"save_s": med(ref["save_s"]), "load_s": med(ref["load_s"]),
+                                         "bytes": (work / "ref" / "ckpt.pt").stat().st_size},
+    }
+    results["async_blocked_vs_sync"] = round(results["async"]["blocked_s"] / results["sync"]["blocked_s"], 3)
+    out = {
+        "benchmark": "checkpoint",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                    "threads": a.threads, "load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0],
+                    "work_dir_fs": str(work.parent)},
+        "note": "shared 2-core machine: other processes' load (load_avg) skews absolute figures; compare rows of one run",
+        "shape": {"d_model": a.d_model, "n_layer": a.n_layer, "n_head": a.n_head, "seq_len": a.seq_len,
+                  "batch": a.batch, "vocab": a.vocab, "params": n_params, "rounds": a.rounds},
+        "results": results,
+    }
+    print(f"{n_params:,} params | checkpoint {ckpt_bytes / 1e6:.1f} MB ({results['size']['bytes_over_weights']}x "
+          f"fp32 weights: + AdamW moments) | nanoGPT torch.save {results['reference_nanogpt_torch_save']['bytes'] / 1e6:.1f} MB")
+    print(f"save, loop blocked: sync {results['sync']['blocked_s']:.3f}s, async {results['async']['blocked_s']:.3f}s "
+          f"({results['async_blocked_vs_sync']}x; written in background in {results['async']['written_s']:.3f}s) | "
+          f"nanoGPT torch.save {results['reference_nanogpt_torch_save']['save_s']:.3f}s")
+    print(f"resume: load_checkpoint {results['resume']['load_checkpoint_s']:.3f}s, "
+          f"load_model_for_inference {results['resume']['load_model_for_inference_s']:.3f}s | "
+          f"nanoGPT torch.load {results['reference_nanogpt_torch_save']['load_s']:.3f}s | "
+          f"manifest sha256 {manifest_s:.3f}s")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"written {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
