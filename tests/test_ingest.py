@@ -423,15 +423,7 @@ def test_uri_expansion_globs_file_urls_and_http(web_server):
         resolve_source_files(cfg, src("b", f"{web_server}/missing.jsonl.gz", "jsonl"))
 
 
-def test_s3_without_extra_names_the_extra():
-    import importlib.util
-
-    from tasks.ingest.fs import S3ExtraMissing, expand_uri
-
-    if importlib.util.find_spec("s3fs") is not None:
-        pytest.skip("s3fs is installed here")
-    with pytest.raises(S3ExtraMissing, match=r"crucible\[s3\]"):
-        expand_uri("s3://some-bucket/crawl/*.warc.gz")
+# s3:// sources (and the error without the s3 extra): tests/test_ingest_s3.py, against a real S3 server
 
 
 def test_console_progress_bar():

@@ -132,16 +132,17 @@ class _ZstdRaw(io.RawIOBase):
         super().close()
 
 
-def iter_records(uri: str | Path, fmt: str, max_record_bytes: int = 10_000_000
-                 ) -> Iterator[RawRecord | Skipped]:
-    """Records of the source file `uri` (a local path or any URI `fs.open_source` opens)."""
+def iter_records(uri: str | Path, fmt: str, max_record_bytes: int = 10_000_000,
+                 storage_options: dict | None = None) -> Iterator[RawRecord | Skipped]:
+    """Records of the source file `uri` (a local path or any URI `fs.open_source` opens with the
+    source's `storage_options`)."""
     uri = str(uri)
     if fmt not in ("warc", "wet", "jsonl", "text", "parquet"):
         raise ValueError(f"unknown source format {fmt!r}")
     if fmt == "parquet":
-        yield from _iter_parquet(uri)
+        yield from _iter_parquet(uri, storage_options)
         return
-    with open_source(uri) as fh:
+    with open_source(uri, storage_options) as fh:
         if not fh.peek(1)[:1]:
             yield RawRecord(offset=0, error="empty_file", detail="file has 0 bytes")
             return
@@ -399,13 +400,15 @@ def _iter_text(fh: io.BufferedReader, name: str, max_record_bytes: int) -> Itera
     yield out
 
 
-def _iter_parquet(uri: str) -> Iterator[RawRecord]:
+def _iter_parquet(uri: str, storage_options: dict | None = None) -> Iterator[RawRecord]:
     import pyarrow.parquet as pq
 
     name = posixpath.basename(uri)
     row = 0
-    try:
-        with open_random(uri) as f:
+    # not reaching the file (missing, access denied, unset credential variable) raises, as for the
+    # other formats: it says nothing about the file's content
+    with open_random(uri, storage_options) as f:
+        try:
             if f.seek(0, io.SEEK_END) == 0:
                 yield RawRecord(offset=0, error="empty_file", detail="file has 0 bytes")
                 return
@@ -420,5 +423,5 @@ def _iter_parquet(uri: str) -> Iterator[RawRecord]:
                         rec.key = f"{name}:row{row}"
                     yield rec
                     row += 1
-    except Exception as e:  # unreadable Parquet: quarantine the rest of the file
-        yield RawRecord(offset=row, error="bad_parquet", detail=f"{type(e).__name__}: {e}"[:300])
+        except Exception as e:  # unreadable Parquet: quarantine the rest of the file
+            yield RawRecord(offset=row, error="bad_parquet", detail=f"{type(e).__name__}: {e}"[:300])

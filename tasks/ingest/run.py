@@ -57,7 +57,7 @@ def _remote():
 def resolve_source_files(cfg: PipelineConfig, source: SourceConfig) -> list[str]:
     """The files of `source` (sorted), by URI: local paths/globs, file://, http(s)://, s3://."""
     uri = cfg.resolve_uri(source.uri)
-    files = expand_uri(uri)
+    files = expand_uri(uri, source.storage_options)
     if not files:
         raise FileNotFoundError(f"source {source.name}: no files match {uri!r}")
     return files
@@ -103,7 +103,7 @@ def run_ingest(cfg: PipelineConfig, out_dir: Path, progress: Progress | None = N
     resume = cfg.ingest.resume
 
     plan = [(source, resolve_source_files(cfg, source)) for source in cfg.sources]
-    idents = {f: file_identity(f) for _, files in plan for f in files}
+    idents = {f: file_identity(f, source.storage_options) for source, files in plan for f in files}
     base = _config_key(cfg)
     run_key = digest([base, [[s.model_dump(), [idents[f] for f in files]] for s, files in plan]])
     if resume:
