@@ -21,6 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from _common import write_result  # noqa: E402
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,8 +67,7 @@ def main() -> int:
         print(f"{arm:<14}{a['docs']:>7}{a['train_tokens_available']:>14,}{a['epochs']:>8.2f}{a['heldout_loss']:>15.4f}")
     print(f"relative improvement of curated over langid-only: {100 * out['relative_improvement']:.2f} % "
           f"(target ≥ {100 * out['target_improvement']:.0f} %: {'met' if out['meets_target'] else 'MISSED'})")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, out)
     return 0
 
 

@@ -23,7 +23,6 @@ Rounds alternate sync and async so load from other processes falls on both alike
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -33,20 +32,19 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.train_throughput import ArrayWindows  # noqa: E402
-from tasks.config import TrainConfig  # noqa: E402
+from _common import write_result  # noqa: E402
+from benchmarks.train_throughput import (add_model_size_args, crucible_step_fn, model_size_setup,  # noqa: E402
+                                         model_size_shape)
 from tasks.train.checkpoint import (apply_retention, load_checkpoint, load_model_for_inference,  # noqa: E402
                                     new_checkpoint_group, start_checkpoint)
-from tasks.train.model import GPT, GPTConfig  # noqa: E402
+from tasks.train.model import GPT  # noqa: E402
 from tasks.train.optimizer import build_optimizer  # noqa: E402
-from tasks.train.schedule import lr_at, set_lr  # noqa: E402
 
 RESULT = REPO / "benchmarks" / "results" / "checkpoint.json"
 
@@ -61,12 +59,7 @@ def med(xs: list[float]) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--n-layer", type=int, default=4)
-    ap.add_argument("--n-head", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=4096)
+    add_model_size_args(ap)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work-dir", type=Path, default=None, help="where checkpoints are written (default: a temp dir)")
@@ -83,28 +76,18 @@ def main(argv=None) -> int:
 
 
 def run(a: argparse.Namespace, work: Path) -> int:
-    tokens = np.random.default_rng(0).integers(0, a.vocab, size=400_000, dtype=np.int64)
-    tcfg = TrainConfig(max_steps=1000, warmup_steps=10, micro_batch_size=a.batch)
-    gcfg = GPTConfig(vocab_size=a.vocab, n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, seq_len=a.seq_len)
+    tokens, tcfg, gcfg = model_size_setup(a)
     torch.manual_seed(0)
     model = GPT(gcfg)
     model.train()
     optimizer = build_optimizer(model, tcfg)
-    data = ArrayWindows(tokens, a.seq_len, a.batch, seed=tcfg.seed)
     state = {"step": 0, "pos": 0}
+    step = crucible_step_fn(model, tcfg, tokens, a.seq_len, a.batch, optimizer=optimizer, spike_check=False,
+                            state=state)
 
     def train_step() -> float:
         t0 = time.perf_counter()
-        state["step"] += 1
-        set_lr(optimizer, lr_at(state["step"], tcfg))
-        optimizer.zero_grad(set_to_none=True)
-        pos = data.step_start(state["pos"])
-        x, y = data.micro_batch(pos, 0, 0, 1)
-        _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
-        optimizer.step()
-        state["pos"] = pos + a.batch
+        step()
         return time.perf_counter() - t0
 
     for _ in range(2):  # AdamW moments exist from the first step on
@@ -193,8 +176,7 @@ def run(a: argparse.Namespace, work: Path) -> int:
                     "threads": a.threads, "load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0],
                     "work_dir_fs": str(work.parent)},
         "note": "shared 2-core machine: other processes' load (load_avg) skews absolute figures; compare rows of one run",
-        "shape": {"d_model": a.d_model, "n_layer": a.n_layer, "n_head": a.n_head, "seq_len": a.seq_len,
-                  "batch": a.batch, "vocab": a.vocab, "params": n_params, "rounds": a.rounds},
+        "shape": {**model_size_shape(a), "params": n_params, "rounds": a.rounds},
         "results": results,
     }
     print(f"{n_params:,} params | checkpoint {ckpt_bytes / 1e6:.1f} MB ({results['size']['bytes_over_weights']}x "
@@ -206,8 +188,7 @@ def run(a: argparse.Namespace, work: Path) -> int:
           f"load_model_for_inference {results['resume']['load_model_for_inference_s']:.3f}s | "
           f"nanoGPT torch.load {results['reference_nanogpt_torch_save']['load_s']:.3f}s | "
           f"manifest sha256 {manifest_s:.3f}s")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(a.out, out)
     print(f"written {a.out}")
     return 0
 

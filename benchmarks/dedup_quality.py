@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import random
 import time
 from collections import defaultdict
@@ -33,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, DedupConfig, MinHashConfig
+from _common import data_root, write_result
+from tasks.config import DedupConfig, MinHashConfig
 from tasks.dedup.cli import dedup_texts
 from tasks.dedup.minhash import MinHasher, band_keys, shingles
 
@@ -126,7 +126,7 @@ def prf(pred: set, truth: set) -> dict:
 
 
 def main(argv=None) -> dict:
-    data = Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
+    data = data_root()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bases", type=int, default=300)
     ap.add_argument("--variants", type=int, default=4)
@@ -187,8 +187,7 @@ def main(argv=None) -> dict:
         "seconds": round(time.perf_counter() - t0, 2),
     }
     print(json.dumps(res, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    write_result(args.out, res)
     return res
 
 

@@ -32,19 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
+from _common import write_result
+from tasks.dedup.minhash import fmix64
+
 HERE = Path(__file__).resolve().parent
 NUM_PERM, BANDS, ROWS = 112, 14, 8
 WINDOW = 100_000
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    x = x.copy()
-    x ^= x >> np.uint64(33)
-    x *= np.uint64(0xFF51AFD7ED558CCD)
-    x ^= x >> np.uint64(33)
-    x *= np.uint64(0xC4CEB9FE1A85EC53)
-    x ^= x >> np.uint64(33)
-    return x
 
 
 def _original(idx: np.ndarray, dup_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -52,14 +45,14 @@ def _original(idx: np.ndarray, dup_fraction: float, seed: int) -> tuple[np.ndarr
     s = np.uint64(seed * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF)
 
     def is_dup(i):
-        return ((_mix(i ^ s) % np.uint64(1_000_000)) < np.uint64(int(dup_fraction * 1_000_000))) & (i > 0)
+        return ((fmix64(i ^ s) % np.uint64(1_000_000)) < np.uint64(int(dup_fraction * 1_000_000))) & (i > 0)
 
     dup = is_dup(idx)
     cur = idx.copy()
     todo = dup.copy()
     while todo.any():  # follow copies of copies back to an original
         i = cur[todo]
-        back = _mix(i ^ (s + np.uint64(1))) % np.minimum(i, np.uint64(WINDOW))
+        back = fmix64(i ^ (s + np.uint64(1))) % np.minimum(i, np.uint64(WINDOW))
         cur[todo] = i - np.uint64(1) - back
         todo[todo] = is_dup(cur[todo])
     return dup, cur
@@ -72,7 +65,7 @@ def synthetic_signatures(start: int, count: int, dup_fraction: float = 0.1, seed
     dup, orig = _original(idx, dup_fraction, seed)
     keys = orig[:, None] * np.uint64(NUM_PERM) + np.arange(NUM_PERM, dtype=np.uint64)[None, :]
     keys += np.uint64(seed << 40)
-    out = _mix(keys).astype(np.uint32)
+    out = fmix64(keys).astype(np.uint32)
     del keys
     # a duplicate has 0–20 % of its values replaced (fresh values from a per-shard generator)
     rng = np.random.default_rng([seed, start, count])
@@ -252,12 +245,11 @@ def main(argv=None) -> dict:
         for n in args.docs:
             res["runs"].append(run_one(n, args.dup_fraction, args.shard_docs, work, args.partitions))
             res["runs"].sort(key=lambda r: r["docs"])
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+            write_result(args.out, res)
     finally:
         ray.shutdown()
     res["load_average_1m_end"] = round(os.getloadavg()[0], 2)
-    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    write_result(args.out, res)
     return res
 
 

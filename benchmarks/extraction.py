@@ -24,15 +24,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, IngestConfig, SourceConfig
+from _common import data_root, write_result
+from tasks.config import IngestConfig, SourceConfig
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 DEFAULT_CACHE = Path(tempfile.gettempdir()) / "crucible-bench-web"
-
-
-def data_root() -> Path:
-    return Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
 
 
 def web_sources() -> list[tuple[Path, str]]:
@@ -161,8 +158,7 @@ def main(argv=None) -> dict:
         print(f"end-to-end (tiny sources, {cu['workers']} workers): ingest {cu['ingest']['docs_per_s']} records/s, "
               f"curate {cu['curate']['docs_per_s']} docs/s, overall {cu['end_to_end']['records_per_s']} records/s "
               f"({cu['end_to_end']['records_in']} records -> {cu['end_to_end']['docs_out']} curated docs)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, indent=1)
     print(f"wrote {args.out}")
     return result
 

@@ -23,13 +23,13 @@ Writes benchmarks/results/filters_vs_datatrove.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_result  # noqa: E402
 from extraction import DEFAULT_CACHE, load_web_docs  # noqa: E402
 
 from tasks.config import CurateConfig  # noqa: E402
@@ -178,8 +178,7 @@ def main(argv=None) -> dict:
           f"datatrove {result['datatrove']['docs_per_s_per_core']} docs/s/core -> {result['speedup']}x; "
           f"keep/drop agreement {100 * result['keep_drop_agreement']:.2f} % "
           f"(same rule {100 * result['rule_agreement']:.2f} %), {len(disagree)} disagreements")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+    write_result(args.out, result, indent=1, ensure_ascii=False)
     print(f"wrote {args.out}")
     return result
 

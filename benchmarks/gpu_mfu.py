@@ -22,10 +22,8 @@ or else the config's planner table (`plan.gpus[--gpu]`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -35,16 +33,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 RESULT = REPO / "benchmarks" / "results" / "gpu_mfu.json"
 
-
-def write_result(path: Path, result: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _common import write_result  # noqa: E402
+from tasks.core.net import free_port  # noqa: E402
 
 
 def init_distributed(backend: str) -> tuple[int, int, int]:
@@ -53,7 +43,7 @@ def init_distributed(backend: str) -> tuple[int, int, int]:
 
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     dist.init_process_group(backend=backend)
     return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
 

@@ -19,11 +19,9 @@ Targets (issue 7): ≥ 1,000 events/s ingestion; ≤ 200 ms for a depth-20 graph
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -35,6 +33,8 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from _common import write_result  # noqa: E402
+from tasks.core.net import free_port  # noqa: E402
 from tasks.lineage.service.launch import start_service  # noqa: E402
 from tasks.lineage.service.replay import iter_events, replay  # noqa: E402
 from tasks.lineage.service.sample import write_sample_log  # noqa: E402
@@ -42,12 +42,6 @@ from tasks.lineage.service.store import LineageStore  # noqa: E402
 
 TARGET_EVENTS_PER_S = 1000
 TARGET_QUERY_MS = 200
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _timed(fn, repeat: int) -> dict:
@@ -106,7 +100,7 @@ def _run(args: argparse.Namespace, work: Path) -> int:
     assert direct["ingested"] == n and again["duplicates"] == n
 
     try:
-        proc, base = start_service(work / "http.db", _free_port(), timeout=60)
+        proc, base = start_service(work / "http.db", free_port(), timeout=60)
     except RuntimeError as e:
         print(e, file=sys.stderr)
         return 1
@@ -189,10 +183,8 @@ def _run(args: argparse.Namespace, work: Path) -> int:
         print(f"{k:<40}{v['median_ms']:>10}{v['p95_ms']:>9}   {v['last']}")
     print(f"targets: ingestion ≥ {TARGET_EVENTS_PER_S}/s: {'met' if result['within_target']['ingest'] else 'MISSED'};"
           f" depth-20 graph ≤ {TARGET_QUERY_MS} ms: {'met' if result['within_target']['graph_depth20'] else 'MISSED'}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(args.out, result)
+    print(f"wrote {args.out}")
     return 0 if all(result["within_target"].values()) else 1
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT
+from _common import data_root, write_result
 from tasks.dedup.minhash import MinHasher, fast_hash32, shingles, simplified_words
 
 HERE = Path(__file__).resolve().parent
@@ -58,7 +58,7 @@ def _same(ds, ours) -> bool:
 def main(argv=None) -> dict:
     from datasketch import MinHash
 
-    data = Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
+    data = data_root()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--input", default=str(data / "text" / "linux-doc-rst.jsonl.gz"))
     p.add_argument("--docs", type=int, default=600)
@@ -115,8 +115,7 @@ def main(argv=None) -> dict:
         "cpus": os.cpu_count(),
     }
     print(json.dumps(res, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    write_result(args.out, res)
     return res
 
 

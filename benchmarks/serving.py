@@ -14,10 +14,8 @@ request latency p50/p99, and errors (any non-200 or transport error); the run fa
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,39 +28,19 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # lm_helpers: the random model the serving tests use too
 
-TEXT = ("The Linux kernel is a free and open-source Unix-like kernel. Debian is a free operating system. "
-        "In Python, a list is a mutable sequence. ") * 40
+from _common import write_result  # noqa: E402
+from lm_helpers import random_checkpoint, sample_tokenizer  # noqa: E402
+from tasks.core.net import free_port  # noqa: E402
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+MODEL = {"n_layer": 4, "n_head": 4, "d_model": 128, "seq_len": 128, "vocab_size": 512}
 
 
 def make_model(root: Path) -> tuple[Path, Path]:
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from tasks.core.hashing import sha256_file
-    from tasks.train.checkpoint import save_checkpoint
-    from tasks.train.model import GPT, GPTConfig
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<|bos|>", "<|endoftext|>", "<|pad|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    tok_path = root / "tokenizer.json"
-    tok.save(str(tok_path))
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=tok.get_vocab_size(), n_layer=4, n_head=4, d_model=128, seq_len=128)
-    model = GPT(cfg)
-    meta = {"model": cfg.to_dict(), "eos_id": 1, "tokenizer_sha256": sha256_file(tok_path), "run_name": "bench"}
-    ckpt = save_checkpoint(model, torch.optim.AdamW(model.parameters()), 1, root / "train", meta)
-    return ckpt, tok_path
+    tok_path = sample_tokenizer(root / "tokenizer.json", vocab_size=MODEL["vocab_size"])
+    shape = {k: v for k, v in MODEL.items() if k != "vocab_size"}
+    return random_checkpoint(root / "train", tok_path, 1, 0, run_name="bench", **shape), tok_path
 
 
 def start_server(ckpt: Path, tok: Path, port: int, max_batch: int, threads: int, log: Path) -> subprocess.Popen:
@@ -145,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt, tok = make_model(Path(tmp))
         modes = {}
         for mode, max_batch in (("batched", args.clients), ("one_at_a_time", 1)):
-            port = _free_port()
+            port = free_port()
             proc = start_server(ckpt, tok, port, max_batch, args.threads, Path(tmp) / f"{mode}.log")
             try:
                 run_load(port, 2, 4, 4)  # warm-up
@@ -161,14 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "serving", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
-        "model": {"n_layer": 4, "n_head": 4, "d_model": 128, "seq_len": 128, "vocab_size": 512},
+        "model": MODEL,
         "load": {"clients": args.clients, "requests": args.requests, "max_tokens": args.max_tokens,
                  "temperature": 0.8, "server_threads": args.threads},
         "modes": modes,
         "speedup_tokens_per_s": round(modes["batched"]["tokens_per_s"] / modes["one_at_a_time"]["tokens_per_s"], 2),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(f"speedup {result['speedup_tokens_per_s']}x; wrote {args.out}")
     return 1 if any(m["errors"] for m in modes.values()) else 0
 

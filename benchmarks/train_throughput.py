@@ -20,7 +20,6 @@ Tokens/s counts batch x seq_len tokens per optimizer step; MFU-style FLOPs use 6
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from _common import write_result  # noqa: E402
 from tasks.config import TrainConfig  # noqa: E402
 from tasks.train.data import GlobalWindows  # noqa: E402
 from tasks.train.model import GPT, GPTConfig  # noqa: E402
@@ -129,11 +129,14 @@ class ArrayWindows(GlobalWindows):
         self._perm_epoch, self._perm, self.skip_ranges = -1, None, []
 
 
-def crucible_step_fn(model, tcfg: TrainConfig, tokens: np.ndarray, seq_len: int, batch: int):
-    optimizer = build_optimizer(model, tcfg)
+def crucible_step_fn(model, tcfg: TrainConfig, tokens: np.ndarray, seq_len: int, batch: int,
+                     optimizer=None, spike_check: bool = True, state: dict | None = None):
+    """One optimizer step of tasks.train per call. `state` ({"step", "pos"}: steps taken, loader
+    position) is kept in the dict given, for a caller that checkpoints (benchmarks/checkpoint.py)."""
+    optimizer = optimizer or build_optimizer(model, tcfg)
     data = ArrayWindows(tokens, seq_len, batch, seed=tcfg.seed)
-    detector = SpikeDetector()
-    state = {"step": 0, "pos": 0}
+    detector = SpikeDetector() if spike_check else None
+    state = {"step": 0, "pos": 0} if state is None else state
 
     def step():
         state["step"] += 1
@@ -143,11 +146,14 @@ def crucible_step_fn(model, tcfg: TrainConfig, tokens: np.ndarray, seq_len: int,
         x, y = data.micro_batch(pos, 0, 0, 1)
         _, loss = model(x, y)
         loss.backward()
-        gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip))
-        lv = loss.item()
-        if detector.check(lv, gn) is None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+        if detector is None:
             optimizer.step()
-            detector.healthy(lv, gn)
+        else:
+            gn, lv = float(grad_norm), loss.item()
+            if detector.check(lv, gn) is None:
+                optimizer.step()
+                detector.healthy(lv, gn)
         state["pos"] = pos + batch
     return step
 
@@ -195,14 +201,33 @@ def summarise(times: list[float], tokens_per_step: int, fpt: int) -> dict:
             "flops_per_s": float(f"{fpt * tokens_per_step / med:.4g}"), "steps_timed": len(times)}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_model_size_args(ap: argparse.ArgumentParser) -> None:
+    """The model and batch size the training benchmarks run at (this one and checkpoint.py)."""
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=4096)
+
+
+def model_size_setup(a: argparse.Namespace) -> tuple[np.ndarray, TrainConfig, GPTConfig]:
+    """Random tokens (seed 0), the training config and the model config for add_model_size_args' sizes."""
+    tokens = np.random.default_rng(0).integers(0, a.vocab, size=400_000, dtype=np.int64)
+    tcfg = TrainConfig(max_steps=1000, warmup_steps=10, micro_batch_size=a.batch)
+    gcfg = GPTConfig(vocab_size=a.vocab, n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, seq_len=a.seq_len)
+    return tokens, tcfg, gcfg
+
+
+def model_size_shape(a: argparse.Namespace) -> dict:
+    """add_model_size_args' values, as the "shape" of a result."""
+    return {"d_model": a.d_model, "n_layer": a.n_layer, "n_head": a.n_head, "seq_len": a.seq_len,
+            "batch": a.batch, "vocab": a.vocab}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_size_args(ap)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -210,9 +235,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=RESULT)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    tokens = np.random.default_rng(0).integers(0, a.vocab, size=400_000, dtype=np.int64)
-    tcfg = TrainConfig(max_steps=1000, warmup_steps=10, micro_batch_size=a.batch)
-    gcfg = GPTConfig(vocab_size=a.vocab, n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, seq_len=a.seq_len)
+    tokens, tcfg, gcfg = model_size_setup(a)
     tokens_per_step = a.batch * a.seq_len
 
     def ours():
@@ -279,8 +302,7 @@ def main(argv=None) -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "threads": a.threads, "load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0]},
         "note": "shared 2-core machine: other processes' load (load_avg) skews absolute figures; compare rows of one run",
-        "shape": {"d_model": a.d_model, "n_layer": a.n_layer, "n_head": a.n_head, "seq_len": a.seq_len,
-                  "batch": a.batch, "vocab": a.vocab, "tokens_per_step": tokens_per_step},
+        "shape": {**model_size_shape(a), "tokens_per_step": tokens_per_step},
         "results": results,
         "crucible_vs_reference_eager": round(ours_e["tokens_per_s"] / ref_e["tokens_per_s"], 3),
         "crucible_vs_reference_eager_best": round(ours_e["tokens_per_s_best"] / ref_e["tokens_per_s_best"], 3),
@@ -289,8 +311,7 @@ def main(argv=None) -> int:
         c = results[name].get("compiled", {})
         if "tokens_per_s" in c:
             out.setdefault("compile_speedup", {})[name] = round(c["tokens_per_s"] / results[name]["eager"]["tokens_per_s"], 3)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(a.out, out)
     print(f"crucible / reference (eager): {out['crucible_vs_reference_eager']}x median, "
           f"{out['crucible_vs_reference_eager_best']}x best step; written {a.out}")
     return 0

@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -40,13 +39,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # lm_helpers: the tokenizer / token shards the LM tests use
 
+from _common import write_result  # noqa: E402
+from tasks.core.net import free_port  # noqa: E402
+
 RUN = "latency-run"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train_checkpoints(cfg, run_dir: Path, steps: tuple[int, ...]) -> list[Path]:
@@ -168,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.config import load_config
 
     cfg = load_config(args.config, [
-        f"run_root={tmp / 'runs'}", f"stack.state_dir={tmp / 'state'}", f"stack.prefect_port={_free_port()}",
-        f"stack.mlflow_port={_free_port()}", f"stack.triggers_port={_free_port()}",
-        f"lineage.service_port={_free_port()}", f"deploy.port={_free_port()}", "deploy.model_name=latency-model"])
+        f"run_root={tmp / 'runs'}", f"stack.state_dir={tmp / 'state'}", f"stack.prefect_port={free_port()}",
+        f"stack.mlflow_port={free_port()}", f"stack.triggers_port={free_port()}",
+        f"lineage.service_port={free_port()}", f"deploy.port={free_port()}", "deploy.model_name=latency-model"])
     os.environ.pop(stack.STATE_DIR_ENV, None)
     os.environ.update(stack.client_env(cfg.stack, cfg.lineage))  # before Prefect is imported anywhere
     run_dir = _layout_run(cfg, tmp / "lm")
@@ -213,8 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         "notes": "A = cold (first champion, model server started), B = warm (hot swap into the running server). "
                  "Tokenizer/token shards from tests/lm_helpers (vocab 512, real text); eval suite as configured.",
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

@@ -3,7 +3,9 @@
 The corpus is small but real: Linux kernel RST docs and paragraphs of a Gutenberg book from
 shared/data/text, written as Parquet shards in a temporary directory. Expensive artifacts
 (tokenizer, token files, one 2-process training run) are built once per pytest session under
-the session's base temp dir and reused by every test file that asks for them.
+the session's base temp dir and reused by every test file that asks for them. The deploy and
+serving tests (and benchmarks/serving.py) use a randomly initialised model instead
+(sample_tokenizer, random_checkpoint).
 """
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ import pyarrow.parquet as pq
 
 from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, PipelineConfig
 
-TEXT_DIR = Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT) / "text"
+DATA_DIR = Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
+TEXT_DIR = DATA_DIR / "text"
+EVAL_DIR = DATA_DIR / "eval"
 
 
 def corpus_rows(n_linux: int = 150, n_nonascii: int = 20, gutenberg_book: str = "carroll-alice",
@@ -129,3 +133,43 @@ def training_run(base: Path) -> dict:
         return {**result, "mlflow": {"tracking_uri": uri, "run_id": run_id}}
 
     return _cached(base / "train.done", build)
+
+
+# ------------------------------------------------------------------ a random model for deploy/serving
+
+SAMPLE_TEXT = ("The Linux kernel is a free and open-source Unix-like kernel. Debian is a free operating system. "
+               "In Python, a list is a mutable sequence. ") * 40
+
+
+def sample_tokenizer(path: Path, vocab_size: int = 320) -> Path:
+    """A byte-level BPE tokenizer trained on SAMPLE_TEXT, with the pipeline's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|bos|>", "<|endoftext|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([SAMPLE_TEXT], trainer=trainer)
+    tok.save(str(path))
+    return path
+
+
+def random_checkpoint(out_dir: Path, tokenizer: Path, step: int, seed: int, run_name: str = "test",
+                      **model_options) -> Path:
+    """A randomly initialised GPT for `tokenizer` (2 layers, 2 heads, width 32, seq_len 32 unless
+    model_options say otherwise), saved as step `step` with tasks.train's checkpoint code."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from tasks.core.hashing import sha256_file
+    from tasks.train.checkpoint import save_checkpoint
+    from tasks.train.model import GPT, GPTConfig
+
+    vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=vocab, **{"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 32, **model_options})
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    meta = {"model": cfg.to_dict(), "eos_id": 1, "tokenizer_sha256": sha256_file(tokenizer), "run_name": run_name}
+    return save_checkpoint(model, opt, step, out_dir, meta)

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from tasks.core.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 CRUCIBLE = [sys.executable, "-m", "infra.cli"]
@@ -21,12 +22,6 @@ def _env(**extra: str) -> dict:
 def _crucible(*args: str, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([*CRUCIBLE, *args], cwd=REPO, env=_env(), capture_output=True, text=True,
                           timeout=timeout, **kw)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_bad_config_value_fails_fast_and_names_the_field(tmp_path):
@@ -71,7 +66,7 @@ def test_help_shows_examples():
 
 
 def test_status_json_of_a_stopped_stack(tmp_path):
-    p_port, m_port, l_port = _free_port(), _free_port(), _free_port()
+    p_port, m_port, l_port = free_port(), free_port(), free_port()
     r = _crucible("--state-dir", str(tmp_path / "state"), "status", "--json", "--config", TINY,
                   "--set", f"stack.prefect_port={p_port}", "--set", f"stack.mlflow_port={m_port}",
                   "--set", f"lineage.service_port={l_port}")
@@ -120,11 +115,11 @@ def test_lineage_replay_to_a_stopped_service_fails_with_a_hint(tmp_path):
     log = tmp_path / "lineage.jsonl"
     log.write_text("")
     r = _crucible("--state-dir", str(tmp_path / "state"), "lineage", "replay", str(log), "--config", TINY,
-                  "--set", f"lineage.service_port={_free_port()}")
+                  "--set", f"lineage.service_port={free_port()}")
     assert r.returncode == 0 and json.loads(r.stdout)["events"] == 0  # nothing to send: nothing to fail
     log.write_text('{"eventType": "START"}\n')
     r = _crucible("--state-dir", str(tmp_path / "state"), "lineage", "replay", str(log), "--config", TINY,
-                  "--set", f"lineage.service_port={_free_port()}")
+                  "--set", f"lineage.service_port={free_port()}")
     assert r.returncode == 1 and "crucible up" in r.stderr and "Traceback" not in r.stderr
 
 

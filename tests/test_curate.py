@@ -57,17 +57,6 @@ def cfg() -> PipelineConfig:
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    from tasks.core.ray_utils import init_ray
-
-    init_ray(RayConfig(num_cpus=2))
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def curated(sample_docs, cfg, ray_session, tmp_path_factory):
     root = tmp_path_factory.mktemp("curate")
     shards = write_docs(sample_docs, root / "in", shard_docs=190)

@@ -123,18 +123,6 @@ def _corpus_with_copies(texts: list[str], seed: int = 0) -> tuple[list[str], lis
     return corpus, sources
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    from tasks.config import RayConfig
-    from tasks.core.ray_utils import init_ray
-
-    init_ray(RayConfig(num_cpus=2))
-    yield
-    ray.shutdown()
-
-
 def test_local_components_match_union_find():
     from tasks.dedup.cluster import local_components
     from tasks.dedup.minhash import UnionFind

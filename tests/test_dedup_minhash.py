@@ -114,21 +114,29 @@ def _edit(text: str, fraction: float, seed: int) -> str:
     return " ".join(toks)
 
 
+def _run_cli(tmp_path: Path, docs: list[dict], config_yaml: str,
+             config_name: str = "dedup.yaml") -> tuple[int, list[dict], Path]:
+    """The dedup command (tasks.dedup.cli) on `docs` written as JSONL, with `config_yaml` as its
+    --config: its exit code, its output rows in order, and the config file."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    cfg = tmp_path / config_name
+    cfg.write_text(config_yaml)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "out.jsonl"
+    rc = run(parser.parse_args([str(src), "--out", str(out), "--config", str(cfg)]))
+    return rc, [json.loads(line) for line in out.read_text().splitlines()], cfg
+
+
 def test_dedup_cli_writes_clusters(real_docs, tmp_path):
     base = [t for t in real_docs if len(t.split()) > 400][:6]
     docs = [{"id": f"d{i}", "text": t} for i, t in enumerate(base)]
     docs.append({"id": "exact", "text": base[1].upper()})  # exact copy (case/space only)
     docs.append({"id": "near", "text": _edit(base[2], 0.01, 1)})  # 5-gram Jaccard ~0.9
     docs.append({"id": "far", "text": _edit(base[3], 0.3, 2)})  # not a near duplicate
-    src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    cfg = tmp_path / "dedup.yaml"
-    cfg.write_text("minhash:\n  verify: true\n  verify_threshold: 0.8\n")
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    out = tmp_path / "out.jsonl"
-    assert run(parser.parse_args([str(src), "--out", str(out), "--config", str(cfg)])) == 0
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rc, rows, cfg = _run_cli(tmp_path, docs, "minhash:\n  verify: true\n  verify_threshold: 0.8\n")
+    assert rc == 0
     assert [r["id"] for r in rows] == [d["id"] for d in docs]
     by = {r["id"]: r for r in rows}
     assert by["exact"] == {"id": "exact", "cluster": "d1", "keep": False}
@@ -137,10 +145,9 @@ def test_dedup_cli_writes_clusters(real_docs, tmp_path):
     assert sum(r["keep"] for r in rows) == 7
     assert load_dedup_config(cfg).minhash.verify is True
     # verification rejects a candidate pair below the threshold
-    strict = tmp_path / "strict.yaml"
-    strict.write_text("curate:\n  dedup:\n    minhash:\n      verify: true\n      verify_threshold: 0.99\n")
-    run(parser.parse_args([str(src), "--out", str(out), "--config", str(strict)]))
-    by = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    _, rows, _ = _run_cli(tmp_path, docs, "curate:\n  dedup:\n    minhash:\n      verify: true\n"
+                          "      verify_threshold: 0.99\n", config_name="strict.yaml")
+    by = {r["id"]: r for r in rows}
     assert by["near"]["keep"] and not by["exact"]["keep"]
 
 
@@ -168,15 +175,9 @@ def test_dedup_cli_quality_survivor_and_report(real_docs, tmp_path, capsys):
     docs.append({"id": "better", "text": _edit(base[0], 0.01, 3), "source": "mirror", "quality_score": 0.9})
     docs.append({"id": "worse", "text": _edit(base[1], 0.01, 4), "source": "mirror", "quality_score": 0.1})
     docs.append({"id": "copy", "text": base[2] + "\n", "source": "mirror"})  # exact copy, no score
-    src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    cfg = tmp_path / "dedup.yaml"
-    cfg.write_text("minhash:\n  survivor: quality\n")
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    out = tmp_path / "out.jsonl"
-    assert run(parser.parse_args([str(src), "--out", str(out), "--config", str(cfg)])) == 0
-    by = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    rc, rows, _ = _run_cli(tmp_path, docs, "minhash:\n  survivor: quality\n")
+    assert rc == 0
+    by = {r["id"]: r for r in rows}
     assert by["better"]["keep"] and by["d0"] == {"id": "d0", "cluster": "better", "keep": False}
     assert by["d1"]["keep"] and by["worse"]["cluster"] == "d1"
     assert by["copy"]["cluster"] == "d2" and not by["copy"]["keep"]

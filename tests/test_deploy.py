@@ -15,55 +15,20 @@ import torch
 from fastapi.testclient import TestClient
 
 from infra import stack
+from lm_helpers import random_checkpoint, sample_tokenizer
 from tasks.config import DeployConfig, PipelineConfig, StackConfig
-from tasks.core.hashing import sha256_file
+from tasks.core.net import free_port
 from tasks.deploy import deploy_if_better, gate, start_or_refresh_server
 from tasks.deploy.generation import TextGenerator
 from tasks.deploy.server import create_app
-from tasks.train.checkpoint import save_checkpoint
-from tasks.train.model import GPT, GPTConfig
-
-TEXT = ("The Linux kernel is a free and open-source Unix-like kernel. Debian is a free operating system. "
-        "In Python, a list is a mutable sequence. ") * 40
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tokenizer(path: Path) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|bos|>", "<|endoftext|>", "<|pad|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([TEXT], trainer=trainer)
-    tok.save(str(path))
-    return path
-
-
-def _checkpoint(out_dir: Path, tokenizer: Path, step: int, seed: int, **model_options) -> Path:
-    from tokenizers import Tokenizer
-
-    vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
-    torch.manual_seed(seed)
-    cfg = GPTConfig(vocab_size=vocab, n_layer=2, n_head=2, d_model=32, seq_len=32, **model_options)
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    meta = {"model": cfg.to_dict(), "eos_id": 1, "tokenizer_sha256": sha256_file(tokenizer), "run_name": "test"}
-    return save_checkpoint(model, opt, step, out_dir, meta)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    tok = _tokenizer(root / "tokenizer.json")
-    return {"tokenizer": tok, "ckpt": _checkpoint(root / "train", tok, 10, 0),
-            "ckpt2": _checkpoint(root / "train", tok, 20, 1), "root": root}
+    tok = sample_tokenizer(root / "tokenizer.json")
+    return {"tokenizer": tok, "ckpt": random_checkpoint(root / "train", tok, 10, 0),
+            "ckpt2": random_checkpoint(root / "train", tok, 20, 1), "root": root}
 
 
 @pytest.fixture(scope="module")
@@ -346,9 +311,9 @@ def test_wrong_tokenizer_is_refused(tiny, tmp_path):
 
 def test_model_server_process_start_refresh_status_down(tiny, tmp_path, monkeypatch):
     monkeypatch.delenv(stack.STATE_DIR_ENV, raising=False)
-    stack_cfg = StackConfig(state_dir=str(tmp_path / "state"), prefect_port=_free_port(),
-                            mlflow_port=_free_port(), start_timeout=120, stop_timeout=10)
-    deploy_cfg = DeployConfig(model_name="crucible-test", port=_free_port(), threads=1)
+    stack_cfg = StackConfig(state_dir=str(tmp_path / "state"), prefect_port=free_port(),
+                            mlflow_port=free_port(), start_timeout=120, stop_timeout=10)
+    deploy_cfg = DeployConfig(model_name="crucible-test", port=free_port(), threads=1)
 
     t0 = time.monotonic()
     first = start_or_refresh_server(stack_cfg, deploy_cfg, tiny["ckpt"], tiny["tokenizer"], "crucible-test")

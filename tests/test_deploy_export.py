@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from lm_helpers import random_checkpoint, sample_tokenizer
 from tasks.config import PipelineConfig
 from tasks.deploy.export import export_hf, load_exported
 from tasks.train.checkpoint import load_model_for_inference
-from test_deploy import _checkpoint, _tokenizer
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
-    tok = _tokenizer(root / "tokenizer.json")
-    ckpt = _checkpoint(root / "train", tok, 10, 0)
+    tok = sample_tokenizer(root / "tokenizer.json")
+    ckpt = random_checkpoint(root / "train", tok, 10, 0)
     cfg = PipelineConfig.model_validate({
         "name": "t", "run_root": str(root / "runs"),
         "sources": [{"name": "wiki", "uri": "x.jsonl", "format": "jsonl", "licence": "CC-BY-SA-4.0",
@@ -75,8 +75,8 @@ def test_transformers_loads_the_export_with_the_same_logits(exported):
 
 
 def test_untied_head_exports_and_round_trips(tmp_path):
-    tok = _tokenizer(tmp_path / "tokenizer.json")
-    ckpt = _checkpoint(tmp_path / "train", tok, 10, 3, tie_embeddings=False)
+    tok = sample_tokenizer(tmp_path / "tokenizer.json")
+    ckpt = random_checkpoint(tmp_path / "train", tok, 10, 3, tie_embeddings=False)
     res = export_hf(ckpt, tok, tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is False
     model, _ = load_model_for_inference(ckpt)
@@ -88,8 +88,8 @@ def test_untied_head_exports_and_round_trips(tmp_path):
 
 @pytest.mark.parametrize("option", [{"qk_norm": True}, {"logit_softcap": 30.0}])
 def test_options_without_a_llama_equivalent_are_refused(tmp_path, option):
-    tok = _tokenizer(tmp_path / "tokenizer.json")
-    ckpt = _checkpoint(tmp_path / "train", tok, 10, 3, **option)
+    tok = sample_tokenizer(tmp_path / "tokenizer.json")
+    ckpt = random_checkpoint(tmp_path / "train", tok, 10, 3, **option)
     with pytest.raises(ValueError, match="no Llama equivalent"):
         export_hf(ckpt, tok, tmp_path / "hf")
     assert not (tmp_path / "hf" / "model.safetensors").exists()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -13,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tasks.core.net import free_port
 from tasks.lineage.validate import event_errors, read_events
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,19 +22,13 @@ SUBFLOWS = {"curate", "train_tokenizer", "prepare_tokens", "train", "evaluate", 
 pytestmark = pytest.mark.e2e
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     overrides = [
-        f"stack.state_dir={tmp / 'state'}", f"stack.prefect_port={_free_port()}",
-        f"stack.mlflow_port={_free_port()}", f"deploy.port={_free_port()}", f"run_root={tmp / 'runs'}",
-        f"lineage.service_port={_free_port()}", f"stack.triggers_port={_free_port()}",
+        f"stack.state_dir={tmp / 'state'}", f"stack.prefect_port={free_port()}",
+        f"stack.mlflow_port={free_port()}", f"deploy.port={free_port()}", f"run_root={tmp / 'runs'}",
+        f"lineage.service_port={free_port()}", f"stack.triggers_port={free_port()}",
     ]
     sets = [a for o in overrides for a in ("--set", o)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}

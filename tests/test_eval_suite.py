@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import socket
 import threading
 import time
@@ -15,8 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lm_helpers import tiny_cfg, tokenizer_artifact, tokens_artifact, training_run
-from tasks.config import DEFAULT_DATA_ROOT, DATA_ROOT_ENV
+from lm_helpers import EVAL_DIR, tiny_cfg, tokenizer_artifact, tokens_artifact
 from tasks.evaluate import evaluate_checkpoint
 from tasks.evaluate.reference import CompletionsClient, compare_with_reference, lambada_generate, loglikelihoods
 from tasks.evaluate.scoring import LMScorer, rolling_chunks
@@ -32,18 +30,6 @@ from tasks.evaluate.suite import (
     spread_indices,
 )
 from tasks.train.model import GPT
-
-EVAL_DIR = Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT) / "eval"
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp() / "lm"
-
-
-@pytest.fixture(scope="module")
-def run(base) -> dict:
-    return training_run(base)
 
 
 @pytest.fixture(scope="module")

@@ -8,18 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lm_helpers import tiny_cfg, tokenizer_artifact, tokens_artifact, training_run
+from lm_helpers import tiny_cfg, tokenizer_artifact, tokens_artifact
 from tasks.evaluate import evaluate_checkpoint, val_window_starts
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp() / "lm"
-
-
-@pytest.fixture(scope="module")
-def run(base) -> dict:
-    return training_run(base)
 
 
 def _eval(base, run, ckpt, out, **kw):

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from openlineage.client.event_v2 import RunState
 
+from tasks.core.net import free_port
 from tasks.lineage import JobRef, LineageEmitter, dataset_for_path, model_version_dataset
 from tasks.lineage.service.launch import start_service
 from tasks.lineage.validate import event_errors, read_events
@@ -177,14 +178,6 @@ def test_validator_checks_custom_facets_against_their_schemas(tmp_path):
 
 # ------------------------------------------------------------------------------- HTTP transport
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_down_service_never_fails_the_run_and_replay_fills_it(tmp_path):
     import subprocess
     import sys
@@ -195,7 +188,7 @@ def test_down_service_never_fails_the_run_and_replay_fills_it(tmp_path):
     from tasks.lineage.service.sample import emit_pipeline
     from tasks.lineage.transport import endpoint_url, http_stats, reset_http_stats
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     reset_http_stats()
     # the service is down for this run: every event still reaches the JSONL log, quickly
@@ -249,7 +242,7 @@ def test_down_service_never_fails_the_run_and_replay_fills_it(tmp_path):
 def test_a_jsonl_failure_fails_the_emit(tmp_path):
     log = tmp_path / "lineage.jsonl"
     log.mkdir()  # not writable as a file
-    em = LineageEmitter(log, "crucible", PRODUCER, http_url=f"http://127.0.0.1:{_free_port()}")
+    em = LineageEmitter(log, "crucible", PRODUCER, http_url=f"http://127.0.0.1:{free_port()}")
     with pytest.raises(Exception):
         em.emit(RunState.START, _ref("x"))
 

@@ -3,7 +3,6 @@
 The event log is written by Crucible's own emitter (tasks.lineage.service.sample drives it through
 two `pretrain` runs, the second resuming training from the first's checkpoint)."""
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from tasks.core.net import free_port
 from tasks.lineage import JobRef, LineageEmitter, dataset_for_path
 from tasks.lineage.service.launch import start_service
 from tasks.lineage.service import create_app, replay
@@ -296,15 +296,9 @@ def test_out_of_order_events_keep_the_final_state(tmp_path):
     assert ("file", "/i") in walk.datasets and walk.runs == {run_id: ("crucible", "j")}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_server_entry_and_replay_over_http(sample, tmp_path):
     _, log, (_, second) = sample
-    port = _free_port()
+    port = free_port()
     proc, base = start_service(tmp_path / "l.db", port)
     try:
         result = replay(log, base, batch_size=25)

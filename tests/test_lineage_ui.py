@@ -2,7 +2,6 @@
 driven with Selenium against the service started as a real process on a free loopback port."""
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tasks.core.net import free_port
 from tasks.lineage.service.launch import start_service
 from tasks.lineage.service.sample import DEFAULT_SOURCES, write_sample_log
 
@@ -25,16 +25,10 @@ pytestmark = pytest.mark.skipif(
     reason="chromium and chromedriver not installed (apt-get install -y chromium chromium-driver)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def service(tmp_path):
     log, pipelines = write_sample_log(tmp_path / "work", pipelines=2)
-    port = _free_port()
+    port = free_port()
     proc, base = start_service(tmp_path / "lineage.db", port, load=log)
     try:
         yield base, pipelines

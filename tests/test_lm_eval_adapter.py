@@ -9,32 +9,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lm_helpers import tokenizer_artifact, training_run
-from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT
+from lm_helpers import EVAL_DIR, tokenizer_artifact
 from tasks.evaluate.lm_eval_adapter import HAVE_LM_EVAL, CrucibleLM
 from tasks.evaluate.scoring import LMScorer
 from tasks.evaluate.suite import eval_lambada, eval_wikitext, load_lambada, load_wikitext_pages
 from tasks.train.model import GPT
 
-EVAL_DIR = Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT) / "eval"
-
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp() / "lm"
-
-
-@pytest.fixture(scope="module")
-def paths(base) -> dict:
-    run = training_run(base)
+def paths(base, run) -> dict:
     return {"checkpoint": run["checkpoints"][-1], "tokenizer": tokenizer_artifact(base)["path"]}
 
 

@@ -153,18 +153,6 @@ def stage_input(corpora, tmp_path_factory):
     return docs, write_docs(docs, tmp_path_factory.mktemp("quality-in"), shard_docs=50)  # 3 shards
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    from tasks.config import RayConfig
-    from tasks.core.ray_utils import init_ray
-
-    init_ray(RayConfig(num_cpus=2))
-    yield
-    ray.shutdown()
-
-
 @needs_data
 @needs_kenlm
 def test_quality_stage_accounts_for_every_document_and_reuses_models(stage_cfg, stage_input, ray_session, tmp_path):

@@ -57,11 +57,11 @@ def setup(tmp_path_factory):
     return root, cfg, [str(s) for s in shards], len(docs)
 
 
-def _kill_when_jobs_done(root: Path, cfg: PipelineConfig, shards: list[str], out: Path, n_done: int) -> int:
-    (root / "cfg.json").write_text(cfg.model_dump_json())
-    (root / "shards.json").write_text(json.dumps(shards))
-    proc = subprocess.Popen([sys.executable, "-c", RUNNER, str(root / "cfg.json"), str(root / "shards.json"),
-                             str(out)], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def _kill_after_parts(stage: str, runner: str, args: list[Path], out: Path, n_done: int) -> int:
+    """Run `runner` (a stage writing to `out`) in a subprocess; SIGKILL it once `n_done` job parts
+    are in out/_parts. Returns how many parts were done."""
+    proc = subprocess.Popen([sys.executable, "-c", runner, *map(str, args), str(out)], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     parts = out / "_parts"
     deadline = time.monotonic() + 240
     try:
@@ -71,10 +71,10 @@ def _kill_when_jobs_done(root: Path, cfg: PipelineConfig, shards: list[str], out
                 os.kill(proc.pid, signal.SIGKILL)
                 break
             if proc.poll() is not None:
-                pytest.fail(f"curate finished (rc {proc.returncode}) before it could be killed: "
+                pytest.fail(f"{stage} finished (rc {proc.returncode}) before it could be killed: "
                             f"{proc.stderr.read().decode()[-2000:]}")
             if time.monotonic() > deadline:
-                pytest.fail("no job finished in time")
+                pytest.fail(f"no {stage} job finished in time")
             time.sleep(0.005)
         proc.wait(timeout=30)
         assert proc.returncode == -signal.SIGKILL
@@ -86,6 +86,12 @@ def _kill_when_jobs_done(root: Path, cfg: PipelineConfig, shards: list[str], out
             pass
         proc.wait(timeout=30)
         proc.stderr.close()
+
+
+def _kill_when_jobs_done(root: Path, cfg: PipelineConfig, shards: list[str], out: Path, n_done: int) -> int:
+    (root / "cfg.json").write_text(cfg.model_dump_json())
+    (root / "shards.json").write_text(json.dumps(shards))
+    return _kill_after_parts("curate", RUNNER, [root / "cfg.json", root / "shards.json"], out, n_done)
 
 
 def test_sigkill_then_resume_is_identical(setup):
@@ -220,30 +226,7 @@ def test_ingest_sigkill_then_resume_is_identical(ingest_setup):
     root, cfg = ingest_setup
     out = root / "killed"
     (root / "cfg.json").write_text(cfg.model_dump_json())
-    proc = subprocess.Popen([sys.executable, "-c", INGEST_RUNNER, str(root / "cfg.json"), str(out)],
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            done = len(list((out / "_parts").glob("*.pkl"))) if (out / "_parts").is_dir() else 0
-            if done >= 3:
-                os.kill(proc.pid, signal.SIGKILL)
-                break
-            if proc.poll() is not None:
-                pytest.fail(f"ingest finished (rc {proc.returncode}) before it could be killed: "
-                            f"{proc.stderr.read().decode()[-2000:]}")
-            if time.monotonic() > deadline:
-                pytest.fail("no ingest job finished in time")
-            time.sleep(0.005)
-        proc.wait(timeout=30)
-        assert proc.returncode == -signal.SIGKILL
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=30)
-        proc.stderr.close()
+    _kill_after_parts("ingest", INGEST_RUNNER, [root / "cfg.json"], out, n_done=3)
     # nothing partial is visible
     assert not (out / "manifest.json").exists() and not list(out.glob("shard-*.parquet"))
     assert not (out / "quarantine.jsonl").exists()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import threading
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from lm_helpers import tiny_cfg, tokens_artifact
+from tasks.core.net import free_port
 from tasks.train import list_checkpoints, load_model_for_inference, run_training
 from tasks.train.checkpoint import (MANIFEST, META_FILE, _sha256, apply_retention, latest_checkpoint,
                                     read_manifest)
@@ -29,11 +29,6 @@ MODEL = {"dropout": 0.1}  # dropout makes the per-rank torch RNG state matter
 
 def cfg(**train):
     return tiny_cfg(train={**TRAIN, **train}, model=MODEL)
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp() / "lm"
 
 
 @pytest.fixture(scope="module")
@@ -221,15 +216,9 @@ def test_loss_spike_skip_and_rollback(work, index, monkeypatch):
     assert meta["trainer"]["skip_ranges"] == [[64, 80]] and meta["trainer"]["rollbacks"] == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_c10d_rendezvous(work, index):
     out = work / "multinode"
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     results, errors = {}, []
 
     def node(rank: int) -> None:

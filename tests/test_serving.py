@@ -10,18 +10,18 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from lm_helpers import random_checkpoint, sample_tokenizer
 from tasks.deploy.generation import TextGenerator
 from tasks.deploy.server import create_app
 from tasks.train.model import GPT, GPTConfig, KVCache
-from test_deploy import _checkpoint, _tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("serving")
-    tok = _tokenizer(root / "tokenizer.json")
-    return {"tokenizer": tok, "ckpt": _checkpoint(root / "train", tok, 10, 0),
-            "ckpt2": _checkpoint(root / "train", tok, 20, 1)}
+    tok = sample_tokenizer(root / "tokenizer.json")
+    return {"tokenizer": tok, "ckpt": random_checkpoint(root / "train", tok, 10, 0),
+            "ckpt2": random_checkpoint(root / "train", tok, 20, 1)}
 
 
 @pytest.fixture(scope="module")

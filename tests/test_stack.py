@@ -16,14 +16,9 @@ import pytest
 
 from infra import stack
 from tasks.config import LineageConfig, StackConfig
+from tasks.core.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dead_pid() -> int:
@@ -34,13 +29,13 @@ def _dead_pid() -> int:
 
 @pytest.fixture
 def stack_cfg(tmp_path):
-    return StackConfig(state_dir=str(tmp_path / "state"), prefect_port=_free_port(), mlflow_port=_free_port(),
-                       triggers_port=_free_port(), start_timeout=240, stop_timeout=15)
+    return StackConfig(state_dir=str(tmp_path / "state"), prefect_port=free_port(), mlflow_port=free_port(),
+                       triggers_port=free_port(), start_timeout=240, stop_timeout=15)
 
 
 @pytest.fixture
 def lineage_cfg():
-    return LineageConfig(service_port=_free_port())
+    return LineageConfig(service_port=free_port())
 
 
 @pytest.fixture(autouse=True)
@@ -113,11 +108,11 @@ def test_up_idempotent_status_down(stack_cfg, lineage_cfg):
         assert again[name]["pid"] == first[name]["pid"] and not again[name]["started"]
 
     # a port clash with a different config is refused while the stack runs
-    moved = stack_cfg.model_copy(update={"mlflow_port": _free_port()})
+    moved = stack_cfg.model_copy(update={"mlflow_port": free_port()})
     with pytest.raises(stack.StackError, match="crucible down"):
         stack.up(moved, lineage_cfg=lineage_cfg)
     with pytest.raises(stack.StackError, match="lineage is already running"):
-        stack.up(stack_cfg, lineage_cfg=lineage_cfg.model_copy(update={"service_port": _free_port()}))
+        stack.up(stack_cfg, lineage_cfg=lineage_cfg.model_copy(update={"service_port": free_port()}))
 
     pgids = [first[n]["pid"] for n in SERVICES]
     assert all(stack.group_pids(g) for g in pgids)
@@ -157,7 +152,7 @@ def _spec(cfg, name: str, code: str, port: int) -> stack.ServiceSpec:
 
 
 def test_service_that_dies_reports_its_log_tail(stack_cfg):
-    spec = _spec(stack_cfg, "broken", "import sys; print('boom: no database'); sys.exit(3)", _free_port())
+    spec = _spec(stack_cfg, "broken", "import sys; print('boom: no database'); sys.exit(3)", free_port())
     with pytest.raises(stack.StackError, match="(?s)broken exited during start-up.*boom: no database"):
         stack.start_services(stack_cfg, [spec], timeout=30)
     assert stack.running_pid(stack_cfg, "broken") is None
@@ -166,7 +161,7 @@ def test_service_that_dies_reports_its_log_tail(stack_cfg):
 def test_service_that_never_gets_healthy_times_out_and_is_killed(stack_cfg):
     # ignores SIGTERM, so the SIGKILL escalation is exercised too
     code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('hung', flush=True); time.sleep(60)"
-    spec = _spec(stack_cfg, "hung", code, _free_port())
+    spec = _spec(stack_cfg, "hung", code, free_port())
     cfg = stack_cfg.model_copy(update={"stop_timeout": 1.0})
     t0 = time.monotonic()
     with pytest.raises(stack.StackError, match="(?s)hung not healthy after 2s.*hung"):

@@ -17,11 +17,6 @@ from tasks.tokenizer import TokenizerValidationError, load_tokenizer, train_toke
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp() / "lm"
-
-
-@pytest.fixture(scope="module")
 def tok_result(base) -> dict:
     return tokenizer_artifact(base)
 

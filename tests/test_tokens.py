@@ -15,11 +15,6 @@ from tasks.tokens import dtype_for_vocab, is_val_doc, load_index, open_split, pr
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp() / "lm"
-
-
-@pytest.fixture(scope="module")
 def index(base) -> dict:
     return tokens_artifact(base)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lm_helpers import tiny_cfg, tokens_artifact, training_run
+from lm_helpers import tiny_cfg, tokens_artifact
 from tasks.train import TrainingError, list_checkpoints, load_model_for_inference, run_training
 from tasks.train.checkpoint import META_FILE
 from tasks.train.data import RandomWindows
@@ -17,16 +17,6 @@ from tasks.train.metrics import CHECKPOINT_EVENT, emit_checkpoint_event
 from tasks.train.model import GPT, GPTConfig
 from tasks.train.optimizer import build_optimizer
 from tasks.train.schedule import lr_at
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp() / "lm"
-
-
-@pytest.fixture(scope="module")
-def run(base) -> dict:
-    return training_run(base)
 
 
 def _log(run) -> list[dict]:

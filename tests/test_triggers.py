@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import time
 import uuid
 from datetime import datetime, timezone
@@ -22,14 +21,9 @@ from infra.triggers_service import triggers_spec
 from lm_helpers import tiny_cfg, tokenizer_artifact, tokens_artifact
 from tasks.config import StackConfig
 from tasks.core.hashing import sha256_file
+from tasks.core.net import free_port
 from tasks.train.checkpoint import save_checkpoint
 from tasks.train.model import GPT, GPTConfig
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_run_paths_from_checkpoint(tmp_path):
@@ -123,9 +117,9 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
     base = tmp_path_factory.getbasetemp() / "lm"
     store = f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"  # nothing may land in the working directory
     run_dir, ckpts = _make_run(base, tmp_path, store)
-    stack_cfg = StackConfig(state_dir=str(tmp_path / "state"), prefect_port=_free_port(),
-                            mlflow_port=_free_port(), start_timeout=150, stop_timeout=10)
-    spec = triggers_spec(stack_cfg, port=_free_port())
+    stack_cfg = StackConfig(state_dir=str(tmp_path / "state"), prefect_port=free_port(),
+                            mlflow_port=free_port(), start_timeout=150, stop_timeout=10)
+    spec = triggers_spec(stack_cfg, port=free_port())
     spec.env.update({"MLFLOW_TRACKING_URI": store, "CRUCIBLE_EVAL_RETRY_BACKOFF": "1"})
     api = stack.prefect_api_url(stack_cfg)
     t0 = time.monotonic()

@@ -38,7 +38,7 @@ import json
 import os
 import uuid
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Self
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -73,7 +73,27 @@ def _tmp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-class ShardWriter:
+class _CommitOnSuccess:
+    """Context manager of a writer that publishes its output with `close()`: a `with` block that
+    ends normally closes it; one that raises calls `abort()`, so no partial output is left."""
+
+    def close(self):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def abort(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class ShardWriter(_CommitOnSuccess):
     """Write documents to `<out_dir>/<prefix>-00000.parquet`, `-00001`, ... of at most
     `shard_docs` rows each, buffering `row_group_docs` rows per Parquet row group.
 
@@ -151,15 +171,6 @@ class ShardWriter:
         if self._tmp is not None and self._tmp.exists():
             self._tmp.unlink()
 
-    def __enter__(self) -> "ShardWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
 
 def write_docs(docs: Iterable[dict], out_dir: str | Path, shard_docs: int = 2000,
                prefix: str = "shard") -> list[Path]:
@@ -192,7 +203,7 @@ def count_docs(paths: Iterable[str | Path]) -> int:
     return sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
 
 
-class AtomicJsonlWriter:
+class AtomicJsonlWriter(_CommitOnSuccess):
     """Append JSON lines to a temp file; `close()` renames it to `path` (always creates it)."""
 
     def __init__(self, path: str | Path):
@@ -219,12 +230,3 @@ class AtomicJsonlWriter:
             self._fh = None
         if self._tmp.exists():
             self._tmp.unlink()
-
-    def __enter__(self) -> "AtomicJsonlWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()

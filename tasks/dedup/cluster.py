@@ -40,18 +40,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from tasks.dedup.minhash import fmix64
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _ROW_BYTES = 1 + 8 + 4  # band, key, doc per spilled row
 _PARTITION_TARGET_ROWS = 4_000_000  # ≈ 52 MB of spilled rows per partition; ~4× that to sort
-
-
-def _fmix64(h: np.ndarray) -> np.ndarray:
-    h ^= h >> np.uint64(33)
-    h *= np.uint64(0xFF51AFD7ED558CCD)
-    h ^= h >> np.uint64(33)
-    h *= np.uint64(0xC4CEB9FE1A85EC53)
-    h ^= h >> np.uint64(33)
-    return h
 
 
 def band_hashes(sigs: np.ndarray, bands: int, rows: int) -> np.ndarray:
@@ -66,7 +59,7 @@ def band_hashes(sigs: np.ndarray, bands: int, rows: int) -> np.ndarray:
         acc |= rot
         acc ^= v[:, :, r].astype(np.uint64)
         acc *= _GOLDEN
-    return _fmix64(acc)
+    return fmix64(acc)
 
 
 def _partition_of(x: np.ndarray, partitions: int) -> np.ndarray:
@@ -75,7 +68,7 @@ def _partition_of(x: np.ndarray, partitions: int) -> np.ndarray:
 
 
 def _node_partition(nodes: np.ndarray, partitions: int) -> np.ndarray:
-    return _partition_of(_fmix64(nodes.astype(np.uint64)), partitions)
+    return _partition_of(fmix64(nodes.astype(np.uint64)), partitions)
 
 
 # ------------------------------------------------------------------ memory estimate

@@ -250,7 +250,8 @@ def fast_hash32(shingle: bytes) -> int:
     return _combine_int([word_hash64(w) for w in shingle.split(b" ")])
 
 
-def _fmix64(h: np.ndarray) -> np.ndarray:
+def fmix64(h: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 64-bit finalizer on a uint64 array, in place (returns it)."""
     h ^= h >> np.uint64(33)
     h *= np.uint64(_FMIX1)
     h ^= h >> np.uint64(33)
@@ -279,7 +280,7 @@ def _word_hashes(buf: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.nd
         x |= rot
         x *= g
         h[idx] = x
-    return _fmix64(h)
+    return fmix64(h)
 
 
 def _ngram_hashes(w: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
@@ -292,7 +293,7 @@ def _ngram_hashes(w: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
         acc |= rot
         acc ^= w[starts + k]
         acc *= g
-    return (_fmix64(acc) >> np.uint64(32)).astype(np.uint32)
+    return (fmix64(acc) >> np.uint64(32)).astype(np.uint32)
 
 
 # ---------------------------------------------------------------------------------------------

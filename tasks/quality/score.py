@@ -70,6 +70,24 @@ def shard_jobs(shards: Sequence[str]) -> list[tuple[str, list[int]]]:
     return [(s, [rg]) for s in shards for rg in range(pq.ParquetFile(s).metadata.num_row_groups)]
 
 
+def _run_step(name: str, records: list[dict], drop_reason) -> tuple[StepStats, list[dict]]:
+    """One decision step over score records: `drop_reason(record)` is None to keep it, else the
+    reason it is dropped (counted, and "keep" set False). Returns the stats and the kept records."""
+    st, kept = StepStats(name), []
+    for r in records:
+        st.docs_in += 1
+        st.bytes_in += r["bytes"]
+        reason = drop_reason(r)
+        if reason is not None:
+            st.dropped[reason] += 1
+            r["keep"] = False
+        else:
+            st.docs_out += 1
+            st.bytes_out += r["bytes"]
+            kept.append(r)
+    return st, kept
+
+
 def decide(records: list[dict], cfg: QualityConfig) -> dict:
     """Set "keep" (and "kenlm_bucket") on every record; returns the summary with StepStats."""
     t0 = time.perf_counter()
@@ -82,18 +100,8 @@ def decide(records: list[dict], cfg: QualityConfig) -> dict:
         if c.keep_top_fraction is not None:
             thr = threshold_for_top_fraction([r["quality_score"] for r in records], c.keep_top_fraction)
         summary["classifier_threshold"] = thr
-        st, nxt = StepStats("quality_classifier"), []
-        for r in alive:
-            st.docs_in += 1
-            st.bytes_in += r["bytes"]
-            if thr is not None and r["quality_score"] < thr:
-                st.dropped["quality_classifier"] += 1
-                r["keep"] = False
-            else:
-                st.docs_out += 1
-                st.bytes_out += r["bytes"]
-                nxt.append(r)
-        alive = nxt
+        st, alive = _run_step("quality_classifier", alive,
+                              lambda r: "quality_classifier" if thr is not None and r["quality_score"] < thr else None)
         steps.append(st)
     if records and "perplexity" in records[0]:
         k = cfg.kenlm
@@ -102,18 +110,8 @@ def decide(records: list[dict], cfg: QualityConfig) -> dict:
         summary["perplexity_cutoffs"] = cuts
         for r in records:
             r["kenlm_bucket"] = bucket_of(r["perplexity"], cuts[r["source"]]) if r["source"] in cuts else "tail"
-        st, nxt = StepStats("kenlm"), []
-        for r in alive:
-            st.docs_in += 1
-            st.bytes_in += r["bytes"]
-            if r["kenlm_bucket"] in k.drop_buckets:
-                st.dropped[f"kenlm_{r['kenlm_bucket']}"] += 1
-                r["keep"] = False
-            else:
-                st.docs_out += 1
-                st.bytes_out += r["bytes"]
-                nxt.append(r)
-        alive = nxt
+        st, alive = _run_step("kenlm", alive,
+                              lambda r: f"kenlm_{r['kenlm_bucket']}" if r["kenlm_bucket"] in k.drop_buckets else None)
         steps.append(st)
     for r in alive:
         r["keep"] = True

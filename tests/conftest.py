@@ -1,0 +1,34 @@
+"""Fixtures shared by several test files: a local Ray session, and the language-model artifacts
+(tokenizer, tokens, training run) that tests/lm_helpers.py builds once per session under one folder."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """The folder where lm_helpers caches the session's corpus, tokenizer, tokens and training run."""
+    return tmp_path_factory.getbasetemp() / "lm"
+
+
+@pytest.fixture(scope="module")
+def run(base) -> dict:
+    """The session's real 2-process training run of lm_helpers.tiny_cfg() (built on first use)."""
+    from lm_helpers import training_run
+
+    return training_run(base)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local 2-CPU Ray cluster for one test module."""
+    import ray
+
+    from tasks.config import RayConfig
+    from tasks.core.ray_utils import init_ray
+
+    init_ray(RayConfig(num_cpus=2))
+    yield
+    ray.shutdown()
