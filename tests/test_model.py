@@ -96,7 +96,8 @@ def test_rope_preserves_norm_and_relative_position():
 
 def test_hand_written_backwards_match_autograd():
     """RMSNorm and RoPE have hand-written backwards (fewer passes over memory on CPU): their
-    forwards equal the plain formulas bit for bit, and gradcheck confirms the gradients."""
+    forwards equal the plain formulas (RoPE bit for bit, RMSNorm to rounding: its mean square
+    comes from a fused norm), and gradcheck confirms the gradients."""
     from tasks.train.model import RMSNorm, _qk_layout, _RMSNormFn, _rotate
 
     torch.manual_seed(0)
@@ -105,7 +106,7 @@ def test_hand_written_backwards_match_autograd():
         norm.weight.uniform_(0.5, 1.5)
     x = torch.randn(2, 5, 8)
     plain = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight
-    assert torch.equal(norm(x), plain)
+    assert torch.allclose(norm(x), plain, rtol=1e-5, atol=1e-6)
     w64 = norm.weight.detach().double().requires_grad_()
     x64 = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, w: _RMSNormFn.apply(a, w, 1e-6), (x64, w64))

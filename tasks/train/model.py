@@ -64,13 +64,15 @@ class GPTConfig:
 
 class _RMSNormFn(torch.autograd.Function):
     """y = x * rsqrt(mean(x^2) + eps) * w with a hand-written backward. On CPU every kernel is a
-    pass over memory and a thread barrier; autograd through the plain formula takes about ten
-    full-size passes per norm, this takes six (the same maths, checked by gradcheck in the tests)."""
+    pass over memory and a thread barrier: autograd through the plain formula makes about twelve
+    passes per norm, this makes seven (one fused norm reduction, a dot product, an addcmul). Same
+    maths to rounding; gradchecked in the tests."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16/fp16 -> fp32 statistics
-        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ms = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square_().div_(x.size(-1))
+        rstd = ms.add_(eps).rsqrt_()
         xhat = x32 * rstd
         ctx.save_for_backward(xhat, rstd, weight)
         ctx.in_dtype = x.dtype
@@ -83,7 +85,8 @@ class _RMSNormFn(torch.autograd.Function):
         gw = g * weight.to(xhat.dtype)
         grad_w = (g * xhat).sum(dim=tuple(range(g.dim() - 1))).to(weight.dtype)
         # d/dx of xhat = x * rstd: rstd * (gw - xhat * mean(gw * xhat))
-        grad_x = (gw - xhat * (gw * xhat).mean(-1, keepdim=True)) * rstd
+        dot = torch.linalg.vecdot(gw, xhat).unsqueeze(-1)
+        grad_x = torch.addcmul(gw, xhat, dot, value=-1.0 / g.size(-1)).mul_(rstd)
         return grad_x.to(ctx.in_dtype), grad_w, None
 
 
