@@ -59,7 +59,8 @@ def main() -> int:
                        "epochs": a["epochs"], "final_train_loss": a["final_train_loss"],
                        "heldout_loss": a["heldout_loss"], "heldout_perplexity": a["heldout_perplexity"],
                        "curate_docs_in": a["curate"]["docs_in"], "curate_docs_out": a["curate"]["docs_out"],
-                       "quality_docs_out": a["quality"]["docs_out"]} for arm, a in arms.items()},
+                       "quality_docs_out": a["quality"]["docs_out"],
+                       "by_source": a["corpus"].get("by_source", {})} for arm, a in arms.items()},
         "seconds": result.get("seconds"),
     }
     print(f"{'arm':<14}{'docs':>7}{'train tokens':>14}{'epochs':>8}{'held-out loss':>15}")

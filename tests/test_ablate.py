@@ -54,6 +54,10 @@ def test_ablation_same_budget_same_eval_tokens(tmp_path):
     a, b = r["arms"]["langid_only"], r["arms"]["curated"]
     # (b) is a strict curation of (a): fewer documents, quality stage on
     assert 0 < b["corpus"]["docs"] < a["corpus"]["docs"]
+    for arm in (a, b):  # per-source composition adds up to the corpus
+        assert sum(v["docs"] for v in arm["corpus"]["by_source"].values()) == arm["corpus"]["docs"]
+        assert sum(v["bytes"] for v in arm["corpus"]["by_source"].values()) == arm["corpus"]["bytes"]
+    assert set(b["corpus"]["by_source"]) <= set(a["corpus"]["by_source"])
     assert not a["quality"]["enabled"] and b["quality"]["enabled"]
     assert set(a["curate"]["dropped"]) and all(k.startswith("langid") for k in a["curate"]["dropped"])
     # same token budget, same held-out tokens
@@ -65,7 +69,8 @@ def test_ablation_same_budget_same_eval_tokens(tmp_path):
     assert math.isfinite(la) and math.isfinite(lb) and la > 0 and lb > 0
     assert r["relative_improvement"] == pytest.approx((la - lb) / la, abs=1e-5)
     assert json.loads((tmp_path / "ablate" / "ablation.json").read_text())["heldout_loss"] == r["heldout_loss"]
-    assert "langid_only" in ablation_markdown(r) and "curated" in ablation_markdown(r)
+    md = ablation_markdown(r)
+    assert "langid_only" in md and "curated" in md and "## Composition" in md
 
     # MLflow: the parent run has both losses side by side; one child run per arm
     client = MlflowClient(tracking_uri=uri)

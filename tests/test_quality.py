@@ -183,6 +183,14 @@ def test_quality_stage_accounts_for_every_document_and_reuses_models(stage_cfg, 
     models = s["models"]
     assert not models["classifier"]["reused"] and not models["kenlm"]["reused"]
     assert models["classifier"]["heldout"]["roc_auc"] > 0.8 and s["metrics"]["classifier_heldout_roc_auc"] > 0.8
+    # the "reference" source holds Gutenberg passages, the models' own reference: flagged; the crawl is not
+    overlap = s["reference_overlap"]
+    assert overlap["reference"] == ["text/gutenberg/*.txt"]
+    ref_src, crawl_src = overlap["sources"]["reference"], overlap["sources"]["crawl"]
+    assert ref_src["checked"] == crawl_src["checked"] == 60
+    assert ref_src["fraction"] > 0.2 and crawl_src["overlapping"] == 0
+    assert len(overlap["warnings"]) == 1 and "'reference'" in overlap["warnings"][0]
+    assert s["metrics"]["reference_overlap_max_fraction"] == ref_src["fraction"]
 
     # same training inputs and config: both models reused (scoring settings are not part of the key)
     cfg2 = stage_cfg.model_copy(deep=True)

@@ -100,13 +100,21 @@ def heldout_loss(cfg: PipelineConfig, checkpoint: Path, tokens: np.ndarray) -> t
 
 
 def corpus_stats(shards: list[str]) -> dict:
+    """Documents and bytes of an arm's corpus, in all and per source: what curation kept of each
+    source explains most of a held-out difference (the mix moves towards or away from the
+    held-out text's domain)."""
     from tasks.core.documents import iter_docs
 
     docs = nbytes = 0
-    for d in iter_docs(shards, columns=["text"]):
+    by_source: dict[str, dict[str, int]] = {}
+    for d in iter_docs(shards, columns=["text", "source"]):
+        n = len(d["text"].encode("utf-8"))
         docs += 1
-        nbytes += len(d["text"].encode("utf-8"))
-    return {"docs": docs, "bytes": nbytes}
+        nbytes += n
+        src = by_source.setdefault(d.get("source") or "?", {"docs": 0, "bytes": 0})
+        src["docs"] += 1
+        src["bytes"] += n
+    return {"docs": docs, "bytes": nbytes, "by_source": dict(sorted(by_source.items()))}
 
 
 def run_ablation(cfg: PipelineConfig, out_dir: Path, tracking_uri: str, experiment: str | None = None,
@@ -211,7 +219,25 @@ def ablation_markdown(result: dict) -> str:
             "held-out ppl |\n|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) +
             f"\n\nHeld-out text: {e['path']} ({e['tokens']:,} tokens, sha256 {e['sha256'][:12]}), one tokenizer "
             f"trained on the curated corpus. Relative improvement of (b) over (a): "
-            f"**{100 * result['relative_improvement']:.2f} %** (target ≥ {100 * result['target_improvement']:.0f} %).\n")
+            f"**{100 * result['relative_improvement']:.2f} %** (target ≥ {100 * result['target_improvement']:.0f} %).\n"
+            + _composition_markdown(result))
+
+
+def _composition_markdown(result: dict) -> str:
+    """Share of each source in each arm's corpus (bytes)."""
+    arms = {arm: result["arms"][arm]["corpus"] for arm in ARMS}
+    sources = sorted({s for c in arms.values() for s in c.get("by_source", {})})
+    if not sources:
+        return ""
+    rows = []
+    for s in sources:
+        cells = []
+        for c in arms.values():
+            b = c.get("by_source", {}).get(s, {"docs": 0, "bytes": 0})
+            cells.append(f"{b['docs']} docs, {100 * b['bytes'] / max(1, c['bytes']):.1f} %")
+        rows.append(f"| {s} | " + " | ".join(cells) + " |")
+    return ("\n## Composition (documents, share of bytes)\n\n| source | " + " | ".join(ARMS) + " |\n|---|"
+            + "---|" * len(ARMS) + "\n" + "\n".join(rows) + "\n")
 
 
 ABLATE_DOC = ("The ablate flow (flows/ablate.py): the same model and token budget trained on the langid-only and the "

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -32,6 +33,7 @@ import pyarrow.parquet as pq
 from tasks.config import PipelineConfig
 from tasks.core.documents import AtomicJsonlWriter, ShardWriter, count_docs, iter_docs
 from tasks.core.hashing import sha256_file
+from tasks.quality.overlap import check_reference_overlap, reference_patterns
 from tasks.quality.text import resolve
 
 # Fields that change how documents are scored or kept, not the trained model.
@@ -193,6 +195,10 @@ def run_quality(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> di
     docs_in, docs_out = len(records), writer.docs_written
     if docs_out + sum(dropped.values()) != docs_in:
         raise RuntimeError(f"quality accounting broken: {docs_in} in, {docs_out} out, {dict(dropped)} dropped")
+    overlap = check_reference_overlap(cfg, shards, training_files(reference_patterns(cfg), cfg.data_root),
+                                      model_dir(cfg))
+    for w in overlap["warnings"]:
+        print(f"[quality] WARNING: {w}", file=sys.stderr, flush=True)
     summary = {
         "enabled": True,
         "docs_in": docs_in,
@@ -205,6 +211,7 @@ def run_quality(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> di
         "buckets": dict(sorted(Counter(r["kenlm_bucket"] for r in records if "kenlm_bucket" in r).items())),
         "sources": {s: {"docs_in": c["docs_in"], "docs_out": c["docs_out"]} for s, c in sorted(sources.items())},
         "models": models,
+        "reference_overlap": overlap,
         "shards": [str(p) for p in writer.paths],
         "dropped_file": str(dropped_path),
         "scores_file": str(scores_path),
@@ -241,4 +248,7 @@ def quality_metrics(summary: dict) -> dict[str, float]:
         out["kenlm_reused"] = int(lm["reused"])
     if summary.get("classifier_threshold") is not None:
         out["classifier_threshold"] = summary["classifier_threshold"]
+    overlap = summary.get("reference_overlap", {}).get("sources", {})
+    if overlap:
+        out["reference_overlap_max_fraction"] = max(s["fraction"] for s in overlap.values())
     return out
