@@ -262,3 +262,173 @@ def test_large_star_small_star_rounds_reach_the_components():
         assert got == {i: r for i, r in enumerate(roots) if r != i}
         if trial == 0:
             assert rounds > 3
+
+
+# ---------------------------------------------------------------------------------------------
+# exact Jaccard verification of candidate pairs (tasks.dedup.verify), in the CLI and in run_curate
+
+GUTENBERG = DATA / "text" / "gutenberg"
+
+
+def _gutenberg_passages(n: int, words: int = 250) -> list[str]:
+    """`n` passages of ≥ `words` words: consecutive non-empty lines, a few per book."""
+    out = []
+    for path in sorted(GUTENBERG.glob("*.txt")):
+        lines = [ln.strip() for ln in path.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+        cur: list[str] = []
+        for ln in lines[200:]:  # past the front matter
+            cur.append(ln)
+            if sum(len(x.split()) for x in cur) >= words:
+                out.append("\n".join(cur))
+                cur = []
+                if len(out) % 3 == 0:
+                    break
+        if len(out) >= n:
+            return out[:n]
+    return out
+
+
+@pytest.fixture(scope="module")
+def verify_corpus() -> dict:
+    """Gutenberg passages, one base with a true near duplicate (1 % of words replaced, Jaccard
+    ≈ 0.9) and a weaker copy (4 % replaced, Jaccard 0.55–0.8) that LSH still makes a
+    candidate of the base (searched over edit seeds; the default 14×8 fast-hash signatures)."""
+    if not GUTENBERG.exists():
+        pytest.skip(f"no data under {DATA}")
+    from tasks.dedup.minhash import band_keys, jaccard
+
+    passages = _gutenberg_passages(14)
+    assert len(passages) == 14
+    base = passages[0]
+    hasher = MinHasher()
+    base_sig, base_sh = hasher.signature(base), shingles(base)
+    near = edit_words(base, 0.01, seed=11)
+    assert jaccard(base_sh, shingles(near)) >= 0.85
+    low = None
+    for seed in range(100):
+        cand = edit_words(base, 0.04, seed=seed)
+        j = jaccard(base_sh, shingles(cand))
+        if 0.55 <= j < 0.8 and set(band_keys(base_sig, 14, 8)) & set(band_keys(hasher.signature(cand), 14, 8)):
+            low = cand
+            break
+    assert low is not None, "no LSH candidate below the threshold among the edits"
+    texts = passages[1:6] + [base] + passages[6:10] + [near] + passages[10:] + [low]
+    docs = [{"id": f"g{k:02d}", "text": t, "source": "gutenberg"} for k, t in enumerate(texts)]
+    return {"docs": docs, "base": f"g{texts.index(base):02d}", "near": f"g{texts.index(near):02d}",
+            "low": f"g{texts.index(low):02d}", "texts": texts}
+
+
+def test_parquet_texts_reads_rows_across_files_and_row_groups(verify_corpus, tmp_path):
+    from tasks.core.documents import ShardWriter
+    from tasks.dedup.minhash import jaccard
+    from tasks.dedup.verify import JaccardVerifier, ListTexts, ParquetTexts
+
+    docs, texts = verify_corpus["docs"], verify_corpus["texts"]
+    with ShardWriter(tmp_path, prefix="part", shard_docs=7, row_group_docs=3) as w:
+        w.write_many(docs)
+    assert len(w.paths) == 3 and len(docs) == 16
+    src = ParquetTexts(w.paths, [7, 7, 2])
+    rows = random.Random(0).sample(range(len(docs)), len(docs))
+    assert src.read(rows) == [texts[r] for r in rows]
+    with pytest.raises(IndexError):
+        src.read([len(docs)])
+    import numpy as np
+
+    b, n, lo = (int(verify_corpus[k][1:]) for k in ("base", "near", "low"))
+    pairs = np.array([[0, 1], [b, n], [b, lo], [n, lo]])
+    want = [jaccard(shingles(texts[a]), shingles(texts[b])) for a, b in pairs]
+    for v in (JaccardVerifier(src, 0.85), JaccardVerifier(ListTexts(texts), 0.85)):
+        assert np.allclose(v.similarities(pairs), want)
+        assert v.mask(pairs).tolist() == [x >= 0.85 for x in want] == [False, True, False, False]
+    # reindexed: document k of the subset is row sub[k]
+    sub = JaccardVerifier(src, 0.85).reindexed([lo, n, b])
+    assert sub.mask(np.array([[2, 1], [2, 0]])).tolist() == [True, False]
+
+
+def _verify_cfg(clustering: str, ray_min_docs: int = 200_000, verify: bool = True):
+    from tasks.config import PipelineConfig, RayConfig, SourceConfig
+
+    off = {"enabled": False}
+    curate = {"langid": off, "gopher_quality": off, "gopher_repetition": off, "c4": off, "fineweb": off,
+              "decontam": off, "pii": off, "resume": False,
+              "dedup": {"minhash": {"verify": verify, "verify_threshold": 0.85, "clustering": clustering,
+                                    "ray_min_docs": ray_min_docs, "partitions": 3}}}
+    src = SourceConfig(name="gutenberg", uri="text/gutenberg/*", format="text", licence="public domain",
+                       provenance="shared/data")
+    return PipelineConfig.model_validate({"name": "verify-test", "sources": [src.model_dump()],
+                                          "data_root": str(DATA), "ray": RayConfig(num_cpus=2).model_dump(),
+                                          "curate": curate})
+
+
+def _driver_refusing_verifier():
+    """A JaccardVerifier that fails when it checks pairs in this (the driver's) process."""
+    import os
+
+    from tasks.dedup.verify import JaccardVerifier
+
+    driver = os.getpid()
+
+    class DriverRefusingVerifier(JaccardVerifier):
+        def mask(self, pairs):
+            if os.getpid() == driver:
+                raise AssertionError("candidate pairs verified in the driver")
+            return super().mask(pairs)
+
+    return DriverRefusingVerifier
+
+
+def test_curate_verifies_candidate_pairs_in_process_and_in_ray_tasks(verify_corpus, ray_session, tmp_path,
+                                                                      monkeypatch):
+    import tasks.curate.run as curate_run
+    from tasks.core.documents import iter_docs, write_docs
+    from tasks.curate import run_curate
+
+    docs, base, near, low = (verify_corpus[k] for k in ("docs", "base", "near", "low"))
+    shards = write_docs(docs, tmp_path / "in", shard_docs=5)  # base, near and low in different jobs' parts
+    assert len(shards) == 4
+
+    def run(cfg, name):
+        s = run_curate(cfg, shards, tmp_path / name)
+        assert s["docs_in"] == len(docs) == s["docs_out"] + sum(s["dropped"].values())
+        drops = {d["id"]: d.get("duplicate_of") for d in map(json.loads, Path(s["dropped_file"]).read_text().splitlines())}
+        return s, drops, [d["id"] for d in iter_docs(s["shards"])]
+
+    # without verification the weak copy is an LSH candidate of the base and joins its cluster
+    s0, drops0, _ = run(_verify_cfg("local", verify=False), "plain")
+    assert drops0 == {near: base, low: base}
+    assert "verified_pairs" not in s0["dedup"]["clustering"]
+
+    s1, drops1, out1 = run(_verify_cfg("local"), "local")
+    c1 = s1["dedup"]["clustering"]
+    assert c1["method"] == "local"
+    assert drops1 == {near: base}  # the true near duplicate merged, the candidate below 0.85 not
+    assert low in out1 and base in out1 and near not in out1
+    assert 1 <= c1["verified_pairs"] < c1["candidate_pairs"]
+
+    # Ray clustering, chosen by ray_min_docs; a verifier that refuses to run in the driver
+    monkeypatch.setattr(curate_run, "JaccardVerifier", _driver_refusing_verifier())
+    s2, drops2, out2 = run(_verify_cfg("auto", ray_min_docs=2), "ray")
+    c2 = s2["dedup"]["clustering"]
+    assert c2["method"] == "ray" and c2["partitions"] == 3
+    assert drops2 == drops1 and out2 == out1 and s2["dropped"] == s1["dropped"]
+    assert 1 <= c2["verified_pairs"] < c2["candidate_pairs"]
+    # the guard works: the same verifier on the in-process path fails in the driver
+    with pytest.raises(AssertionError, match="driver"):
+        run(_verify_cfg("local"), "local-guarded")
+
+
+@needs_data
+def test_cli_text_verifier_runs_in_ray_tasks_and_matches_in_process(real_texts, ray_session, tmp_path):
+    from tasks.dedup.cluster import cluster_signatures
+    from tasks.dedup.minhash import jaccard
+    from tasks.dedup.verify import ListTexts
+
+    corpus, _ = _corpus_with_copies(real_texts, seed=2)
+    sigs = MinHasher(seed=1).signatures(corpus)
+    verifier = _driver_refusing_verifier()(ListTexts(corpus), 0.9)
+    shs = [shingles(t) for t in corpus]
+    local, ls = cluster_signatures(sigs, 14, 8, method="local", verify=lambda i, j: jaccard(shs[i], shs[j]) >= 0.9)
+    got, stats = cluster_signatures(sigs, 14, 8, method="ray", work_dir=tmp_path, partitions=2, verify=verifier)
+    assert got == local and 1 <= stats["verified_pairs"] < stats["candidate_pairs"]
+    plain, _ = cluster_signatures(sigs, 14, 8, method="local")
+    assert sum(r != i for i, r in enumerate(local)) < sum(r != i for i, r in enumerate(plain))

@@ -10,6 +10,10 @@ redaction → exact + MinHash dedup.
    then MinHash LSH clustering of the remaining documents (first document of each cluster kept,
    or with `minhash.survivor: quality` the highest quality score; in process, or on Ray with
    band keys spilled to Parquet from `minhash.ray_min_docs` documents: `tasks.dedup.cluster`).
+   With `minhash.verify` a candidate pair is joined only if its exact shingle Jaccard is ≥
+   `minhash.verify_threshold` (`tasks.dedup.verify`: the texts are read back from the part
+   files, in the clustering's Ray tasks on the Ray path); the clustering stats count
+   `candidate_pairs` and `verified_pairs`.
 3. The parts are streamed into `out_dir/shard-00000.parquet`, ... (`curate.shard_docs` rows
    each) without the deduplicated documents, and `out_dir/dropped.jsonl` gets one line per
    dropped document: {"id", "step", "reason"} (+ "duplicate_of" for dedup drops).
@@ -59,7 +63,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from tasks.config import CurateConfig, PipelineConfig
-from tasks.core.documents import AtomicJsonlWriter, ShardWriter, iter_doc_batches, iter_docs
+from tasks.core.documents import AtomicJsonlWriter, ShardWriter, count_docs, iter_doc_batches, iter_docs
 from tasks.core.resume import (MANIFEST, JobStore, atomic_write_bytes as _atomic_write_bytes, digest as _digest,
                                file_identity as _file_identity, remove_temp_files as _remove_temp_files,
                                verify_manifest as _verify_manifest, write_manifest)
@@ -71,6 +75,7 @@ from tasks.dedup.cli import clustering_method
 from tasks.dedup.cluster import cluster_signatures
 from tasks.dedup.minhash import MinHasher
 from tasks.dedup.report import add_text_jaccard, dedup_report, example_ids
+from tasks.dedup.verify import JaccardVerifier, ParquetTexts
 
 DATASET_CARD = "DATASET_CARD.md"
 DECONTAM_REPORT = "decontam_report.json"
@@ -156,6 +161,19 @@ class CurateWorker:
                            score_field=self.score_field)
         res["name"] = part_name
         return res
+
+
+def part_texts(results: list[dict]) -> ParquetTexts:
+    """The kept documents' texts in the jobs' part files: row g is the document `ids[g]` of
+    `run_curate` (jobs in corpus order, each job's part rows in the order of its `ids`)."""
+    files, counts = [], []
+    for r in results:
+        n = [len(r["ids"])] if len(r["parts"]) == 1 else [count_docs([p]) for p in r["parts"]]
+        if sum(n) != len(r["ids"]):
+            raise RuntimeError(f"job {r.get('name')}: {sum(n)} rows in its parts, {len(r['ids'])} ids")
+        files += r["parts"]
+        counts += n
+    return ParquetTexts(files, counts)
 
 
 def _jobs(shards: list[str], parts_dir: Path) -> list[tuple]:
@@ -341,9 +359,14 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
         t1 = time.perf_counter()
         st = StepStats("minhash_dedup")
         scores = [s for r in results for s in r.get("scores", [])] if mh.survivor == "quality" else None
+        # exact Jaccard check of candidate pairs: the verifier reads the texts from the part files
+        # itself (in the clustering's Ray tasks on the Ray path); document pos is ids[alive[pos]]
+        verify = (JaccardVerifier(part_texts(results), mh.verify_threshold, mh.ngram, index=alive)
+                  if mh.verify else None)
         roots, clustering = cluster_signatures(  # prints the memory estimate first
             [sigs[i] for i in alive], mh.bands, mh.rows, method=clustering_method(mh, len(alive)),
-            work_dir=parts_dir, partitions=mh.partitions, scores=[scores[i] for i in alive] if scores else None)
+            work_dir=parts_dir, partitions=mh.partitions, verify=verify,
+            scores=[scores[i] for i in alive] if scores else None)
         survivors = []
         for pos, i in enumerate(alive):
             st.docs_in += 1

@@ -9,7 +9,8 @@ Steps (config `curate.dedup`, or a bare dedup section — see `load_dedup_config
 1. exact: documents with the same normalised text (`exact_key`) join the first copy;
 2. MinHash: signatures of the exact survivors (`MinHasher`, vectorised), LSH band keys,
    candidate pairs joined with a union-find (connected components); with `minhash.verify` a
-   pair is joined only if its exact shingle Jaccard is ≥ `minhash.verify_threshold`. A
+   pair is joined only if its exact shingle Jaccard is ≥ `minhash.verify_threshold`
+   (`tasks.dedup.verify`; on the Ray path checked in the per-partition Ray tasks). A
    candidate pair is (the first document filed under a band key, a later document sharing
    that key), so a document can join a cluster only through a verified pair. Clustering runs
    in process or, from `minhash.ray_min_docs` documents (`minhash.clustering`), on Ray with
@@ -35,8 +36,9 @@ from tasks.core.documents import AtomicJsonlWriter
 from tasks.core.steps import StepStats
 from tasks.dedup.exact import exact_key
 from tasks.dedup.cluster import cluster_signatures
-from tasks.dedup.minhash import MinHasher, jaccard, shingles
+from tasks.dedup.minhash import MinHasher
 from tasks.dedup.report import dedup_report
+from tasks.dedup.verify import JaccardVerifier, ListTexts
 
 
 def load_dedup_config(path: str | Path | None) -> DedupConfig:
@@ -111,21 +113,14 @@ def dedup_texts(texts: list[str], cfg: DedupConfig, scores: list[float | None] |
         st, t0 = StepStats("minhash_dedup"), time.perf_counter()
         hasher = MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram, scheme=mh.scheme, hash=mh.hash)
         sigs = hasher.signatures([texts[i] for i in alive], max_shingles=mh.batch_shingles)
-        cache: dict[int, set] = {}
-
-        def sh(k: int) -> set:
-            if k not in cache:
-                cache[k] = shingles(texts[alive[k]], mh.ngram)
-            return cache[k]
-
-        def verify(j: int, i: int) -> bool:
-            return jaccard(sh(i), sh(j)) >= mh.verify_threshold
-
+        # the texts go with the verifier (into the Ray object store once on the Ray path)
+        verify = (JaccardVerifier(ListTexts([texts[i] for i in alive]), mh.verify_threshold, mh.ngram)
+                  if mh.verify else None)
         sub_scores = [scores[i] for i in alive] if scores is not None and mh.survivor == "quality" else None
         with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
             roots, cstats = cluster_signatures(sigs, mh.bands, mh.rows, method=clustering_method(mh, len(alive)),
                                                work_dir=tmp, partitions=mh.partitions,
-                                               verify=verify if mh.verify else None, scores=sub_scores)
+                                               verify=verify, scores=sub_scores)
         info["clustering"] = cstats
         info["signatures"] = {alive[k]: s for k, s in enumerate(sigs)}
         for k, r in enumerate(roots):

@@ -24,8 +24,11 @@ stops at a few million documents. This path keeps memory bounded by the partitio
 
 The result equals the in-process path's: the same candidate pairs (up to a 64-bit band-key
 collision, probability ≈ n²/2⁶⁵ per band: ~3·10⁻⁶ at 10 M documents) and the same components.
-With a `verify(i, j)` check the pairs are filtered between steps 2 and 3 (as the in-process path
-joins only verified pairs, its components are those of the verified pairs too).
+With a verifier (`tasks.dedup.verify`: an object whose `mask(pairs)` checks a batch of pairs,
+e.g. the exact shingle Jaccard, reading the texts itself) each partition's pairs are filtered
+inside its step-2 Ray task, before the reduction to a forest — the verifier is put into the
+object store once and never runs in the driver (as the in-process path joins only verified
+pairs, its components are those of the verified pairs too).
 `memory_estimate` gives the bytes of each part; `cluster_signatures` prints it before running.
 """
 from __future__ import annotations
@@ -281,8 +284,12 @@ def _forest_task(part_dir: str, partitions: int):
     return (len(pairs), *_pairs_to_forest(pairs, partitions))
 
 
-def _verified_forest_task(pairs: np.ndarray, partitions: int):
-    return tuple(_pairs_to_forest(pairs, partitions))
+def _verified_forest_task(part_dir: str, partitions: int, verifier):
+    """Step 2 with verification: the partition's candidate pairs, checked by `verifier.mask`
+    here in the Ray task, reduced to the forest of the verified ones."""
+    pairs = partition_pairs(part_dir)
+    ok = np.asarray(verifier.mask(pairs), dtype=bool) if len(pairs) else np.zeros(0, bool)
+    return (len(pairs), int(ok.sum()), *_pairs_to_forest(pairs[ok], partitions))
 
 
 # ------------------------------------------------------------------ driver
@@ -302,14 +309,19 @@ class ClusterResult:
 
 
 def cluster_ray(shards: Sequence[tuple[int, object]], n_docs: int, bands: int, rows: int, work_dir: str | Path,
-                partitions: int = 0, verify: Callable[[int, int], bool] | None = None,
+                partitions: int = 0, verify=None,
                 log: Callable[[str], None] | None = None, max_rounds: int = 200) -> ClusterResult:
     """Cluster the signatures given as `shards`: (first doc index, signatures (n, num_perm)
     ndarray, .npy path, or a picklable callable returning one). Ray must be initialised (or is
-    started locally). Spill files live under `work_dir/_lsh` and are removed at the end."""
+    started locally). Spill files live under `work_dir/_lsh` and are removed at the end.
+    `verify`: a picklable batch verifier (`mask(pairs)`) or `verify(a, b) -> bool` callable,
+    run in the per-partition Ray tasks."""
     import ray
 
     from tasks.core.ray_utils import init_ray
+    from tasks.dedup.verify import batch_verifier
+
+    verifier = batch_verifier(verify)
 
     if bands > 256 or n_docs >= 1 << 32 or partitions >= 1 << 16:
         raise ValueError("spilled rows hold the band in a uint8, the document in a uint32; partitions < 65536")
@@ -328,22 +340,18 @@ def cluster_ray(shards: Sequence[tuple[int, object]], n_docs: int, bands: int, r
         t1 = time.perf_counter()
         stats["spill_s"] = round(t1 - t0, 3)
         part_dirs = [str(spill / f"p-{p:05d}") for p in range(partitions)]
-        if verify is None:
+        if verifier is None:
             task = ray.remote(num_cpus=1, num_returns=partitions + 1)(_forest_task)
             outs = [task.remote(d, partitions) for d in part_dirs]
             stats["candidate_pairs"] = int(sum(ray.get([o[0] for o in outs])))
             forest = [o[1:] for o in outs]
-        else:  # the driver checks each partition's pairs (the caller's texts live here)
-            pair_task = ray.remote(num_cpus=1)(partition_pairs)
-            vtask = ray.remote(num_cpus=1, num_returns=partitions)(_verified_forest_task)
-            forest, n_pairs, n_ok = [], 0, 0
-            for ref in [pair_task.remote(d) for d in part_dirs]:
-                pairs = ray.get(ref)
-                ok = np.array([bool(verify(int(a), int(b))) for a, b in pairs], dtype=bool)
-                n_pairs, n_ok = n_pairs + len(pairs), n_ok + int(ok.sum())
-                out = vtask.remote(pairs[ok] if len(pairs) else pairs, partitions)
-                forest.append(out if partitions > 1 else [out])
-            stats["candidate_pairs"], stats["verified_pairs"] = n_pairs, n_ok
+        else:  # each partition's pairs are verified in its own task; the verifier is shipped once
+            verifier_ref = ray.put(verifier)
+            task = ray.remote(num_cpus=1, num_returns=partitions + 2)(_verified_forest_task)
+            outs = [task.remote(d, partitions, verifier_ref) for d in part_dirs]
+            stats["candidate_pairs"] = int(sum(ray.get([o[0] for o in outs])))
+            stats["verified_pairs"] = int(sum(ray.get([o[1] for o in outs])))
+            forest = [o[2:] for o in outs]
         t2 = time.perf_counter()
         stats["pairs_s"] = round(t2 - t1, 3)
         shutil.rmtree(spill, ignore_errors=True)
@@ -405,8 +413,12 @@ def cluster_signatures(sigs: Sequence[np.ndarray | None], bands: int, rows: int,
                        log: Callable[[str], None] | None = None) -> tuple[list[int], dict]:
     """Survivor index per document (`result[i] == i`: kept), by the in-process path
     (`method="local"`) or on Ray (`"ray"`); a document without a signature is its own cluster.
-    Logs the memory estimate first. Returns (survivors, stats)."""
+    `verify`: a batch verifier (`tasks.dedup.verify.JaccardVerifier`, indexed like `sigs`; on
+    Ray it runs in the per-partition tasks) or a picklable `verify(a, b) -> bool`; the stats then
+    count `candidate_pairs` and `verified_pairs` (for a plain callable on the in-process path,
+    which checks pairs lazily, neither). Logs the memory estimate first. Returns (survivors, stats)."""
     from tasks.dedup.minhash import minhash_clusters
+    from tasks.dedup.verify import batch_verifier
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     valid = np.array([i for i, s in enumerate(sigs) if s is not None], dtype=np.int64)
@@ -417,14 +429,15 @@ def cluster_signatures(sigs: Sequence[np.ndarray | None], bands: int, rows: int,
     log(format_estimate(est, method))
     stats: dict = {"method": method, "memory_estimate": est}
     if method == "local" or len(valid) < 2:
-        roots = np.asarray(minhash_clusters(list(sigs), bands, rows, verify=verify), dtype=np.int64)
+        roots = np.asarray(minhash_clusters(list(sigs), bands, rows, verify=verify, stats=stats), dtype=np.int64)
     else:
         if work_dir is None:
             raise ValueError("the Ray clustering needs a work_dir for its spill files")
         shards = []
         for lo in range(0, len(valid), shard_docs):
             shards.append((lo, np.stack([sigs[i] for i in valid[lo:lo + shard_docs]])))
-        sub_verify = (lambda a, b: verify(int(valid[a]), int(valid[b]))) if verify else None
+        verifier = batch_verifier(verify)
+        sub_verify = verifier.reindexed(valid) if verifier is not None else None  # sub index → caller's
         res = cluster_ray(shards, len(valid), bands, rows, work_dir, partitions, sub_verify, log)
         stats.update(res.stats)
         sub_roots = res.roots_array(len(valid))

@@ -570,12 +570,22 @@ def candidate_pairs(signatures: Sequence[np.ndarray | None], bands: int = 14, ro
 
 
 def minhash_clusters(signatures: list[np.ndarray | None], bands: int = 14, rows: int = 8,
-                     seed: int = 1, scheme: str = "affine32", verify=None) -> list[int]:
+                     seed: int = 1, scheme: str = "affine32", verify=None, stats: dict | None = None) -> list[int]:
     """For each document (in corpus order) the index of its cluster's first document; a
     document with `result[i] == i` is kept. `verify(i, j) -> bool`, if given, must accept a
-    candidate pair before it is joined (e.g. an exact Jaccard check). `seed` and `scheme` are
+    candidate pair before it is joined (e.g. an exact Jaccard check); a batch verifier (with
+    `mask(pairs)`, `tasks.dedup.verify`) checks all candidate pairs in one call instead, and
+    `stats` (if given) receives `candidate_pairs` and `verified_pairs`. `seed` and `scheme` are
     accepted for compatibility (band keys compare raw values, so mixing is the caller's care)."""
     uf = UnionFind(len(signatures))
+    if verify is not None and hasattr(verify, "mask"):
+        pairs = np.array(list(candidate_pairs(signatures, bands, rows)), dtype=np.int64).reshape(-1, 2)
+        ok = np.asarray(verify.mask(pairs), dtype=bool)
+        for j, i in pairs[ok].tolist():
+            uf.union(i, j)
+        if stats is not None:
+            stats["candidate_pairs"], stats["verified_pairs"] = len(pairs), int(ok.sum())
+        return uf.roots()
     for j, i in candidate_pairs(signatures, bands, rows):
         if uf.find(i) == uf.find(j):
             continue
