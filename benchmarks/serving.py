@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
+from tokenizers import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -121,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="crucible-bench-serving-") as tmp:
         ckpt, tok = make_model(Path(tmp))
+        # the sample tokenizer learns fewer merges than asked for on its small text
+        trained_vocab = Tokenizer.from_file(str(tok)).get_vocab_size()
         modes = {}
         for mode, max_batch in (("batched", args.clients), ("one_at_a_time", 1)):
             port = free_port()
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "serving", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
-        "model": MODEL,
+        "model": {**MODEL, "vocab_size_requested": MODEL["vocab_size"], "vocab_size": trained_vocab},
         "load": {"clients": args.clients, "requests": args.requests, "max_tokens": args.max_tokens,
                  "temperature": 0.8, "server_threads": args.threads},
         "modes": modes,
