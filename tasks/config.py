@@ -168,6 +168,10 @@ class MinHashConfig(Section):
     # `quality_field` score (ties and documents without a score: first seen)
     survivor: Literal["first_seen", "quality"] = "first_seen"
     quality_field: str = "quality_score"
+    # incremental index (tasks.dedup.index): documents sharing a band key with one indexed by an
+    # earlier run are dropped as "minhash_index"; the kept ones are added and the index saved when
+    # the stage completes. None: off. A path, absolute or relative to the working directory.
+    index_dir: str | None = None
 
 
 class DedupConfig(Section):

@@ -208,7 +208,7 @@ def test_dedup_report_rates_histogram_and_example_pairs(real_texts):
     rep = dedup_report(ids, sources, drops, signatures=sigs, texts=texts)
     assert rep["docs"] == 7 and rep["duplicates"] == 4 and rep["duplicate_rate"] == round(4 / 7, 4)
     assert rep["by_source"]["web"] == {"docs": 4, "duplicates": 2, "exact_duplicates": 1, "near_duplicates": 1,
-                                       "duplicate_rate": 0.5}
+                                       "index_duplicates": 0, "duplicate_rate": 0.5}
     assert rep["by_source"]["books"]["duplicates"] == 2 and rep["by_source"]["books"]["docs"] == 3
     # clusters: {a, a-copy, a-near, a-near-copy} (chain through the exact copy of a near copy), {b, b-near}; c alone
     assert rep["cluster_sizes"] == {"1": 1, "2": 1, "4": 1}
@@ -432,3 +432,36 @@ def test_cli_text_verifier_runs_in_ray_tasks_and_matches_in_process(real_texts, 
     assert got == local and 1 <= stats["verified_pairs"] < stats["candidate_pairs"]
     plain, _ = cluster_signatures(sigs, 14, 8, method="local")
     assert sum(r != i for i, r in enumerate(local)) < sum(r != i for i, r in enumerate(plain))
+
+
+def test_curate_incremental_index_dedups_a_later_run_against_earlier_ones(verify_corpus, ray_session, tmp_path):
+    """Continued pretraining: run 1 indexes what it keeps; run 2 drops its documents that are near
+    duplicates of run 1's (reason minhash_index, duplicate_of the earlier id) without their
+    signatures being recomputed; a re-run of run 1's corpus is not its own duplicate."""
+    from tasks.core.documents import iter_docs, write_docs
+    from tasks.curate import run_curate
+    from tasks.dedup.index import MinHashIndex
+
+    docs, base, near = (verify_corpus[k] for k in ("docs", "base", "near"))
+    first = [d for d in docs if d["id"] != near]
+    later = [{**d, "id": f"new-{d['id']}"} for d in docs if d["id"] == near] + \
+            [{"id": "new-fresh", "text": verify_corpus["texts"][0][::-1], "source": "gutenberg"}]
+    cfg = _verify_cfg("local", verify=False)
+    cfg.curate.dedup.minhash.index_dir = str(tmp_path / "index")
+
+    s1 = run_curate(cfg, write_docs(first, tmp_path / "in1"), tmp_path / "out1")
+    assert "minhash_index" not in s1["dropped"]
+    idx = MinHashIndex.load(tmp_path / "index", bands=14, rows=8)
+    assert idx.docs == s1["docs_out"] and len(idx.key_array) == 14 * s1["docs_out"]
+
+    s2 = run_curate(cfg, write_docs(later, tmp_path / "in2"), tmp_path / "out2")
+    assert s2["docs_in"] == 2 == s2["docs_out"] + sum(s2["dropped"].values())
+    assert s2["dropped"] == {"minhash_index": 1}
+    drops = [json.loads(x) for x in Path(s2["dropped_file"]).read_text().splitlines()]
+    assert drops == [{"id": f"new-{near}", "step": "minhash_index", "reason": "minhash_index", "duplicate_of": base}]
+    assert [d["id"] for d in iter_docs(s2["shards"])] == ["new-fresh"]
+    assert s2["dedup"]["by_source"]["gutenberg"]["index_duplicates"] == 1
+    assert MinHashIndex.load(tmp_path / "index").docs == s1["docs_out"] + 1  # the fresh one was added
+
+    s3 = run_curate(cfg, write_docs(first, tmp_path / "in3"), tmp_path / "out3")  # the same corpus again
+    assert s3["docs_out"] == s1["docs_out"] and "minhash_index" not in s3["dropped"]

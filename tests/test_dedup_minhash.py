@@ -160,7 +160,10 @@ def test_incremental_index_persists_and_flags_new_near_duplicates(real_docs, tmp
     assert idx.add([f"a{i}" for i in range(5)], hasher.signatures(base)) == [None] * 5
     idx.save(tmp_path / "idx")
     loaded = MinHashIndex.load(tmp_path / "idx", bands=14, rows=8, seed=1, scheme="affine32")
-    assert loaded.keys == idx.keys and loaded.docs == 5
+    assert np.array_equal(loaded.key_array, idx.key_array) and loaded.ids == idx.ids and loaded.docs == 5
+    assert len(loaded.key_array) == 5 * 14 and loaded.key_array.dtype == np.uint64  # 12 bytes a key
+    # the same documents again (a re-run): not duplicates of themselves, nothing added
+    assert loaded.add([f"a{i}" for i in range(5)], hasher.signatures(base)) == [None] * 5 and loaded.docs == 5
     new = [_edit(base[2], 0.01, 7), real_docs[-1], _edit(real_docs[-1], 0.01, 8)]
     assert loaded.add(["b0", "b1", "b2"], hasher.signatures(new)) == ["a2", None, "b1"]
     with pytest.raises(ValueError, match="rows"):

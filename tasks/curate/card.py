@@ -16,7 +16,7 @@ from tasks.config import PipelineConfig
 _STEP_SECTIONS = {
     "langid": "langid", "gopher_repetition": "gopher_repetition", "gopher_quality": "gopher_quality",
     "c4": "c4", "fineweb": "fineweb", "decontam": "decontam", "pii": "pii",
-    "exact_dedup": None, "minhash_dedup": "dedup.minhash",
+    "exact_dedup": None, "minhash_dedup": "dedup.minhash", "minhash_index": "dedup.minhash",
 }
 
 

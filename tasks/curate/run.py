@@ -73,6 +73,7 @@ from tasks.core.steps import StepStats, run_filters
 from tasks.dedup.exact import ExactDeduper, exact_key
 from tasks.dedup.cli import clustering_method
 from tasks.dedup.cluster import cluster_signatures
+from tasks.dedup.index import MinHashIndex
 from tasks.dedup.minhash import MinHasher
 from tasks.dedup.report import add_text_jaccard, dedup_report, example_ids
 from tasks.dedup.verify import JaccardVerifier, ParquetTexts
@@ -382,6 +383,25 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
         alive = survivors
         steps.append(st)
 
+    mh_index = None
+    if mh.enabled and mh.index_dir:  # against the documents earlier runs kept (continued pretraining)
+        t1, st = time.perf_counter(), StepStats("minhash_index")
+        mh_index = MinHashIndex.open(mh.index_dir, mh.bands, mh.rows, mh.seed, mh.scheme, mh.hash)
+        survivors = []
+        for i, hit in zip(alive, mh_index.add([ids[i] for i in alive], [sigs[i] for i in alive])):
+            st.docs_in += 1
+            st.bytes_in += nbytes[i]
+            if hit is None:
+                survivors.append(i)
+                st.docs_out += 1
+                st.bytes_out += nbytes[i]
+            else:
+                st.dropped["minhash_index"] += 1
+                dedup_drops.append((ids[i], "minhash_index", "minhash_index", hit))
+        st.seconds = time.perf_counter() - t1
+        alive = survivors
+        steps.append(st)
+
     removed = {d[0] for d in dedup_drops}
     dedup = dedup_report(ids, [x for r in results for x in r.get("doc_sources", [])],
                          [(d[0], d[1], d[3]) for d in dedup_drops], signatures=dict(zip(ids, sigs)),
@@ -415,6 +435,8 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
     docs_out = writer.docs_written
     if docs_out + sum(dropped.values()) != docs_in:
         raise RuntimeError(f"curate accounting broken: {docs_in} in, {docs_out} out, {dict(dropped)} dropped")
+    if mh_index is not None:  # only once this run's output is complete
+        mh_index.save(mh.index_dir)
 
     # PII and decontamination reports
     pii_repl: dict[str, Counter] = {}

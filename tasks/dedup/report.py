@@ -60,6 +60,7 @@ def dedup_report(ids: Sequence[str], sources: Sequence[str], drops: Sequence[tup
         per_source[src] = {"docs": c["docs"], "duplicates": dups,
                            "exact_duplicates": c.get("exact_dedup", 0),
                            "near_duplicates": c.get("minhash_dedup", 0),
+                           "index_duplicates": c.get("minhash_index", 0),
                            "duplicate_rate": round(dups / c["docs"], 4) if c["docs"] else 0.0}
 
     sizes = Counter(size_bucket(len(m) + 1) for m in members.values())
