@@ -337,28 +337,32 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
     dedup_drops: list[tuple[str, str, str, str]] = []  # (id, step, reason, duplicate_of)
     alive = list(range(len(ids)))
 
-    if cfg.curate.dedup.exact:
-        st = StepStats("exact_dedup")
-        ex, survivors = ExactDeduper(), []
-        for i in alive:
+    def dedup_step(name: str, duplicate_of: list[str | None], t0: float) -> None:
+        """Keep or drop each alive document by `duplicate_of` (None: kept), as step `name`."""
+        nonlocal alive
+        st, survivors = StepStats(name), []
+        for i, prev in zip(alive, duplicate_of):
             st.docs_in += 1
             st.bytes_in += nbytes[i]
-            prev = ex.check(ids[i], keys[i])
             if prev is None:
                 survivors.append(i)
                 st.docs_out += 1
                 st.bytes_out += nbytes[i]
             else:
-                st.dropped["exact_dedup"] += 1
-                dedup_drops.append((ids[i], "exact_dedup", "exact_dedup", prev))
+                st.dropped[name] += 1
+                dedup_drops.append((ids[i], name, name, prev))
+        st.seconds = time.perf_counter() - t0
         alive = survivors
         steps.append(st)
+
+    if cfg.curate.dedup.exact:
+        t1, ex = time.perf_counter(), ExactDeduper()
+        dedup_step("exact_dedup", [ex.check(ids[i], keys[i]) for i in alive], t1)
 
     mh = cfg.curate.dedup.minhash
     clustering = None
     if mh.enabled:
         t1 = time.perf_counter()
-        st = StepStats("minhash_dedup")
         scores = [s for r in results for s in r.get("scores", [])] if mh.survivor == "quality" else None
         # exact Jaccard check of candidate pairs: the verifier reads the texts from the part files
         # itself (in the clustering's Ray tasks on the Ray path); document pos is ids[alive[pos]]
@@ -368,39 +372,14 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
             [sigs[i] for i in alive], mh.bands, mh.rows, method=clustering_method(mh, len(alive)),
             work_dir=parts_dir, partitions=mh.partitions, verify=verify,
             scores=[scores[i] for i in alive] if scores else None)
-        survivors = []
-        for pos, i in enumerate(alive):
-            st.docs_in += 1
-            st.bytes_in += nbytes[i]
-            if roots[pos] == pos:
-                survivors.append(i)
-                st.docs_out += 1
-                st.bytes_out += nbytes[i]
-            else:
-                st.dropped["minhash_dedup"] += 1
-                dedup_drops.append((ids[i], "minhash_dedup", "minhash_dedup", ids[alive[roots[pos]]]))
-        st.seconds = time.perf_counter() - t1
-        alive = survivors
-        steps.append(st)
+        dedup_step("minhash_dedup", [None if roots[pos] == pos else ids[alive[roots[pos]]]
+                                     for pos in range(len(alive))], t1)
 
     mh_index = None
     if mh.enabled and mh.index_dir:  # against the documents earlier runs kept (continued pretraining)
-        t1, st = time.perf_counter(), StepStats("minhash_index")
+        t1 = time.perf_counter()
         mh_index = MinHashIndex.open(mh.index_dir, mh.bands, mh.rows, mh.seed, mh.scheme, mh.hash)
-        survivors = []
-        for i, hit in zip(alive, mh_index.add([ids[i] for i in alive], [sigs[i] for i in alive])):
-            st.docs_in += 1
-            st.bytes_in += nbytes[i]
-            if hit is None:
-                survivors.append(i)
-                st.docs_out += 1
-                st.bytes_out += nbytes[i]
-            else:
-                st.dropped["minhash_index"] += 1
-                dedup_drops.append((ids[i], "minhash_index", "minhash_index", hit))
-        st.seconds = time.perf_counter() - t1
-        alive = survivors
-        steps.append(st)
+        dedup_step("minhash_index", mh_index.add([ids[i] for i in alive], [sigs[i] for i in alive]), t1)
 
     removed = {d[0] for d in dedup_drops}
     dedup = dedup_report(ids, [x for r in results for x in r.get("doc_sources", [])],
