@@ -6,8 +6,9 @@ crawl serves the same kernel documentation that the reference corpus holds), the
 that source for its content, not its quality, and the "curated" mix drifts towards it. This check
 finds that: the reference's word 13-grams (normalised as decontamination normalises) form a
 sorted hash index, and a document overlaps when at least `min_fraction` of its 13-grams are in
-it. Up to `max_docs_per_source` documents per source are checked (first seen). The index is
-cached beside the quality models, keyed by the reference files' content hashes.
+it. Up to `max_docs_per_source` documents per source are checked (first seen), during the
+stage's own pass over its input. The index is cached beside the quality models, keyed by the
+reference files' content hashes.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from pathlib import Path
 import numpy as np
 
 from tasks.config import PipelineConfig
-from tasks.core.documents import iter_docs
 from tasks.curate.decontam import ngram_hashes, normalise_words
 from tasks.quality.text import iter_corpus
 
@@ -59,32 +59,35 @@ def overlap_fraction(text: str, index: np.ndarray) -> float:
     return float((index[pos] == grams).mean())
 
 
-def source_overlap(shards: list[str], index: np.ndarray, min_fraction: float = 0.2,
-                   max_docs_per_source: int = 2000) -> dict[str, dict]:
-    """Per source: documents checked and those overlapping the reference (≥ min_fraction)."""
-    out: dict[str, dict] = {}
-    for doc in iter_docs(shards, columns=["text", "source"]):
-        s = out.setdefault(doc.get("source") or "?", {"checked": 0, "overlapping": 0})
-        if s["checked"] >= max_docs_per_source:
-            continue
-        s["checked"] += 1
-        s["overlapping"] += overlap_fraction(doc["text"], index) >= min_fraction
-    for s in out.values():
-        s["fraction"] = round(s["overlapping"] / s["checked"], 4) if s["checked"] else 0.0
-    return dict(sorted(out.items()))
+class OverlapCounter:
+    """Per source: documents checked and those overlapping the reference (≥ min_fraction of their
+    13-grams), the first `max_docs_per_source` of each source; fed one document at a time by the
+    stage's own pass over its input, so the check adds no read of the corpus."""
+
+    def __init__(self, index: np.ndarray, min_fraction: float = 0.2, max_docs_per_source: int = 2000):
+        self.index, self.min_fraction, self.max_docs = index, min_fraction, max_docs_per_source
+        self.sources: dict[str, dict] = {}
+
+    def add(self, source: str | None, text: str) -> None:
+        s = self.sources.setdefault(source or "?", {"checked": 0, "overlapping": 0})
+        if s["checked"] < self.max_docs:
+            s["checked"] += 1
+            s["overlapping"] += overlap_fraction(text, self.index) >= self.min_fraction
+
+    def result(self, patterns: list[str], warn_fraction: float = 0.05) -> dict:
+        """{"sources": per-source overlap, "warnings": [...]}: a warning names every source of which
+        more than `warn_fraction` of the checked documents overlap the reference."""
+        sources = {}
+        for name, s in sorted(self.sources.items()):
+            sources[name] = {**s, "fraction": round(s["overlapping"] / s["checked"], 4) if s["checked"] else 0.0}
+        warnings = [f"quality reference overlaps source {name!r}: {s['overlapping']} of {s['checked']} documents "
+                    f"share ≥ {100 * self.min_fraction:.0f} % of their 13-grams with {patterns}; the quality models "
+                    "will favour it for its content, not its quality (use a reference that no crawled source "
+                    "contains)" for name, s in sources.items() if s["fraction"] > warn_fraction]
+        return {"reference": patterns, "ngram": NGRAM, "sources": sources, "warnings": warnings}
 
 
-def check_reference_overlap(cfg: PipelineConfig, shards: list[str], files: list[dict], cache_dir: Path,
-                            warn_fraction: float = 0.05) -> dict:
-    """{"sources": per-source overlap, "warnings": [...]}: a warning names every source of which
-    more than `warn_fraction` of the checked documents overlap the reference."""
+def overlap_counter(cfg: PipelineConfig, files: list[dict], cache_dir: Path) -> OverlapCounter | None:
+    """A counter against the enabled quality models' reference (None when there is none)."""
     patterns = reference_patterns(cfg)
-    if not patterns:
-        return {"sources": {}, "warnings": []}
-    index = reference_index(patterns, cfg.data_root, files, cache_dir)
-    sources = source_overlap(shards, index)
-    warnings = [f"quality reference overlaps source {name!r}: {s['overlapping']} of {s['checked']} documents share "
-                f"≥ 20 % of their 13-grams with {patterns}; the quality models will favour it for its content, "
-                "not its quality (use a reference that no crawled source contains)"
-                for name, s in sources.items() if s["fraction"] > warn_fraction]
-    return {"reference": patterns, "ngram": NGRAM, "sources": sources, "warnings": warnings}
+    return OverlapCounter(reference_index(patterns, cfg.data_root, files, cache_dir)) if patterns else None

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from tasks.config import PipelineConfig
 from tasks.core.documents import AtomicJsonlWriter, ShardWriter, count_docs, iter_docs
 from tasks.core.hashing import sha256_file
-from tasks.quality.overlap import check_reference_overlap, reference_patterns
+from tasks.quality.overlap import overlap_counter, reference_patterns
 from tasks.quality.text import resolve
 
 # Fields that change how documents are scored or kept, not the trained model.
@@ -183,8 +183,12 @@ def run_quality(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> di
 
     sources: dict[str, Counter] = {}
     bytes_out = 0
+    patterns = reference_patterns(cfg)
+    overlaps = overlap_counter(cfg, training_files(patterns, cfg.data_root), model_dir(cfg))
     with ShardWriter(out_dir, prefix="shard", shard_docs=cfg.curate.shard_docs) as writer:
         for doc in iter_docs(shards):
+            if overlaps is not None:
+                overlaps.add(doc.get("source"), doc["text"])
             rec = by_id[doc["id"]]
             c = sources.setdefault(doc.get("source") or "", Counter())
             c["docs_in"] += 1
@@ -195,8 +199,7 @@ def run_quality(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> di
     docs_in, docs_out = len(records), writer.docs_written
     if docs_out + sum(dropped.values()) != docs_in:
         raise RuntimeError(f"quality accounting broken: {docs_in} in, {docs_out} out, {dict(dropped)} dropped")
-    overlap = check_reference_overlap(cfg, shards, training_files(reference_patterns(cfg), cfg.data_root),
-                                      model_dir(cfg))
+    overlap = overlaps.result(patterns) if overlaps is not None else {"sources": {}, "warnings": []}
     for w in overlap["warnings"]:
         print(f"[quality] WARNING: {w}", file=sys.stderr, flush=True)
     summary = {
