@@ -119,6 +119,48 @@ def test_hand_written_backwards_match_autograd():
     assert torch.allclose(_rotate(qk, c, s).detach(), torch.cat([x1 * cc - x2 * ss, x1 * ss + x2 * cc], -1),
                           rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(lambda a: _rotate(a, c, s), (qk,))
+
+    # the attention's split + rotate of the fused projection, plain causal and per-document positions
+    from tasks.train.model import _split_rotate_formula, _SplitRotateFn
+    qkv = torch.randn(2, 6, 3, 3, 8, dtype=torch.float64, requires_grad=True)
+    per_doc = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]])
+    for cc, ss in ((c, s), (_qk_layout(cos[per_doc][:, None]).double(), _qk_layout(sin[per_doc][:, None]).double())):
+        q, k, v = _SplitRotateFn.apply(qkv, cc, ss)
+        assert torch.equal(v, qkv[:, :, 2])
+        assert torch.allclose(torch.stack([q, k], 2), _rotate(qkv[:, :, :2], cc, ss), rtol=1e-12, atol=1e-12)
+        for ours, plain in zip((q, k, v), _split_rotate_formula(qkv, cc, ss)):
+            assert torch.allclose(ours, plain, rtol=1e-12, atol=1e-12)
+        assert torch.autograd.gradcheck(lambda a: _SplitRotateFn.apply(a, cc, ss), (qkv,))
+def test_cross_entropy_matches_torch():
+    """The hand-written cross-entropy equals F.cross_entropy(ignore_index=-1) in value and
+    gradient (float64), including ignored targets, all-ignored rows (nan, as torch) and a
+    second backward, which it refuses (its backward reuses the saved log-probs in place)."""
+    from tasks.train.model import _CrossEntropyFn, cross_entropy
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 11, dtype=torch.float64) * 3
+    targets = torch.tensor([3, -1, 0, 10, -1, 7])
+    a = logits.clone().requires_grad_()
+    b = logits.clone().requires_grad_()
+    ours = _CrossEntropyFn.apply(a, targets)
+    theirs = torch.nn.functional.cross_entropy(b, targets, ignore_index=-1)
+    assert torch.allclose(ours, theirs, rtol=1e-12, atol=1e-12)
+    (ours * 2.5).backward()
+    (theirs * 2.5).backward()
+    assert torch.allclose(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+    assert a.grad[1].abs().sum() == 0  # ignored row gets no gradient
+
+    x = torch.randn(2, 3, 11, requires_grad=True)  # (B, T, vocab) float32 path used by the model
+    y = torch.randint(0, 11, (2, 3))
+    assert torch.allclose(cross_entropy(x, y), torch.nn.functional.cross_entropy(x.view(-1, 11), y.view(-1)))
+    assert torch.isnan(cross_entropy(x, torch.full((2, 3), -1)))
+
+    loss = cross_entropy(x, y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
 def test_generate():
     model = tiny()
     prompt = torch.randint(0, 97, (2, 4))

@@ -13,6 +13,8 @@
 - SwiGLU MLP: w2(silu(w1 x) * w3 x).
 - Tied embeddings by default (the output projection reuses the token embedding matrix); optional
   separate output head. Optional logit soft-capping cap * tanh(logits / cap) (Gemma 2).
+- Cross-entropy through `cross_entropy`, a hand-written backward that turns the saved log-probs
+  into the gradient in place (same values as F.cross_entropy, half its passes over the logits).
 - `lm_loss` adds the optional z-loss coef * logsumexp(logits)^2 (PaLM) to the cross-entropy.
 - Inference only: a per-sequence KV cache (`KVCache`, `GPT.prefill`, `GPT.decode_step`) used by
   the model server; `forward` and `generate` never touch it.
@@ -129,9 +131,10 @@ class _RotateHalfFn(torch.autograd.Function):
     eager training time goes to). The gradient is the inverse rotation, computed the same way."""
 
     @staticmethod
-    def _rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    def _rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
-        out = torch.empty_like(x)
+        out = torch.empty_like(x) if out is None else out
         o1, o2 = out.chunk(2, dim=-1)
         torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-sign)
         torch.mul(x2, cos, out=o2).addcmul_(x1, sin, value=sign)
@@ -151,6 +154,42 @@ class _RotateHalfFn(torch.autograd.Function):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rope with cos/sin already aligned to x's positions (broadcastable to x[..., :h/2])."""
     return _RotateHalfFn.apply(x, cos.to(x.dtype), sin.to(x.dtype))
+
+
+class _SplitRotateFn(torch.autograd.Function):
+    """The fused projection (B, T, 3, n_head, head_dim) -> rotated q, rotated k, v as three
+    (B, T, n_head, head_dim) views of one new buffer. The backward rotates the query and key
+    gradients straight into one gradient buffer for the projection, so neither the split nor the
+    unbind needs its own concatenating backward."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        ctx.save_for_backward(cos, sin)
+        out = torch.empty_like(qkv)
+        _RotateHalfFn._rotate_into(qkv[:, :, :2], cos, sin, 1.0, out=out[:, :, :2])
+        out[:, :, 2].copy_(qkv[:, :, 2])
+        return out.unbind(2)
+
+    @staticmethod
+    def backward(ctx, gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor):
+        cos, sin = (t.squeeze(-3) for t in ctx.saved_tensors)  # aligned for one (B, T, n_head, h/2)
+        ref = next(g for g in (gq, gk, gv) if g is not None)
+        grad = ref.new_empty(ref.shape[:2] + (3,) + ref.shape[2:])
+        for i, g in enumerate((gq, gk, gv)):
+            if g is None:
+                grad[:, :, i].zero_()
+            elif i < 2:
+                _RotateHalfFn._rotate_into(g, cos, sin, -1.0, out=grad[:, :, i])
+            else:
+                grad[:, :, i].copy_(g)
+        return grad, None, None
+
+
+def _split_rotate_formula(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """_SplitRotateFn as the plain formula, for torch.compile (which fuses it by itself)."""
+    x1, x2 = qkv[:, :, :2].chunk(2, dim=-1)
+    qk = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return qk[:, :, 0], qk[:, :, 1], qkv[:, :, 2]
 
 
 def _qk_layout(t: torch.Tensor) -> torch.Tensor:
@@ -173,13 +212,13 @@ class CausalSelfAttention(nn.Module):
         """cos/sin already aligned to the positions: (T, head_dim/2) or (B, 1, T, head_dim/2).
         mask: None for plain causal attention, else a boolean (B, 1, T, T) "may attend" mask."""
         B, T, C = x.shape
-        qk, v = self.qkv(x).split([2 * C, C], dim=2)
-        qk = qk.view(B, T, 2, self.n_head, C // self.n_head)
+        qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)
         if self.q_norm is not None:
-            qk = torch.stack([self.q_norm(qk[:, :, 0]), self.k_norm(qk[:, :, 1])], dim=2)
+            qkv = torch.stack([self.q_norm(qkv[:, :, 0]), self.k_norm(qkv[:, :, 1]), qkv[:, :, 2]], dim=2)
         # queries and keys rotated together: one set of RoPE kernels per layer, not one per tensor
-        q, k = (t.transpose(1, 2) for t in _rotate(qk, _qk_layout(cos), _qk_layout(sin)).unbind(2))
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        cos, sin = (_qk_layout(t).to(x.dtype) for t in (cos, sin))
+        split = _split_rotate_formula if torch.compiler.is_compiling() else _SplitRotateFn.apply
+        q, k, v = (t.transpose(1, 2) for t in split(qkv, cos, sin))
         dropout = self.dropout if self.training else 0.0
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
@@ -243,16 +282,50 @@ class KVCache:
         return self.k.size(2)
 
 
+class _CrossEntropyFn(torch.autograd.Function):
+    """Mean cross-entropy over the targets that are not -1, as F.cross_entropy(ignore_index=-1).
+    The gradient is (softmax - onehot) / n: the backward turns the saved log-probs into it in
+    place (exp, one scatter, one scale) instead of autograd's zero fill + scatter + log_softmax
+    backward, which reads and writes the (tokens x vocab) logits twice as often. With a 4k-32k
+    vocabulary that matrix is the largest activation of a small model. Gradchecked in the tests."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(logits, dim=-1)
+        keep = targets != -1
+        safe = targets.clamp(min=0)
+        count = keep.sum()
+        loss = -(logp.gather(1, safe[:, None])[:, 0] * keep).sum() / count  # nan if all ignored, as F.cross_entropy
+        ctx.save_for_backward(logp, safe, keep, count)
+        ctx.consumed = False
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.consumed:  # the saved log-probs became the first call's gradient
+            raise RuntimeError("cross_entropy's backward ran twice (retain_graph is not supported)")
+        ctx.consumed = True
+        logp, safe, keep, count = ctx.saved_tensors
+        probs = logp.exp_()
+        probs[torch.arange(probs.size(0), device=probs.device), safe] -= 1.0
+        return probs.mul_((keep.to(probs.dtype) * (grad / count))[:, None]), None
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32; logits (..., vocab), targets (...), -1 ignored."""
+    return _CrossEntropyFn.apply(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Training objective: (total, cross-entropy, z-loss or None). The z-loss, coef * mean of
     logsumexp(logits)^2 over the scored positions (PaLM, coef ~1e-4), pulls the softmax normaliser
     towards 1 and so keeps logits from drifting; target -1 is ignored in both terms."""
-    flat = logits.float().view(-1, logits.size(-1))
-    targets = targets.reshape(-1)
-    ce = F.cross_entropy(flat, targets, ignore_index=-1)
+    ce = cross_entropy(logits, targets)
     if not z_loss:
         return ce, ce, None
+    flat = logits.float().view(-1, logits.size(-1))
+    targets = targets.reshape(-1)
     keep = (targets != -1).float()
     z = z_loss * (torch.logsumexp(flat, dim=-1).pow(2) * keep).sum() / keep.sum().clamp(min=1)
     return ce + z, ce, z
@@ -323,8 +396,7 @@ class GPT(nn.Module):
         logits = self._head(self.norm(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                                   ignore_index=-1)
+            loss = cross_entropy(logits, targets)
         return logits, loss
 
     @torch.no_grad()
