@@ -5,7 +5,7 @@ evaluation of every checkpoint → gated deployment.
     ├── curate            ingest_sources → filter_and_dedup → quality_filter
     ├── train_tokenizer   train_bpe
     ├── prepare_tokens    encode_and_pack
-    ├── train             torchrun_train            (emits crucible.checkpoint.saved per checkpoint)
+    ├── train             plan_training → torchrun_train   (emits crucible.checkpoint.saved per checkpoint)
     ├── evaluate          evaluate_checkpoint × N
     └── deploy            gate_register_serve       (best passing checkpoint)
 
@@ -33,6 +33,7 @@ from tasks.prefect_tasks import (
     flow_lineage,
     gate_register_serve,
     ingest_sources,
+    plan_training,
     quality_filter,
     torchrun_train,
     train_bpe,
@@ -63,7 +64,8 @@ def prepare_tokens(config: dict, ctx: RunContext, tokenizer_path: str, shards: l
 @flow(name="train")
 def train(config: dict, ctx: RunContext, tokens_index: str) -> dict:
     with flow_lineage(PipelineConfig.model_validate(config), ctx):
-        return torchrun_train(config, ctx, tokens_index)
+        plan = plan_training(config, ctx, tokens_index)
+        return dict(torchrun_train(config, ctx, tokens_index), plan=plan)
 
 
 @flow(name="evaluate")
@@ -98,7 +100,7 @@ def pretrain(config: dict, run_name: str | None = None) -> dict:
                          trained.get("mlflow_run_id"))
         deployed = deploy(config, ctx, evals, tok["path"], trained.get("mlflow_run_id"))
         summary.record(ingest=data["ingest"], curate=data["curate"], quality=data["quality"], tokenizer=tok, tokens=tokens,
-                       train=trained, evaluate=evals, deploy=deployed)
+                       plan=trained.pop("plan"), train=trained, evaluate=evals, deploy=deployed)
     return summary.as_dict()
 
 

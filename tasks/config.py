@@ -350,6 +350,7 @@ class TokensConfig(Section):
     seed: int = 1234
     batch_docs: int = Field(default=512, gt=0)  # documents per encode_batch call
     ray: bool = True  # encode shards in parallel as Ray tasks (output identical either way)
+    llmc: bool = False  # also write <split>.llmc.bin: the same ids behind llm.c's 1 KiB header
 
 
 class ModelConfig(Section):

@@ -9,6 +9,7 @@ the lineage page of the stage's main output. Stage logic never imports Prefect.
 """
 from __future__ import annotations
 
+import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,6 +55,8 @@ TASK_DOCS = {
                "curated document on Ray workers and keep those passing the classifier threshold and KenLM buckets.",
     "tokenizer": "Train a byte-level BPE tokenizer (Hugging Face tokenizers) on the curated shards.",
     "tokens": "Encode the curated shards with the tokenizer and pack the token ids into train/validation shards.",
+    "plan": "Price the configured training run with the scaling-law planner: parameters, token budget against "
+            "the compute-optimal count, FLOPs, GPU hours, cost, checkpoint size and a parallel layout at scale.",
     "train": "Train the GPT model under torchrun (DDP) on the token shards, saving torch.distributed checkpoints.",
     "evaluate": "Evaluate one checkpoint: validation loss and perplexity, the task suite and sample generations.",
     "deploy": "Gate the best checkpoint on its evaluation, register it as an MLflow model version (alias challenger), "
@@ -63,6 +66,8 @@ TASK_DOCS = {
 }
 # What each artifact is (the `documentation` dataset facet).
 DOCS = {
+    "plan": "The training run priced by the scaling-law planner (tasks/plan): parameters, token budget, FLOPs, "
+            "GPU hours, cost, checkpoint size and parallel layout, as JSON.",
     "raw": "Raw input file of source {source} ({format}) from the config's source registry.",
     "ingest_shard": "Ingested documents: text extracted from the raw records, NFC/whitespace normalised, one row per "
                     "document with its source, licence, URL and raw-file offset (Parquet, tasks/core/documents.py).",
@@ -148,7 +153,7 @@ def _node(ds) -> str:
 
 
 STAGE_CONFIG = {"ingest": ("sources", "ingest"), "curate": ("curate",), "quality": ("quality",), "tokenizer": ("tokenizer",),
-                "tokens": ("tokens",), "train": ("model", "train"), "evaluate": ("evaluate",), "deploy": ("deploy",),
+                "tokens": ("tokens",), "plan": ("model", "train", "plan"), "train": ("model", "train"), "evaluate": ("evaluate",), "deploy": ("deploy",),
                 "ablate": ("curate", "quality", "tokenizer", "model", "train", "ablate")}
 
 
@@ -391,6 +396,29 @@ def encode_and_pack(config: dict, ctx: RunContext, tokenizer_path: str, shards: 
         out["outputs"] += [dataset_for_path(s["doc_starts"], output=True) for s in result["splits"].values()]
         out["result"] = result
     return result
+
+
+@task(name="plan_training", **TASK_OPTS)
+def plan_training(config: dict, ctx: RunContext, tokens_index: str) -> dict:
+    from prefect.artifacts import create_markdown_artifact
+
+    from tasks.plan import plan_for_run
+    from tasks.plan.cli import format_plan
+    from tasks.tokens import load_index
+
+    cfg = PipelineConfig.model_validate(config)
+    with _stage(cfg, ctx, "plan", inputs=[dataset_for_path(tokens_index)]) as out:
+        result = plan_for_run(cfg, load_index(Path(tokens_index))["vocab_size"])
+        path = ctx.stage_dir("plan") / "plan.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        out["outputs"].append(dataset_for_path(str(path), output=True, doc=DOCS["plan"]))
+        out["result"] = dict(result, path=str(path))
+        create_markdown_artifact(
+            key="training-plan", description="The configured run priced by the scaling-law planner",
+            markdown=(f"**{result['params']:,} parameters, {result['tokens']:,} tokens** "
+                      f"({result['budget_vs_compute_optimal']:.2f}x the compute-optimal "
+                      f"{result['compute_optimal_tokens']:,.0f})\n\n```\n{format_plan(result['plan'])}\n```"))
+    return out["result"]
 
 
 @task(name="torchrun_train", **TASK_OPTS)

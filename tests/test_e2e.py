@@ -154,6 +154,18 @@ def test_checkpoint_table_artifact_compares_every_checkpoint(run):
     assert sum(r["best"] for r in rows) == 1
 
 
+def test_training_plan_stage_prices_the_run(run):
+    """The train subflow prices the run with the planner before torchrun starts: a summary stage,
+    a plan.json and a Prefect markdown artifact."""
+    plan = run["summary"]["stages"]["plan"]
+    assert plan["tokens"] == 200 * 8 * 128 * 2 and plan["params"] > 0 and plan["gpu_hours"] > 0
+    assert json.loads(Path(plan["path"]).read_text())["plan"]["tokens"] == plan["tokens"]
+    api = run["status"]["prefect"]["url"].rstrip("/") + "/api"
+    arts = httpx.post(f"{api}/artifacts/filter", timeout=30,
+                      json={"artifacts": {"key": {"any_": ["training-plan"]}}}).json()
+    assert arts and arts[0]["type"] == "markdown" and f"{plan['params']:,} parameters" in arts[0]["data"]
+
+
 def test_long_stages_report_progress_to_prefect(run):
     """Ingest and curate each keep a Prefect progress artifact, at 100 % once the stage is done."""
     api = run["status"]["prefect"]["url"].rstrip("/") + "/api"

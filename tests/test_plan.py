@@ -169,3 +169,33 @@ def test_cli_errors_exit_2(argv, match, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert match in err and "Traceback" not in err
+
+
+def test_plan_for_the_configured_run():
+    """The flows' plan stage prices the run the config describes: N counted from the real model,
+    the token budget from steps x global batch, and the FLOPs per token the training worker logs."""
+    import torch
+
+    from tasks.config import load_config
+    from tasks.plan import global_batch_tokens, plan_for_run
+    from tasks.train.model import GPT, GPTConfig
+    from tasks.train.worker import flops_per_token
+
+    cfg = load_config("configs/tiny.yaml")
+    plan = plan_for_run(cfg, vocab_size=4096)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_model_config(cfg.model, 4096))
+    n = sum(p.numel() for p in model.parameters())  # tied embeddings: counted once
+    assert plan["params"] == n
+    m, t = cfg.model, cfg.train
+    assert global_batch_tokens(cfg) == t.micro_batch_size * m.seq_len * t.nproc_per_node * t.grad_accum_steps
+    assert plan["tokens"] == t.max_steps * global_batch_tokens(cfg)
+    assert plan["compute_optimal_tokens"] == pytest.approx(20 * n)
+    assert plan["budget_vs_compute_optimal"] == pytest.approx(plan["tokens"] / (20 * n))
+    per_token = 6 * n + 12 * m.n_layer * m.d_model * m.seq_len
+    assert plan["flops_per_token"] == pytest.approx(per_token)
+    assert flops_per_token(n, m.n_layer, m.n_head, m.d_model // m.n_head, m.seq_len) == per_token
+    assert plan["plan"]["layout"]["fits"] and plan["gpu_hours"] > 0
+    # a config with batch_tokens: the budget follows it, whatever the micro-batch split
+    big = cfg.model_copy(update={"train": t.model_copy(update={"batch_tokens": 8 * m.seq_len * 4})})
+    assert plan_for_run(big, 4096)["tokens"] == t.max_steps * 8 * m.seq_len * 4

@@ -110,8 +110,14 @@ def test_retention_manifest_and_metrics(reference):
         assert any(f.endswith(".distcp") for f in entry["files"])
         assert all(_sha256(path / f) == h for f, h in entry["files"].items())
     log = _log(reference)
+    # FLOPs per token counted here from the trained model itself: 6 N (the tied embedding counted
+    # once, as the output matmul) + 12 L d T for attention; flops_per_s is per process
+    model, meta = load_model_for_inference(ckpts[-1])
+    n = sum(p.numel() for p in model.parameters())
+    per_token = 6 * n + 12 * model.cfg.n_layer * model.cfg.d_model * model.cfg.seq_len
     for r in log:
         assert r["tokens_per_s"] > 0 and r["flops_per_s"] > 0
+        assert r["flops_per_s"] * meta["world_size"] / r["tokens_per_s"] == pytest.approx(per_token, rel=1e-5)
         assert r["mfu"] == pytest.approx(r["flops_per_s"] / 1e11, rel=1e-4)
     # a corrupted file makes the checkpoint fail verification: resume falls back to the previous one
     assert latest_checkpoint(reference) == ckpts[-1]
@@ -202,7 +208,13 @@ def test_loss_spike_skip_and_rollback(work, index, monkeypatch):
     monkeypatch.setenv("CRUCIBLE_TRAIN_FAULTS", "corrupt:9-10,corrupt:13")
     c = tiny_cfg(model=MODEL, train={**TRAIN, "max_steps": 16, "checkpoint_every": 4, "keep_last_checkpoints": None,
                                      "spike_min_history": 4, "spike_rollback_after": 2})
-    res = run_training(c, index, out, None, None, "spike")
+    from mlflow import MlflowClient
+
+    from tasks.tracking import Tracker
+
+    store = f"sqlite:///{(work / 'spike-mlflow.db').resolve()}"
+    run_id = Tracker(store, "spike").start_run("spike")
+    res = run_training(c, index, out, store, run_id, "spike")
     assert res["steps"] == 16
     actions = [json.loads(line) for line in (out / SPIKE_LOG).read_text().splitlines()]
     assert [(a["action"], a["step"]) for a in actions] == [("skip", 9), ("skip", 10), ("rollback", 8), ("skip", 11)]
@@ -214,6 +226,13 @@ def test_loss_spike_skip_and_rollback(work, index, monkeypatch):
     assert actions[3]["data_range"] == [96, 104] and actions[3]["loss"] > 100
     meta = json.loads((list_checkpoints(out)[-1] / META_FILE).read_text())
     assert meta["trainer"]["skip_ranges"] == [[64, 80]] and meta["trainer"]["rollbacks"] == 1
+    # the logged grad norm is the global norm before clipping: the corrupted batch's is far above the clip
+    assert actions[3]["grad_norm"] > 10 * c.train.grad_clip
+    # each action is in MLflow: a metric at its step and the run's last-action tag
+    client = MlflowClient(tracking_uri=store)
+    hist = {k: sorted(m.step for m in client.get_metric_history(run_id, k)) for k in ("spike_skip", "spike_rollback")}
+    assert hist == {"spike_skip": [9, 10, 11], "spike_rollback": [8]}
+    assert client.get_run(run_id).data.tags["spike.last_action"] == "skip@11"
 
 
 def test_two_nodes_c10d_rendezvous(work, index):

@@ -171,3 +171,58 @@ def test_ray_parallel_encoding_writes_the_same_bytes(base, tmp_path):
                 Path(serial["splits"][split][key]).read_bytes()
         assert parallel["splits"][split]["docs"] == serial["splits"][split]["docs"]
     assert not (tmp_path / "ray" / "parts").exists()  # part files are cleaned up
+
+
+def test_llmc_copy_reads_back_as_the_same_tokens(base, tmp_path):
+    """tokens.llmc: each split also as llm.c's data file (magic 20240520, version 1 for uint16,
+    token count, then the ids), equal to the flat file; a damaged header is refused."""
+    from tasks.tokens.binfile import LLMC_MAGIC, read_llmc
+
+    res = prepare_tokens(tiny_cfg(tokens={"llmc": True}), Path(tokenizer_artifact(base)["path"]),
+                         [Path(p) for p in corpus_shards(base)], tmp_path / "t")
+    for split in ("train", "val"):
+        info = res["splits"][split]
+        header = np.fromfile(info["llmc_path"], dtype="<i4", count=256)
+        assert list(header[:3]) == [LLMC_MAGIC, 1, info["tokens"]] and not header[3:].any()
+        assert np.array_equal(read_llmc(info["llmc_path"]), open_split(res["index_path"], split))
+        assert load_index(res["index_path"])["splits"][split]["llmc_path"] == info["llmc_path"]
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(b"\0" * 1024 + Path(res["splits"]["val"]["llmc_path"]).read_bytes()[1024:])
+    with pytest.raises(ValueError, match="bad magic"):
+        read_llmc(bad)
+
+
+def test_vocabulary_over_65536_ids_is_written_as_uint32(tmp_path):
+    """Ids above 65535 need uint32: the flat file holds 4 bytes per id, reads back exactly through
+    the index and np.memmap, and the llm.c copy says version 2."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tasks.tokens.binfile import read_llmc
+
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(70_000)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok_path = tmp_path / "tokenizer.json"
+    tok.save(str(tok_path))
+    rng = np.random.default_rng(0)
+    texts = [" ".join(f"w{i}" for i in rng.integers(60_000, 70_000, size=30)) for _ in range(50)]
+    shard = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"id": [f"d{i}" for i in range(50)], "text": texts}), shard)
+    res = prepare_tokens(tiny_cfg(tokens={"llmc": True}), tok_path, [shard], tmp_path / "t")
+    assert res["dtype"] == "uint32" and res["vocab_size"] == 70_002
+    expected = {t: [vocab[w] for w in t.split()] + [0] for t in texts}
+    got = []
+    for split in ("train", "val"):
+        info = res["splits"][split]
+        assert Path(info["path"]).stat().st_size == 4 * info["tokens"]
+        arr = open_split(res["index_path"], split)
+        assert arr.dtype == np.dtype("<u4") and int(arr.max()) > 65535
+        assert np.array_equal(np.memmap(info["path"], dtype=np.uint32, mode="r"), arr)
+        assert np.fromfile(info["llmc_path"], dtype="<i4", count=2)[1] == 2
+        assert np.array_equal(read_llmc(info["llmc_path"]), arr)
+        ids = arr.tolist()
+        while ids:  # split the stream into documents at EOS
+            end = ids.index(0) + 1
+            got.append(ids[:end])
+            ids = ids[end:]
+    assert sorted(got) == sorted(expected.values())

@@ -145,6 +145,12 @@ def test_weight_decay_groups():
     assert "blocks.0.attn.qkv.weight" in decay and "blocks.0.mlp.w2.weight" in decay
     assert decay | no_decay == set(names.values()) and not decay & no_decay
     assert opt.param_groups[0]["betas"] == (0.8, 0.9)
+    # the defaults are the issue's recipe: AdamW beta 0.9/0.95, weight decay 0.1 on matrices only
+    from tasks.config import TrainConfig
+
+    default = build_optimizer(model, TrainConfig())
+    assert isinstance(default, torch.optim.AdamW)
+    assert [(g["betas"], g["weight_decay"]) for g in default.param_groups] == [((0.9, 0.95), 0.1), ((0.9, 0.95), 0.0)]
 
 
 def test_random_windows(base):
@@ -339,6 +345,20 @@ def test_fsdp2_matches_ddp_and_resumes_with_bf16_doc_mask_z_loss(run, base, tmp_
         assert 0 < r["z_loss"] < 1e-2  # 1e-4 * logsumexp^2, logged every step
     assert Path(res["checkpoints"][-1]).name == "step-000006"
 
+    # the 2-rank sharded checkpoint (model and optimizer shards) resumes on 1 process: DCP reshards
+    # it; the same global batch (2 micro-batches instead of 2 ranks) reads the same samples
+    res = run_training(tiny_cfg(train={"parallelism": "fsdp2", "resume": True, "stop_at_step": 8, "log_every": 1,
+                                       "nproc_per_node": 1, "grad_accum_steps": 2}),
+                       index, out, None, None, "fsdp2")
+    assert "resumed from" in Path(res["log"]).read_text()
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 9))
+    assert [r["data_start"] for r in log] == [q["data_start"] for q in ddp_log[:8]]
+    for r, q in zip(log[6:], ddp_log[6:8]):
+        assert abs(r["loss"] - q["loss"]) < 0.1, (r, q)
+    _, meta = load_model_for_inference(res["checkpoints"][-1])
+    assert meta["step"] == 8 and meta["world_size"] == 1
+
 
 def test_async_checkpoint_is_a_snapshot_published_only_when_complete(tmp_path):
     """dcp.async_save stages the state to CPU memory before returning: optimizer steps (and any
@@ -382,3 +402,20 @@ def test_async_checkpoint_is_a_snapshot_published_only_when_complete(tmp_path):
     assert load_checkpoint(fresh, fresh_opt, path) == 2
     for n, p in fresh.named_parameters():
         assert torch.equal(fresh_opt.state[p]["exp_avg"], want_moments[n]), n
+
+
+def test_compile_option_through_torchrun(base, tmp_path):
+    """train.compile=true in a real torchrun run: the worker compiles each block, trains, saves a
+    checkpoint that loads without compile, and its losses follow the same run in eager mode."""
+    index = Path(tokens_artifact(base)["index_path"])
+    logs = {}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        res = run_training(tiny_cfg(train={"compile": compiled, "nproc_per_node": 1, "max_steps": 3,
+                                           "checkpoint_every": 3, "log_every": 1}),
+                           index, tmp_path / name, None, None, name)
+        assert res["steps"] == 3
+        assert ("compiled" in Path(res["log"]).read_text()) == compiled
+        logs[name] = [json.loads(x)["loss"] for x in (tmp_path / name / "train_log.jsonl").read_text().splitlines()]
+        model, meta = load_model_for_inference(res["checkpoints"][-1])
+        assert meta["step"] == 3 and meta["train_options"]["compile"] is compiled
+    assert logs["compiled"] == pytest.approx(logs["eager"], abs=2e-3)

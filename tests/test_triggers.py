@@ -5,7 +5,10 @@ flow run -> a champion in the MLflow registry."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 from datetime import datetime, timezone
@@ -182,6 +185,21 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
         from tasks.evaluate.compare import table_key
 
         monkeypatch.setenv("PREFECT_API_URL", api)
+        # a loss-spike action reaches the server as a crucible.train.spike event with its details,
+        # sent from a separate process as the torchrun worker sends it
+        from tasks.train.metrics import SPIKE_EVENT
+
+        code = ("from tasks.train.metrics import emit_spike_event, drain_events\n"
+                "ok = emit_spike_event('rollback', 9, 'run-x', 'trig-run', to_checkpoint='step-000008', "
+                "skipped_data=[64, 80])\ndrain_events()\nassert ok")
+        proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                              env={**os.environ, "PREFECT_API_URL": api}, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        spikes = _wait("the spike event", lambda: c.post("/events/filter", json={
+            "filter": {"event": {"name": [SPIKE_EVENT]}}}).json()["events"], 30)
+        assert spikes[0]["payload"] == {"action": "rollback", "step": 9, "run_id": "run-x", "run_name": "trig-run",
+                                        "to_checkpoint": "step-000008", "skipped_data": [64, 80]}
+        assert spikes[0]["resource"]["crucible.action"] == "rollback"
         reports = [await_evaluation(run_dir, p, timeout=5) for p in ckpts]
         assert all(r and r["gate"]["reason"] for r in reports)
         assert flow_run_failed("evaluate-checkpoint", ckpts[0]) is None

@@ -33,6 +33,7 @@ from typing import Iterator
 import numpy as np
 
 from tasks.config import PipelineConfig
+from tasks.plan.for_run import global_batch_tokens
 
 ARMS = ("langid_only", "curated")
 
@@ -49,13 +50,6 @@ def langid_only(cfg: PipelineConfig) -> PipelineConfig:
     c.quality.classifier.enabled = False
     c.quality.kenlm.enabled = False
     return PipelineConfig.model_validate(c.model_dump())
-
-
-def global_batch_tokens(cfg: PipelineConfig) -> int:
-    t = cfg.train
-    if t.batch_tokens:
-        return t.batch_tokens
-    return t.micro_batch_size * cfg.model.seq_len * t.nproc_per_node * t.nnodes * t.grad_accum_steps
 
 
 def eval_tokens(cfg: PipelineConfig, tokenizer_path: Path) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Flat token files (nanoGPT / llm.c layout): little-endian uint16, or uint32 when ids exceed 65535.
+"""Flat token files (nanoGPT layout): little-endian uint16, or uint32 when ids exceed 65535; optionally
+the same ids in llm.c's data-file format (`tokens.llmc`: a 256 x int32 header, then the ids).
 
 `index.json` beside them describes both splits; its paths are relative to the index so a run
 directory can be moved. `load_index` resolves them and `open_split` memory-maps one split.
@@ -17,6 +18,11 @@ from pathlib import Path
 import numpy as np
 
 INDEX_FILE = "index.json"
+# llm.c's data files: a header of 256 little-endian int32 (magic, version, token count, zeros), then
+# the token ids; version 1 holds uint16 ids (GPT-2 vocabulary), version 2 uint32 ids (Llama 3).
+LLMC_MAGIC = 20240520
+LLMC_HEADER_INT32 = 256
+LLMC_VERSIONS = {2: 1, 4: 2}  # bytes per token id -> header version
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -29,7 +35,7 @@ def load_index(index_path: str | Path) -> dict:
     index_path = Path(index_path).resolve()
     index = json.loads(index_path.read_text())
     for split in index["splits"].values():
-        for key in ("path", "doc_starts"):
+        for key in ("path", "doc_starts", "llmc_path"):
             if split.get(key):
                 p = Path(split[key])
                 split[key] = str(p if p.is_absolute() else index_path.parent / p)
@@ -61,3 +67,39 @@ def open_doc_starts(index_path: str | Path, split: str) -> np.ndarray:
     tokens = open_split(index_path, split)
     ends = np.flatnonzero(np.asarray(tokens) == index["eos_id"]) + 1
     return np.concatenate([[0], ends[ends < len(tokens)]]).astype(np.int64)
+
+
+def write_llmc(flat_path: str | Path, dtype: np.dtype, out_path: str | Path) -> Path:
+    """Copy a flat token file into llm.c's format (header + the same little-endian ids), which
+    llm.c's C/CUDA data loader reads directly."""
+    import shutil
+
+    flat_path, out_path = Path(flat_path), Path(out_path)
+    dtype = np.dtype(dtype)
+    n = flat_path.stat().st_size // dtype.itemsize
+    if n >= 1 << 31:
+        raise ValueError(f"{flat_path}: {n} tokens do not fit llm.c's int32 token count")
+    header = np.zeros(LLMC_HEADER_INT32, dtype="<i4")
+    header[:3] = (LLMC_MAGIC, LLMC_VERSIONS[dtype.itemsize], n)
+    with open(out_path, "wb") as out, open(flat_path, "rb") as f:
+        out.write(header.tobytes())
+        shutil.copyfileobj(f, out, 1 << 20)
+    return out_path
+
+
+def read_llmc(path: str | Path) -> np.memmap | np.ndarray:
+    """The token ids of an llm.c data file, checked as llm.c's loader checks them (magic, version,
+    token count against the file size)."""
+    path = Path(path)
+    header = np.fromfile(path, dtype="<i4", count=LLMC_HEADER_INT32)
+    if len(header) < LLMC_HEADER_INT32 or header[0] != LLMC_MAGIC:
+        raise ValueError(f"{path}: not an llm.c data file (bad magic)")
+    sizes = {v: b for b, v in LLMC_VERSIONS.items()}
+    if int(header[1]) not in sizes:
+        raise ValueError(f"{path}: unknown llm.c data version {int(header[1])}")
+    itemsize, n = sizes[int(header[1])], int(header[2])
+    offset = 4 * LLMC_HEADER_INT32
+    if path.stat().st_size != offset + n * itemsize:
+        raise ValueError(f"{path}: header says {n} tokens, the file holds {(path.stat().st_size - offset) / itemsize:g}")
+    dtype = np.dtype(f"<u{itemsize}")
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(n,)) if n else np.zeros(0, dtype)

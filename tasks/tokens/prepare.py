@@ -20,7 +20,7 @@ from tasks.config import PipelineConfig
 from tasks.core.hashing import sha256_file, sha256_text
 from tasks.tokenizer.bpe import load_tokenizer
 from tasks.tokenizer.corpus import iter_doc_batches
-from tasks.tokens.binfile import INDEX_FILE, dtype_for_vocab
+from tasks.tokens.binfile import INDEX_FILE, dtype_for_vocab, write_llmc
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +152,17 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path]
             for s in SPLITS
         },
     }
+    if tcfg.llmc:  # the same tokens again, behind llm.c's header
+        for s in SPLITS:
+            llmc = write_llmc(paths[s], dtype, out_dir / f"{s}.llmc.bin")
+            index["splits"][s].update(llmc_path=llmc.name, llmc_sha256=sha256_file(llmc))
     index_path = out_dir / INDEX_FILE
     index_path.write_text(json.dumps(index, indent=2) + "\n")
     for s in SPLITS:
         index["splits"][s]["path"] = str(paths[s].resolve())
         index["splits"][s]["doc_starts"] = str(starts_paths[s].resolve())
+        if tcfg.llmc:
+            index["splits"][s]["llmc_path"] = str((out_dir / index["splits"][s]["llmc_path"]).resolve())
     index["index_path"] = str(index_path.resolve())
     index["seconds"] = round(time.perf_counter() - t0, 3)
     log.info("tokens: train %d tokens / %d docs, val %d tokens / %d docs (%s) in %.1fs",

@@ -86,8 +86,12 @@ def main(argv: list[str] | None = None) -> int:
 def flops_per_token(n_params: int, n_layer: int, n_head: int, head_dim: int, seq_len: int) -> int:
     """Training FLOPs per token as torchtitan counts them: 6N for the matmuls of forward and
     backward, plus 12 * L * H * Q * T for attention scores and values. N counts the tied
-    embedding once: as the output projection it is a real matmul."""
-    return 6 * n_params + 12 * n_layer * n_head * head_dim * seq_len
+    embedding once: as the output projection it is a real matmul. The planner's count (one
+    implementation: what a run logs as MFU is what `crucible plan` predicts)."""
+    from tasks.plan.planner import flops_per_token as planned
+
+    dense, attention = planned(n_params, n_layer, n_head * head_dim, seq_len)
+    return int(dense + attention)
 
 
 def parse_faults(text: str | None) -> list[tuple[str, int, int, int | None]]:

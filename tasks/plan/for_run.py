@@ -1,0 +1,43 @@
+"""The planner applied to the run a config describes: what the configured model and token budget
+cost at scale, and how far the budget is from compute-optimal. The pretrain flow's `plan` stage
+publishes it before training starts, so a platform team sees the bill before paying it."""
+from __future__ import annotations
+
+from tasks.config import PipelineConfig
+from tasks.plan.planner import make_plan
+
+
+def global_batch_tokens(cfg: PipelineConfig) -> int:
+    """Tokens per optimizer step over all ranks (train.batch_tokens, else micro-batch x seq_len x
+    world size x accumulation steps)."""
+    t = cfg.train
+    if t.batch_tokens:
+        return t.batch_tokens
+    return t.micro_batch_size * cfg.model.seq_len * t.nproc_per_node * t.nnodes * t.grad_accum_steps
+
+
+def count_params(cfg: PipelineConfig, vocab_size: int) -> int:
+    """Matmul parameters of the configured model (the N of 6N), counted on the meta device: no
+    memory is allocated, so a 70B config is counted as cheaply as the tiny one."""
+    import torch
+
+    from tasks.train.model import GPT, GPTConfig
+
+    with torch.device("meta"):
+        return GPT(GPTConfig.from_model_config(cfg.model, vocab_size)).num_matmul_params()
+
+
+def plan_for_run(cfg: PipelineConfig, vocab_size: int, gpu: str = "h100") -> dict:
+    """make_plan for the configured model and token budget (max_steps x global batch), plus the
+    Chinchilla comparison: compute-optimal tokens for this size and the budget's ratio to them."""
+    params = count_params(cfg, vocab_size)
+    tokens = cfg.train.max_steps * global_batch_tokens(cfg)
+    m = cfg.model
+    plan = make_plan(params=params, tokens=tokens, gpu=gpu, seq_len=m.seq_len, n_layer=m.n_layer,
+                     d_model=m.d_model, cfg=cfg.plan)
+    optimal = cfg.plan.tokens_per_param * params
+    return {"params": params, "tokens": tokens, "vocab_size": vocab_size,
+            "compute_optimal_tokens": optimal, "budget_vs_compute_optimal": tokens / optimal,
+            "flops": plan["flops"], "flops_per_token": plan["flops"] / tokens,
+            "gpu_hours": plan["gpu_hours"], "cost_usd": plan["cost_usd"],
+            "checkpoint_bytes": plan["checkpoint_bytes"], "plan": plan}

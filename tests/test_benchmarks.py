@@ -1,0 +1,39 @@
+"""Smoke runs of the training benchmarks at a toy size: they run to the end, and what they write
+holds the figures the README and closing notes quote (the figures themselves are measured by
+running the scripts at their default sizes; nothing here asserts a timing)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TOY = ["--d-model", "32", "--n-layer", "1", "--n-head", "2", "--seq-len", "16", "--batch", "2", "--vocab", "64"]
+
+
+def _run(script: str, out: Path, *args: str) -> dict:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *TOY, *args, "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_checkpoint_benchmark(tmp_path):
+    r = _run("checkpoint.py", tmp_path / "checkpoint.json", "--rounds", "1", "--work-dir", str(tmp_path))
+    res = r["results"]
+    assert res["size"]["checkpoint_bytes"] > res["size"]["weights_fp32_bytes"] > 0  # + optimizer states
+    assert any(f.endswith(".distcp") for f in res["size"]["files"])
+    for key in ("sync", "async"):
+        assert res[key]["blocked_s"] > 0
+    assert res["resume"]["load_checkpoint_s"] > 0 and res["reference_nanogpt_torch_save"]["bytes"] > 0
+
+
+def test_train_throughput_benchmark(tmp_path):
+    r = _run("train_throughput.py", tmp_path / "tt.json", "--steps", "2", "--warmup", "1", "--threads", "1",
+             "--no-compile")
+    for name in ("crucible", "reference_nanogpt_style"):
+        eager = r["results"][name]["eager"]
+        assert eager["tokens_per_s"] > 0 and eager["steps_timed"] == 2 and eager["params"] > 0
+        assert r["results"][name]["compiled"] == {"skipped": "--no-compile"}
+    assert r["crucible_vs_reference_eager"] > 0
