@@ -37,3 +37,16 @@ def test_train_throughput_benchmark(tmp_path):
         assert eager["tokens_per_s"] > 0 and eager["steps_timed"] == 2 and eager["params"] > 0
         assert r["results"][name]["compiled"] == {"skipped": "--no-compile"}
     assert r["crucible_vs_reference_eager"] > 0
+
+
+def test_dedup_index_benchmark(tmp_path):
+    out = tmp_path / "di.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "dedup_index.py"), "--runs", "2",
+                           "--docs-per-run", "2000", "--probe", "200", "--work-dir", str(tmp_path), "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    r = json.loads(out.read_text())
+    assert [x["added"] for x in r["runs"]] == [2000, 2000] and r["shape"]["indexed_docs"] == 4000
+    for mode in ("memory_mapped", "in_memory"):  # every planted near-duplicate found, no new document flagged
+        assert r["probe"][mode]["near_duplicates_found"] == 100 and r["probe"][mode]["new_flagged"] == 0
+    assert r["bytes_per_doc_on_disk"] >= 14 * 12  # keys + document numbers, ids on top

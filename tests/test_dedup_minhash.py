@@ -172,6 +172,87 @@ def test_incremental_index_persists_and_flags_new_near_duplicates(real_docs, tmp
         MinHashIndex.load(tmp_path / "idx", hash="sha1")
 
 
+def test_index_is_memory_mapped_and_saved_by_generation(real_docs, tmp_path):
+    """Opened from disk the arrays are memory-mapped; a save merges this run's additions into a new
+    generation and removes the old one; a crashed save (a half-written generation) changes nothing."""
+    from tasks.dedup.index import MinHashIndex
+
+    texts = [t for t in real_docs if len(t.split()) > 200][:9]
+    sigs = MinHasher(seed=1).signatures(texts)
+    d = tmp_path / "idx"
+    idx = MinHashIndex.open(d, 14, 8, 1, "affine32", "fast")
+    assert idx.add([f"a{i}" for i in range(3)], sigs[:3]) == [None] * 3
+    idx.save(d)
+    assert sorted(p.name for p in d.iterdir()) == ["gen-000001", "meta.json"]
+    for step in (1, 2):  # two later runs, each adding three documents
+        idx = MinHashIndex.open(d, 14, 8, 1, "affine32", "fast")
+        assert idx.memory_mapped and idx.generation == step
+        got = idx.add([f"b{step}{i}" for i in range(3)] + ["a0"], sigs[3 * step:3 * step + 3] + [sigs[0]])
+        assert got == [None] * 4  # new documents, and a0 is not its own duplicate
+        idx.save(d)
+        assert sorted(p.name for p in d.iterdir()) == [f"gen-{step + 1:06d}", "meta.json"]
+    idx = MinHashIndex.load(d)
+    assert idx.docs == 9 and idx.keys == 9 * 14 and idx.ids == ["a0", "a1", "a2", "b10", "b11", "b12", "b20", "b21", "b22"]
+    assert np.array_equal(np.asarray(idx._keys), np.sort(np.asarray(idx._keys)))
+    assert idx.add(["c0"], [_near(sigs[7])]) == ["b21"]  # found across generations
+    # a save that died after writing part of its generation: meta.json still names the old one
+    (d / "gen-000004").mkdir()
+    (d / "gen-000004" / "keys.npy").write_bytes(b"partial")
+    again = MinHashIndex.load(d)
+    assert again.generation == 3 and again.docs == 9
+    again.save(d)  # the next save writes generation 4 afresh
+    assert MinHashIndex.load(d).docs == 9 and sorted(p.name for p in d.iterdir()) == ["gen-000004", "meta.json"]
+
+
+def _near(sig: np.ndarray) -> np.ndarray:
+    """The signature with all but its first band changed: shares exactly one band key."""
+    out = sig.copy()
+    out[8:] = out[8:] ^ np.uint32(0x5A5A5A5A)
+    return out
+
+
+def test_index_merge_keeps_order_and_earlier_entries_first(tmp_path):
+    from tasks.dedup.index import merge_sorted_into
+
+    rng = np.random.default_rng(3)
+    base = np.sort(rng.integers(0, 50, size=1000).astype(np.uint64))
+    new = np.sort(rng.integers(0, 60, size=300).astype(np.uint64))
+    base_v, new_v = np.arange(1000, dtype=np.int32), np.arange(1000, 1300, dtype=np.int32)
+    merge_sorted_into(base, base_v, new, new_v, tmp_path / "k.npy", tmp_path / "v.npy", chunk=64)
+    k, v = np.load(tmp_path / "k.npy"), np.load(tmp_path / "v.npy")
+    order = np.argsort(np.concatenate([base, new]), kind="stable")  # base entries before new on ties
+    assert np.array_equal(k, np.concatenate([base, new])[order])
+    assert np.array_equal(v, np.concatenate([base_v, new_v])[order])
+
+
+def test_index_of_the_previous_format_is_read_and_rewritten(real_docs, tmp_path):
+    """An index saved as format 2 (Parquet tables) loads, answers, and the next save converts it."""
+    import json as _json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.dedup.index import MinHashIndex, index_keys
+
+    texts = [t for t in real_docs if len(t.split()) > 200][:3]
+    sigs = MinHasher(seed=1).signatures(texts)
+    keys = index_keys(np.stack(sigs), 14, 8)
+    flat, docs = keys.reshape(-1), np.repeat(np.arange(3, dtype=np.int32), 14)
+    order = np.argsort(flat, kind="stable")
+    d = tmp_path / "old"
+    d.mkdir()
+    pq.write_table(pa.table({"key": pa.array(flat[order], pa.uint64()), "doc": pa.array(docs[order], pa.int32())}),
+                   d / "index.parquet")
+    pq.write_table(pa.table({"id": ["x0", "x1", "x2"]}), d / "ids.parquet")
+    (d / "meta.json").write_text(_json.dumps({"format": 2, "bands": 14, "rows": 8, "seed": 1, "scheme": "affine32",
+                                              "hash": "fast", "docs": 3, "keys": 42}))
+    idx = MinHashIndex.open(d, 14, 8, 1, "affine32", "fast")
+    assert idx.add(["x1", "y0"], [sigs[1], _near(sigs[2])]) == [None, "x2"]
+    idx.save(d)
+    assert sorted(p.name for p in d.iterdir()) == ["gen-000001", "meta.json"]
+    assert MinHashIndex.load(d).ids == ["x0", "x1", "x2"] and _json.loads((d / "meta.json").read_text())["format"] == 3
+
+
 def test_dedup_cli_quality_survivor_and_report(real_docs, tmp_path, capsys):
     base = [t for t in real_docs if len(t.split()) > 400][:4]
     docs = [{"id": f"d{i}", "text": t, "source": "kernel", "quality_score": 0.5} for i, t in enumerate(base)]

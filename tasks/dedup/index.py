@@ -3,9 +3,17 @@
 Continued pretraining adds documents to a corpus that is already deduplicated: the new ones must
 be checked against everything kept before, without recomputing old signatures. The index holds
 one 64-bit key per (document, band) — the band index mixed into `tasks.dedup.cluster.band_hashes`
-of that band's rows — in a sorted uint64 array with a parallel array of document numbers, and the
-document ids once each: 12 bytes per key (1.7 GB for 10 M documents × 14 bands, where a Python
-dict of byte strings needs ~15 GB). A lookup is one `np.searchsorted` per batch of documents.
+of that band's rows — in a sorted uint64 array with a parallel int32 array of document numbers
+(12 bytes a key: 1.7 GB on disk for 10 M documents × 14 bands), the document ids once each, and a
+sorted 64-bit hash of each id (to recognise a document indexed before under the same id).
+
+On disk the arrays are `.npy` files and the ids an uncompressed Arrow IPC file, all memory-mapped
+when the index is opened: a lookup is one `np.searchsorted` per batch, which touches a few pages of
+each array, so a run's memory grows with the documents it adds, not with the size of the index.
+This run's additions stay in memory (sorted) until `save`, which merges them into the arrays in
+fixed-size chunks (memory bounded by the chunk and the additions) and writes a new generation
+directory; `meta.json`, replaced atomically last, names the current generation, so a crash
+mid-save leaves the previous index intact (a stale generation directory is removed by the next save).
 
 `add(ids, signatures)` checks each new document against the index (and against the new documents
 before it) and returns, per document, the id of the earlier document it shares a band key with
@@ -13,14 +21,16 @@ before it) and returns, per document, the id of the earlier document it shares a
 whose own id is already indexed is not its own duplicate (a re-run of the same corpus). Unverified:
 a shared band key is the LSH candidate test (p ≈ 0.92 at Jaccard 0.8 with 14×8).
 
-`save(dir)` writes `index.parquet` (key: uint64, doc: int32) and `ids.parquet` atomically, then
-`meta.json`; `MinHashIndex.load(dir)` reads them back; a run with other LSH parameters or another
-shingle hash ("fast" / "sha1": their signatures are not comparable) is refused.
+A run with other LSH parameters or another shingle hash ("fast" / "sha1": their signatures are not
+comparable) is refused. An index written by the previous format (2: Parquet tables, loaded whole)
+is read and rewritten in this format by the next save.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Sequence
 
@@ -31,7 +41,9 @@ import pyarrow.parquet as pq
 from tasks.dedup.cluster import band_hashes
 from tasks.dedup.minhash import fmix64
 
-FORMAT = 2
+FORMAT = 3
+MERGE_CHUNK = 1 << 22  # index entries merged per step by save (~80 MB of working memory)
+_ARRAYS = ("keys", "docs", "id_hashes", "id_docs")
 
 
 def index_keys(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
@@ -41,97 +53,225 @@ def index_keys(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
     return fmix64(h ^ band_salt[None, :])
 
 
+def id_hashes(ids: Sequence[str]) -> np.ndarray:
+    """uint64 hash of each document id (BLAKE2b, 8 bytes)."""
+    return np.array([int.from_bytes(hashlib.blake2b(i.encode("utf-8"), digest_size=8).digest(), "little")
+                     for i in ids], dtype=np.uint64)
+
+
+def sorted_lookup(keys: np.ndarray, values: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """values[k] of the first k with keys[k] == query (keys sorted), -1 where absent."""
+    if not len(keys):
+        return np.full(queries.shape, -1, dtype=np.int64)
+    flat = queries.reshape(-1)
+    order = np.argsort(flat)
+    # sorted queries: each search starts where the last ended, and a memory-mapped index is read
+    # front to back instead of at random
+    pos = np.empty(len(flat), dtype=np.int64)
+    pos[order] = np.minimum(np.searchsorted(keys, flat[order]), len(keys) - 1)
+    return np.where(keys[pos] == flat, values[pos], -1).reshape(queries.shape)
+
+
+def merge_sorted_into(base_keys: np.ndarray, base_vals: np.ndarray, new_keys: np.ndarray, new_vals: np.ndarray,
+                      keys_path: Path, vals_path: Path, chunk: int = MERGE_CHUNK) -> None:
+    """Write the merge of two sorted (key, value) arrays to two .npy files; on equal keys the base
+    entries come first. The base may be memory-mapped: it is read `chunk` entries at a time."""
+    n = len(base_keys) + len(new_keys)
+    out_k = np.lib.format.open_memmap(keys_path, mode="w+", dtype=np.uint64, shape=(n,))
+    out_v = np.lib.format.open_memmap(vals_path, mode="w+", dtype=base_vals.dtype, shape=(n,))
+    # new entry j lands after the base entries <= its key and after the new entries before it
+    pos = np.searchsorted(base_keys, new_keys, side="right")
+    if len(new_keys):
+        at = pos + np.arange(len(new_keys))
+        out_k[at], out_v[at] = new_keys, new_vals
+    for a in range(0, len(base_keys), chunk):
+        b = min(a + chunk, len(base_keys))
+        at = np.arange(a, b) + np.searchsorted(pos, np.arange(a, b), side="right")
+        out_k[at], out_v[at] = base_keys[a:b], base_vals[a:b]
+    out_k.flush()
+    out_v.flush()
+    del out_k, out_v
+
+
 class MinHashIndex:
     def __init__(self, bands: int = 14, rows: int = 8, seed: int = 1, scheme: str = "affine32",
                  hash: str = "fast"):
         self.bands, self.rows, self.seed, self.scheme, self.hash = bands, rows, seed, scheme, hash
-        self.key_array = np.empty(0, dtype=np.uint64)  # sorted
-        self.doc_array = np.empty(0, dtype=np.int32)  # document number of each key
-        self.ids: list[str] = []
-        self._number: dict[str, int] | None = None
+        self.generation = 0
+        # what earlier runs saved: sorted, memory-mapped when loaded from format 3
+        self._keys = np.empty(0, dtype=np.uint64)
+        self._docs = np.empty(0, dtype=np.int32)
+        self._id_hashes = np.empty(0, dtype=np.uint64)
+        self._id_docs = np.empty(0, dtype=np.int32)
+        self._ids: pa.ChunkedArray = pa.chunked_array([], pa.string())
+        # this run's additions, sorted, in memory until save
+        self._new_keys = np.empty(0, dtype=np.uint64)
+        self._new_docs = np.empty(0, dtype=np.int32)
+        self._new_ids: list[str] = []
+        self._new_number: dict[str, int] = {}
 
     @property
     def docs(self) -> int:
-        return len(self.ids)
+        return len(self._ids) + len(self._new_ids)
+
+    @property
+    def keys(self) -> int:
+        return len(self._keys) + len(self._new_keys)
+
+    @property
+    def key_array(self) -> np.ndarray:
+        """Every key, sorted (materialised in memory: for inspection and tests, not for large indexes)."""
+        return np.sort(np.concatenate([np.asarray(self._keys), self._new_keys]), kind="stable")
+
+    @property
+    def ids(self) -> list[str]:
+        """Every indexed id in document-number order (materialised: for inspection and tests)."""
+        return self._ids.to_pylist() + self._new_ids
+
+    @property
+    def memory_mapped(self) -> bool:
+        return isinstance(self._keys, np.memmap)
 
     def meta(self) -> dict:
         return {"format": FORMAT, "bands": self.bands, "rows": self.rows, "seed": self.seed, "scheme": self.scheme,
-                "hash": self.hash, "docs": self.docs, "keys": int(len(self.key_array))}
+                "hash": self.hash, "docs": self.docs, "keys": self.keys, "generation": self.generation}
 
-    def _lookup(self, keys: np.ndarray) -> np.ndarray:
-        """Document number under each key, -1 where absent."""
-        if not len(self.key_array):
-            return np.full(keys.shape, -1, dtype=np.int64)
-        pos = np.minimum(np.searchsorted(self.key_array, keys), len(self.key_array) - 1)
-        return np.where(self.key_array[pos] == keys, self.doc_array[pos], -1)
+    def _id_of(self, number: int) -> str:
+        base = len(self._ids)
+        return self._ids[number].as_py() if number < base else self._new_ids[number - base]
+
+    def _own_numbers(self, ids: Sequence[str]) -> list[int]:
+        """Document number of each id if it is indexed already, else -1."""
+        found = sorted_lookup(self._id_hashes, self._id_docs, id_hashes(ids)) if len(self._id_hashes) else None
+        out = []
+        for k, doc_id in enumerate(ids):
+            number = self._new_number.get(doc_id, -1)
+            if number < 0 and found is not None and found[k] >= 0 and self._id_of(int(found[k])) == doc_id:
+                number = int(found[k])  # (a 64-bit hash collision of two ids is checked against the id)
+            out.append(number)
+        return out
 
     def add(self, ids: Sequence[str], signatures: Sequence[np.ndarray | None]) -> list[str | None]:
-        if self._number is None:
-            self._number = {d: k for k, d in enumerate(self.ids)}
         valid = [k for k, s in enumerate(signatures) if s is not None]
         out: list[str | None] = [None] * len(ids)
         if not valid:
             return out
         keys = index_keys(np.stack([signatures[k] for k in valid]), self.bands, self.rows)
-        found = self._lookup(keys)
-        batch: dict[int, int] = {}  # keys of this batch's new documents -> document number
-        new_keys, new_docs = [], []
+        # earlier runs' documents first, then this run's (the earlier document wins a shared key)
+        found = sorted_lookup(self._keys, self._docs, keys)
+        found = np.where(found >= 0, found, sorted_lookup(self._new_keys, self._new_docs, keys))
+        own_numbers = self._own_numbers([ids[k] for k in valid])
+        hit_rows = (found >= 0).any(axis=1)
+        # keys two documents of this batch share: only those can make one a duplicate of the other
+        _, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
+        shared = (counts[inverse.reshape(-1)] > 1).reshape(keys.shape)
+        shared_rows = shared.any(axis=1)
+        batch: dict[int, int] = {}  # shared keys of this batch's new documents -> document number
+        added_rows, numbers = [], []
+        number = self.docs
         for row, k in enumerate(valid):
-            own = self._number.get(ids[k], -1)
-            hit = next((int(d) for d in found[row] if d >= 0 and d != own), None)
-            if hit is None:
-                hit = next((batch[int(x)] for x in keys[row] if int(x) in batch and batch[int(x)] != own), None)
+            own = own_numbers[row]
+            if own < 0 and not hit_rows[row] and not shared_rows[row]:  # the common case: new
+                hit = None
+            else:
+                hit = next((int(d) for d in found[row] if d >= 0 and d != own), None) if hit_rows[row] else None
+                if hit is None and shared_rows[row]:
+                    hit = next((batch[int(x)] for x in keys[row][shared[row]]
+                                if int(x) in batch and batch[int(x)] != own), None)
             if hit is not None:
-                out[k] = self.ids[hit]
+                out[k] = self._id_of(hit)
                 continue
             if own >= 0:  # already indexed (same id): nothing new to add
                 continue
-            number = len(self.ids)
-            self.ids.append(ids[k])
-            self._number[ids[k]] = number
-            for x in keys[row]:
-                batch.setdefault(int(x), number)
-            new_keys.append(keys[row])
-            new_docs.append(np.full(self.bands, number, dtype=np.int32))
-        if new_keys:
-            all_keys = np.concatenate([self.key_array, *new_keys])
-            all_docs = np.concatenate([self.doc_array, *new_docs])
+            self._new_ids.append(ids[k])
+            self._new_number[ids[k]] = number
+            if shared_rows[row]:
+                for x in keys[row][shared[row]]:
+                    batch.setdefault(int(x), number)
+            added_rows.append(row)
+            numbers.append(number)
+            number += 1
+        if added_rows:
+            all_keys = np.concatenate([self._new_keys, keys[added_rows].reshape(-1)])
+            all_docs = np.concatenate([self._new_docs, np.repeat(np.asarray(numbers, dtype=np.int32), self.bands)])
             order = np.argsort(all_keys, kind="stable")  # equal keys: the earlier document first
-            self.key_array, self.doc_array = all_keys[order], all_docs[order]
+            self._new_keys, self._new_docs = all_keys[order], all_docs[order]
         return out
 
     def save(self, directory: str | Path) -> Path:
+        """Write base + additions as a new generation, switch meta.json to it, drop older ones."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        tables = {"index.parquet": pa.table({"key": pa.array(self.key_array, pa.uint64()),
-                                             "doc": pa.array(self.doc_array, pa.int32())}),
-                  "ids.parquet": pa.table({"id": pa.array(self.ids, pa.string())})}
-        for name, table in tables.items():
-            tmp = d / f".{name}.tmp-{os.getpid()}"
-            pq.write_table(table, tmp, compression="zstd")
-            tmp.replace(d / name)
+        generation = self.generation + 1
+        gen = d / f"gen-{generation:06d}"
+        shutil.rmtree(gen, ignore_errors=True)  # left by a crashed save
+        gen.mkdir()
+        merge_sorted_into(self._keys, self._docs, self._new_keys, self._new_docs,
+                          gen / "keys.npy", gen / "docs.npy")
+        new_numbers = np.arange(len(self._ids), self.docs, dtype=np.int32)
+        new_hashes = id_hashes(self._new_ids)
+        order = np.argsort(new_hashes, kind="stable")
+        merge_sorted_into(self._id_hashes, self._id_docs, new_hashes[order], new_numbers[order],
+                          gen / "id_hashes.npy", gen / "id_docs.npy")
+        schema = pa.schema([("id", pa.string())])
+        with pa.OSFile(str(gen / "ids.arrow"), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+            for chunk in self._ids.chunks:
+                for a in range(0, len(chunk), MERGE_CHUNK):
+                    writer.write_batch(pa.record_batch([chunk.slice(a, MERGE_CHUNK)], schema=schema))
+            if self._new_ids:
+                writer.write_batch(pa.record_batch([pa.array(self._new_ids, pa.string())], schema=schema))
+        for f in gen.iterdir():  # the data is on disk before meta.json points at it
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        self.generation = generation
         tmp = d / f".meta.json.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(self.meta(), indent=2) + "\n")
         tmp.replace(d / "meta.json")
+        for old in d.iterdir():  # earlier generations and the format-2 tables
+            if old != gen and (old.name.startswith("gen-") and old.is_dir()):
+                shutil.rmtree(old, ignore_errors=True)
+            elif old.name in ("index.parquet", "ids.parquet"):
+                old.unlink()
+        self._open_generation(gen)
         return d
+
+    def _open_generation(self, gen: Path) -> None:
+        arrays = {name: np.load(gen / f"{name}.npy", mmap_mode="r") for name in _ARRAYS}
+        self._keys, self._docs = arrays["keys"], arrays["docs"]
+        self._id_hashes, self._id_docs = arrays["id_hashes"], arrays["id_docs"]
+        self._ids = pa.ipc.open_file(pa.memory_map(str(gen / "ids.arrow"))).read_all().column("id")
+        self._new_keys = np.empty(0, dtype=np.uint64)
+        self._new_docs = np.empty(0, dtype=np.int32)
+        self._new_ids, self._new_number = [], {}
+
+    def _load_format2(self, d: Path) -> None:
+        t = pq.read_table(d / "index.parquet")
+        self._keys = t["key"].to_numpy().astype(np.uint64)
+        self._docs = t["doc"].to_numpy().astype(np.int32)
+        self._ids = pq.read_table(d / "ids.parquet")["id"]
+        hashes = id_hashes(self._ids.to_pylist())
+        order = np.argsort(hashes, kind="stable")
+        self._id_hashes, self._id_docs = hashes[order], order.astype(np.int32)
 
     @classmethod
     def load(cls, directory: str | Path, bands: int | None = None, rows: int | None = None,
              seed: int | None = None, scheme: str | None = None, hash: str | None = None) -> "MinHashIndex":
         d = Path(directory)
         meta = json.loads((d / "meta.json").read_text())
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"index {d} has format {meta.get('format', 1)}, this version reads {FORMAT}: rebuild it")
+        if meta.get("format") not in (2, FORMAT):
+            raise ValueError(f"index {d} has format {meta.get('format', 1)}, this version reads 2 and {FORMAT}: "
+                             "rebuild it")
         for name, want in (("bands", bands), ("rows", rows), ("seed", seed), ("scheme", scheme), ("hash", hash)):
             if want is not None and meta[name] != want:
                 raise ValueError(f"index {d} has {name}={meta[name]!r}, this run wants {want!r}")
         idx = cls(meta["bands"], meta["rows"], meta["seed"], meta["scheme"], meta["hash"])
-        t = pq.read_table(d / "index.parquet")
-        idx.key_array = t["key"].to_numpy().astype(np.uint64)
-        idx.doc_array = t["doc"].to_numpy().astype(np.int32)
-        idx.ids = pq.read_table(d / "ids.parquet")["id"].to_pylist()
-        if len(idx.ids) != meta["docs"] or len(idx.key_array) != meta["keys"]:
-            raise ValueError(f"index {d} is incomplete: meta.json does not match its tables")
+        if meta["format"] == 2:
+            idx._load_format2(d)
+        else:
+            idx.generation = meta["generation"]
+            idx._open_generation(d / f"gen-{idx.generation:06d}")
+        if idx.docs != meta["docs"] or idx.keys != meta["keys"] or len(idx._id_hashes) != meta["docs"]:
+            raise ValueError(f"index {d} is incomplete: meta.json does not match its arrays")
         return idx
 
     @classmethod
