@@ -202,6 +202,18 @@ def test_index_is_memory_mapped_and_saved_by_generation(real_docs, tmp_path):
     assert again.generation == 3 and again.docs == 9
     again.save(d)  # the next save writes generation 4 afresh
     assert MinHashIndex.load(d).docs == 9 and sorted(p.name for p in d.iterdir()) == ["gen-000004", "meta.json"]
+    # two writers: the second save of an index opened before the first one saved is refused
+    first, second = MinHashIndex.load(d), MinHashIndex.load(d)
+    first.add(["w1"], [sigs[8] ^ np.uint32(1)])
+    first.save(d)
+    second.add(["w2"], [sigs[8] ^ np.uint32(2)])
+    with pytest.raises(RuntimeError, match="one writer at a time"):
+        second.save(d)
+    assert MinHashIndex.load(d).ids[-1] == "w1"
+    # the same id twice in one batch is indexed once and is not its own duplicate
+    idx = MinHashIndex.load(d)
+    assert idx.add(["z", "z"], [sigs[8] ^ np.uint32(3), sigs[8] ^ np.uint32(3)]) == [None, None]
+    assert idx.ids.count("z") == 1
 
 
 def _near(sig: np.ndarray) -> np.ndarray:

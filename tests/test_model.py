@@ -131,6 +131,8 @@ def test_hand_written_backwards_match_autograd():
         for ours, plain in zip((q, k, v), _split_rotate_formula(qkv, cc, ss)):
             assert torch.allclose(ours, plain, rtol=1e-12, atol=1e-12)
         assert torch.autograd.gradcheck(lambda a: _SplitRotateFn.apply(a, cc, ss), (qkv,))
+
+
 def test_cross_entropy_matches_torch():
     """The hand-written cross-entropy equals F.cross_entropy(ignore_index=-1) in value and
     gradient (float64), including ignored targets, all-ignored rows (nan, as torch) and a
@@ -153,7 +155,10 @@ def test_cross_entropy_matches_torch():
     x = torch.randn(2, 3, 11, requires_grad=True)  # (B, T, vocab) float32 path used by the model
     y = torch.randint(0, 11, (2, 3))
     assert torch.allclose(cross_entropy(x, y), torch.nn.functional.cross_entropy(x.view(-1, 11), y.view(-1)))
-    assert torch.isnan(cross_entropy(x, torch.full((2, 3), -1)))
+    ignored = x.detach().clone().requires_grad_()
+    loss = cross_entropy(ignored, torch.full((2, 3), -1))
+    loss.backward()
+    assert torch.isnan(loss) and torch.equal(ignored.grad, torch.zeros_like(ignored))  # as torch's
 
     loss = cross_entropy(x, y)
     loss.backward(retain_graph=True)

@@ -195,8 +195,8 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
         proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
                               env={**os.environ, "PREFECT_API_URL": api}, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        spikes = _wait("the spike event", lambda: c.post("/events/filter", json={
-            "filter": {"event": {"name": [SPIKE_EVENT]}}}).json()["events"], 30)
+        spikes = _wait("the spike event", lambda: [e for e in c.post("/events/filter", json={
+            "filter": {"event": {"name": [SPIKE_EVENT]}}}).json()["events"] if e["payload"].get("run_id") == "run-x"], 30)
         assert spikes[0]["payload"] == {"action": "rollback", "step": 9, "run_id": "run-x", "run_name": "trig-run",
                                         "to_checkpoint": "step-000008", "skipped_data": [64, 80]}
         assert spikes[0]["resource"]["crucible.action"] == "rollback"

@@ -12,8 +12,9 @@ when the index is opened: a lookup is one `np.searchsorted` per batch, which tou
 each array, so a run's memory grows with the documents it adds, not with the size of the index.
 This run's additions stay in memory (sorted) until `save`, which merges them into the arrays in
 fixed-size chunks (memory bounded by the chunk and the additions) and writes a new generation
-directory; `meta.json`, replaced atomically last, names the current generation, so a crash
-mid-save leaves the previous index intact (a stale generation directory is removed by the next save).
+directory (written under a temporary name, then renamed); `meta.json`, replaced atomically last,
+names the current generation, so a crash mid-save leaves the previous index intact, and a save
+refuses to overwrite a generation another writer saved after this index was opened.
 
 `add(ids, signatures)` checks each new document against the index (and against the new documents
 before it) and returns, per document, the id of the earlier document it shares a band key with
@@ -171,6 +172,8 @@ class MinHashIndex:
         number = self.docs
         for row, k in enumerate(valid):
             own = own_numbers[row]
+            if own < 0:  # the same id may have been added earlier in this batch
+                own = self._new_number.get(ids[k], -1)
             if own < 0 and not hit_rows[row] and not shared_rows[row]:  # the common case: new
                 hit = None
             else:
@@ -202,10 +205,16 @@ class MinHashIndex:
         """Write base + additions as a new generation, switch meta.json to it, drop older ones."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
+        on_disk = json.loads((d / "meta.json").read_text()).get("generation", 0) if (d / "meta.json").is_file() else 0
+        if on_disk != self.generation:  # another writer saved since this index was opened
+            raise RuntimeError(f"index {d} is at generation {on_disk}, this one was opened at {self.generation}: "
+                               "reopen it and add again (one writer at a time)")
         generation = self.generation + 1
         gen = d / f"gen-{generation:06d}"
-        shutil.rmtree(gen, ignore_errors=True)  # left by a crashed save
-        gen.mkdir()
+        tmp_gen = d / f".gen-{generation:06d}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp_gen, ignore_errors=True)
+        tmp_gen.mkdir()
+        final_gen, gen = gen, tmp_gen
         merge_sorted_into(self._keys, self._docs, self._new_keys, self._new_docs,
                           gen / "keys.npy", gen / "docs.npy")
         new_numbers = np.arange(len(self._ids), self.docs, dtype=np.int32)
@@ -223,16 +232,26 @@ class MinHashIndex:
         for f in gen.iterdir():  # the data is on disk before meta.json points at it
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        shutil.rmtree(final_gen, ignore_errors=True)  # left by a save that died before its meta.json
+        gen.rename(final_gen)
         self.generation = generation
         tmp = d / f".meta.json.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(self.meta(), indent=2) + "\n")
+        with open(tmp, "w") as fh:
+            fh.write(json.dumps(self.meta(), indent=2) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
         tmp.replace(d / "meta.json")
-        for old in d.iterdir():  # earlier generations and the format-2 tables
-            if old != gen and (old.name.startswith("gen-") and old.is_dir()):
+        dir_fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the renames themselves are durable
+        finally:
+            os.close(dir_fd)
+        for old in d.iterdir():  # earlier generations, crashed saves' leftovers, the format-2 tables
+            if old != final_gen and old.is_dir() and (old.name.startswith(("gen-", ".gen-"))):
                 shutil.rmtree(old, ignore_errors=True)
             elif old.name in ("index.parquet", "ids.parquet"):
                 old.unlink()
-        self._open_generation(gen)
+        self._open_generation(final_gen)
         return d
 
     def _open_generation(self, gen: Path) -> None:

@@ -70,8 +70,9 @@ def open_doc_starts(index_path: str | Path, split: str) -> np.ndarray:
 
 
 def write_llmc(flat_path: str | Path, dtype: np.dtype, out_path: str | Path) -> Path:
-    """Copy a flat token file into llm.c's format (header + the same little-endian ids), which
-    llm.c's C/CUDA data loader reads directly."""
+    """Copy a flat token file into llm.c's format (header + the same little-endian ids). llm.c's
+    C/CUDA data loader reads version 1 (uint16 ids, vocabularies up to 65,536) and needs at least
+    one token; version 2 (uint32) is the layout llm.c's Llama 3 data scripts write."""
     import shutil
 
     flat_path, out_path = Path(flat_path), Path(out_path)

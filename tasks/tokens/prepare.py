@@ -152,8 +152,8 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path]
             for s in SPLITS
         },
     }
-    if tcfg.llmc:  # the same tokens again, behind llm.c's header
-        for s in SPLITS:
+    if tcfg.llmc:  # the same tokens again, behind llm.c's header (llm.c refuses an empty file)
+        for s in [s for s in SPLITS if stats[s]["tokens"]]:
             llmc = write_llmc(paths[s], dtype, out_dir / f"{s}.llmc.bin")
             index["splits"][s].update(llmc_path=llmc.name, llmc_sha256=sha256_file(llmc))
     index_path = out_dir / INDEX_FILE
@@ -161,7 +161,7 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path]
     for s in SPLITS:
         index["splits"][s]["path"] = str(paths[s].resolve())
         index["splits"][s]["doc_starts"] = str(starts_paths[s].resolve())
-        if tcfg.llmc:
+        if index["splits"][s].get("llmc_path"):
             index["splits"][s]["llmc_path"] = str((out_dir / index["splits"][s]["llmc_path"]).resolve())
     index["index_path"] = str(index_path.resolve())
     index["seconds"] = round(time.perf_counter() - t0, 3)

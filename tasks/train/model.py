@@ -216,7 +216,7 @@ class CausalSelfAttention(nn.Module):
         if self.q_norm is not None:
             qkv = torch.stack([self.q_norm(qkv[:, :, 0]), self.k_norm(qkv[:, :, 1]), qkv[:, :, 2]], dim=2)
         # queries and keys rotated together: one set of RoPE kernels per layer, not one per tensor
-        cos, sin = (_qk_layout(t).to(x.dtype) for t in (cos, sin))
+        cos, sin = (_qk_layout(t).to(qkv.dtype) for t in (cos, sin))  # bf16 under autocast
         split = _split_rotate_formula if torch.compiler.is_compiling() else _SplitRotateFn.apply
         q, k, v = (t.transpose(1, 2) for t in split(qkv, cos, sin))
         dropout = self.dropout if self.training else 0.0
@@ -287,7 +287,8 @@ class _CrossEntropyFn(torch.autograd.Function):
     The gradient is (softmax - onehot) / n: the backward turns the saved log-probs into it in
     place (exp, one scatter, one scale) instead of autograd's zero fill + scatter + log_softmax
     backward, which reads and writes the (tokens x vocab) logits twice as often. With a 4k-32k
-    vocabulary that matrix is the largest activation of a small model. Gradchecked in the tests."""
+    vocabulary that matrix is the largest activation of a small model. The tests compare value and
+    gradient with F.cross_entropy in float64 (gradcheck needs a second backward, which this refuses)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -308,7 +309,8 @@ class _CrossEntropyFn(torch.autograd.Function):
         logp, safe, keep, count = ctx.saved_tensors
         probs = logp.exp_()
         probs[torch.arange(probs.size(0), device=probs.device), safe] -= 1.0
-        return probs.mul_((keep.to(probs.dtype) * (grad / count))[:, None]), None
+        # all targets ignored: the loss is nan, as torch's, but the gradient zero, as torch's
+        return probs.mul_((keep.to(probs.dtype) * (grad / count.clamp(min=1)))[:, None]), None
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -324,7 +326,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0
     ce = cross_entropy(logits, targets)
     if not z_loss:
         return ce, ce, None
-    flat = logits.float().view(-1, logits.size(-1))
+    flat = logits.float().reshape(-1, logits.size(-1))
     targets = targets.reshape(-1)
     keep = (targets != -1).float()
     z = z_loss * (torch.logsumexp(flat, dim=-1).pow(2) * keep).sum() / keep.sum().clamp(min=1)
