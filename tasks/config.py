@@ -107,6 +107,9 @@ class GopherQualityConfig(Section):
     max_bullet_lines_ratio: float = 0.9
     max_ellipsis_lines_ratio: float = 0.3
     max_non_alpha_words_ratio: float = 0.8  # minimum fraction of words with a letter
+    # what "words" are for that ratio: "tokens" as datatrove (punctuation marks count as words
+    # without a letter, so punctuated prose can fall below 0.8) or "whitespace" as the Gopher paper
+    alpha_words: Literal["tokens", "whitespace"] = "tokens"
     min_stop_words: int = 2
     stop_words: list[str] = ["the", "be", "to", "of", "and", "that", "have", "with"]
 

@@ -137,6 +137,23 @@ def test_gopher_quality_below_alpha_threshold():
                {"max_non_alpha_words_ratio": 0})
 
 
+def test_gopher_quality_alpha_words_as_the_paper_counts_them():
+    """datatrove counts punctuation marks as words without a letter, so heavily punctuated prose
+    falls below 0.8; with alpha_words=whitespace (the Gopher paper's words) it passes, while a
+    page of numbers is still dropped either way."""
+    clause = "Grml, the live CD, has tools: to install, deploy, rescue (32-bit, 64-bit), and more; "
+    prose = " ".join([clause] * 8)
+    from tasks.curate.text import words
+
+    tokens = words(prose)
+    assert sum(any(c.isalpha() for c in w) for w in tokens) / len(tokens) < 0.8  # punctuation counted
+    check_rule(GopherQualityFilter, GQ, prose, "gopher_quality:gopher_below_alpha_threshold",
+               {"alpha_words": "whitespace"})
+    numbers = " ".join(str(1000 + 7 * i) for i in range(60))
+    ws = GQ.model_copy(update={"alpha_words": "whitespace"})
+    assert GopherQualityFilter(ws).decide(doc(GOOD + "\n" + numbers)) == "gopher_quality:gopher_below_alpha_threshold"
+
+
 def test_gopher_quality_stop_words():
     text = " ".join(["Bright orange kites float above green hills while children run laughing."] * 6)
     check_rule(GopherQualityFilter, GQ, text, "gopher_quality:gopher_enough_stop_words", {"min_stop_words": 0})

@@ -136,9 +136,10 @@ class GopherQualityFilter(Filter):
                 ends = sum(1 for ln in lines if ln.rstrip().endswith(("...", "…")))
                 if ends / len(lines) > c.max_ellipsis_lines_ratio:
                     return "gopher_quality:gopher_too_many_end_ellipsis"
-        if n_words and c.max_non_alpha_words_ratio:
-            alpha = sum(1 for w in toks if any(ch.isalpha() for ch in w))
-            if alpha / n_words < c.max_non_alpha_words_ratio:
+        counted = toks if c.alpha_words == "tokens" else text.split()
+        if counted and c.max_non_alpha_words_ratio:
+            alpha = sum(1 for w in counted if any(ch.isalpha() for ch in w))
+            if alpha / len(counted) < c.max_non_alpha_words_ratio:
                 return "gopher_quality:gopher_below_alpha_threshold"
         if c.min_stop_words and len(self.stop_words.intersection(toks)) < c.min_stop_words:  # distinct ones
             return "gopher_quality:gopher_enough_stop_words"
