@@ -601,6 +601,14 @@ class PlanConfig(Section):
     fsdp_shard_limit: int = Field(default=8, gt=0)  # most data-parallel ranks FSDP shards model states over
     microbatches_per_stage: int = Field(default=8, gt=0)  # 1F1B pipelines run this x pp microbatches
     target_days: float = Field(default=30, gt=0)  # picks the GPU count when none is given
+    gpu: str = "h100"  # the accelerator the pipeline's plan stage prices the configured run on
+
+    @model_validator(mode="after")
+    def _known_gpu(self) -> "PlanConfig":
+        self.gpu = self.gpu.lower()
+        if self.gpu not in self.gpus:
+            raise ValueError(f"plan.gpu {self.gpu!r} is not in plan.gpus ({', '.join(sorted(self.gpus))})")
+        return self
 
     @field_validator("gpus", mode="before")
     @classmethod

@@ -199,3 +199,8 @@ def test_plan_for_the_configured_run():
     # a config with batch_tokens: the budget follows it, whatever the micro-batch split
     big = cfg.model_copy(update={"train": t.model_copy(update={"batch_tokens": 8 * m.seq_len * 4})})
     assert plan_for_run(big, 4096)["tokens"] == t.max_steps * 8 * m.seq_len * 4
+    # the accelerator comes from plan.gpu (checked against the table when the config loads)
+    on_a100 = load_config("configs/tiny.yaml", ["plan.gpu=A100"])
+    assert plan_for_run(on_a100, 4096)["plan"]["gpu"] == "a100" and plan["plan"]["gpu"] == "h100"
+    with pytest.raises(Exception, match="plan.gpu 'tpu9'"):
+        load_config("configs/tiny.yaml", ["plan.gpu=tpu9"])

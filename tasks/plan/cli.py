@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     hw = p.add_argument_group("hardware")
     hw.add_argument("--gpus", type=_count, metavar="G",
                     help="GPU count (default: the fewest that finish within plan.target_days)")
-    hw.add_argument("--gpu", default="h100", help="GPU type from plan.gpus (default h100)")
+    hw.add_argument("--gpu", default=None, help="GPU type from plan.gpus (default: the config's plan.gpu, h100)")
     hw.add_argument("--mfu", type=_number, metavar="F", help="model FLOPs utilisation, 0-1 (default plan.mfu, 0.4)")
     hw.add_argument("--config", metavar="PATH", help="pipeline config whose `plan` section (GPU table, "
                                                      "prices, sizing rules) to use")
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
             except ConfigError as e:
                 raise PlanError(str(e)) from None
         plan = make_plan(params=args.params, tokens=args.tokens, flops=args.flops, gpus=args.gpus,
-                         gpu=args.gpu, mfu=args.mfu, seq_len=args.seq_len, n_layer=args.n_layer,
+                         gpu=args.gpu or (cfg.gpu if cfg else "h100"), mfu=args.mfu, seq_len=args.seq_len, n_layer=args.n_layer,
                          d_model=args.d_model, active_params=args.active_params, cfg=cfg)
     except PlanError as e:
         print(f"plan: error: {e}", file=sys.stderr)

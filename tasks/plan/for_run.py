@@ -27,13 +27,13 @@ def count_params(cfg: PipelineConfig, vocab_size: int) -> int:
         return GPT(GPTConfig.from_model_config(cfg.model, vocab_size)).num_matmul_params()
 
 
-def plan_for_run(cfg: PipelineConfig, vocab_size: int, gpu: str = "h100") -> dict:
+def plan_for_run(cfg: PipelineConfig, vocab_size: int, gpu: str | None = None) -> dict:
     """make_plan for the configured model and token budget (max_steps x global batch), plus the
     Chinchilla comparison: compute-optimal tokens for this size and the budget's ratio to them."""
     params = count_params(cfg, vocab_size)
     tokens = cfg.train.max_steps * global_batch_tokens(cfg)
     m = cfg.model
-    plan = make_plan(params=params, tokens=tokens, gpu=gpu, seq_len=m.seq_len, n_layer=m.n_layer,
+    plan = make_plan(params=params, tokens=tokens, gpu=gpu or cfg.plan.gpu, seq_len=m.seq_len, n_layer=m.n_layer,
                      d_model=m.d_model, cfg=cfg.plan)
     optimal = cfg.plan.tokens_per_param * params
     return {"params": params, "tokens": tokens, "vocab_size": vocab_size,
