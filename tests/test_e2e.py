@@ -62,13 +62,13 @@ def test_flow_and_all_subflows_completed_in_prefect(run):
     api = run["status"]["prefect"]["url"].rstrip("/")
     api = api if api.endswith("/api") else api + "/api"
     root_id = run["summary"]["flow_run_id"]
-    root = httpx.get(f"{api}/flow_runs/{root_id}").json()
+    root = httpx.get(f"{api}/flow_runs/{root_id}", timeout=30).json()
     assert root["state"]["type"] == "COMPLETED"
     children = httpx.post(f"{api}/flow_runs/filter", json={
-        "flow_runs": {"parent_flow_run_id": {"operator": "and_", "any_": [root_id]}}}).json()
+        "flow_runs": {"parent_flow_run_id": {"operator": "and_", "any_": [root_id]}}}, timeout=30).json()
     if not children:  # parent_flow_run_id filter shape differs across versions; fall back to task-run parents
-        children = [r for r in httpx.post(f"{api}/flow_runs/filter", json={}).json() if r["id"] != root_id]
-    flows = {f["id"]: f["name"] for f in httpx.post(f"{api}/flows/filter", json={}).json()}
+        children = [r for r in httpx.post(f"{api}/flow_runs/filter", json={}, timeout=30).json() if r["id"] != root_id]
+    flows = {f["id"]: f["name"] for f in httpx.post(f"{api}/flows/filter", json={}, timeout=30).json()}
     names = {flows[c["flow_id"]]: c["state"]["type"] for c in children}
     assert SUBFLOWS <= set(names), names
     assert all(names[n] == "COMPLETED" for n in SUBFLOWS), names

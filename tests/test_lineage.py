@@ -213,7 +213,7 @@ def test_down_service_never_fails_the_run_and_replay_fills_it(tmp_path):
         done = finish_lineage(ctx, {"deploy": {"model_name": "crucible-tiny", "version": 1}})
         assert done["http"]["failed"] >= 1 and done["replayed"]["ingested"] == len(events), done
         assert done["output_node"] == p1.model_version_node and done["page_url"].startswith(url + "/#node=")
-        assert httpx.get(f"{url}/api/v1/crucible/stats").json()["events"] == len(events)
+        assert httpx.get(f"{url}/api/v1/crucible/stats", timeout=30).json()["events"] == len(events)
 
         # `crucible lineage replay` afterwards: the service holds every event of the run once (it ingests
         # idempotently), and the model version's upstream graph reaches the raw files
@@ -221,7 +221,7 @@ def test_down_service_never_fails_the_run_and_replay_fills_it(tmp_path):
                            cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["duplicates"] == len(events)
-        assert httpx.get(f"{url}/api/v1/crucible/stats").json()["events"] == len(events)
+        assert httpx.get(f"{url}/api/v1/crucible/stats", timeout=30).json()["events"] == len(events)
         graph = httpx.get(f"{url}/api/v1/lineage", params={"nodeId": p1.model_version_node,
                                                            "direction": "upstream"}).json()["graph"]
         assert {p1.file_node(f) for f in p1.raw_files} <= {n["id"] for n in graph}
@@ -233,7 +233,7 @@ def test_down_service_never_fails_the_run_and_replay_fills_it(tmp_path):
                       raw_dir=tmp_path / "raw", run_name="run2", version=2)
         n2 = len(read_events(log2))
         assert http_stats(endpoint_url(url)).sent == n2
-        assert httpx.get(f"{url}/api/v1/crucible/stats").json()["events"] == len(events) + n2
+        assert httpx.get(f"{url}/api/v1/crucible/stats", timeout=30).json()["events"] == len(events) + n2
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -105,13 +105,22 @@ def _event(name: str, resource: dict, payload: dict) -> dict:
 
 
 def _wait(what: str, fn, timeout: float, every: float = 1.0):
+    """Poll fn until it returns something truthy. A poll that times out or loses its connection is
+    retried: on a 2-core machine the evaluations it waits for can hold up the server for a while, and
+    a watcher should outlast that, as Prefect's own client does. Only the overall deadline fails."""
     deadline = time.monotonic() + timeout
+    last_error = None
     while time.monotonic() < deadline:
-        got = fn()
+        started = time.monotonic()
+        try:
+            got = fn()
+        except httpx.TransportError as e:
+            last_error, got = e, None
+            print(f"\npolling for {what}: {type(e).__name__} after {time.monotonic() - started:.1f}s; retrying")
         if got:
             return got
         time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}" + (f" (last poll error: {last_error!r})" if last_error else ""))
 
 
 @pytest.mark.e2e
@@ -131,7 +140,7 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
             stack.start_services(stack_cfg, [stack.prefect_spec(stack_cfg)])
             stack.start_services(stack_cfg, [spec])
         print(f"\nprefect + serve healthy after {time.monotonic() - t0:.1f}s")
-        c = httpx.Client(base_url=api, timeout=30, trust_env=False)
+        c = httpx.Client(base_url=api, timeout=60, trust_env=False)
         deps = {}
         for name in ("evaluate-checkpoint/evaluate-checkpoint", "deploy-model/deploy-model"):
             r = c.get(f"/deployments/name/{name}")
