@@ -550,7 +550,7 @@ def service_status(stack_cfg, name: str, spec: ServiceSpec | None = None) -> dic
     pid = running_pid(stack_cfg, name)
     spec = (read_spec(stack_cfg, name) or spec) if pid is not None else (spec or read_spec(stack_cfg, name))
     url = spec.url if spec else None
-    healthy = bool(spec) and pid is not None and http_ok(spec.health_url)
+    healthy = bool(spec) and pid is not None and http_ok(spec.health_url, timeout=10)
     return {"url": url, "healthy": healthy, "pid": pid}
 
 

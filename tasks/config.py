@@ -392,6 +392,7 @@ class TrainConfig(Section):
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = Field(default=1.0, gt=0)
     checkpoint_every: int = Field(default=100, gt=0)
+    # steps between MLflow flushes; the console line and train_log.jsonl get every step
     log_every: int = Field(default=10, gt=0)
     seed: int = 1337
     threads_per_proc: int = Field(default=1, gt=0)

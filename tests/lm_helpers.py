@@ -65,7 +65,8 @@ def tiny_cfg(**sections) -> PipelineConfig:
         "tokens": {"val_fraction": 0.1, "seed": 7, "ray": False},  # Ray path: test_tokens.py
         "model": {"n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 64},
         "train": {"nproc_per_node": 2, "max_steps": 20, "micro_batch_size": 8, "lr": 3e-3,
-                  "min_lr": 3e-4, "warmup_steps": 5, "checkpoint_every": 10, "log_every": 5},
+                  "min_lr": 3e-4, "warmup_steps": 5, "checkpoint_every": 10, "log_every": 5,
+                  "peak_flops_per_s": 1e11},  # so MFU is logged
         "evaluate": {"max_val_batches": 4, "batch_size": 4, "sample_tokens": 8,
                      "prompts": ["The Linux kernel", "Alice was"],
                      # small suite subsets keep stage tests fast; tests/test_eval_suite.py covers the suite

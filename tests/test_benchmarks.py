@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 TOY = ["--d-model", "32", "--n-layer", "1", "--n-head", "2", "--seq-len", "16", "--batch", "2", "--vocab", "64"]
 
@@ -22,7 +24,8 @@ def _run(script: str, out: Path, *args: str) -> dict:
 def test_checkpoint_benchmark(tmp_path):
     r = _run("checkpoint.py", tmp_path / "checkpoint.json", "--rounds", "1", "--work-dir", str(tmp_path))
     res = r["results"]
-    assert res["size"]["checkpoint_bytes"] > res["size"]["weights_fp32_bytes"] > 0  # + optimizer states
+    # weights plus AdamW's two moments per parameter
+    assert res["size"]["checkpoint_bytes"] >= 3 * res["size"]["weights_fp32_bytes"] > 0
     assert any(f.endswith(".distcp") for f in res["size"]["files"])
     for key in ("sync", "async"):
         assert res[key]["blocked_s"] > 0
@@ -36,7 +39,32 @@ def test_train_throughput_benchmark(tmp_path):
         eager = r["results"][name]["eager"]
         assert eager["tokens_per_s"] > 0 and eager["steps_timed"] == 2 and eager["params"] > 0
         assert r["results"][name]["compiled"] == {"skipped": "--no-compile"}
-    assert r["crucible_vs_reference_eager"] > 0
+    eager = {name: r["results"][name]["eager"] for name in ("crucible", "reference_nanogpt_style")}
+    # the same model size on both sides (SwiGLU's hidden width is chosen to match the GELU MLP's);
+    # at this toy size the reference's position table and biases weigh 6 %, at the default size 2 %
+    assert abs(eager["crucible"]["params"] / eager["reference_nanogpt_style"]["params"] - 1) < 0.1
+    ratio = eager["crucible"]["tokens_per_s"] / eager["reference_nanogpt_style"]["tokens_per_s"]
+    assert r["crucible_vs_reference_eager"] == pytest.approx(ratio, abs=1e-3)
+
+
+def test_train_throughput_benchmark_compiled(tmp_path):
+    """The torch.compile arm really runs (a compile error would be recorded, not raised)."""
+    r = _run("train_throughput.py", tmp_path / "tt.json", "--steps", "1", "--warmup", "1", "--threads", "2")
+    for name in ("crucible", "reference_nanogpt_style"):
+        compiled = r["results"][name]["compiled"]
+        assert compiled.get("tokens_per_s", 0) > 0 and compiled["steps_timed"] == 1, compiled
+    assert set(r["compile_speedup"]) == {"crucible", "reference_nanogpt_style"}
+
+
+def test_committed_throughput_result_meets_the_reference():
+    """The committed measurement (benchmarks/results/train_throughput.json, written by the script at
+    its default sizes) shows the training step at least as fast as nanoGPT's loop."""
+    r = json.loads((REPO / "benchmarks" / "results" / "train_throughput.json").read_text())
+    assert r["shape"] == {"d_model": 256, "n_layer": 4, "n_head": 4, "seq_len": 256, "batch": 8, "vocab": 4096,
+                          "tokens_per_step": 2048}
+    assert r["crucible_vs_reference_eager"] >= 1.0
+    params = [r["results"][name]["eager"]["params"] for name in ("crucible", "reference_nanogpt_style")]
+    assert abs(params[0] / params[1] - 1) < 0.03
 
 
 def test_dedup_index_benchmark(tmp_path):

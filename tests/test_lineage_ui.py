@@ -63,7 +63,7 @@ def test_auditor_finds_model_sees_upstream_sources_and_licences(service, browser
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     base, (first, second) = service
-    wait = WebDriverWait(browser, 15)
+    wait = WebDriverWait(browser, 60)  # a loaded 2-core machine renders slowly
     testid = lambda t: f'[data-testid="{t}"]'  # noqa: E731
     browser.get(base + "/")
     wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "true")

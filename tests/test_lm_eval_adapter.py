@@ -29,8 +29,10 @@ def paths(base, run) -> dict:
 
 @pytest.fixture(scope="module")
 def lm(paths) -> CrucibleLM:
+    prev = torch.get_num_threads()
     torch.set_num_threads(1)
-    return CrucibleLM(checkpoint=paths["checkpoint"], tokenizer=paths["tokenizer"], batch_size=4)
+    yield CrucibleLM(checkpoint=paths["checkpoint"], tokenizer=paths["tokenizer"], batch_size=4)
+    torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="module")

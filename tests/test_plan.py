@@ -149,6 +149,14 @@ def test_cli_json(capsys):
                 "cost_usd", "checkpoint_bytes", "layout", "assumptions"):
         assert key in plan
     assert set(plan["layout"]) >= {"tp", "pp", "dp", "microbatches", "bubble_fraction", "rationale"}
+    assert plan["params"] == 7e9 and plan["tokens"] == 2e12 and plan["gpu"] == "h100"
+    # time and cost follow from the FLOPs, the GPU's peak and the MFU asked for
+    assert plan["seconds"] == pytest.approx(plan["flops"] / (256 * 989e12 * 0.45), rel=1e-6)
+    assert plan["gpu_hours"] == pytest.approx(plan["seconds"] * 256 / 3600, rel=1e-6)
+    assert plan["cost_usd"] == pytest.approx(plan["gpu_hours"] * 3.0, rel=1e-6)  # the default $3/GPU-hour
+    assert plan["checkpoint_bytes"] == pytest.approx(14 * 7e9)  # bf16 weights + fp32 master + Adam m, v
+    layout = plan["layout"]
+    assert layout["tp"] * layout["pp"] * layout["dp"] == 256
 
 
 def test_cli_table(capsys):

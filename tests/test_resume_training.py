@@ -50,6 +50,21 @@ def _params(ckpt) -> dict:
     return model.state_dict()
 
 
+def _full_state(ckpt, tmp: Path) -> dict:
+    """Everything a checkpoint holds (model, optimizer moments, trainer position) as plain tensors."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(ckpt), str(tmp))
+    return torch.load(tmp, weights_only=True)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 @pytest.fixture(scope="module")
 def reference(work, index) -> Path:
     out = work / "reference"
@@ -100,6 +115,28 @@ def test_resume_on_one_process_reshards_without_repeating_data(reference, stoppe
     assert meta["world_size"] == 1 and meta["trainer"]["consumed_samples"] == 96
 
 
+def test_resharded_resume_without_dropout_follows_the_uninterrupted_run(work, index):
+    """Without dropout nothing per-rank is random: a 2-process run stopped at step 4 and resumed on
+    one process (2 micro-batches instead of 2 ranks) continues the 2-process run to float rounding,
+    so the optimizer moments came through DCP's resharding too (with them lost, the first resumed
+    Adam update alone moves the weights by about the learning rate)."""
+    plain = dict(max_steps=8, checkpoint_every=4, keep_last_checkpoints=None)
+    ref_dir, out = work / "plain-ref", work / "plain-resharded"
+    run_training(tiny_cfg(train={**TRAIN, **plain}), index, ref_dir, None, None, "plain")
+    run_training(tiny_cfg(train={**TRAIN, **plain, "stop_at_step": 4}), index, out, None, None, "plain")
+    res = run_training(tiny_cfg(train={**TRAIN, **plain, "resume": True, "nproc_per_node": 1}), index, out,
+                       None, None, "plain")
+    assert res["steps"] == 8 and "resumed from" in Path(res["log"]).read_text()
+    ref_log, log = _log(ref_dir), _log(out)
+    assert [r["data_start"] for r in log] == [r["data_start"] for r in ref_log] == [8 * i for i in range(8)]
+    for r, q in zip(log[4:], ref_log[4:]):
+        assert r["loss"] == pytest.approx(q["loss"], rel=1e-5), (r, q)
+        assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=1e-3), (r, q)
+    a, b = _params(list_checkpoints(ref_dir)[-1]), _params(list_checkpoints(out)[-1])
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < 1e-5, worst  # lr is 3e-3: a lost or mis-sharded moment would show by orders of magnitude
+
+
 def test_retention_manifest_and_metrics(reference):
     ckpts = list_checkpoints(reference)
     assert [p.name for p in ckpts] == ["step-000009", "step-000012"]  # keep_last_checkpoints = 2
@@ -119,8 +156,13 @@ def test_retention_manifest_and_metrics(reference):
         assert r["tokens_per_s"] > 0 and r["flops_per_s"] > 0
         assert r["flops_per_s"] * meta["world_size"] / r["tokens_per_s"] == pytest.approx(per_token, rel=1e-5)
         assert r["mfu"] == pytest.approx(r["flops_per_s"] / 1e11, rel=1e-4)
-    # a corrupted file makes the checkpoint fail verification: resume falls back to the previous one
+    # a corrupted shard of a real run's checkpoint fails verification: resume falls back to the previous one
     assert latest_checkpoint(reference) == ckpts[-1]
+    copy = reference.parent / "reference-corrupted"
+    shutil.copytree(reference, copy)
+    shard = sorted((copy / "checkpoints" / ckpts[-1].name).glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))  # one bit flipped
+    assert latest_checkpoint(copy).name == ckpts[0].name
 
 
 def test_keep_best_and_verification(tmp_path):
@@ -206,7 +248,8 @@ def test_loss_spike_skip_and_rollback(work, index, monkeypatch):
     # the batch of step 13 (as counted without skips: samples 96-103) is a single spike -> skipped; after
     # the rollback skipped 16 samples, step 11 reads it
     monkeypatch.setenv("CRUCIBLE_TRAIN_FAULTS", "corrupt:9-10,corrupt:13")
-    c = tiny_cfg(model=MODEL, train={**TRAIN, "max_steps": 16, "checkpoint_every": 4, "keep_last_checkpoints": None,
+    # a checkpoint every step: the one after the skipped step 11 must equal the one before it
+    c = tiny_cfg(model=MODEL, train={**TRAIN, "max_steps": 16, "checkpoint_every": 1, "keep_last_checkpoints": None,
                                      "spike_min_history": 4, "spike_rollback_after": 2})
     from mlflow import MlflowClient
 
@@ -223,6 +266,16 @@ def test_loss_spike_skip_and_rollback(work, index, monkeypatch):
     assert [r["step"] for r in log] == list(range(1, 17))
     assert [r["data_start"] for r in log] == [8 * i for i in range(8)] + [8 * i for i in range(10, 18)]
     assert [r["step"] for r in log if r.get("skipped")] == [11]
+    # a skipped batch changes nothing: weights and optimizer moments after step 11 are those after step 10
+    before, after = (_flat(_full_state(out / "checkpoints" / f"step-0000{n}", work / f"spike-{n}.pt"))
+                     for n in (10, 11))
+    tensors = [k for k, v in before.items() if torch.is_tensor(v) and (k.startswith("model.") or ".exp_avg" in k)]
+    assert len(tensors) > 16 and any(".exp_avg_sq" in k for k in tensors)
+    assert all(torch.equal(before[k], after[k]) for k in tensors)
+    assert after["train.step"] == 11 and after["train.consumed_samples"] == before["train.consumed_samples"] + 8
+    # while a step that trains does change them
+    step9 = _flat(_full_state(out / "checkpoints" / "step-000009", work / "spike-9.pt"))
+    assert not torch.equal(step9["model.tok_emb.weight"], before["model.tok_emb.weight"])
     assert actions[3]["data_range"] == [96, 104] and actions[3]["loss"] > 100
     meta = json.loads((list_checkpoints(out)[-1] / META_FILE).read_text())
     assert meta["trainer"]["skip_ranges"] == [[64, 80]] and meta["trainer"]["rollbacks"] == 1
@@ -253,8 +306,9 @@ def test_two_nodes_c10d_rendezvous(work, index):
         t.start()
     for t in threads:
         t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a node is still running after 300 s"
     assert not errors, errors
-    assert results[0]["steps"] == 4
+    assert results[0]["steps"] == 4 and results[1]["steps"] == 4
     assert (out / "torchrun-node0.log").is_file() and (out / "torchrun-node1.log").is_file()
     meta = json.loads((list_checkpoints(out)[-1] / META_FILE).read_text())
     assert meta["world_size"] == 2 and meta["step"] == 4

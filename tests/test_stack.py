@@ -103,7 +103,7 @@ def test_up_idempotent_status_down(stack_cfg, lineage_cfg):
     # idempotent: a second `up` leaves the healthy services alone
     t0 = time.monotonic()
     again = stack.up(stack_cfg, lineage_cfg=lineage_cfg)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 30  # nothing restarted: only health checks
     for name in SERVICES:
         assert again[name]["pid"] == first[name]["pid"] and not again[name]["started"]
 

@@ -160,11 +160,14 @@ def test_ray_parallel_encoding_writes_the_same_bytes(base, tmp_path):
         parallel = prepare_tokens(tiny_cfg(tokens={"val_fraction": 0.1, "seed": 7, "ray": True},
                                            ray={"num_cpus": 2}),
                                   tok_path, shards, tmp_path / "ray")
-        assert ray.is_initialized()  # the Ray path really ran
+        assert ray.is_initialized()
+        # the Ray path really ran: shards were encoded in Ray worker processes, not in this one
+        assert parallel["shards_encoded_elsewhere"] == len(shards)
     finally:
         if started:
             ray.shutdown()
     serial = prepare_tokens(tiny_cfg(), tok_path, shards, tmp_path / "serial")
+    assert serial["shards_encoded_elsewhere"] == 0
     for split in ("train", "val"):
         for key in ("path", "doc_starts"):
             assert Path(parallel["splits"][split][key]).read_bytes() == \

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -12,9 +13,9 @@ import torch
 from lm_helpers import tiny_cfg, tokens_artifact
 from tasks.train import TrainingError, list_checkpoints, load_model_for_inference, run_training
 from tasks.train.checkpoint import META_FILE
-from tasks.train.data import RandomWindows
+from tasks.train.data import GlobalWindows, RandomWindows
 from tasks.train.metrics import CHECKPOINT_EVENT, emit_checkpoint_event
-from tasks.train.model import GPT, GPTConfig
+from tasks.train.model import GPT, GPTConfig, lm_loss
 from tasks.train.optimizer import build_optimizer
 from tasks.train.schedule import lr_at
 
@@ -36,7 +37,10 @@ def test_loss_falls_and_every_step_logged(run):
     assert last < first - 0.5, [round(r["loss"], 3) for r in log]
     assert run["first_loss"] == log[0]["loss"] and run["final_loss"] == log[-1]["loss"]
     assert run["tokens_per_s"] > 0
-    assert "step    20/20" in Path(run["log"]).read_text()  # console output captured by the launcher
+    # a console line every step (captured by the launcher), with the step's metrics
+    console = [line for line in Path(run["log"]).read_text().splitlines() if line.startswith("step ")]
+    assert [int(line.split("step")[1].split("/")[0]) for line in console] == list(range(1, 21)), console[:3]
+    assert all(f"{k} " in console[-1] for k in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu"))
 
 
 def test_metrics_in_mlflow_every_step(run, monkeypatch):
@@ -44,9 +48,12 @@ def test_metrics_in_mlflow_every_step(run, monkeypatch):
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     client = MlflowClient(tracking_uri=run["mlflow"]["tracking_uri"])
-    for key in ("grad_norm", "train_loss", "lr"):
+    for key in ("grad_norm", "train_loss", "lr", "tokens_per_s", "mfu"):
         hist = client.get_metric_history(run["mlflow"]["run_id"], key)
         assert sorted(m.step for m in hist) == list(range(1, 21)), key
+        assert all(math.isfinite(m.value) and m.value > 0 for m in hist), key
+    mfu = {m.step: m.value for m in client.get_metric_history(run["mlflow"]["run_id"], "mfu")}
+    assert mfu == pytest.approx({r["step"]: r["flops_per_s"] / 1e11 for r in _log(run)}, rel=1e-5)
     grad = {m.step: m.value for m in client.get_metric_history(run["mlflow"]["run_id"], "grad_norm")}
     assert grad == pytest.approx({r["step"]: r["grad_norm"] for r in _log(run)}, rel=1e-5)
     params = client.get_run(run["mlflow"]["run_id"]).data.params
@@ -206,6 +213,7 @@ def test_torchrun_command(tmp_path):
                              tmp_path / "c.json", tmp_path / "i.json", tmp_path, "r1", None)
     assert "--standalone" not in multi and "--run-id" not in multi
     assert multi[multi.index("--rdzv-endpoint") + 1] == "node0:29500"
+    assert multi[multi.index("--rdzv-backend") + 1] == "c10d"
     assert multi[multi.index("--rdzv-id") + 1] == "r1" and multi[multi.index("--nnodes") + 1] == "2"
     node1 = torchrun_command(tiny_cfg(train={"nnodes": 2, "rdzv_endpoint": "node0:29500", "node_rank": 1}),
                              tmp_path / "c.json", tmp_path / "i.json", tmp_path, "r1", None)
@@ -324,7 +332,20 @@ def test_fsdp2_matches_ddp_and_resumes_with_bf16_doc_mask_z_loss(run, base, tmp_
     out = tmp_path / "fsdp2"
     res = run_training(tiny_cfg(train={"parallelism": "fsdp2", "stop_at_step": 4, "log_every": 1}),
                        index, out, None, None, "fsdp2")
-    assert res["steps"] == 4 and "fsdp2 fp32" in Path(res["log"]).read_text()
+    text = Path(res["log"]).read_text()
+    assert res["steps"] == 4 and "fsdp2 fp32" in text
+    # what was built, not only what was asked for: every parameter a sharded DTensor ...
+    assert re.search(r"built FSDPGPT: (\d+)/\1 parameters sharded", text), text[-2000:]
+    assert re.search(r"built DistributedDataParallel: 0/\d+ parameters sharded", Path(run["log"]).read_text())
+    # ... and a checkpoint of shards: each rank wrote half of the embedding's rows (DDP: one whole chunk)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    def emb_chunks(ckpt):
+        meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata["model.tok_emb.weight"]
+        return sorted(tuple(c.offsets) for c in meta.chunks)
+
+    assert emb_chunks(res["checkpoints"][-1]) == [(0, 0), (256, 0)]
+    assert emb_chunks(run["checkpoints"][-1]) == [(0, 0)]
     ddp_log, log = _log(run), [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     for r, q in zip(log, ddp_log[:4]):
         assert r["loss"] == pytest.approx(q["loss"], rel=1e-4), (r, q)
@@ -338,6 +359,7 @@ def test_fsdp2_matches_ddp_and_resumes_with_bf16_doc_mask_z_loss(run, base, tmp_
                        index, out, None, None, "fsdp2")
     text = Path(res["log"]).read_text()
     assert "resumed from" in text and "fsdp2 bf16 doc-mask" in text
+    assert "forward computes in torch.bfloat16; the optimizer updates torch.float32 weights" in text
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
     for r, q in zip(log[4:], ddp_log[4:6]):
@@ -414,8 +436,37 @@ def test_compile_option_through_torchrun(base, tmp_path):
                                            "checkpoint_every": 3, "log_every": 1}),
                            index, tmp_path / name, None, None, name)
         assert res["steps"] == 3
-        assert ("compiled" in Path(res["log"]).read_text()) == compiled
+        text = Path(res["log"]).read_text()
+        assert ("ddp fp32 compiled" in text) == compiled
+        assert f"{2 if compiled else 0}/2 blocks compiled" in text  # nn.Module.compile really applied
         logs[name] = [json.loads(x)["loss"] for x in (tmp_path / name / "train_log.jsonl").read_text().splitlines()]
         model, meta = load_model_for_inference(res["checkpoints"][-1])
         assert meta["step"] == 3 and meta["train_options"]["compile"] is compiled
     assert logs["compiled"] == pytest.approx(logs["eager"], abs=2e-3)
+
+
+def test_document_mask_reaches_the_training_forward(base, tmp_path):
+    """train.doc_mask=true changes what the worker computes: the loss it logs for step 6 is the
+    document-masked loss of that step's batch under the step-5 checkpoint, recomputed here, and not
+    the plain causal one."""
+    index = Path(tokens_artifact(base)["index_path"])
+    cfg = tiny_cfg(train={"doc_mask": True, "nproc_per_node": 1, "max_steps": 6, "checkpoint_every": 5})
+    res = run_training(cfg, index, tmp_path / "mask", None, None, "mask")
+    assert res["steps"] == 6 and "doc-mask" in Path(res["log"]).read_text()
+    logged = json.loads((tmp_path / "mask" / "train_log.jsonl").read_text().splitlines()[5])
+    model, meta = load_model_for_inference(tmp_path / "mask" / "checkpoints" / "step-000005")
+
+    data = GlobalWindows(index, "train", model.cfg.seq_len, cfg.train.micro_batch_size, seed=cfg.train.seed,
+                         documents=True)
+    pos = data.step_start(meta["trainer"]["consumed_samples"])
+    assert logged["step"] == 6 and logged["data_start"] == pos
+    x, y = data.micro_batch(pos, 0, 0, 1)
+    doc_ids, positions = data.micro_batch_documents(pos, 0, 0, 1)
+    assert (doc_ids[:, 1:] != doc_ids[:, :-1]).any()  # the batch has document boundaries to mask
+    with torch.no_grad():
+        masked = lm_loss(model(x, doc_ids=doc_ids, positions=positions)[0], y)[1].item()
+        causal = lm_loss(model(x)[0], y)[1].item()
+    print(f"step 6: logged {logged['loss']}, masked {masked}, causal {causal}")
+    assert abs(masked - causal) > 1e-3, (masked, causal)
+    assert logged["loss"] == pytest.approx(masked, rel=1e-5, abs=0)
+    assert logged["loss"] != pytest.approx(causal, rel=1e-4, abs=0)

@@ -149,7 +149,9 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
         autos = _wait("automations", lambda: [a for a in c.post("/automations/filter", json={}).json()
                                               if a["enabled"]] if len(c.post("/automations/filter", json={}).json()) >= 2 else None, 60)
         assert len(autos) >= 2
-        time.sleep(3)  # let the server's trigger service load the new automations
+        # let the server's trigger service load the new automations: no API tells when it has;
+        # its periodic reconcile runs every 5 s, so this covers two passes
+        time.sleep(12)
 
         events = [_event("crucible.checkpoint.saved", {"prefect.resource.id": f"crucible.checkpoint.trig-run.{s}"},
                          {"path": str(p), "step": s, "run_id": None, "run_name": "trig-run"})

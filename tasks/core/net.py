@@ -4,8 +4,16 @@ from __future__ import annotations
 import socket
 
 
+_given: set[int] = set()  # ports this process handed out: a caller often takes several before binding any
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free at `host` now (the OS picks it; nothing holds it for the caller)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port free at `host` now (the OS picks it; nothing holds it for the caller), never one
+    this process returned before."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _given:
+            _given.add(port)
+            return port

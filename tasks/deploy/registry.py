@@ -194,8 +194,9 @@ def promote(tracking_uri: str, model_name: str, version: int, verified: str) -> 
     """Move `champion` to a verified challenger; `verified` says how (tag deployment.verified)."""
     client = _client(tracking_uri)
     client.set_model_version_tag(model_name, str(version), "deployment.verified", verified)
-    client.set_registered_model_alias(model_name, ALIAS, str(version))
+    # status tag first: whoever finds the version by the alias already sees it as champion
     client.set_model_version_tag(model_name, str(version), "deployment.status", ALIAS)
+    client.set_registered_model_alias(model_name, ALIAS, str(version))
     _drop_challenger(client, model_name, version)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import time
 from array import array
@@ -70,7 +71,8 @@ def encode_shard(tokenizer_path: str, shard: str, eos_token: str, batch_docs: in
     finally:
         for f in files.values():
             f.close()
-    return {"paths": paths, "stats": stats, "doc_lens": {s: doc_lens[s].tobytes() for s in SPLITS}}
+    return {"paths": paths, "stats": stats, "doc_lens": {s: doc_lens[s].tobytes() for s in SPLITS},
+            "pid": os.getpid()}
 
 
 def _encode_all(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path], parts_dir: Path) -> list[dict]:
@@ -165,6 +167,8 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path]
             index["splits"][s]["llmc_path"] = str((out_dir / index["splits"][s]["llmc_path"]).resolve())
     index["index_path"] = str(index_path.resolve())
     index["seconds"] = round(time.perf_counter() - t0, 3)
+    # shards encoded by other processes (Ray workers); not in index.json, which holds only the data
+    index["shards_encoded_elsewhere"] = sum(part["pid"] != os.getpid() for part in parts)
     log.info("tokens: train %d tokens / %d docs, val %d tokens / %d docs (%s) in %.1fs",
              stats["train"]["tokens"], stats["train"]["docs"], stats["val"]["tokens"],
              stats["val"]["docs"], dtype.name, index["seconds"])

@@ -1,7 +1,8 @@
 """Training metrics from rank 0: a console line, train_log.jsonl, MLflow, and Prefect events.
 
-Every step goes to train_log.jsonl and (buffered, flushed with log_batch every `log_every` steps
-and at the end) to MLflow with its step number, so the MLflow history holds every step too.
+Every step goes to the console, to train_log.jsonl and (buffered, flushed with log_batch every
+`log_every` steps and at the end) to MLflow with its step number, so the MLflow history holds
+every step too.
 MLflow is used only when a run id is given (the launcher passes MLFLOW_TRACKING_URI and
 MLFLOW_RUN_ID); a failed flush keeps the buffer and retries at the next one.
 """
@@ -56,11 +57,11 @@ class MetricsLogger:
             ts = int(time.time() * 1000)
             self._pending += [Metric(MLFLOW_KEYS.get(k, k), float(v), ts, step)
                               for k, v in values.items() if isinstance(v, (int, float))]
+        parts = [f"step {step:5d}/{self.max_steps}"]
+        for k, v in values.items():
+            parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
+        print(" | ".join(parts), flush=True)
         if step == 1 or step % self.log_every == 0 or step == self.max_steps:
-            parts = [f"step {step:5d}/{self.max_steps}"]
-            for k, v in values.items():
-                parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
-            print(" | ".join(parts), flush=True)
             self.flush()
 
     def rewind(self, step: int) -> None:

@@ -132,6 +132,18 @@ def parallelize(model: GPT, tcfg, device: torch.device) -> torch.nn.Module:
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
+def describe_built(model: GPT, wrapped: torch.nn.Module) -> str:
+    """What parallelize actually built, for the start-up line (the config only says what was
+    asked for): the wrapper, how many parameters are sharded DTensors, how many blocks compiled."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    sharded = sum(isinstance(p, DTensor) for p in params)
+    compiled = sum(getattr(b, "_compiled_call_impl", None) is not None for b in model.blocks)
+    return (f"built {type(wrapped).__name__}: {sharded}/{len(params)} parameters sharded, "
+            f"{compiled}/{len(model.blocks)} blocks compiled")
+
+
 def autocast_context(tcfg, device: torch.device):
     """bf16 autocast for DDP (weights stay fp32); FSDP2 casts through its MixedPrecisionPolicy."""
     if tcfg.dtype == "bf16" and tcfg.parallelism == "ddp":
@@ -250,6 +262,7 @@ def train(cfg: PipelineConfig, args: argparse.Namespace) -> int:
               f"global batch {G} x {gcfg.seq_len} tokens ({accum} micro-batch(es) per rank) | "
               f"train split {index['splits']['train']['tokens']:,} tokens | steps {start_step + 1}..{tcfg.max_steps}",
               flush=True)
+        print(f"[train] {describe_built(model, wrapped)}", flush=True)
 
     meta_base = {
         "model": gcfg.to_dict(),
@@ -312,6 +325,9 @@ def train(cfg: PipelineConfig, args: argparse.Namespace) -> int:
                 with autocast_context(tcfg, device):
                     logits, _ = wrapped(x, doc_ids=doc_ids, positions=positions)
                     loss, ce, z = lm_loss(logits, y, tcfg.z_loss)
+                if rank == 0 and micro == 0 and step == start_step + 1:  # what the forward really ran in
+                    print(f"[train] forward computes in {logits.dtype}; the optimizer updates "
+                          f"{optimizer.param_groups[0]['params'][0].dtype} weights", flush=True)
                 if corrupt:
                     loss, ce = loss * 100.0, ce * 100.0
                 (loss / accum).backward()
