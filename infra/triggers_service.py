@@ -32,7 +32,8 @@ def triggers_spec(stack_cfg, lineage_cfg=None, port: int | None = None) -> stack
         # a triggered run waits up to one poll for the runner to pick it up (Prefect's default: 10 s)
         "PREFECT_RUNNER_POLL_FREQUENCY": "2",
         # /health turns 503 after this many missed polls; at 2 s a poll, the default (2) calls a
-        # runner dead when the Prefect server is merely slow for 4 s (a loaded machine)
+        # runner dead when the Prefect server is merely slow for 4 s (a loaded machine). The cost:
+        # a runner that really hangs shows as unhealthy only after 60 s
         "PREFECT_RUNNER_SERVER_MISSED_POLLS_TOLERANCE": "30",
         "PREFECT_HOME": str(stack.state_dir(stack_cfg) / "prefect-client"),
     }

@@ -111,6 +111,8 @@ def test_registry_champion_alias_and_gate(tiny, mlflow_store):
     promote(uri, "crucible-test", 2, "checked by the test")
     assert get_champion(uri, "crucible-test")["val_loss"] == 5.1
     assert str(client.get_model_version_by_alias("crucible-test", "champion").version) == "2"
+    assert client.get_model_version("crucible-test", "1").tags["deployment.status"] == "superseded"
+    assert client.get_model_version("crucible-test", "2").tags["deployment.status"] == "champion"
     assert not list(Path.cwd().glob("mlruns")) and not list(Path.cwd().glob("mlflow.db")), \
         "nothing may land in the working directory"
 

@@ -161,7 +161,9 @@ def test_retention_manifest_and_metrics(reference):
     copy = reference.parent / "reference-corrupted"
     shutil.copytree(reference, copy)
     shard = sorted((copy / "checkpoints" / ckpts[-1].name).glob("*.distcp"))[0]
-    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))  # one bit flipped
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # one bit flipped
+    shard.write_bytes(bytes(data))
     assert latest_checkpoint(copy).name == ckpts[0].name
 
 
@@ -267,7 +269,7 @@ def test_loss_spike_skip_and_rollback(work, index, monkeypatch):
     assert [r["data_start"] for r in log] == [8 * i for i in range(8)] + [8 * i for i in range(10, 18)]
     assert [r["step"] for r in log if r.get("skipped")] == [11]
     # a skipped batch changes nothing: weights and optimizer moments after step 11 are those after step 10
-    before, after = (_flat(_full_state(out / "checkpoints" / f"step-0000{n}", work / f"spike-{n}.pt"))
+    before, after = (_flat(_full_state(out / "checkpoints" / f"step-{n:06d}", work / f"spike-{n}.pt"))
                      for n in (10, 11))
     tensors = [k for k, v in before.items() if torch.is_tensor(v) and (k.startswith("model.") or ".exp_avg" in k)]
     assert len(tensors) > 16 and any(".exp_avg_sq" in k for k in tensors)

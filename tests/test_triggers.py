@@ -105,16 +105,19 @@ def _event(name: str, resource: dict, payload: dict) -> dict:
 
 
 def _wait(what: str, fn, timeout: float, every: float = 1.0):
-    """Poll fn until it returns something truthy. A poll that times out or loses its connection is
-    retried: on a 2-core machine the evaluations it waits for can hold up the server for a while, and
-    a watcher should outlast that, as Prefect's own client does. Only the overall deadline fails."""
+    """Poll fn until it returns something truthy. A poll that times out, loses its connection or
+    gets a 5xx answer is retried: on a 2-core machine the evaluations it waits for can hold up the
+    server for a while, and a watcher should outlast that, as Prefect's own client does. Only the
+    overall deadline fails."""
     deadline = time.monotonic() + timeout
     last_error = None
     while time.monotonic() < deadline:
         started = time.monotonic()
         try:
             got = fn()
-        except httpx.TransportError as e:
+        except (httpx.TransportError, httpx.HTTPStatusError) as e:
+            if isinstance(e, httpx.HTTPStatusError) and e.response.status_code < 500:
+                raise
             last_error, got = e, None
             print(f"\npolling for {what}: {type(e).__name__} after {time.monotonic() - started:.1f}s; retrying")
         if got:
@@ -146,8 +149,11 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
             r = c.get(f"/deployments/name/{name}")
             assert r.status_code == 200, r.text
             deps[name.split("/")[0]] = r.json()["id"]
-        autos = _wait("automations", lambda: [a for a in c.post("/automations/filter", json={}).json()
-                                              if a["enabled"]] if len(c.post("/automations/filter", json={}).json()) >= 2 else None, 60)
+        def enabled_automations():
+            found = c.post("/automations/filter", json={}).raise_for_status().json()
+            return [a for a in found if a["enabled"]] if len(found) >= 2 else None
+
+        autos = _wait("automations", enabled_automations, 120)
         assert len(autos) >= 2
         # let the server's trigger service load the new automations: no API tells when it has;
         # its periodic reconcile runs every 5 s, so this covers two passes
@@ -159,7 +165,8 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
         assert c.post("/events", json=events).status_code in (200, 204)
 
         def runs(dep_id):
-            return c.post("/flow_runs/filter", json={"flow_runs": {"deployment_id": {"any_": [dep_id]}}}).json()
+            return c.post("/flow_runs/filter", json={"flow_runs": {"deployment_id": {"any_": [dep_id]}}}
+                          ).raise_for_status().json()
 
         def finished(dep_id, n):
             rs = runs(dep_id)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import socket
 
 
-_given: set[int] = set()  # ports this process handed out: a caller often takes several before binding any
+_ports_handed_out: set[int] = set()  # ports this process handed out: a caller often takes several before binding any
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -14,6 +14,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
-        if port not in _given:
-            _given.add(port)
+        if port not in _ports_handed_out:
+            _ports_handed_out.add(port)
             return port

@@ -193,10 +193,13 @@ def _drop_challenger(client: MlflowClient, model_name: str, version: int) -> Non
 def promote(tracking_uri: str, model_name: str, version: int, verified: str) -> None:
     """Move `champion` to a verified challenger; `verified` says how (tag deployment.verified)."""
     client = _client(tracking_uri)
+    previous = get_champion(tracking_uri, model_name)
     client.set_model_version_tag(model_name, str(version), "deployment.verified", verified)
     # status tag first: whoever finds the version by the alias already sees it as champion
     client.set_model_version_tag(model_name, str(version), "deployment.status", ALIAS)
     client.set_registered_model_alias(model_name, ALIAS, str(version))
+    if previous is not None and previous["version"] != int(version):  # one version tagged champion
+        client.set_model_version_tag(model_name, str(previous["version"]), "deployment.status", "superseded")
     _drop_challenger(client, model_name, version)
 
 
