@@ -2,6 +2,7 @@
 directory is on sys.path and they import it as `from _common import ...`."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -19,3 +20,9 @@ def write_result(path: str | Path, result: dict, **json_options) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, **{"indent": 2, **json_options}) + "\n")
+
+
+def add_int_options(ap: argparse.ArgumentParser, **defaults: int) -> None:
+    """One `--name N` option per keyword (underscores become dashes), defaulting to the keyword's value."""
+    for name, default in defaults.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)

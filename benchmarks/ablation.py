@@ -31,17 +31,26 @@ def main() -> int:
     ap.add_argument("--from", dest="from_json", help="report an existing ablation.json instead of running")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "ablation.json"))
     args = ap.parse_args()
-    if args.from_json:
-        result = json.loads(Path(args.from_json).read_text())
-    else:
-        from tasks.ablate import run_ablation
-        from tasks.config import load_config
+    result = json.loads(Path(args.from_json).read_text()) if args.from_json else run(args.config, args.overrides)
+    out = summarise(args, result)
+    print_summary(out)
+    write_result(args.out, out)
+    return 0
 
-        work = Path(tempfile.mkdtemp(prefix="crucible-ablation-"))
-        cfg = load_config(args.config, [f"run_root={work / 'runs'}", *args.overrides])
-        result = run_ablation(cfg, work / "ablate", f"sqlite:///{work / 'mlflow.db'}")
-    arms = result["arms"]
-    out = {
+
+def run(config: str, overrides: list[str]) -> dict:
+    """The ablation on `config`, in a fresh temporary work directory (kept for ablation_bound.py)."""
+    from tasks.ablate import run_ablation
+    from tasks.config import load_config
+
+    work = Path(tempfile.mkdtemp(prefix="crucible-ablation-"))
+    cfg = load_config(config, [f"run_root={work / 'runs'}", *overrides])
+    return run_ablation(cfg, work / "ablate", f"sqlite:///{work / 'mlflow.db'}")
+
+
+def summarise(args: argparse.Namespace, result: dict) -> dict:
+    """The figures of an ablation.json worth keeping in benchmarks/results/."""
+    return {
         "benchmark": "ablation",
         "config": args.config,
         "overrides": args.overrides,
@@ -60,16 +69,17 @@ def main() -> int:
                        "heldout_loss": a["heldout_loss"], "heldout_perplexity": a["heldout_perplexity"],
                        "curate_docs_in": a["curate"]["docs_in"], "curate_docs_out": a["curate"]["docs_out"],
                        "quality_docs_out": a["quality"]["docs_out"],
-                       "by_source": a["corpus"].get("by_source", {})} for arm, a in arms.items()},
+                       "by_source": a["corpus"].get("by_source", {})} for arm, a in result["arms"].items()},
         "seconds": result.get("seconds"),
     }
+
+
+def print_summary(out: dict) -> None:
     print(f"{'arm':<14}{'docs':>7}{'train tokens':>14}{'epochs':>8}{'held-out loss':>15}")
     for arm, a in out["arms"].items():
         print(f"{arm:<14}{a['docs']:>7}{a['train_tokens_available']:>14,}{a['epochs']:>8.2f}{a['heldout_loss']:>15.4f}")
     print(f"relative improvement of curated over langid-only: {100 * out['relative_improvement']:.2f} % "
           f"(target ≥ {100 * out['target_improvement']:.0f} %: {'met' if out['meets_target'] else 'MISSED'})")
-    write_result(args.out, out)
-    return 0
 
 
 if __name__ == "__main__":

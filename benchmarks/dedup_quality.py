@@ -32,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import data_root, write_result
+from _common import add_int_options, data_root, write_result
 from tasks.config import DedupConfig, MinHashConfig
-from tasks.dedup.cli import dedup_texts
+from tasks.dedup.texts import dedup_texts
 from tasks.dedup.minhash import MinHasher, band_keys, shingles
 
 HERE = Path(__file__).resolve().parent
@@ -128,12 +128,9 @@ def prf(pred: set, truth: set) -> dict:
 def main(argv=None) -> dict:
     data = data_root()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--bases", type=int, default=300)
-    ap.add_argument("--variants", type=int, default=4)
+    add_int_options(ap, bases=300, variants=4)
     ap.add_argument("--threshold", type=float, default=0.8)
-    ap.add_argument("--bands", type=int, default=14)
-    ap.add_argument("--rows", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
+    add_int_options(ap, bands=14, rows=8, seed=0)
     ap.add_argument("--hash", choices=["fast", "sha1"], default="fast", help="shingle hash (minhash.hash)")
     ap.add_argument("--out", default=str(HERE / "results" / "dedup_quality.json"))
     args = ap.parse_args(argv)

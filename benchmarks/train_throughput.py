@@ -37,7 +37,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from _common import write_result  # noqa: E402
+from _common import add_int_options, write_result  # noqa: E402
 from tasks.config import TrainConfig  # noqa: E402
 from tasks.train.data import GlobalWindows  # noqa: E402
 from tasks.train.model import GPT, GPTConfig  # noqa: E402
@@ -203,12 +203,7 @@ def summarise(times: list[float], tokens_per_step: int, fpt: int) -> dict:
 
 def add_model_size_args(ap: argparse.ArgumentParser) -> None:
     """The model and batch size the training benchmarks run at (this one and checkpoint.py)."""
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--n-layer", type=int, default=4)
-    ap.add_argument("--n-head", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=4096)
+    add_int_options(ap, d_model=256, n_layer=4, n_head=4, seq_len=256, batch=8, vocab=4096)
 
 
 def model_size_setup(a: argparse.Namespace) -> tuple[np.ndarray, TrainConfig, GPTConfig]:

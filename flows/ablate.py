@@ -16,20 +16,20 @@ from pathlib import Path
 
 from prefect import flow
 
+from flows.cli import run_flow_cli
+from flows.run_context import new_run_name, open_run
+from flows.stage_task import run_stage_task
 from tasks.ablate.run import ablation_scope
 from tasks.config import PipelineConfig
-from tasks.core.cli import run_flow_cli
-from tasks.pipeline_run import new_run_name, open_run
-from tasks.prefect_tasks import ablate_curation
 
 
 @flow(name="ablate")
 def ablate(config: dict, run_name: str | None = None) -> dict:
     cfg = PipelineConfig.model_validate(config)
-    ctx = open_run(cfg, run_name).model_copy(update={"root_job": "ablate"})
-    with ablation_scope(cfg, ctx):
-        result = ablate_curation(config, ctx)
-    return {**result, "run_name": ctx.run_name, "run_dir": ctx.run_dir, "lineage_log": ctx.lineage_log}
+    run = open_run(cfg, run_name).model_copy(update={"root_job": "ablate"})
+    with ablation_scope(cfg, run):
+        result = run_stage_task("ablate", cfg, run)
+    return {**result.data, "run_name": run.run_name, "run_dir": run.run_dir, "lineage_log": run.lineage_log}
 
 
 def run_ablation_flow(cfg: PipelineConfig, out: str | Path | None = None, run_name: str | None = None) -> dict:

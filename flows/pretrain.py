@@ -9,10 +9,11 @@ evaluation of every checkpoint → gated deployment.
     ├── evaluate          evaluate_checkpoint × N
     └── deploy            gate_register_serve       (best passing checkpoint)
 
-Run it with `crucible run CONFIG` (against the local stack) or `python -m flows.pretrain CONFIG`.
-With the stack's triggers service up, the event-triggered flows (flows/triggers.py) evaluate and
-deploy the checkpoints while training runs; `evaluate` and `deploy` then collect their results
-instead of doing the work again. Without it they evaluate and deploy directly.
+Each task is a registered stage (tasks/registry.py) run by flows/stage_task.py. Run it with
+`crucible run CONFIG` (against the local stack) or `python -m flows.pretrain CONFIG`. With the
+stack's triggers service up, the event-triggered flows (flows/triggers.py) evaluate and deploy the
+checkpoints while training runs; `evaluate` and `deploy` then collect their results instead of
+doing the work again. Without it they evaluate and deploy directly.
 """
 from __future__ import annotations
 
@@ -22,85 +23,81 @@ from pathlib import Path
 
 from prefect import flow
 
+from flows.cli import run_flow_cli
+from flows.run_context import RunContext, new_run_name, open_run, pretrain_scope
+from flows.stage_task import flow_lineage, run_stage_task
 from flows.triggers import triggers_active
 from tasks.config import PipelineConfig
-from tasks.core.cli import run_flow_cli
-from tasks.pipeline_run import RunContext, new_run_name, open_run, pretrain_scope
-from tasks.prefect_tasks import (
-    encode_and_pack,
-    evaluate_one,
-    filter_and_dedup,
-    flow_lineage,
-    gate_register_serve,
-    ingest_sources,
-    plan_training,
-    quality_filter,
-    torchrun_train,
-    train_bpe,
-)
+from tasks.core.layout import RunLayout
+from tasks.core.stage import (DeployResult, DocumentsResult, EvalResult, PlanResult, StageInputs, TokenizerResult,
+                              TokensResult, TrainResult)
 
 
 @flow(name="curate")
-def curate(config: dict, ctx: RunContext) -> dict:
-    with flow_lineage(PipelineConfig.model_validate(config), ctx):
-        ingested = ingest_sources(config, ctx)
-        curated = filter_and_dedup(config, ctx, ingested["shards"])
-        scored = quality_filter(config, ctx, curated["shards"])
-    return {"ingest": ingested, "curate": curated, "quality": scored}
+def curate(cfg: PipelineConfig, run: RunContext) -> tuple[DocumentsResult, DocumentsResult, DocumentsResult]:
+    with flow_lineage(cfg, run):
+        ingested = run_stage_task("ingest", cfg, run)
+        curated = run_stage_task("curate", cfg, run, StageInputs(shards=ingested.shards))
+        scored = run_stage_task("quality", cfg, run, StageInputs(shards=curated.shards))
+    return ingested, curated, scored
 
 
 @flow(name="train_tokenizer")
-def train_tokenizer(config: dict, ctx: RunContext, shards: list[str]) -> dict:
-    with flow_lineage(PipelineConfig.model_validate(config), ctx):
-        return train_bpe(config, ctx, shards)
+def train_tokenizer(cfg: PipelineConfig, run: RunContext, shards: list[str]) -> TokenizerResult:
+    with flow_lineage(cfg, run):
+        return run_stage_task("tokenizer", cfg, run, StageInputs(shards=shards))
 
 
 @flow(name="prepare_tokens")
-def prepare_tokens(config: dict, ctx: RunContext, tokenizer_path: str, shards: list[str]) -> dict:
-    with flow_lineage(PipelineConfig.model_validate(config), ctx):
-        return encode_and_pack(config, ctx, tokenizer_path, shards)
+def prepare_tokens(cfg: PipelineConfig, run: RunContext, tokenizer: str, shards: list[str]) -> TokensResult:
+    with flow_lineage(cfg, run):
+        return run_stage_task("tokens", cfg, run, StageInputs(tokenizer=tokenizer, shards=shards))
 
 
 @flow(name="train")
-def train(config: dict, ctx: RunContext, tokens_index: str) -> dict:
-    with flow_lineage(PipelineConfig.model_validate(config), ctx):
-        plan = plan_training(config, ctx, tokens_index)
-        return dict(torchrun_train(config, ctx, tokens_index), plan=plan)
+def train(cfg: PipelineConfig, run: RunContext, tokens_index: str) -> tuple[PlanResult, TrainResult]:
+    with flow_lineage(cfg, run):
+        inputs = StageInputs(tokens_index=tokens_index)
+        plan = run_stage_task("plan", cfg, run, inputs)
+        return plan, run_stage_task("train", cfg, run, inputs)
 
 
 @flow(name="evaluate")
-def evaluate(config: dict, ctx: RunContext, checkpoints: list[str], tokenizer_path: str, tokens_index: str,
-             train_mlflow_run_id: str | None = None) -> list[dict]:
-    with flow_lineage(PipelineConfig.model_validate(config), ctx):
-        return [evaluate_one(config, ctx, c, tokenizer_path, tokens_index, train_mlflow_run_id) for c in checkpoints]
+def evaluate(cfg: PipelineConfig, run: RunContext, checkpoints: list[str], tokenizer: str, tokens_index: str,
+             train_run_id: str | None = None) -> list[EvalResult]:
+    with flow_lineage(cfg, run):
+        return [run_stage_task("evaluate", cfg, run, StageInputs(
+            checkpoint=c, tokenizer=tokenizer, tokens_index=tokens_index, train_run_id=train_run_id))
+            for c in checkpoints]
 
 
 @flow(name="deploy")
-def deploy(config: dict, ctx: RunContext, evaluations: list[dict], tokenizer_path: str,
-           train_mlflow_run_id: str | None = None) -> dict:
-    with flow_lineage(PipelineConfig.model_validate(config), ctx):
-        best = min(evaluations, key=lambda e: e["val_loss"])
-        return gate_register_serve(config, ctx, best, tokenizer_path, train_mlflow_run_id)
+def deploy(cfg: PipelineConfig, run: RunContext, evaluations: list[EvalResult], tokenizer: str,
+           train_run_id: str | None = None) -> DeployResult:
+    with flow_lineage(cfg, run):
+        best = min(evaluations, key=lambda e: e.val_loss)
+        return run_stage_task("deploy", cfg, run, StageInputs(
+            evaluation=best.data, tokenizer=tokenizer, train_run_id=train_run_id))
 
 
 @flow(name="pretrain")
 def pretrain(config: dict, run_name: str | None = None) -> dict:
+    """`config` is the resolved pipeline config as JSON (what a deployment or the UI passes); it is
+    validated once, here, and the subflows get the validated PipelineConfig."""
     cfg = PipelineConfig.model_validate(config)
-    ctx = open_run(cfg, run_name)
     # with the stack's triggers service up, its flows evaluate and deploy each checkpoint as it is
     # saved; evaluate/deploy below then collect their results instead of doing the work again
-    ctx = ctx.model_copy(update={"triggered": triggers_active(cfg)})
-    with pretrain_scope(cfg, ctx) as summary:
-        data = curate(config, ctx)
-        shards = data["quality"]["shards"]
-        tok = train_tokenizer(config, ctx, shards)
-        tokens = prepare_tokens(config, ctx, tok["path"], shards)
-        trained = train(config, ctx, tokens["index_path"])
-        evals = evaluate(config, ctx, trained["checkpoints"], tok["path"], tokens["index_path"],
-                         trained.get("mlflow_run_id"))
-        deployed = deploy(config, ctx, evals, tok["path"], trained.get("mlflow_run_id"))
-        summary.record(ingest=data["ingest"], curate=data["curate"], quality=data["quality"], tokenizer=tok, tokens=tokens,
-                       plan=trained.pop("plan"), train=trained, evaluate=evals, deploy=deployed)
+    run = open_run(cfg, run_name).model_copy(update={"triggered": triggers_active(cfg)})
+    with pretrain_scope(cfg, run) as summary:
+        ingested, curated, scored = curate(cfg, run)
+        tok = train_tokenizer(cfg, run, scored.shards)
+        tokens = prepare_tokens(cfg, run, tok.path, scored.shards)
+        plan, trained = train(cfg, run, tokens.index_path)
+        evals = evaluate(cfg, run, trained.checkpoints, tok.path, tokens.index_path, trained.mlflow_run_id)
+        deployed = deploy(cfg, run, evals, tok.path, trained.mlflow_run_id)
+        summary.record(ingest=ingested.data, curate=curated.data, quality=scored.data, tokenizer=tok.data,
+                       tokens=tokens.data, plan=plan.data, train=trained.data, evaluate=[e.data for e in evals],
+                       deploy=deployed.data)
     return summary.as_dict()
 
 
@@ -121,7 +118,7 @@ def run_pipeline(cfg: PipelineConfig, summary_path: str | Path | None = None, ru
 
 def _failed_summary(cfg: PipelineConfig, run_name: str, state) -> dict:
     """The summary the flow wrote before failing, else a minimal one."""
-    path = Path(cfg.run_root) / run_name / "summary.json"
+    path = RunLayout.for_run(cfg.run_root, run_name).summary_file
     summary = json.loads(path.read_text()) if path.exists() else {"run_name": run_name, "stages": {}}
     summary["status"] = "FAILED"
     summary.setdefault("error", state.message)

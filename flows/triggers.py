@@ -23,8 +23,8 @@ config_path, if the training worker ever sends them, take precedence.
 
 Evaluations of one run never run two at a time: each holds a slot of the Prefect global
 concurrency limit `crucible-eval-<run_name>` (limit 1, created on first use). A failed evaluation
-is retried (task retries, exponential backoff with jitter; CRUCIBLE_EVAL_RETRIES, default 2, and
-CRUCIBLE_EVAL_RETRY_BACKOFF seconds, default 10). Reports go to run_dir/evaluate/triggered/ (with
+is retried (task retries, exponential backoff with jitter; the run config's stack.eval_retries,
+default 2, and stack.eval_retry_backoff seconds, default 10). Reports go to run_dir/evaluate/triggered/ (with
 the gate's verdict under "gate"; a failed gate is also recorded on the training run), deploy
 results to run_dir/deploy/triggered/ (tasks/deploy/triggered.py). Each evaluation updates the
 run's Prefect table artifact comparing all its checkpoints (key eval-checkpoints-<run>).
@@ -47,15 +47,11 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-log = logging.getLogger("crucible.triggers")
+from flows.artifacts import publish_eval_table
+from tasks.core.constants import (CHECKPOINT_EVENT, DEPLOY_FLOW, DEPLOYED_EVENT, EVAL_EVENT, EVAL_FLOW)
+from tasks.core.layout import RunLayout
 
-CHECKPOINT_EVENT = "crucible.checkpoint.saved"  # = tasks.train.metrics.CHECKPOINT_EVENT
-EVAL_EVENT = "crucible.eval.completed"
-DEPLOYED_EVENT = "crucible.model.deployed"
-EVAL_DEPLOYMENT = "evaluate-checkpoint/evaluate-checkpoint"
-DEPLOY_DEPLOYMENT = "deploy-model/deploy-model"
-EVAL_RETRIES = int(os.environ.get("CRUCIBLE_EVAL_RETRIES", "2"))
-EVAL_RETRY_BACKOFF = float(os.environ.get("CRUCIBLE_EVAL_RETRY_BACKOFF", "10"))
+log = logging.getLogger("crucible.triggers")
 
 
 def _none(v):
@@ -66,14 +62,11 @@ def _none(v):
 def run_paths(checkpoint: str | Path, payload: dict | None = None) -> dict:
     """{run_dir, config, tokenizer, tokens_index, checkpoint} of a checkpoint in a pipeline run."""
     payload = payload or {}
-    ckpt = Path(checkpoint).resolve()
-    if ckpt.parent.name != "checkpoints" or ckpt.parent.parent.name != "train":
-        raise ValueError(f"{ckpt} is not a pipeline checkpoint (run_dir/train/checkpoints/step-N)")
-    run_dir = ckpt.parent.parent.parent
-    return {"run_dir": str(run_dir), "checkpoint": str(ckpt),
-            "config": str(_none(payload.get("config_path")) or run_dir / "config.json"),
-            "tokenizer": str(_none(payload.get("tokenizer")) or run_dir / "tokenizer" / "tokenizer.json"),
-            "tokens_index": str(_none(payload.get("tokens_index")) or run_dir / "tokens" / "index.json")}
+    layout = RunLayout.of_checkpoint(checkpoint)
+    return {"run_dir": str(layout.run_dir), "checkpoint": str(Path(checkpoint).resolve()),
+            "config": str(_none(payload.get("config_path")) or layout.config_file),
+            "tokenizer": str(_none(payload.get("tokenizer")) or layout.tokenizer_file),
+            "tokens_index": str(_none(payload.get("tokens_index")) or layout.tokens_index)}
 
 
 def _load_cfg(path: str):
@@ -83,7 +76,7 @@ def _load_cfg(path: str):
 
 
 def _tracking_uri(cfg) -> str:
-    from tasks.pipeline_run import default_tracking_uri
+    from flows.run_context import default_tracking_uri
 
     return default_tracking_uri(cfg)
 
@@ -138,8 +131,7 @@ def _emit(event: str, resource: dict, payload: dict) -> None:
     EventsWorker.drain_all(timeout=10)
 
 
-@task(name="evaluate", retries=EVAL_RETRIES, retry_delay_seconds=exponential_backoff(backoff_factor=EVAL_RETRY_BACKOFF),
-      retry_jitter_factor=0.2, cache_policy=NO_CACHE, persist_result=False)
+@task(name="evaluate", retry_jitter_factor=0.2, cache_policy=NO_CACHE, persist_result=False)
 def evaluate_task(paths: dict, run_id: str | None) -> dict:
     from tasks.evaluate import evaluate_checkpoint
 
@@ -147,14 +139,18 @@ def evaluate_task(paths: dict, run_id: str | None) -> dict:
     for key in ("checkpoint", "tokenizer", "tokens_index"):
         if not Path(paths[key]).exists():
             raise FileNotFoundError(f"{key} {paths[key]} does not exist")
-    from tasks.deploy.triggered import eval_report_path
-
-    report = eval_report_path(paths["run_dir"], paths["checkpoint"])
+    report = RunLayout(paths["run_dir"]).triggered_eval_report(paths["checkpoint"])
     return evaluate_checkpoint(cfg, Path(paths["checkpoint"]), Path(paths["tokenizer"]), Path(paths["tokens_index"]),
                                report, tracking_uri=_tracking_uri(cfg), run_id=run_id)
 
 
-@flow(name="evaluate-checkpoint", log_prints=True)
+def retried(evaluate, stack_cfg):
+    """The evaluation task with the run config's retries (stack.eval_retries, exponential backoff)."""
+    return evaluate.with_options(retries=stack_cfg.eval_retries, retry_delay_seconds=exponential_backoff(
+        backoff_factor=stack_cfg.eval_retry_backoff)(stack_cfg.eval_retries))
+
+
+@flow(name=EVAL_FLOW, log_prints=True)
 def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run_name: str | None = None,
                              run_id: str | None = None, tokenizer: str | None = None,
                              tokens_index: str | None = None, config_path: str | None = None) -> dict:
@@ -164,16 +160,15 @@ def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run
     from tasks.deploy import gate
     from tasks.deploy.registry import champion_val_loss, record_gate
     from tasks.deploy.triggered import write_gate
-    from tasks.prefect_tasks import publish_eval_table
 
     run_id, run_name = _none(run_id), _none(run_name)
     paths = run_paths(checkpoint, {"tokenizer": tokenizer, "tokens_index": tokens_index, "config_path": config_path})
     run_name = run_name or Path(paths["run_dir"]).name
+    cfg = _load_cfg(paths["config"])
     limit = eval_limit_name(run_name)
     _ensure_limit(limit)
     with concurrency(limit, occupy=1, strict=True):
-        report = evaluate_task(paths, run_id)
-    cfg = _load_cfg(paths["config"])
+        report = retried(evaluate_task, cfg.stack)(paths, run_id)
     champion_loss = champion_val_loss(_tracking_uri(cfg), cfg.deploy.model_name)
     decision = gate(cfg.deploy, report, champion_loss)
     write_gate(report, decision, champion_loss)
@@ -191,7 +186,7 @@ def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run
     return payload
 
 
-@flow(name="deploy-model", log_prints=True)
+@flow(name=DEPLOY_FLOW, log_prints=True)
 def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = None, run_id: str | None = None,
                       tokenizer: str | None = None) -> dict:
     """Gate against the current champion, register, alias champion, serve (swap in place)."""
@@ -201,10 +196,12 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
     paths = run_paths(checkpoint, {"tokenizer": tokenizer})
     cfg = _load_cfg(paths["config"])
     evaluation = json.loads(Path(report_path).read_text())
-    from tasks.deploy.triggered import deploy_record_path, write_json_atomic
+    from flows.stage_task import serve_model
+    from tasks.core.io import write_json_atomic
 
-    result = deploy_if_better(cfg, _tracking_uri(cfg), evaluation, Path(paths["tokenizer"]), run_id)
-    write_json_atomic(deploy_record_path(paths["run_dir"], paths["checkpoint"]), result)
+    result = deploy_if_better(cfg, _tracking_uri(cfg), evaluation, Path(paths["tokenizer"]), run_id,
+                              serve_model=serve_model)
+    write_json_atomic(RunLayout(paths["run_dir"]).triggered_deploy_record(paths["checkpoint"]), result)
     if result.get("version") is not None:
         _emit(DEPLOYED_EVENT, {"prefect.resource.id": f"crucible.model.{result['model_name']}.{result['version']}"},
               {k: result.get(k) for k in ("model_name", "version", "checkpoint", "val_loss", "endpoint")})
@@ -216,7 +213,7 @@ def build_deployments() -> list:
     from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
 
     evaluate = evaluate_checkpoint_flow.to_deployment(
-        name="evaluate-checkpoint", tags=["crucible"],
+        name=EVAL_FLOW, tags=["crucible"],
         description="Evaluate a checkpoint when training saves it (crucible.checkpoint.saved).",
         triggers=[DeploymentEventTrigger(
             name="on-checkpoint-saved", expect={CHECKPOINT_EVENT},
@@ -224,7 +221,7 @@ def build_deployments() -> list:
             parameters={"checkpoint": "{{ event.payload.path }}", "step": "{{ event.payload.step }}",
                         "run_name": "{{ event.payload.run_name }}", "run_id": "{{ event.payload.run_id }}"})])
     deploy = deploy_model_flow.to_deployment(
-        name="deploy-model", tags=["crucible"], concurrency_limit=1,
+        name=DEPLOY_FLOW, tags=["crucible"], concurrency_limit=1,
         description="Register and serve an evaluated checkpoint that passed the gate (crucible.eval.completed).",
         triggers=[DeploymentEventTrigger(
             name="on-eval-passed", expect={EVAL_EVENT},

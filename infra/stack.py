@@ -16,7 +16,12 @@ outlives the command that started it; stopping sends SIGTERM to the whole group 
 a timeout. The state directory is `stack.state_dir` (relative to the working directory) unless
 the environment variable CRUCIBLE_STATE_DIR is set.
 
-Only the standard library is imported at module level, so `crucible status` stays fast.
+The specs of the core services (Prefect, MLflow, the lineage service, the triggers service) are
+built here from the config; the model server's spec comes from its supervisor
+(infra/services/model_server), which records it with `write_spec` and starts it with `start_services`.
+
+Only the standard library (and stdlib-only tasks.core modules) is imported at module level, so
+`crucible status` stays fast.
 """
 from __future__ import annotations
 
@@ -37,13 +42,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from tasks.core.constants import (CHECKPOINT_EVENT, DEPLOY_DEPLOYMENT, EVAL_DEPLOYMENT, EVAL_EVENT,
+                                  REPO_ROOT)
+from tasks.core.io import atomic_write_text
+
 STATE_DIR_ENV = "CRUCIBLE_STATE_DIR"
-REPO_ROOT = Path(__file__).resolve().parent.parent
 PREFECT = "prefect"
 MLFLOW = "mlflow"
 MODEL_SERVER = "model_server"
 LINEAGE = "lineage"
-TRIGGERS = "triggers"  # the serve process of the event-triggered deployments (infra/triggers_service.py)
+TRIGGERS = "triggers"  # the serve process of the event-triggered deployments (flows/triggers.py)
 CORE_SERVICES = (PREFECT, MLFLOW, LINEAGE, TRIGGERS)
 STOP_ORDER = (MODEL_SERVER, TRIGGERS, LINEAGE, MLFLOW, PREFECT)
 LINEAGE_URL_ENV = "CRUCIBLE_LINEAGE_URL"  # the lineage service a client process sends events to
@@ -212,21 +220,57 @@ def mlflow_spec(stack_cfg) -> ServiceSpec:
     )
 
 
+def _repo_pythonpath() -> str:
+    """PYTHONPATH for a service that runs this repository's code from the state directory."""
+    return os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+
+
 def lineage_spec(stack_cfg, lineage_cfg=None) -> ServiceSpec:
-    """The lineage service (tasks/lineage/service): FastAPI + SQLite, Marquez-shaped API and page."""
+    """The lineage service (infra/services/lineage): FastAPI + SQLite, Marquez-shaped API and page."""
     lineage_cfg = _lineage_cfg(lineage_cfg)
     db = lineage_db(stack_cfg, lineage_cfg)
     return ServiceSpec(
         name=LINEAGE,
-        cmd=[sys.executable, "-m", "tasks.lineage.service", "--db", str(db),
+        cmd=[sys.executable, "-m", "infra.services.lineage", "--db", str(db),
              "--host", lineage_cfg.service_host, "--port", str(lineage_cfg.service_port),
              "--prefect-ui", prefect_ui_url(stack_cfg), "--mlflow-ui", mlflow_tracking_uri(stack_cfg)],
         host=lineage_cfg.service_host, port=lineage_cfg.service_port, health_path="/healthz",
-        url=lineage_url(lineage_cfg), marker=["tasks.lineage.service", "--db"],
+        url=lineage_url(lineage_cfg), marker=["infra.services.lineage", "--db"],
         # the service is this repository's code: importable from the state directory too
-        env={"PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
-             "DO_NOT_TRACK": "true"},
+        env={"PYTHONPATH": _repo_pythonpath(), "DO_NOT_TRACK": "true"},
         info={"db": str(db), "api_url": lineage_url(lineage_cfg) + "/api/v1"},
+    )
+
+
+def triggers_spec(stack_cfg, lineage_cfg=None, port: int | None = None) -> ServiceSpec:
+    """The event-triggered evaluate/deploy process: `python -m flows.triggers serve --webserver`,
+    prefect's `serve` of the deployments evaluate-checkpoint and deploy-model, whose runs talk to
+    this stack's Prefect and MLflow (client_env). Its health check is the runner's own webserver
+    (GET /health answers 200 while the runner polls the Prefect API; PREFECT_RUNNER_SERVER_*).
+    Started after Prefect is healthy (its deployments register there), stopped before it."""
+    host = stack_cfg.host
+    port = port or stack_cfg.triggers_port
+    env = {
+        **client_env(stack_cfg, lineage_cfg),
+        "PYTHONPATH": _repo_pythonpath(),
+        "PYTHONUNBUFFERED": "1",
+        "PREFECT_RUNNER_SERVER_ENABLE": "true",
+        "PREFECT_RUNNER_SERVER_HOST": host,
+        "PREFECT_RUNNER_SERVER_PORT": str(port),
+        # a triggered run waits up to one poll for the runner to pick it up (Prefect's default: 10 s)
+        "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+        # /health turns 503 after this many missed polls; at 2 s a poll, the default (2) calls a
+        # runner dead when the Prefect server is merely slow for 4 s (a loaded machine). The cost:
+        # a runner that really hangs shows as unhealthy only after 60 s
+        "PREFECT_RUNNER_SERVER_MISSED_POLLS_TOLERANCE": "30",
+        "PREFECT_HOME": str(state_dir(stack_cfg) / "prefect-client"),
+    }
+    return ServiceSpec(
+        name=TRIGGERS,
+        cmd=[sys.executable, "-m", "flows.triggers", "serve", "--webserver"],
+        host=host, port=port, health_path="/health", url=prefect_ui_url(stack_cfg) + "/deployments",
+        marker=["flows.triggers", "serve"], env=env,
+        info={"deployments": [EVAL_DEPLOYMENT, DEPLOY_DEPLOYMENT], "events": [CHECKPOINT_EVENT, EVAL_EVENT]},
     )
 
 
@@ -267,7 +311,7 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _cmdline(pid: int) -> str:
+def process_cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
@@ -280,7 +324,7 @@ def _owned(pid: int, marker: list[str]) -> bool:
         return False
     if not Path("/proc").is_dir():
         return True
-    cmd = _cmdline(pid)
+    cmd = process_cmdline(pid)
     return all(m in cmd for m in marker)
 
 
@@ -315,11 +359,9 @@ def read_spec(stack_cfg, name: str) -> ServiceSpec | None:
         return None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+def write_spec(stack_cfg, spec: ServiceSpec) -> None:
+    """Record how the service is run (run/<name>.json): what `up`, `status` and pid checks read."""
+    atomic_write_text(_spec_path(stack_cfg, spec.name), json.dumps(asdict(spec), indent=2) + "\n", fsync=False)
 
 
 def running_pid(stack_cfg, name: str) -> int | None:
@@ -392,8 +434,8 @@ def _launch(stack_cfg, spec: ServiceSpec) -> int:
         proc = subprocess.Popen(spec.cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                 env=env, cwd=cwd, start_new_session=True, close_fds=True)
     _CHILDREN[proc.pid] = proc
-    _write_atomic(_spec_path(stack_cfg, spec.name), json.dumps(asdict(spec), indent=2) + "\n")
-    _write_atomic(_pid_path(stack_cfg, spec.name), f"{proc.pid}\n")
+    write_spec(stack_cfg, spec)
+    atomic_write_text(_pid_path(stack_cfg, spec.name), f"{proc.pid}\n", fsync=False)
     return proc.pid
 
 
@@ -581,8 +623,6 @@ def up(stack_cfg, timeout: float | None = None, lineage_cfg=None) -> dict:
                 specs.append(model)
         out = {**start_services(stack_cfg, specs, timeout), **out}
         if stack_cfg.triggers:  # its deployments register with Prefect, so it starts once Prefect is healthy
-            from infra.triggers_service import triggers_spec  # lazy: that module imports this one
-
             out.update(start_services(stack_cfg, [triggers_spec(stack_cfg, lineage_cfg)], timeout))
     out["seconds"] = round(time.monotonic() - t0, 2)
     return out
@@ -608,8 +648,6 @@ def status(stack_cfg, lineage_cfg=None) -> dict[str, dict]:
         LINEAGE: service_status(stack_cfg, LINEAGE, lineage_spec(stack_cfg, lineage_cfg)),
     }
     if stack_cfg.triggers:
-        from infra.triggers_service import triggers_spec
-
         out[TRIGGERS] = service_status(stack_cfg, TRIGGERS, triggers_spec(stack_cfg, lineage_cfg))
     if read_spec(stack_cfg, MODEL_SERVER) is not None or _read_pid(stack_cfg, MODEL_SERVER) is not None:
         out[MODEL_SERVER] = service_status(stack_cfg, MODEL_SERVER)

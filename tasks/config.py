@@ -547,6 +547,11 @@ class StackConfig(Section):
     # false: checkpoints are evaluated only by the pretrain flow itself
     triggers: bool = True
     triggers_port: int = Field(default=8610, gt=0, lt=65536)
+    # a failed event-triggered evaluation is retried this often, with exponential backoff (seconds)
+    eval_retries: int = Field(default=2, ge=0)
+    eval_retry_backoff: float = Field(default=10.0, gt=0)
+    # how long the pretrain flow waits for a triggered result before doing the work itself
+    triggered_timeout: float = Field(default=1800.0, gt=0)
     start_timeout: float = Field(default=180.0, gt=0)  # seconds for a service to become healthy
     stop_timeout: float = Field(default=15.0, gt=0)  # seconds between SIGTERM and SIGKILL
 

@@ -14,7 +14,7 @@ from datasketch import LeanMinHash, MinHash, MinHashLSH
 from datasketch.hashfunc import sha1_hash32
 
 from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT
-from tasks.dedup.cli import add_arguments, load_dedup_config, run
+from infra.cli.dedup import add_arguments, load_dedup_config, run
 from tasks.dedup.minhash import MinHasher, UnionFind, fast_hash32, sha1_hash32_many, shingles
 
 DATA = Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
@@ -116,7 +116,7 @@ def _edit(text: str, fraction: float, seed: int) -> str:
 
 def _run_cli(tmp_path: Path, docs: list[dict], config_yaml: str,
              config_name: str = "dedup.yaml") -> tuple[int, list[dict], Path]:
-    """The dedup command (tasks.dedup.cli) on `docs` written as JSONL, with `config_yaml` as its
+    """The dedup command (infra.cli.dedup) on `docs` written as JSONL, with `config_yaml` as its
     --config: its exit code, its output rows in order, and the config file."""
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(d) + "\n" for d in docs))

@@ -30,10 +30,10 @@ def run(tmp_path_factory):
         f"stack.mlflow_port={free_port()}", f"deploy.port={free_port()}", f"run_root={tmp / 'runs'}",
         f"lineage.service_port={free_port()}", f"stack.triggers_port={free_port()}",
         "lineage.http_timeout=30",  # the lineage service answers slowly while training holds both cores
+        "stack.triggered_timeout=600",  # fall back to evaluating directly well before the 1500 s limit
     ]
     sets = [a for o in overrides for a in ("--set", o)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    env["CRUCIBLE_TRIGGERED_TIMEOUT"] = "600"  # fall back to evaluating directly well before the 1500 s limit
     summary_path = tmp / "summary.json"
     proc = subprocess.run(CRUCIBLE + ["run", str(REPO / "configs" / "tiny.yaml"), *sets, "--summary", str(summary_path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)

@@ -1,4 +1,4 @@
-"""`crucible filter` (tasks.curate.cli): decisions per JSONL document, with and without langid."""
+"""`crucible filter` (infra.cli.filter): decisions per JSONL document, with and without langid."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tasks.curate.cli import add_arguments, run
+from infra.cli.filter import add_arguments, run
 
 GOOD = ("The kernel documentation explains how modules are loaded at boot. Each driver registers its devices "
         "with the bus it sits on, and the core then matches drivers to devices by their identifiers. When a "

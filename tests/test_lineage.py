@@ -104,7 +104,7 @@ def test_dataset_facets_and_licences_propagate_to_every_downstream_artifact(tmp_
     shard = _parquet(tmp_path / "ingest" / "shard-00000.parquet", ["web", "docs"])
     em = LineageEmitter(log, "crucible", PRODUCER, owner="team:auditors")
     with em.run(_ref("curate.ingest_sources"), parent=root, job_doc="reads raw files",
-                code_path="tasks/prefect_tasks.py") as run:
+                code_path="tasks/ingest/stage.py") as run:
         run.inputs += [dataset_for_path(p, source=SOURCES[n]) for n, p in raw.items()]
         run.outputs.append(dataset_for_path(shard, output=True, doc="ingested documents"))
     # a later stage, with a new emitter on the same log (as each Prefect task has): its input picks up
@@ -142,7 +142,7 @@ def test_dataset_facets_and_licences_propagate_to_every_downstream_artifact(tmp_
     assert job["ownership"]["owners"][0]["name"] == "team:auditors"
     if git_info()["commit"]:
         loc = job["sourceCodeLocation"]
-        assert loc["type"] == "git" and loc["version"] == git_info()["commit"] and loc["path"] == "tasks/prefect_tasks.py"
+        assert loc["type"] == "git" and loc["version"] == git_info()["commit"] and loc["path"] == "tasks/ingest/stage.py"
         assert loc["url"].startswith(("file://", "https://", "http://", "ssh://"))
     # the tokenizer's input took the shard's licences from the log; the tokenizer and the model version carry them
     bpe_start = events[3]
@@ -205,7 +205,7 @@ def test_down_service_never_fails_the_run_and_replay_fills_it(tmp_path):
     proc, _ = start_service(tmp_path / "lineage.db", port)
     try:
         # the service is back when the run ends: the pretrain flow's epilogue replays the log to it
-        from tasks.pipeline_run import RunContext, finish_lineage
+        from flows.run_context import RunContext, finish_lineage
 
         ctx = RunContext(run_name="run1", run_dir=str(tmp_path / "run1"), lineage_log=str(log),
                          tracking_uri="http://127.0.0.1:5000", experiment="tiny", mlflow_parent_run_id="r",

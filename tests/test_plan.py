@@ -5,7 +5,7 @@ import pytest
 
 from tasks.config import GpuSpec, PipelineConfig, PlanConfig
 from tasks.plan import PlanError, estimate_shape, make_plan
-from tasks.plan.cli import main
+from infra.cli.plan import main
 
 
 def test_chinchilla_tokens_from_params():

@@ -89,7 +89,7 @@ def test_up_idempotent_status_down(stack_cfg, lineage_cfg):
     assert httpx.get(f"{lineage}/api/v1/namespaces/crucible/jobs/j", timeout=10).json()["latestRun"]["state"] \
         == "COMPLETED"
     assert (state / "lineage.db").exists()
-    assert "--prefect-ui" in stack._cmdline(first["lineage"]["pid"])  # the page links Prefect runs
+    assert "--prefect-ui" in stack.process_cmdline(first["lineage"]["pid"])  # the page links Prefect runs
 
     # `crucible status --json` prints exactly {service: {url, healthy, pid}}
     out = subprocess.run([sys.executable, "-m", "infra.cli", "--state-dir", str(state), "status", "--json",
@@ -170,8 +170,8 @@ def test_service_that_never_gets_healthy_times_out_and_is_killed(stack_cfg):
     pid = json.loads((stack.state_dir(cfg) / "run" / "hung.json").read_text())  # spec kept for the record
     assert pid["name"] == "hung"
     assert not (stack.state_dir(cfg) / "run" / "hung.pid").exists()
-    assert not [p for p in os.listdir("/proc") if p.isdigit() and "time.sleep(60)" in stack._cmdline(int(p))
-                and "SIG_IGN" in stack._cmdline(int(p))]
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and "time.sleep(60)" in stack.process_cmdline(int(p))
+                and "SIG_IGN" in stack.process_cmdline(int(p))]
 
 
 def test_marquez_compose_file_binds_loopback_and_uses_official_images():

@@ -266,7 +266,8 @@ def test_sample_fraction_trains_on_fewer_documents(base, tmp_path):
 
 @pytest.mark.e2e
 def test_report_published_to_prefect_and_mlflow(report_run, tmp_path, monkeypatch):
-    """The train_bpe wrapper's publishing step: Prefect markdown + table artifacts, MLflow metrics."""
+    """The tokenizer stage's reports, published by the flows' stage wrapper: Prefect markdown + table
+    artifacts, MLflow metrics."""
     from types import SimpleNamespace
 
     import httpx
@@ -276,18 +277,19 @@ def test_report_published_to_prefect_and_mlflow(report_run, tmp_path, monkeypatc
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
-    from tasks.prefect_tasks import publish_tokenizer_report
+    from flows.artifacts import publish_reports
+    from tasks.tokenizer.stage import publish_report
     from tasks.tracking import Tracker
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
     ctx = SimpleNamespace(tracking_uri=(tmp_path / "mlruns").resolve().as_uri(), experiment="tok-report")
-    run_id = Tracker(ctx.tracking_uri, ctx.experiment).start_run("tokenizer")
+    ctx.mlflow_run_id = run_id = Tracker(ctx.tracking_uri, ctx.experiment).start_run("tokenizer")
     out_dir = Path(report_run["result"]["report_path"]).parent
 
     @flow
     def publish():
-        publish_tokenizer_report(ctx, run_id, out_dir)
+        publish_reports(publish_report(ctx, out_dir))
 
     with prefect_test_harness(server_startup_timeout=180):  # a real temporary Prefect server
         publish()

@@ -18,12 +18,13 @@ import httpx
 import pytest
 import torch
 
-from flows.triggers import EVAL_RETRIES, evaluate_task, run_paths
+from flows.triggers import evaluate_task, retried, run_paths
 from infra import stack
-from infra.triggers_service import triggers_spec
+from infra.stack import triggers_spec
 from lm_helpers import tiny_cfg, tokenizer_artifact, tokens_artifact
 from tasks.config import StackConfig
 from tasks.core.hashing import sha256_file
+from tasks.core.layout import RunLayout
 from tasks.core.net import free_port
 from tasks.train.checkpoint import save_checkpoint
 from tasks.train.model import GPT, GPTConfig
@@ -38,14 +39,17 @@ def test_run_paths_from_checkpoint(tmp_path):
     assert run_paths(run / "train" / "checkpoints" / "step-1", {"tokenizer": "/x/t.json"})["tokenizer"] == "/x/t.json"
     with pytest.raises(ValueError):
         run_paths(tmp_path / "somewhere" / "step-1")
-    assert evaluate_task.retries == EVAL_RETRIES >= 1  # a failed evaluation is retried (with backoff)
+    # a failed evaluation is retried, with backoff, as often as the run's config says
+    assert retried(evaluate_task, StackConfig()).retries == StackConfig().eval_retries >= 1
+    assert retried(evaluate_task, StackConfig(eval_retries=5)).retries == 5
 
 
 def test_checkpoint_table_and_triggered_handover_files(tmp_path):
     """The run's checkpoint table (newest report per step, triggered or direct) and the pretrain
     flow's wait for triggered results: a report without its gate verdict is not taken; a missing
     one times out (-> the flow evaluates itself)."""
-    from tasks.deploy.triggered import await_evaluation, eval_report_path, write_gate, write_json_atomic
+    from tasks.core.io import write_json_atomic
+    from tasks.deploy.triggered import await_evaluation, write_gate
     from tasks.evaluate.compare import checkpoint_rows, table_key
 
     run_dir = tmp_path / "run"
@@ -53,7 +57,7 @@ def test_checkpoint_table_and_triggered_handover_files(tmp_path):
     direct = {"step": 10, "val_loss": 6.0, "perplexity": 403.4, "checkpoint": str(ckpt),
               "task_metrics": {"lambada_acc": 0.1}, "report_path": str(run_dir / "evaluate" / "step-000010.json")}
     write_json_atomic(Path(direct["report_path"]), direct)
-    path = eval_report_path(run_dir, ckpt)
+    path = RunLayout(run_dir).triggered_eval_report(ckpt)
     trig = {**direct, "step": 20, "val_loss": 5.0, "task_metrics": {"hellaswag_acc": 0.3},
             "checkpoint": str(ckpt.with_name("step-000020")), "report_path": str(path.with_name("step-000020.json"))}
     write_json_atomic(Path(trig["report_path"]), trig)
@@ -65,12 +69,12 @@ def test_checkpoint_table_and_triggered_handover_files(tmp_path):
     assert [r["evaluated_by"] for r in rows] == ["pretrain flow", "trigger"]
     assert table_key("Tiny-2026_01 x") == "eval-checkpoints-tiny-2026-01-x"
 
-    assert await_evaluation(run_dir, ckpt, timeout=0.5) is None  # nothing there yet
+    assert await_evaluation(RunLayout(run_dir), ckpt, 0.5) is None  # nothing there yet
     report = {**direct, "report_path": str(path)}
     write_json_atomic(path, report)
-    assert await_evaluation(run_dir, ckpt, timeout=0.5) is None  # not gated yet: still being written
+    assert await_evaluation(RunLayout(run_dir), ckpt, 0.5) is None  # not gated yet: still being written
     write_gate(report, {"passed": False, "reason": "val_loss too high"}, 4.0)
-    got = await_evaluation(run_dir, ckpt, timeout=0.5)
+    got = await_evaluation(RunLayout(run_dir), ckpt, 0.5)
     assert got["gate"] == {"passed": False, "reason": "val_loss too high", "champion_val_loss": 4.0}
     assert checkpoint_rows(run_dir)[0]["gate"] == "failed: val_loss too high"
 
@@ -84,7 +88,8 @@ def _make_run(base: Path, root: Path, store: str) -> tuple[Path, list[Path]]:
     off = {"enabled": False}
     cfg = tiny_cfg(evaluate={"wikitext": off, "lambada": off, "hellaswag": off, "calibration": off,
                              "sample_tokens": 4},
-                   deploy={"max_val_loss": 100.0, "serve": False, "model_name": "trig-model"})
+                   deploy={"max_val_loss": 100.0, "serve": False, "model_name": "trig-model"},
+                   stack={"eval_retry_backoff": 1, "triggered_timeout": 120})
     cfg = cfg.model_copy(update={"run_root": str(root / "runs")})
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     index = json.loads((run_dir / "tokens" / "index.json").read_text())
@@ -135,7 +140,7 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
     stack_cfg = StackConfig(state_dir=str(tmp_path / "state"), prefect_port=free_port(),
                             mlflow_port=free_port(), start_timeout=150, stop_timeout=10)
     spec = triggers_spec(stack_cfg, port=free_port())
-    spec.env.update({"MLFLOW_TRACKING_URI": store, "CRUCIBLE_EVAL_RETRY_BACKOFF": "1"})
+    spec.env.update({"MLFLOW_TRACKING_URI": store})
     api = stack.prefect_api_url(stack_cfg)
     t0 = time.monotonic()
     try:
@@ -218,12 +223,12 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
         assert spikes[0]["payload"] == {"action": "rollback", "step": 9, "run_id": "run-x", "run_name": "trig-run",
                                         "to_checkpoint": "step-000008", "skipped_data": [64, 80]}
         assert spikes[0]["resource"]["crucible.action"] == "rollback"
-        reports = [await_evaluation(run_dir, p, timeout=5) for p in ckpts]
+        reports = [await_evaluation(RunLayout(run_dir), p, 5) for p in ckpts]
         assert all(r and r["gate"]["reason"] for r in reports)
         assert flow_run_failed("evaluate-checkpoint", ckpts[0]) is None
         cfg = PipelineConfig.model_validate_json((run_dir / "config.json").read_text())
         best = min(reports, key=lambda r: r["val_loss"])
-        deployed = await_deployment(cfg, store, run_dir, best, timeout=120)  # every passing one's deploy
+        deployed = await_deployment(cfg, store, RunLayout(run_dir), best)  # every passing one's deploy
         champ = client.get_model_version_by_alias("trig-model", "champion")
         assert deployed["version"] == int(champ.version) and deployed["checkpoint"] == champ.tags["checkpoint"]
         assert "challenger" not in client.get_registered_model("trig-model").aliases
@@ -261,7 +266,7 @@ def test_without_triggers_the_pretrain_subflows_evaluate_and_deploy_directly(tmp
     from flows.triggers import triggers_active
     from tasks.config import PipelineConfig
     from tasks.evaluate.compare import table_key
-    from tasks.pipeline_run import RunContext
+    from flows.run_context import RunContext
     from tasks.tracking import Tracker
 
     monkeypatch.chdir(tmp_path)
@@ -280,9 +285,9 @@ def test_without_triggers_the_pretrain_subflows_evaluate_and_deploy_directly(tmp
         ctx = RunContext(run_name="trig-run", run_dir=str(run_dir), lineage_log=str(run_dir / "lineage.jsonl"),
                          tracking_uri=store, experiment=cfg.name, mlflow_parent_run_id=parent,
                          root_run_id=str(uuid.uuid4()))
-        config = cfg.model_dump(mode="json")
-        evals = evaluate(config, ctx, [str(p) for p in ckpts], tok, index, train_run)
-        deployed = deploy(config, ctx, evals, tok, train_run)
+        results = evaluate(cfg, ctx, [str(p) for p in ckpts], tok, index, train_run)
+        deployed = deploy(cfg, ctx, results, tok, train_run).data
+        evals = [e.data for e in results]
         api = PREFECT_API_URL.value().rstrip("/")
         arts = httpx.post(f"{api}/artifacts/filter", timeout=60,
                           json={"artifacts": {"key": {"any_": [table_key("trig-run")]}}}).json()

@@ -71,8 +71,7 @@ from tasks.core.progress import Progress
 from tasks.core.ray_utils import cluster_cpus, init_ray
 from tasks.core.steps import StepStats, run_filters
 from tasks.dedup.exact import ExactDeduper, exact_key
-from tasks.dedup.cli import clustering_method
-from tasks.dedup.cluster import cluster_signatures
+from tasks.dedup.cluster import cluster_signatures, clustering_method
 from tasks.dedup.index import MinHashIndex
 from tasks.dedup.minhash import MinHasher
 from tasks.dedup.report import add_text_jaccard, dedup_report, example_ids

@@ -407,6 +407,13 @@ def choose_survivors(roots: np.ndarray, scores: np.ndarray | None = None) -> np.
     return best[roots]
 
 
+def clustering_method(mh, n_docs: int) -> str:
+    """"local" or "ray" for `minhash.clustering` ("auto": ray from `ray_min_docs` documents)."""
+    if mh.clustering != "auto":
+        return mh.clustering
+    return "ray" if n_docs >= mh.ray_min_docs else "local"
+
+
 def cluster_signatures(sigs: Sequence[np.ndarray | None], bands: int, rows: int, *, method: str = "local",
                        work_dir: str | Path | None = None, partitions: int = 0, verify=None,
                        scores: Sequence[float | None] | None = None, shard_docs: int = 100_000,

@@ -8,8 +8,8 @@ Files, in the run directory:
 
 The pretrain flow waits for these instead of evaluating / deploying itself. It stops waiting for a
 checkpoint as soon as the Prefect flow run that should produce the file has FAILED or CRASHED (or
-after CRUCIBLE_TRIGGERED_TIMEOUT seconds, default 1800) and then does the work directly, so a
-broken trigger costs time, never the run's result.
+after stack.triggered_timeout seconds, default 1800) and then does the work directly, so a broken
+trigger costs time, never the run's result.
 """
 from __future__ import annotations
 
@@ -18,28 +18,15 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Callable
+
+from tasks.core.constants import DEPLOY_FLOW, EVAL_FLOW
+from tasks.core.io import write_json_atomic
+from tasks.core.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
-EVAL_DEPLOYMENT = "evaluate-checkpoint"
-DEPLOY_DEPLOYMENT = "deploy-model"
-TIMEOUT = float(os.environ.get("CRUCIBLE_TRIGGERED_TIMEOUT", "1800"))
 POLL = 1.0
-
-
-def eval_report_path(run_dir: str | Path, checkpoint: str | Path) -> Path:
-    return Path(run_dir) / "evaluate" / "triggered" / f"{Path(checkpoint).name}.json"
-
-
-def deploy_record_path(run_dir: str | Path, checkpoint: str | Path) -> Path:
-    return Path(run_dir) / "deploy" / "triggered" / f"{Path(checkpoint).name}.json"
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 def write_gate(report: dict, decision: dict, champion_val_loss: float | None) -> dict:
@@ -99,36 +86,36 @@ def _await(path: Path, key: str, deployment: str, checkpoint: str | Path, timeou
         time.sleep(POLL)
 
 
-def await_evaluation(run_dir: str | Path, checkpoint: str | Path, timeout: float = TIMEOUT) -> dict | None:
+def await_evaluation(layout: RunLayout, checkpoint: str | Path, timeout: float) -> dict | None:
     """The triggered evaluation report of `checkpoint` (with its gate verdict), or None."""
-    report = _await(eval_report_path(run_dir, checkpoint), "gate", EVAL_DEPLOYMENT, checkpoint, timeout)
+    report = _await(layout.triggered_eval_report(checkpoint), "gate", EVAL_FLOW, checkpoint, timeout)
     if report is not None:
         report["evaluated_by"] = "evaluate-checkpoint (event-triggered)"
     return report
 
 
-def await_deployment(cfg, tracking_uri: str, run_dir: str | Path, best: dict,
-                     timeout: float = TIMEOUT) -> dict | None:
+def await_deployment(cfg, tracking_uri: str, layout: RunLayout, best: dict,
+                     server_status: Callable[[], dict | None] | None = None) -> dict | None:
     """What the triggered deploy-model runs made of this run, in deploy_if_better's shape: waits
     for the deploy record of every checkpoint whose triggered evaluation passed the gate; returns
     the record of the run's checkpoint that is champion now, else a not-deployed result for
-    `best` with its gate reason. None if a record did not come (the caller deploys directly)."""
+    `best` with its gate reason. None if a record did not come (the caller deploys directly).
+    `server_status()`: the model server's {url, pid, healthy} (None: not running)."""
     from tasks.deploy.registry import get_champion
-    from tasks.deploy.service import server_status
 
-    run_dir = Path(run_dir)
+    timeout = cfg.stack.triggered_timeout
     records = []
-    for report_file in sorted((run_dir / "evaluate" / "triggered").glob("*.json")):
+    for report_file in sorted(layout.triggered_eval_dir.glob("*.json")):
         report = _read(report_file, "gate")
         if report is None or not report["gate"].get("passed"):
             continue
-        rec = _await(deploy_record_path(run_dir, report["checkpoint"]), "reason", DEPLOY_DEPLOYMENT,
+        rec = _await(layout.triggered_deploy_record(report["checkpoint"]), "reason", DEPLOY_FLOW,
                      report["checkpoint"], timeout)
         if rec is None:
             return None
         records.append(rec)
     champion = get_champion(tracking_uri, cfg.deploy.model_name)
-    current = server_status(cfg.stack)
+    current = server_status() if server_status else None
     live = {"endpoint": current["url"], "pid": current["pid"]} if current and current["healthy"] else {}
     for rec in records:
         if champion and rec.get("version") is not None and int(rec["version"]) == champion["version"]:

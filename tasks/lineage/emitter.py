@@ -230,10 +230,11 @@ class LineageEmitter:
              engine: tuple[str, str] | None = None) -> RunEvent:
         """One event. `integration` (jobType facet) and `engine` ((name, version), the
         processing_engine facet) default to Prefect, which runs the flows and tasks."""
-        engine_name, engine_version = engine or ("prefect", _prefect_version())
+        engine_name, engine_version = engine or ("prefect", package_version("prefect"))
         run_facets: dict[str, BaseFacet] = {
             "processing_engine": self._facet(processing_engine_run.ProcessingEngineRunFacet(
-                version=engine_version, name=engine_name, openlineageAdapterVersion=_ol_version())),
+                version=engine_version, name=engine_name,
+                openlineageAdapterVersion=package_version("openlineage-python"))),
         }
         if parent is not None:
             root = root or parent
@@ -295,15 +296,9 @@ def new_run_id() -> str:
     return str(uuid.uuid4())
 
 
-@lru_cache(maxsize=1)
-def _prefect_version() -> str:
-    import prefect
-
-    return prefect.__version__
-
-
-@lru_cache(maxsize=1)
-def _ol_version() -> str:
+@lru_cache(maxsize=8)
+def package_version(distribution: str) -> str:
+    """The installed version of a distribution, read from its metadata (the package is not imported)."""
     from importlib.metadata import version
 
-    return version("openlineage-python")
+    return version(distribution)

@@ -27,7 +27,8 @@ from openlineage.client.facet_v2 import (
     source_code_location_job,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tasks.core.constants import REPO_ROOT
+
 FACET_SCHEMA_DIR = REPO_ROOT / "docs" / "lineage-facets"
 # Where docs/lineage-facets/*.json are published; the validator maps this prefix to FACET_SCHEMA_DIR.
 CUSTOM_FACET_SCHEMA_BASE = "https://raw.githubusercontent.com/crucible-ml/crucible/main/docs/lineage-facets/"
@@ -37,11 +38,21 @@ def custom_schema_url(facet_class: str) -> str:
     return f"{CUSTOM_FACET_SCHEMA_BASE}{facet_class}.json#/$defs/{facet_class}"
 
 
+class CustomSchema:
+    """Mixin of Crucible's facets: `_schemaURL` is the schema named after the class in docs/lineage-facets/."""
+
+    __slots__ = ()
+
+    @classmethod
+    def _get_schema(cls) -> str:
+        return custom_schema_url(cls.__name__)
+
+
 # ------------------------------------------------------------------------------- custom facets
 
 
 @attr.define
-class CrucibleSourceDatasetFacet(DatasetFacet):
+class CrucibleSourceDatasetFacet(CustomSchema, DatasetFacet):
     """Licence and provenance. On a raw file: its entry in the config's source registry. On anything
     derived from raw files (`derived: true`): the union of the raw sources it came from, so a
     curated shard, the tokenizer, a checkpoint or a model version lists every licence upstream."""
@@ -55,10 +66,6 @@ class CrucibleSourceDatasetFacet(DatasetFacet):
     # "evaluation": benchmark data a job scores with (not training data); its licence is recorded on
     # the file but not propagated to what the job writes, and it is not a source of the model
     use: str | None = None
-
-    @staticmethod
-    def _get_schema() -> str:
-        return custom_schema_url("CrucibleSourceDatasetFacet")
 
     @classmethod
     def raw(cls, name: str, licence: str, provenance: str) -> "CrucibleSourceDatasetFacet":
@@ -100,7 +107,7 @@ def source_entries(facet: Any) -> list[dict]:
 
 
 @attr.define
-class CrucibleStatsRunFacet(RunFacet):
+class CrucibleStatsRunFacet(CustomSchema, RunFacet):
     """Documents in/out of a stage and the documents each filter dropped."""
 
     stage: str
@@ -108,50 +115,38 @@ class CrucibleStatsRunFacet(RunFacet):
     docs_out: int
     dropped: dict = attr.field(factory=dict)
 
-    @staticmethod
-    def _get_schema() -> str:
-        return custom_schema_url("CrucibleStatsRunFacet")
-
 
 @attr.define
-class CrucibleConfigRunFacet(RunFacet):
+class CrucibleConfigRunFacet(CustomSchema, RunFacet):
     """The config section a stage ran with."""
 
     config: dict
 
-    @staticmethod
-    def _get_schema() -> str:
-        return custom_schema_url("CrucibleConfigRunFacet")
-
 
 @attr.define
-class CrucibleEvalRunFacet(RunFacet):
+class CrucibleEvalRunFacet(CustomSchema, RunFacet):
     """Evaluation results of one checkpoint."""
 
     val_loss: float
     perplexity: float
     step: int
 
-    @staticmethod
-    def _get_schema() -> str:
-        return custom_schema_url("CrucibleEvalRunFacet")
+
+# An id, name or URL of the run in another tool; None where that tool had no part in it.
+Link = str | None
 
 
 @attr.define
-class CrucibleLinksRunFacet(RunFacet):
+class CrucibleLinksRunFacet(CustomSchema, RunFacet):
     """Where the same run shows up in the other tools: MLflow run and Prefect flow/task run."""
 
-    mlflow_run_id: str | None = None
-    mlflow_run_url: str | None = None
-    mlflow_experiment: str | None = None
-    prefect_flow_run_id: str | None = None
-    prefect_flow_run_url: str | None = None
-    prefect_task_run_id: str | None = None
-    prefect_task_run_url: str | None = None
-
-    @staticmethod
-    def _get_schema() -> str:
-        return custom_schema_url("CrucibleLinksRunFacet")
+    mlflow_run_id: Link = None
+    mlflow_run_url: Link = None
+    mlflow_experiment: Link = None
+    prefect_flow_run_id: Link = None
+    prefect_flow_run_url: Link = None
+    prefect_task_run_id: Link = None
+    prefect_task_run_url: Link = None
 
 
 # --------------------------------------------------------------------------- standard facets

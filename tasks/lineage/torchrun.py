@@ -15,13 +15,12 @@ import json
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
 from tasks.core.hashing import sha256_file
 from tasks.lineage.artifacts import token_split_paths
-from tasks.lineage.emitter import ActiveRun, JobRef, LineageEmitter, dataset_for_path, new_run_id
+from tasks.lineage.emitter import ActiveRun, JobRef, LineageEmitter, dataset_for_path, new_run_id, package_version
 from tasks.lineage.facets import CrucibleConfigRunFacet
 
 log = logging.getLogger("crucible.lineage")
@@ -45,13 +44,6 @@ def checkpoint_step(checkpoint: str | Path) -> str:
 
 def checkpoint_output(checkpoint: str | Path):
     return dataset_for_path(checkpoint, output=True, doc=DOCS["checkpoint"].format(step=checkpoint_step(checkpoint)))
-
-
-@lru_cache(maxsize=1)
-def _torch_version() -> str:
-    from importlib.metadata import version
-
-    return version("torch")
 
 
 @dataclass
@@ -101,6 +93,6 @@ class TorchrunLineage:
         facets = {**self.run_facets,
                   "crucible_config": CrucibleConfigRunFacet(config={k: dumped[k] for k in ("model", "train")})}
         with self.emitter.run(self.job, parent=self.parent, root=self.root, inputs=self.inputs(tokens_index),
-                              job_type="JOB", integration="TORCH", engine=("torch", _torch_version()),
+                              job_type="JOB", integration="TORCH", engine=("torch", package_version("torch")),
                               run_facets=facets, job_doc=JOB_DOC, code_path=WORKER_CODE) as active:
             yield active

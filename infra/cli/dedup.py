@@ -5,7 +5,8 @@ document, in input order: {"id", "cluster", "keep"} — `cluster` is the id of t
 survivor (the first document of the cluster in input order, or with `minhash.survivor: quality`
 the one with the highest `quality_field` value), `keep` is true for survivors only.
 
-Steps (config `curate.dedup`, or a bare dedup section — see `load_dedup_config`):
+Steps (config `curate.dedup`, or a bare dedup section — see `load_dedup_config`), run by
+`tasks.dedup.texts.dedup_texts`:
 1. exact: documents with the same normalised text (`exact_key`) join the first copy;
 2. MinHash: signatures of the exact survivors (`MinHasher`, vectorised), LSH band keys,
    candidate pairs joined with a union-find (connected components); with `minhash.verify` a
@@ -24,21 +25,16 @@ import argparse
 import gzip
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
 
 import yaml
 
-from tasks.config import DedupConfig, PipelineConfig
+from tasks.config import DedupConfig
 from tasks.core.documents import AtomicJsonlWriter
-from tasks.core.steps import StepStats
-from tasks.dedup.exact import exact_key
-from tasks.dedup.cluster import cluster_signatures
-from tasks.dedup.minhash import MinHasher
 from tasks.dedup.report import dedup_report
-from tasks.dedup.verify import JaccardVerifier, ListTexts
+from tasks.dedup.texts import dedup_texts
 
 
 def load_dedup_config(path: str | Path | None) -> DedupConfig:
@@ -68,76 +64,6 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
                     raise ValueError(f"{path}:{n}: no string 'text'")
                 doc.setdefault("id", str(n))
                 yield doc
-
-
-def clustering_method(mh, n_docs: int) -> str:
-    """"local" or "ray" for `minhash.clustering` ("auto": ray from `ray_min_docs` documents)."""
-    if mh.clustering != "auto":
-        return mh.clustering
-    return "ray" if n_docs >= mh.ray_min_docs else "local"
-
-
-def dedup_texts(texts: list[str], cfg: DedupConfig, scores: list[float | None] | None = None,
-                work_dir: str | Path | None = None, info: dict | None = None) -> tuple[list[int], list[StepStats]]:
-    """Cluster roots (index of each document's survivor) and per-step stats. The survivor of an
-    exact-duplicate group is its first document; of a MinHash cluster, the first document or
-    (`minhash.survivor: quality`) the one with the highest score in `scores`. `info`, if given,
-    receives the clustering stats, the signatures of the MinHash step and the step that dropped
-    each removed document (all by document index)."""
-    n = len(texts)
-    survivor = list(range(n))  # per step: the document this one was folded into
-    info = {} if info is None else info
-    dropped_by = info.setdefault("dropped_by", {})  # document index → step name
-    steps: list[StepStats] = []
-    nbytes = [len(t.encode("utf-8")) for t in texts]
-    alive = list(range(n))
-    if cfg.exact:
-        st, t0, first, survivors = StepStats("exact_dedup"), time.perf_counter(), {}, []
-        for i in alive:
-            st.docs_in += 1
-            st.bytes_in += nbytes[i]
-            j = first.setdefault(exact_key(texts[i]), i)
-            if j == i:
-                survivors.append(i)
-                st.docs_out += 1
-                st.bytes_out += nbytes[i]
-            else:
-                survivor[i] = j
-                dropped_by[i] = "exact_dedup"
-                st.dropped["exact_dedup"] += 1
-        st.seconds = time.perf_counter() - t0
-        steps.append(st)
-        alive = survivors
-    mh = cfg.minhash
-    if mh.enabled:
-        st, t0 = StepStats("minhash_dedup"), time.perf_counter()
-        hasher = MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram, scheme=mh.scheme, hash=mh.hash)
-        sigs = hasher.signatures([texts[i] for i in alive], max_shingles=mh.batch_shingles)
-        # the texts go with the verifier (into the Ray object store once on the Ray path)
-        verify = (JaccardVerifier(ListTexts([texts[i] for i in alive]), mh.verify_threshold, mh.ngram)
-                  if mh.verify else None)
-        sub_scores = [scores[i] for i in alive] if scores is not None and mh.survivor == "quality" else None
-        with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
-            roots, cstats = cluster_signatures(sigs, mh.bands, mh.rows, method=clustering_method(mh, len(alive)),
-                                               work_dir=tmp, partitions=mh.partitions,
-                                               verify=verify, scores=sub_scores)
-        info["clustering"] = cstats
-        info["signatures"] = {alive[k]: s for k, s in enumerate(sigs)}
-        for k, r in enumerate(roots):
-            i = alive[k]
-            st.docs_in += 1
-            st.bytes_in += nbytes[i]
-            if r == k:
-                st.docs_out += 1
-                st.bytes_out += nbytes[i]
-            else:
-                survivor[i] = alive[r]
-                dropped_by[i] = "minhash_dedup"
-                st.dropped["minhash_dedup"] += 1
-        st.seconds = time.perf_counter() - t0
-        steps.append(st)
-    # an exact copy follows its first copy into that one's MinHash cluster
-    return [survivor[survivor[i]] for i in range(n)], steps
 
 
 def dedup_jsonl(in_path: str | Path, out_path: str | Path, cfg: DedupConfig) -> dict:

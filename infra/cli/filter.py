@@ -13,7 +13,7 @@ language id runs), `words`, `mean_word_length`, `lines`, `non_alpha_word_ratio`,
 document reached C4). A line that is not a JSON object with a string "text" is reported with
 keep false and reason "bad_input". Exit status 0; a summary is printed to stderr.
 
-Wiring: infra/cli.py adds the subcommand with `add_arguments(parser)` and calls `run(args)`.
+Wiring: infra/cli/main.py adds the subcommand with `add_arguments(parser)` and calls `run(args)`.
 """
 from __future__ import annotations
 

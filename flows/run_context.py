@@ -1,5 +1,5 @@
 """A pipeline run's identity and bookkeeping: run directory, MLflow parent run, root lineage run,
-per-stage timings and the JSON summary. Plain Python; the pretrain flow uses it.
+per-stage timings and the JSON summary, as the pretrain and ablate flows open and close it.
 
 Lineage: events always go to `<run dir>/lineage.jsonl`; also over HTTP to `lineage.http_url` or,
 when that is unset, to the lineage service named by $CRUCIBLE_LINEAGE_URL (`crucible run` sets it
@@ -18,8 +18,10 @@ from typing import Iterator
 from pydantic import BaseModel
 
 from tasks.config import PipelineConfig
+from tasks.core.layout import RunLayout
 from tasks.lineage import JobRef, LineageEmitter
 from tasks.lineage.emitter import CrucibleLinksRunFacet, lineage_page, model_version_node
+from tasks.registry import FLOW_DOCS
 from tasks.tracking import Tracker
 
 LINEAGE_URL_ENV = "CRUCIBLE_LINEAGE_URL"  # set by `crucible run`: the stack's lineage service
@@ -70,10 +72,9 @@ class RunContext(BaseModel):
         """Link to the lineage service's page of a node, if the service is receiving this run."""
         return lineage_page(self.lineage_service_url, node_id) if self.lineage_service_url else None
 
-    def stage_dir(self, stage: str) -> Path:
-        path = Path(self.run_dir) / stage
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+    @property
+    def layout(self) -> RunLayout:
+        return RunLayout(Path(self.run_dir))
 
     @property
     def root(self) -> JobRef:
@@ -120,15 +121,16 @@ def open_run(cfg: PipelineConfig, run_name: str | None = None) -> RunContext:
     from prefect.runtime import flow_run
 
     run_name = run_name or new_run_name(cfg)
-    run_dir = (Path(cfg.run_root) / run_name).resolve()
+    layout = RunLayout.for_run(cfg.run_root, run_name)
+    run_dir = layout.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     tracking_uri = default_tracking_uri(cfg)
     tracker = Tracker(tracking_uri, experiment=cfg.name)
     parent = tracker.start_run(run_name, tags={"crucible.prefect_flow_run_id": flow_run.id})
     tracker.log_params(parent, cfg.model_dump(mode="json"))
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    layout.config_file.write_text(cfg.model_dump_json(indent=2))
     target, service = lineage_targets(cfg)
-    return RunContext(run_name=run_name, run_dir=str(run_dir), lineage_log=str(run_dir / "lineage.jsonl"),
+    return RunContext(run_name=run_name, run_dir=str(run_dir), lineage_log=str(layout.lineage_log),
                       tracking_uri=tracking_uri, experiment=cfg.name, mlflow_parent_run_id=parent,
                       root_run_id=flow_run.id, prefect_ui_url=prefect_ui_url(flow_run.id),
                       mlflow_experiment_id=tracker.experiment_id, lineage_url=target, lineage_service_url=service)
@@ -185,8 +187,6 @@ def timings_markdown(summary: dict) -> str:
     return f"# Stage timings — {summary['run_name']}\n\n| stage | seconds |\n|---|---|\n{rows}\n| **total** | {total:.1f} |\n"
 
 
-PRETRAIN_DOC = ("The pretrain flow (flows/pretrain.py): raw web pages -> curated corpus -> tokenizer -> token "
-                "shards -> torchrun training -> evaluation of every checkpoint -> gated deployment.")
 
 
 def final_output_node(ctx: RunContext, stages: dict) -> str | None:
@@ -213,7 +213,7 @@ def finish_lineage(ctx: RunContext, stages: dict, missed_before: int = 0) -> dic
         missed = stats.missed - missed_before
         if missed > 0 and ctx.lineage_service_url and service_healthy(ctx.lineage_service_url):
             try:
-                from tasks.lineage.service.replay import replay
+                from tasks.lineage.replay import replay
 
                 out["replayed"] = replay(ctx.lineage_log, ctx.lineage_service_url, timeout=30)
                 log.info("lineage service missed %d events; replayed %s", missed, ctx.lineage_log)
@@ -264,7 +264,7 @@ def pretrain_scope(cfg: PipelineConfig, ctx: RunContext) -> Iterator[Summary]:
     links = ctx.links(mlflow_run_id=ctx.mlflow_parent_run_id, flow_run_id=ctx.root_run_id)
     try:
         with ctx.emitter(cfg).run(ctx.root, job_type="FLOW", run_facets={"crucible_links": links},
-                                  job_doc=PRETRAIN_DOC, code_path="flows/pretrain.py"):
+                                  job_doc=FLOW_DOCS["pretrain"], code_path="flows/pretrain.py"):
             yield summary
     except BaseException as e:
         summary.status, summary.error = "FAILED", f"{type(e).__name__}: {e}"
@@ -273,7 +273,7 @@ def pretrain_scope(cfg: PipelineConfig, ctx: RunContext) -> Iterator[Summary]:
     finally:
         summary.lineage.update(finish_lineage(ctx, summary.stages, missed_before))
         data = summary.as_dict()
-        (Path(ctx.run_dir) / "summary.json").write_text(json.dumps(data, indent=2, default=str))
+        ctx.layout.summary_file.write_text(json.dumps(data, indent=2, default=str))
     summary.status = "COMPLETED"
     deploy = summary.stages.get("deploy") or {}
     what = (f"model {deploy['model_name']} version {deploy['version']}" if deploy.get("version") is not None
@@ -281,7 +281,7 @@ def pretrain_scope(cfg: PipelineConfig, ctx: RunContext) -> Iterator[Summary]:
     summary.lineage["artifact_url"] = create_lineage_link(ctx, summary.lineage.get("output_node"), what,
                                                           key="lineage-model-version")
     data = summary.as_dict()
-    (Path(ctx.run_dir) / "summary.json").write_text(json.dumps(data, indent=2, default=str))
+    ctx.layout.summary_file.write_text(json.dumps(data, indent=2, default=str))
     tracker.log_metrics(ctx.mlflow_parent_run_id, {f"time_s.{k}": v for k, v in data["timings_s"].items()})
     tracker.log_metrics(ctx.mlflow_parent_run_id, {"time_s.total": time.perf_counter() - t0})
     tracker.log_dict(ctx.mlflow_parent_run_id, data, "summary.json")

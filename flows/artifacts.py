@@ -1,0 +1,56 @@
+"""Prefect artifacts: the stages' reports, progress bars and the run's checkpoint table."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from tasks.core.stage import Markdown, Table
+
+log = logging.getLogger(__name__)
+
+
+def publish_reports(reports: list) -> None:
+    """Each Markdown / Table report of a stage as a Prefect artifact."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    for report in reports:
+        if isinstance(report, Markdown):
+            create_markdown_artifact(key=report.key, markdown=report.markdown, description=report.description)
+        elif isinstance(report, Table):
+            create_table_artifact(key=report.key, table=report.rows, description=report.description)
+        else:
+            raise TypeError(f"not a report: {report!r}")
+
+
+def publish_eval_table(run_dir: str | Path, run_name: str) -> None:
+    """The run's checkpoint table (tasks.evaluate.stage.eval_table) as an artifact. Never raises:
+    the table is a view of the reports on disk."""
+    from tasks.evaluate.stage import eval_table
+
+    try:
+        publish_reports(eval_table(run_dir, run_name))
+    except Exception as e:  # noqa: BLE001 - a missing table must not fail an evaluation
+        log.warning("could not publish the checkpoint table of %s: %s", run_name, e)
+
+
+def stage_progress(stage: str, unit: str, interval: float = 2.0):
+    """A `progress(done, total, note)` callback for a stage: a console bar on stderr and a Prefect
+    progress artifact (`<stage>-progress`), created at the first call, updated at most every
+    `interval` seconds and at the end (each update is an API call)."""
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+    from tasks.core.progress import ConsoleProgress, Throttle, fan_out
+
+    state: dict[str, Any] = {"id": None}
+    throttle = Throttle(interval)
+
+    def artifact(done: int, total: int, note: str = "") -> None:
+        pct = 100.0 * done / total if total else 100.0
+        description = f"{stage}: {done}/{total} {unit}" + (f" ({note})" if note and note != stage else "")
+        if state["id"] is None:
+            state["id"] = create_progress_artifact(progress=pct, key=f"{stage}-progress", description=description)
+        elif throttle(done, total):
+            update_progress_artifact(state["id"], progress=pct, description=description)
+
+    return fan_out(ConsoleProgress(stage), artifact)

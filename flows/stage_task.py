@@ -1,0 +1,152 @@
+"""One Prefect task for every registered stage (tasks/registry.py).
+
+`run_stage_task(name, cfg, run, inputs)` runs the stage as its own Prefect task; around `Stage.run` it adds what every stage gets:
+- an MLflow run nested under the pipeline's parent run: the stage's numeric results as metrics,
+  `dropped.*` counts, its JSON record, its wall time;
+- OpenLineage START and COMPLETE/FAIL for the task run (Prefect's task-run id is the OpenLineage
+  run id; the parent facet names the enclosing flow run; `crucible_links` names the MLflow run and
+  the Prefect runs), with the stage's real input and output files, its resolved config sections,
+  counts and evaluation results as run facets;
+- the stage's reports as Prefect artifacts, a progress artifact while it runs, and, when the
+  lineage service is up, a link artifact to the lineage page of the stage's main output.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run, task_run
+
+from flows.artifacts import publish_reports, stage_progress
+from flows.run_context import RunContext, create_lineage_link
+from tasks.config import PipelineConfig
+from tasks.core.constants import REPO_ROOT
+from tasks.core.stage import Stage, StageContext, StageInputs, StageResult
+from tasks.lineage import JobRef
+from tasks.lineage.emitter import (CrucibleConfigRunFacet, CrucibleEvalRunFacet, CrucibleLinksRunFacet,
+                                   CrucibleStatsRunFacet, LineageEmitter)
+from tasks.registry import FLOW_DOCS, STAGES
+from tasks.tracking import Tracker
+
+FLOWS_CODE = "flows/pretrain.py"
+TRAIN_WORKER = "flows.train_worker"  # the torchrun entry that also emits Prefect checkpoint events
+
+
+@dataclass
+class StageLineage:
+    """The stage run's lineage handle: the torchrun job parents its own run to it."""
+    emitter: LineageEmitter
+    job: JobRef
+    root: JobRef
+    links: CrucibleLinksRunFacet
+
+
+def current_flow() -> JobRef:
+    return JobRef(flow_run.flow_name, flow_run.id)
+
+
+@contextmanager
+def flow_lineage(cfg: PipelineConfig, run: RunContext) -> Iterator[None]:
+    """START/COMPLETE for a subflow run, parented to the pretrain flow run."""
+    flow = current_flow()
+    links = run.links(mlflow_run_id=run.mlflow_parent_run_id, flow_run_id=flow.run_id)
+    with run.emitter(cfg).run(flow, parent=run.root, root=run.root, job_type="FLOW",
+                              run_facets={"crucible_links": links}, job_doc=FLOW_DOCS.get(flow.name),
+                              code_path=FLOWS_CODE):
+        yield
+
+
+def code_path(stage: Stage) -> str:
+    """The file defining the stage (the lineage job's sourceCodeLocation)."""
+    path = Path(inspect.getsourcefile(type(stage))).resolve()
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
+def run_facets(cfg: PipelineConfig, stage: Stage, data: dict) -> dict:
+    """Custom run facets auditors read: the stage's resolved config, its counts, eval results."""
+    dumped = cfg.model_dump(mode="json")
+    facets: dict[str, Any] = {"crucible_config": CrucibleConfigRunFacet(config={k: dumped[k] for k in stage.reads})}
+    if "docs_in" in data:
+        facets["crucible_stats"] = CrucibleStatsRunFacet(stage=stage.name, docs_in=data["docs_in"],
+                                                         docs_out=data["docs_out"], dropped=data.get("dropped", {}))
+    if stage.name == "evaluate":
+        facets["crucible_eval"] = CrucibleEvalRunFacet(val_loss=data["val_loss"], perplexity=data["perplexity"],
+                                                       step=data["step"])
+    return facets
+
+
+def serve_model(cfg: PipelineConfig, checkpoint_dir: str | Path, tokenizer_path: str | Path, model_name: str) -> dict:
+    """How a deploy stage run by a flow serves a model: the stack's model-server supervisor."""
+    from infra.services.model_server.supervisor import serve_model as supervise
+
+    return supervise(cfg, checkpoint_dir, tokenizer_path, model_name)
+
+
+def model_server_status(cfg: PipelineConfig):
+    """A `() -> {url, pid, healthy} | None` for the stack's model server of this config."""
+    def status() -> dict | None:
+        from infra.services.model_server.supervisor import server_status
+
+        return server_status(cfg.stack)
+    return status
+
+
+def stage_context(stage: Stage, cfg: PipelineConfig, run: RunContext, mlflow_run_id: str,
+                  lineage: StageLineage) -> StageContext:
+    return StageContext(layout=run.layout, run_name=run.run_name, tracking_uri=run.tracking_uri,
+                        experiment=run.experiment, mlflow_run_id=mlflow_run_id, triggered=run.triggered,
+                        progress=lambda unit: stage_progress(stage.name, unit), serve_model=serve_model,
+                        model_server_status=model_server_status(cfg),
+                        lineage=lineage, worker_module=TRAIN_WORKER)
+
+
+@task(name="stage", cache_policy=NO_CACHE, persist_result=False)
+def run_stage(name: str, cfg: PipelineConfig, run: RunContext, inputs: StageInputs) -> StageResult:
+    stage = STAGES[name]
+    tracker = Tracker(run.tracking_uri, run.experiment)
+    mlflow_run = tracker.start_run(stage.name, parent_run_id=run.mlflow_parent_run_id,
+                                   tags={"crucible.stage": stage.name, "crucible.run_name": run.run_name})
+    links = run.links(mlflow_run_id=mlflow_run, flow_run_id=flow_run.id, task_run_id=task_run.id)
+    lineage = StageLineage(run.emitter(cfg), JobRef(f"{flow_run.flow_name}.{task_run.task_name}", task_run.id),
+                           run.root, links)
+    t0 = time.perf_counter()
+    try:
+        with lineage.emitter.run(lineage.job, parent=current_flow(), root=run.root,
+                                 inputs=stage.input_datasets(cfg, inputs), run_facets={"crucible_links": links},
+                                 job_doc=stage.doc, code_path=code_path(stage)) as active:
+            result = stage.run(cfg, inputs, stage_context(stage, cfg, run, mlflow_run, lineage))
+            active.inputs.extend(result.inputs)
+            active.outputs.extend(result.outputs)
+            active.run_facets.update(run_facets(cfg, stage, result.data))
+    except BaseException as e:
+        publish_reports(getattr(e, "reports", []))  # e.g. the tokenizer's failing validation report
+        tracker.end_run(mlflow_run, "FAILED")
+        raise
+    data = result.data
+    data["seconds"] = round(time.perf_counter() - t0, 3)
+    data["mlflow_run_id"] = mlflow_run
+    tracker.log_metrics(mlflow_run, {k: v for k, v in data.items() if isinstance(v, (int, float))})
+    tracker.log_metrics(mlflow_run, {f"dropped.{k}": v for k, v in data.get("dropped", {}).items()})
+    tracker.log_dict(mlflow_run, data, f"{stage.name}.json")
+    tracker.end_run(mlflow_run)
+    publish_reports(result.reports)
+    primary = result.primary or (node_of(result.outputs[0]) if result.outputs else None)
+    if primary:
+        label = primary.split(":models/", 1)[1] if ":models/" in primary else primary.rsplit("/", 1)[-1]
+        create_lineage_link(run, primary, f"the {stage.name} output {label}")
+    return result
+
+
+def node_of(dataset) -> str:
+    return f"dataset:{dataset.namespace}:{dataset.name}"
+
+
+def run_stage_task(name: str, cfg: PipelineConfig, run: RunContext, inputs: StageInputs | None = None) -> StageResult:
+    """Run stage `name` as its Prefect task, named as the registry says (the lineage job is `<flow>.<task>`)."""
+    return run_stage.with_options(name=STAGES[name].task)(name, cfg, run, inputs or StageInputs())

@@ -1,0 +1,177 @@
+"""The commands of `crucible` that drive the local stack and the pipeline: up, down, status, run,
+ablate and lineage replay. Each takes the parsed arguments and returns the exit status."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from infra import stack
+from tasks.core.constants import REPO_ROOT
+
+DEFAULT_CONFIG = "configs/tiny.yaml"
+
+
+def fail(msg: str, code: int = 2) -> int:
+    print(msg, file=sys.stderr)
+    return code
+
+
+def _load(path: str, overrides: list[str]):
+    from tasks.config import load_config
+
+    return load_config(path, overrides)
+
+
+def _stack_configs(args):
+    """(stack, deploy, lineage sections) from --config (default configs/tiny.yaml, looked up in the
+    working directory, then in the repository); the defaults if no default config exists."""
+    from tasks.config import DeployConfig, LineageConfig, StackConfig, apply_overrides
+
+    path = args.config
+    if path is None:
+        for candidate in (Path(DEFAULT_CONFIG), REPO_ROOT / DEFAULT_CONFIG):
+            if candidate.is_file():
+                path = str(candidate)
+                break
+    if path is not None:
+        cfg = _load(path, args.overrides)
+        return cfg.stack, cfg.deploy, cfg.lineage
+    raw = apply_overrides({}, args.overrides)
+    return (StackConfig.model_validate(raw.get("stack", {})), DeployConfig.model_validate(raw.get("deploy", {})),
+            LineageConfig.model_validate(raw.get("lineage", {})))
+
+
+def _print_status(st: dict) -> None:
+    for name, s in st.items():
+        if not isinstance(s, dict):
+            continue
+        state = "healthy" if s.get("healthy") else ("running, not healthy" if s.get("pid") else "stopped")
+        pid = f"pid {s['pid']}" if s.get("pid") else ""
+        print(f"  {name:<13} {state:<21} {s.get('url') or '':<32} {pid}".rstrip())
+        if s.get("error"):
+            print(f"  {'':<13} {s['error']}")
+
+
+def cmd_up(args) -> int:
+    stack_cfg, _, lineage_cfg = _stack_configs(args)
+    print(f"starting the local stack in {stack.state_dir(stack_cfg)} ...", file=sys.stderr)
+    res = stack.up(stack_cfg, lineage_cfg=lineage_cfg)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        _print_status(res)
+        print(f"ready in {res['seconds']:.1f}s; logs in {stack.state_dir(stack_cfg) / 'logs'}")
+    return 0
+
+
+def cmd_down(args) -> int:
+    stack_cfg, _, _ = _stack_configs(args)
+    for name, what in stack.down(stack_cfg).items():
+        print(f"  {name:<13} {what}")
+    return 0
+
+
+def cmd_status(args) -> int:
+    stack_cfg, _, lineage_cfg = _stack_configs(args)
+    st = stack.status(stack_cfg, lineage_cfg)
+    if args.json:
+        print(json.dumps(st, indent=2))
+    else:
+        print(f"state dir: {stack.state_dir(stack_cfg)}")
+        _print_status(st)
+    return 0 if all(s["healthy"] for s in st.values()) else 1
+
+
+def _stack_for(cfg) -> None:
+    """Bring the local stack up for a pipeline config and point this process's clients at it."""
+    res = stack.up(cfg.stack, lineage_cfg=cfg.lineage)
+    _print_status({k: v for k, v in res.items() if isinstance(v, dict)})
+    os.environ.update(stack.client_env(cfg.stack, cfg.lineage))
+
+
+def cmd_run(args) -> int:
+    cfg = _load(args.config, args.overrides)  # ConfigError → exit 2 before anything heavy is imported
+    print(f"config {args.config} is valid; bringing up the local stack in {stack.state_dir(cfg.stack)} ...",
+          file=sys.stderr)
+    _stack_for(cfg)
+
+    from flows.pretrain import run_pipeline  # imports Prefect, which reads PREFECT_API_URL now
+
+    t0 = time.monotonic()
+    try:
+        summary = run_pipeline(cfg, summary_path=args.summary, run_name=args.run_name)
+    except Exception as e:  # noqa: BLE001 - the flow's own logs hold the traceback
+        where = f"; summary in {args.summary}" if args.summary else ""
+        return fail(f"crucible: pipeline failed after {time.monotonic() - t0:.0f}s: {e}{where}", 1)
+    _print_links(summary, time.monotonic() - t0)
+    return 0 if summary.get("status", "COMPLETED") == "COMPLETED" else 1
+
+
+def cmd_ablate(args) -> int:
+    cfg = _load(args.config, args.overrides)
+    _stack_for(cfg)
+    from flows.ablate import run_ablation_flow
+
+    result = run_ablation_flow(cfg, args.out)
+    losses = result["heldout_loss"]
+    print(f"\nablation {result['run_name']}: held-out loss langid-only {losses['langid_only']:.4f}, "
+          f"curated {losses['curated']:.4f} ({100 * result['relative_improvement']:+.2f} %)")
+    print(f"  Result           : {Path(result['run_dir']) / 'ablate' / 'ablation.json'}")
+    return 0
+
+
+def _print_links(summary: dict, seconds: float) -> None:
+    mlflow = summary.get("mlflow") or {}
+    deploy = (summary.get("stages") or {}).get("deploy") or {}
+    print(f"\npipeline {summary.get('run_name', '')} {summary.get('status', '')} in {seconds:.0f}s")
+    print(f"  Prefect flow run : {summary.get('prefect_ui_url')}")
+    if isinstance(mlflow, dict):
+        print(f"  MLflow           : {mlflow.get('tracking_uri')}  (experiment {mlflow.get('experiment')}, "
+              f"run {mlflow.get('run_id')})")
+    else:
+        print(f"  MLflow           : {mlflow}")
+    if deploy.get("version") is not None:
+        print(f"  Registered model : {deploy.get('model_name')} version {deploy.get('version')} (alias champion)")
+    elif deploy.get("reason"):
+        print(f"  Deployment gate  : not deployed: {deploy['reason']}")
+    print(f"  Served model     : {deploy.get('endpoint')}")
+    print(f"  Lineage log      : {summary.get('lineage_log')}")
+    _print_lineage_links(summary)
+    print(f"  Run directory    : {summary.get('run_dir')}")
+
+
+def _print_lineage_links(summary: dict) -> None:
+    lineage = summary.get("lineage") or {}
+    if lineage.get("page_url"):
+        print(f"  Lineage page     : {lineage['page_url']}")
+    http = lineage.get("http") or {}
+    if http.get("failed") or http.get("skipped"):
+        replayed = lineage.get("replayed") or {}
+        note = ("replayed at the end" if replayed.get("events") else
+                f"send them with: crucible lineage replay {summary.get('lineage_log')}")
+        print(f"  Lineage endpoint : {http.get('url')} missed {http['failed'] + http['skipped']} events "
+              f"({http.get('last_error') or 'unavailable'}); {note}")
+
+
+def cmd_lineage(args) -> int:
+    _, _, lineage_cfg = _stack_configs(args)
+    url = args.url or stack.lineage_url(lineage_cfg)
+    from tasks.lineage.replay import ReplayError, replay
+
+    import httpx
+
+    batch = args.batch_size or lineage_cfg.replay_batch_size
+    code = 0
+    for path in args.logs:
+        try:
+            result = replay(path, url, batch_size=batch, single=args.single)
+        except (ReplayError, ValueError, OSError, httpx.HTTPError) as e:
+            hint = "" if args.url else " (is the stack up? `crucible up`)"
+            print(f"crucible: replay of {path} to {url} failed: {e}{hint}", file=sys.stderr)
+            code = 1
+            continue
+        print(json.dumps({"file": path, **result}))
+    return code

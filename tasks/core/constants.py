@@ -1,0 +1,22 @@
+"""Names shared across layers: the repository root, Prefect event names and deployment names.
+
+Stage logic, flows, the stack and the services all read them from here, so an event emitted by
+training and the trigger that waits for it can never disagree."""
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Prefect events (resource ids: crucible.checkpoint.<run>.<step>, crucible.eval.<run>.<step>, ...)
+CHECKPOINT_EVENT = "crucible.checkpoint.saved"
+EVAL_EVENT = "crucible.eval.completed"
+DEPLOYED_EVENT = "crucible.model.deployed"
+SPIKE_EVENT = "crucible.train.spike"
+
+# Event-triggered flows; each is deployed under its own name, so the deployment's full
+# reference is "<flow>/<deployment>".
+EVAL_FLOW = "evaluate-checkpoint"
+DEPLOY_FLOW = "deploy-model"
+EVAL_DEPLOYMENT = f"{EVAL_FLOW}/{EVAL_FLOW}"
+DEPLOY_DEPLOYMENT = f"{DEPLOY_FLOW}/{DEPLOY_FLOW}"

@@ -1,0 +1,163 @@
+"""One shape for every stage: a `Stage` reads its inputs, does its work and returns a typed result.
+
+    class MyStage(Stage):
+        name = "my_stage"              # stage directory, MLflow run name, summary key
+        task = "do_my_stage"           # Prefect task and OpenLineage job name
+        flow = "train"                 # the pretrain subflow it runs in
+        reads = ("train",)             # config sections it reads (lineage `crucible_config` facet)
+        doc = "What it does."          # OpenLineage job documentation
+        result_type = MyResult
+
+        def run(self, cfg, inputs, ctx) -> MyResult: ...
+
+A stage is plain Python: tests call `stage.run(...)` directly. flows/stage_task.py turns each
+registered stage (tasks/registry.py) into a Prefect task that adds the MLflow run, the OpenLineage
+START/COMPLETE events and the Prefect artifacts around `run`; nothing here imports Prefect.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+from tasks.config import PipelineConfig
+from tasks.core.layout import RunLayout
+from tasks.lineage import dataset_for_path
+
+
+@dataclass
+class Markdown:
+    """A markdown report for people watching the run (a Prefect markdown artifact)."""
+    key: str
+    markdown: str
+    description: str
+
+
+@dataclass
+class Table:
+    """A table for people watching the run (a Prefect table artifact)."""
+    key: str
+    rows: list[dict]
+    description: str
+
+
+@dataclass
+class StageInputs:
+    """What a stage consumes from the stages before it (each stage reads the fields it needs)."""
+    shards: list[str] = field(default_factory=list)  # document shards (Parquet)
+    tokenizer: str | None = None  # tokenizer.json
+    tokens_index: str | None = None  # token shards' index.json
+    checkpoint: str | None = None  # one checkpoint directory
+    evaluation: dict | None = None  # an evaluation report (the deploy stage's input)
+    train_run_id: str | None = None  # the training stage's MLflow run
+
+
+@dataclass
+class StageContext:
+    """The run a stage belongs to: its paths, its MLflow run, and how to report progress."""
+    layout: RunLayout
+    run_name: str
+    tracking_uri: str
+    experiment: str
+    mlflow_run_id: str | None = None  # this stage's own (nested) MLflow run
+    # the stack's triggers service evaluates and deploys checkpoints as they are saved: the
+    # evaluate/deploy stages then collect its results instead of doing the work twice
+    triggered: bool = False
+    progress: Callable[[str], Callable | None] = lambda unit: None  # unit -> progress(done, total, note)
+    # (cfg, checkpoint_dir, tokenizer_path, model_name) -> server info: how the deploy stage serves a
+    # model (the stack's model-server supervisor), None: not served here
+    serve_model: Callable[..., dict] | None = None
+    model_server_status: Callable[[], dict | None] | None = None  # the running server's {url, pid, healthy}
+    lineage: Any = None  # the stage run's lineage handle (training parents its torchrun run to it)
+    worker_module: str | None = None  # training: the torchrun entry module (None: the plain worker)
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.layout.stage_dir(stage)
+
+
+@dataclass
+class StageResult:
+    """A stage's result: `data` is its JSON record (the run summary's entry, the MLflow `<stage>.json`);
+    the rest is what the wrapper needs around it."""
+    data: dict
+    inputs: list = field(default_factory=list)  # lineage input datasets known only after the run
+    outputs: list = field(default_factory=list)  # lineage output datasets
+    primary: str | None = None  # the output node the Prefect run links to (default: the first output)
+    reports: list[Markdown | Table] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        return self.data
+
+
+class DocumentsResult(StageResult):
+    """ingest, curate, quality: Parquet document shards plus per-step accounting."""
+
+    @property
+    def shards(self) -> list[str]:
+        return self.data["shards"]
+
+
+class TokenizerResult(StageResult):
+    @property
+    def path(self) -> str:
+        return self.data["path"]
+
+
+class TokensResult(StageResult):
+    @property
+    def index_path(self) -> str:
+        return self.data["index_path"]
+
+
+class PlanResult(StageResult):
+    @property
+    def path(self) -> str:
+        return self.data["path"]
+
+
+class TrainResult(StageResult):
+    @property
+    def checkpoints(self) -> list[str]:
+        return self.data["checkpoints"]
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        return self.data.get("mlflow_run_id")
+
+
+class EvalResult(StageResult):
+    @property
+    def checkpoint(self) -> str:
+        return self.data["checkpoint"]
+
+    @property
+    def val_loss(self) -> float:
+        return self.data["val_loss"]
+
+
+class DeployResult(StageResult):
+    @property
+    def version(self) -> int | str | None:
+        return self.data.get("version")
+
+
+class Stage:
+    """Base of every stage; see the module docstring."""
+
+    name: ClassVar[str]
+    task: ClassVar[str]
+    flow: ClassVar[str]
+    reads: ClassVar[tuple[str, ...]]
+    doc: ClassVar[str]
+    result_type: ClassVar[type[StageResult]] = StageResult
+
+    def input_datasets(self, cfg: PipelineConfig, inputs: StageInputs) -> list:
+        """Lineage inputs known before the run (START event): the files it is handed."""
+        paths = [p for p in (inputs.checkpoint, inputs.tokenizer, inputs.tokens_index) if p]
+        return [dataset_for_path(p) for p in paths + list(inputs.shards)]
+
+    def run(self, cfg: PipelineConfig, inputs: StageInputs, ctx: StageContext) -> StageResult:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<stage {self.name}>"

@@ -1,0 +1,52 @@
+"""The curate stage: language ID, heuristic filters, decontamination, PII, exact and MinHash dedup."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tasks.core.stage import DocumentsResult, Markdown, Stage, Table
+from tasks.lineage.outputs import DATASET_DOCS, optional_output, shard_output
+from tasks.tracking import Tracker
+
+
+class CurateStage(Stage):
+    name, task, flow = "curate", "filter_and_dedup", "curate"
+    reads = ("curate",)
+    doc = ("Language ID, Gopher quality/repetition, C4 and FineWeb filters, decontamination, PII redaction, "
+           "exact and MinHash deduplication of the ingested shards; dropped documents are listed in dropped.jsonl.")
+    result_type = DocumentsResult
+
+    def run(self, cfg, inputs, ctx) -> DocumentsResult:
+        from tasks.curate import run_curate
+
+        data = run_curate(cfg, [Path(p) for p in inputs.shards], ctx.stage_dir(self.name),
+                          progress=ctx.progress("row groups filtered"))
+        outputs = [shard_output(cfg, p, DATASET_DOCS["curated_shard"]) for p in data["shards"]]
+        outputs += optional_output(data.get("dropped_file"), DATASET_DOCS["dropped"])
+        if data.get("dedup") and ctx.mlflow_run_id:
+            from tasks.dedup.report import report_metrics
+
+            Tracker(ctx.tracking_uri, ctx.experiment).log_metrics(ctx.mlflow_run_id, report_metrics(data["dedup"]))
+        return DocumentsResult(data, outputs=outputs, reports=curation_reports(data))
+
+
+def curation_reports(data: dict) -> list:
+    """Per-step counts, drop reasons, the dataset card and the dedup report: what a user checks first."""
+    rows = [{"step": s["name"], "docs_in": s["docs_in"], "docs_out": s["docs_out"],
+             "dropped": sum(s["dropped"].values()), "bytes_in": s["bytes_in"], "bytes_out": s["bytes_out"],
+             "seconds": s["seconds"]} for s in data["steps"]]
+    reasons = [{"reason": k, "docs": v} for k, v in sorted(data["dropped"].items(), key=lambda kv: -kv[1])]
+    reports: list = [Table("curation-steps", rows, "Documents and bytes per curation step"),
+                     Table("curation-drop-reasons", reasons, "Dropped documents by reason")]
+    card = data.get("dataset_card")
+    if card and Path(card).is_file():
+        reports.append(Markdown("dataset-card", Path(card).read_text(), "Dataset card of the curated corpus"))
+    if data.get("dedup"):
+        from tasks.dedup.report import report_markdown, report_tables
+
+        tables = report_tables(data["dedup"])
+        reports += [Table("dedup-by-source", tables["by_source"], "Duplicate rate per source"),
+                    Table("dedup-cluster-sizes", tables["cluster_sizes"],
+                          "Clusters by number of documents (1: kept documents without copies)"),
+                    Markdown("dedup-report", report_markdown(data["dedup"]),
+                             "Duplicates per source, cluster sizes, example pairs with their Jaccard")]
+    return reports

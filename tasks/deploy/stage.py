@@ -1,0 +1,42 @@
+"""The deploy stage: gate the best checkpoint, register it, serve it, promote it to champion."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tasks.core.stage import DeployResult, Stage, StageInputs
+from tasks.lineage import dataset_for_path, model_version_dataset
+from tasks.lineage.emitter import model_version_node
+from tasks.lineage.outputs import DATASET_DOCS
+
+
+class DeployStage(Stage):
+    name, task, flow = "deploy", "gate_register_serve", "deploy"
+    reads = ("deploy",)
+    doc = ("Gate the best checkpoint on its evaluation, register it as an MLflow model version (alias challenger), "
+           "serve it with the OpenAI-compatible model server and, once it answers, promote it to champion.")
+    result_type = DeployResult
+
+    def input_datasets(self, cfg, inputs: StageInputs) -> list:
+        evaluation = inputs.evaluation
+        return [dataset_for_path(evaluation["checkpoint"]), dataset_for_path(evaluation["report_path"]),
+                dataset_for_path(inputs.tokenizer)]
+
+    def run(self, cfg, inputs, ctx) -> DeployResult:
+        from tasks.deploy import deploy_if_better
+        from tasks.deploy.triggered import await_deployment
+
+        # with the stack's triggers service up, deploy-model runs deploy passing checkpoints as they
+        # are evaluated: report what they did (None: one failed, so deploy here)
+        data = (await_deployment(cfg, ctx.tracking_uri, ctx.layout, inputs.evaluation, ctx.model_server_status)
+                if ctx.triggered else None)
+        if data is None:
+            data = deploy_if_better(cfg, ctx.tracking_uri, inputs.evaluation, Path(inputs.tokenizer),
+                                    inputs.train_run_id, serve_model=ctx.serve_model)
+        result = DeployResult(data)
+        if data.get("version") is not None:
+            name, version = data["model_name"], data["version"]
+            result.outputs.append(model_version_dataset(
+                ctx.tracking_uri, name, version, content_hash=data["content_hash"],
+                doc=DATASET_DOCS["model_version"].format(name=name, version=version)))
+            result.primary = model_version_node(ctx.tracking_uri, name, version)
+        return result

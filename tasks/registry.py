@@ -1,0 +1,61 @@
+"""The stage registry: every stage, the pretrain subflow it runs in, and what each artifact is.
+
+Flows, lineage job names and documentation, the lineage service's sample events and the README's
+DAG are all generated from here. A new stage is one file (a `tasks.core.stage.Stage`) plus one
+line in STAGES below (and, if it starts a new subflow, one FlowSpec)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tasks.ablate.stage import AblateStage
+from tasks.core.stage import Stage
+from tasks.curate.stage import CurateStage
+from tasks.deploy.stage import DeployStage
+from tasks.evaluate.stage import EvaluateStage
+from tasks.ingest.stage import IngestStage
+from tasks.plan.stage import PlanStage
+from tasks.quality.stage import QualityStage
+from tasks.tokenizer.stage import TokenizerStage
+from tasks.tokens.stage import TokensStage
+from tasks.train.stage import TrainStage
+
+# In pipeline order. The ablate stage runs in its own flow (flows/ablate.py).
+STAGES: dict[str, Stage] = {s.name: s for s in (
+    IngestStage(), CurateStage(), QualityStage(), TokenizerStage(), TokensStage(), PlanStage(), TrainStage(),
+    EvaluateStage(), DeployStage(), AblateStage())}
+
+
+@dataclass(frozen=True)
+class FlowSpec:
+    name: str
+    doc: str
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        return tuple(s for s in STAGES.values() if s.flow == self.name)
+
+
+# The pretrain flow's subflows, in DAG order (flows/pretrain.py).
+PRETRAIN_FLOWS: list[FlowSpec] = [
+    FlowSpec("curate", "Subflow: ingest the registered sources, filter and deduplicate the documents, then keep "
+                       "those the quality models accept."),
+    FlowSpec("train_tokenizer", "Subflow: train the byte-level BPE tokenizer on the curated corpus."),
+    FlowSpec("prepare_tokens", "Subflow: encode the curated corpus with the tokenizer and pack it into token shards."),
+    FlowSpec("train", "Subflow: price the run with the planner, then train the model with torchrun, writing "
+                      "distributed checkpoints."),
+    FlowSpec("evaluate", "Subflow: evaluate every checkpoint (validation loss, perplexity, task suite)."),
+    FlowSpec("deploy", "Subflow: gate the best checkpoint, register it in MLflow and serve it."),
+]
+ROOT_FLOWS = {
+    "pretrain": "The pretrain flow (flows/pretrain.py): raw web pages -> curated corpus -> tokenizer -> token "
+                "shards -> torchrun training -> evaluation of every checkpoint -> gated deployment.",
+    "ablate": "The ablate flow (flows/ablate.py): does curation help the model?",
+}
+FLOW_DOCS = {f.name: f.doc for f in PRETRAIN_FLOWS} | ROOT_FLOWS
+
+
+def stage(name: str) -> Stage:
+    try:
+        return STAGES[name]
+    except KeyError:
+        raise KeyError(f"no stage {name!r}; registered: {', '.join(STAGES)}") from None
