@@ -30,7 +30,9 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -41,9 +43,10 @@ sys.path.insert(0, str(REPO))
 from _common import write_result  # noqa: E402
 from benchmarks.train_throughput import (add_model_size_args, crucible_step_fn, model_size_setup,  # noqa: E402
                                          model_size_shape)
+from tasks.config import TrainConfig  # noqa: E402
 from tasks.train.checkpoint import (apply_retention, load_checkpoint, load_model_for_inference,  # noqa: E402
                                     new_checkpoint_group, start_checkpoint)
-from tasks.train.model import GPT  # noqa: E402
+from tasks.train.model import GPT, GPTConfig  # noqa: E402
 from tasks.train.optimizer import build_optimizer  # noqa: E402
 
 RESULT = REPO / "benchmarks" / "results" / "checkpoint.json"
@@ -75,101 +78,41 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run(a: argparse.Namespace, work: Path) -> int:
-    tokens, tcfg, gcfg = model_size_setup(a)
-    torch.manual_seed(0)
-    model = GPT(gcfg)
-    model.train()
-    optimizer = build_optimizer(model, tcfg)
-    state = {"step": 0, "pos": 0}
-    step = crucible_step_fn(model, tcfg, tokens, a.seq_len, a.batch, optimizer=optimizer, spike_check=False,
-                            state=state)
+@dataclass
+class Bench:
+    """The model under test, its optimizer and training step, and where its checkpoints go."""
 
-    def train_step() -> float:
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    state: dict  # {"step", "pos"}, advanced by `step`
+    step: Callable[[], None]
+    gcfg: GPTConfig
+    tcfg: TrainConfig
+    meta: dict
+    group: dist.ProcessGroup | None  # the async writer's own group
+    work: Path
+
+    def train_step(self) -> float:
         t0 = time.perf_counter()
-        step()
+        self.step()
         return time.perf_counter() - t0
 
-    for _ in range(2):  # AdamW moments exist from the first step on
-        train_step()
-    group = new_checkpoint_group()
-    meta = {"model": gcfg.to_dict(), "vocab_size": a.vocab, "trainer": {"consumed_samples": 0}}
-    n_params = model.num_params()
-    load_start = os.getloadavg()[0]
-    sync = {"blocked_s": [], "step_s": []}
-    asyn = {"blocked_s": [], "start_s": [], "wait_s": [], "written_s": [], "step_s": []}
-    plain_steps, ref = [], {"save_s": [], "load_s": []}
-    last = {}
-    for r in range(a.rounds):
-        # sync: the loop waits for the whole save
-        p = start_checkpoint(model, optimizer, state["step"], work / "sync", meta)
-        last["sync"] = p.wait_and_finalize()
-        sync["blocked_s"].append(p.total_s)
-        sync["step_s"].append(train_step())
-        # async: one training step runs while the checkpoint is written
-        p = start_checkpoint(model, optimizer, state["step"], work / "async", meta, async_save=True,
-                             process_group=group)
-        step_s = train_step()
-        t0 = time.perf_counter()
-        last["async"] = p.wait_and_finalize()
-        wait_s = time.perf_counter() - t0
-        asyn["start_s"].append(p.blocked_s)
-        asyn["wait_s"].append(wait_s)
-        asyn["blocked_s"].append(p.blocked_s + wait_s)
-        asyn["written_s"].append(p.write_s)
-        asyn["step_s"].append(step_s)
-        # a step with no save in flight, and nanoGPT's single-file checkpoint
-        plain_steps.append(train_step())
-        ref_path = work / "ref" / "ckpt.pt"
-        ref_path.parent.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "iter_num": state["step"]},
-                   ref_path)
-        ref["save_s"].append(time.perf_counter() - t0)
-        fresh = GPT(gcfg)
-        fresh_opt = build_optimizer(fresh, tcfg)
-        t0 = time.perf_counter()
-        ck = torch.load(ref_path, map_location="cpu", weights_only=True)
-        fresh.load_state_dict(ck["model"])
-        fresh_opt.load_state_dict(ck["optimizer"])
-        ref["load_s"].append(time.perf_counter() - t0)
-        print(f"round {r + 1}: sync blocked {sync['blocked_s'][-1]:.3f}s | async blocked {asyn['blocked_s'][-1]:.3f}s "
-              f"(start {p.blocked_s:.3f} + wait {wait_s:.3f}; written in {p.write_s:.3f}s) | "
-              f"step {plain_steps[-1]:.2f}s, with async save in flight {step_s:.2f}s | "
-              f"nanoGPT torch.save {ref['save_s'][-1]:.3f}s", flush=True)
+    def fresh(self) -> tuple[GPT, torch.optim.Optimizer]:
+        """A new model and optimizer, as a resumed run builds them before loading."""
+        model = GPT(self.gcfg)
+        return model, build_optimizer(model, self.tcfg)
 
-    ckpt = last["async"]
-    resume_s, inference_s = [], []
-    for _ in range(a.rounds):
-        fresh = GPT(gcfg)
-        fresh_opt = build_optimizer(fresh, tcfg)
-        t0 = time.perf_counter()
-        load_checkpoint(fresh, fresh_opt, ckpt)
-        resume_s.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        load_model_for_inference(ckpt)
-        inference_s.append(time.perf_counter() - t0)
+
+def run(a: argparse.Namespace, work: Path) -> int:
+    bench = setup(a, work)
+    load_start = os.getloadavg()[0]
+    rounds, ckpt = save_rounds(bench, a.rounds)
+    resume = resume_rounds(bench, ckpt, a.rounds)
     t0 = time.perf_counter()
     apply_retention(work / "async", ckpt, None)
     manifest_s = time.perf_counter() - t0
-    ckpt_bytes = dir_bytes(ckpt)
-    weights_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    results = {
-        "sync": {"blocked_s": med(sync["blocked_s"]), "blocked_s_all": [round(x, 4) for x in sync["blocked_s"]]},
-        "async": {"blocked_s": med(asyn["blocked_s"]), "start_s": med(asyn["start_s"]),
-                  "wait_after_one_step_s": med(asyn["wait_s"]), "written_s": med(asyn["written_s"]),
-                  "blocked_s_all": [round(x, 4) for x in asyn["blocked_s"]]},
-        "step_s": {"no_save": med(plain_steps), "async_save_in_flight": med(asyn["step_s"]),
-                   "after_sync_save": med(sync["step_s"])},
-        "size": {"checkpoint_bytes": ckpt_bytes, "weights_fp32_bytes": weights_bytes,
-                 "bytes_over_weights": round(ckpt_bytes / weights_bytes, 3),
-                 "files": sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())},
-        "resume": {"load_checkpoint_s": med(resume_s), "load_model_for_inference_s": med(inference_s)},
-        "manifest_sha256_s": round(manifest_s, 4),
-        "reference_nanogpt_torch_save": {"save_s": med(ref["save_s"]), "load_s": med(ref["load_s"]),
-                                         "bytes": (work / "ref" / "ckpt.pt").stat().st_size},
-    }
-    results["async_blocked_vs_sync"] = round(results["async"]["blocked_s"] / results["sync"]["blocked_s"], 3)
+    results = summarise(bench, ckpt, rounds, resume, manifest_s)
+    n_params = bench.model.num_params()
     out = {
         "benchmark": "checkpoint",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
@@ -179,18 +122,136 @@ def run(a: argparse.Namespace, work: Path) -> int:
         "shape": {**model_size_shape(a), "params": n_params, "rounds": a.rounds},
         "results": results,
     }
-    print(f"{n_params:,} params | checkpoint {ckpt_bytes / 1e6:.1f} MB ({results['size']['bytes_over_weights']}x "
-          f"fp32 weights: + AdamW moments) | nanoGPT torch.save {results['reference_nanogpt_torch_save']['bytes'] / 1e6:.1f} MB")
-    print(f"save, loop blocked: sync {results['sync']['blocked_s']:.3f}s, async {results['async']['blocked_s']:.3f}s "
-          f"({results['async_blocked_vs_sync']}x; written in background in {results['async']['written_s']:.3f}s) | "
-          f"nanoGPT torch.save {results['reference_nanogpt_torch_save']['save_s']:.3f}s")
-    print(f"resume: load_checkpoint {results['resume']['load_checkpoint_s']:.3f}s, "
-          f"load_model_for_inference {results['resume']['load_model_for_inference_s']:.3f}s | "
-          f"nanoGPT torch.load {results['reference_nanogpt_torch_save']['load_s']:.3f}s | "
-          f"manifest sha256 {manifest_s:.3f}s")
+    print_summary(n_params, results, manifest_s)
     write_result(a.out, out)
     print(f"written {a.out}")
     return 0
+
+
+def setup(a: argparse.Namespace, work: Path) -> Bench:
+    """The model at add_model_size_args' size, trained two steps so AdamW's moments exist."""
+    tokens, tcfg, gcfg = model_size_setup(a)
+    torch.manual_seed(0)
+    model = GPT(gcfg)
+    model.train()
+    optimizer = build_optimizer(model, tcfg)
+    state = {"step": 0, "pos": 0}
+    step = crucible_step_fn(model, tcfg, tokens, a.seq_len, a.batch, optimizer=optimizer, spike_check=False,
+                            state=state)
+    bench = Bench(model, optimizer, state, step, gcfg, tcfg, meta={}, group=None, work=work)
+    for _ in range(2):  # AdamW moments exist from the first step on
+        bench.train_step()
+    bench.group = new_checkpoint_group()
+    bench.meta = {"model": gcfg.to_dict(), "vocab_size": a.vocab, "trainer": {"consumed_samples": 0}}
+    return bench
+
+
+def save_rounds(b: Bench, rounds: int) -> tuple[dict[str, dict[str, list[float]]], Path]:
+    """Per round: a sync save, an async save with a training step in flight, a step with no save in
+    flight and nanoGPT's torch.save/torch.load. Returns each figure's seconds by round, and the last
+    async checkpoint."""
+    times: dict[str, dict[str, list[float]]] = {"sync": {}, "async": {}, "plain": {}, "ref": {}}
+    ckpt = None
+    for r in range(rounds):
+        sync = sync_save(b)
+        asyn, ckpt = async_save(b)
+        plain = {"step_s": b.train_step()}
+        ref = reference_save_load(b)
+        for name, figures in (("sync", sync), ("async", asyn), ("plain", plain), ("ref", ref)):
+            for key, seconds in figures.items():
+                times[name].setdefault(key, []).append(seconds)
+        print(f"round {r + 1}: sync blocked {sync['blocked_s']:.3f}s | async blocked {asyn['blocked_s']:.3f}s "
+              f"(start {asyn['start_s']:.3f} + wait {asyn['wait_s']:.3f}; written in {asyn['written_s']:.3f}s) | "
+              f"step {plain['step_s']:.2f}s, with async save in flight {asyn['step_s']:.2f}s | "
+              f"nanoGPT torch.save {ref['save_s']:.3f}s", flush=True)
+    return times, ckpt
+
+
+def sync_save(b: Bench) -> dict[str, float]:
+    """The loop waits for the whole save; then one training step."""
+    p = start_checkpoint(b.model, b.optimizer, b.state["step"], b.work / "sync", b.meta)
+    p.wait_and_finalize()
+    return {"blocked_s": p.total_s, "step_s": b.train_step()}
+
+
+def async_save(b: Bench) -> tuple[dict[str, float], Path]:
+    """One training step runs while the checkpoint is written."""
+    p = start_checkpoint(b.model, b.optimizer, b.state["step"], b.work / "async", b.meta, async_save=True,
+                         process_group=b.group)
+    step_s = b.train_step()
+    t0 = time.perf_counter()
+    ckpt = p.wait_and_finalize()
+    wait_s = time.perf_counter() - t0
+    return {"blocked_s": p.blocked_s + wait_s, "start_s": p.blocked_s, "wait_s": wait_s, "written_s": p.write_s,
+            "step_s": step_s}, ckpt
+
+
+def reference_save_load(b: Bench) -> dict[str, float]:
+    """nanoGPT's single-file checkpoint: torch.save, then torch.load into a fresh model and optimizer."""
+    ref_path = b.work / "ref" / "ckpt.pt"
+    ref_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    torch.save({"model": b.model.state_dict(), "optimizer": b.optimizer.state_dict(), "iter_num": b.state["step"]},
+               ref_path)
+    save_s = time.perf_counter() - t0
+    fresh, fresh_opt = b.fresh()
+    t0 = time.perf_counter()
+    ck = torch.load(ref_path, map_location="cpu", weights_only=True)
+    fresh.load_state_dict(ck["model"])
+    fresh_opt.load_state_dict(ck["optimizer"])
+    return {"save_s": save_s, "load_s": time.perf_counter() - t0}
+
+
+def resume_rounds(b: Bench, ckpt: Path, rounds: int) -> dict[str, list[float]]:
+    """Seconds to resume training from `ckpt` (load_checkpoint) and to load it for inference."""
+    resume: dict[str, list[float]] = {"load_checkpoint_s": [], "load_model_for_inference_s": []}
+    for _ in range(rounds):
+        fresh, fresh_opt = b.fresh()
+        t0 = time.perf_counter()
+        load_checkpoint(fresh, fresh_opt, ckpt)
+        resume["load_checkpoint_s"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        load_model_for_inference(ckpt)
+        resume["load_model_for_inference_s"].append(time.perf_counter() - t0)
+    return resume
+
+
+def summarise(b: Bench, ckpt: Path, rounds: dict[str, dict[str, list[float]]], resume: dict[str, list[float]],
+              manifest_s: float) -> dict:
+    sync, asyn, ref = rounds["sync"], rounds["async"], rounds["ref"]
+    ckpt_bytes = dir_bytes(ckpt)
+    weights_bytes = sum(t.numel() * t.element_size() for t in b.model.state_dict().values())
+    results = {
+        "sync": {"blocked_s": med(sync["blocked_s"]), "blocked_s_all": [round(x, 4) for x in sync["blocked_s"]]},
+        "async": {"blocked_s": med(asyn["blocked_s"]), "start_s": med(asyn["start_s"]),
+                  "wait_after_one_step_s": med(asyn["wait_s"]), "written_s": med(asyn["written_s"]),
+                  "blocked_s_all": [round(x, 4) for x in asyn["blocked_s"]]},
+        "step_s": {"no_save": med(rounds["plain"]["step_s"]), "async_save_in_flight": med(asyn["step_s"]),
+                   "after_sync_save": med(sync["step_s"])},
+        "size": {"checkpoint_bytes": ckpt_bytes, "weights_fp32_bytes": weights_bytes,
+                 "bytes_over_weights": round(ckpt_bytes / weights_bytes, 3),
+                 "files": sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())},
+        "resume": {key: med(seconds) for key, seconds in resume.items()},
+        "manifest_sha256_s": round(manifest_s, 4),
+        "reference_nanogpt_torch_save": {"save_s": med(ref["save_s"]), "load_s": med(ref["load_s"]),
+                                         "bytes": (b.work / "ref" / "ckpt.pt").stat().st_size},
+    }
+    results["async_blocked_vs_sync"] = round(results["async"]["blocked_s"] / results["sync"]["blocked_s"], 3)
+    return results
+
+
+def print_summary(n_params: int, results: dict, manifest_s: float) -> None:
+    ref = results["reference_nanogpt_torch_save"]
+    print(f"{n_params:,} params | checkpoint {results['size']['checkpoint_bytes'] / 1e6:.1f} MB "
+          f"({results['size']['bytes_over_weights']}x fp32 weights: + AdamW moments) | "
+          f"nanoGPT torch.save {ref['bytes'] / 1e6:.1f} MB")
+    print(f"save, loop blocked: sync {results['sync']['blocked_s']:.3f}s, async {results['async']['blocked_s']:.3f}s "
+          f"({results['async_blocked_vs_sync']}x; written in background in {results['async']['written_s']:.3f}s) | "
+          f"nanoGPT torch.save {ref['save_s']:.3f}s")
+    print(f"resume: load_checkpoint {results['resume']['load_checkpoint_s']:.3f}s, "
+          f"load_model_for_inference {results['resume']['load_model_for_inference_s']:.3f}s | "
+          f"nanoGPT torch.load {ref['load_s']:.3f}s | "
+          f"manifest sha256 {manifest_s:.3f}s")
 
 
 if __name__ == "__main__":

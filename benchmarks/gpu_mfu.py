@@ -10,7 +10,7 @@ Without a CUDA GPU it prints one `SKIP` line, writes {"skipped": true, "reason":
 MFU against a GPU's peak means nothing.
 
 What is measured: the model of tasks/train/model.py built from the config's `model` section (vocab
-from `tokenizer.vocab_size`), wrapped by tasks.train.worker.parallelize (FSDP2 fully_shard per
+from `tokenizer.vocab_size`), wrapped by tasks.train.parallelize.parallelize (FSDP2 fully_shard per
 block with a bf16 MixedPrecisionPolicy, or DDP + autocast; torch.compile per block), AdamW from
 build_optimizer, gradient accumulation to the config's global batch, grad clipping, optimizer step.
 Batches are uniform random token ids: the data loader is not part of the GPU's work, and throughput
@@ -63,8 +63,9 @@ def run(cfg, args, device_type: str) -> dict:
 
     from tasks.train.model import GPT, GPTConfig, lm_loss
     from tasks.train.optimizer import build_optimizer
-    from tasks.train.worker import (autocast_context, flops_per_token, global_batch, grad_sync_context,
-                                    parallelize)
+    from tasks.train.data import global_batch
+    from tasks.train.flops import flops_per_token
+    from tasks.train.parallelize import autocast_context, grad_sync_context, parallelize
 
     tcfg = cfg.train
     rank, world, local_rank = init_distributed("nccl" if device_type == "cuda" else "gloo")

@@ -3,8 +3,8 @@ JSON result to benchmarks/results/lineage_service.json.
 
     .venv/bin/python benchmarks/lineage_service.py [--pipelines 334] [--batch-size 500]
 
-The event log is made with Crucible's own emitter (tasks.lineage.service.sample): `--pipelines`
-`pretrain` runs of 30 events each, every run resuming training from the previous run's last
+The event log is made with Crucible's own emitter (infra.services.lineage.sample): `--pipelines`
+`pretrain` runs of 34 events each, every run resuming training from the previous run's last
 checkpoint, so the model versions form one long chain of runs and artifacts, all sharing the
 same raw files. Measured:
 
@@ -32,13 +32,14 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # lineage_helpers: the tests' launcher of a real service process
 
 from _common import write_result  # noqa: E402
+from infra.services.lineage.sample import write_sample_log  # noqa: E402
+from infra.services.lineage.store import LineageStore  # noqa: E402
+from lineage_helpers import start_service  # noqa: E402
 from tasks.core.net import free_port  # noqa: E402
-from tasks.lineage.service.launch import start_service  # noqa: E402
-from tasks.lineage.service.replay import iter_events, replay  # noqa: E402
-from tasks.lineage.service.sample import write_sample_log  # noqa: E402
-from tasks.lineage.service.store import LineageStore  # noqa: E402
+from tasks.lineage.replay import iter_events, replay  # noqa: E402
 
 TARGET_EVENTS_PER_S = 1000
 TARGET_QUERY_MS = 200
@@ -69,7 +70,7 @@ def _ingest_direct(db: Path, events: list[dict], batch_size: int) -> tuple[float
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pipelines", type=int, default=334, help="pretrain runs (30 events each)")
+    ap.add_argument("--pipelines", type=int, default=334, help="pretrain runs (34 events each)")
     ap.add_argument("--batch-size", type=int, default=500)
     ap.add_argument("--repeat", type=int, default=20, help="repetitions per query")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "lineage_service.json"))
@@ -86,7 +87,6 @@ def main() -> int:
 
 
 def _run(args: argparse.Namespace, work: Path) -> int:
-
     t0 = time.perf_counter()
     log, pipelines = write_sample_log(work / "runs", pipelines=args.pipelines)
     gen_s = time.perf_counter() - t0
@@ -109,38 +109,7 @@ def _run(args: argparse.Namespace, work: Path) -> int:
         http = replay(log, base, batch_size=args.batch_size)
         http_s = time.perf_counter() - t0
         assert http["ingested"] == n, http
-
-        newest = pipelines[-1]
-        raw = pipelines[-1].file_node(pipelines[-1].raw_files[0])
-        client = httpx.Client(base_url=base, timeout=120)
-
-        def graph(node: str, direction: str, depth: int = 20):
-            resp = client.get("/api/v1/lineage", params={"nodeId": node, "depth": depth, "direction": direction})
-            resp.raise_for_status()
-            g = resp.json()["graph"]
-            return {"nodes": len(g), "jobs": sum(1 for x in g if x["type"] == "JOB"),
-                    "bytes": len(resp.content)}
-
-        queries = {
-            "graph_depth20_both_newest_model": _timed(lambda: graph(newest.model_version_node, "both"), args.repeat),
-            "graph_depth20_upstream_newest_model": _timed(lambda: graph(newest.model_version_node, "upstream"),
-                                                          args.repeat),
-            "graph_depth20_downstream_raw_file": _timed(lambda: graph(raw, "downstream"), max(3, args.repeat // 4)),
-        }
-
-        def trace():
-            t = client.get("/api/v1/crucible/trace", params={"nodeId": newest.model_version_node}).json()
-            return {"sources": len(t["sources"]), "truncated": t["truncated"]}
-
-        def report():
-            r = client.get("/api/v1/crucible/report", params={"nodeId": newest.model_version_node, "format": "md"})
-            r.raise_for_status()
-            return {"bytes": len(r.content)}
-
-        queries["trace_full_depth_newest_model"] = _timed(trace, max(3, args.repeat // 4))
-        queries["report_md_full_depth_newest_model"] = _timed(report, max(3, args.repeat // 4))
-        stats = client.get("/api/v1/crucible/stats").json()
-        client.close()
+        queries, stats = _query_service(base, pipelines[-1], args.repeat)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -172,20 +141,62 @@ def _run(args: argparse.Namespace, work: Path) -> int:
             "graph_depth20": q20 <= TARGET_QUERY_MS,
         },
     }
-    print(f"store: {stats}")
-    print(f"machine load average (1/5/15 min) before {result['machine']['load_avg_before']},"
-          f" after {result['machine']['load_avg_after']} on {os.cpu_count()} CPUs")
+    _print_summary(result)
+    write_result(args.out, result)
+    print(f"wrote {args.out}")
+    return 0 if all(result["within_target"].values()) else 1
+
+
+def _query_service(base: str, newest, repeat: int) -> tuple[dict, dict]:
+    """Timed queries of the running service around the newest pipeline run's model version (graph
+    both ways and upstream, downstream from a raw file, trace, report), and the store's stats."""
+    client = httpx.Client(base_url=base, timeout=120)
+    model = newest.model_version_node
+    raw = newest.file_node(newest.raw_files[0])
+
+    def graph(node: str, direction: str, depth: int = 20):
+        resp = client.get("/api/v1/lineage", params={"nodeId": node, "depth": depth, "direction": direction})
+        resp.raise_for_status()
+        g = resp.json()["graph"]
+        return {"nodes": len(g), "jobs": sum(1 for x in g if x["type"] == "JOB"),
+                "bytes": len(resp.content)}
+
+    def trace():
+        t = client.get("/api/v1/crucible/trace", params={"nodeId": model}).json()
+        return {"sources": len(t["sources"]), "truncated": t["truncated"]}
+
+    def report():
+        r = client.get("/api/v1/crucible/report", params={"nodeId": model, "format": "md"})
+        r.raise_for_status()
+        return {"bytes": len(r.content)}
+
+    few = max(3, repeat // 4)  # the slow queries
+    queries = {
+        "graph_depth20_both_newest_model": _timed(lambda: graph(model, "both"), repeat),
+        "graph_depth20_upstream_newest_model": _timed(lambda: graph(model, "upstream"), repeat),
+        "graph_depth20_downstream_raw_file": _timed(lambda: graph(raw, "downstream"), few),
+        "trace_full_depth_newest_model": _timed(trace, few),
+        "report_md_full_depth_newest_model": _timed(report, few),
+    }
+    stats = client.get("/api/v1/crucible/stats").json()
+    client.close()
+    return queries, stats
+
+
+def _print_summary(result: dict) -> None:
+    machine, rates, queries, met = (result["machine"], result["events_per_s"], result["queries"],
+                                    result["within_target"])
+    print(f"store: {result['store']}")
+    print(f"machine load average (1/5/15 min) before {machine['load_avg_before']},"
+          f" after {machine['load_avg_after']} on {os.cpu_count()} CPUs")
     print(f"{'ingestion':<40}{'events/s':>10}")
     for k, v in rates.items():
         print(f"{k:<40}{v:>10}")
     print(f"{'query':<40}{'median ms':>10}{'p95 ms':>9}   result")
     for k, v in queries.items():
         print(f"{k:<40}{v['median_ms']:>10}{v['p95_ms']:>9}   {v['last']}")
-    print(f"targets: ingestion ≥ {TARGET_EVENTS_PER_S}/s: {'met' if result['within_target']['ingest'] else 'MISSED'};"
-          f" depth-20 graph ≤ {TARGET_QUERY_MS} ms: {'met' if result['within_target']['graph_depth20'] else 'MISSED'}")
-    write_result(args.out, result)
-    print(f"wrote {args.out}")
-    return 0 if all(result["within_target"].values()) else 1
+    print(f"targets: ingestion ≥ {TARGET_EVENTS_PER_S}/s: {'met' if met['ingest'] else 'MISSED'};"
+          f" depth-20 graph ≤ {TARGET_QUERY_MS} ms: {'met' if met['graph_depth20'] else 'MISSED'}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ a JSON result to benchmarks/results/serving.json.
 
     .venv/bin/python benchmarks/serving.py [--clients 16] [--requests 96] [--max-tokens 32]
 
-A real server process (`python -m tasks.deploy.server`) on loopback serves a randomly initialised
+A real server process (`python -m infra.services.model_server`) on loopback serves a randomly initialised
 GPT (the tiny config's shape, d_model 128, 4 layers, seq_len 128) saved with tasks.train's
 checkpoint code. `--clients` threads send `--requests` non-streaming /v1/completions in total
 (sampled, temperature 0.8, seeded per request, max_tokens fixed and no EOS cut-off worth
@@ -45,7 +45,7 @@ def make_model(root: Path) -> tuple[Path, Path]:
 
 
 def start_server(ckpt: Path, tok: Path, port: int, max_batch: int, threads: int, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tasks.deploy.server", "--checkpoint", str(ckpt), "--tokenizer", str(tok),
+    cmd = [sys.executable, "-m", "infra.services.model_server", "--checkpoint", str(ckpt), "--tokenizer", str(tok),
            "--model-name", "bench", "--port", str(port), "--threads", str(threads), "--max-batch", str(max_batch),
            "--log-level", "warning"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -44,7 +44,7 @@ from tasks.train.model import GPT, GPTConfig  # noqa: E402
 from tasks.train.optimizer import build_optimizer  # noqa: E402
 from tasks.train.schedule import lr_at, set_lr  # noqa: E402
 from tasks.train.spikes import SpikeDetector  # noqa: E402
-from tasks.train.worker import flops_per_token  # noqa: E402
+from tasks.train.flops import flops_per_token  # noqa: E402
 
 RESULT = REPO / "benchmarks" / "results" / "train_throughput.json"
 

@@ -10,7 +10,7 @@ directory is laid out as the pipeline lays it out (config.json, tokenizer, token
 text in shared/data/text, built by tests/lm_helpers), and two real checkpoints of the tiny model
 (tasks.train's checkpoint code) are saved one after the other: A after 10 AdamW steps, B after 40
 (lower loss, so it passes "better than the champion"). For each, the benchmark emits the event
-exactly as the training worker does (tasks.train.metrics.emit_checkpoint_event) and measures from
+exactly as the pipeline's training worker does (flows.train_worker.PrefectEvents) and measures from
 the emit:
     eval_in_mlflow_s   until val_loss at the checkpoint's step is in the training run (MLflow server)
     champion_s         until the registry's `champion` alias points at the checkpoint
@@ -40,12 +40,14 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # lm_helpers: the tokenizer / token shards the LM tests use
 
 from _common import write_result  # noqa: E402
+from tasks.core.constants import DEPLOY_DEPLOYMENT, EVAL_DEPLOYMENT  # noqa: E402
+from tasks.core.layout import RunLayout  # noqa: E402
 from tasks.core.net import free_port  # noqa: E402
 
 RUN = "latency-run"
 
 
-def _train_checkpoints(cfg, run_dir: Path, steps: tuple[int, ...]) -> list[Path]:
+def _train_checkpoints(cfg, layout: RunLayout, steps: tuple[int, ...]) -> list[Path]:
     """Train the tiny model on the run's train split; save a checkpoint at each of `steps`."""
     import numpy as np
     import torch
@@ -55,15 +57,15 @@ def _train_checkpoints(cfg, run_dir: Path, steps: tuple[int, ...]) -> list[Path]
     from tasks.train.checkpoint import save_checkpoint
     from tasks.train.model import GPT, GPTConfig
 
-    index = load_index(run_dir / "tokens" / "index.json")
-    train = open_split(run_dir / "tokens" / "index.json", "train")
+    index = load_index(layout.tokens_index)
+    train = open_split(layout.tokens_index, "train")
     mcfg = GPTConfig.from_model_config(cfg.model, index["vocab_size"])
     torch.manual_seed(0)
     model = GPT(mcfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = np.random.default_rng(0)
     meta = {"model": mcfg.to_dict(), "eos_id": index["eos_id"], "run_name": RUN,
-            "tokenizer_sha256": sha256_file(run_dir / "tokenizer" / "tokenizer.json")}
+            "tokenizer_sha256": sha256_file(layout.tokenizer_file)}
     out, T = [], mcfg.seq_len
     for step in range(1, max(steps) + 1):
         starts = rng.integers(0, len(train) - T - 1, size=8)
@@ -73,27 +75,29 @@ def _train_checkpoints(cfg, run_dir: Path, steps: tuple[int, ...]) -> list[Path]
         loss.backward()
         opt.step()
         if step in steps:
-            out.append(save_checkpoint(model, opt, step, run_dir / "train", {**meta, "step": step}))
+            out.append(save_checkpoint(model, opt, step, layout.stage_dir("train"), {**meta, "step": step}))
     return out
 
 
-def _layout_run(cfg, base: Path) -> Path:
+def _layout_run(cfg, base: Path) -> RunLayout:
     from lm_helpers import tokenizer_artifact, tokens_artifact
 
     tok, tokens = tokenizer_artifact(base), tokens_artifact(base)
-    run_dir = Path(cfg.run_root) / RUN
-    (run_dir / "tokenizer").mkdir(parents=True)
-    shutil.copy(tok["path"], run_dir / "tokenizer" / "tokenizer.json")
-    shutil.copytree(Path(tokens["index_path"]).parent, run_dir / "tokens")
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
-    return run_dir
+    layout = RunLayout.for_run(cfg.run_root, RUN)
+    layout.tokenizer_file.parent.mkdir(parents=True)
+    shutil.copy(tok["path"], layout.tokenizer_file)
+    shutil.copytree(Path(tokens["index_path"]).parent, layout.tokens_index.parent)
+    layout.config_file.write_text(cfg.model_dump_json(indent=2))
+    return layout
 
 
 def _flow_runs(api: str, deployment: str, checkpoint: Path) -> list[dict]:
+    """The runs of `deployment` ("<flow>/<deployment>") for `checkpoint`."""
     import httpx
 
+    name = deployment.split("/", 1)[1]
     runs = httpx.post(f"{api}/flow_runs/filter", timeout=30, trust_env=False,
-                      json={"deployments": {"name": {"any_": [deployment]}}}).json()
+                      json={"deployments": {"name": {"any_": [name]}}}).json()
     return [r for r in runs if r["parameters"].get("checkpoint") == str(checkpoint)]
 
 
@@ -105,15 +109,16 @@ def measure(cfg, api: str, mlflow_uri: str, run_id: str, ckpt: Path, step: int, 
     import httpx
     from mlflow import MlflowClient
 
-    from tasks.train.metrics import drain_events, emit_checkpoint_event
+    from flows.train_worker import PrefectEvents
 
     client = MlflowClient(tracking_uri=mlflow_uri, registry_uri=mlflow_uri)
     base = f"http://127.0.0.1:{cfg.deploy.port}"
     got: dict[str, float] = {}
     t_emit = time.time()
     t0 = time.perf_counter()
-    emit_checkpoint_event(ckpt, step, run_id, RUN)
-    drain_events()
+    events = PrefectEvents()
+    events.checkpoint_saved(ckpt, step, run_id, RUN)
+    events.drain()
     while len(got) < 3:
         if time.perf_counter() - t0 > timeout:
             raise TimeoutError(f"step {step}: only {sorted(got)} after {timeout:.0f}s")
@@ -136,15 +141,15 @@ def measure(cfg, api: str, mlflow_uri: str, run_id: str, ckpt: Path, step: int, 
                 pass
         time.sleep(0.25)
     out = {"step": step, "checkpoint": ckpt.name, **{k: round(v, 2) for k, v in got.items()}}
-    ev = _flow_runs(api, "evaluate-checkpoint", ckpt)
-    dep = _flow_runs(api, "deploy-model", ckpt)
+    ev = _flow_runs(api, EVAL_DEPLOYMENT, ckpt)
+    dep = _flow_runs(api, DEPLOY_DEPLOYMENT, ckpt)
     if ev:
         s, e = _ts(ev[0]["start_time"]), _ts(ev[0]["end_time"])
         out.update(dispatch_s=round(s - t_emit, 2), evaluate_run_s=round(e - s, 2))
         if dep and dep[0]["start_time"]:
             ds, de = _ts(dep[0]["start_time"]), _ts(dep[0]["end_time"])
             out.update(deploy_dispatch_s=round(ds - e, 2), deploy_run_s=round(de - ds, 2) if de else None)
-    report = json.loads((Path(ckpt).parents[2] / "evaluate" / "triggered" / f"{ckpt.name}.json").read_text())
+    report = json.loads(RunLayout.of_checkpoint(ckpt).triggered_eval_report(ckpt).read_text())
     out.update(val_loss=report["val_loss"], eval_seconds_in_report=report.get("seconds"), gate=report["gate"]["reason"])
     return out
 
@@ -169,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         f"lineage.service_port={free_port()}", f"deploy.port={free_port()}", "deploy.model_name=latency-model"])
     os.environ.pop(stack.STATE_DIR_ENV, None)
     os.environ.update(stack.client_env(cfg.stack, cfg.lineage))  # before Prefect is imported anywhere
-    run_dir = _layout_run(cfg, tmp / "lm")
-    ckpts = _train_checkpoints(cfg, run_dir, (10, 40))
+    layout = _layout_run(cfg, tmp / "lm")
+    ckpts = _train_checkpoints(cfg, layout, (10, 40))
     t0 = time.perf_counter()
     results: list[dict] = []
     try:

@@ -1,6 +1,6 @@
 """Event-triggered evaluation and deployment, served by one long-running process.
 
-    python -m flows.triggers serve        # what the stack runs (infra/triggers_service.py)
+    python -m flows.triggers serve        # what the stack runs (infra.stack.triggers_spec)
 
 Two deployments, served with prefect's `serve` (each flow run in its own subprocess):
 
@@ -92,7 +92,7 @@ def triggers_active(cfg) -> bool:
     api = (os.environ.get("PREFECT_API_URL") or "").rstrip("/")
     if api != stack.prefect_api_url(cfg.stack).rstrip("/") or _tracking_uri(cfg) != stack.mlflow_tracking_uri(cfg.stack):
         return False
-    from infra.triggers_service import TRIGGERS, triggers_spec
+    from infra.stack import TRIGGERS, triggers_spec
 
     try:
         return bool(stack.service_status(cfg.stack, TRIGGERS, triggers_spec(cfg.stack, cfg.lineage)).get("healthy"))
@@ -196,11 +196,11 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
     paths = run_paths(checkpoint, {"tokenizer": tokenizer})
     cfg = _load_cfg(paths["config"])
     evaluation = json.loads(Path(report_path).read_text())
-    from flows.stage_task import serve_model
+    from flows.stage_task import model_server_status, serve_model
     from tasks.core.io import write_json_atomic
 
     result = deploy_if_better(cfg, _tracking_uri(cfg), evaluation, Path(paths["tokenizer"]), run_id,
-                              serve_model=serve_model)
+                              serve_model=serve_model, server_status=model_server_status(cfg))
     write_json_atomic(RunLayout(paths["run_dir"]).triggered_deploy_record(paths["checkpoint"]), result)
     if result.get("version") is not None:
         _emit(DEPLOYED_EVENT, {"prefect.resource.id": f"crucible.model.{result['model_name']}.{result['version']}"},

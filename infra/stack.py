@@ -82,7 +82,7 @@ class ServiceSpec:
 
     @property
     def health_url(self) -> str:
-        return f"http://{_connect_host(self.host)}:{self.port}{self.health_path}"
+        return f"http://{connect_host(self.host)}:{self.port}{self.health_path}"
 
     @classmethod
     def from_dict(cls, d: dict) -> "ServiceSpec":
@@ -113,20 +113,21 @@ def _spec_path(stack_cfg, name: str) -> Path:
     return _run_dir(stack_cfg) / f"{name}.json"
 
 
-def _connect_host(host: str) -> str:
+def connect_host(host: str) -> str:
+    """Where a client connects to a service bound to `host` (a wildcard bind: loopback)."""
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
 def prefect_api_url(stack_cfg) -> str:
-    return f"http://{_connect_host(stack_cfg.host)}:{stack_cfg.prefect_port}/api"
+    return f"http://{connect_host(stack_cfg.host)}:{stack_cfg.prefect_port}/api"
 
 
 def prefect_ui_url(stack_cfg) -> str:
-    return f"http://{_connect_host(stack_cfg.host)}:{stack_cfg.prefect_port}"
+    return f"http://{connect_host(stack_cfg.host)}:{stack_cfg.prefect_port}"
 
 
 def mlflow_tracking_uri(stack_cfg) -> str:
-    return f"http://{_connect_host(stack_cfg.host)}:{stack_cfg.mlflow_port}"
+    return f"http://{connect_host(stack_cfg.host)}:{stack_cfg.mlflow_port}"
 
 
 def _lineage_cfg(lineage_cfg):
@@ -140,7 +141,7 @@ def _lineage_cfg(lineage_cfg):
 def lineage_url(lineage_cfg=None) -> str:
     """Base URL of the lineage service (its page, and its API under /api/v1)."""
     lineage_cfg = _lineage_cfg(lineage_cfg)
-    return f"http://{_connect_host(lineage_cfg.service_host)}:{lineage_cfg.service_port}"
+    return f"http://{connect_host(lineage_cfg.service_host)}:{lineage_cfg.service_port}"
 
 
 def lineage_db(stack_cfg, lineage_cfg=None) -> Path:
@@ -220,7 +221,7 @@ def mlflow_spec(stack_cfg) -> ServiceSpec:
     )
 
 
-def _repo_pythonpath() -> str:
+def repo_pythonpath() -> str:
     """PYTHONPATH for a service that runs this repository's code from the state directory."""
     return os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
 
@@ -237,7 +238,7 @@ def lineage_spec(stack_cfg, lineage_cfg=None) -> ServiceSpec:
         host=lineage_cfg.service_host, port=lineage_cfg.service_port, health_path="/healthz",
         url=lineage_url(lineage_cfg), marker=["infra.services.lineage", "--db"],
         # the service is this repository's code: importable from the state directory too
-        env={"PYTHONPATH": _repo_pythonpath(), "DO_NOT_TRACK": "true"},
+        env={"PYTHONPATH": repo_pythonpath(), "DO_NOT_TRACK": "true"},
         info={"db": str(db), "api_url": lineage_url(lineage_cfg) + "/api/v1"},
     )
 
@@ -252,7 +253,7 @@ def triggers_spec(stack_cfg, lineage_cfg=None, port: int | None = None) -> Servi
     port = port or stack_cfg.triggers_port
     env = {
         **client_env(stack_cfg, lineage_cfg),
-        "PYTHONPATH": _repo_pythonpath(),
+        "PYTHONPATH": repo_pythonpath(),
         "PYTHONUNBUFFERED": "1",
         "PREFECT_RUNNER_SERVER_ENABLE": "true",
         "PREFECT_RUNNER_SERVER_HOST": host,

@@ -559,7 +559,7 @@ class StackConfig(Section):
 class LineageConfig(Section):
     namespace: str = "crucible"
     producer: str = "https://github.com/crucible-ml/crucible"
-    service_host: str = "127.0.0.1"  # the lineage service (python -m tasks.lineage.service)
+    service_host: str = "127.0.0.1"  # the lineage service (python -m infra.services.lineage)
     service_port: int = Field(default=5055, gt=0, lt=65536)
     service_db: str = "lineage.db"  # SQLite store; relative to stack.state_dir unless absolute
     replay_batch_size: int = Field(default=500, gt=0)  # events per POST when replaying a lineage.jsonl

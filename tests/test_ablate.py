@@ -32,7 +32,7 @@ def _small_config(tmp: Path) -> PipelineConfig:
 
 def test_langid_only_arm_switches_off_everything_but_langid():
     from tasks.ablate import langid_only
-    from tasks.curate.run import filter_names
+    from tasks.curate.filters import filter_names
 
     cfg = load_config(REPO / "configs" / "tiny.yaml")
     a = langid_only(cfg)

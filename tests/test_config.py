@@ -19,7 +19,7 @@ def test_tiny_and_large_configs_validate():
 
 def test_h100_config_validates():
     """configs/h100.yaml (docs/gpu.md): bf16 + FSDP2 + compile, a global batch one GPU can split."""
-    from tasks.train.worker import global_batch
+    from tasks.train.data import global_batch
 
     h100 = load_config(REPO / "configs" / "h100.yaml")
     t = h100.train

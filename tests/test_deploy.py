@@ -15,12 +15,13 @@ import torch
 from fastapi.testclient import TestClient
 
 from infra import stack
+from infra.services.model_server.server import create_app
+from infra.services.model_server.supervisor import serve_model, server_status, start_or_refresh_server
 from lm_helpers import random_checkpoint, sample_tokenizer
 from tasks.config import DeployConfig, PipelineConfig, StackConfig
 from tasks.core.net import free_port
-from tasks.deploy import deploy_if_better, gate, start_or_refresh_server
+from tasks.deploy import deploy_if_better, gate
 from tasks.deploy.generation import TextGenerator
-from tasks.deploy.server import create_app
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +137,11 @@ def _pipeline_cfg(tmp_path: Path, **deploy) -> PipelineConfig:
     })
 
 
+def _supervised(cfg: PipelineConfig) -> dict:
+    """What the flows hand deploy_if_better: the stack's model-server supervisor."""
+    return {"serve_model": serve_model, "server_status": lambda: server_status(cfg.stack)}
+
+
 def test_deploy_if_better_without_serving(tiny, tmp_path, mlflow_store):
     from mlflow import MlflowClient
 
@@ -146,7 +152,7 @@ def test_deploy_if_better_without_serving(tiny, tmp_path, mlflow_store):
     cfg = _pipeline_cfg(tmp_path, serve=False, model_name="crucible-gated")
     ev = {"val_loss": 6.0, "step": 10, "checkpoint": str(tiny["ckpt"]), "run_name": "test",
           "task_metrics": {"hellaswag_acc_norm": 0.3}}
-    first = deploy_if_better(cfg, uri, ev, tiny["tokenizer"], train_run)
+    first = deploy_if_better(cfg, uri, ev, tiny["tokenizer"], train_run, **_supervised(cfg))
     assert first["passed"] and first["version"] == 1 and first["content_hash"] and first["endpoint"] is None
     # challenger -> verified (loaded back from the registry and run) -> champion
     assert first["alias"] == "champion" and "loaded from the registry" in first["verified"]
@@ -157,7 +163,7 @@ def test_deploy_if_better_without_serving(tiny, tmp_path, mlflow_store):
     assert tags["data.licences"] == "CC0" and tags["data.sources"].startswith("s (CC0; test)")
     assert tags["lineage.checkpoint_node"] == f"dataset:file:{Path(tiny['ckpt']).resolve()}"
     worse = {"val_loss": 6.5, "step": 20, "checkpoint": str(tiny["ckpt2"])}
-    second = deploy_if_better(cfg, uri, worse, tiny["tokenizer"], train_run)
+    second = deploy_if_better(cfg, uri, worse, tiny["tokenizer"], train_run, **_supervised(cfg))
     assert not second["passed"] and second["version"] is None
     assert second["champion_version"] == 1 and second["champion_val_loss"] == 6.0
     assert "champion" in second["reason"]
@@ -169,7 +175,7 @@ def test_deploy_if_better_without_serving(tiny, tmp_path, mlflow_store):
     assert client.get_registered_model("crucible-gated").aliases == {"champion": 1}
     # The champion's own checkpoint again (as when the triggered deploy-model flow got there first):
     # reported as deployed, no new version.
-    again = deploy_if_better(cfg, uri, ev, tiny["tokenizer"], None)
+    again = deploy_if_better(cfg, uri, ev, tiny["tokenizer"], None, **_supervised(cfg))
     assert again["passed"] and again["version"] == 1 and "already the champion" in again["reason"]
     assert again["content_hash"] == first["content_hash"]
 
@@ -180,15 +186,16 @@ def test_challenger_that_cannot_be_served_is_rejected_and_champion_stays(tiny, t
     uri = mlflow_store["uri"]
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     name = "crucible-unservable"
-    ok = deploy_if_better(_pipeline_cfg(tmp_path, serve=False, model_name=name), uri,
-                          {"val_loss": 6.0, "step": 10, "checkpoint": str(tiny["ckpt"])}, tiny["tokenizer"], None)
+    unserved = _pipeline_cfg(tmp_path, serve=False, model_name=name)
+    ok = deploy_if_better(unserved, uri, {"val_loss": 6.0, "step": 10, "checkpoint": str(tiny["ckpt"])},
+                          tiny["tokenizer"], None, **_supervised(unserved))
     assert ok["version"] == 1 and ok["alias"] == "champion"
     with socket.socket() as busy:  # another process holds the model server's port: serving must fail
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         cfg = _pipeline_cfg(tmp_path, serve=True, model_name=name, port=busy.getsockname()[1])
         res = deploy_if_better(cfg, uri, {"val_loss": 5.0, "step": 20, "checkpoint": str(tiny["ckpt2"])},
-                               tiny["tokenizer"], None)
+                               tiny["tokenizer"], None, **_supervised(cfg))
     assert not res["passed"] and res["version"] is None and "failed verification" in res["reason"]
     assert "in use" in res["reason"]
     assert client.get_registered_model(name).aliases == {"champion": 1}  # no challenger left behind

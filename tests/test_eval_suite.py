@@ -275,12 +275,12 @@ def test_reference_config_validation():
 
 @pytest.fixture(scope="module")
 def server(run, tok_path):
-    """Crucible's own OpenAI-compatible server (tasks.deploy.server's app under uvicorn) in a thread
+    """Crucible's own OpenAI-compatible server (infra.services.model_server's app under uvicorn) in a thread
     of this process, on a free loopback port."""
     import uvicorn
 
     from tasks.deploy.generation import TextGenerator
-    from tasks.deploy.server import create_app
+    from infra.services.model_server.server import create_app
 
     app = create_app(TextGenerator.from_files(run["checkpoints"][-1], tok_path), "crucible-test")
     sock = socket.socket()

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 from openlineage.client.event_v2 import RunState
 
+from lineage_helpers import start_service
 from tasks.core.net import free_port
 from tasks.lineage import JobRef, LineageEmitter, dataset_for_path, model_version_dataset
-from tasks.lineage.service.launch import start_service
 from tasks.lineage.validate import event_errors, read_events
 
 PRODUCER = "https://github.com/crucible-ml/crucible"
@@ -185,7 +185,7 @@ def test_down_service_never_fails_the_run_and_replay_fills_it(tmp_path):
 
     import httpx
 
-    from tasks.lineage.service.sample import emit_pipeline
+    from infra.services.lineage.sample import emit_pipeline
     from tasks.lineage.transport import endpoint_url, http_stats, reset_http_stats
 
     port = free_port()
@@ -348,7 +348,8 @@ def test_torchrun_job_is_its_own_run_under_the_train_task(lm_lineage):
 def test_lineage_graph_connects_token_shards_through_torchrun_to_checkpoints(lm_lineage, tmp_path):
     from fastapi.testclient import TestClient
 
-    from tasks.lineage.service import create_app, replay
+    from infra.services.lineage import create_app
+    from tasks.lineage.replay import replay
 
     with TestClient(create_app(tmp_path / "lineage.db")) as client:
         assert replay(lm_lineage["log"], "http://testserver", client=client)["ingested"] == len(lm_lineage["events"])
@@ -388,8 +389,8 @@ def test_evaluation_data_are_inputs_with_licence_and_content_hash(lm_lineage):
 
 
 def test_trace_lists_evaluation_data_apart_from_sources(lm_lineage, tmp_path):
-    from tasks.lineage.service.provenance import Provenance, report_markdown
-    from tasks.lineage.service.store import LineageStore
+    from infra.services.lineage.provenance import Provenance, report_markdown
+    from infra.services.lineage.store import LineageStore
 
     store = LineageStore(tmp_path / "lineage.db")
     try:

@@ -1,13 +1,8 @@
 """The lineage service: ingestion, Marquez-shaped graph and browsing API, trace, provenance report.
 
-The event log is written by Crucible's own emitter (tasks.lineage.service.sample drives it through
+The event log is written by Crucible's own emitter (infra.services.lineage.sample drives it through
 two `pretrain` runs, the second resuming training from the first's checkpoint)."""
-import os
-import subprocess
-import sys
-import time
 import uuid
-from pathlib import Path
 from urllib.parse import quote
 
 import httpx
@@ -15,15 +10,16 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from infra.services.lineage import create_app
+from infra.services.lineage.sample import DEFAULT_SOURCES, FILTER_DROPS, PRODUCER, write_sample_log
+from infra.services.lineage.store import LineageStore, Node, split_node_id
+from lineage_helpers import start_service
 from tasks.core.net import free_port
 from tasks.lineage import JobRef, LineageEmitter, dataset_for_path
-from tasks.lineage.service.launch import start_service
-from tasks.lineage.service import create_app, replay
-from tasks.lineage.service.sample import DEFAULT_SOURCES, FILTER_DROPS, PRODUCER, write_sample_log
-from tasks.lineage.service.store import LineageStore, Node, split_node_id
+from tasks.lineage.replay import replay
 from tasks.lineage.validate import read_events
+from tasks.registry import PRETRAIN_FLOWS
 
-REPO = Path(__file__).resolve().parent.parent
 LICENCES = {s["name"]: s["licence"] for s in DEFAULT_SOURCES}
 RAW_FILES = sum(len(s["files"]) for s in DEFAULT_SOURCES)
 
@@ -56,10 +52,10 @@ def test_upstream_of_model_version_reaches_raw_files_with_enough_depth(client, s
     model = second.model_version_node
     assert model == "dataset:mlflow://127.0.0.1:5000:models/crucible-tiny/2"
     raw_ids = {second.file_node(f) for f in second.raw_files}
-    # deploy -> train_bpe (tokenizer) -> filter_and_dedup -> ingest_sources -> raw: 4 job hops
-    shallow = _graph(client, model, depth=3, direction="upstream")
+    # deploy -> train_bpe (tokenizer) -> quality_filter -> filter_and_dedup -> ingest_sources -> raw: 5 job hops
+    shallow = _graph(client, model, depth=4, direction="upstream")
     assert not raw_ids & set(shallow)
-    graph = _graph(client, model, depth=4, direction="upstream")
+    graph = _graph(client, model, depth=5, direction="upstream")
     assert raw_ids <= set(graph)
     for rid in raw_ids:
         node = graph[rid]
@@ -80,6 +76,12 @@ def test_upstream_of_model_version_reaches_raw_files_with_enough_depth(client, s
     # continued training: model v2's lineage goes through both training runs and the first checkpoint
     assert set(job["crucible"]["runs"]) == {first.runs["train.torchrun_train"], second.runs["train.torchrun_train"]}
     assert second.file_node(first.checkpoints[-1]) in full
+
+
+def test_sample_runs_every_registered_stage(sample):
+    """The sample log follows the stage registry: one lineage job `<flow>.<task>` per pretrain stage."""
+    _, _, (first, _) = sample
+    assert {f"{flow.name}.{stage.task}" for flow in PRETRAIN_FLOWS for stage in flow.stages} <= set(first.runs)
 
 
 def test_lineage_is_run_and_version_precise(client, sample):
@@ -153,7 +155,7 @@ def test_namespaces_jobs_datasets_runs(client, sample):
     assert client.get("/api/v1/jobs/runs/not-a-run").status_code == 404
     assert client.get("/api/v1/namespaces/nope/jobs").status_code == 404
     events = client.get("/api/v1/events/lineage", params={"limit": 5}).json()
-    assert events["totalCount"] == 60 and len(events["events"]) == 5 and "eventType" in events["events"][0]
+    assert events["totalCount"] == len(read_events(sample[1])) and len(events["events"]) == 5 and "eventType" in events["events"][0]
 
 
 def test_search(client, sample):
@@ -302,7 +304,8 @@ def test_server_entry_and_replay_over_http(sample, tmp_path):
     proc, base = start_service(tmp_path / "l.db", port)
     try:
         result = replay(log, base, batch_size=25)
-        assert result["mode"] == "batch" and result["requests"] == 3 and result["ingested"] == 60
+        n = len(read_events(log))
+        assert result["mode"] == "batch" and result["requests"] == -(-n // 25) and result["ingested"] == n
         resp = httpx.get(f"{base}/api/v1/lineage", params={"nodeId": second.model_version_node, "depth": 20})
         assert second.file_node(second.raw_files[0]) in {n["id"] for n in resp.json()["graph"]}
         assert httpx.get(f"{base}/").text.startswith("<!doctype html>")
@@ -323,5 +326,5 @@ def test_replay_falls_back_to_one_event_per_request_for_marquez(sample):
 
     with TestClient(marquez) as c:
         result = replay(log, "http://testserver/api/v1/lineage", client=c, batch_size=50)
-    assert result["mode"] == "single" and len(got) == result["events"] == 60
+    assert result["mode"] == "single" and len(got) == result["events"] == len(read_events(log))
     assert [e["run"]["runId"] for e in got] == [e["run"]["runId"] for e in read_events(log)]

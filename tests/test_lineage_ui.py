@@ -1,20 +1,14 @@
 """The auditors' page in a real headless Chromium (Debian packages chromium + chromium-driver),
 driven with Selenium against the service started as a real process on a free loopback port."""
-import os
 import shutil
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from infra.services.lineage.sample import DEFAULT_SOURCES, write_sample_log
+from lineage_helpers import start_service
 from tasks.core.net import free_port
-from tasks.lineage.service.launch import start_service
-from tasks.lineage.service.sample import DEFAULT_SOURCES, write_sample_log
 
-REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 LICENCES = {s["name"]: s["licence"] for s in DEFAULT_SOURCES}

@@ -309,7 +309,7 @@ def test_z_loss_value_and_ignore_index():
 # ---------------------------------------------------------------- bf16 autocast and torch.compile
 
 def test_bf16_autocast_keeps_fp32_master_weights():
-    from tasks.train.worker import autocast_context
+    from tasks.train.parallelize import autocast_context
     from tasks.train.model import lm_loss
 
     from lm_helpers import tiny_cfg
@@ -336,7 +336,7 @@ def _cxx_compiler() -> str | None:
 
 @pytest.mark.skipif(_cxx_compiler() is None, reason="torch.compile (inductor, CPU) needs a C++ compiler; none on PATH")
 def test_compiled_blocks_train_like_eager():
-    from tasks.train.worker import compile_blocks
+    from tasks.train.parallelize import compile_blocks
 
     eager, compiled = tiny(n_layer=1), tiny(n_layer=1)
     compile_blocks(compiled)

@@ -187,7 +187,7 @@ def test_plan_for_the_configured_run():
     from tasks.config import load_config
     from tasks.plan import global_batch_tokens, plan_for_run
     from tasks.train.model import GPT, GPTConfig
-    from tasks.train.worker import flops_per_token
+    from tasks.train.flops import flops_per_token
 
     cfg = load_config("configs/tiny.yaml")
     plan = plan_for_run(cfg, vocab_size=4096)

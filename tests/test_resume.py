@@ -17,6 +17,7 @@ import pytest
 
 from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, IngestConfig, PipelineConfig, RayConfig, SourceConfig
 from tasks.core.documents import write_docs
+from tasks.core.resume import JobStore
 
 DATA = Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
 WEB = DATA / "web"
@@ -153,12 +154,10 @@ def test_damaged_part_is_redone(setup, tmp_path):
         out = tmp_path / "b"
         parts = out / "_parts"
         parts.mkdir(parents=True)
-        jobs = curate_run._jobs(shards, parts)
+        jobs = curate_run.plan_jobs(shards, parts, curate_run.job_base_key(cfg, None))
         worker = curate_run.CurateWorker(cfg.curate, curate_run.source_policies(cfg), None)
-        base = curate_run.job_base_key(cfg, None)
         for job in jobs:
-            res = worker.process(*job)
-            curate_run._save_job(parts, job[2], curate_run.job_key(base, job), res)
+            JobStore(parts).save(job.name, job.key, worker.process(*job.args))
         victim = sorted(parts.glob("*.parquet"))[1]
         victim.write_bytes(victim.read_bytes()[:-10] + b"0123456789")
         second = run_curate(cfg, [Path(s) for s in shards], out)

@@ -20,6 +20,7 @@ from tasks.train import list_checkpoints, load_model_for_inference, run_training
 from tasks.train.checkpoint import (MANIFEST, META_FILE, _sha256, apply_retention, latest_checkpoint,
                                     read_manifest)
 from tasks.train.metrics import SPIKE_LOG
+from train_faults import FAULTS_ENV, WORKER_MODULE
 
 # 8 sequences of 64 tokens per optimizer step whatever the world size: 2 ranks x 4, or 1 x 4 x 2 micro
 TRAIN = {"max_steps": 12, "checkpoint_every": 3, "micro_batch_size": 4, "batch_tokens": 8 * 64,
@@ -184,16 +185,11 @@ def test_keep_best_and_verification(tmp_path):
     assert latest_checkpoint(tmp_path, before_step=4).name == "step-000002"
 
 
-def test_sigkilled_worker_heals_and_matches(reference, work, index):
+def test_sigkilled_worker_heals_and_matches(reference, work, index, monkeypatch):
     out = work / "healed"
     c = cfg(max_restarts=2)
-    import os
-
-    os.environ["CRUCIBLE_TRAIN_FAULTS"] = "kill:8:1"  # rank 1 SIGKILLs itself at step 8, first attempt
-    try:
-        res = run_training(c, index, out, None, None, "ref")
-    finally:
-        del os.environ["CRUCIBLE_TRAIN_FAULTS"]
+    monkeypatch.setenv(FAULTS_ENV, "kill:8:1")  # rank 1 SIGKILLs itself at step 8, first attempt
+    res = run_training(c, index, out, None, None, "ref", worker_module=WORKER_MODULE)
     text = Path(res["log"]).read_text()
     assert "SIGKILL at step 8" in text and "restart 1 (torchrun): resumed from" in text
     assert res["steps"] == 12
@@ -249,7 +245,7 @@ def test_loss_spike_skip_and_rollback(work, index, monkeypatch):
     # steps 9-10: a persistent spike -> roll back to step 8's checkpoint and skip their data;
     # the batch of step 13 (as counted without skips: samples 96-103) is a single spike -> skipped; after
     # the rollback skipped 16 samples, step 11 reads it
-    monkeypatch.setenv("CRUCIBLE_TRAIN_FAULTS", "corrupt:9-10,corrupt:13")
+    monkeypatch.setenv(FAULTS_ENV, "corrupt:9-10,corrupt:13")
     # a checkpoint every step: the one after the skipped step 11 must equal the one before it
     c = tiny_cfg(model=MODEL, train={**TRAIN, "max_steps": 16, "checkpoint_every": 1, "keep_last_checkpoints": None,
                                      "spike_min_history": 4, "spike_rollback_after": 2})
@@ -259,7 +255,7 @@ def test_loss_spike_skip_and_rollback(work, index, monkeypatch):
 
     store = f"sqlite:///{(work / 'spike-mlflow.db').resolve()}"
     run_id = Tracker(store, "spike").start_run("spike")
-    res = run_training(c, index, out, store, run_id, "spike")
+    res = run_training(c, index, out, store, run_id, "spike", worker_module=WORKER_MODULE)
     assert res["steps"] == 16
     actions = [json.loads(line) for line in (out / SPIKE_LOG).read_text().splitlines()]
     assert [(a["action"], a["step"]) for a in actions] == [("skip", 9), ("skip", 10), ("rollback", 8), ("skip", 11)]

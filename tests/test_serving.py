@@ -10,9 +10,9 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from infra.services.model_server.server import create_app
 from lm_helpers import random_checkpoint, sample_tokenizer
 from tasks.deploy.generation import TextGenerator
-from tasks.deploy.server import create_app
 from tasks.train.model import GPT, GPTConfig, KVCache
 
 

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from flows.train_worker import PrefectEvents
 from lm_helpers import tiny_cfg, tokens_artifact
+from tasks.core.constants import CHECKPOINT_EVENT
 from tasks.train import TrainingError, list_checkpoints, load_model_for_inference, run_training
 from tasks.train.checkpoint import META_FILE
 from tasks.train.data import GlobalWindows, RandomWindows
-from tasks.train.metrics import CHECKPOINT_EVENT, emit_checkpoint_event
 from tasks.train.model import GPT, GPTConfig, lm_loss
 from tasks.train.optimizer import build_optimizer
 from tasks.train.schedule import lr_at
@@ -178,9 +179,9 @@ def test_checkpoint_event(monkeypatch):
 
     monkeypatch.setattr(prefect.events, "emit_event", lambda **kw: calls.append(kw) or object())
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    assert emit_checkpoint_event("/x/step-000010", 10, "rid", "runA") is False and calls == []
+    assert PrefectEvents().checkpoint_saved("/x/step-000010", 10, "rid", "runA") is False and calls == []
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")
-    assert emit_checkpoint_event("/x/step-000010", 10, "rid", "runA") is True
+    assert PrefectEvents().checkpoint_saved("/x/step-000010", 10, "rid", "runA") is True
     assert calls == [{
         "event": CHECKPOINT_EVENT,
         "resource": {"prefect.resource.id": "crucible.checkpoint.runA.10"},
@@ -276,7 +277,9 @@ def test_spike_detector():
 
 
 def test_flops_batch_and_faults():
-    from tasks.train.worker import flops_per_token, global_batch, parse_faults
+    from tasks.train.data import global_batch
+    from tasks.train.flops import flops_per_token
+    from train_faults import parse_faults
 
     assert flops_per_token(1000, 2, 4, 16, 64) == 6 * 1000 + 12 * 2 * 4 * 16 * 64
     t = tiny_cfg(train={"micro_batch_size": 4, "batch_tokens": 16 * 64}).train

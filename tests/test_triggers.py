@@ -210,11 +210,11 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
         monkeypatch.setenv("PREFECT_API_URL", api)
         # a loss-spike action reaches the server as a crucible.train.spike event with its details,
         # sent from a separate process as the torchrun worker sends it
-        from tasks.train.metrics import SPIKE_EVENT
+        from tasks.core.constants import SPIKE_EVENT
 
-        code = ("from tasks.train.metrics import emit_spike_event, drain_events\n"
-                "ok = emit_spike_event('rollback', 9, 'run-x', 'trig-run', to_checkpoint='step-000008', "
-                "skipped_data=[64, 80])\ndrain_events()\nassert ok")
+        code = ("from flows.train_worker import PrefectEvents\nevents = PrefectEvents()\n"
+                "ok = events.spike('rollback', 9, 'run-x', 'trig-run', to_checkpoint='step-000008', "
+                "skipped_data=[64, 80])\nevents.drain()\nassert ok")
         proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
                               env={**os.environ, "PREFECT_API_URL": api}, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]

@@ -43,22 +43,13 @@ from typing import Iterable, Iterator, Self
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-DOC_SCHEMA = pa.schema([
-    pa.field("id", pa.string(), nullable=False),
-    pa.field("text", pa.string(), nullable=False),
-    pa.field("url", pa.string()),
-    pa.field("title", pa.string()),
-    pa.field("date", pa.string()),
-    pa.field("crawl_date", pa.string()),
-    pa.field("source", pa.string()),
-    pa.field("licence", pa.string()),
-    pa.field("content_type", pa.string()),
-    pa.field("warc_record_id", pa.string()),
-    pa.field("language", pa.string()),
-    pa.field("language_score", pa.float64()),
-    pa.field("source_file", pa.string()),
-    pa.field("source_offset", pa.int64()),
-])
+_OPTIONAL_STRING_FIELDS = ("url", "title", "date", "crawl_date", "source", "licence", "content_type",
+                           "warc_record_id", "language")
+DOC_SCHEMA = pa.schema(
+    [pa.field("id", pa.string(), nullable=False), pa.field("text", pa.string(), nullable=False)]
+    + [pa.field(name, pa.string()) for name in _OPTIONAL_STRING_FIELDS]
+    + [pa.field("language_score", pa.float64()), pa.field("source_file", pa.string()),
+       pa.field("source_offset", pa.int64())])
 DOC_FIELDS = tuple(DOC_SCHEMA.names)
 
 _ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://github.com/crucible-ml/crucible/doc")
@@ -180,13 +171,14 @@ def write_docs(docs: Iterable[dict], out_dir: str | Path, shard_docs: int = 2000
     return w.paths
 
 
-def iter_doc_batches(paths: Iterable[str | Path], batch_size: int = 1000,
-                     columns: list[str] | None = None) -> Iterator[list[dict]]:
-    """Yield lists of at most `batch_size` documents, shard by shard, in row order."""
+def iter_doc_batches(paths: Iterable[str | Path], batch_size: int = 1000, columns: list[str] | None = None,
+                     row_groups: list[int] | None = None) -> Iterator[list[dict]]:
+    """Yield lists of at most `batch_size` documents, shard by shard, in row order (only the
+    given `row_groups` of each shard, when set: a job of the curate and quality stages)."""
     for path in paths:
         pf = pq.ParquetFile(path)
         try:
-            for batch in pf.iter_batches(batch_size=batch_size, columns=columns):
+            for batch in pf.iter_batches(batch_size=batch_size, columns=columns, row_groups=row_groups):
                 yield batch.to_pylist()
         finally:
             pf.close()

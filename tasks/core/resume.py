@@ -1,8 +1,8 @@
-"""Resumable stages: atomic writes, per-job results with sha256-verified parts, a manifest.
+"""Resumable stages: per-job results with sha256-verified parts, a manifest.
 
 A stage splits its work into jobs (ingest: one per source file or file range; curate: one per
-input row group). Each job writes its part files atomically (temp + rename, see
-`tasks.core.documents.ShardWriter`); the driver then stores the job's result with
+input row group), run by `tasks.core.executor`. Each job writes its part files atomically (temp
++ rename, see `tasks.core.documents.ShardWriter`); the driver then stores the job's result with
 `JobStore.save` as `<parts_dir>/<job>.pkl` (atomically), together with a key (everything the
 job's output depends on) and the sha256 of each part. On a re-run `JobStore.load` returns the
 stored result only when the key matches and every part still has its sha256, so a job is either
@@ -23,6 +23,7 @@ import pickle
 from pathlib import Path
 
 from tasks.core.hashing import sha256_file
+from tasks.core.io import atomic_write_bytes
 
 MANIFEST = "manifest.json"
 
@@ -36,16 +37,6 @@ def file_identity(path: str) -> list:
     """[path, size, mtime_ns] of a local file: part of a key, so a changed input is redone."""
     st = os.stat(path)
     return [path, st.st_size, st.st_mtime_ns]
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def remove_temp_files(d: Path) -> None:

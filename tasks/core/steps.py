@@ -1,15 +1,20 @@
 """A stage is a list of small steps with uniform stats (datatrove's reader → filters → writer).
 
-A `Filter` has one method, `decide(doc) -> reason | None`: None keeps the document, a string
-drops it with that reason. Filters may rewrite `doc["text"]` (C4 line removal does).
-`run_filters` threads documents through a chain and accounts for every one.
+A step decides, item by item, `reason | None`: None keeps the item, a string drops it with that
+reason. `run_step` is the one accounting loop: every step — a heuristic `Filter` on documents
+(`run_filters` chains them), a dedup decision (`tasks.dedup.steps`), a quality-model decision
+(`tasks.quality.score`) — counts documents and bytes in and out, drops per reason and the time
+spent deciding into one `StepStats`. A `Filter` has one method, `decide(doc)`; filters may
+rewrite `doc["text"]` (C4 line removal does), so the bytes out are measured after the decision.
 """
 from __future__ import annotations
 
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -39,17 +44,19 @@ class StepStats:
         self.seconds += other.seconds
         return self
 
-    def to_dict(self) -> dict:
+    def counts(self) -> dict:
+        """Documents and bytes in and out, drops and quarantines per reason (a stage's totals)."""
         return {
-            "name": self.name,
             "docs_in": self.docs_in,
             "docs_out": self.docs_out,
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "dropped": dict(sorted(self.dropped.items())),
             "quarantined": dict(sorted(self.quarantined.items())),
-            "seconds": round(self.seconds, 3),
         }
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, **self.counts(), "seconds": round(self.seconds, 3)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepStats":
@@ -69,6 +76,43 @@ class Filter:
         raise NotImplementedError
 
 
+def doc_bytes(doc: dict) -> int:
+    """UTF-8 size of a document's text: the bytes a step counts."""
+    return len(doc["text"].encode("utf-8"))
+
+
+def run_step(items: Iterable[T], decide: Callable[[T], str | None], stats: StepStats,
+             size: Callable[[T], int] = doc_bytes, on_drop: Callable[[T, str], None] | None = None) -> Iterator[T]:
+    """Yield the items `decide` keeps, counting every item in `stats`; `on_drop(item, reason)` is
+    called for each dropped one. Lazy: chained steps see one item at a time, in order."""
+    for item in items:
+        stats.docs_in += 1
+        stats.bytes_in += size(item)
+        t0 = time.perf_counter()
+        reason = decide(item)
+        stats.seconds += time.perf_counter() - t0
+        if reason is None:
+            stats.docs_out += 1
+            stats.bytes_out += size(item)
+            yield item
+        else:
+            stats.dropped[reason] += 1
+            if on_drop is not None:
+                on_drop(item, reason)
+
+
+def decide_all(name: str, items: Iterable[T], decide: Callable[[T], str | None], size: Callable[[T], int],
+               on_drop: Callable[[T, str], None] | None = None, started: float | None = None) -> tuple[StepStats, list[T]]:
+    """`run_step` over a whole list at once (dedup, quality models): the step's stats and the kept
+    items. `started`: when the step's work began (`time.perf_counter()`), so its seconds include
+    computing the decisions (clustering, scoring)."""
+    stats = StepStats(name)
+    kept = list(run_step(items, decide, stats, size, on_drop))
+    if started is not None:
+        stats.seconds = time.perf_counter() - started
+    return stats, kept
+
+
 def run_filters(docs: Iterable[dict], filters: list[Filter], stats: dict[str, StepStats],
                 dropped_sink: list | None = None) -> Iterator[dict]:
     """Yield the documents every filter keeps; count each drop under `<filter>:<reason>`.
@@ -77,24 +121,10 @@ def run_filters(docs: Iterable[dict], filters: list[Filter], stats: dict[str, St
     `(doc_id, filter, reason)` is appended for every drop, so a user can ask why a document went.
     """
     for f in filters:
-        stats.setdefault(f.name, StepStats(f.name))
-    for doc in docs:
-        keep = True
-        for f in filters:
-            s = stats[f.name]
-            s.docs_in += 1
-            n_bytes = len(doc["text"].encode("utf-8"))
-            s.bytes_in += n_bytes
-            t0 = time.perf_counter()
-            reason = f.decide(doc)
-            s.seconds += time.perf_counter() - t0
-            if reason is not None:
-                s.dropped[reason] += 1
-                if dropped_sink is not None:
-                    dropped_sink.append((doc.get("id"), f.name, reason))
-                keep = False
-                break
-            s.docs_out += 1
-            s.bytes_out += len(doc["text"].encode("utf-8"))
-        if keep:
-            yield doc
+        docs = run_step(docs, f.decide, stats.setdefault(f.name, StepStats(f.name)),
+                        on_drop=None if dropped_sink is None else _drop_recorder(dropped_sink, f.name))
+    yield from docs
+
+
+def _drop_recorder(sink: list, step: str) -> Callable[[dict, str], None]:
+    return lambda doc, reason: sink.append((doc.get("id"), step, reason))

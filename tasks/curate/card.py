@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from tasks.config import PipelineConfig
+from tasks.core.io import atomic_write_text
 
 # step name -> config section (attribute path under cfg.curate) holding its thresholds
 _STEP_SECTIONS = {
@@ -144,8 +145,4 @@ def render_dataset_card(cfg: PipelineConfig, summary: dict) -> str:
 
 
 def write_dataset_card(cfg: PipelineConfig, summary: dict, path: str | Path) -> Path:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(render_dataset_card(cfg, summary), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(path, render_dataset_card(cfg, summary))

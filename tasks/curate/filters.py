@@ -18,8 +18,9 @@ newlines per word > 0.3), a line is punctuated when it ends in a Unicode sentenc
 Ratios whose denominator would be zero (a document with no words) skip that rule; the
 document is still caught by the first rule that applies (e.g. "gopher_short_doc").
 
-Order in `build_filters` follows the FineWeb pipeline: language id, Gopher repetition, Gopher
-quality, C4 (which rewrites the text, dropping lines), FineWeb quality.
+Order (`FILTER_ORDER`, the one definition of the chain) follows the FineWeb pipeline: language
+id, Gopher repetition, Gopher quality, C4 (which rewrites the text, dropping lines), FineWeb
+quality; then decontamination and PII redaction.
 """
 from __future__ import annotations
 
@@ -268,31 +269,42 @@ class FineWebQualityFilter(Filter):
         return None
 
 
+# The chain, by step name (each a `CurateConfig` section with `enabled`): FineWeb's order, then
+# decontamination and PII redaction (why there: the docstring of `tasks.curate.run`).
+FILTER_ORDER = ("langid", "gopher_repetition", "gopher_quality", "c4", "fineweb", "decontam", "pii")
+
+
+def filter_names(cfg: CurateConfig) -> list[str]:
+    """Names of the enabled filter steps in the order `build_filters` runs them."""
+    return [name for name in FILTER_ORDER if getattr(cfg, name).enabled]
+
+
 def build_filters(cfg: CurateConfig, langid_model=None, *, decontam_index=None,
                   pii_policies: dict[str, str] | None = None) -> list[Filter]:
-    """The enabled filters in FineWeb order. The language filter loads fastText's lid.176 model
-    once (or uses `langid_model`). With `decontam_index` (a `decontam.DecontamIndex`) and
-    `curate.decontam.enabled` the decontamination step follows; with `pii_policies` ({source:
-    redact|keep}) and `curate.pii.enabled` the PII redaction step comes last."""
-    from tasks.curate.langid import LangIdFilter
+    """The enabled filters in `FILTER_ORDER`. The language filter loads fastText's lid.176 model
+    once (or uses `langid_model`). The decontamination step needs `decontam_index` (a
+    `decontam.DecontamIndex`), the PII redaction step `pii_policies` ({source: redact|keep});
+    without them those steps are left out."""
+    def langid() -> Filter:
+        from tasks.curate.langid import LangIdFilter
 
-    filters: list[Filter] = []
-    if cfg.langid.enabled:
-        filters.append(LangIdFilter(cfg.langid, model=langid_model))
-    if cfg.gopher_repetition.enabled:
-        filters.append(GopherRepetitionFilter(cfg.gopher_repetition))
-    if cfg.gopher_quality.enabled:
-        filters.append(GopherQualityFilter(cfg.gopher_quality))
-    if cfg.c4.enabled:
-        filters.append(C4QualityFilter(cfg.c4))
-    if cfg.fineweb.enabled:
-        filters.append(FineWebQualityFilter(cfg.fineweb))
-    if decontam_index is not None and cfg.decontam.enabled:
+        return LangIdFilter(cfg.langid, model=langid_model)
+
+    def decontam() -> Filter:
         from tasks.curate.decontam import DecontamFilter
 
-        filters.append(DecontamFilter(decontam_index))
-    if pii_policies is not None and cfg.pii.enabled:
+        return DecontamFilter(decontam_index)
+
+    def pii() -> Filter:
         from tasks.curate.pii import PiiRedactor
 
-        filters.append(PiiRedactor(cfg.pii.kinds, pii_policies, cfg.pii.default_policy))
-    return filters
+        return PiiRedactor(cfg.pii.kinds, pii_policies, cfg.pii.default_policy)
+
+    makers = {"langid": langid, "gopher_repetition": lambda: GopherRepetitionFilter(cfg.gopher_repetition),
+              "gopher_quality": lambda: GopherQualityFilter(cfg.gopher_quality),
+              "c4": lambda: C4QualityFilter(cfg.c4), "fineweb": lambda: FineWebQualityFilter(cfg.fineweb)}
+    if decontam_index is not None:
+        makers["decontam"] = decontam
+    if pii_policies is not None:
+        makers["pii"] = pii
+    return [makers[name]() for name in filter_names(cfg) if name in makers]

@@ -55,50 +55,31 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from tasks.config import CurateConfig, PipelineConfig
+from tasks.config import CurateConfig, DedupConfig, PipelineConfig
 from tasks.core.documents import AtomicJsonlWriter, ShardWriter, count_docs, iter_doc_batches, iter_docs
-from tasks.core.resume import (MANIFEST, JobStore, atomic_write_bytes as _atomic_write_bytes, digest as _digest,
-                               file_identity as _file_identity, remove_temp_files as _remove_temp_files,
-                               verify_manifest as _verify_manifest, write_manifest)
+from tasks.core.executor import Job, JobRunner, RayActors, ResumableOutput, Shared
+from tasks.core.io import atomic_write_bytes
 from tasks.core.progress import Progress
-from tasks.core.ray_utils import cluster_cpus, init_ray
+from tasks.core.resume import JobStore, digest, file_identity
 from tasks.core.steps import StepStats, run_filters
-from tasks.dedup.exact import ExactDeduper, exact_key
-from tasks.dedup.cluster import cluster_signatures, clustering_method
+from tasks.curate.filters import filter_names
+from tasks.dedup.exact import exact_key
 from tasks.dedup.index import MinHashIndex
 from tasks.dedup.minhash import MinHasher
 from tasks.dedup.report import add_text_jaccard, dedup_report, example_ids
+from tasks.dedup.steps import DedupPass
 from tasks.dedup.verify import JaccardVerifier, ParquetTexts
 
 DATASET_CARD = "DATASET_CARD.md"
 DECONTAM_REPORT = "decontam_report.json"
-
-
-def filter_names(cfg: CurateConfig) -> list[str]:
-    """Names of the enabled filter steps in the order `build_filters` runs them."""
-    order = [("langid", cfg.langid.enabled), ("gopher_repetition", cfg.gopher_repetition.enabled),
-             ("gopher_quality", cfg.gopher_quality.enabled), ("c4", cfg.c4.enabled),
-             ("fineweb", cfg.fineweb.enabled), ("decontam", cfg.decontam.enabled), ("pii", cfg.pii.enabled)]
-    return [name for name, on in order if on]
-
-
-def _batches(shard: str | Path, row_groups: list[int] | None, batch_size: int):
-    if row_groups is None:
-        yield from iter_doc_batches([shard], batch_size=batch_size)
-        return
-    pf = pq.ParquetFile(shard)
-    try:
-        for batch in pf.iter_batches(batch_size=batch_size, row_groups=row_groups):
-            yield batch.to_pylist()
-    finally:
-        pf.close()
+DROPPED = "dropped.jsonl"
 
 
 def curate_shard(shard: str | Path, filters: list, hasher: MinHasher | None, part_dir: str | Path,
@@ -116,7 +97,7 @@ def curate_shard(shard: str | Path, filters: list, hasher: MinHasher | None, par
         if hasattr(f, "drain"):
             f.drain()
     with ShardWriter(part_dir, prefix=part_name, shard_docs=1 << 40) as writer:
-        for batch in _batches(shard, row_groups, batch_size):
+        for batch in iter_doc_batches([shard], batch_size=batch_size, row_groups=row_groups):
             docs_in += len(batch)
             sources_in.update(d.get("source") or "" for d in batch)
             kept = []
@@ -176,40 +157,30 @@ def part_texts(results: list[dict]) -> ParquetTexts:
     return ParquetTexts(files, counts)
 
 
-def _jobs(shards: list[str], parts_dir: Path) -> list[tuple]:
-    """One job per Parquet row group (ingest writes 500-row groups), in corpus order, so a
-    corpus of one shard still spreads over all workers."""
-    jobs = []
-    for s in shards:
-        for rg in range(pq.ParquetFile(s).metadata.num_row_groups):
-            jobs.append((s, str(parts_dir), f"{len(jobs):05d}", [rg]))
-    return jobs
-
-
-# ------------------------------------------------------------------ resumability
+# ------------------------------------------------------------------ jobs and their keys
 
 def job_base_key(cfg: PipelineConfig, index) -> str:
     """What every job's output depends on besides its input: the curate config (re-validated,
     so a default `3` and a loaded `3.0` agree), the sources' PII policies, the decontam index."""
     cur = CurateConfig.model_validate(cfg.curate.model_dump()).model_dump(exclude={"resume"})
-    return _digest([cur, source_policies(cfg), index.fingerprint() if index is not None else None])
+    return digest([cur, source_policies(cfg), index.fingerprint() if index is not None else None])
 
 
-def job_key(base: str, job: tuple) -> str:
+def job_key(base: str, shard: str, row_groups: list[int]) -> str:
     """Key of one job (input shard path/size/mtime and row groups) under `job_base_key`."""
-    return _digest([base, _file_identity(job[0]), job[3]])
+    return digest([base, file_identity(shard), row_groups])
 
 
-def _save_job(parts_dir: Path, name: str, key: str, result: dict) -> None:
-    JobStore(parts_dir).save(name, key, result)
+def plan_jobs(shards: list[str], parts_dir: Path, base: str) -> list[Job]:
+    """One job per Parquet row group (ingest writes 500-row groups), in corpus order, so a
+    corpus of one shard still spreads over all workers. Arguments: `CurateWorker.process`'s."""
+    jobs: list[Job] = []
+    for s in shards:
+        for rg in range(pq.ParquetFile(s).metadata.num_row_groups):
+            name = f"{len(jobs):05d}"
+            jobs.append(Job(name, job_key(base, s, [rg]), (s, str(parts_dir), name, [rg])))
+    return jobs
 
-
-def _write_manifest(out_dir: Path, run_key: str, summary: dict) -> Path:
-    return write_manifest(out_dir, run_key, summary, summary["shards"],
-                          ["dropped.jsonl", DECONTAM_REPORT, DATASET_CARD])
-
-
-# ------------------------------------------------------------------ map
 
 _INDEX_CACHE: dict[str, object] = {}
 
@@ -225,256 +196,261 @@ def _decontam_index(cfg: PipelineConfig):
     ident = []
     for b in dc.benchmarks:
         path = cfg.resolve_uri(b.path)
-        ident.append(_file_identity(path) if os.path.isfile(path) else [path, None])
-    key = _digest([dc.model_dump(), ident])
+        ident.append(file_identity(path) if os.path.isfile(path) else [path, None])
+    key = digest([dc.model_dump(), ident])
     if key not in _INDEX_CACHE:
         _INDEX_CACHE.clear()
         _INDEX_CACHE[key] = build_index(dc, cfg)
     return _INDEX_CACHE[key]
 
 
-def _map_shards(cfg: PipelineConfig, jobs: list[tuple], index, on_result) -> None:
-    """Run `jobs` on Ray actors; `on_result(result)` is called in the driver as each finishes."""
-    import ray
-    from ray.util import ActorPool
-
-    if not jobs:
-        return
-    init_ray(cfg.ray)
-    n = max(1, min(cluster_cpus(), len(jobs)))
-    actor_cls = ray.remote(num_cpus=1)(CurateWorker)
-    index_ref = ray.put(index) if index is not None else None
-    policies = source_policies(cfg)
-    actors = [actor_cls.remote(cfg.curate, policies, index_ref) for _ in range(n)]
-    try:
-        pool = ActorPool(actors)
-        for res in pool.map_unordered(lambda a, job: a.process.remote(*job), jobs):
-            on_result(res)
-    finally:
-        for a in actors:
-            ray.kill(a)
-
+# ------------------------------------------------------------------ the stage
 
 def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progress: Progress | None = None) -> dict:
     """Curate `in_shards` into `out_dir` (see the module docstring). `progress(done, total, note)`,
     if given, is called as jobs (input row groups) finish, resumed ones included."""
     t0 = time.perf_counter()
-    out_dir = Path(out_dir).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    parts_dir = out_dir / "_parts"
     shards = [str(Path(s).resolve()) for s in in_shards]
-
     t_index = time.perf_counter()
     index = _decontam_index(cfg)
     index_seconds = time.perf_counter() - t_index
-    policies = source_policies(cfg)
     job_base = job_base_key(cfg, index)
-    run_key = _digest([job_base, [_file_identity(s) for s in shards]])
+    output = ResumableOutput(Path(out_dir).resolve(), digest([job_base, [file_identity(s) for s in shards]]),
+                             [DROPPED, DECONTAM_REPORT, DATASET_CARD])
+    if cfg.curate.resume and (done := output.completed(t0)) is not None:
+        return done
+    store = output.start(cfg.curate.resume)
+    jobs = plan_jobs(shards, output.parts_dir, job_base)
+    store.prune({job.name for job in jobs})
+    mapped = _map_jobs(cfg, jobs, index, store, progress)
 
-    if cfg.curate.resume:
-        m = _verify_manifest(out_dir, run_key)
-        if m is not None:
-            return {**m["summary"], "resumed_jobs": m["summary"].get("jobs", 0), "resumed_complete": True,
-                    "seconds": round(time.perf_counter() - t0, 3)}
-    # from here on the old output is invalid: manifest first, so a kill never leaves a stale one
-    (out_dir / MANIFEST).unlink(missing_ok=True)
-    for stale in out_dir.glob("shard-*.parquet"):
-        stale.unlink()
-    _remove_temp_files(out_dir)
-    if not cfg.curate.resume:
-        shutil.rmtree(parts_dir, ignore_errors=True)
-    parts_dir.mkdir(exist_ok=True)
-    _remove_temp_files(parts_dir)
+    corpus = _Corpus.of(mapped.results)
+    dedup, clustering, mh_index = _dedup(cfg.curate.dedup, mapped.results, corpus, output.parts_dir)
+    steps = _filter_steps(cfg.curate, mapped.results) + dedup.steps
+    written = _write_curated(cfg, mapped.results, corpus, dedup, clustering, output.dir)
+    dropped = _check_accounting(steps, corpus.docs_in, written.docs_out)
+    if mh_index is not None:  # only once this run's output is complete
+        mh_index.save(cfg.curate.dedup.minhash.index_dir)
 
-    jobs = _jobs(shards, parts_dir)
-    job_keys = {job[2]: job_key(job_base, job) for job in jobs}
-    store = JobStore(parts_dir)
-    store.prune(set(job_keys))
+    summary = _summary(cfg, mapped.results, steps, dropped, written, index, output.dir)
+    summary.update(jobs=len(jobs), workers=mapped.workers)
+    from tasks.curate.card import write_dataset_card
+
+    summary["dataset_card"] = str(write_dataset_card(cfg, summary, output.dir / DATASET_CARD))
+    summary["manifest"] = str(output.manifest)
+    output.publish(summary)
+    summary["resumed_jobs"] = mapped.resumed
+    summary["timings"] = {"decontam_index_s": round(index_seconds, 3), "map_s": round(mapped.seconds, 3),
+                          "map_docs_per_s": round(mapped.ran_docs / mapped.seconds, 1)
+                          if mapped.ran and mapped.seconds > 0 else None}
+    summary["seconds"] = round(time.perf_counter() - t0, 3)
+    return summary
+
+
+@dataclass
+class _Mapped:
+    """The map's outcome: every job's result in corpus order, and how they were obtained."""
+    results: list[dict]
+    resumed: int  # jobs reused from an earlier run
+    ran: int  # jobs run now
+    ran_docs: int  # documents of the jobs run now
+    workers: int  # actors started (0: every job was reused)
+    seconds: float
+
+
+def _map_jobs(cfg: PipelineConfig, jobs: list[Job], index, store: JobStore, progress: Progress | None) -> _Mapped:
+    """Reuse the finished jobs, run the others on `CurateWorker` actors (the decontam index is
+    shipped once)."""
+    report = progress or (lambda done, total, note: None)
+    actors = RayActors(CurateWorker, (cfg.curate, source_policies(cfg), Shared(index) if index is not None else None),
+                       "process", cfg.ray)
     done: dict[str, dict] = {}
-    for job in jobs:
-        r = store.load(job[2], job_keys[job[2]])
-        if r is not None:
-            done[job[2]] = r
-    resumed = len(done)
-    todo = [job for job in jobs if job[2] not in done]
-    for job in todo:  # parts of jobs that will be redone
-        for p in parts_dir.glob(f"{job[2]}-*.parquet"):
-            p.unlink()
+    ran_docs = 0
+    with JobRunner(actors, store) as runner:
+        for job in jobs:
+            if (stored := runner.submit(job)) is not None:
+                done[job.name] = stored
+        report(runner.resumed, len(jobs), f"curate: {runner.resumed} jobs resumed" if runner.resumed else "curate")
+        t0 = time.perf_counter()
+        for job, result in runner.finished():
+            done[job.name] = result
+            ran_docs += result["docs_in"]
+            report(len(done), len(jobs), "curate")
+    return _Mapped([done[job.name] for job in jobs], runner.resumed, runner.ran, ran_docs, actors.workers,
+                   time.perf_counter() - t0)
 
-    report = progress or (lambda done_, total, note: None)
-    report(resumed, len(jobs), f"curate: {resumed} jobs resumed" if resumed else "curate")
 
-    def on_result(res: dict) -> None:
-        _save_job(parts_dir, res["name"], job_keys[res["name"]], res)
-        done[res["name"]] = res
-        report(len(done), len(jobs), "curate")
+@dataclass
+class _Corpus:
+    """The kept documents of every job, in corpus order: what the driver dedups (no texts)."""
+    docs_in: int
+    ids: list[str]
+    keys: list[bytes]  # `exact_key`
+    sigs: list  # MinHash signatures (None without MinHash)
+    nbytes: list[int]
+    sources: list[str]
+    scores: list[float | None]  # `minhash.quality_field`, for `survivor: quality`
 
-    t_map = time.perf_counter()
-    _map_shards(cfg, todo, index, on_result)
-    map_seconds = time.perf_counter() - t_map
-    results = [done[job[2]] for job in jobs]
+    @classmethod
+    def of(cls, results: list[dict]) -> "_Corpus":
+        def column(name: str) -> list:
+            return [x for r in results for x in r.get(name, [])]
 
-    # filter steps, in order
-    steps: list[StepStats] = []
-    for name in filter_names(cfg.curate):
+        return cls(sum(r["docs_in"] for r in results), column("ids"), column("keys"), column("sigs"),
+                   column("nbytes"), column("doc_sources"), column("scores"))
+
+
+def _filter_steps(cfg: CurateConfig, results: list[dict]) -> list[StepStats]:
+    """The filter steps' stats over every job, in chain order."""
+    steps = []
+    for name in filter_names(cfg):
         st = StepStats(name)
         for r in results:
             if name in r["stats"]:
                 st.merge(StepStats.from_dict(r["stats"][name]))
         steps.append(st)
-    docs_in = sum(r["docs_in"] for r in results)
+    return steps
+
+
+def _dedup(cfg: DedupConfig, results: list[dict], corpus: _Corpus,
+           parts_dir: Path) -> tuple[DedupPass, dict | None, MinHashIndex | None]:
+    """Exact dedup, MinHash clustering, then (continued pretraining) the index of the documents
+    earlier runs kept, over the whole corpus in order. Returns the pass, the clustering stats and
+    the updated index (saved by the caller once the output is complete)."""
+    dedup = DedupPass(corpus.nbytes, corpus.ids)
+    if cfg.exact:
+        dedup.exact(corpus.keys)
+    mh, clustering, mh_index = cfg.minhash, None, None
+    if mh.enabled:
+        t0, alive = time.perf_counter(), dedup.alive
+        scores = corpus.scores if mh.survivor == "quality" else None
+        # exact Jaccard check of candidate pairs: the verifier reads the texts from the part files
+        # itself (in the clustering's Ray tasks on the Ray path); document pos is ids[alive[pos]]
+        verify = (JaccardVerifier(part_texts(results), mh.verify_threshold, mh.ngram, index=alive)
+                  if mh.verify else None)
+        clustering = dedup.minhash([corpus.sigs[i] for i in alive], mh, parts_dir, verify=verify,
+                                   scores=[scores[i] for i in alive] if scores else None, started=t0)
+    if mh.enabled and mh.index_dir:
+        t0, alive = time.perf_counter(), dedup.alive
+        mh_index = MinHashIndex.open(mh.index_dir, mh.bands, mh.rows, mh.seed, mh.scheme, mh.hash)
+        dedup.apply("minhash_index", mh_index.add([corpus.ids[i] for i in alive], [corpus.sigs[i] for i in alive]), t0)
+    return dedup, clustering, mh_index
+
+
+@dataclass
+class _Written:
+    """What `_write_curated` wrote and counted."""
+    shards: list[str]
+    dropped_file: Path
+    docs_out: int
+    bytes_out: int
+    languages_out: Counter
+    sources_out: Counter
+    dedup: dict  # the dedup report with the example pairs' Jaccard and the clustering stats
+
+
+def _write_curated(cfg: PipelineConfig, results: list[dict], corpus: _Corpus, dedup: DedupPass,
+                   clustering: dict | None, out_dir: Path) -> _Written:
+    """`dropped.jsonl` (filter drops per job, then dedup drops) and the curated shards: the
+    jobs' parts without the deduplicated documents."""
+    ngram = cfg.curate.dedup.minhash.ngram
+    drops = [(corpus.ids[i], step, dup_of) for i, step, dup_of in dedup.drops]
+    report = dedup_report(corpus.ids, corpus.sources, drops, signatures=dict(zip(corpus.ids, corpus.sigs)),
+                          ngram=ngram)
+    with AtomicJsonlWriter(out_dir / DROPPED) as dw:
+        for r in results:
+            for doc_id, step, reason in r["dropped"]:
+                dw.write({"id": doc_id, "step": step, "reason": reason})
+        for doc_id, step, dup_of in drops:
+            dw.write({"id": doc_id, "step": step, "reason": step, "duplicate_of": dup_of})
+    removed, wanted, example_texts = {d[0] for d in drops}, example_ids(report), {}
+    languages_out: Counter = Counter()
+    sources_out: Counter = Counter()
+    bytes_out = 0
+    with ShardWriter(out_dir, prefix="shard", shard_docs=cfg.curate.shard_docs) as writer:
+        for doc in iter_docs(p for r in results for p in r["parts"]):
+            if doc["id"] in wanted:
+                example_texts[doc["id"]] = doc["text"]
+            if doc["id"] in removed:
+                continue
+            writer.write(doc)
+            languages_out[doc.get("language")] += 1
+            sources_out[doc.get("source") or ""] += 1
+            bytes_out += len(doc["text"].encode("utf-8"))
+    return _Written([str(p) for p in writer.paths], out_dir / DROPPED, writer.docs_written, bytes_out,
+                    languages_out, sources_out,
+                    {**add_text_jaccard(report, example_texts, ngram), "clustering": clustering})
+
+
+def _check_accounting(steps: list[StepStats], docs_in: int, docs_out: int) -> Counter:
+    """Drops per reason over all steps; every input document is either written or dropped once."""
+    dropped: Counter = Counter()
+    for st in steps:
+        dropped.update(st.dropped)
+    if docs_out + sum(dropped.values()) != docs_in:
+        raise RuntimeError(f"curate accounting broken: {docs_in} in, {docs_out} out, {dict(dropped)} dropped")
+    return dropped
+
+
+def _summary(cfg: PipelineConfig, results: list[dict], steps: list[StepStats], dropped: Counter,
+             written: _Written, index, out_dir: Path) -> dict:
     languages: Counter = Counter()
     sources_in: Counter = Counter()
     for r in results:
         languages.update(r["languages"])
         sources_in.update(r.get("sources_in", {}))
-
-    ids = [i for r in results for i in r["ids"]]
-    keys = [k for r in results for k in r["keys"]]
-    sigs = [s for r in results for s in r["sigs"]]
-    nbytes = [b for r in results for b in r["nbytes"]]
-    dedup_drops: list[tuple[str, str, str, str]] = []  # (id, step, reason, duplicate_of)
-    alive = list(range(len(ids)))
-
-    def dedup_step(name: str, duplicate_of: list[str | None], t0: float) -> None:
-        """Keep or drop each alive document by `duplicate_of` (None: kept), as step `name`."""
-        nonlocal alive
-        st, survivors = StepStats(name), []
-        for i, prev in zip(alive, duplicate_of):
-            st.docs_in += 1
-            st.bytes_in += nbytes[i]
-            if prev is None:
-                survivors.append(i)
-                st.docs_out += 1
-                st.bytes_out += nbytes[i]
-            else:
-                st.dropped[name] += 1
-                dedup_drops.append((ids[i], name, name, prev))
-        st.seconds = time.perf_counter() - t0
-        alive = survivors
-        steps.append(st)
-
-    if cfg.curate.dedup.exact:
-        t1, ex = time.perf_counter(), ExactDeduper()
-        dedup_step("exact_dedup", [ex.check(ids[i], keys[i]) for i in alive], t1)
-
-    mh = cfg.curate.dedup.minhash
-    clustering = None
-    if mh.enabled:
-        t1 = time.perf_counter()
-        scores = [s for r in results for s in r.get("scores", [])] if mh.survivor == "quality" else None
-        # exact Jaccard check of candidate pairs: the verifier reads the texts from the part files
-        # itself (in the clustering's Ray tasks on the Ray path); document pos is ids[alive[pos]]
-        verify = (JaccardVerifier(part_texts(results), mh.verify_threshold, mh.ngram, index=alive)
-                  if mh.verify else None)
-        roots, clustering = cluster_signatures(  # prints the memory estimate first
-            [sigs[i] for i in alive], mh.bands, mh.rows, method=clustering_method(mh, len(alive)),
-            work_dir=parts_dir, partitions=mh.partitions, verify=verify,
-            scores=[scores[i] for i in alive] if scores else None)
-        dedup_step("minhash_dedup", [None if roots[pos] == pos else ids[alive[roots[pos]]]
-                                     for pos in range(len(alive))], t1)
-
-    mh_index = None
-    if mh.enabled and mh.index_dir:  # against the documents earlier runs kept (continued pretraining)
-        t1 = time.perf_counter()
-        mh_index = MinHashIndex.open(mh.index_dir, mh.bands, mh.rows, mh.seed, mh.scheme, mh.hash)
-        dedup_step("minhash_index", mh_index.add([ids[i] for i in alive], [sigs[i] for i in alive]), t1)
-
-    removed = {d[0] for d in dedup_drops}
-    dedup = dedup_report(ids, [x for r in results for x in r.get("doc_sources", [])],
-                         [(d[0], d[1], d[3]) for d in dedup_drops], signatures=dict(zip(ids, sigs)),
-                         ngram=mh.ngram)
-    wanted, example_texts = example_ids(dedup), {}
-    languages_out: Counter = Counter()
-    sources_out: Counter = Counter()
-    bytes_out = 0
-    dropped_path = out_dir / "dropped.jsonl"
-    with AtomicJsonlWriter(dropped_path) as dw:
-        for r in results:
-            for doc_id, step, reason in r["dropped"]:
-                dw.write({"id": doc_id, "step": step, "reason": reason})
-        for doc_id, step, reason, dup_of in dedup_drops:
-            dw.write({"id": doc_id, "step": step, "reason": reason, "duplicate_of": dup_of})
-    with ShardWriter(out_dir, prefix="shard", shard_docs=cfg.curate.shard_docs) as writer:
-        for r in results:
-            for doc in iter_docs(r["parts"]):
-                if doc["id"] in wanted:
-                    example_texts[doc["id"]] = doc["text"]
-                if doc["id"] in removed:
-                    continue
-                writer.write(doc)
-                languages_out[doc.get("language")] += 1
-                sources_out[doc.get("source") or ""] += 1
-                bytes_out += len(doc["text"].encode("utf-8"))
-
-    dropped: Counter = Counter()
-    for st in steps:
-        dropped.update(st.dropped)
-    docs_out = writer.docs_written
-    if docs_out + sum(dropped.values()) != docs_in:
-        raise RuntimeError(f"curate accounting broken: {docs_in} in, {docs_out} out, {dict(dropped)} dropped")
-    if mh_index is not None:  # only once this run's output is complete
-        mh_index.save(mh.index_dir)
-
-    # PII and decontamination reports
-    pii_repl: dict[str, Counter] = {}
-    pii_changed: Counter = Counter()
-    hits: list[dict] = []
-    for r in results:
-        extras = r.get("extras", {})
-        for src, counts in extras.get("pii", {}).get("replacements", {}).items():
-            pii_repl.setdefault(src, Counter()).update(counts)
-        pii_changed.update(extras.get("pii", {}).get("docs_changed", {}))
-        hits += extras.get("decontam", [])
-    by_kind: Counter = Counter()
-    for c in pii_repl.values():
-        by_kind.update(c)
-    pii = {"replacements": {s: dict(sorted(c.items())) for s, c in sorted(pii_repl.items())},
-           "by_kind": dict(sorted(by_kind.items())), "docs_changed": dict(sorted(pii_changed.items())),
-           "policies": policies}
-    decontam = None
-    if index is not None:
-        per_bench = Counter(r.split(":", 1)[1] for r in dropped.elements() if r.startswith("decontam:"))
-        items_hit: dict[str, set] = {}
-        for h in hits:
-            items_hit.setdefault(h["benchmark"], set()).add(h["item"])
-        report = {"index": {k: v for k, v in index.stats.items() if k != "build_seconds"},
-                  "docs_dropped": dict(sorted(per_bench.items())),
-                  "items_hit": {b: sorted(v) for b, v in sorted(items_hit.items())},
-                  "hits": hits}
-        report_path = out_dir / DECONTAM_REPORT
-        _atomic_write_bytes(report_path, (json.dumps(report, indent=1, sort_keys=True) + "\n").encode())
-        decontam = {"docs_dropped": report["docs_dropped"],
-                    "items_hit": {b: len(v) for b, v in report["items_hit"].items()},
-                    "report": str(report_path), "index_ngrams": len(index),
-                    "index_build_seconds": index.stats["build_seconds"]}
-    summary = {
-        "docs_in": docs_in,
-        "docs_out": docs_out,
-        "bytes_out": bytes_out,
+    sources_out = written.sources_out
+    return {
+        "docs_in": sum(r["docs_in"] for r in results),
+        "docs_out": written.docs_out,
+        "bytes_out": written.bytes_out,
         "dropped": dict(sorted(dropped.items())),
         "steps": [st.to_dict() for st in steps],
         "languages": dict(languages.most_common()),
-        "languages_out": {str(k): v for k, v in languages_out.most_common()},
+        "languages_out": {str(k): v for k, v in written.languages_out.most_common()},
         "sources": {s: {"docs_in": sources_in.get(s, 0), "docs_out": sources_out.get(s, 0)}
                     for s in sorted(set(sources_in) | set(sources_out))},
-        "pii": pii,
-        "decontam": decontam,
-        "dedup": {**add_text_jaccard(dedup, example_texts, mh.ngram), "clustering": clustering},
-        "shards": [str(p) for p in writer.paths],
-        "dropped_file": str(dropped_path),
-        "jobs": len(jobs),
-        "workers": min(cluster_cpus(), len(todo)) if todo else 0,
+        "pii": _pii_summary(results, source_policies(cfg)),
+        "decontam": _decontam_summary(index, dropped, results, out_dir),
+        "dedup": written.dedup,
+        "shards": written.shards,
+        "dropped_file": str(written.dropped_file),
     }
-    from tasks.curate.card import write_dataset_card
 
-    summary["dataset_card"] = str(write_dataset_card(cfg, summary, out_dir / DATASET_CARD))
-    summary["manifest"] = str(out_dir / MANIFEST)
-    _write_manifest(out_dir, run_key, summary)
-    shutil.rmtree(parts_dir, ignore_errors=True)
-    summary["resumed_jobs"] = resumed
-    summary["timings"] = {"decontam_index_s": round(index_seconds, 3), "map_s": round(map_seconds, 3),
-                          "map_docs_per_s": round(sum(done[j[2]]["docs_in"] for j in todo) / map_seconds, 1)
-                          if todo and map_seconds > 0 else None}
-    summary["seconds"] = round(time.perf_counter() - t0, 3)
-    return summary
+
+def _pii_summary(results: list[dict], policies: dict[str, str]) -> dict:
+    """Replacements per source and kind, documents changed, the policies."""
+    pii_repl: dict[str, Counter] = {}
+    pii_changed: Counter = Counter()
+    for r in results:
+        pii = r.get("extras", {}).get("pii", {})
+        for src, counts in pii.get("replacements", {}).items():
+            pii_repl.setdefault(src, Counter()).update(counts)
+        pii_changed.update(pii.get("docs_changed", {}))
+    by_kind: Counter = Counter()
+    for c in pii_repl.values():
+        by_kind.update(c)
+    return {"replacements": {s: dict(sorted(c.items())) for s, c in sorted(pii_repl.items())},
+            "by_kind": dict(sorted(by_kind.items())), "docs_changed": dict(sorted(pii_changed.items())),
+            "policies": policies}
+
+
+def _decontam_summary(index, dropped: Counter, results: list[dict], out_dir: Path) -> dict | None:
+    """Write `decontam_report.json` (index stats, drops per benchmark, every hit); its summary."""
+    if index is None:
+        return None
+    hits = [h for r in results for h in r.get("extras", {}).get("decontam", [])]
+    per_bench = Counter(r.split(":", 1)[1] for r in dropped.elements() if r.startswith("decontam:"))
+    items_hit: dict[str, set] = {}
+    for h in hits:
+        items_hit.setdefault(h["benchmark"], set()).add(h["item"])
+    report = {"index": {k: v for k, v in index.stats.items() if k != "build_seconds"},
+              "docs_dropped": dict(sorted(per_bench.items())),
+              "items_hit": {b: sorted(v) for b, v in sorted(items_hit.items())},
+              "hits": hits}
+    report_path = out_dir / DECONTAM_REPORT
+    atomic_write_bytes(report_path, (json.dumps(report, indent=1, sort_keys=True) + "\n").encode())
+    return {"docs_dropped": report["docs_dropped"],
+            "items_hit": {b: len(v) for b, v in report["items_hit"].items()},
+            "report": str(report_path), "index_ngrams": len(index),
+            "index_build_seconds": index.stats["build_seconds"]}

@@ -39,6 +39,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tasks.core.io import atomic_write_text
 from tasks.dedup.cluster import band_hashes
 from tasks.dedup.minhash import fmix64
 
@@ -235,12 +236,7 @@ class MinHashIndex:
         shutil.rmtree(final_gen, ignore_errors=True)  # left by a save that died before its meta.json
         gen.rename(final_gen)
         self.generation = generation
-        tmp = d / f".meta.json.tmp-{os.getpid()}"
-        with open(tmp, "w") as fh:
-            fh.write(json.dumps(self.meta(), indent=2) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        tmp.replace(d / "meta.json")
+        atomic_write_text(d / "meta.json", json.dumps(self.meta(), indent=2) + "\n")
         dir_fd = os.open(d, os.O_RDONLY)
         try:
             os.fsync(dir_fd)  # the renames themselves are durable

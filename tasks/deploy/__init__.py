@@ -3,30 +3,42 @@ then `champion` once verified) and serve it behind an OpenAI-compatible API.
 
     gate.py          gate(deploy_cfg, eval_result, champion_val_loss) -> {passed, reason}
     registry.py      get_champion / register / promote / reject / record_gate (MLflow model registry)
-    server.py        the FastAPI server (python -m tasks.deploy.server ...): completions with SSE
-                     streaming and logprobs, bearer auth, POST /v1/admin/reload (hot swap)
-    scheduler.py     continuous batching: one thread steps all active sequences together
-    service.py       start_or_refresh_server: the server as a background service of the stack
-                     (a new champion is swapped into the running server in place)
-    generation.py    KV-cached sampling shared by the server and the registered pyfunc
+    generation.py    KV-cached sampling shared by the model server and the registered pyfunc
     export.py        Hugging Face-compatible export (Llama layout) + model card
     triggered.py     hand-over files between the event-triggered flows and a waiting pretrain flow
+    stage.py         the deploy stage of the pretrain flow
 
-Event-triggered evaluation/deployment lives in flows/triggers.py (served by infra/triggers_service.py).
+The model server and its supervisor are a service of the stack (infra/services/model_server):
+deploy_if_better is handed `serve_model` / `server_status` callables instead of importing it.
+Event-triggered evaluation/deployment lives in flows/triggers.py.
 
 Importing this package is cheap (no MLflow, no torch); the heavy modules load on first use.
 """
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
+from typing import Callable
 
+from tasks.core.layout import RunLayout
 from tasks.deploy.gate import gate
-from tasks.deploy.service import endpoint_url, server_status, start_or_refresh_server, stop_server
 
 log = logging.getLogger(__name__)
 
-__all__ = ["gate", "deploy_if_better", "start_or_refresh_server", "stop_server", "server_status", "endpoint_url"]
+__all__ = ["gate", "deploy_if_better", "api_headers", "ServeModel", "ServerStatus"]
+
+# (cfg, checkpoint_dir, tokenizer_path, model_name) -> {"endpoint", "pid", ...}: serves a checkpoint
+ServeModel = Callable[..., dict]
+# () -> {"url", "pid", "healthy"} of the running model server, None when there is none
+ServerStatus = Callable[[], dict | None]
+
+
+def api_headers(deploy_cfg) -> dict:
+    """The bearer token the model server expects (deploy.api_key_env), if one is set."""
+    if deploy_cfg.api_key_env and os.environ.get(deploy_cfg.api_key_env):
+        return {"Authorization": f"Bearer {os.environ[deploy_cfg.api_key_env]}"}
+    return {}
 
 
 def lineage_tags(cfg, evaluation: dict, tokenizer_path: Path) -> dict:
@@ -41,12 +53,12 @@ def lineage_tags(cfg, evaluation: dict, tokenizer_path: Path) -> dict:
             "data.licences": ", ".join(sorted({s.licence for s in cfg.sources})),
             "lineage.namespace": cfg.lineage.namespace, "lineage.checkpoint_node": file_node(ckpt),
             "lineage.tokenizer_node": file_node(tokenizer_path), "run_name": evaluation.get("run_name")}
-    if ckpt.parent.name == "checkpoints" and ckpt.parent.parent.name == "train":  # a pipeline run's layout
-        run_dir = ckpt.parents[2]
-        tags["lineage.run_dir"] = str(run_dir)
-        if (run_dir / "lineage.jsonl").is_file():
-            tags["lineage.log"] = str(run_dir / "lineage.jsonl")
-        index = run_dir / "tokens" / "index.json"
+    if RunLayout.is_run_checkpoint(ckpt):
+        layout = RunLayout.of_checkpoint(ckpt)
+        tags["lineage.run_dir"] = str(layout.run_dir)
+        if layout.lineage_log.is_file():
+            tags["lineage.log"] = str(layout.lineage_log)
+        index = layout.tokens_index
         if index.is_file():
             tags["data.tokens_index"] = str(index)
             tags["data.tokens_index_sha256"] = sha256_file(index)
@@ -55,13 +67,9 @@ def lineage_tags(cfg, evaluation: dict, tokenizer_path: Path) -> dict:
 
 def _check_served(deploy_cfg, endpoint: str, step) -> str:
     """The server answers /health with the new checkpoint's step and completes a prompt."""
-    import os
-
     import httpx
 
-    headers = {}
-    if deploy_cfg.api_key_env and os.environ.get(deploy_cfg.api_key_env):
-        headers["Authorization"] = f"Bearer {os.environ[deploy_cfg.api_key_env]}"
+    headers = api_headers(deploy_cfg)
     health = httpx.get(f"{endpoint.removesuffix('/v1')}/health", timeout=30, trust_env=False).json()
     if step is not None and health.get("step") not in (None, step):
         raise RuntimeError(f"the server reports step {health.get('step')}, not the challenger's {step}")
@@ -73,14 +81,20 @@ def _check_served(deploy_cfg, endpoint: str, step) -> str:
 
 
 def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: Path,
-                     train_run_id: str | None = None) -> dict:
+                     train_run_id: str | None = None, serve_model: ServeModel | None = None,
+                     server_status: ServerStatus | None = None) -> dict:
     """Gate `evaluation` (an evaluate-stage report: checkpoint, val_loss, ...) against the current
     champion. Pass: register it as `challenger` (tagged with the eval results, training run and
-    data lineage), verify it (deploy.serve: swapped into the model server, which must answer;
-    else loaded back from the registry and run), then `promote` it to `champion`. Fail: the
-    verdict is recorded on the training run (record_gate) and the champion stays. A challenger
-    failing verification is rejected (tagged with the reason) and the previous champion is served
-    again.
+    data lineage), verify it (deploy.serve and a `serve_model`: swapped into the model server,
+    which must answer; else loaded back from the registry and run), then `promote` it to
+    `champion`. Fail: the verdict is recorded on the training run (record_gate) and the champion
+    stays. A challenger failing verification is rejected (tagged with the reason) and the previous
+    champion is served again.
+
+    serve_model(cfg, checkpoint_dir, tokenizer_path, model_name) -> {"endpoint", "pid", ...}
+    serves a checkpoint (the stack's model-server supervisor; None: nothing is served here, as
+    with deploy.serve=false). server_status() -> {"url", "pid", "healthy"} | None reports the
+    running server (None: no endpoint is reported when nothing new is served).
 
     Returns {"passed", "reason", "model_name", "val_loss", "checkpoint", "champion_version",
     "champion_val_loss", "version", "alias", "content_hash", "source", "endpoint", "pid",
@@ -95,7 +109,7 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
     if champion and champion["tags"].get("content_hash") == content_hash:
         # The same checkpoint was already promoted (e.g. by the event-triggered deploy-model flow
         # while this run was still going): report it as deployed rather than failing the gate.
-        current = server_status(cfg.stack)
+        current = server_status() if server_status else None
         return {
             "passed": True, "reason": f"already the champion (version {champion['version']})",
             "model_name": dcfg.model_name, "val_loss": evaluation.get("val_loss"),
@@ -117,7 +131,7 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
     log.info("deploy gate for %s: %s", evaluation.get("checkpoint"), decision["reason"])
     record_gate(tracking_uri, train_run_id, evaluation.get("step"), decision)
     if not decision["passed"]:
-        current = server_status(cfg.stack)
+        current = server_status() if server_status else None
         if current and current["healthy"]:
             result.update(endpoint=current["url"], pid=current["pid"])
         return result
@@ -125,10 +139,10 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
     reg = register(tracking_uri, dcfg.model_name, evaluation["checkpoint"], tokenizer_path, evaluation,
                    train_run_id, extra_tags=lineage_tags(cfg, evaluation, Path(tokenizer_path)))
     result.update({k: reg[k] for k in ("version", "alias", "content_hash", "source")})
+    serving = dcfg.serve and serve_model is not None
     try:
-        if dcfg.serve:
-            served = start_or_refresh_server(cfg.stack, dcfg, evaluation["checkpoint"], tokenizer_path,
-                                             dcfg.model_name)
+        if serving:
+            served = serve_model(cfg, evaluation["checkpoint"], tokenizer_path, dcfg.model_name)
             result.update(endpoint=served["endpoint"], pid=served["pid"])
             verified = _check_served(dcfg, served["endpoint"], evaluation.get("step"))
         else:
@@ -140,22 +154,22 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
         log.warning("deploy: %s; the champion stays", why)
         reject(tracking_uri, dcfg.model_name, reg["version"], why)
         result.update(passed=False, reason=why, version=None, alias=None, endpoint=None, pid=None)
-        if dcfg.serve:
-            result.update(_serve_champion_again(cfg, champion))
+        if serving:
+            result.update(_serve_champion_again(cfg, champion, serve_model))
         return result
     promote(tracking_uri, dcfg.model_name, reg["version"], verified)
     result.update(alias="champion", verified=verified)
     return result
 
 
-def _serve_champion_again(cfg, champion: dict | None) -> dict:
+def _serve_champion_again(cfg, champion: dict | None, serve_model: ServeModel) -> dict:
     """After a challenger failed to serve: the previous champion back in the server (best effort)."""
     if not champion:
         return {}
     ckpt, tok = champion["tags"].get("checkpoint"), champion["tags"].get("tokenizer")
     try:
         if ckpt and tok and Path(ckpt).exists() and Path(tok).exists():
-            served = start_or_refresh_server(cfg.stack, cfg.deploy, ckpt, tok, cfg.deploy.model_name)
+            served = serve_model(cfg, ckpt, tok, cfg.deploy.model_name)
             return {"endpoint": served["endpoint"], "pid": served["pid"]}
     except Exception as e:  # noqa: BLE001
         log.warning("deploy: could not serve the champion (version %s) again: %s", champion["version"], e)

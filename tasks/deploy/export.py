@@ -99,7 +99,7 @@ def export_hf(ckpt_dir: str | Path, tokenizer_path: str | Path, out_dir: str | P
               eval_report: dict | None = None) -> dict:
     """Write the Hugging Face directory; returns {"out_dir", "weights", "format", "files"}.
     `cfg` (PipelineConfig) and `eval_report` (an evaluate-stage report) feed the model card."""
-    from tasks.deploy.generation import load_tokenizer
+    from tasks.tokenizer.bpe import load_tokenizer
     from tasks.train.checkpoint import load_model_for_inference
 
     ckpt_dir, tokenizer_path, out = Path(ckpt_dir).resolve(), Path(tokenizer_path).resolve(), Path(out_dir)

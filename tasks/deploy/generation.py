@@ -8,10 +8,11 @@ stop strings, per-row finish reasons and logprobs.
 
 Generation is KV-cached (tasks.train.model.KVCache): a `Sequence` is prefilled once and then decoded
 one token per step; `step_sequences` advances any number of sequences (of any lengths, even of
-different loaded models) together, which is what the server's continuous-batching scheduler calls
-between admissions. Once a sequence has filled the model's window, each step re-runs the last
-seq_len tokens from scratch, exactly as the uncached loop crops its context, so outputs equal
-GPT.generate's (up to float rounding in the batched attention).
+different loaded models) together, which is what the model server's continuous-batching scheduler
+(infra/services/model_server/scheduler.py) calls between admissions. Once a sequence has filled
+the model's window, each step re-runs the last seq_len tokens from scratch, exactly as the uncached
+loop crops its context, so outputs equal GPT.generate's (up to float rounding in the batched
+attention).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tasks.core.hashing import sha256_file
+from tasks.tokenizer.bpe import load_tokenizer  # a literal "<|endoftext|>" in user text stays text
 
 DEFAULT_EOS_TOKEN = "<|endoftext|>"
 # Inference parameters of the registered pyfunc and their defaults (seed -1: unseeded).
@@ -36,15 +38,6 @@ class Completion:
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     completion_tokens: int
     logprobs: dict | None = None  # OpenAI's {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
-
-
-def load_tokenizer(path: str | Path):
-    """tokenizer.json; a literal "<|endoftext|>" in user text stays text (never the EOS id)."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(path))
-    tok.encode_special_tokens = True
-    return tok
 
 
 class TextGenerator:

@@ -31,7 +31,8 @@ class DeployStage(Stage):
                 if ctx.triggered else None)
         if data is None:
             data = deploy_if_better(cfg, ctx.tracking_uri, inputs.evaluation, Path(inputs.tokenizer),
-                                    inputs.train_run_id, serve_model=ctx.serve_model)
+                                    inputs.train_run_id, serve_model=ctx.serve_model,
+                                    server_status=ctx.model_server_status)
         result = DeployResult(data)
         if data.get("version") is not None:
             name, version = data["model_name"], data["version"]

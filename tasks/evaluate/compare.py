@@ -5,12 +5,14 @@ evaluate/triggered/step-N.json; the newest report of a step wins).
 Each row: step, checkpoint, val_loss, perplexity, every task-suite metric, the deployment gate's
 verdict at evaluation time (report["gate"], written by whoever gated it) and whether it is the
 run's best. Publishing it (a Prefect table artifact keyed per run) is the Prefect side's job
-(tasks/prefect_tasks.publish_eval_table)."""
+(flows/artifacts.publish_eval_table)."""
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
+
+from tasks.core.layout import RunLayout
 
 
 def table_key(run_name: str) -> str:
@@ -19,9 +21,9 @@ def table_key(run_name: str) -> str:
     return f"eval-checkpoints-{slug}"[:200]
 
 
-def _reports(run_dir: Path) -> dict[int, tuple[float, Path, dict]]:
+def _reports(layout: RunLayout) -> dict[int, tuple[float, Path, dict]]:
     newest: dict[int, tuple[float, Path, dict]] = {}
-    for path in sorted((Path(run_dir) / "evaluate").rglob("*.json")):
+    for path in sorted(layout.stage_dir("evaluate", create=False).rglob("*.json")):
         try:
             report = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -42,7 +44,8 @@ def gate_text(gate: dict | None) -> str | None:
 
 def checkpoint_rows(run_dir: str | Path) -> list[dict]:
     """The run's checkpoints in step order; every row has the same columns."""
-    found = _reports(Path(run_dir))
+    layout = RunLayout(run_dir)
+    found = _reports(layout)
     metrics = sorted({k for _, _, r in found.values() for k in (r.get("task_metrics") or {})})
     losses = [r["val_loss"] for _, _, r in found.values() if isinstance(r.get("val_loss"), (int, float))]
     best = min(losses, default=None)
@@ -54,6 +57,6 @@ def checkpoint_rows(run_dir: str | Path) -> list[dict]:
                      "val_loss": r.get("val_loss"), "perplexity": r.get("perplexity"),
                      **{m: tm.get(m) for m in metrics},
                      "gate": gate_text(r.get("gate")), "best": best is not None and r.get("val_loss") == best,
-                     "evaluated_by": "trigger" if path.parent.name == "triggered" else "pretrain flow"})
+                     "evaluated_by": "trigger" if path.parent == layout.triggered_eval_dir else "pretrain flow"})
     return rows
 

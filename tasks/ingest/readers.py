@@ -222,12 +222,45 @@ def _warc_record(rec, offset: int, want: str, max_record_bytes: int) -> RawRecor
     return out
 
 
+class _WarcPass:
+    """One pass of warcio over a stream from `start`: the records of type `want` (others as
+    `Skipped`), remembering what the damage handling needs after the pass ends or fails: the
+    offset and error of the last record, and how many records were read."""
+
+    def __init__(self, fh, want: str, max_record_bytes: int, start: int = 0):
+        self.it = ArchiveIterator(fh, check_digests=True)
+        self.want, self.max_record_bytes = want, max_record_bytes
+        self.last, self.last_error, self.count = start, None, 0
+
+    def __iter__(self) -> Iterator[RawRecord | Skipped]:
+        for rec in self.it:
+            self.last = self.it.offset
+            self.count += 1
+            if rec.rec_type != self.want:
+                self.last_error = None
+                yield Skipped(self.last, rec.rec_type or "unknown")
+                continue
+            out = _warc_record(rec, self.last, self.want, self.max_record_bytes)
+            self.last_error = out.error
+            yield out
+
+    @property
+    def end(self) -> int:
+        return self.it.offset
+
+    @property
+    def failed_at(self) -> int:
+        """Where an exception stopped the pass."""
+        return max(getattr(self.it, "offset", self.last), self.last)
+
+
 def _iter_warc(fh: io.BufferedReader, want: str, max_record_bytes: int) -> Iterator[RawRecord | Skipped]:
     # warcio stops quietly when a gzip member is cut short or fails to inflate part-way (it
     # reports on stderr and returns EOF), so a stream that ends before the end of the file is
     # an error too. After any error we resynchronise on the next gzip member / "WARC/1." that
     # parses ("probing": failures while probing are part of the same damaged span, not new
-    # records). A stream that cannot seek (HTTP) is read once, front to back.
+    # records; a pass that reads a record is no longer probing). A stream that cannot seek
+    # (HTTP) is read once, front to back.
     magic = _GZIP_MAGIC if fh.peek(2)[:2] == b"\x1f\x8b" else _WARC_MAGIC
     if not fh.seekable():
         yield from _iter_warc_sequential(fh, want, max_record_bytes)
@@ -237,20 +270,11 @@ def _iter_warc(fh: io.BufferedReader, want: str, max_record_bytes: int) -> Itera
     pos, probing = 0, False
     while pos is not None and pos < size:
         fh.seek(pos)
-        it = ArchiveIterator(fh, check_digests=True)
-        last, last_error = pos, None
+        warc = _WarcPass(fh, want, max_record_bytes, start=pos)
         try:
-            for rec in it:
-                last = it.offset
-                probing = False
-                if rec.rec_type != want:
-                    last_error = None
-                    yield Skipped(last, rec.rec_type or "unknown")
-                    continue
-                out = _warc_record(rec, last, want, max_record_bytes)
-                last_error = out.error
-                yield out
-            end = it.offset
+            yield from warc
+            probing = probing and warc.count == 0
+            end, last, last_error = warc.end, warc.last, warc.last_error
             if end >= size and last_error != "truncated":
                 return
             if end < size and not probing and last_error is None:
@@ -259,8 +283,8 @@ def _iter_warc(fh: io.BufferedReader, want: str, max_record_bytes: int) -> Itera
             # a cut-short member may be followed by intact ones: look for them
             resume = (last if last_error == "truncated" else max(end, last, pos)) + 1
         except Exception as e:  # warcio/zlib/parse errors: quarantine, then resynchronise
-            fail = max(getattr(it, "offset", last), last)
-            if not probing:
+            fail = warc.failed_at
+            if not (probing and warc.count == 0):
                 yield RawRecord(offset=fail, error="malformed_warc",
                                 detail=f"{type(e).__name__}: {e}".strip()[:300])
             resume = max(fail, pos) + 1
@@ -271,22 +295,14 @@ def _iter_warc(fh: io.BufferedReader, want: str, max_record_bytes: int) -> Itera
 def _iter_warc_sequential(fh, want: str, max_record_bytes: int) -> Iterator[RawRecord | Skipped]:
     """One pass over a non-seekable stream: the first damage ends the file (quarantined with
     the reason and a note that the rest was not read, since nothing can be re-read)."""
-    it = ArchiveIterator(fh, check_digests=True)
-    last, last_error = 0, None
+    warc = _WarcPass(fh, want, max_record_bytes)
     try:
-        for rec in it:
-            last = it.offset
-            if rec.rec_type != want:
-                last_error = None
-                yield Skipped(last, rec.rec_type or "unknown")
-                continue
-            out = _warc_record(rec, last, want, max_record_bytes)
-            last_error = out.error
+        for out in warc:
             yield out
-            if last_error == "truncated":
+            if warc.last_error == "truncated":
                 return
     except Exception as e:  # noqa: BLE001 - quarantine, cannot resynchronise without seeking
-        yield RawRecord(offset=max(getattr(it, "offset", last), last), error="malformed_warc",
+        yield RawRecord(offset=warc.failed_at, error="malformed_warc",
                         detail=f"{type(e).__name__}: {e}; rest of the stream not read (not seekable)".strip()[:300])
         return
     try:
@@ -294,11 +310,9 @@ def _iter_warc_sequential(fh, want: str, max_record_bytes: int) -> Iterator[RawR
     except Exception:  # noqa: BLE001
         rest = b"?"
     if rest:
-        yield RawRecord(offset=it.offset, error="truncated",
-                        detail=f"archive stream ends at byte {it.offset} before the end of the source")
+        yield RawRecord(offset=warc.end, error="truncated",
+                        detail=f"archive stream ends at byte {warc.end} before the end of the source")
 
-
-# --------------------------------------------------------------------------- JSONL
 
 def _first_str(*values) -> str | None:
     for v in values:

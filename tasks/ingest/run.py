@@ -28,30 +28,21 @@ false` redoes everything.
 from __future__ import annotations
 
 import math
-import shutil
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.config import IngestConfig, PipelineConfig, SourceConfig
 from tasks.core.documents import AtomicJsonlWriter, ShardWriter, iter_docs
+from tasks.core.executor import Job, JobRunner, RayTasks, ResumableOutput, start_ray
 from tasks.core.progress import Progress
-from tasks.core.ray_utils import cluster_cpus, init_ray
-from tasks.core.resume import MANIFEST, JobStore, digest, remove_temp_files, verify_manifest, write_manifest
-from tasks.ingest.fs import expand_uri, file_identity
+from tasks.core.resume import digest
 from tasks.core.steps import StepStats
+from tasks.ingest.fs import expand_uri, file_identity
 from tasks.ingest.process import process_file_range
 
-_remote_fn = None
-
-
-def _remote():
-    global _remote_fn
-    if _remote_fn is None:
-        import ray
-
-        _remote_fn = ray.remote(num_cpus=1)(process_file_range)
-    return _remote_fn
+QUARANTINE = "quarantine.jsonl"
 
 
 def resolve_source_files(cfg: PipelineConfig, source: SourceConfig) -> list[str]:
@@ -90,129 +81,125 @@ def _config_key(cfg: PipelineConfig) -> str:
     return digest(IngestConfig.model_validate(cfg.ingest.model_dump()).model_dump(exclude={"resume"}))
 
 
+@dataclass
+class _Plan:
+    """The sources with their files, each file's identity, and the keys of the run."""
+    sources: list[tuple[SourceConfig, list[str]]]
+    idents: dict[str, list]
+    base: str  # `_config_key`
+    run_key: str
+
+    @classmethod
+    def of(cls, cfg: PipelineConfig) -> "_Plan":
+        sources = [(source, resolve_source_files(cfg, source)) for source in cfg.sources]
+        idents = {f: file_identity(f, source.storage_options) for source, files in sources for f in files}
+        base = _config_key(cfg)
+        run_key = digest([base, [[s.model_dump(), [idents[f] for f in files]] for s, files in sources]])
+        return cls(sources, idents, base, run_key)
+
+    @property
+    def n_files(self) -> int:
+        return sum(len(files) for _, files in self.sources)
+
+
 def run_ingest(cfg: PipelineConfig, out_dir: Path, progress: Progress | None = None) -> dict:
     """Read all sources of `cfg`, write `out_dir/shard-*.parquet` and `out_dir/quarantine.jsonl`,
     return the JSON-serialisable summary (see module docstring). `progress(done, total, note)`,
     if given, is called as source files are finished (resumed ones included)."""
-    import ray
-
     t0 = time.perf_counter()
-    out_dir = Path(out_dir).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    parts_dir = out_dir / "_parts"
-    resume = cfg.ingest.resume
+    plan = _Plan.of(cfg)
+    output = ResumableOutput(Path(out_dir).resolve(), plan.run_key, [QUARANTINE])
+    if cfg.ingest.resume and (done := output.completed(t0)) is not None:
+        if progress:
+            progress(plan.n_files, plan.n_files, "ingest: complete output verified, nothing to do")
+        return done
+    store = output.start(cfg.ingest.resume)
+    workers = start_ray(cfg.ray)
+    with JobRunner(RayTasks(process_file_range, cfg.ray), store) as runner:
+        results = _IngestJobs(cfg, plan, output, workers, runner, progress).run()
 
-    plan = [(source, resolve_source_files(cfg, source)) for source in cfg.sources]
-    idents = {f: file_identity(f, source.storage_options) for source, files in plan for f in files}
-    base = _config_key(cfg)
-    run_key = digest([base, [[s.model_dump(), [idents[f] for f in files]] for s, files in plan]])
-    if resume:
-        m = verify_manifest(out_dir, run_key)
-        if m is not None:
-            n_files = sum(len(f) for _, f in plan)
-            if progress:
-                progress(n_files, n_files, "ingest: complete output verified, nothing to do")
-            return {**m["summary"], "resumed_jobs": m["summary"].get("jobs", 0), "resumed_complete": True,
-                    "seconds": round(time.perf_counter() - t0, 3)}
-    # from here on the old output is invalid: manifest first, so a kill never leaves a stale one
-    (out_dir / MANIFEST).unlink(missing_ok=True)
-    for stale in out_dir.glob("shard-*.parquet"):
-        stale.unlink()
-    remove_temp_files(out_dir)
-    if not resume:
-        shutil.rmtree(parts_dir, ignore_errors=True)
-    parts_dir.mkdir(exist_ok=True)
-    remove_temp_files(parts_dir)
-    store = JobStore(parts_dir)
-
-    init_ray(cfg.ray)
-    workers = cluster_cpus()
-    fn = _remote()
-    results: dict[tuple[int, int, int], dict] = {}
-    job_names: dict[tuple[int, int, int], tuple[str, str]] = {}
-    pending: dict = {}
-    files_done: set[tuple[int, int]] = set()
-    n_files = sum(len(files) for _, files in plan)
-    resumed = 0
-    report = progress or (lambda done, total, note: None)
-
-    def launch(si: int, fi: int, start: int, stop: int | None) -> None:
-        nonlocal resumed
-        source, files = plan[si]
-        name = f"{si:03d}-{fi:05d}-{start:010d}"
-        key = digest([base, source.model_dump(), idents[files[fi]], start, stop])
-        job_names[(si, fi, start)] = (name, key)
-        stored = store.load(name, key) if resume else None
-        if stored is not None:
-            results[(si, fi, start)] = stored
-            resumed += 1
-            return
-        for p in parts_dir.glob(f"{name}-*.parquet"):  # a part left by a killed attempt
-            p.unlink()
-        pending[fn.remote(source, files[fi], cfg.ingest, start, stop, str(parts_dir), name)] = (si, fi, start)
-
-    capped = [_CappedSource(si, s, f, workers) for si, (s, f) in enumerate(plan) if s.max_docs is not None]
-    waves: dict[int, list[tuple[int, int, int]]] = {}  # capped source index -> jobs of its current wave
-
-    def start_wave(c: _CappedSource) -> None:
-        wave = c.next_wave()
-        waves[c.si] = [w[:3] for w in wave]
-        if not wave:  # cap reached or no file left: the source's other files are not read
-            files_done.update((c.si, fi) for fi in range(len(c.files)))
-        for w in wave:
-            launch(*w)
-
-    def advance() -> None:
-        """Finish the uncapped files and the capped waves whose jobs all have results."""
-        moved = True
-        while moved:
-            moved = False
-            for c in capped:
-                wave = waves.get(c.si)
-                if wave and all(j in results for j in wave):
-                    files_done.add((c.si, c.fi))
-                    c.wave_done([results[j] for j in wave])
-                    start_wave(c)
-                    moved = True
-        files_done.update(k[:2] for k in results if plan[k[0]][0].max_docs is None)
-        report(len(files_done), n_files, f"ingest ({resumed} jobs resumed)" if resumed else "ingest")
-
-    for si, (source, files) in enumerate(plan):
-        if source.max_docs is None:
-            for fi in range(len(files)):
-                launch(si, fi, 0, None)
-    for c in capped:
-        start_wave(c)
-    advance()
-    while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1)
-        for ref in ready:
-            job = pending.pop(ref)
-            res = ray.get(ref)
-            store.save(*job_names[job], res)
-            results[job] = res
-        advance()
-
-    summary = _merge(cfg, plan, results, out_dir)
+    summary = _merge(cfg, plan, results, output.dir)
     summary["jobs"] = len(results)
     summary["workers"] = workers
-    write_manifest(out_dir, run_key, summary, summary["shards"], ["quarantine.jsonl"])
-    summary["manifest"] = str(out_dir / MANIFEST)
-    shutil.rmtree(parts_dir, ignore_errors=True)
-    summary["resumed_jobs"] = resumed
+    output.publish(summary)
+    summary["manifest"] = str(output.manifest)
+    summary["resumed_jobs"] = runner.resumed
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
 
 
-def _merge(cfg: PipelineConfig, plan, results: dict, out_dir: Path) -> dict:
+class _IngestJobs:
+    """The jobs of one run: one per file of an uncapped source; for a capped source, waves of
+    record ranges of one file at a time, the next wave planned from the previous one's results."""
+
+    def __init__(self, cfg: PipelineConfig, plan: _Plan, output: ResumableOutput, workers: int,
+                 runner: JobRunner, progress: Progress | None):
+        self.cfg, self.plan, self.parts_dir, self.runner = cfg, plan, output.parts_dir, runner
+        self.report = progress or (lambda done, total, note: None)
+        self.results: dict[tuple[int, int, int], dict] = {}  # (source, file, start) -> job result
+        self.slots: dict[str, tuple[int, int, int]] = {}  # job name -> (source, file, start)
+        self.files_done: set[tuple[int, int]] = set()
+        self.capped = [_CappedSource(si, s, f, workers) for si, (s, f) in enumerate(plan.sources)
+                       if s.max_docs is not None]
+        self.waves: dict[int, list[tuple[int, int, int]]] = {}  # capped source -> jobs of its current wave
+
+    def run(self) -> dict[tuple[int, int, int], dict]:
+        for si, (source, files) in enumerate(self.plan.sources):
+            if source.max_docs is None:
+                for fi in range(len(files)):
+                    self.launch(si, fi, 0, None)
+        for c in self.capped:
+            self.start_wave(c)
+        self.advance()
+        for job, result in self.runner.finished():
+            self.results[self.slots[job.name]] = result
+            self.advance()
+        return self.results
+
+    def launch(self, si: int, fi: int, start: int, stop: int | None) -> None:
+        source, files = self.plan.sources[si]
+        name = f"{si:03d}-{fi:05d}-{start:010d}"
+        key = digest([self.plan.base, source.model_dump(), self.plan.idents[files[fi]], start, stop])
+        self.slots[name] = (si, fi, start)
+        stored = self.runner.submit(Job(name, key, (source, files[fi], self.cfg.ingest, start, stop,
+                                                    str(self.parts_dir), name)))
+        if stored is not None:
+            self.results[(si, fi, start)] = stored
+
+    def start_wave(self, c: _CappedSource) -> None:
+        wave = c.next_wave()
+        self.waves[c.si] = [w[:3] for w in wave]
+        if not wave:  # cap reached or no file left: the source's other files are not read
+            self.files_done.update((c.si, fi) for fi in range(len(c.files)))
+        for w in wave:
+            self.launch(*w)
+
+    def advance(self) -> None:
+        """Finish the uncapped files and the capped waves whose jobs all have results."""
+        moved = True
+        while moved:
+            moved = False
+            for c in self.capped:
+                wave = self.waves.get(c.si)
+                if wave and all(j in self.results for j in wave):
+                    self.files_done.add((c.si, c.fi))
+                    c.wave_done([self.results[j] for j in wave])
+                    self.start_wave(c)
+                    moved = True
+        self.files_done.update(k[:2] for k in self.results if self.plan.sources[k[0]][0].max_docs is None)
+        resumed = self.runner.resumed
+        self.report(len(self.files_done), self.plan.n_files, f"ingest ({resumed} jobs resumed)" if resumed else "ingest")
+
+
+def _merge(cfg: PipelineConfig, plan: _Plan, results: dict, out_dir: Path) -> dict:
     total = StepStats("ingest")
     skipped: Counter = Counter()
     per_source: dict[str, dict] = {}
     seen_ids: set[bytes] = set()
-    quarantine_path = out_dir / "quarantine.jsonl"
+    quarantine_path = out_dir / QUARANTINE
     with ShardWriter(out_dir, prefix="shard", shard_docs=cfg.ingest.shard_docs) as writer, \
             AtomicJsonlWriter(quarantine_path) as qwriter:
-        for si, (source, files) in enumerate(plan):
+        for si, (source, files) in enumerate(plan.sources):
             st = StepStats(source.name)
             src_skipped: Counter = Counter()
             read_files: list[str] = []
@@ -229,11 +216,11 @@ def _merge(cfg: PipelineConfig, plan, results: dict, out_dir: Path) -> dict:
                 for entry in r["quarantine"]:
                     qwriter.write(entry)
                 for doc in iter_docs(r["parts"]):
-                    digest = bytes.fromhex(doc["id"].replace("-", ""))
-                    if digest in seen_ids:
+                    id_digest = bytes.fromhex(doc["id"].replace("-", ""))
+                    if id_digest in seen_ids:
                         st.dropped["duplicate_id"] += 1
                         continue
-                    seen_ids.add(digest)
+                    seen_ids.add(id_digest)
                     writer.write(doc)
                     st.docs_out += 1
                     st.bytes_out += len(doc["text"].encode("utf-8"))
@@ -248,12 +235,7 @@ def _merge(cfg: PipelineConfig, plan, results: dict, out_dir: Path) -> dict:
             skipped.update(src_skipped)
     assert total.balanced(), total.to_dict()
     return {
-        "docs_in": total.docs_in,
-        "docs_out": total.docs_out,
-        "bytes_in": total.bytes_in,
-        "bytes_out": total.bytes_out,
-        "dropped": dict(sorted(total.dropped.items())),
-        "quarantined": dict(sorted(total.quarantined.items())),
+        **total.counts(),
         "skipped_records": dict(sorted(skipped.items())),
         "shards": [str(p) for p in writer.paths],
         "quarantine_file": str(quarantine_path),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 
 from tasks.config import GpuSpec, PlanConfig
+from tasks.train.flops import dense_and_attention_flops
 
 SECONDS_PER_DAY = 86_400.0
 ACT_BYTES_PER_TOKEN_PER_D = 34  # 16-bit activations of one layer: 34·s·b·h bytes (Korthikanti et al. 2022)
@@ -61,11 +62,6 @@ def estimate_shape(params: float, aspect_ratio: float = 128.0, *, n_layer: int |
     d = (aspect_ratio * params / 12) ** (1 / 3)
     d = max(128, 128 * round(d / 128))
     return max(1, round(params / (12 * d * d))), int(d)
-
-
-def flops_per_token(params: float, n_layer: int, d_model: int, seq_len: int) -> tuple[float, float]:
-    """(6N, 12·L·d·T): the dense and attention parts of training FLOPs per token (PaLM appendix B)."""
-    return 6.0 * params, 12.0 * n_layer * d_model * seq_len
 
 
 def _divisors(n: int) -> list[int]:
@@ -185,18 +181,9 @@ def _pick_gpus(flops: float, spec: GpuSpec, mfu: float, layout_for, cfg: PlanCon
     return n
 
 
-def make_plan(params: float | None = None, tokens: float | None = None, flops: float | None = None,
-              gpus: int | None = None, gpu: str = "h100", mfu: float | None = None, seq_len: int = 4096,
-              n_layer: int | None = None, d_model: int | None = None, active_params: float | None = None,
-              cfg: PlanConfig | None = None) -> dict:
-    """A training plan from a parameter count and/or a FLOP budget; see the module docstring.
-
-    Give `params` (tokens default to the compute-optimal count, or follow from `flops`), or `flops`
-    alone (compute-optimal split), or `flops` with `tokens`. `active_params` (MoE) needs `params`,
-    the total. `gpus` None picks the fewest GPUs that finish within `cfg.target_days`; `mfu` None
-    takes `cfg.mfu`. Raises PlanError on missing or invalid input.
-    """
-    cfg = cfg or PlanConfig()
+def _check_inputs(params, tokens, flops, gpus, gpu, mfu, seq_len, n_layer, d_model, active_params,
+                  cfg: PlanConfig) -> tuple[float, str, GpuSpec]:
+    """Validate make_plan's arguments; returns (mfu, gpu key, its spec). Raises PlanError."""
     for name, value in (("params", params), ("tokens", tokens), ("flops", flops),
                         ("active_params", active_params), ("mfu", mfu)):
         _positive(name, value)
@@ -208,19 +195,22 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
     key = str(gpu).lower()
     if key not in cfg.gpus:
         raise PlanError(f"unknown gpu {gpu!r}; known: {', '.join(sorted(cfg.gpus))} (add one under plan.gpus)")
-    spec = cfg.gpus[key]
     if active_params is not None:
         if params is None:
             raise PlanError("active_params needs params, the total parameter count of the MoE model")
         if active_params > params:
             raise PlanError(f"active_params ({active_params:.3g}) cannot exceed params ({params:.3g})")
-    ratio = cfg.tokens_per_param
-    assumptions: list[str] = []
-
     if params is None and flops is None:
         raise PlanError("give params (a parameter count) or flops (a compute budget), or both")
     if params is not None and tokens is not None and flops is not None:
         raise PlanError("params, tokens and flops over-determine the plan: give at most two of them")
+    return mfu, key, cfg.gpus[key]
+
+
+def _size_and_tokens(params, tokens, flops, active_params, ratio: float,
+                     assumptions: list[str]) -> tuple[float, float, float]:
+    """(params, tokens, compute_params) from whichever of params / tokens / flops were given, the
+    missing ones following Chinchilla's 6ND convention; notes each derivation in `assumptions`."""
     compute_params = active_params if active_params is not None else params
     if params is None:  # a FLOP budget, perhaps with a token count
         if tokens is not None:
@@ -247,13 +237,48 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
         assumptions.append("MoE: FLOPs, the shape estimate and the default token count use active_params; "
                            "memory, layout and checkpoint size use the total params (no settled "
                            "compute-optimal ratio exists for MoE)")
+    return params, tokens, compute_params
+
+
+def _hardware_assumptions(key: str, spec: GpuSpec, mfu: float, cfg: PlanConfig) -> list[str]:
+    """How time, cost, checkpoint size and layout were computed, as plan assumptions."""
+    state_bytes = cfg.weight_bytes + cfg.grad_bytes + cfg.master_bytes + cfg.optimizer_bytes
+    return [
+        f"time = flops / (gpus x peak x MFU) with {key} peak {spec.peak_bf16_flops:.4g} FLOP/s dense BF16 and "
+        f"MFU {mfu:g}; the MFU is end to end, so pipeline bubbles, stalls and restarts are inside it",
+        f"cost = gpu_hours x ${spec.price_per_hour:g}/GPU-hour (a ballpark on-demand price; set plan.gpus)",
+        f"checkpoint = params x ({cfg.weight_bytes:g} bf16 weights + {cfg.master_bytes:g} fp32 master + "
+        f"{cfg.optimizer_bytes:g} Adam m, v) bytes; model states in memory also hold "
+        f"{cfg.grad_bytes:g}-byte gradients ({state_bytes:g} bytes per param)",
+        "layout: tp inside a node sized by activations, pp across nodes only when FSDP-sharded model "
+        "states do not fit, dp for the rest; bubble = (pp-1)/(microbatches+pp-1) for 1F1B",
+    ]
+
+
+def make_plan(params: float | None = None, tokens: float | None = None, flops: float | None = None,
+              gpus: int | None = None, gpu: str = "h100", mfu: float | None = None, seq_len: int = 4096,
+              n_layer: int | None = None, d_model: int | None = None, active_params: float | None = None,
+              cfg: PlanConfig | None = None) -> dict:
+    """A training plan from a parameter count and/or a FLOP budget; see the module docstring.
+
+    Give `params` (tokens default to the compute-optimal count, or follow from `flops`), or `flops`
+    alone (compute-optimal split), or `flops` with `tokens`. `active_params` (MoE) needs `params`,
+    the total. `gpus` None picks the fewest GPUs that finish within `cfg.target_days`; `mfu` None
+    takes `cfg.mfu`. Raises PlanError on missing or invalid input.
+    """
+    cfg = cfg or PlanConfig()
+    mfu, key, spec = _check_inputs(params, tokens, flops, gpus, gpu, mfu, seq_len, n_layer, d_model,
+                                   active_params, cfg)
+    assumptions: list[str] = []
+    params, tokens, compute_params = _size_and_tokens(params, tokens, flops, active_params,
+                                                      cfg.tokens_per_param, assumptions)
 
     shape_given = n_layer is not None and d_model is not None
     n_layer, d_model = estimate_shape(compute_params, cfg.aspect_ratio, n_layer=n_layer, d_model=d_model)
     if not shape_given:
         assumptions.append(f"shape estimated from N ~= 12·L·d² with d_model/n_layer ~= {cfg.aspect_ratio:g} "
                            f"(d_model a multiple of 128 unless given): n_layer={n_layer}, d_model={d_model}")
-    dense, attention = flops_per_token(compute_params, n_layer, d_model, seq_len)
+    dense, attention = dense_and_attention_flops(compute_params, n_layer, d_model, seq_len)
     flops_6nd = dense * tokens
     total_flops = (dense + attention) * tokens
     assumptions.append("training FLOPs = (6N + 12·L·d_model·T) x tokens (PaLM appendix B, as torchtitan "
@@ -270,21 +295,11 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
                            "and hold the model states")
     gpus = int(gpus)
     layout = layout_for(gpus)
-    timing = _timing(total_flops, gpus, spec, mfu)
-    state_bytes = cfg.weight_bytes + cfg.grad_bytes + cfg.master_bytes + cfg.optimizer_bytes
-    ckpt_bytes = cfg.weight_bytes + cfg.master_bytes + cfg.optimizer_bytes
-    assumptions += [
-        f"time = flops / (gpus x peak x MFU) with {key} peak {spec.peak_bf16_flops:.4g} FLOP/s dense BF16 and "
-        f"MFU {mfu:g}; the MFU is end to end, so pipeline bubbles, stalls and restarts are inside it",
-        f"cost = gpu_hours x ${spec.price_per_hour:g}/GPU-hour (a ballpark on-demand price; set plan.gpus)",
-        f"checkpoint = params x ({cfg.weight_bytes:g} bf16 weights + {cfg.master_bytes:g} fp32 master + "
-        f"{cfg.optimizer_bytes:g} Adam m, v) bytes; model states in memory also hold "
-        f"{cfg.grad_bytes:g}-byte gradients ({state_bytes:g} bytes per param)",
-        "layout: tp inside a node sized by activations, pp across nodes only when FSDP-sharded model "
-        "states do not fit, dp for the rest; bubble = (pp-1)/(microbatches+pp-1) for 1F1B",
-    ]
+    assumptions += _hardware_assumptions(key, spec, mfu, cfg)
     if not layout["fits"]:
         assumptions.append(f"WARNING: the model does not fit on {gpus} x {key}: {layout['rationale']}")
+    state_bytes = cfg.weight_bytes + cfg.grad_bytes + cfg.master_bytes + cfg.optimizer_bytes
+    ckpt_bytes = cfg.weight_bytes + cfg.master_bytes + cfg.optimizer_bytes
     return {
         "params": float(params),
         "active_params": float(compute_params),
@@ -302,7 +317,7 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
         "gpus": gpus,
         "peak_flops_per_gpu": spec.peak_bf16_flops,
         "mfu": mfu,
-        **timing,
+        **_timing(total_flops, gpus, spec, mfu),
         "model_state_bytes": float(params * state_bytes),
         "checkpoint_bytes": float(params * ckpt_bytes),
         "layout": layout,

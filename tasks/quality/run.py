@@ -25,6 +25,7 @@ import shutil
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -32,6 +33,7 @@ import pyarrow.parquet as pq
 
 from tasks.config import PipelineConfig
 from tasks.core.documents import AtomicJsonlWriter, ShardWriter, count_docs, iter_docs
+from tasks.core.executor import clear_stale_output
 from tasks.core.hashing import sha256_file
 from tasks.quality.overlap import overlap_counter, reference_patterns
 from tasks.quality.text import resolve
@@ -39,6 +41,7 @@ from tasks.quality.text import resolve
 # Fields that change how documents are scored or kept, not the trained model.
 CLASSIFIER_SCORING_FIELDS = {"enabled", "threshold", "keep_top_fraction"}
 KENLM_SCORING_FIELDS = {"enabled", "head_percentile", "tail_percentile", "drop_buckets", "bin_dir"}
+DROPPED, SCORES = "dropped.jsonl", "scores.parquet"
 SCORES_SCHEMA = pa.schema([
     pa.field("id", pa.string()), pa.field("source", pa.string()), pa.field("quality_score", pa.float64()),
     pa.field("perplexity", pa.float64()), pa.field("kenlm_bucket", pa.string()), pa.field("keep", pa.bool_()),
@@ -152,35 +155,77 @@ def run_quality(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> di
         n = count_docs(shards)
         return {"enabled": False, "docs_in": n, "docs_out": n, "dropped": {}, "steps": [], "shards": shards,
                 "models": {}, "seconds": round(time.perf_counter() - t0, 3)}
-    for stale in out_dir.glob("shard-*.parquet"):
-        stale.unlink()
+    clear_stale_output(out_dir)
 
     t_train = time.perf_counter()
     models = ensure_models(cfg)
     train_s = time.perf_counter() - t_train
     clf, lm = models.get("classifier"), models.get("kenlm")
-
     t_score = time.perf_counter()
     records, decided = score_shards(cfg, shards, model_path=clf["model"] if clf else None,
                                     kenlm_path=lm["model"] if lm else None)
     score_s = time.perf_counter() - t_score
 
-    by_id = {r["id"]: r for r in records}
-    dropped_path, scores_path = out_dir / "dropped.jsonl", out_dir / "scores.parquet"
+    dropped = _write_decisions(records, decided, out_dir)
+    kept = _write_kept(cfg, shards, records, out_dir)
+    docs_in, docs_out = len(records), kept.docs_out
+    if docs_out + sum(dropped.values()) != docs_in:
+        raise RuntimeError(f"quality accounting broken: {docs_in} in, {docs_out} out, {dict(dropped)} dropped")
+    for w in kept.overlap["warnings"]:
+        print(f"[quality] WARNING: {w}", file=sys.stderr, flush=True)
+    summary = {
+        "enabled": True,
+        "docs_in": docs_in,
+        "docs_out": docs_out,
+        "bytes_out": kept.bytes_out,
+        "dropped": dict(sorted(dropped.items())),
+        "steps": decided["steps"],
+        "classifier_threshold": decided.get("classifier_threshold"),
+        "perplexity_cutoffs": decided.get("perplexity_cutoffs"),
+        "buckets": dict(sorted(Counter(r["kenlm_bucket"] for r in records if "kenlm_bucket" in r).items())),
+        "sources": {s: {"docs_in": c["docs_in"], "docs_out": c["docs_out"]} for s, c in sorted(kept.sources.items())},
+        "models": models,
+        "reference_overlap": kept.overlap,
+        "shards": kept.shards,
+        "dropped_file": str(out_dir / DROPPED),
+        "scores_file": str(out_dir / SCORES),
+        "timings": {"models_s": round(train_s, 3), "score_s": round(score_s, 3),
+                    "score_docs_per_s": round(docs_in / score_s, 1) if score_s > 0 else None},
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+    summary["metrics"] = quality_metrics(summary)
+    return summary
+
+
+def _write_decisions(records: list[dict], decided: dict, out_dir: Path) -> Counter:
+    """`dropped.jsonl` (step and reason per dropped document) and `scores.parquet` (every
+    document's scores and decision); returns the drops per reason."""
     dropped: Counter = Counter()
     for st in decided["steps"]:
         dropped.update(st["dropped"])
-    step_of = {}
-    for r in records:
-        if not r["keep"]:
-            step_of[r["id"]] = _drop_reason(r, decided)
-    with AtomicJsonlWriter(dropped_path) as dw:
+    step_of = {r["id"]: _drop_reason(r, decided) for r in records if not r["keep"]}
+    with AtomicJsonlWriter(out_dir / DROPPED) as dw:
         for doc_id, (step, reason) in step_of.items():
             dw.write({"id": doc_id, "step": step, "reason": reason})
     pq.write_table(pa.Table.from_pylist(
         [{k: r.get(k) for k in SCORES_SCHEMA.names} for r in records], schema=SCORES_SCHEMA),
-        scores_path, compression="zstd")
+        out_dir / SCORES, compression="zstd")
+    return dropped
 
+
+@dataclass
+class _Kept:
+    shards: list[str]
+    docs_out: int
+    bytes_out: int
+    sources: dict[str, Counter]  # source -> docs_in, docs_out
+    overlap: dict  # `overlap_counter`'s result: the corpus's 13-gram overlap with the reference texts
+
+
+def _write_kept(cfg: PipelineConfig, shards: list[str], records: list[dict], out_dir: Path) -> _Kept:
+    """The kept documents, in input order, as `shard-*.parquet`; counts per source and the
+    overlap of the corpus with the KenLM/classifier reference texts, in the same pass."""
+    by_id = {r["id"]: r for r in records}
     sources: dict[str, Counter] = {}
     bytes_out = 0
     patterns = reference_patterns(cfg)
@@ -189,41 +234,14 @@ def run_quality(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> di
         for doc in iter_docs(shards):
             if overlaps is not None:
                 overlaps.add(doc.get("source"), doc["text"])
-            rec = by_id[doc["id"]]
             c = sources.setdefault(doc.get("source") or "", Counter())
             c["docs_in"] += 1
-            if rec["keep"]:
+            if by_id[doc["id"]]["keep"]:
                 writer.write(doc)
                 c["docs_out"] += 1
                 bytes_out += len(doc["text"].encode("utf-8"))
-    docs_in, docs_out = len(records), writer.docs_written
-    if docs_out + sum(dropped.values()) != docs_in:
-        raise RuntimeError(f"quality accounting broken: {docs_in} in, {docs_out} out, {dict(dropped)} dropped")
     overlap = overlaps.result(patterns) if overlaps is not None else {"sources": {}, "warnings": []}
-    for w in overlap["warnings"]:
-        print(f"[quality] WARNING: {w}", file=sys.stderr, flush=True)
-    summary = {
-        "enabled": True,
-        "docs_in": docs_in,
-        "docs_out": docs_out,
-        "bytes_out": bytes_out,
-        "dropped": dict(sorted(dropped.items())),
-        "steps": decided["steps"],
-        "classifier_threshold": decided.get("classifier_threshold"),
-        "perplexity_cutoffs": decided.get("perplexity_cutoffs"),
-        "buckets": dict(sorted(Counter(r["kenlm_bucket"] for r in records if "kenlm_bucket" in r).items())),
-        "sources": {s: {"docs_in": c["docs_in"], "docs_out": c["docs_out"]} for s, c in sorted(sources.items())},
-        "models": models,
-        "reference_overlap": overlap,
-        "shards": [str(p) for p in writer.paths],
-        "dropped_file": str(dropped_path),
-        "scores_file": str(scores_path),
-        "timings": {"models_s": round(train_s, 3), "score_s": round(score_s, 3),
-                    "score_docs_per_s": round(docs_in / score_s, 1) if score_s > 0 else None},
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
-    summary["metrics"] = quality_metrics(summary)
-    return summary
+    return _Kept([str(p) for p in writer.paths], writer.docs_written, bytes_out, sources, overlap)
 
 
 def _drop_reason(rec: dict, decided: dict) -> tuple[str, str]:

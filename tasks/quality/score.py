@@ -1,12 +1,12 @@
 """Score Parquet shards with the quality models, Ray-parallel, each model loaded once per worker.
 
 `score_shards(cfg, shards, model_path=None, kenlm_path=None)` runs one `QualityWorker` actor per
-CPU (`init_ray(cfg.ray)`); a job is one Parquet row group; each worker loads the fastText and/or KenLM
+CPU (`tasks.core.executor`); a job is one Parquet row group; each worker loads the fastText and/or KenLM
 model once. Returns, in shard/row order, one record per document:
 {"id", "source", "quality_score"?, "perplexity"?, "kenlm_bucket"?, "keep"} plus a summary:
 per-source perplexity cut-offs (`kenlm.head_percentile`/`tail_percentile`), the classifier
 threshold actually used (from `keep_top_fraction` when set), and StepStats per step
-("quality_classifier", "kenlm") with the same accounting as the curate filters.
+("quality_classifier", "kenlm") from the step loop of the curate filters (`tasks.core.steps`).
 `score_docs` does the same for an in-memory list (no Ray).
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Sequence
 
 from tasks.config import PipelineConfig, QualityConfig
 from tasks.core.documents import iter_doc_batches
-from tasks.core.steps import StepStats
+from tasks.core.executor import Job, JobRunner, RayActors
+from tasks.core.steps import StepStats, decide_all
 from tasks.quality.classifier import QualityScorer, threshold_for_top_fraction
 from tasks.quality.kenlm_lm import PerplexityScorer, bucket_of, percentile_cutoffs
 
@@ -42,50 +43,28 @@ class QualityWorker:
         return out
 
     def score_shard(self, shard: str, row_groups: list[int] | None = None) -> list[dict]:
-        if row_groups is None:
-            batches = iter_doc_batches([shard], batch_size=self.cfg.batch_docs, columns=["id", "text", "source"])
-        else:
-            batches = _row_group_batches(shard, row_groups, self.cfg.batch_docs)
         out: list[dict] = []
-        for batch in batches:
+        for batch in iter_doc_batches([shard], batch_size=self.cfg.batch_docs, columns=["id", "text", "source"],
+                                      row_groups=row_groups):
             out.extend(self.score_batch(batch))
         return out
 
 
-def _row_group_batches(shard: str, row_groups: list[int], batch_size: int):
-    import pyarrow.parquet as pq
-
-    pf = pq.ParquetFile(shard)
-    try:
-        for batch in pf.iter_batches(batch_size=batch_size, row_groups=row_groups, columns=["id", "text", "source"]):
-            yield batch.to_pylist()
-    finally:
-        pf.close()
-
-
-def shard_jobs(shards: Sequence[str]) -> list[tuple[str, list[int]]]:
+def shard_jobs(shards: Sequence[str]) -> list[Job]:
     """One job per Parquet row group, in corpus order, so one shard still spreads over all workers."""
     import pyarrow.parquet as pq
 
-    return [(s, [rg]) for s in shards for rg in range(pq.ParquetFile(s).metadata.num_row_groups)]
+    groups = [(s, [rg]) for s in shards for rg in range(pq.ParquetFile(s).metadata.num_row_groups)]
+    return [Job(f"{k:05d}", None, args) for k, args in enumerate(groups)]
 
 
-def _run_step(name: str, records: list[dict], drop_reason) -> tuple[StepStats, list[dict]]:
-    """One decision step over score records: `drop_reason(record)` is None to keep it, else the
-    reason it is dropped (counted, and "keep" set False). Returns the stats and the kept records."""
-    st, kept = StepStats(name), []
-    for r in records:
-        st.docs_in += 1
-        st.bytes_in += r["bytes"]
-        reason = drop_reason(r)
-        if reason is not None:
-            st.dropped[reason] += 1
-            r["keep"] = False
-        else:
-            st.docs_out += 1
-            st.bytes_out += r["bytes"]
-            kept.append(r)
-    return st, kept
+def _decide_step(name: str, records: list[dict], drop_reason) -> tuple[StepStats, list[dict]]:
+    """One decision step over score records (`drop_reason(record)`: None keeps it, else the
+    reason); a dropped record gets "keep": False. Returns the stats and the kept records."""
+    def drop(record: dict, reason: str) -> None:
+        record["keep"] = False
+
+    return decide_all(name, records, drop_reason, size=lambda r: r["bytes"], on_drop=drop)
 
 
 def decide(records: list[dict], cfg: QualityConfig) -> dict:
@@ -100,8 +79,8 @@ def decide(records: list[dict], cfg: QualityConfig) -> dict:
         if c.keep_top_fraction is not None:
             thr = threshold_for_top_fraction([r["quality_score"] for r in records], c.keep_top_fraction)
         summary["classifier_threshold"] = thr
-        st, alive = _run_step("quality_classifier", alive,
-                              lambda r: "quality_classifier" if thr is not None and r["quality_score"] < thr else None)
+        st, alive = _decide_step("quality_classifier", alive,
+                                 lambda r: "quality_classifier" if thr is not None and r["quality_score"] < thr else None)
         steps.append(st)
     if records and "perplexity" in records[0]:
         k = cfg.kenlm
@@ -110,13 +89,13 @@ def decide(records: list[dict], cfg: QualityConfig) -> dict:
         summary["perplexity_cutoffs"] = cuts
         for r in records:
             r["kenlm_bucket"] = bucket_of(r["perplexity"], cuts[r["source"]]) if r["source"] in cuts else "tail"
-        st, alive = _run_step("kenlm", alive,
-                              lambda r: f"kenlm_{r['kenlm_bucket']}" if r["kenlm_bucket"] in k.drop_buckets else None)
+        st, alive = _decide_step("kenlm", alive,
+                                 lambda r: f"kenlm_{r['kenlm_bucket']}" if r["kenlm_bucket"] in k.drop_buckets else None)
         steps.append(st)
     for r in alive:
         r["keep"] = True
     for st in steps:
-        st.seconds += time.perf_counter() - t0
+        st.seconds = time.perf_counter() - t0  # each step reports the whole decision, cut-offs included
         assert st.balanced()
         summary["steps"].append(st.to_dict())
     summary["docs_in"], summary["docs_out"] = len(records), len(alive)
@@ -132,25 +111,15 @@ def score_docs(docs: Sequence[dict], cfg: QualityConfig, model_path: str | Path 
 
 def score_shards(cfg: PipelineConfig, shards: Sequence[str | Path], model_path: str | Path | None = None,
                  kenlm_path: str | Path | None = None) -> tuple[list[dict], dict]:
-    import ray
-    from ray.util import ActorPool
-
-    from tasks.core.ray_utils import cluster_cpus, init_ray
-
     shards = [str(Path(s).resolve()) for s in shards]
-    if not shards:
-        return [], decide([], cfg.quality)
-    init_ray(cfg.ray)
     jobs = shard_jobs(shards)
-    n = max(1, min(cluster_cpus(), len(jobs)))
-    actor_cls = ray.remote(num_cpus=1)(QualityWorker)
-    actors = [actor_cls.remote(cfg.quality, str(model_path) if model_path else None,
-                               str(kenlm_path) if kenlm_path else None) for _ in range(n)]
-    try:
-        pool = ActorPool(actors)
-        per_shard = list(pool.map(lambda a, job: a.score_shard.remote(*job), jobs))
-    finally:
-        for a in actors:
-            ray.kill(a)
-    records = [r for rs in per_shard for r in rs]
+    actors = RayActors(QualityWorker, (cfg.quality, str(model_path) if model_path else None,
+                                       str(kenlm_path) if kenlm_path else None), "score_shard", cfg.ray)
+    per_job: dict[str, list[dict]] = {}
+    with JobRunner(actors) as runner:
+        for job in jobs:
+            runner.submit(job)
+        for job, records in runner.finished():
+            per_job[job.name] = records
+    records = [r for job in jobs for r in per_job[job.name]]
     return records, decide(records, cfg.quality)

@@ -118,93 +118,43 @@ def train_tokenizer(cfg: PipelineConfig, shards: list[Path], out_dir: Path) -> d
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = [Path(s) for s in shards]
-    if not shards:
-        raise ValueError("train_tokenizer: no shards given")
-    specials = [tcfg.bos_token, tcfg.eos_token, tcfg.pad_token]
-    if len(set(specials)) != 3:
-        raise ValueError(f"special tokens must be distinct: {specials}")
+    specials = _special_tokens(tcfg, shards)
     t0 = time.perf_counter()
 
     probes = load_probe_samples(cfg)
     overlap = LineOverlap(probes)
     counts = {"validation": 0, "train": 0, "unused": 0, "bytes": 0}
-
-    def training_batches(first_pass: bool):
-        for cols in iter_doc_columns(shards, ["id"], tcfg.batch_docs):
-            batch = []
-            for doc_id, text in zip(cols["id"], cols["text"]):
-                part = split_of(doc_key(doc_id, text), tcfg)
-                if first_pass:
-                    counts[part] += 1
-                if part == "train":
-                    batch.append(text)
-                    if first_pass:
-                        counts["bytes"] += len(text.encode("utf-8"))
-                        overlap.feed(text)
-            if batch:
-                yield batch
-
-    trainer = trainers.BpeTrainer(
-        vocab_size=tcfg.vocab_size,
-        min_frequency=tcfg.min_frequency,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
     tok = build_empty_tokenizer(tcfg)
-    tok.train_from_iterator(training_batches(first_pass=True), trainer=trainer)
-    docs_total = counts["validation"] + counts["train"] + counts["unused"]
-    if docs_total == 0:
-        raise ValueError(f"train_tokenizer: the shards hold no documents: {[str(s) for s in shards]}")
-    if counts["train"] == 0:
-        raise ValueError(f"train_tokenizer: no training documents left: all {docs_total} were held out or "
-                         f"not sampled (validation_fraction {tcfg.validation_fraction}, "
-                         f"sample_fraction {tcfg.sample_fraction})")
+    tok.train_from_iterator(training_batches(shards, tcfg, counts, overlap),
+                            trainer=trainers.BpeTrainer(vocab_size=tcfg.vocab_size, min_frequency=tcfg.min_frequency,
+                                                        special_tokens=specials,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    counts["total"] = _check_counts(counts, shards, tcfg)
     path = out_dir / TOKENIZER_FILE
     tok.save(str(path), pretty=False)
 
     measured = [Measured("crucible", load_tokenizer(path))]  # as consumers will load it
     ref_path = None
     if tcfg.reference:
-        reference = ByteLevelBPETokenizer()
-        reference.train_from_iterator(training_batches(first_pass=False), vocab_size=tcfg.vocab_size,
-                                      min_frequency=tcfg.min_frequency, special_tokens=specials,
-                                      show_progress=False)
-        ref_path = out_dir / REFERENCE_FILE
-        reference.save(str(ref_path), pretty=False)
+        ref_path = train_reference(tcfg, specials, shards, out_dir / REFERENCE_FILE)
         measured.append(Measured("reference", load_tokenizer(ref_path)))
 
     validation = validate_held_out(shards, tcfg, measured)
-    report = {
-        "tokenizers": [m.name for m in measured],
-        "tokenizer": {"path": str(path.resolve()), "vocab_size": measured[0].tok.get_vocab_size(),
-                      "sha256": sha256_file(path), "normalizer": tcfg.normalizer, "split_digits": tcfg.split_digits},
-        "reference": ({"path": str(ref_path.resolve()), "description": REFERENCE_DESCRIPTION,
-                       "vocab_size": measured[1].tok.get_vocab_size(), "sha256": sha256_file(ref_path)}
-                      if ref_path else None),
-        "training": {"docs": counts["train"], "bytes": counts["bytes"], "docs_total": docs_total,
-                     "docs_unused": counts["unused"], "validation_fraction": tcfg.validation_fraction,
-                     "sample_fraction": tcfg.sample_fraction},
-        "validation": validation,
-        "probes": measure_probes(probes, measured, overlap.fractions()),
-    }
+    report = build_report(tcfg, measured, path, ref_path, counts, validation,
+                          measure_probes(probes, measured, overlap.fractions()))
     report_path, md_path = out_dir / REPORT_FILE, out_dir / REPORT_MARKDOWN
     report_path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     md_path.write_text(render_markdown(report))
+    _raise_on_roundtrip_failures(validation, report_path)
 
-    failures = validation["roundtrip_failures"]
-    if failures:
-        shown = ", ".join(failures[:50]) + (f" and {len(failures) - 50} more" if len(failures) > 50 else "")
-        raise TokenizerValidationError(
-            f"tokenizer round trip failed on {len(failures)} of {validation['docs']} held-out documents "
-            f"(decode(encode(text)) != text): {shown}; full list in {report_path}")
     overall = validation["slices"].get("all", {})
     result = {
         "path": str(path.resolve()),
         "vocab_size": measured[0].tok.get_vocab_size(),
         "docs": counts["train"],
         "bytes": counts["bytes"],
-        "docs_total": docs_total,
+        "docs_total": counts["total"],
         "validation_docs": validation["docs"],
         "roundtrip_ok": validation["roundtrip_ok"],
         "roundtrip_docs": validation["docs"],
@@ -223,6 +173,84 @@ def train_tokenizer(cfg: PipelineConfig, shards: list[Path], out_dir: Path) -> d
              "(reference %s)", result["vocab_size"], result["docs"], result["bytes"], result["validation_docs"],
              result["bytes_per_token"] or 0, result["reference_bytes_per_token"])
     return result
+
+
+def _special_tokens(tcfg: TokenizerConfig, shards: list[Path]) -> list[str]:
+    """[bos, eos, pad]; raises ValueError on no shards or special tokens that are not distinct."""
+    if not shards:
+        raise ValueError("train_tokenizer: no shards given")
+    specials = [tcfg.bos_token, tcfg.eos_token, tcfg.pad_token]
+    if len(set(specials)) != 3:
+        raise ValueError(f"special tokens must be distinct: {specials}")
+    return specials
+
+
+def training_batches(shards: list[Path], tcfg: TokenizerConfig, counts: dict | None = None,
+                     overlap: LineOverlap | None = None):
+    """The training sample's texts, in batches. With `counts` (and `overlap`), the pass also
+    tallies the documents of each split and the sample's bytes (and feeds the probe overlap)."""
+    for cols in iter_doc_columns(shards, ["id"], tcfg.batch_docs):
+        batch = []
+        for doc_id, text in zip(cols["id"], cols["text"]):
+            part = split_of(doc_key(doc_id, text), tcfg)
+            if counts is not None:
+                counts[part] += 1
+            if part == "train":
+                batch.append(text)
+                if counts is not None:
+                    counts["bytes"] += len(text.encode("utf-8"))
+                    overlap.feed(text)
+        if batch:
+            yield batch
+
+
+def _check_counts(counts: dict, shards: list[Path], tcfg: TokenizerConfig) -> int:
+    """The number of documents read; raises ValueError when none, or none was left to train on."""
+    docs_total = counts["validation"] + counts["train"] + counts["unused"]
+    if docs_total == 0:
+        raise ValueError(f"train_tokenizer: the shards hold no documents: {[str(s) for s in shards]}")
+    if counts["train"] == 0:
+        raise ValueError(f"train_tokenizer: no training documents left: all {docs_total} were held out or "
+                         f"not sampled (validation_fraction {tcfg.validation_fraction}, "
+                         f"sample_fraction {tcfg.sample_fraction})")
+    return docs_total
+
+
+def train_reference(tcfg: TokenizerConfig, specials: list[str], shards: list[Path], path: Path) -> Path:
+    """HF's stock ByteLevelBPETokenizer on the same sample and settings, saved to `path`."""
+    reference = ByteLevelBPETokenizer()
+    reference.train_from_iterator(training_batches(shards, tcfg), vocab_size=tcfg.vocab_size,
+                                  min_frequency=tcfg.min_frequency, special_tokens=specials,
+                                  show_progress=False)
+    reference.save(str(path), pretty=False)
+    return path
+
+
+def build_report(tcfg: TokenizerConfig, measured: list[Measured], path: Path, ref_path: Path | None,
+                 counts: dict, validation: dict, probes: dict) -> dict:
+    """tokenizer_report.json's content (module doc)."""
+    return {
+        "tokenizers": [m.name for m in measured],
+        "tokenizer": {"path": str(path.resolve()), "vocab_size": measured[0].tok.get_vocab_size(),
+                      "sha256": sha256_file(path), "normalizer": tcfg.normalizer, "split_digits": tcfg.split_digits},
+        "reference": ({"path": str(ref_path.resolve()), "description": REFERENCE_DESCRIPTION,
+                       "vocab_size": measured[1].tok.get_vocab_size(), "sha256": sha256_file(ref_path)}
+                      if ref_path else None),
+        "training": {"docs": counts["train"], "bytes": counts["bytes"], "docs_total": counts["total"],
+                     "docs_unused": counts["unused"], "validation_fraction": tcfg.validation_fraction,
+                     "sample_fraction": tcfg.sample_fraction},
+        "validation": validation,
+        "probes": probes,
+    }
+
+
+def _raise_on_roundtrip_failures(validation: dict, report_path: Path) -> None:
+    failures = validation["roundtrip_failures"]
+    if failures:
+        shown = ", ".join(failures[:50]) + (f" and {len(failures) - 50} more" if len(failures) > 50 else "")
+        raise TokenizerValidationError(
+            f"tokenizer round trip failed on {len(failures)} of {validation['docs']} held-out documents "
+            f"(decode(encode(text)) != text): {shown}; full list in {report_path}")
 
 
 def validate_held_out(shards: list[Path], tcfg: TokenizerConfig, measured: list[Measured]) -> dict:

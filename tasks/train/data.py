@@ -117,3 +117,17 @@ class GlobalWindows:
 
     def _first(self, step_start: int, micro: int, rank: int, world: int) -> int:
         return step_start + (micro * world + rank) * self.micro_batch_size
+
+
+def global_batch(tcfg, seq_len: int, world: int) -> tuple[int, int]:
+    """(global samples per optimizer step, micro-batches per rank per step)."""
+    per_micro = tcfg.micro_batch_size * world
+    if tcfg.batch_tokens is None:
+        return per_micro * tcfg.grad_accum_steps, tcfg.grad_accum_steps
+    if tcfg.batch_tokens % seq_len:
+        raise ValueError(f"train.batch_tokens ({tcfg.batch_tokens}) must be a multiple of seq_len ({seq_len})")
+    samples = tcfg.batch_tokens // seq_len
+    if samples % per_micro:
+        raise ValueError(f"train.batch_tokens gives {samples} sequences per step, not a multiple of "
+                         f"micro_batch_size x world size = {per_micro}")
+    return samples, samples // per_micro

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.config import PipelineConfig
+from tasks.core.constants import REPO_ROOT
 from tasks.train.checkpoint import list_checkpoints
 from tasks.train.metrics import TRAIN_LOG
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 TORCHRUN_LOG = "torchrun.log"
 CONFIG_JSON = "train_config.json"
+WORKER_MODULE = "tasks.train.worker"  # the plain torchrun entry; the pipeline's is flows.train_worker
 
 
 class TrainingError(RuntimeError):
@@ -32,7 +34,8 @@ class TrainingError(RuntimeError):
 
 
 def torchrun_command(cfg: PipelineConfig, config_json: Path, tokens_index: Path, out_dir: Path,
-                     run_name: str, run_id: str | None) -> list[str]:
+                     run_name: str, run_id: str | None, worker_module: str = WORKER_MODULE) -> list[str]:
+    """The torchrun command line that runs `worker_module` (an importable module run with -m)."""
     t = cfg.train
     cmd = [sys.executable, "-m", "torch.distributed.run"]
     if t.nnodes == 1:
@@ -48,7 +51,7 @@ def torchrun_command(cfg: PipelineConfig, config_json: Path, tokens_index: Path,
     # on a worker failure torchrun restarts every worker (up to max_restarts times); a restarted
     # worker sees TORCHELASTIC_RESTART_COUNT > 0 and resumes from the newest checkpoint
     cmd += ["--nproc_per_node", str(t.nproc_per_node), "--max-restarts", str(t.max_restarts),
-            "-m", "tasks.train.worker",
+            "-m", worker_module,
             "--config-json", str(config_json), "--tokens-index", str(tokens_index),
             "--out-dir", str(out_dir), "--run-name", run_name]
     if run_id:
@@ -63,7 +66,8 @@ def read_train_log(path: Path) -> list[dict]:
 
 
 def run_training(cfg: PipelineConfig, tokens_index: Path, out_dir: Path, mlflow_tracking_uri: str | None,
-                 mlflow_run_id: str | None, run_name: str, lineage: TorchrunLineage | None = None) -> dict:
+                 mlflow_run_id: str | None, run_name: str, lineage: TorchrunLineage | None = None,
+                 worker_module: str = WORKER_MODULE) -> dict:
     """Train under torchrun; stream its output to the console and out_dir/torchrun.log.
 
     Returns {"steps", "first_loss", "final_loss", "checkpoints" (absolute paths, oldest first),
@@ -71,10 +75,13 @@ def run_training(cfg: PipelineConfig, tokens_index: Path, out_dir: Path, mlflow_
     first), "seconds"}. Raises TrainingError with the log tail when torchrun fails.
     With `lineage`, the torchrun job is an OpenLineage job run of its own (tasks/lineage/torchrun.py):
     START before torchrun starts, COMPLETE with the checkpoints, or FAIL with the error.
+    `worker_module` is the torchrun entry: "flows.train_worker" under the pipeline (it also emits
+    Prefect checkpoint events), a test module for fault injection; importable from the repository root.
     """
     if lineage is not None:
         with lineage.run(cfg, tokens_index) as job:
-            result = run_training(cfg, tokens_index, out_dir, mlflow_tracking_uri, mlflow_run_id, run_name)
+            result = run_training(cfg, tokens_index, out_dir, mlflow_tracking_uri, mlflow_run_id, run_name,
+                                  worker_module=worker_module)
             job.outputs += lineage.outputs(result)
         return result
     out_dir = Path(out_dir).resolve()
@@ -95,11 +102,10 @@ def run_training(cfg: PipelineConfig, tokens_index: Path, out_dir: Path, mlflow_
         env["MLFLOW_RUN_ID"] = mlflow_run_id
         if mlflow_tracking_uri:
             env["MLFLOW_TRACKING_URI"] = mlflow_tracking_uri
-    # make `-m tasks.train.worker` importable even when the package is not installed
-    repo_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([repo_root, *filter(None, [env.get("PYTHONPATH")])])
+    # make `-m <worker_module>` importable even when the package is not installed
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
 
-    cmd = torchrun_command(cfg, config_json, tokens_index, out_dir, run_name, mlflow_run_id)
+    cmd = torchrun_command(cfg, config_json, tokens_index, out_dir, run_name, mlflow_run_id, worker_module)
     log_path = out_dir / (Path(TORCHRUN_LOG).stem + suffix + ".log")
     tail: collections.deque[str] = collections.deque(maxlen=60)
     t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Training metrics from rank 0: a console line, train_log.jsonl, MLflow, and Prefect events.
+"""Training metrics from rank 0: a console line, train_log.jsonl and MLflow.
 
 Every step goes to the console, to train_log.jsonl and (buffered, flushed with log_batch every
 `log_every` steps and at the end) to MLflow with its step number, so the MLflow history holds
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -18,7 +17,6 @@ log = logging.getLogger("crucible.train")
 
 TRAIN_LOG = "train_log.jsonl"
 SPIKE_LOG = "spikes.jsonl"
-CHECKPOINT_EVENT = "crucible.checkpoint.saved"
 # jsonl field -> MLflow metric key
 MLFLOW_KEYS = {"loss": "train_loss", "grad_norm": "grad_norm", "lr": "lr", "tokens_per_s": "tokens_per_s"}
 
@@ -120,57 +118,3 @@ class MetricsLogger:
         if not self.flush():
             print(f"[metrics] WARNING: {len(self._pending)} metric values never reached MLflow", flush=True)
         self._file.close()
-
-
-def emit_checkpoint_event(path: str | Path, step: int, run_id: str | None, run_name: str) -> bool:
-    """Emit the Prefect event `crucible.checkpoint.saved` (only when PREFECT_API_URL is set)."""
-    if not os.environ.get("PREFECT_API_URL"):
-        print(f"[events] PREFECT_API_URL not set: skipping {CHECKPOINT_EVENT} for step {step}", flush=True)
-        return False
-    from prefect.events import emit_event
-
-    event = emit_event(
-        event=CHECKPOINT_EVENT,
-        resource={"prefect.resource.id": f"crucible.checkpoint.{run_name}.{step}"},
-        payload={"path": str(path), "step": step, "run_id": run_id, "run_name": run_name},
-    )
-    print(f"[events] {CHECKPOINT_EVENT} step {step}: {'emitted' if event else 'not emitted'}", flush=True)
-    return event is not None
-
-
-def drain_events(timeout: float = 10.0) -> None:
-    """Wait for queued Prefect events to be sent before the process exits."""
-    if not os.environ.get("PREFECT_API_URL"):
-        return
-    try:
-        from prefect.events.worker import EventsWorker
-
-        EventsWorker.drain_all(timeout=timeout)
-    except Exception as e:
-        print(f"[events] WARNING: draining events failed: {e}", flush=True)
-
-
-SPIKE_EVENT = "crucible.train.spike"
-
-
-def emit_spike_event(action: str, step: int, run_id: str | None, run_name: str, **details) -> bool:
-    """Emit the Prefect event `crucible.train.spike` (only when PREFECT_API_URL is set).
-
-    action: "skip" (batch skipped, no optimizer step) or "rollback" (back to a checkpoint, data
-    range skipped) or "rollback_unavailable"."""
-    if not os.environ.get("PREFECT_API_URL"):
-        return False
-    try:
-        from prefect.events import emit_event
-
-        event = emit_event(
-            event=SPIKE_EVENT,
-            resource={"prefect.resource.id": f"crucible.train.{run_name}.spike.{step}",
-                      "crucible.action": action},
-            payload={"action": action, "step": step, "run_id": run_id, "run_name": run_name, **details},
-        )
-    except Exception as e:  # events are observability; never fail training on them
-        print(f"[events] WARNING: {SPIKE_EVENT} failed: {e}", flush=True)
-        return False
-    print(f"[events] {SPIKE_EVENT} {action} step {step}: {'emitted' if event else 'not emitted'}", flush=True)
-    return event is not None

@@ -1,4 +1,4 @@
-"""python -m tasks.lineage.service --db PATH [--host 127.0.0.1] [--port 5055] [--load LOG.jsonl ...]"""
+"""python -m infra.services.lineage --db PATH [--host 127.0.0.1] [--port 5055] [--load LOG.jsonl ...]"""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ from tasks.config import LineageConfig
 
 def main(argv: list[str] | None = None) -> int:
     defaults = LineageConfig()
-    parser = argparse.ArgumentParser(prog="python -m tasks.lineage.service",
+    parser = argparse.ArgumentParser(prog="python -m infra.services.lineage",
                                      description="Serve the Crucible lineage API and page.")
     parser.add_argument("--db", required=True, help="SQLite file (created if missing)")
     parser.add_argument("--host", default=defaults.service_host)
@@ -24,9 +24,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from tasks.lineage.service.app import create_app
-    from tasks.lineage.service.replay import iter_events
-    from tasks.lineage.service.store import EventError
+    from infra.services.lineage.app import create_app
+    from infra.services.lineage.store import EventError
+    from tasks.lineage.replay import iter_events
 
     app = create_app(args.db, prefect_ui_url=args.prefect_ui, mlflow_ui_url=args.mlflow_ui)
     for path in args.load:

@@ -1,28 +1,28 @@
 """The model server as a background service of the local stack (see infra/stack.py).
 
-`start_or_refresh_server` (re)starts `python -m tasks.deploy.server` on deploy.host:deploy.port
-with its pid file, spec and log under the stack's state directory, in its own session so it
-outlives `crucible run`. The spec is kept after `crucible down`, so `crucible up` serves the last
+`start_or_refresh_server` (re)starts `python -m infra.services.model_server` on
+deploy.host:deploy.port with its pid file, spec and log under the stack's state directory, in its
+own session so it outlives `crucible run`. The spec is kept after `crucible down`, so `crucible up` serves the last
 deployed model again.
 
 A refresh of a running server (deploy.reload_in_place, the default) posts the new checkpoint to its
 /v1/admin/reload: requests in flight finish on the old model, nothing is dropped, and the recorded
 spec is updated to the new checkpoint. Only when the server is not running, runs with different
 settings, or the reload fails, is it (re)started (a few seconds without an answer on the port).
+
+`serve_model` is what flows hand to the deploy stage (tasks.deploy.deploy_if_better's serve_model).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
 
 from infra import stack
+from tasks.deploy import api_headers
 
-REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+SERVER_MODULE = "infra.services.model_server"
 log = logging.getLogger(__name__)
 
 
@@ -35,19 +35,24 @@ def server_spec(deploy_cfg, ckpt_dir: str | Path, tokenizer_path: str | Path, mo
     ckpt_dir, tokenizer_path = str(Path(ckpt_dir).resolve()), str(Path(tokenizer_path).resolve())
     return stack.ServiceSpec(
         name=stack.MODEL_SERVER,
-        cmd=[sys.executable, "-m", "tasks.deploy.server", "--checkpoint", ckpt_dir, "--tokenizer", tokenizer_path,
+        cmd=[sys.executable, "-m", SERVER_MODULE, "--checkpoint", ckpt_dir, "--tokenizer", tokenizer_path,
              "--model-name", model_name, "--host", deploy_cfg.host, "--port", str(deploy_cfg.port),
              "--threads", str(deploy_cfg.threads), "--max-tokens-limit", str(deploy_cfg.max_tokens_limit),
              "--max-n", str(deploy_cfg.max_n), "--max-batch", str(deploy_cfg.max_batch)]
             + (["--api-key-env", deploy_cfg.api_key_env] if deploy_cfg.api_key_env else []),
         host=deploy_cfg.host, port=deploy_cfg.port, health_path="/health", url=endpoint_url(deploy_cfg),
-        marker=["tasks.deploy.server"],
+        marker=[SERVER_MODULE],
         # importable even if the repo is not pip-installed; the server runs from the state dir
-        env={"PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
-             "PYTHONUNBUFFERED": "1"},
+        env={"PYTHONPATH": stack.repo_pythonpath(), "PYTHONUNBUFFERED": "1"},
         info={"model_name": model_name, "checkpoint": ckpt_dir, "tokenizer": tokenizer_path,
               "requires": [ckpt_dir, tokenizer_path]},
     )
+
+
+def serve_model(cfg, checkpoint_dir: str | Path, tokenizer_path: str | Path, model_name: str) -> dict:
+    """Serve `checkpoint_dir` as the stack's model server, per the config's `stack` and `deploy`
+    sections: start_or_refresh_server's {"endpoint", "pid", "log", "seconds", "reloaded"}."""
+    return start_or_refresh_server(cfg.stack, cfg.deploy, checkpoint_dir, tokenizer_path, model_name)
 
 
 def start_or_refresh_server(stack_cfg, deploy_cfg, ckpt_dir: str | Path, tokenizer_path: str | Path,
@@ -93,9 +98,7 @@ def _reload_in_place(stack_cfg, deploy_cfg, spec: stack.ServiceSpec) -> dict | N
     old = stack.read_spec(stack_cfg, stack.MODEL_SERVER)
     if pid is None or old is None or _settings(old.cmd) != _settings(spec.cmd):
         return None
-    headers = {}
-    if deploy_cfg.api_key_env and os.environ.get(deploy_cfg.api_key_env):
-        headers["Authorization"] = f"Bearer {os.environ[deploy_cfg.api_key_env]}"
+    headers = api_headers(deploy_cfg)
     t0 = time.perf_counter()
     try:
         r = httpx.post(f"{spec.url}/admin/reload", headers=headers, timeout=300, trust_env=False,
@@ -106,8 +109,7 @@ def _reload_in_place(stack_cfg, deploy_cfg, spec: stack.ServiceSpec) -> dict | N
     if r.status_code != 200:
         log.warning("reload in place refused (%s %s); restarting the model server", r.status_code, r.text[:300])
         return None
-    # record the new checkpoint, so `crucible up` after a restart serves it
-    stack._write_atomic(stack._spec_path(stack_cfg, spec.name), json.dumps(dataclasses.asdict(spec), indent=2) + "\n")
+    stack.write_spec(stack_cfg, spec)  # record the new checkpoint, so `crucible up` after a restart serves it
     return {"endpoint": spec.url, "pid": pid, "log": str(stack.log_path(stack_cfg, stack.MODEL_SERVER)),
             "seconds": round(time.perf_counter() - t0, 3), "reloaded": True}
 

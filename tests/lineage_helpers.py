@@ -1,5 +1,6 @@
-"""Start the lineage service as a child process on loopback and wait until it answers /healthz.
-Shared by tests and benchmarks that need a real server process."""
+"""Start the lineage service (infra/services/lineage) as a child process on loopback and wait until
+it answers /healthz. Shared by the lineage tests and benchmarks/lineage_service.py, which need a
+real server process."""
 from __future__ import annotations
 
 import subprocess
@@ -9,16 +10,17 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[3]
+from tasks.core.constants import REPO_ROOT
 
 
 def start_service(db: str | Path, port: int, load: str | Path | None = None,
                   timeout: float = 30.0) -> tuple[subprocess.Popen, str]:
     """(process, base URL); raises RuntimeError with the service's output if it does not come up."""
-    cmd = [sys.executable, "-m", "tasks.lineage.service", "--db", str(db), "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "infra.services.lineage", "--db", str(db), "--host", "127.0.0.1",
+           "--port", str(port)]
     if load:
         cmd += ["--load", str(load)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while True:

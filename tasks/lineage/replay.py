@@ -1,10 +1,11 @@
 """Replay a JSONL OpenLineage log (one event per line) to a lineage endpoint, in batches.
 
-Works against this service (which takes a JSON array per POST) and against Marquez (which takes
-one event per POST): the first batch is sent as an array, and if the server refuses arrays the
-replay falls back to one event per request on the same keep-alive connection.
+Works against Crucible's lineage service (infra/services/lineage, which takes a JSON array per
+POST) and against Marquez (which takes one event per POST): the first batch is sent as an array,
+and if the server refuses arrays the replay falls back to one event per request on the same
+keep-alive connection.
 
-    python -m tasks.lineage.service.replay runs/<run>/lineage.jsonl http://127.0.0.1:5055
+    python -m tasks.lineage.replay runs/<run>/lineage.jsonl http://127.0.0.1:5055
 """
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ def replay(jsonl_path: str | Path, url: str, *, batch_size: int = 500, timeout: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tasks.lineage.service.replay", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tasks.lineage.replay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("jsonl", nargs="+", help="lineage.jsonl file(s)")
     parser.add_argument("url", help="lineage service or Marquez base URL, or the full /api/v1/lineage URL")

@@ -1,6 +1,6 @@
 """An OpenAI-compatible completion server for a Crucible checkpoint.
 
-    python -m tasks.deploy.server --checkpoint DIR --tokenizer tokenizer.json --model-name NAME \\
+    python -m infra.services.model_server --checkpoint DIR --tokenizer tokenizer.json --model-name NAME \\
         [--host 127.0.0.1] [--port 8600]
 
 Endpoints:
@@ -19,32 +19,30 @@ unsupported requests get 400, an unknown model 404, a missing/wrong bearer token
 server has an API key: --api-key-env NAME names the environment variable holding it); nothing a
 client sends stops the server.
 
-Generation is continuously batched (tasks.deploy.scheduler): one thread steps all active
+Generation is continuously batched (scheduler.py): one thread steps all active
 sequences together with a KV cache and admits new requests between steps.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hmac
 import json
 import logging
-import os
 import queue
-import sys
 import threading
 import time
 import uuid
-from typing import Any, Union
+from dataclasses import dataclass
+from typing import Any, Iterator, Union
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from infra.services.model_server.scheduler import BatchScheduler
 from tasks.deploy.generation import Sequence, TextGenerator, choice_seed
-from tasks.deploy.scheduler import BatchScheduler
 
 log = logging.getLogger("crucible.server")
 
@@ -132,9 +130,16 @@ def create_app(generator: TextGenerator, model_name: str, max_tokens_limit: int 
 
     app = FastAPI(title="Crucible model server", version="1", docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.crucible = state
-    created = int(generator.loaded_at)
-    started = time.time()
+    _add_error_handlers(app)
+    auth = [Depends(_key_check(api_key))]
+    app.include_router(_models_router(state, model_name, auth, api_key))
+    app.include_router(_admin_router(state, auth))
+    app.include_router(_completions_router(state, model_name, auth, max_tokens_limit, max_n))
+    return app
 
+
+def _key_check(api_key: str | None):
+    """A dependency refusing requests without the server's bearer token (none: all pass)."""
     def require_key(request: Request) -> None:
         if not api_key:
             return
@@ -144,8 +149,11 @@ def create_app(generator: TextGenerator, model_name: str, max_tokens_limit: int 
             msg = ("You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'." if not auth
                    else "Incorrect API key provided.")
             raise APIError(401, msg, None, "invalid_api_key")
+    return require_key
 
-    auth = [Depends(require_key)]
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape; nothing a client sends surfaces as a framework error."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
@@ -176,11 +184,18 @@ def create_app(generator: TextGenerator, model_name: str, max_tokens_limit: int 
         return JSONResponse(error_body(f"internal server error: {type(e).__name__}", "server_error"),
                             status_code=500)
 
-    def _model_card() -> dict:
+
+def _models_router(state: ServerState, model_name: str, auth: list, api_key: str | None) -> APIRouter:
+    """GET /health and the model listing."""
+    router = APIRouter()
+    created = int(state.generator.loaded_at)
+    started = time.time()
+
+    def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "crucible",
                 "root": state.generator.checkpoint, "max_model_len": state.generator.seq_len}
 
-    @app.get("/health")
+    @router.get("/health")
     def health() -> dict:
         g = state.generator
         return {"status": "ok", "model": model_name, "checkpoint": g.checkpoint,
@@ -188,17 +203,24 @@ def create_app(generator: TextGenerator, model_name: str, max_tokens_limit: int 
                 "uptime_s": round(time.time() - started, 1), "reloads": state.reloads,
                 "batching": state.scheduler.stats(), "auth": bool(api_key)}
 
-    @app.get("/v1/models", dependencies=auth)
+    @router.get("/v1/models", dependencies=auth)
     def list_models() -> dict:
-        return {"object": "list", "data": [_model_card()]}
+        return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    @router.get("/v1/models/{model_id:path}", dependencies=auth)
     def get_model(model_id: str) -> dict:
         if model_id != model_name:
             raise APIError(404, f"The model '{model_id}' does not exist", "model", "model_not_found")
-        return _model_card()
+        return model_card()
 
-    @app.post("/v1/admin/reload", dependencies=auth)
+    return router
+
+
+def _admin_router(state: ServerState, auth: list) -> APIRouter:
+    """POST /v1/admin/reload: swap in a new checkpoint without dropping requests."""
+    router = APIRouter()
+
+    @router.post("/v1/admin/reload", dependencies=auth)
     def reload(req: ReloadRequest) -> dict:
         """Load a checkpoint and make it the served model. Sequences already admitted keep the
         generator they were encoded with and finish on it."""
@@ -216,114 +238,161 @@ def create_app(generator: TextGenerator, model_name: str, max_tokens_limit: int 
         return {"status": "reloaded", "checkpoint": new.checkpoint, "step": new.meta.get("step"),
                 "previous": old.checkpoint}
 
-    @app.post("/v1/completions", dependencies=auth)
+    return router
+
+
+def _completions_router(state: ServerState, model_name: str, auth: list, max_tokens_limit: int,
+                        max_n: int) -> APIRouter:
+    """POST /v1/completions: validate, submit the choices to the scheduler, answer or stream."""
+    router = APIRouter()
+
+    @router.post("/v1/completions", dependencies=auth)
     def completions(req: CompletionRequest):
         gen = state.generator  # one generator for the whole request, even if a reload happens meanwhile
-        prompts, echo = _prompts(req, gen), bool(req.echo)
-        _check_unsupported(req)
-        if req.model is not None and req.model != model_name:
-            raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{model_name}'",
-                           "model", "model_not_found")
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        if max_tokens > max_tokens_limit:
-            raise APIError(400, f"max_tokens is {max_tokens}; this server allows at most {max_tokens_limit}",
-                           "max_tokens", "invalid_value")
-        n = 1 if req.n is None else req.n
-        if n > max_n:
-            raise APIError(400, f"n is {n}; this server allows at most {max_n}", "n", "invalid_value")
-        if n * len(prompts) > MAX_CHOICES:
-            raise APIError(400, f"{len(prompts)} prompts x n={n} exceeds {MAX_CHOICES} completions per request",
-                           "n", "invalid_value")
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if len(stop) > MAX_STOP:
-            raise APIError(400, f"at most {MAX_STOP} stop sequences are allowed", "stop", "invalid_value")
-        if req.logprobs is not None and req.logprobs > MAX_LOGPROBS:
-            raise APIError(400, f"logprobs is {req.logprobs}; at most {MAX_LOGPROBS} are allowed", "logprobs",
-                           "invalid_value")
-        include_usage = bool((req.stream_options or {}).get("include_usage"))
-        if req.stream_options is not None and not req.stream:
-            raise APIError(400, "stream_options is only allowed with stream=true", "stream_options", "invalid_value")
-        temperature = 1.0 if req.temperature is None else req.temperature
-        top_p = 1.0 if req.top_p is None else req.top_p
-
-        events: queue.Queue = queue.Queue()
-
-        def on_event(seq: Sequence, delta: str, finished: bool) -> None:
-            events.put((seq.index, delta, finished))
-
-        seqs: list[Sequence] = []
-        prompt_tokens = 0
-        for p_index, (text, ids) in enumerate(prompts):
-            prompt_tokens += len(ids)
-            base = None if req.seed is None else req.seed + p_index
-            for j in range(n):
-                s = gen.new_sequence(ids, max_tokens, temperature, top_p, req.top_k, stop, choice_seed(base, j),
-                                     req.logprobs, on_event)
-                s.index, s.prompt_text = p_index * n + j, text
-                seqs.append(s)
-        cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        state.scheduler.submit(seqs)
-
-        def usage() -> dict:
-            done = sum(s.counted for s in seqs)
-            return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
-
+        settings = _sampling_settings(req, gen, model_name, max_tokens_limit, max_n)
+        job = CompletionJob(model_name, settings)
+        job.submit(gen, state.scheduler)
         if not req.stream:
-            remaining = len(seqs)
-            while remaining:
-                if events.get()[2]:
-                    remaining -= 1
-            failed = [s.error for s in seqs if s.error]
-            if failed:
-                raise APIError(500, failed[0], None, None, "server_error")
-            choices = []
-            for s in seqs:
-                c = s.result()
-                choices.append({"text": (s.prompt_text + c.text) if echo else c.text, "index": s.index,
-                                "logprobs": c.logprobs, "finish_reason": c.finish_reason})
-            return {"id": cid, "object": "text_completion", "created": now, "model": model_name,
-                    "choices": choices, "usage": usage()}
-
-        def chunk(index: int, text: str, finish: str | None, logprobs=None) -> str:
-            body = {"id": cid, "object": "text_completion", "created": now, "model": model_name,
-                    "choices": [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}]}
-            if include_usage:
-                body["usage"] = None
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-        def stream():
-            try:
-                if echo:
-                    for s in seqs:
-                        yield chunk(s.index, s.prompt_text, None)
-                remaining = len(seqs)
-                while remaining:
-                    index, delta, finished = events.get()
-                    s = seqs[index]
-                    if not finished:
-                        yield chunk(index, delta, None)
-                        continue
-                    remaining -= 1
-                    if s.error:
-                        err = error_body(s.error, "server_error")
-                        yield f"data: {json.dumps(err)}\n\n"
-                        continue
-                    if delta:
-                        yield chunk(index, delta, None)
-                    yield chunk(index, "", s.finish or "length", s.result().logprobs)
-                if include_usage:
-                    body = {"id": cid, "object": "text_completion", "created": now, "model": model_name,
-                            "choices": [], "usage": usage()}
-                    yield f"data: {json.dumps(body)}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:  # the client went away (or we are done): stop generating for it
-                for s in seqs:
-                    s.cancelled = True
-
-        return StreamingResponse(stream(), media_type="text/event-stream",
+            return job.response()
+        return StreamingResponse(job.stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    return app
+    return router
+
+
+@dataclass
+class SamplingSettings:
+    """A completion request, validated against the server's limits, with OpenAI's defaults filled in."""
+    req: CompletionRequest
+    prompts: list[tuple[str, list[int]]]  # (prompt text, prompt ids)
+    echo: bool
+    max_tokens: int
+    n: int
+    stop: list[str]
+    temperature: float
+    top_p: float
+    include_usage: bool
+
+
+def _sampling_settings(req: CompletionRequest, gen: TextGenerator, model_name: str, max_tokens_limit: int,
+                       max_n: int) -> SamplingSettings:
+    """The request's settings; raises APIError (400/404) for what this server refuses."""
+    prompts, echo = _prompts(req, gen), bool(req.echo)
+    _check_unsupported(req)
+    if req.model is not None and req.model != model_name:
+        raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{model_name}'",
+                       "model", "model_not_found")
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    if max_tokens > max_tokens_limit:
+        raise APIError(400, f"max_tokens is {max_tokens}; this server allows at most {max_tokens_limit}",
+                       "max_tokens", "invalid_value")
+    n = 1 if req.n is None else req.n
+    if n > max_n:
+        raise APIError(400, f"n is {n}; this server allows at most {max_n}", "n", "invalid_value")
+    if n * len(prompts) > MAX_CHOICES:
+        raise APIError(400, f"{len(prompts)} prompts x n={n} exceeds {MAX_CHOICES} completions per request",
+                       "n", "invalid_value")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP:
+        raise APIError(400, f"at most {MAX_STOP} stop sequences are allowed", "stop", "invalid_value")
+    if req.logprobs is not None and req.logprobs > MAX_LOGPROBS:
+        raise APIError(400, f"logprobs is {req.logprobs}; at most {MAX_LOGPROBS} are allowed", "logprobs",
+                       "invalid_value")
+    include_usage = bool((req.stream_options or {}).get("include_usage"))
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true", "stream_options", "invalid_value")
+    return SamplingSettings(req, prompts, echo, max_tokens, n, stop,
+                            1.0 if req.temperature is None else req.temperature,
+                            1.0 if req.top_p is None else req.top_p, include_usage)
+
+
+class CompletionJob:
+    """One request's choices in the scheduler: the scheduler thread reports their progress through
+    a queue, which the request's thread turns into one answer or into server-sent events."""
+
+    def __init__(self, model_name: str, settings: SamplingSettings):
+        self.model_name, self.settings = model_name, settings
+        self.events: queue.Queue = queue.Queue()
+        self.seqs: list[Sequence] = []
+        self.prompt_tokens = 0
+        self.cid, self.created = f"cmpl-{uuid.uuid4().hex}", 0  # created: when the choices are submitted
+
+    def _on_event(self, seq: Sequence, delta: str, finished: bool) -> None:
+        self.events.put((seq.index, delta, finished))
+
+    def submit(self, gen: TextGenerator, scheduler: BatchScheduler) -> None:
+        """n sequences per prompt; choice j of a seeded prompt i draws from choice_seed(seed + i, j)."""
+        st, req = self.settings, self.settings.req
+        for p_index, (text, ids) in enumerate(st.prompts):
+            self.prompt_tokens += len(ids)
+            base = None if req.seed is None else req.seed + p_index
+            for j in range(st.n):
+                s = gen.new_sequence(ids, st.max_tokens, st.temperature, st.top_p, req.top_k, st.stop,
+                                     choice_seed(base, j), req.logprobs, self._on_event)
+                s.index, s.prompt_text = p_index * st.n + j, text
+                self.seqs.append(s)
+        self.created = int(time.time())
+        scheduler.submit(self.seqs)
+
+    def usage(self) -> dict:
+        done = sum(s.counted for s in self.seqs)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done}
+
+    def response(self) -> dict:
+        """Wait for every choice; the whole completion object."""
+        remaining = len(self.seqs)
+        while remaining:
+            if self.events.get()[2]:
+                remaining -= 1
+        failed = [s.error for s in self.seqs if s.error]
+        if failed:
+            raise APIError(500, failed[0], None, None, "server_error")
+        choices = []
+        for s in self.seqs:
+            c = s.result()
+            choices.append({"text": (s.prompt_text + c.text) if self.settings.echo else c.text, "index": s.index,
+                            "logprobs": c.logprobs, "finish_reason": c.finish_reason})
+        return {"id": self.cid, "object": "text_completion", "created": self.created, "model": self.model_name,
+                "choices": choices, "usage": self.usage()}
+
+    def _chunk(self, index: int, text: str, finish: str | None, logprobs=None) -> str:
+        body = {"id": self.cid, "object": "text_completion", "created": self.created, "model": self.model_name,
+                "choices": [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}]}
+        if self.settings.include_usage:
+            body["usage"] = None
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def stream(self) -> Iterator[str]:
+        """Server-sent events: text deltas as they are generated, a final chunk per choice (with
+        its finish reason and logprobs), the usage chunk if asked for, then [DONE]."""
+        try:
+            if self.settings.echo:
+                for s in self.seqs:
+                    yield self._chunk(s.index, s.prompt_text, None)
+            remaining = len(self.seqs)
+            while remaining:
+                index, delta, finished = self.events.get()
+                s = self.seqs[index]
+                if not finished:
+                    yield self._chunk(index, delta, None)
+                    continue
+                remaining -= 1
+                if s.error:
+                    err = error_body(s.error, "server_error")
+                    yield f"data: {json.dumps(err)}\n\n"
+                    continue
+                if delta:
+                    yield self._chunk(index, delta, None)
+                yield self._chunk(index, "", s.finish or "length", s.result().logprobs)
+            if self.settings.include_usage:
+                body = {"id": self.cid, "object": "text_completion", "created": self.created,
+                        "model": self.model_name, "choices": [], "usage": self.usage()}
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (or we are done): stop generating for it
+            for s in self.seqs:
+                s.cancelled = True
 
 
 def _prompts(req: CompletionRequest, gen: TextGenerator) -> list[tuple[str, list[int]]]:
@@ -367,45 +436,3 @@ def _check_unsupported(req: CompletionRequest) -> None:
             raise APIError(400, f"{name} is not supported by this server", name, "unsupported_value")
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported by this server", "logit_bias", "unsupported_value")
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tasks.deploy.server", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True, help="checkpoint directory (tasks.train.checkpoint layout)")
-    ap.add_argument("--tokenizer", required=True, help="tokenizer.json")
-    ap.add_argument("--model-name", required=True, help="the model id clients send and /v1/models lists")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8600)
-    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    ap.add_argument("--max-tokens-limit", type=int, default=1024)
-    ap.add_argument("--max-n", type=int, default=16)
-    ap.add_argument("--max-batch", type=int, default=32,
-                    help="sequences decoded together (continuous batching); 1 = one at a time")
-    ap.add_argument("--api-key-env", default=None,
-                    help="name of the environment variable holding the bearer token clients must send")
-    ap.add_argument("--log-level", default="info")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    import torch
-    import uvicorn
-
-    torch.set_num_threads(args.threads)
-    t0 = time.perf_counter()
-    generator = TextGenerator.from_files(args.checkpoint, args.tokenizer)
-    log.info("loaded %s (step %s, %d parameters) in %.1fs", args.checkpoint, generator.meta.get("step"),
-             sum(p.numel() for p in generator.model.parameters()), time.perf_counter() - t0)
-    api_key = None
-    if args.api_key_env:
-        api_key = os.environ.get(args.api_key_env) or None
-        if api_key is None:
-            log.warning("--api-key-env %s is not set: the server accepts requests without a key", args.api_key_env)
-    app = create_app(generator, args.model_name, args.max_tokens_limit, args.max_n, api_key=api_key,
-                     max_batch=args.max_batch)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,8 +20,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from tasks.lineage.service.fastjson import dumps as _dumps
-from tasks.lineage.service.fastjson import loads as _loads
+from infra.services.lineage.fastjson import dumps as _dumps
+from infra.services.lineage.fastjson import loads as _loads
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (

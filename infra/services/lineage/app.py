@@ -23,15 +23,15 @@ import re
 from pathlib import Path
 from urllib.parse import unquote
 
-from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from tasks.lineage.service.fastjson import dumps_bytes, loads
-from tasks.lineage.service.provenance import TRACE_DEPTH, Provenance, report_markdown
-from tasks.lineage.service.store import EventError, LineageStore, Node, node_id, utc_time
-from tasks.lineage.service.views import (
+from infra.services.lineage.fastjson import dumps_bytes, loads
+from infra.services.lineage.provenance import TRACE_DEPTH, Provenance, report_markdown
+from infra.services.lineage.store import EventError, LineageStore, Node, node_id, utc_time
+from infra.services.lineage.views import (
     Links,
     dataset_links,
     dataset_obj,
@@ -70,41 +70,56 @@ def create_app(db_path: str | Path, *, prefect_ui_url: str | None = None, mlflow
     OpenLineage spec copy used by `POST ...?validate=true` (default: the shared data copy)."""
     store = LineageStore(db_path)
     links = Links(prefect_ui_url=prefect_ui_url, mlflow_ui_url=mlflow_ui_url)
-    prov = Provenance(store, links)
     app = FastAPI(title="Crucible lineage", version="1.0",
                   description="OpenLineage store with a Marquez-compatible API and provenance reports.")
     app.state.store = store
     app.state.links = links
+    app.include_router(_page_router(store))
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    app.include_router(_ingest_router(store, spec_dir))
+    app.include_router(_graph_router(store))
+    app.include_router(_namespace_router(store))
+    app.include_router(_browse_router(store))
+    app.include_router(_crucible_router(store, links, Provenance(store, links)))
+    return app
 
-    def node_or_error(value: str) -> Node:
-        try:
-            node = store.resolve(value)
-        except ValueError as e:
-            raise HTTPException(400, str(e)) from None
-        if not store.exists(node):
-            raise HTTPException(404, f"node not found: {value}")
-        return node
 
-    # -- page --------------------------------------------------------------------------------------
+def _node_or_error(store: LineageStore, value: str) -> Node:
+    """The stored node a request names (400: not a node id, 404: not stored)."""
+    try:
+        node = store.resolve(value)
+    except ValueError as e:
+        raise HTTPException(400, str(e)) from None
+    if not store.exists(node):
+        raise HTTPException(404, f"node not found: {value}")
+    return node
 
-    @app.get("/", include_in_schema=False)
+
+def _page_router(store: LineageStore) -> APIRouter:
+    """The auditors' page, health and counts."""
+    router = APIRouter()
+
+    @router.get("/", include_in_schema=False)
     def index() -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
-    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-
-    @app.get("/healthz")
+    @router.get("/healthz")
     def healthz() -> dict:
         store.query("SELECT 1")
         return {"status": "ok"}
 
-    @app.get(f"{API}/crucible/stats")
+    @router.get(f"{API}/crucible/stats")
     def stats() -> dict:
         return store.counts()
 
-    # -- ingestion ---------------------------------------------------------------------------------
+    return router
 
-    @app.post(f"{API}/lineage", status_code=201)
+
+def _ingest_router(store: LineageStore, spec_dir: str | Path | None) -> APIRouter:
+    """POST /api/v1/lineage: one event or a JSON array, optionally checked against the schemas."""
+    router = APIRouter()
+
+    @router.post(f"{API}/lineage", status_code=201)
     async def post_lineage(request: Request, validate: bool = False) -> JSONResponse:
         try:
             body = loads(await request.body())
@@ -125,23 +140,33 @@ def create_app(db_path: str | Path, *, prefect_ui_url: str | None = None, mlflow
             raise HTTPException(400, str(e)) from None
         return JSONResponse(result, 201)
 
-    # -- lineage graph -----------------------------------------------------------------------------
+    return router
 
-    @app.get(f"{API}/lineage")
+
+def _graph_router(store: LineageStore) -> APIRouter:
+    """GET /api/v1/lineage: Marquez's lineage graph around a node."""
+    router = APIRouter()
+
+    @router.get(f"{API}/lineage")
     def get_lineage(node_id_value: str = Query(..., alias="nodeId"), depth: int = Query(20, ge=0, le=MAX_DEPTH),
                     direction: str = Query("both", pattern="^(both|upstream|downstream)$")) -> Response:
-        node = node_or_error(node_id_value)
+        node = _node_or_error(store, node_id_value)
         return _ok(graph_json(store, store.walk(node, depth, direction)))
 
-    # -- namespaces, jobs, datasets, runs ----------------------------------------------------------
+    return router
 
-    @app.get(f"{API}/namespaces")
+
+def _namespace_router(store: LineageStore) -> APIRouter:
+    """Namespaces and, under them, jobs (with runs) and datasets (with versions)."""
+    router = APIRouter()
+
+    @router.get(f"{API}/namespaces")
     def namespaces(limit: int = Query(100, ge=1), offset: int = Query(0, ge=0)) -> dict:
         rows = store.query("SELECT * FROM namespaces ORDER BY name LIMIT ? OFFSET ?", (limit, offset))
         return {"namespaces": [_namespace_obj(r) for r in rows],
                 "totalCount": store.query("SELECT count(*) FROM namespaces")[0][0]}
 
-    @app.get(API + "/namespaces/{rest:path}")
+    @router.get(API + "/namespaces/{rest:path}")
     def namespace_routes(request: Request, rest: str, limit: int = Query(100, ge=1),
                          offset: int = Query(0, ge=0)) -> Response:
         ns, segs = _split_namespace_path(request, rest, store.namespaces_known())
@@ -168,65 +193,62 @@ def create_app(db_path: str | Path, *, prefect_ui_url: str | None = None, mlflow
             if not row:
                 continue
             if kind == "jobs":
-                if not sub:
-                    return jobs_objs(store, row)[0]
-                runs = store.query("SELECT * FROM runs WHERE job_namespace = ? AND job_name = ?"
-                                   " ORDER BY created_at DESC LIMIT ? OFFSET ?", (ns, name, limit, offset))
-                io = io_for_runs(store, [r["run_id"] for r in runs])
-                total = store.query("SELECT count(*) FROM runs WHERE job_namespace = ? AND job_name = ?",
-                                    (ns, name))[0][0]
-                return _ok({"runs": [run_obj(r, io[r["run_id"]]) for r in runs], "totalCount": total})
-            if not sub:
-                return dataset_obj(row[0])
-            version = sub[1] if len(sub) > 1 else None
-            sql, params = "SELECT * FROM dataset_versions WHERE namespace = ? AND name = ?", [ns, name]
-            if version:
-                sql, params = sql + " AND version = ?", params + [version]
-            rows = store.query(sql + " ORDER BY created_at DESC LIMIT ? OFFSET ?", params + [limit, offset])
-            objs = [version_obj(r, _run_or_none(store, r["created_by_run"])) for r in rows]
-            if version:
-                if not objs:
-                    raise HTTPException(404, f"version not found: {version}")
-                return objs[0]
-            return {"versions": objs, "totalCount": len(objs) if len(objs) < limit else store.query(
-                "SELECT count(*) FROM dataset_versions WHERE namespace = ? AND name = ?", (ns, name))[0][0]}
+                return _job_resource(store, ns, name, row, sub, limit, offset)
+            return _dataset_resource(store, ns, name, row, sub, limit, offset)
         raise HTTPException(404, f"{kind[:-1]} not found in namespace {ns!r}: {'/'.join(segs[1:])}")
 
-    @app.get(API + "/jobs/runs/{run_id}")
+    return router
+
+
+def _job_resource(store: LineageStore, ns: str, name: str, row: list, sub: tuple[str, ...], limit: int,
+                  offset: int):
+    """/namespaces/{ns}/jobs/{job}[/runs]."""
+    if not sub:
+        return jobs_objs(store, row)[0]
+    runs = store.query("SELECT * FROM runs WHERE job_namespace = ? AND job_name = ?"
+                       " ORDER BY created_at DESC LIMIT ? OFFSET ?", (ns, name, limit, offset))
+    io = io_for_runs(store, [r["run_id"] for r in runs])
+    total = store.query("SELECT count(*) FROM runs WHERE job_namespace = ? AND job_name = ?",
+                        (ns, name))[0][0]
+    return _ok({"runs": [run_obj(r, io[r["run_id"]]) for r in runs], "totalCount": total})
+
+
+def _dataset_resource(store: LineageStore, ns: str, name: str, row: list, sub: tuple[str, ...], limit: int,
+                      offset: int):
+    """/namespaces/{ns}/datasets/{dataset}[/versions[/{version}]]."""
+    if not sub:
+        return dataset_obj(row[0])
+    version = sub[1] if len(sub) > 1 else None
+    sql, params = "SELECT * FROM dataset_versions WHERE namespace = ? AND name = ?", [ns, name]
+    if version:
+        sql, params = sql + " AND version = ?", params + [version]
+    rows = store.query(sql + " ORDER BY created_at DESC LIMIT ? OFFSET ?", params + [limit, offset])
+    objs = [version_obj(r, _run_or_none(store, r["created_by_run"])) for r in rows]
+    if version:
+        if not objs:
+            raise HTTPException(404, f"version not found: {version}")
+        return objs[0]
+    return {"versions": objs, "totalCount": len(objs) if len(objs) < limit else store.query(
+        "SELECT count(*) FROM dataset_versions WHERE namespace = ? AND name = ?", (ns, name))[0][0]}
+
+
+def _browse_router(store: LineageStore) -> APIRouter:
+    """A run by id, search over jobs and datasets, and the stored events."""
+    router = APIRouter()
+
+    @router.get(API + "/jobs/runs/{run_id}")
     def get_run(run_id: str) -> dict:
         rows = store.query("SELECT * FROM runs WHERE run_id = ?", (run_id,))
         if not rows:
             raise HTTPException(404, f"run not found: {run_id}")
         return run_obj(rows[0], io_for_runs(store, [run_id])[run_id])
 
-    @app.get(f"{API}/search")
+    @router.get(f"{API}/search")
     def search(q: str = Query(..., min_length=1), filter: str | None = None, sort: str = "name",
                limit: int = Query(10, ge=1, le=1000), namespace: str | None = None) -> dict:
-        pattern = f"%{q}%"
-        parts, params = [], []
-        if filter is None or filter.upper() == "DATASET":
-            parts.append("SELECT 'DATASET' AS type, namespace, name, updated_at, current_version AS version,"
-                         " json_extract(facets, '$.crucible_source.licence') AS licence FROM datasets"
-                         " WHERE (name LIKE ? OR namespace || ':' || name LIKE ?)"
-                         + (" AND namespace = ?" if namespace else ""))
-            params += [pattern, pattern] + ([namespace] if namespace else [])
-        if filter is None or filter.upper() == "JOB":
-            parts.append("SELECT 'JOB' AS type, namespace, name, updated_at, NULL AS version, NULL AS licence"
-                         " FROM jobs WHERE (name LIKE ? OR namespace || ':' || name LIKE ?)"
-                         + (" AND namespace = ?" if namespace else ""))
-            params += [pattern, pattern] + ([namespace] if namespace else [])
-        if not parts:
-            raise HTTPException(400, "filter must be DATASET or JOB")
-        union = " UNION ALL ".join(parts)
-        order = "updated_at DESC" if sort.lower() in ("updated_at", "updatedat") else "name"
-        total = store.query(f"SELECT count(*) FROM ({union})", params)[0][0]
-        rows = store.query(f"SELECT * FROM ({union}) ORDER BY {order} LIMIT ?", params + [limit])
-        return {"totalCount": total, "results": [
-            {"type": r["type"], "name": r["name"], "updatedAt": r["updated_at"], "namespace": r["namespace"],
-             "nodeId": node_id(r["type"], r["namespace"], r["name"]), "version": r["version"],
-             "licence": r["licence"]} for r in rows]}
+        return _search(store, q, filter, sort, limit, namespace)
 
-    @app.get(f"{API}/events/lineage")
+    @router.get(f"{API}/events/lineage")
     def events(limit: int = Query(100, ge=1, le=10000), offset: int = Query(0, ge=0), before: str | None = None,
                after: str | None = None, sortDirection: str = "desc") -> Response:
         where, params = [], []
@@ -244,23 +266,55 @@ def create_app(db_path: str | Path, *, prefect_ui_url: str | None = None, mlflow
         total = store.query(f"SELECT count(*) FROM events{clause}", params)[0][0]
         return _ok({"events": [loads(r["payload"]) for r in rows], "totalCount": total})
 
-    # -- Crucible ----------------------------------------------------------------------------------
+    return router
 
-    @app.get(f"{API}/crucible/node")
+
+def _search(store: LineageStore, q: str, kind: str | None, sort: str, limit: int, namespace: str | None) -> dict:
+    """Marquez's search: datasets and/or jobs whose name matches `q` (`%`/`_` wildcards)."""
+    pattern = f"%{q}%"
+    parts, params = [], []
+    if kind is None or kind.upper() == "DATASET":
+        parts.append("SELECT 'DATASET' AS type, namespace, name, updated_at, current_version AS version,"
+                     " json_extract(facets, '$.crucible_source.licence') AS licence FROM datasets"
+                     " WHERE (name LIKE ? OR namespace || ':' || name LIKE ?)"
+                     + (" AND namespace = ?" if namespace else ""))
+        params += [pattern, pattern] + ([namespace] if namespace else [])
+    if kind is None or kind.upper() == "JOB":
+        parts.append("SELECT 'JOB' AS type, namespace, name, updated_at, NULL AS version, NULL AS licence"
+                     " FROM jobs WHERE (name LIKE ? OR namespace || ':' || name LIKE ?)"
+                     + (" AND namespace = ?" if namespace else ""))
+        params += [pattern, pattern] + ([namespace] if namespace else [])
+    if not parts:
+        raise HTTPException(400, "filter must be DATASET or JOB")
+    union = " UNION ALL ".join(parts)
+    order = "updated_at DESC" if sort.lower() in ("updated_at", "updatedat") else "name"
+    total = store.query(f"SELECT count(*) FROM ({union})", params)[0][0]
+    rows = store.query(f"SELECT * FROM ({union}) ORDER BY {order} LIMIT ?", params + [limit])
+    return {"totalCount": total, "results": [
+        {"type": r["type"], "name": r["name"], "updatedAt": r["updated_at"], "namespace": r["namespace"],
+         "nodeId": node_id(r["type"], r["namespace"], r["name"]), "version": r["version"],
+         "licence": r["licence"]} for r in rows]}
+
+
+def _crucible_router(store: LineageStore, links: Links, prov: Provenance) -> APIRouter:
+    """Crucible's own endpoints: node detail for the page, the source trace, the provenance report."""
+    router = APIRouter()
+
+    @router.get(f"{API}/crucible/node")
     def node_detail(node_id_value: str = Query(..., alias="nodeId")) -> Response:
-        node = node_or_error(node_id_value)
+        node = _node_or_error(store, node_id_value)
         return _ok(_node_detail(store, node, links))
 
-    @app.get(f"{API}/crucible/trace")
+    @router.get(f"{API}/crucible/trace")
     def trace(node_id_value: str = Query(..., alias="nodeId"),
               depth: int = Query(TRACE_DEPTH, ge=0, le=MAX_DEPTH)) -> Response:
-        node = node_or_error(node_id_value)
+        node = _node_or_error(store, node_id_value)
         return _ok(prov.trace(node.id, depth))
 
-    @app.get(f"{API}/crucible/report")
+    @router.get(f"{API}/crucible/report")
     def report(node_id_value: str = Query(..., alias="nodeId"), format: str = Query("json", pattern="^(md|json)$"),
                download: bool = False, depth: int = Query(TRACE_DEPTH, ge=0, le=MAX_DEPTH)) -> Response:
-        node = node_or_error(node_id_value)
+        node = _node_or_error(store, node_id_value)
         data = prov.report(node.id, depth)
         stem = re.sub(r"[^A-Za-z0-9._-]+", "_", f"provenance_{node.name}").strip("_")[:120]
         headers = {"Content-Disposition": f'attachment; filename="{stem}.{format}"'} if download else {}
@@ -269,7 +323,7 @@ def create_app(db_path: str | Path, *, prefect_ui_url: str | None = None, mlflow
                                      headers=headers)
         return _ok(data, headers)
 
-    return app
+    return router
 
 
 def _run_or_none(store: LineageStore, run_id: str | None) -> dict | None:

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 
-from tasks.lineage.service.fastjson import loads
+from infra.services.lineage.fastjson import loads
 import re
 from datetime import datetime, timezone
 from typing import Any
 
-from tasks.lineage.service.store import LineageStore, Node, node_id
-from tasks.lineage.service.views import Links, dataset_links, run_links, _ms
+from infra.services.lineage.store import LineageStore, Node, node_id
+from infra.services.lineage.views import Links, dataset_links, run_links, _ms
 
 TRACE_DEPTH = 200  # job hops; deep enough for any real chain, bounded against cycles
 

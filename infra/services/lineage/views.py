@@ -9,8 +9,8 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
-from tasks.lineage.service.fastjson import loads
-from tasks.lineage.service.store import LineageStore, Walk, node_id
+from infra.services.lineage.fastjson import loads
+from infra.services.lineage.store import LineageStore, Walk, node_id
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,379 @@
+"""The training loop of one torchrun rank, in torchtitan's shape: a Trainer that builds the model,
+data and optimizer, then `train()`s step by step (`train_step`), checkpoints (`maybe_checkpoint`),
+and handles loss spikes (`on_spike`: skip the batch, or roll back to a checkpoint and skip the
+data). `state_dict` / `load_state_dict` are the loop's own state saved in each checkpoint's meta
+(loader position, skipped data ranges, rollbacks, spike detector), next to the model, optimizer
+and RNG states.
+
+Rank 0 writes train_log.jsonl and the console lines, logs to MLflow when the job names an MLflow
+run, and reports each published checkpoint and spike action to the event sink (tasks/train/events.py).
+"""
+from __future__ import annotations
+
+import math
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tasks.config import PipelineConfig
+from tasks.tokens.binfile import load_index
+from tasks.train.checkpoint import (MANIFEST, apply_retention, capture_rng_state, latest_checkpoint,
+                                    list_checkpoints, load_checkpoint, new_checkpoint_group, read_meta,
+                                    read_rng_state, restore_rng_state, start_checkpoint)
+from tasks.train.data import GlobalWindows, global_batch
+from tasks.train.events import EventSink, NoEvents
+from tasks.train.flops import flops_per_token
+from tasks.train.metrics import SPIKE_LOG, MetricsLogger
+from tasks.train.model import GPT, GPTConfig, lm_loss
+from tasks.train.optimizer import build_optimizer
+from tasks.train.parallelize import autocast_context, describe_built, grad_sync_context, parallelize
+from tasks.train.schedule import lr_at, set_lr
+from tasks.train.spikes import SpikeDetector
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """What one worker process trains: its command line and what torchrun tells it."""
+    tokens_index: Path
+    out_dir: Path
+    run_name: str
+    run_id: str | None = None  # MLflow/crucible run id, recorded in checkpoints and events
+    restart: int = 0  # torchrun's restart attempt: > 0 resumes from the newest checkpoint
+    local_rank: int = 0
+    mlflow_tracking_uri: str | None = None
+    mlflow_run_id: str | None = None
+
+
+@dataclass
+class StepResult:
+    step: int
+    pos: int  # loader position (global sample) the step's batch began at
+    end: int  # loader position after the step
+    lr: float
+    loss: float  # cross-entropy, averaged over ranks and micro-batches
+    z_loss: float
+    grad_norm: float  # global norm before clipping
+    spike: dict | None  # SpikeDetector.check's finding: the batch was skipped
+    seconds: float
+
+
+def flat_params(cfg: PipelineConfig) -> dict:
+    """The model and train config sections as MLflow params ("model.d_model", ...)."""
+    out = {}
+    for section in ("model", "train"):
+        for k, v in getattr(cfg, section).model_dump().items():
+            out[f"{section}.{k}"] = v
+    return out
+
+
+def seed_rank_streams(seed: int) -> None:
+    """Seed this process's torch, numpy and python RNGs (dropout etc.)."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+class Trainer:
+    """Data-parallel training of the configured GPT on one rank. Collective: every rank builds one
+    (after the process group is initialised) and calls `train()`."""
+
+    def __init__(self, cfg: PipelineConfig, job: TrainJob, events: EventSink | None = None):
+        self.cfg, self.tcfg, self.job = cfg, cfg.train, job
+        self.events = events or NoEvents()
+        tcfg = self.tcfg
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if tcfg.device == "cuda":
+            self.device = torch.device("cuda", job.local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.out_dir = job.out_dir.resolve()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+
+        self.index = load_index(job.tokens_index)
+        self.gcfg = GPTConfig.from_model_config(cfg.model, self.index["vocab_size"])
+        self.data = GlobalWindows(job.tokens_index, "train", self.gcfg.seq_len, tcfg.micro_batch_size,
+                                  seed=tcfg.seed, documents=tcfg.doc_mask)
+        self.global_samples, self.accum = global_batch(tcfg, self.gcfg.seq_len, self.world)
+        torch.manual_seed(tcfg.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+        self.model = GPT(self.gcfg).to(self.device)
+        self.n_params = self.model.num_params()
+        self.flops_per_token = flops_per_token(self.model.num_matmul_params(), self.gcfg.n_layer,
+                                               self.gcfg.n_head, self.gcfg.head_dim, self.gcfg.seq_len)
+        self.wrapped = parallelize(self.model, tcfg, self.device)
+        self.optimizer = build_optimizer(self.model, tcfg)
+        # per-rank RNG streams after the shared init (dropout differs per rank); saved in checkpoints
+        seed_rank_streams(tcfg.seed + 1 + self.rank)
+        self.data_rng = np.random.default_rng([tcfg.seed, self.rank])  # per-rank data stream, checkpointed
+        self.detector = SpikeDetector(tcfg.spike_window, tcfg.spike_min_history, tcfg.spike_sigma,
+                                      tcfg.spike_rollback_after)
+        self.consumed_samples, self.skip_ranges, self.rollbacks = 0, [], 0
+        self.start_step = 0
+        self.metrics: MetricsLogger | None = None
+        self.pending = None  # the checkpoint being written (async), published by finish_checkpoint
+        self.ckpt_group = None
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        """The loop's state as saved in a checkpoint's meta ("trainer")."""
+        return {"consumed_samples": self.consumed_samples, "skip_ranges": [list(r) for r in self.skip_ranges],
+                "rollbacks": self.rollbacks, "spike": self.detector.state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed_samples = int(state.get("consumed_samples", 0))
+        self.skip_ranges = [tuple(r) for r in state.get("skip_ranges", [])]
+        self.rollbacks = int(state.get("rollbacks", 0))
+        self.data.skip_ranges = list(self.skip_ranges)
+        self.detector.load(state.get("spike") or {})
+
+    def restore(self, ckpt: Path) -> int:
+        """Collective: load model, optimizer, loop and RNG states from `ckpt`; returns its step."""
+        step = load_checkpoint(self.model, self.optimizer, ckpt)
+        meta = read_meta(ckpt)
+        state = meta.get("trainer") or {}
+        self.load_state_dict(state)
+        if "consumed_samples" not in state:  # a checkpoint from before the loader position was saved
+            self.consumed_samples = step * self.global_samples
+        rng = read_rng_state(ckpt, self.rank) if meta.get("world_size") == self.world else None
+        if rng is not None:
+            restore_rng_state(rng, self.data_rng)
+        else:  # another world size: the per-rank streams cannot carry over; derive fresh ones
+            seed_rank_streams(self.tcfg.seed + 1 + self.rank + 7919 * step)
+            self.data_rng.bit_generator.state = np.random.default_rng(
+                [self.tcfg.seed, self.rank, step]).bit_generator.state
+        return step
+
+    def resume_or_clean(self) -> int:
+        """The step to start after: the newest checkpoint's when resuming (train.resume, or a
+        torchrun restart), else 0, with a fresh run's leftovers removed. Collective."""
+        out_dir, restart, start_step = self.out_dir, self.job.restart, 0
+        resume = self.tcfg.resume or restart > 0
+        ckpt = latest_checkpoint(out_dir) if resume else None
+        if ckpt is not None:
+            start_step = self.restore(ckpt)
+            if self.rank == 0:
+                why = f"restart {restart} (torchrun)" if restart else "resume"
+                print(f"[train] {why}: resumed from {ckpt} at step {start_step}, "
+                      f"data position {self.consumed_samples}", flush=True)
+        elif not resume and self.rank == 0 and (stale := list_checkpoints(out_dir)):
+            # a fresh run owns out_dir, as it owns train_log.jsonl: older checkpoints would be mistaken for ours
+            print(f"[train] resume is off: removing {len(stale)} old checkpoint(s) under {out_dir / 'checkpoints'}",
+                  flush=True)
+            for p in stale:
+                shutil.rmtree(p)
+        if self.rank == 0 and start_step == 0:
+            (out_dir / "checkpoints" / MANIFEST).unlink(missing_ok=True)
+            (out_dir / SPIKE_LOG).unlink(missing_ok=True)
+        dist.barrier()
+        return start_step
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> int:
+        tcfg = self.tcfg
+        step = self.start_step = self.resume_or_clean()
+        if self.rank == 0:
+            self.open_metrics()
+        self.ckpt_group = new_checkpoint_group() if tcfg.async_checkpoint else None
+        stop = tcfg.stop_at_step or tcfg.max_steps
+        self.wrapped.train()
+        while step < stop:
+            step += 1
+            result = self.train_step(step)
+            self.log_step(result)
+            if result.spike is not None and (rolled_back_to := self.on_spike(result)) is not None:
+                step = rolled_back_to
+                continue
+            self.maybe_checkpoint(step, result.loss, stop)
+        self.finish_checkpoint()
+        if self.metrics is not None:
+            self.metrics.close()
+            self.events.drain()
+        return 0
+
+    def train_step(self, step: int) -> StepResult:
+        """One optimizer step over the global batch; a batch the spike detector flags is skipped
+        (no update). Raises FloatingPointError on a non-finite loss with spike detection off."""
+        t0 = time.perf_counter()
+        tcfg = self.tcfg
+        lr = lr_at(step, tcfg)
+        set_lr(self.optimizer, lr)
+        self.optimizer.zero_grad(set_to_none=True)
+        pos = self.data.step_start(self.consumed_samples)
+        loss_sum = self.forward_backward(step, pos)
+        # total norm before clipping (identical on every rank: DDP all-reduces the gradients;
+        # under FSDP2 the norm of the sharded DTensor gradients is reduced across ranks)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tcfg.grad_clip)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        loss_avg = loss_sum / self.accum
+        dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM)  # gloo has no AVG
+        loss_val = loss_avg[0].item() / self.world
+        z_val = loss_avg[1].item() / self.world
+        spike = self.detector.check(loss_val, grad_norm) if tcfg.spike_detection else None
+        if spike is None and not math.isfinite(loss_val):
+            raise FloatingPointError(f"loss is {loss_val} at step {step} (lr {lr:.3g}): stopping")
+        if spike is None:
+            self.optimizer.step()
+            self.detector.healthy(loss_val, grad_norm)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)  # skip the batch: no update
+        end = pos + self.global_samples
+        self.consumed_samples = end
+        return StepResult(step, pos, end, lr, loss_val, z_val, grad_norm, spike, time.perf_counter() - t0)
+
+    def forward_backward(self, step: int, pos: int) -> torch.Tensor:
+        """Forward and backward over this rank's micro-batches of the step starting at loader
+        position `pos`, gradients reduced on the last; returns the summed (cross-entropy, z-loss)."""
+        tcfg, device, accum = self.tcfg, self.device, self.accum
+        loss_sum = torch.zeros(2, device=device)  # cross-entropy, z-loss
+        for micro in range(accum):
+            x, y = self.micro_batch(pos, micro)
+            doc_ids = positions = None
+            if tcfg.doc_mask:
+                doc_ids, positions = (t.to(device) for t in
+                                      self.data.micro_batch_documents(pos, micro, self.rank, self.world))
+            x, y = x.to(device), y.to(device)
+            with grad_sync_context(self.wrapped, micro == accum - 1):
+                with autocast_context(tcfg, device):
+                    logits, _ = self.wrapped(x, doc_ids=doc_ids, positions=positions)
+                    loss, ce, z = self.compute_loss(logits, y)
+                if self.rank == 0 and micro == 0 and step == self.start_step + 1:  # what the forward really ran in
+                    print(f"[train] forward computes in {logits.dtype}; the optimizer updates "
+                          f"{self.optimizer.param_groups[0]['params'][0].dtype} weights", flush=True)
+                (loss / accum).backward()
+            loss_sum[0] += ce.detach()
+            if z is not None:
+                loss_sum[1] += z.detach()
+        return loss_sum
+
+    def micro_batch(self, pos: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of this rank's micro-batch `micro` of the step starting at `pos`."""
+        return self.data.micro_batch(pos, micro, self.rank, self.world)
+
+    def compute_loss(self, logits: torch.Tensor, targets: torch.Tensor):
+        """(loss to backpropagate, cross-entropy, z-loss or None) of one micro-batch."""
+        return lm_loss(logits, targets, self.tcfg.z_loss)
+
+    # ------------------------------------------------------------------ loss spikes
+
+    def on_spike(self, result: StepResult) -> int | None:
+        """The step's batch was skipped; on a persistent spike roll back to the newest checkpoint
+        before it and skip the data since. Returns the step rolled back to, else None."""
+        step, pos, end = result.step, result.pos, result.end
+        persistent = self.detector.spiked(step, pos)
+        self.report_spike(step, "skip", **result.spike, data_range=[pos, end],
+                          consecutive=self.detector.consecutive)
+        if not persistent:
+            return None
+        first_step, bad_start = self.detector.streak_first_step, self.detector.streak_start
+        self.finish_checkpoint()  # a checkpoint still being written may be the rollback target
+        target = latest_checkpoint(self.out_dir, before_step=first_step)
+        if target is not None and self.rollbacks < self.tcfg.spike_max_rollbacks:
+            ranges = list(self.skip_ranges) + [(bad_start, end)]
+            rollbacks = self.rollbacks + 1
+            to_step = self.restore(target)
+            self.skip_ranges, self.rollbacks = ranges, rollbacks
+            self.data.skip_ranges = list(ranges)
+            if self.metrics is not None:
+                self.metrics.rewind(to_step)
+            self.report_spike(to_step, "rollback", to_checkpoint=target.name, to_step=to_step,
+                              skipped_data=[bad_start, end], spike_steps=[first_step, step], rollbacks=rollbacks)
+            return to_step
+        why = "no checkpoint before the spike" if target is None else "spike_max_rollbacks reached"
+        self.report_spike(step, "rollback_unavailable", reason=why)
+        return None
+
+    def report_spike(self, step: int, action: str, **details) -> None:
+        """Rank 0: spikes.jsonl and MLflow (MetricsLogger.log_spike), and the event sink."""
+        if self.metrics is not None:
+            self.metrics.log_spike(step, action, **details)
+            self.events.spike(action, step, self.job.run_id, self.job.run_name, **details)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def maybe_checkpoint(self, step: int, train_loss: float, stop: int) -> None:
+        """Save at every checkpoint_every steps and at the last step. One save in flight at a time:
+        an async one is published before the next starts."""
+        tcfg = self.tcfg
+        if not (step % tcfg.checkpoint_every == 0 or step == tcfg.max_steps or step == stop):
+            return
+        state = self.state_dict()
+        self.finish_checkpoint()
+        self.pending = start_checkpoint(self.model, self.optimizer, step, self.out_dir,
+                                        {**self.checkpoint_meta(), "train_loss": train_loss, "trainer": state},
+                                        rng_state=capture_rng_state(self.data_rng),
+                                        async_save=tcfg.async_checkpoint, process_group=self.ckpt_group)
+        if not tcfg.async_checkpoint:
+            self.finish_checkpoint()
+
+    def finish_checkpoint(self) -> None:
+        """Wait for the pending checkpoint, publish it, then (rank 0) manifest/retention and event:
+        nothing refers to a checkpoint before it is complete."""
+        if self.pending is None:
+            return
+        done, self.pending = self.pending, None
+        path = done.wait_and_finalize()
+        if self.rank == 0:
+            apply_retention(self.out_dir, path, self.tcfg.keep_last_checkpoints, self.tcfg.keep_best_checkpoints)
+            how = (f" (async: blocked {done.blocked_s:.2f}s, written in {done.write_s:.2f}s)"
+                   if done.is_async else "")
+            print(f"[checkpoint] step {done.step} -> {path}{how}", flush=True)
+            self.events.checkpoint_saved(path, step=done.step, run_id=self.job.run_id, run_name=self.job.run_name)
+
+    def checkpoint_meta(self) -> dict:
+        """What every checkpoint's meta records besides the step, loss and loop state."""
+        tcfg = self.tcfg
+        return {
+            "model": self.gcfg.to_dict(),
+            "vocab_size": self.gcfg.vocab_size,
+            "eos_id": self.index["eos_id"],
+            "tokenizer_sha256": self.index.get("tokenizer_sha256"),
+            "tokens_index": str(Path(self.job.tokens_index).resolve()),
+            "run_name": self.job.run_name,
+            "run_id": self.job.run_id,
+            "world_size": self.world,
+            "global_batch_samples": self.global_samples,
+            "train_options": {k: getattr(tcfg, k) for k in ("parallelism", "dtype", "compile", "doc_mask", "z_loss")},
+        }
+
+    # ------------------------------------------------------------------ metrics (rank 0)
+
+    def open_metrics(self) -> None:
+        """Rank 0: the metrics logger (train_log.jsonl kept up to the start step), the run's
+        params, and the start-up lines."""
+        tcfg, gcfg, G, train_tokens = self.tcfg, self.gcfg, self.global_samples, self.index["splits"]["train"]["tokens"]
+        self.metrics = MetricsLogger(self.out_dir, tcfg.max_steps, tcfg.log_every,
+                                     tracking_uri=self.job.mlflow_tracking_uri, run_id=self.job.mlflow_run_id,
+                                     resume_step=self.start_step)
+        self.metrics.log_params({**flat_params(self.cfg), "n_params": self.n_params, "world_size": self.world,
+                                 "vocab_size": gcfg.vocab_size, "train_tokens": train_tokens,
+                                 "global_batch_samples": G, "grad_accum_steps_effective": self.accum})
+        print(f"[train] {self.n_params:,} params | {tcfg.parallelism} {tcfg.dtype}"
+              f"{' compiled' if tcfg.compile else ''}{' doc-mask' if tcfg.doc_mask else ''} | "
+              f"world {self.world} x {tcfg.threads_per_proc} threads | "
+              f"global batch {G} x {gcfg.seq_len} tokens ({self.accum} micro-batch(es) per rank) | "
+              f"train split {train_tokens:,} tokens | steps {self.start_step + 1}..{tcfg.max_steps}",
+              flush=True)
+        print(f"[train] {describe_built(self.model, self.wrapped)}", flush=True)
+
+    def log_step(self, r: StepResult) -> None:
+        if self.metrics is None:
+            return
+        tokens_per_step = self.global_samples * self.gcfg.seq_len
+        values = {"loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr, "tokens_per_s": tokens_per_step / r.seconds,
+                  "flops_per_s": self.flops_per_token * tokens_per_step / r.seconds / self.world}
+        if self.tcfg.z_loss:
+            values["z_loss"] = r.z_loss
+        if self.tcfg.peak_flops_per_s:
+            values["mfu"] = values["flops_per_s"] / self.tcfg.peak_flops_per_s
+        values["data_start"] = r.pos
+        if r.spike is not None:
+            values["skipped"] = 1
+        self.metrics.log_step(r.step, **values)
