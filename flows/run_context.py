@@ -20,7 +20,8 @@ from pydantic import BaseModel
 from tasks.config import PipelineConfig
 from tasks.core.layout import RunLayout
 from tasks.lineage import JobRef, LineageEmitter
-from tasks.lineage.emitter import CrucibleLinksRunFacet, lineage_page, model_version_node
+from tasks.lineage.emitter import lineage_page, model_version_node
+from tasks.lineage.facets import CrucibleLinksRunFacet
 from tasks.registry import FLOW_DOCS
 from tasks.tracking import Tracker
 

@@ -29,8 +29,9 @@ from tasks.config import PipelineConfig
 from tasks.core.constants import REPO_ROOT
 from tasks.core.stage import Stage, StageContext, StageInputs, StageResult
 from tasks.lineage import JobRef
-from tasks.lineage.emitter import (CrucibleConfigRunFacet, CrucibleEvalRunFacet, CrucibleLinksRunFacet,
-                                   CrucibleStatsRunFacet, LineageEmitter)
+from tasks.lineage.emitter import LineageEmitter
+from tasks.lineage.facets import (CrucibleConfigRunFacet, CrucibleEvalRunFacet, CrucibleLinksRunFacet,
+                                  CrucibleStatsRunFacet)
 from tasks.registry import FLOW_DOCS, STAGES
 from tasks.tracking import Tracker
 

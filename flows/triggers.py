@@ -5,7 +5,7 @@
 Two deployments, served with prefect's `serve` (each flow run in its own subprocess):
 
     evaluate-checkpoint/evaluate-checkpoint
-        triggered by `crucible.checkpoint.saved` (tasks/train/worker.py, resource
+        triggered by `crucible.checkpoint.saved` (flows/train_worker.py, resource
         crucible.checkpoint.<run>.<step>; payload path/step/run_id/run_name). Evaluates the
         checkpoint (tasks.evaluate.evaluate_checkpoint) and emits `crucible.eval.completed`
         (resource crucible.eval.<run>.<step>, label crucible.eval.passed "true"/"false"; payload

@@ -155,7 +155,7 @@ def test_dataset_facets_and_licences_propagate_to_every_downstream_artifact(tmp_
 
 def test_validator_checks_custom_facets_against_their_schemas(tmp_path):
     log = tmp_path / "lineage.jsonl"
-    from tasks.lineage.emitter import CrucibleLinksRunFacet, CrucibleStatsRunFacet
+    from tasks.lineage.facets import CrucibleLinksRunFacet, CrucibleStatsRunFacet
 
     em = LineageEmitter(log, "crucible", PRODUCER)
     em.emit(RunState.COMPLETE, _ref("x"), extra_run_facets={

@@ -6,7 +6,7 @@ row groups). Two sinks, combined with `fan_out`:
 
 * `ConsoleProgress`: a one-line bar on stderr (rewritten in place on a terminal, one line per
   update otherwise), throttled;
-* the Prefect wrapper (`tasks/prefect_tasks.py`) feeds a Prefect progress artifact.
+* `flows/artifacts.py` (`stage_progress`) feeds a Prefect progress artifact.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""One place that starts or attaches to Ray, shared by the ingest and curate stages.
+"""One place that starts or attaches to Ray: `tasks.core.executor` (the ingest, curate, quality
+and tokens stages) and the Ray MinHash clustering call it.
 
 `init_ray(cfg.ray)` reuses a Ray that is already initialised in this process (a Prefect task
 runner, a test fixture), otherwise calls `ray.init` with the config's address and CPU count.

@@ -102,7 +102,8 @@ def run_step(items: Iterable[T], decide: Callable[[T], str | None], stats: StepS
 
 
 def decide_all(name: str, items: Iterable[T], decide: Callable[[T], str | None], size: Callable[[T], int],
-               on_drop: Callable[[T, str], None] | None = None, started: float | None = None) -> tuple[StepStats, list[T]]:
+               on_drop: Callable[[T, str], None] | None = None,
+               started: float | None = None) -> tuple[StepStats, list[T]]:
     """`run_step` over a whole list at once (dedup, quality models): the step's stats and the kept
     items. `started`: when the step's work began (`time.perf_counter()`), so its seconds include
     computing the decisions (clustering, scoring)."""
@@ -127,4 +128,5 @@ def run_filters(docs: Iterable[dict], filters: list[Filter], stats: dict[str, St
 
 
 def _drop_recorder(sink: list, step: str) -> Callable[[dict, str], None]:
+    """`on_drop` appending (doc id, step, reason) to `sink` (a function: each step binds its own name)."""
     return lambda doc, reason: sink.append((doc.get("id"), step, reason))

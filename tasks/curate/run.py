@@ -2,11 +2,12 @@
 redaction → exact + MinHash dedup.
 
 1. Per input row group (ingest writes 500-row groups), on Ray actors (one per CPU, each loads
-   the fastText model once):
-   `run_filters` with the enabled filters (`filters.build_filters`), kept documents written to
-   a part file; for every kept document the worker also returns its id, exact-dedup key,
-   MinHash signature and size. Actor results come back in corpus order.
-2. In the driver, over the whole corpus in shard/row order: exact dedup (first copy kept),
+   the fastText model once): `run_filters` with the enabled filters (`filters.build_filters`,
+   in `filters.FILTER_ORDER`), kept documents written to a part file; for every kept document
+   the worker also returns its id, exact-dedup key, MinHash signature and size. Results are
+   merged in corpus order.
+2. In the driver (`tasks.dedup.steps`, the steps `crucible dedup` runs too), over the whole
+   corpus in shard/row order: exact dedup (first copy kept),
    then MinHash LSH clustering of the remaining documents (first document of each cluster kept,
    or with `minhash.survivor: quality` the highest quality score; in process, or on Ray with
    band keys spilled to Parquet from `minhash.ray_min_docs` documents: `tasks.dedup.cluster`).
@@ -23,11 +24,11 @@ to scan; C4 has already removed boilerplate lines) and PII redaction after decon
 n-grams are matched on the original text) and before dedup (so copies of a page that differ
 only in an e-mail address or phone number dedup together, and signatures are computed on the
 text that is written). The decontamination index (`decontam.build_index`) is built once in the
-driver (cached per process) and shipped to the actors with `ray.put`.
+driver (cached per process) and shipped to the actors through the object store once.
 
-Resumability (the machinery is `tasks.core.resume`, shared with ingest): every job (one input
-row group) writes its part atomically (temp + rename), and
-the driver then writes `_parts/<job>.pkl` (atomically) with the job's result, a key (curate
+Resumability (the machinery is `tasks.core.executor` and `tasks.core.resume`, shared with
+ingest): every job (one input row group) writes its part atomically (temp + rename), and the
+driver then writes `_parts/<job>.pkl` (atomically) with the job's result, a key (curate
 config, source PII policies, decontam index fingerprint, input shard path/size/mtime, row
 group) and the sha256 of the part. A re-run reuses a job whose key matches and whose part
 still has that sha256, and redoes the rest. The merged output is written shard by shard
@@ -210,12 +211,14 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
     """Curate `in_shards` into `out_dir` (see the module docstring). `progress(done, total, note)`,
     if given, is called as jobs (input row groups) finish, resumed ones included."""
     t0 = time.perf_counter()
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
     shards = [str(Path(s).resolve()) for s in in_shards]
     t_index = time.perf_counter()
     index = _decontam_index(cfg)
     index_seconds = time.perf_counter() - t_index
     job_base = job_base_key(cfg, index)
-    output = ResumableOutput(Path(out_dir).resolve(), digest([job_base, [file_identity(s) for s in shards]]),
+    output = ResumableOutput(out_dir, digest([job_base, [file_identity(s) for s in shards]]),
                              [DROPPED, DECONTAM_REPORT, DATASET_CARD])
     if cfg.curate.resume and (done := output.completed(t0)) is not None:
         return done

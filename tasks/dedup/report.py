@@ -8,7 +8,7 @@ duplicate) come from the largest clusters first, each with the Jaccard estimated
 MinHash signatures and, when the texts are given, the exact shingle Jaccard.
 
 `report_metrics` flattens it for MLflow, `report_tables` / `report_markdown` render it for
-Prefect artifacts (`tasks.prefect_tasks.publish_curation_artifacts`).
+the curate stage's reports (`tasks.curate.stage.curation_reports`).
 """
 from __future__ import annotations
 

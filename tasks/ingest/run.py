@@ -16,7 +16,7 @@ A document id seen before (same source and record key) is dropped as "duplicate_
 Sources are read by URI (`tasks.ingest.fs`: local paths and globs, file://, http(s)://, s3://
 with the `s3` extra), streaming.
 
-Resumable (`tasks.core.resume`, the machinery curate uses): each job's result is stored in
+Resumable (`tasks.core.executor` and `tasks.core.resume`, the machinery curate uses): each job's result is stored in
 `_parts/<job>.pkl` with the sha256 of its part file and a key (ingest config, source entry, the
 file's size and change stamp, the record range); a re-run reuses every job whose key matches
 and whose part verifies, and reads only the other source files. The merged shards and
@@ -107,8 +107,10 @@ def run_ingest(cfg: PipelineConfig, out_dir: Path, progress: Progress | None = N
     return the JSON-serialisable summary (see module docstring). `progress(done, total, note)`,
     if given, is called as source files are finished (resumed ones included)."""
     t0 = time.perf_counter()
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)  # before planning: a failed plan leaves it empty
     plan = _Plan.of(cfg)
-    output = ResumableOutput(Path(out_dir).resolve(), plan.run_key, [QUARANTINE])
+    output = ResumableOutput(out_dir, plan.run_key, [QUARANTINE])
     if cfg.ingest.resume and (done := output.completed(t0)) is not None:
         if progress:
             progress(plan.n_files, plan.n_files, "ingest: complete output verified, nothing to do")
@@ -116,7 +118,7 @@ def run_ingest(cfg: PipelineConfig, out_dir: Path, progress: Progress | None = N
     store = output.start(cfg.ingest.resume)
     workers = start_ray(cfg.ray)
     with JobRunner(RayTasks(process_file_range, cfg.ray), store) as runner:
-        results = _IngestJobs(cfg, plan, output, workers, runner, progress).run()
+        results = _IngestJobs(cfg, plan, output.parts_dir, workers, runner, progress).run()
 
     summary = _merge(cfg, plan, results, output.dir)
     summary["jobs"] = len(results)
@@ -132,9 +134,9 @@ class _IngestJobs:
     """The jobs of one run: one per file of an uncapped source; for a capped source, waves of
     record ranges of one file at a time, the next wave planned from the previous one's results."""
 
-    def __init__(self, cfg: PipelineConfig, plan: _Plan, output: ResumableOutput, workers: int,
-                 runner: JobRunner, progress: Progress | None):
-        self.cfg, self.plan, self.parts_dir, self.runner = cfg, plan, output.parts_dir, runner
+    def __init__(self, cfg: PipelineConfig, plan: _Plan, parts_dir: Path, workers: int, runner: JobRunner,
+                 progress: Progress | None):
+        self.cfg, self.plan, self.parts_dir, self.runner = cfg, plan, parts_dir, runner
         self.report = progress or (lambda done, total, note: None)
         self.results: dict[tuple[int, int, int], dict] = {}  # (source, file, start) -> job result
         self.slots: dict[str, tuple[int, int, int]] = {}  # job name -> (source, file, start)
@@ -188,7 +190,8 @@ class _IngestJobs:
                     moved = True
         self.files_done.update(k[:2] for k in self.results if self.plan.sources[k[0]][0].max_docs is None)
         resumed = self.runner.resumed
-        self.report(len(self.files_done), self.plan.n_files, f"ingest ({resumed} jobs resumed)" if resumed else "ingest")
+        note = f"ingest ({resumed} jobs resumed)" if resumed else "ingest"
+        self.report(len(self.files_done), self.plan.n_files, note)
 
 
 def _merge(cfg: PipelineConfig, plan: _Plan, results: dict, out_dir: Path) -> dict:

@@ -40,13 +40,8 @@ from openlineage.client.facet_v2 import (
 )
 
 from tasks.core.hashing import sha256_tree
-from tasks.lineage.facets import (  # noqa: F401 - re-exported: the facets' historical home
-    CUSTOM_FACET_SCHEMA_BASE,
-    CrucibleConfigRunFacet,
-    CrucibleEvalRunFacet,
-    CrucibleLinksRunFacet,
+from tasks.lineage.facets import (
     CrucibleSourceDatasetFacet,
-    CrucibleStatsRunFacet,
     DataQualityMetricsDatasetFacet,
     dataset_ownership,
     documentation,

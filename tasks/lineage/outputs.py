@@ -6,8 +6,8 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 from tasks.config import PipelineConfig
-from tasks.lineage.emitter import CrucibleSourceDatasetFacet, dataset_for_path
-from tasks.lineage.facets import parquet_values
+from tasks.lineage.emitter import dataset_for_path
+from tasks.lineage.facets import CrucibleSourceDatasetFacet, parquet_values
 
 # What each artifact is (the `documentation` dataset facet).
 DATASET_DOCS = {

@@ -79,8 +79,8 @@ def decide(records: list[dict], cfg: QualityConfig) -> dict:
         if c.keep_top_fraction is not None:
             thr = threshold_for_top_fraction([r["quality_score"] for r in records], c.keep_top_fraction)
         summary["classifier_threshold"] = thr
-        st, alive = _decide_step("quality_classifier", alive,
-                                 lambda r: "quality_classifier" if thr is not None and r["quality_score"] < thr else None)
+        st, alive = _decide_step("quality_classifier", alive, lambda r: "quality_classifier"
+                                 if thr is not None and r["quality_score"] < thr else None)
         steps.append(st)
     if records and "perplexity" in records[0]:
         k = cfg.kenlm
@@ -89,8 +89,8 @@ def decide(records: list[dict], cfg: QualityConfig) -> dict:
         summary["perplexity_cutoffs"] = cuts
         for r in records:
             r["kenlm_bucket"] = bucket_of(r["perplexity"], cuts[r["source"]]) if r["source"] in cuts else "tail"
-        st, alive = _decide_step("kenlm", alive,
-                                 lambda r: f"kenlm_{r['kenlm_bucket']}" if r["kenlm_bucket"] in k.drop_buckets else None)
+        st, alive = _decide_step("kenlm", alive, lambda r: f"kenlm_{r['kenlm_bucket']}"
+                                 if r["kenlm_bucket"] in k.drop_buckets else None)
         steps.append(st)
     for r in alive:
         r["keep"] = True

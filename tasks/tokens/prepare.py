@@ -83,13 +83,15 @@ def _encode_all(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path], p
             for i, shard in enumerate(shards)]
     if not tcfg.ray or len(jobs) < 2:
         return [encode_shard(*job) for job in jobs]
-    import ray
+    from tasks.core.executor import Job, JobRunner, RayTasks
 
-    from tasks.core.ray_utils import init_ray
-
-    init_ray(cfg.ray)
-    remote = ray.remote(num_cpus=1)(encode_shard)
-    return ray.get([remote.remote(*job) for job in jobs])  # results come back in shard order
+    results: dict[str, dict] = {}
+    with JobRunner(RayTasks(encode_shard, cfg.ray)) as runner:
+        for i, args in enumerate(jobs):
+            runner.submit(Job(f"{i:05d}", None, args))
+        for job, result in runner.finished():
+            results[job.name] = result
+    return [results[f"{i:05d}"] for i in range(len(jobs))]  # in shard order
 
 
 def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path], out_dir: Path) -> dict:

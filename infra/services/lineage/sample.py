@@ -32,17 +32,8 @@ from openlineage.client.facet_v2 import output_statistics_output_dataset
 from tasks.core.hashing import sha256_tree
 from tasks.core.layout import RunLayout
 from tasks.core.stage import Stage
-from tasks.lineage.emitter import (
-    CrucibleConfigRunFacet,
-    CrucibleEvalRunFacet,
-    CrucibleStatsRunFacet,
-    JobRef,
-    LineageEmitter,
-    dataset_for_path,
-    file_node,
-    model_version_dataset,
-    model_version_node,
-)
+from tasks.lineage.emitter import JobRef, LineageEmitter, dataset_for_path, file_node, model_version_dataset, model_version_node
+from tasks.lineage.facets import CrucibleConfigRunFacet, CrucibleEvalRunFacet, CrucibleStatsRunFacet
 from tasks.registry import FLOW_DOCS, PRETRAIN_FLOWS
 
 PRODUCER = "https://github.com/crucible-ml/crucible"
