@@ -38,10 +38,10 @@ HERE = Path(__file__).resolve().parent
 
 
 def crucible_chain(cfg: CurateConfig):
-    from tasks.curate.filters import C4QualityFilter, FineWebQualityFilter, GopherQualityFilter, GopherRepetitionFilter
+    """The pipeline's own heuristic chain (FILTER_ORDER), less language ID, which datatrove's chain lacks."""
+    from tasks.curate.filters import build_filters
 
-    return [GopherRepetitionFilter(cfg.gopher_repetition), GopherQualityFilter(cfg.gopher_quality),
-            C4QualityFilter(cfg.c4), FineWebQualityFilter(cfg.fineweb)]
+    return build_filters(cfg.model_copy(update={"langid": cfg.langid.model_copy(update={"enabled": False})}))
 
 
 def datatrove_chain(cfg: CurateConfig):

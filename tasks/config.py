@@ -247,7 +247,7 @@ class KenLMConfig(Section):
     order: int = Field(default=5, ge=2)
     memory: str = "256M"  # lmplz -S
     prune: list[int] = []  # lmplz --prune, e.g. [0, 0, 1]
-    bin_dir: str | None = None  # lmplz/build_binary; default: $CRUCIBLE_KENLM_BIN or infra/.build/kenlm/bin
+    bin_dir: str | None = None  # lmplz/build_binary; default: infra/.build/kenlm/bin (built by set-up)
     head_percentile: float = Field(default=30, gt=0, lt=100)  # per-source perplexity cut-offs
     tail_percentile: float = Field(default=60, gt=0, lt=100)
     drop_buckets: list[Literal["head", "middle", "tail"]] = []  # [] tags only; ["tail"] drops the tail

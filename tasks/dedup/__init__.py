@@ -2,7 +2,7 @@
 
 Exact copies keep the first document in corpus order; MinHash clusters keep the first document
 or the highest quality score. `run_curate` applies exact then MinHash after the filters, and
-`crucible dedup` (`tasks.dedup.cli`) runs both on a JSONL file. MinHash signatures are
+`crucible dedup` (`infra.cli.dedup`) runs both on a JSONL file. MinHash signatures are
 numpy-vectorised and equal to datasketch's given the same shingle hash (`tasks.dedup.minhash`:
 the fast default `fast_hash32` or datasketch's `sha1_hash32`); clustering runs in process or on
 Ray with bounded memory (`tasks.dedup.cluster`), optionally joining only candidate pairs whose exact

@@ -3,7 +3,7 @@
 Training (`train_kenlm`): the reference documents are normalised (`ccnet_normalize`) and
 tokenised (`lm_tokens`), one line (paragraph) per line of text, piped to KenLM's `lmplz -o
 <order>` (with `--discount_fallback`, so small corpora train too) and compiled with
-`build_binary`. The binaries come from `cfg.bin_dir`, else $CRUCIBLE_KENLM_BIN, else
+`build_binary`. The binaries come from `cfg.bin_dir`, else
 infra/.build/kenlm/bin (built by infra/build_kenlm.sh).
 
 Scoring (as CCNet's `DocLM`): for every non-empty normalised line, log10 P(line) =
@@ -18,7 +18,6 @@ Bucketing (as CCNet's `PerplexityBucket`): per source, perplexity below the 30th
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -30,16 +29,14 @@ from tasks.config import REPO_ROOT, KenLMConfig
 from tasks.core.steps import Filter
 from tasks.quality.text import ccnet_normalize, lm_tokens, sample_corpus
 
-KENLM_BIN_ENV = "CRUCIBLE_KENLM_BIN"
 BUCKETS = ("head", "middle", "tail")
 
 
 def kenlm_bin_dir(cfg: KenLMConfig | None = None) -> Path:
-    for cand in ((cfg.bin_dir if cfg else None), os.environ.get(KENLM_BIN_ENV),
-                 str(REPO_ROOT / "infra" / ".build" / "kenlm" / "bin")):
+    for cand in ((cfg.bin_dir if cfg else None), str(REPO_ROOT / "infra" / ".build" / "kenlm" / "bin")):
         if cand and (Path(cand) / "lmplz").exists():
             return Path(cand)
-    raise FileNotFoundError(f"KenLM lmplz not found: set quality.kenlm.bin_dir or ${KENLM_BIN_ENV}, "
+    raise FileNotFoundError("KenLM lmplz not found: set quality.kenlm.bin_dir, "
                             "or build it with infra/build_kenlm.sh")
 
 
