@@ -17,9 +17,8 @@ from pathlib import Path
 from prefect import flow
 
 from flows.cli import run_flow_cli
-from flows.run_context import new_run_name, open_run
+from flows.run_context import ablation_scope, new_run_name, open_run
 from flows.stage_task import run_stage_task
-from tasks.ablate.run import ablation_scope
 from tasks.config import PipelineConfig
 
 

@@ -23,15 +23,19 @@ def publish_reports(reports: list) -> None:
             raise TypeError(f"not a report: {report!r}")
 
 
+def publish_quietly(reports: list) -> None:
+    """publish_reports that never raises: a report people read must not fail the stage it reports on."""
+    try:
+        publish_reports(reports)
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not publish %s: %s", ", ".join(r.key for r in reports), e)
+
+
 def publish_eval_table(run_dir: str | Path, run_name: str) -> None:
-    """The run's checkpoint table (tasks.evaluate.stage.eval_table) as an artifact. Never raises:
-    the table is a view of the reports on disk."""
+    """The run's checkpoint table (tasks.evaluate.stage.eval_table) as an artifact; never raises."""
     from tasks.evaluate.stage import eval_table
 
-    try:
-        publish_reports(eval_table(run_dir, run_name))
-    except Exception as e:  # noqa: BLE001 - a missing table must not fail an evaluation
-        log.warning("could not publish the checkpoint table of %s: %s", run_name, e)
+    publish_quietly(eval_table(run_dir, run_name))
 
 
 def stage_progress(stage: str, unit: str, interval: float = 2.0):

@@ -55,9 +55,9 @@ def prepare_tokens(cfg: PipelineConfig, run: RunContext, tokenizer: str, shards:
 
 
 @flow(name="train")
-def train(cfg: PipelineConfig, run: RunContext, tokens_index: str) -> tuple[PlanResult, TrainResult]:
+def train(cfg: PipelineConfig, run: RunContext, tokens_index: str, tokenizer: str) -> tuple[PlanResult, TrainResult]:
     with flow_lineage(cfg, run):
-        inputs = StageInputs(tokens_index=tokens_index)
+        inputs = StageInputs(tokens_index=tokens_index, tokenizer=tokenizer)
         plan = run_stage_task("plan", cfg, run, inputs)
         return plan, run_stage_task("train", cfg, run, inputs)
 
@@ -92,7 +92,7 @@ def pretrain(config: dict, run_name: str | None = None) -> dict:
         ingested, curated, scored = curate(cfg, run)
         tok = train_tokenizer(cfg, run, scored.shards)
         tokens = prepare_tokens(cfg, run, tok.path, scored.shards)
-        plan, trained = train(cfg, run, tokens.index_path)
+        plan, trained = train(cfg, run, tokens.index_path, tok.path)
         evals = evaluate(cfg, run, trained.checkpoints, tok.path, tokens.index_path, trained.mlflow_run_id)
         deployed = deploy(cfg, run, evals, tok.path, trained.mlflow_run_id)
         summary.record(ingest=ingested.data, curate=curated.data, quality=scored.data, tokenizer=tok.data,

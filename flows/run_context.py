@@ -18,6 +18,7 @@ from typing import Iterator
 from pydantic import BaseModel
 
 from tasks.config import PipelineConfig
+from tasks.core.constants import LINEAGE_URL_ENV
 from tasks.core.layout import RunLayout
 from tasks.lineage import JobRef, LineageEmitter
 from tasks.lineage.emitter import lineage_page, model_version_node
@@ -25,7 +26,6 @@ from tasks.lineage.facets import CrucibleLinksRunFacet
 from tasks.registry import FLOW_DOCS
 from tasks.tracking import Tracker
 
-LINEAGE_URL_ENV = "CRUCIBLE_LINEAGE_URL"  # set by `crucible run`: the stack's lineage service
 log = logging.getLogger("crucible.lineage")
 
 
@@ -188,8 +188,6 @@ def timings_markdown(summary: dict) -> str:
     return f"# Stage timings — {summary['run_name']}\n\n| stage | seconds |\n|---|---|\n{rows}\n| **total** | {total:.1f} |\n"
 
 
-
-
 def final_output_node(ctx: RunContext, stages: dict) -> str | None:
     """What the run produced, as a lineage node: the model version, else the best checkpoint."""
     deploy = stages.get("deploy") or {}
@@ -289,3 +287,18 @@ def pretrain_scope(cfg: PipelineConfig, ctx: RunContext) -> Iterator[Summary]:
     tracker.end_run(ctx.mlflow_parent_run_id)
     create_markdown_artifact(key="stage-timings", markdown=timings_markdown(data),
                              description="Seconds per stage of this pretrain run")
+
+
+@contextmanager
+def ablation_scope(cfg: PipelineConfig, ctx: RunContext) -> Iterator[None]:
+    """Root lineage run of the ablate flow and the status of its MLflow parent run."""
+    tracker = Tracker(ctx.tracking_uri, ctx.experiment)
+    links = ctx.links(mlflow_run_id=ctx.mlflow_parent_run_id, flow_run_id=ctx.root_run_id)
+    try:
+        with ctx.emitter(cfg).run(ctx.root, job_type="FLOW", run_facets={"crucible_links": links},
+                                  job_doc=FLOW_DOCS["ablate"], code_path="flows/ablate.py"):
+            yield
+    except BaseException:
+        tracker.end_run(ctx.mlflow_parent_run_id, "FAILED")
+        raise
+    tracker.end_run(ctx.mlflow_parent_run_id)

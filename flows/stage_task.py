@@ -23,7 +23,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
-from flows.artifacts import publish_reports, stage_progress
+from flows.artifacts import publish_quietly, stage_progress
 from flows.run_context import RunContext, create_lineage_link
 from tasks.config import PipelineConfig
 from tasks.core.constants import REPO_ROOT
@@ -126,8 +126,8 @@ def run_stage(name: str, cfg: PipelineConfig, run: RunContext, inputs: StageInpu
             active.outputs.extend(result.outputs)
             active.run_facets.update(run_facets(cfg, stage, result.data))
     except BaseException as e:
-        publish_reports(getattr(e, "reports", []))  # e.g. the tokenizer's failing validation report
         tracker.end_run(mlflow_run, "FAILED")
+        publish_quietly(getattr(e, "reports", []))  # e.g. the tokenizer's failing validation report
         raise
     data = result.data
     data["seconds"] = round(time.perf_counter() - t0, 3)
@@ -136,7 +136,7 @@ def run_stage(name: str, cfg: PipelineConfig, run: RunContext, inputs: StageInpu
     tracker.log_metrics(mlflow_run, {f"dropped.{k}": v for k, v in data.get("dropped", {}).items()})
     tracker.log_dict(mlflow_run, data, f"{stage.name}.json")
     tracker.end_run(mlflow_run)
-    publish_reports(result.reports)
+    publish_quietly(result.reports)
     primary = result.primary or (node_of(result.outputs[0]) if result.outputs else None)
     if primary:
         label = primary.split(":models/", 1)[1] if ":models/" in primary else primary.rsplit("/", 1)[-1]

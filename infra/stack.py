@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tasks.core.constants import (CHECKPOINT_EVENT, DEPLOY_DEPLOYMENT, EVAL_DEPLOYMENT, EVAL_EVENT,
-                                  REPO_ROOT)
+                                  LINEAGE_URL_ENV, REPO_ROOT)
 from tasks.core.io import atomic_write_text
 
 STATE_DIR_ENV = "CRUCIBLE_STATE_DIR"
@@ -54,7 +54,6 @@ LINEAGE = "lineage"
 TRIGGERS = "triggers"  # the serve process of the event-triggered deployments (flows/triggers.py)
 CORE_SERVICES = (PREFECT, MLFLOW, LINEAGE, TRIGGERS)
 STOP_ORDER = (MODEL_SERVER, TRIGGERS, LINEAGE, MLFLOW, PREFECT)
-LINEAGE_URL_ENV = "CRUCIBLE_LINEAGE_URL"  # the lineage service a client process sends events to
 LOG_TAIL_LINES = 40
 
 # Children started by this process, kept so they can be reaped (no zombies in long-lived parents

@@ -13,9 +13,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tasks.core.constants import REPO_ROOT
+
 # Where ../shared/data lives; a user points this at their own files.
 DATA_ROOT_ENV = "CRUCIBLE_DATA_ROOT"
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA_ROOT = REPO_ROOT.parent / "shared" / "data"
 
 

@@ -1,8 +1,9 @@
-"""The stage registry: every stage, the pretrain subflow it runs in, and what each artifact is.
+"""The stage registry: every stage and the pretrain subflow it runs in.
 
-Flows, lineage job names and documentation, the lineage service's sample events and the README's
-DAG are all generated from here. A new stage is one file (a `tasks.core.stage.Stage`) plus one
-line in STAGES below (and, if it starts a new subflow, one FlowSpec)."""
+The flows' generic stage task (flows/stage_task.py) takes each task's name, lineage job name,
+documentation and config sections from here, and so do the lineage service's sample events;
+tests/test_stages.py checks flows/pretrain.py against PRETRAIN_FLOWS. A new stage is one file (a
+`tasks.core.stage.Stage`) plus one line in STAGES below (and, for a new subflow, one FlowSpec)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,7 +50,8 @@ PRETRAIN_FLOWS: list[FlowSpec] = [
 ROOT_FLOWS = {
     "pretrain": "The pretrain flow (flows/pretrain.py): raw web pages -> curated corpus -> tokenizer -> token "
                 "shards -> torchrun training -> evaluation of every checkpoint -> gated deployment.",
-    "ablate": "The ablate flow (flows/ablate.py): does curation help the model?",
+    "ablate": "The ablate flow (flows/ablate.py): the same model and token budget trained on the langid-only and "
+              "the fully curated corpus, both scored on clean held-out text.",
 }
 FLOW_DOCS = {f.name: f.doc for f in PRETRAIN_FLOWS} | ROOT_FLOWS
 

@@ -228,7 +228,7 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
         assert flow_run_failed("evaluate-checkpoint", ckpts[0]) is None
         cfg = PipelineConfig.model_validate_json((run_dir / "config.json").read_text())
         best = min(reports, key=lambda r: r["val_loss"])
-        deployed = await_deployment(cfg, store, RunLayout(run_dir), best)  # every passing one's deploy
+        deployed = await_deployment(cfg, store, RunLayout(run_dir), best, 120)  # every passing one's deploy
         champ = client.get_model_version_by_alias("trig-model", "champion")
         assert deployed["version"] == int(champ.version) and deployed["checkpoint"] == champ.tags["checkpoint"]
         assert "challenger" not in client.get_registered_model("trig-model").aliases

@@ -26,9 +26,7 @@ import hashlib
 import json
 import math
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -232,24 +230,3 @@ def _composition_markdown(result: dict) -> str:
         rows.append(f"| {s} | " + " | ".join(cells) + " |")
     return ("\n## Composition (documents, share of bytes)\n\n| source | " + " | ".join(ARMS) + " |\n|---|"
             + "---|" * len(ARMS) + "\n" + "\n".join(rows) + "\n")
-
-
-ABLATE_DOC = ("The ablate flow (flows/ablate.py): the same model and token budget trained on the langid-only and the "
-              "fully curated corpus, both scored on clean held-out text.")
-
-
-@contextmanager
-def ablation_scope(cfg: PipelineConfig, ctx) -> Iterator[None]:
-    """Root lineage run of the ablate flow and the status of its MLflow parent run."""
-    from tasks.tracking import Tracker
-
-    tracker = Tracker(ctx.tracking_uri, ctx.experiment)
-    links = ctx.links(mlflow_run_id=ctx.mlflow_parent_run_id, flow_run_id=ctx.root_run_id)
-    try:
-        with ctx.emitter(cfg).run(ctx.root, job_type="FLOW", run_facets={"crucible_links": links},
-                                  job_doc=ABLATE_DOC, code_path="flows/ablate.py"):
-            yield
-    except BaseException:
-        tracker.end_run(ctx.mlflow_parent_run_id, "FAILED")
-        raise
-    tracker.end_run(ctx.mlflow_parent_run_id)

@@ -8,6 +8,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+# set by `crucible run` for the flow process: the stack's lineage service, where events also go
+LINEAGE_URL_ENV = "CRUCIBLE_LINEAGE_URL"
+
 # Prefect events (resource ids: crucible.checkpoint.<run>.<step>, crucible.eval.<run>.<step>, ...)
 CHECKPOINT_EVENT = "crucible.checkpoint.saved"
 EVAL_EVENT = "crucible.eval.completed"

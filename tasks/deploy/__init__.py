@@ -139,7 +139,11 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
     reg = register(tracking_uri, dcfg.model_name, evaluation["checkpoint"], tokenizer_path, evaluation,
                    train_run_id, extra_tags=lineage_tags(cfg, evaluation, Path(tokenizer_path)))
     result.update({k: reg[k] for k in ("version", "alias", "content_hash", "source")})
-    serving = dcfg.serve and serve_model is not None
+    if dcfg.serve and serve_model is None:
+        raise ValueError("deploy.serve is true but no model server was handed to deploy_if_better (serve_model); "
+                         "pass the stack's supervisor (infra.services.model_server.supervisor.serve_model) "
+                         "or set deploy.serve=false")
+    serving = dcfg.serve
     try:
         if serving:
             served = serve_model(cfg, evaluation["checkpoint"], tokenizer_path, dcfg.model_name)

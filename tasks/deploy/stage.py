@@ -27,7 +27,8 @@ class DeployStage(Stage):
 
         # with the stack's triggers service up, deploy-model runs deploy passing checkpoints as they
         # are evaluated: report what they did (None: one failed, so deploy here)
-        data = (await_deployment(cfg, ctx.tracking_uri, ctx.layout, inputs.evaluation, ctx.model_server_status)
+        data = (await_deployment(cfg, ctx.tracking_uri, ctx.layout, inputs.evaluation,
+                                 cfg.stack.triggered_timeout, ctx.model_server_status)
                 if ctx.triggered else None)
         if data is None:
             data = deploy_if_better(cfg, ctx.tracking_uri, inputs.evaluation, Path(inputs.tokenizer),

@@ -95,7 +95,7 @@ def await_evaluation(layout: RunLayout, checkpoint: str | Path, timeout: float) 
 
 
 def await_deployment(cfg, tracking_uri: str, layout: RunLayout, best: dict,
-                     server_status: Callable[[], dict | None] | None = None) -> dict | None:
+                     timeout: float, server_status: Callable[[], dict | None] | None = None) -> dict | None:
     """What the triggered deploy-model runs made of this run, in deploy_if_better's shape: waits
     for the deploy record of every checkpoint whose triggered evaluation passed the gate; returns
     the record of the run's checkpoint that is champion now, else a not-deployed result for
@@ -103,7 +103,6 @@ def await_deployment(cfg, tracking_uri: str, layout: RunLayout, best: dict,
     `server_status()`: the model server's {url, pid, healthy} (None: not running)."""
     from tasks.deploy.registry import get_champion
 
-    timeout = cfg.stack.triggered_timeout
     records = []
     for report_file in sorted(layout.triggered_eval_dir.glob("*.json")):
         report = _read(report_file, "gate")

@@ -26,7 +26,8 @@ from typing import Sequence
 
 import numpy as np
 
-from tasks.config import REPO_ROOT, QualityClassifierConfig
+from tasks.core.constants import REPO_ROOT
+from tasks.config import QualityClassifierConfig
 from tasks.core.steps import Filter
 from tasks.quality.text import ccnet_normalize, sample_corpus
 

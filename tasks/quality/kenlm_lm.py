@@ -25,7 +25,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from tasks.config import REPO_ROOT, KenLMConfig
+from tasks.core.constants import REPO_ROOT
+from tasks.config import KenLMConfig
 from tasks.core.steps import Filter
 from tasks.quality.text import ccnet_normalize, lm_tokens, sample_corpus
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tokenizers import ByteLevelBPETokenizer, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from tasks.core.layout import TOKENIZER_FILE
 from tasks.config import PipelineConfig, TokenizerConfig
 from tasks.core.hashing import sha256_file
 from tasks.tokenizer.corpus import iter_doc_columns
@@ -37,7 +38,6 @@ from tasks.tokenizer.report import (
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_FILE = "tokenizer.json"
 REFERENCE_FILE = "reference_tokenizer.json"
 REPORT_FILE = "tokenizer_report.json"
 REPORT_MARKDOWN = "tokenizer_report.md"

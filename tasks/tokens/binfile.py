@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-INDEX_FILE = "index.json"
+
 # llm.c's data files: a header of 256 little-endian int32 (magic, version, token count, zeros), then
 # the token ids; version 1 holds uint16 ids (GPT-2 vocabulary), version 2 uint32 ids (Llama 3).
 LLMC_MAGIC = 20240520

@@ -21,7 +21,8 @@ from tasks.config import PipelineConfig
 from tasks.core.hashing import sha256_file, sha256_text
 from tasks.tokenizer.bpe import load_tokenizer
 from tasks.tokenizer.corpus import iter_doc_batches
-from tasks.tokens.binfile import INDEX_FILE, dtype_for_vocab, write_llmc
+from tasks.core.layout import TOKENS_INDEX_FILE
+from tasks.tokens.binfile import dtype_for_vocab, write_llmc
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path]
         for s in [s for s in SPLITS if stats[s]["tokens"]]:
             llmc = write_llmc(paths[s], dtype, out_dir / f"{s}.llmc.bin")
             index["splits"][s].update(llmc_path=llmc.name, llmc_sha256=sha256_file(llmc))
-    index_path = out_dir / INDEX_FILE
+    index_path = out_dir / TOKENS_INDEX_FILE
     index_path.write_text(json.dumps(index, indent=2) + "\n")
     for s in SPLITS:
         index["splits"][s]["path"] = str(paths[s].resolve())

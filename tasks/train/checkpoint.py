@@ -28,7 +28,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 import random
 import re
 import shutil
@@ -50,6 +49,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from tasks.core.io import atomic_write_text
+from tasks.core.layout import CHECKPOINTS_DIR
 from tasks.train.model import GPT, GPTConfig
 
 META_FILE = "crucible_checkpoint.json"
@@ -60,12 +61,12 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def checkpoint_dir(out_dir: str | Path, step: int) -> Path:
-    return Path(out_dir) / "checkpoints" / f"step-{step:06d}"
+    return Path(out_dir) / CHECKPOINTS_DIR / f"step-{step:06d}"
 
 
 def list_checkpoints(out_dir: str | Path) -> list[Path]:
     """Complete checkpoints under out_dir/checkpoints, oldest first."""
-    root = Path(out_dir) / "checkpoints"
+    root = Path(out_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir()
@@ -264,15 +265,12 @@ def _sha256(path: Path) -> str:
 
 
 def read_manifest(out_dir: str | Path) -> dict:
-    path = Path(out_dir) / "checkpoints" / MANIFEST
+    path = Path(out_dir) / CHECKPOINTS_DIR / MANIFEST
     return json.loads(path.read_text()) if path.is_file() else {"checkpoints": []}
 
 
 def _write_manifest(out_dir: str | Path, manifest: dict) -> None:
-    path = Path(out_dir) / "checkpoints" / MANIFEST
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(Path(out_dir) / CHECKPOINTS_DIR / MANIFEST, json.dumps(manifest, indent=2) + "\n", fsync=False)
 
 
 def checkpoint_entry(ckpt_dir: str | Path) -> dict:

@@ -27,7 +27,7 @@ class TrainStage(Stage):
         if ctx.lineage is not None:  # the torchrun job is a lineage run of its own, child of this stage's run
             torchrun = TorchrunLineage(ctx.lineage.emitter, parent=ctx.lineage.job, root=ctx.lineage.root,
                                        run_facets={"crucible_links": ctx.lineage.links},
-                                       tokenizer=ctx.layout.tokenizer_file)
+                                       tokenizer=Path(inputs.tokenizer) if inputs.tokenizer else None)
         kwargs = {"worker_module": ctx.worker_module} if ctx.worker_module else {}
         data = run_training(cfg, Path(inputs.tokens_index), ctx.stage_dir(self.name), ctx.tracking_uri,
                             ctx.mlflow_run_id, ctx.run_name, lineage=torchrun, **kwargs)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tasks.core.layout import CHECKPOINTS_DIR
 from tasks.config import PipelineConfig
 from tasks.tokens.binfile import load_index
 from tasks.train.checkpoint import (MANIFEST, apply_retention, capture_rng_state, latest_checkpoint,
@@ -169,7 +170,7 @@ class Trainer:
             for p in stale:
                 shutil.rmtree(p)
         if self.rank == 0 and start_step == 0:
-            (out_dir / "checkpoints" / MANIFEST).unlink(missing_ok=True)
+            (out_dir / CHECKPOINTS_DIR / MANIFEST).unlink(missing_ok=True)
             (out_dir / SPIKE_LOG).unlink(missing_ok=True)
         dist.barrier()
         return start_step
