@@ -39,7 +39,7 @@ class PrefectEvents:
     def spike(self, action: str, step: int, run_id: str | None, run_name: str, **details) -> bool:
         """Emit `crucible.train.spike` (only when PREFECT_API_URL is set). action: "skip" (batch
         skipped, no optimizer step), "rollback" (back to a checkpoint, data range skipped) or
-        "rollback_unavailable"."""
+        "rebaseline" (persistent spikes with no checkpoint to roll back to: the new level adopted)."""
         if not os.environ.get("PREFECT_API_URL"):
             return False
         try:

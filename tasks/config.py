@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from tasks.core.constants import REPO_ROOT
 
@@ -419,9 +420,12 @@ class TrainConfig(Section):
     spike_detection: bool = True
     spike_window: int = Field(default=20, ge=2)  # rolling window of healthy steps
     spike_min_history: int = Field(default=5, ge=2)  # healthy steps before detection starts
-    spike_sigma: float = Field(default=6.0, gt=0)  # a spike: loss or grad norm > mean + k * std
-    spike_rollback_after: int = Field(default=3, gt=0)  # consecutive spikes -> roll back to a checkpoint
-    spike_max_rollbacks: int = Field(default=3, ge=0)
+    spike_sigma: float = Field(default=6.0, gt=0)  # a spike: loss or grad norm > median + k * robust std
+    spike_loss_ratio: float = Field(default=1.1, gt=1)  # ... and a loss spike also > this x the median loss
+    spike_grad_ratio: float = Field(default=30.0, gt=1)  # ... and a grad-norm spike also > this x the median norm
+    # consecutive spikes -> roll back to a checkpoint, or with none, re-baseline (adopt the new level)
+    spike_rollback_after: int = Field(default=3, gt=0)
+    spike_max_rollbacks: int = Field(default=3, ge=0)  # rollbacks per run; then persistent spikes re-baseline
     node_rank: int | None = Field(default=None, ge=0)  # multi-node: this node's rank (torchrun --node-rank)
     # attention never crosses a document boundary in a packed sequence; RoPE restarts per document
     doc_mask: bool = False
@@ -634,6 +638,16 @@ class PlanConfig(Section):
         return table
 
 
+class ContinueConfig(Section):
+    """Scheduled continued pretraining (`continue:` in YAML; issue 17). This part holds the data
+    ledger only; the schedule, replay fraction, learning-rate re-warm and gate fields join it as
+    those parts land."""
+
+    # SQLite record of every raw file consumed by a committed cycle (tasks.continued.ledger);
+    # relative to stack.state_dir unless absolute
+    ledger: str = "ledger.db"
+
+
 class PipelineConfig(Section):
     name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$")
     data_root: str = str(DEFAULT_DATA_ROOT)
@@ -653,6 +667,10 @@ class PipelineConfig(Section):
     plan: PlanConfig = PlanConfig()
     quality: QualityConfig = QualityConfig()
     ablate: AblateConfig = AblateConfig()
+    # `continue` is a Python keyword: the YAML key is the alias; dumps without by_alias ("continue_")
+    # validate too, so configs round-trip through model_dump/model_validate as every other section
+    continue_: ContinueConfig = Field(default_factory=ContinueConfig, alias="continue",
+                                      validation_alias=AliasChoices("continue", "continue_"))
 
     @field_validator("sources")
     @classmethod

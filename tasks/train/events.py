@@ -15,7 +15,7 @@ class EventSink(Protocol):
         """A checkpoint is complete and published at `path`; True when an event went out."""
 
     def spike(self, action: str, step: int, run_id: str | None, run_name: str, **details) -> bool:
-        """A loss-spike action: "skip", "rollback" or "rollback_unavailable", with its details."""
+        """A loss-spike action: "skip", "rollback" or "rebaseline", with its details."""
 
     def drain(self) -> None:
         """Wait until queued events are sent (called once, before the process exits)."""

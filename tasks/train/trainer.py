@@ -1,9 +1,10 @@
 """The training loop of one torchrun rank, in torchtitan's shape: a Trainer that builds the model,
 data and optimizer, then `train()`s step by step (`train_step`), checkpoints (`maybe_checkpoint`),
-and handles loss spikes (`on_spike`: skip the batch, or roll back to a checkpoint and skip the
-data). `state_dict` / `load_state_dict` are the loop's own state saved in each checkpoint's meta
-(loader position, skipped data ranges, rollbacks, spike detector), next to the model, optimizer
-and RNG states.
+and handles loss spikes (`on_spike`: skip the batch; on a persistent spike roll back to a
+checkpoint and skip the data, or, with none to roll back to, re-baseline the detector).
+`state_dict` / `load_state_dict` are the loop's own state saved in each checkpoint's meta (loader
+position, skipped data ranges, rollbacks, spike detector), next to the model, optimizer and RNG
+states.
 
 Rank 0 writes train_log.jsonl and the console lines, logs to MLflow when the job names an MLflow
 run, and reports each published checkpoint and spike action to the event sink (tasks/train/events.py).
@@ -113,7 +114,8 @@ class Trainer:
         seed_rank_streams(tcfg.seed + 1 + self.rank)
         self.data_rng = np.random.default_rng([tcfg.seed, self.rank])  # per-rank data stream, checkpointed
         self.detector = SpikeDetector(tcfg.spike_window, tcfg.spike_min_history, tcfg.spike_sigma,
-                                      tcfg.spike_rollback_after)
+                                      tcfg.spike_rollback_after, loss_ratio=tcfg.spike_loss_ratio,
+                                      grad_ratio=tcfg.spike_grad_ratio)
         self.consumed_samples, self.skip_ranges, self.rollbacks = 0, [], 0
         self.start_step = 0
         self.metrics: MetricsLogger | None = None
@@ -265,31 +267,40 @@ class Trainer:
     # ------------------------------------------------------------------ loss spikes
 
     def on_spike(self, result: StepResult) -> int | None:
-        """The step's batch was skipped; on a persistent spike roll back to the newest checkpoint
-        before it and skip the data since. Returns the step rolled back to, else None."""
+        """The step's batch was skipped. On a persistent spike (spike_rollback_after in a row) roll
+        back to the newest checkpoint before it and skip the data since; with no checkpoint to roll
+        back to (or spike_max_rollbacks reached) re-baseline the detector instead, so a level shift
+        is adopted rather than skipped for ever. Returns the step rolled back to, else None."""
         step, pos, end = result.step, result.pos, result.end
-        persistent = self.detector.spiked(step, pos)
+        persistent = self.detector.spiked(step, pos, result.loss, result.grad_norm)
         self.report_spike(step, "skip", **result.spike, data_range=[pos, end],
                           consecutive=self.detector.consecutive)
         if not persistent:
             return None
-        first_step, bad_start = self.detector.streak_first_step, self.detector.streak_start
+        first_step = self.detector.streak_first_step
         self.finish_checkpoint()  # a checkpoint still being written may be the rollback target
         target = latest_checkpoint(self.out_dir, before_step=first_step)
         if target is not None and self.rollbacks < self.tcfg.spike_max_rollbacks:
-            ranges = list(self.skip_ranges) + [(bad_start, end)]
-            rollbacks = self.rollbacks + 1
-            to_step = self.restore(target)
-            self.skip_ranges, self.rollbacks = ranges, rollbacks
-            self.data.skip_ranges = list(ranges)
-            if self.metrics is not None:
-                self.metrics.rewind(to_step)
-            self.report_spike(to_step, "rollback", to_checkpoint=target.name, to_step=to_step,
-                              skipped_data=[bad_start, end], spike_steps=[first_step, step], rollbacks=rollbacks)
-            return to_step
+            return self.roll_back(target, step, end)
         why = "no checkpoint before the spike" if target is None else "spike_max_rollbacks reached"
-        self.report_spike(step, "rollback_unavailable", reason=why)
+        baseline = self.detector.rebaseline()
+        self.report_spike(step, "rebaseline", reason=why, spike_steps=[first_step, step], **baseline)
         return None
+
+    def roll_back(self, target: Path, step: int, end: int) -> int:
+        """Restore checkpoint `target` and skip the data of the current spike streak (which ends
+        at `step`, loader position `end`) from now on. Returns the step restored."""
+        first_step, bad_start = self.detector.streak_first_step, self.detector.streak_start
+        ranges = list(self.skip_ranges) + [(bad_start, end)]
+        rollbacks = self.rollbacks + 1
+        to_step = self.restore(target)
+        self.skip_ranges, self.rollbacks = ranges, rollbacks
+        self.data.skip_ranges = list(ranges)
+        if self.metrics is not None:
+            self.metrics.rewind(to_step)
+        self.report_spike(to_step, "rollback", to_checkpoint=target.name, to_step=to_step,
+                          skipped_data=[bad_start, end], spike_steps=[first_step, step], rollbacks=rollbacks)
+        return to_step
 
     def report_spike(self, step: int, action: str, **details) -> None:
         """Rank 0: spikes.jsonl and MLflow (MetricsLogger.log_spike), and the event sink."""
