@@ -88,6 +88,8 @@ def s3(tmp_path_factory):
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
+    # moto keeps its backends per process: clear what an earlier module's server left (user "reader")
+    _post(f"{endpoint}/moto-api/reset", b"")
     boot = dict(endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="setup",
                 aws_secret_access_key="setup")
     try:
