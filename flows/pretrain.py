@@ -84,10 +84,15 @@ def deploy(cfg: PipelineConfig, run: RunContext, evaluations: list[EvalResult], 
 def pretrain(config: dict, run_name: str | None = None) -> dict:
     """`config` is the resolved pipeline config as JSON (what a deployment or the UI passes); it is
     validated once, here, and the subflows get the validated PipelineConfig."""
-    cfg = PipelineConfig.model_validate(config)
+    return pretrain_dag(PipelineConfig.model_validate(config), run_name)
+
+
+def pretrain_dag(cfg: PipelineConfig, run_name: str | None = None, root_job: str = "pretrain") -> dict:
+    """The pretrain DAG inside the current flow run (`root_job`: that flow's name; the
+    continue-pretraining flow bootstraps its first cycle with it)."""
     # with the stack's triggers service up, its flows evaluate and deploy each checkpoint as it is
     # saved; evaluate/deploy below then collect their results instead of doing the work again
-    run = open_run(cfg, run_name).model_copy(update={"triggered": triggers_active(cfg)})
+    run = open_run(cfg, run_name).model_copy(update={"triggered": triggers_active(cfg), "root_job": root_job})
     with pretrain_scope(cfg, run) as summary:
         ingested, curated, scored = curate(cfg, run)
         tok = train_tokenizer(cfg, run, scored.shards)

@@ -28,6 +28,10 @@ from tasks.tracking import Tracker
 
 log = logging.getLogger("crucible.lineage")
 
+# the file defining each root flow (the lineage job's sourceCodeLocation)
+ROOT_FLOW_CODE = {"pretrain": "flows/pretrain.py", "continue-pretraining": "flows/continued.py",
+                  "ablate": "flows/ablate.py"}
+
 
 class RunContext(BaseModel):
     """Everything a stage needs to know about the pipeline run it belongs to."""
@@ -250,8 +254,9 @@ def create_lineage_link(ctx: RunContext, node: str | None, what: str, key: str |
 
 @contextmanager
 def pretrain_scope(cfg: PipelineConfig, ctx: RunContext) -> Iterator[Summary]:
-    """Root lineage run + MLflow parent run status + summary file + Prefect timing artifact and a
-    link artifact to the lineage of what the run produced."""
+    """Root lineage run (the pretrain flow's, or the continue-pretraining flow's: ctx.root_job) +
+    MLflow parent run status + summary file + Prefect timing artifact and a link artifact to the
+    lineage of what the run produced."""
     from prefect.artifacts import create_markdown_artifact
 
     from tasks.lineage.transport import endpoint_url, http_stats
@@ -263,7 +268,7 @@ def pretrain_scope(cfg: PipelineConfig, ctx: RunContext) -> Iterator[Summary]:
     links = ctx.links(mlflow_run_id=ctx.mlflow_parent_run_id, flow_run_id=ctx.root_run_id)
     try:
         with ctx.emitter(cfg).run(ctx.root, job_type="FLOW", run_facets={"crucible_links": links},
-                                  job_doc=FLOW_DOCS["pretrain"], code_path="flows/pretrain.py"):
+                                  job_doc=FLOW_DOCS.get(ctx.root_job), code_path=ROOT_FLOW_CODE.get(ctx.root_job)):
             yield summary
     except BaseException as e:
         summary.status, summary.error = "FAILED", f"{type(e).__name__}: {e}"
@@ -286,7 +291,7 @@ def pretrain_scope(cfg: PipelineConfig, ctx: RunContext) -> Iterator[Summary]:
     tracker.log_dict(ctx.mlflow_parent_run_id, data, "summary.json")
     tracker.end_run(ctx.mlflow_parent_run_id)
     create_markdown_artifact(key="stage-timings", markdown=timings_markdown(data),
-                             description="Seconds per stage of this pretrain run")
+                             description=f"Seconds per stage of this {ctx.root_job} run")
 
 
 @contextmanager

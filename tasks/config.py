@@ -39,6 +39,9 @@ class SourceConfig(Section):
     pii_policy: Literal["redact", "keep"] = "redact"
     mixture_weight: float = Field(default=1.0, ge=0)
     retention: str = ""  # retention note: how long the raw and derived data may be kept, and why
+    # the exact files to read instead of expanding `uri` (a continued-pretraining cycle sets it to
+    # the new files the data ledger found; each must be one `uri` names)
+    files: list[str] | None = None
     # Options of the source's fsspec file system (s3fs for s3://: endpoint_url, anon, key, secret,
     # token, client_kwargs, default_block_size, ...). A value "${NAME}" is read from the environment
     # where the file is opened. Credentials may only be given that way, so the config (logged to
@@ -433,6 +436,12 @@ class TrainConfig(Section):
     parallelism: Literal["ddp", "fsdp2"] = "ddp"  # fsdp2: torch.distributed.fsdp.fully_shard per block
     dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast (fsdp2: bf16 params) with fp32 master weights
     compile: bool = False  # torch.compile each transformer block
+    # continued pretraining: start from this checkpoint's model weights (a fresh run's step 0; the
+    # learning-rate schedule starts over). init_sha256: its tree hash (tasks.core.hashing.sha256_tree),
+    # checked before anything in it is read; init_optimizer: also load its AdamW moments
+    init_from: str | None = None
+    init_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    init_optimizer: bool = False
 
     @model_validator(mode="after")
     def _lr_order(self) -> "TrainConfig":
@@ -442,6 +451,8 @@ class TrainConfig(Section):
             raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the rendezvous)")
         if self.stop_at_step is not None and self.stop_at_step > self.max_steps:
             raise ValueError(f"stop_at_step ({self.stop_at_step}) must not exceed max_steps ({self.max_steps})")
+        if self.init_from and not self.init_sha256:
+            raise ValueError("init_from needs init_sha256 (the checkpoint's tree hash): nothing is loaded unverified")
         return self
 
 
@@ -646,6 +657,50 @@ class ContinueConfig(Section):
     # SQLite record of every raw file consumed by a committed cycle (tasks.continued.ledger);
     # relative to stack.state_dir unless absolute
     ledger: str = "ledger.db"
+    # the persistent MinHash index every cycle deduplicates against, used when
+    # curate.dedup.minhash.index_dir is unset; relative to stack.state_dir unless absolute
+    minhash_index: str = "minhash-index"
+    # share of each cycle's training tokens replayed from earlier cycles' token shards (Ibrahim et
+    # al. 2024: 0.05 for a weak distribution shift, 0.25 for a strong one)
+    replay_fraction: float = Field(default=0.25, ge=0, lt=1)
+    replay_seed: int = 0
+    # rewarm_cosine: linear re-warm over rewarm_steps from 0 to `lr` (train.lr unless set), then
+    # cosine re-decay to train.min_lr over the cycle's steps
+    lr_schedule: Literal["rewarm_cosine"] = "rewarm_cosine"
+    rewarm_steps: int | None = Field(default=None, ge=0)  # None: train.warmup_steps
+    lr: float | None = Field(default=None, gt=0)
+    max_steps: int | None = Field(default=None, gt=0)  # optimizer steps per cycle (None: train.max_steps)
+    init_optimizer: bool = False  # also continue the champion's AdamW moments
+    # a continuation keeps the champion's tokenizer; true asks to retrain it and is refused
+    retrain_tokenizer: bool = False
+    # cron schedule of the continue-pretraining deployment `crucible up` serves (None: run on demand)
+    schedule: str | None = None
+    timezone: str = "UTC"
+
+    @field_validator("schedule")
+    @classmethod
+    def _cron(cls, v: str | None) -> str | None:
+        if v is not None:
+            from datetime import datetime
+
+            from cronsim import CronSim, CronSimError  # Prefect's own cron parser
+
+            try:
+                CronSim(v, datetime(2026, 1, 1))
+            except CronSimError:
+                raise ValueError(f"{v!r} is not a cron expression (e.g. \"0 3 * * *\": every day at 03:00)") from None
+        return v
+
+    @field_validator("timezone")
+    @classmethod
+    def _timezone(cls, v: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(v)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"{v!r} is not an IANA time zone (e.g. UTC, Europe/Berlin)") from None
+        return v
 
 
 class PipelineConfig(Section):

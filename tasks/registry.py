@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tasks.ablate.stage import AblateStage
+from tasks.continued.stage import ReplayMixStage
 from tasks.core.stage import Stage
 from tasks.curate.stage import CurateStage
 from tasks.deploy.stage import DeployStage
@@ -20,10 +21,12 @@ from tasks.tokenizer.stage import TokenizerStage
 from tasks.tokens.stage import TokensStage
 from tasks.train.stage import TrainStage
 
-# In pipeline order. The ablate stage runs in its own flow (flows/ablate.py).
+# In pipeline order. The ablate stage runs in its own flow (flows/ablate.py); the replay mix only in
+# continued-pretraining cycles (flows/continued.py).
 STAGES: dict[str, Stage] = {s.name: s for s in (
-    IngestStage(), CurateStage(), QualityStage(), TokenizerStage(), TokensStage(), PlanStage(), TrainStage(),
-    EvaluateStage(), DeployStage(), AblateStage())}
+    IngestStage(), CurateStage(), QualityStage(), TokenizerStage(), TokensStage(), ReplayMixStage(), PlanStage(),
+    TrainStage(), EvaluateStage(), DeployStage(), AblateStage())}
+CONTINUE_ONLY = {"mix"}
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,8 @@ class FlowSpec:
 
     @property
     def stages(self) -> tuple[Stage, ...]:
-        return tuple(s for s in STAGES.values() if s.flow == self.name)
+        """The stages the pretrain flow runs in this subflow."""
+        return tuple(s for s in STAGES.values() if s.flow == self.name and s.name not in CONTINUE_ONLY)
 
 
 # The pretrain flow's subflows, in DAG order (flows/pretrain.py).
@@ -50,6 +54,10 @@ PRETRAIN_FLOWS: list[FlowSpec] = [
 ROOT_FLOWS = {
     "pretrain": "The pretrain flow (flows/pretrain.py): raw web pages -> curated corpus -> tokenizer -> token "
                 "shards -> torchrun training -> evaluation of every checkpoint -> gated deployment.",
+    "continue-pretraining": "The continue-pretraining flow (flows/continued.py): one cycle of continued pretraining: "
+                            "the raw files the data ledger has not seen, curated against everything kept before, "
+                            "encoded with the champion's tokenizer, mixed with replayed earlier tokens, trained "
+                            "from the champion's weights, evaluated and gated.",
     "ablate": "The ablate flow (flows/ablate.py): the same model and token budget trained on the langid-only and "
               "the fully curated corpus, both scored on clean held-out text.",
 }

@@ -324,11 +324,18 @@ def test_continue_section_in_yaml_dumps_and_round_trips(tmp_path):
     assert ledger_path(cfg, tmp_path / "state") == tmp_path / "state" / "cycles" / "ledger.db"
     assert ledger_path(load_config(path, [f"continue.ledger={tmp_path}/abs.db"]), "/elsewhere") == \
            tmp_path / "abs.db"
-    assert cfg.model_dump(mode="json", by_alias=True)["continue"] == {"ledger": "cycles/ledger.db"}
+    assert cfg.model_dump(mode="json", by_alias=True)["continue"]["ledger"] == "cycles/ledger.db"
     for dumped in (cfg.model_dump(mode="json"), cfg.model_dump(mode="json", by_alias=True)):
         assert PipelineConfig.model_validate(dumped) == cfg
     assert PipelineConfig.model_validate_json(cfg.model_dump_json()) == cfg
     with pytest.raises(ConfigError, match=r"continue\.ledgr"):
         load_config(path, ["continue.ledgr=x.db"])
+    with pytest.raises(ConfigError, match=r"continue\.schedule.*not a cron expression"):
+        load_config(path, ["continue.schedule=every night"])
+    with pytest.raises(ConfigError, match=r"continue\.timezone.*IANA"):
+        load_config(path, ["continue.timezone=Mars/Olympus"])
+    with pytest.raises(ConfigError, match=r"continue\.replay_fraction"):
+        load_config(path, ["continue.replay_fraction=1.0"])
+    assert load_config(path, ["continue.schedule=0 3 * * *"]).continue_.schedule == "0 3 * * *"
     for existing in sorted((REPO_ROOT / "configs").glob("*.yaml")):
         assert load_config(existing).continue_.ledger == "ledger.db"

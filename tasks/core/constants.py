@@ -23,3 +23,6 @@ EVAL_FLOW = "evaluate-checkpoint"
 DEPLOY_FLOW = "deploy-model"
 EVAL_DEPLOYMENT = f"{EVAL_FLOW}/{EVAL_FLOW}"
 DEPLOY_DEPLOYMENT = f"{DEPLOY_FLOW}/{DEPLOY_FLOW}"
+# scheduled continued pretraining (flows/continued.py): the flow and its deployment
+CONTINUE_FLOW = "continue-pretraining"
+CONTINUE_DEPLOYMENT = f"{CONTINUE_FLOW}/{CONTINUE_FLOW}"

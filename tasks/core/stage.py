@@ -50,6 +50,7 @@ class StageInputs:
     checkpoint: str | None = None  # one checkpoint directory
     evaluation: dict | None = None  # an evaluation report (the deploy stage's input)
     train_run_id: str | None = None  # the training stage's MLflow run
+    replay: list[str] = field(default_factory=list)  # continued pretraining: earlier cycles' token indexes
 
 
 @dataclass

@@ -58,7 +58,11 @@ def lineage_tags(cfg, evaluation: dict, tokenizer_path: Path) -> dict:
         tags["lineage.run_dir"] = str(layout.run_dir)
         if layout.lineage_log.is_file():
             tags["lineage.log"] = str(layout.lineage_log)
-        index = layout.tokens_index
+        # what training read: the cycle's mix for a continued run (its replay pool), else tokens/index.json
+        from tasks.train.checkpoint import read_meta
+
+        trained_on = read_meta(ckpt).get("tokens_index")
+        index = Path(trained_on) if trained_on and Path(trained_on).is_file() else layout.tokens_index
         if index.is_file():
             tags["data.tokens_index"] = str(index)
             tags["data.tokens_index_sha256"] = sha256_file(index)

@@ -46,8 +46,11 @@ QUARANTINE = "quarantine.jsonl"
 
 
 def resolve_source_files(cfg: PipelineConfig, source: SourceConfig) -> list[str]:
-    """The files of `source` (sorted), by URI: local paths/globs, file://, http(s)://, s3://."""
+    """The files of `source` (sorted), by URI: local paths/globs, file://, http(s)://, s3://; or
+    exactly `source.files` when set (a continued-pretraining cycle's new files)."""
     uri = cfg.resolve_uri(source.uri)
+    if source.files is not None:
+        return sorted(source.files)
     files = expand_uri(uri, source.storage_options)
     if not files:
         raise FileNotFoundError(f"source {source.name}: no files match {uri!r}")

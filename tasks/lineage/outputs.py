@@ -33,6 +33,8 @@ DATASET_DOCS = {
     "tokenizer_report": "Tokenizer validation report: bytes per token per source and language on held-out documents, "
                         "round trip of every held-out document, code/maths/non-Latin-script behaviour vs a reference.",
     "tokens_index": "Index of the packed token shards: splits, token counts, dtype and the tokenizer used.",
+    "tokens_mix": "Index of a continued-pretraining cycle's training mix: the cycle's new tokens plus documents "
+                  "replayed from earlier cycles' token shards (the pool), with token counts by origin.",
     "tokens_split": "Packed token ids of the {split} split (flat binary array, see index.json for the dtype).",
     "eval_report": "Evaluation report of checkpoint {checkpoint}: validation loss, perplexity, task-suite scores and "
                    "sample generations (JSON).",

@@ -217,6 +217,56 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir
     return int(state["train"]["step"])
 
 
+def shape_mismatch(saved_model: dict, model: dict) -> list[str]:
+    """The model fields (GPTConfig) on which a checkpoint's model differs from `model`, as
+    "model.d_model: checkpoint 128, config 256" ([] when the weights fit)."""
+    return [f"model.{k}: checkpoint {saved_model.get(k)!r}, config {model.get(k)!r}"
+            for k in sorted(set(saved_model) | set(model)) if saved_model.get(k) != model.get(k)]
+
+
+def init_from_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: str | Path,
+                         tree_sha256: str, with_optimizer: bool = False) -> dict:
+    """Collective: a fresh run starts from `ckpt_dir`'s model weights (and, with_optimizer, its AdamW
+    moments); its step counter, data position and schedule are not taken over.
+
+    The directory's tree hash must equal `tree_sha256` before DCP reads its `.metadata` (a pickle),
+    and the checkpoint's model shape (its JSON meta) must equal `model`'s. Returns the meta."""
+    from tasks.core.hashing import sha256_tree
+
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / META_FILE).is_file():
+        raise FileNotFoundError(f"{ckpt_dir} is not a complete checkpoint (no {META_FILE})")
+    actual = sha256_tree(ckpt_dir)
+    if actual != tree_sha256:
+        raise ValueError(f"refusing to load {ckpt_dir}: its content hash {actual[:16]}... is not the expected "
+                         f"{tree_sha256[:16]}... (changed since it was registered)")
+    meta = read_meta(ckpt_dir)
+    if mismatch := shape_mismatch(meta["model"], model.cfg.to_dict()):
+        raise ValueError(f"the checkpoint {ckpt_dir} has another model shape: {'; '.join(mismatch)}")
+    state: dict = {"model": get_model_state_dict(model)}
+    osd = None
+    if with_optimizer:
+        osd = get_optimizer_state_dict(model, optimizer)
+        state["optim"] = {"state": osd["state"]}
+    dcp.load(state, checkpoint_id=str(ckpt_dir))
+    set_model_state_dict(model, state["model"])
+    if osd is not None:
+        set_optimizer_state_dict(model, optimizer, {"state": state["optim"]["state"], "param_groups": osd["param_groups"]},
+                                 options=StateDictOptions(strict=True))
+    return meta
+
+
+def weights_sha256(model: nn.Module) -> str:
+    """sha256 over the model's parameters and buffers in name order (full tensors under FSDP2):
+    equal for bitwise-equal weights."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 # ---------------------------------------------------------------- RNG states (JSON, per rank)
 
 def capture_rng_state(data_rng: np.random.Generator | None = None) -> dict:

@@ -5,6 +5,7 @@ those three numbers: ranks see different data, and a resumed run draws the same 
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,11 @@ class GlobalWindows:
     `skip_ranges` ([start, end) global sample ranges) are jumped over: a loss-spike rollback
     records the offending data there.
 
+    A continued-pretraining mix (index.json "mix": new tokens, then replayed ones from token
+    `replay_start`) is stratified: each epoch permutes the new windows and the replay windows
+    separately and interleaves them evenly, so every stretch of training sees the configured
+    replay share (up to one window), not just the epoch as a whole.
+
     With `documents=True` the split's document starts are loaded and `micro_batch_documents`
     gives, per input token, its document id within the sequence and its position in that
     document (for the model's document mask and per-document RoPE positions). A document cut by
@@ -63,11 +69,26 @@ class GlobalWindows:
                              f"= {seq_len + 1}: make the corpus larger or seq_len smaller")
         self._perm_epoch, self._perm = -1, None
         self.skip_ranges: list[tuple[int, int]] = []
+        mix = json.loads(Path(index_path).read_text()).get("mix")
+        # windows starting before the replay part are the new data's stratum
+        self.n_new = min(self.n_windows, -(-mix["replay_start"] // seq_len)) if mix else self.n_windows
+
+    def window_start(self, g: int) -> int:
+        """Token offset in the split where global sample g's window starts."""
+        return self._window(g) * self.seq_len
 
     def _window(self, g: int) -> int:
         epoch, i = divmod(g, self.n_windows)
         if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+            rng = np.random.default_rng([self.seed, epoch])
+            if self.n_new == self.n_windows:
+                self._perm = rng.permutation(self.n_windows)
+            else:  # two strata, interleaved evenly (Bresenham): the replay share holds in every prefix
+                new, replay = rng.permutation(self.n_new), self.n_new + rng.permutation(self.n_windows - self.n_new)
+                k = np.arange(1, self.n_windows + 1)
+                is_replay = np.diff(np.concatenate(([0], k * len(replay) // self.n_windows))).astype(bool)
+                self._perm = np.empty(self.n_windows, dtype=np.int64)
+                self._perm[is_replay], self._perm[~is_replay] = replay, new
             self._perm_epoch = epoch
         return int(self._perm[i])
 

@@ -17,8 +17,11 @@ class TrainStage(Stage):
     result_type = TrainResult
 
     def input_datasets(self, cfg, inputs: StageInputs) -> list:
-        return [dataset_for_path(inputs.tokens_index)] + [dataset_for_path(p) for p in
-                                                          token_split_paths(inputs.tokens_index)]
+        datasets = [dataset_for_path(inputs.tokens_index)] + [dataset_for_path(p) for p in
+                                                              token_split_paths(inputs.tokens_index)]
+        if cfg.train.init_from:  # a continued run: the champion's checkpoint it starts from (and, upstream, its data)
+            datasets.append(dataset_for_path(cfg.train.init_from))
+        return datasets
 
     def run(self, cfg, inputs, ctx) -> TrainResult:
         from tasks.train import run_training

@@ -11,6 +11,7 @@ run, and reports each published checkpoint and spike action to the event sink (t
 """
 from __future__ import annotations
 
+import json
 import math
 import random
 import shutil
@@ -25,9 +26,9 @@ import torch.distributed as dist
 from tasks.core.layout import CHECKPOINTS_DIR
 from tasks.config import PipelineConfig
 from tasks.tokens.binfile import load_index
-from tasks.train.checkpoint import (MANIFEST, apply_retention, capture_rng_state, latest_checkpoint,
-                                    list_checkpoints, load_checkpoint, new_checkpoint_group, read_meta,
-                                    read_rng_state, restore_rng_state, start_checkpoint)
+from tasks.train.checkpoint import (MANIFEST, apply_retention, capture_rng_state, init_from_checkpoint,
+                                    latest_checkpoint, list_checkpoints, load_checkpoint, new_checkpoint_group,
+                                    read_meta, read_rng_state, restore_rng_state, start_checkpoint, weights_sha256)
 from tasks.train.data import GlobalWindows, global_batch
 from tasks.train.events import EventSink, NoEvents
 from tasks.train.flops import flops_per_token
@@ -37,6 +38,9 @@ from tasks.train.optimizer import build_optimizer
 from tasks.train.parallelize import autocast_context, describe_built, grad_sync_context, parallelize
 from tasks.train.schedule import lr_at, set_lr
 from tasks.train.spikes import SpikeDetector
+
+
+INIT_FILE = "init.json"  # a continued run: the checkpoint its step 0 came from, and its weights' hash
 
 
 @dataclass(frozen=True)
@@ -175,7 +179,26 @@ class Trainer:
             (out_dir / CHECKPOINTS_DIR / MANIFEST).unlink(missing_ok=True)
             (out_dir / SPIKE_LOG).unlink(missing_ok=True)
         dist.barrier()
+        if start_step == 0 and self.tcfg.init_from:
+            self.init_from_champion()
         return start_step
+
+    def init_from_champion(self) -> None:
+        """Collective: step 0 of a continued run takes the weights (and, train.init_optimizer, the
+        AdamW moments) of train.init_from, verified by its tree hash; rank 0 records in init.json
+        what was loaded and the sha256 of the resulting weights."""
+        tcfg = self.tcfg
+        meta = init_from_checkpoint(self.model, self.optimizer, tcfg.init_from, tcfg.init_sha256,
+                                    with_optimizer=tcfg.init_optimizer)
+        digest = weights_sha256(self.model)
+        if self.rank == 0:
+            record = {"init_from": str(Path(tcfg.init_from).resolve()), "tree_sha256": tcfg.init_sha256,
+                      "from_step": meta["step"], "from_run": meta.get("run_name"),
+                      "optimizer_moments": tcfg.init_optimizer, "weights_sha256": digest}
+            (self.out_dir / INIT_FILE).write_text(json.dumps(record, indent=2) + "\n")
+            print(f"[train] initialised from {tcfg.init_from} (step {meta['step']} of {meta.get('run_name')}"
+                  f"{', with its AdamW moments' if tcfg.init_optimizer else ''}); weights sha256 {digest[:16]}",
+                  flush=True)
 
     # ------------------------------------------------------------------ the loop
 

@@ -1,0 +1,164 @@
+"""The `continue-pretraining` flow: one cycle of scheduled continued pretraining.
+
+    continue-pretraining
+    ├── discover          the data ledger's new raw files (none: a "no new data" artifact, done)
+    ├── curate            ingest_sources → filter_and_dedup → quality_filter   (only the new files;
+    │                     MinHash against the persistent index of everything kept before)
+    ├── prepare_tokens    encode_and_pack (the champion's tokenizer, sha256-checked) → mix_replay
+    ├── train             plan_training → torchrun_train   (step 0 = the champion's weights; re-warm)
+    ├── evaluate          evaluate_checkpoint × N
+    └── deploy            gate_register_serve
+    then the ledger commits the cycle's files (model registered, or refused by the gate: consumed
+    either way); a cycle that fails or is killed commits nothing, so the next one takes them again.
+
+With no champion yet, the cycle bootstraps: the full pretrain DAG (its own tokenizer) on the new
+files. `crucible up` serves this flow as a deployment with continue.schedule (cron) and a
+concurrency limit of 1; `crucible run --continue CONFIG` runs one cycle now.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from prefect import flow
+
+from flows.artifacts import publish_quietly
+from flows.cli import run_flow_cli
+from flows.pretrain import curate, deploy, evaluate, prepare_tokens, pretrain_dag, train
+from flows.run_context import RunContext, new_run_name, open_run, pretrain_scope
+from flows.stage_task import flow_lineage, run_stage_task
+from flows.triggers import triggers_active
+from tasks.config import PipelineConfig
+from tasks.core.constants import CONTINUE_FLOW
+from tasks.core.stage import Markdown, StageInputs, TokensResult
+
+CYCLE_TAG = "crucible.cycle"
+
+
+@flow(name="replay_mix")
+def replay_mix(cfg: PipelineConfig, run: RunContext, tokens_index: str, replay: list[str]) -> TokensResult:
+    with flow_lineage(cfg, run):
+        return run_stage_task("mix", cfg, run, StageInputs(tokens_index=tokens_index, replay=replay))
+
+
+def _state_dir(cfg: PipelineConfig) -> Path:
+    from infra.stack import state_dir
+
+    return state_dir(cfg.stack)
+
+
+@flow(name=CONTINUE_FLOW)
+def continue_pretraining(config: dict, run_name: str | None = None) -> dict:
+    """`config` is the resolved pipeline config as JSON (what the deployment passes); validated here."""
+    from flows.run_context import default_tracking_uri
+    from tasks.continued.cycle import check_continuation, cycle_config, find_champion
+    from tasks.continued.ledger import Ledger
+
+    cfg = PipelineConfig.model_validate(config)
+    state = _state_dir(cfg)
+    ledger = Ledger.for_config(cfg, state)
+    discovery = ledger.discover(cfg)
+    if discovery.empty:
+        publish_quietly([Markdown("continue-no-new-data", f"# No new data\n\n{discovery.message}\n\nNothing was "
+                                  "trained; the champion keeps serving.", "Why this cycle trained nothing")])
+        print(f"[continue] {discovery.message}", flush=True)
+        return {"status": "NO_NEW_DATA", "message": discovery.message, "discovery": discovery.to_dict()}
+    tracking_uri = default_tracking_uri(cfg)
+    champion = find_champion(cfg, tracking_uri)
+    if champion is not None:
+        check_continuation(cfg, champion)
+    cycle_cfg = cycle_config(cfg, discovery, champion, state)
+    number = int((champion.tags.get(CYCLE_TAG) if champion else 0) or 0) + 1
+    run_name = run_name or new_run_name(cfg)
+    ledger.pending(run_name, discovery.files)
+    print(f"[continue] cycle {number} ({run_name}): {discovery.message}", flush=True)
+    if champion is None:
+        summary = pretrain_dag(cycle_cfg, run_name, root_job=CONTINUE_FLOW)
+    else:
+        summary = _continue(cycle_cfg, run_name, champion)
+    summary["cycle"] = {"number": number, "discovery": discovery.to_dict(),
+                        "champion": champion.to_dict() if champion else None}
+    _close_cycle(cycle_cfg, ledger, run_name, number, summary, champion)
+    return summary
+
+
+def _continue(cfg: PipelineConfig, run_name: str, champion) -> dict:
+    """The cycle's DAG with a champion: curate the new files, encode them with the champion's
+    tokenizer, add the replay, train from the champion, evaluate, gate."""
+    from tasks.continued.mix import replay_pool
+
+    run = open_run(cfg, run_name).model_copy(update={"triggered": triggers_active(cfg), "root_job": CONTINUE_FLOW})
+    with pretrain_scope(cfg, run) as summary:
+        ingested, curated, scored = curate(cfg, run)
+        tokenizer = str(champion.tokenizer)
+        tokens = prepare_tokens(cfg, run, tokenizer, scored.shards)
+        mix = replay_mix(cfg, run, tokens.index_path, [str(p) for p in replay_pool(champion.tokens_index)])
+        plan, trained = train(cfg, run, mix.index_path, tokenizer)
+        evals = evaluate(cfg, run, trained.checkpoints, tokenizer, tokens.index_path, trained.mlflow_run_id)
+        deployed = deploy(cfg, run, evals, tokenizer, trained.mlflow_run_id)
+        summary.record(ingest=ingested.data, curate=curated.data, quality=scored.data, tokens=tokens.data,
+                       mix=mix.data | {"trained": _trained_share(cfg, mix.index_path, trained.checkpoints)},
+                       plan=plan.data, train=trained.data, evaluate=[e.data for e in evals], deploy=deployed.data)
+    return summary.as_dict()
+
+
+def _trained_share(cfg: PipelineConfig, index_path: str, checkpoints: list[str]) -> dict:
+    """The replay share of the tokens the run really trained on (its loader replayed to the last checkpoint)."""
+    from tasks.continued.mix import trained_replay_share
+    from tasks.train.checkpoint import read_meta
+
+    if not checkpoints:
+        return {}
+    state = read_meta(checkpoints[-1]).get("trainer") or {}
+    return trained_replay_share(index_path, cfg.model.seq_len, cfg.train.seed, int(state.get("consumed_samples", 0)),
+                                [tuple(r) for r in state.get("skip_ranges", [])])
+
+
+def _close_cycle(cfg: PipelineConfig, ledger, run_name: str, number: int, summary: dict, champion) -> None:
+    """Commit the cycle's files once its model is registered or refused by the gate, and tag the
+    cycle's MLflow run and the new model version (cycle number, parent version, previous run)."""
+    from tasks.tracking import Tracker
+
+    deployed = summary["stages"].get("deploy") or {}
+    version = deployed.get("version")
+    note = (f"model {deployed.get('model_name')} version {version} registered" if version is not None
+            else f"not promoted: {deployed.get('reason')}")
+    ledger.commit(run_name, note=note)
+    tracking_uri, run_id = summary["mlflow"]["tracking_uri"], summary["mlflow"]["run_id"]
+    tags = {CYCLE_TAG: str(number), "crucible.ledger_note": note}
+    if champion is not None:
+        tags |= {"crucible.parent_model_version": str(champion.version),
+                 "crucible.previous_cycle_run": str(champion.run_name)}
+    Tracker(tracking_uri, cfg.name).set_tags(run_id, tags)
+    if version is not None and deployed.get("model_name"):
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        client.set_model_version_tag(deployed["model_name"], str(version), CYCLE_TAG, str(number))
+        if champion is not None:
+            client.set_model_version_tag(deployed["model_name"], str(version), "continued_from", str(champion.version))
+    summary["cycle"]["ledger"] = note
+    path = Path(summary["run_dir"]) / "summary.json"
+    path.write_text(json.dumps(summary, indent=2, default=str))
+
+
+def run_cycle(cfg: PipelineConfig, summary_path: str | Path | None = None, run_name: str | None = None) -> dict:
+    """Run one cycle (against PREFECT_API_URL if set) and return its summary."""
+    state = continue_pretraining(config=cfg.model_dump(mode="json"), run_name=run_name, return_state=True)
+    if not state.is_completed():
+        raise RuntimeError(f"{CONTINUE_FLOW} flow {state.name}: {state.message}")
+    summary = state.result()
+    if summary_path:
+        Path(summary_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(summary_path).write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_flow_cli("python -m flows.continued", __doc__, run_cycle, "--summary",
+                        "also write the cycle's JSON summary here", ("status", "run_dir", "message"), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

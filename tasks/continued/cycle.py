@@ -1,0 +1,117 @@
+"""One continued-pretraining cycle, as plain logic: the champion it continues (verified against the
+registry), the checks that refuse a config that would not be a continuation, and the config the
+cycle's stages run with (only the new files, the persistent MinHash index, training initialised
+from the champion with a re-warmed schedule)."""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.config import PipelineConfig
+from tasks.continued.ledger import Discovery
+
+
+class CycleError(ValueError):
+    """A cycle that must not start; the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class Champion:
+    """The registered champion a cycle continues, with its files verified."""
+    model_name: str
+    version: int
+    checkpoint: Path
+    checkpoint_sha256: str  # tree hash of the checkpoint directory (train.init_sha256)
+    tokenizer: Path
+    tokenizer_sha256: str
+    tokens_index: Path | None  # what it was trained on (its replay pool comes from there)
+    model: dict  # the checkpoint's GPTConfig
+    run_name: str | None
+    mlflow_run_id: str | None  # the run that registered it (training run)
+    tags: dict
+
+    def to_dict(self) -> dict:
+        return {"model_name": self.model_name, "version": self.version, "checkpoint": str(self.checkpoint),
+                "checkpoint_sha256": self.checkpoint_sha256, "tokenizer": str(self.tokenizer),
+                "tokenizer_sha256": self.tokenizer_sha256,
+                "tokens_index": str(self.tokens_index) if self.tokens_index else None, "run_name": self.run_name}
+
+
+def find_champion(cfg: PipelineConfig, tracking_uri: str) -> Champion | None:
+    """The champion of deploy.model_name, or None when there is none yet (the cycle bootstraps).
+    Its checkpoint and tokenizer must still be where it was registered from and hash to the
+    registered content hash; otherwise the cycle is refused (nothing unverified is loaded)."""
+    from tasks.core.hashing import sha256_file, sha256_text, sha256_tree
+    from tasks.deploy.registry import get_champion
+    from tasks.train.checkpoint import read_meta
+
+    found = get_champion(tracking_uri, cfg.deploy.model_name)
+    if found is None:
+        return None
+    tags, version = found["tags"], found["version"]
+    ckpt, tok = Path(tags.get("checkpoint", "")), Path(tags.get("tokenizer", ""))
+    name = f"{cfg.deploy.model_name} version {version}"
+    if not tags.get("checkpoint") or not ckpt.is_dir() or not tok.is_file():
+        raise CycleError(f"the champion ({name}) was registered from {ckpt} and {tok}, which are gone: a cycle "
+                         f"continues the champion's own checkpoint (with its optimizer state), so keep its run "
+                         f"directory or promote another version")
+    tree, tok_sha = sha256_tree(ckpt), sha256_file(tok)
+    if sha256_text(f"checkpoint {tree}\ntokenizer {tok_sha}\n") != tags.get("content_hash"):
+        raise CycleError(f"the champion's files ({ckpt}, {tok}) no longer match the content hash registered for "
+                         f"{name}: refusing to continue from them")
+    index = tags.get("data.tokens_index")
+    meta = read_meta(ckpt)
+    return Champion(cfg.deploy.model_name, version, ckpt, tree, tok, tok_sha,
+                    Path(index) if index and Path(index).is_file() else None, meta["model"],
+                    tags.get("run_name"), found.get("run_id"), tags)
+
+
+def check_continuation(cfg: PipelineConfig, champion: Champion) -> None:
+    """Refuse, before anything starts, a config that would not continue the champion: one that asks
+    to retrain the tokenizer, or a model shape other than the champion's (each differing field named)."""
+    from tasks.train.checkpoint import shape_mismatch
+    from tasks.train.model import GPTConfig
+
+    if cfg.continue_.retrain_tokenizer:
+        raise CycleError("continue.retrain_tokenizer is true, but a cycle keeps the champion's tokenizer "
+                         f"({champion.tokenizer}, sha256 {champion.tokenizer_sha256[:12]}...): new token ids would "
+                         "not mean what the champion learnt, so this would not be a continuation. Train a new "
+                         "model with `crucible run` instead, or set continue.retrain_tokenizer=false")
+    wanted = GPTConfig.from_model_config(cfg.model, champion.model["vocab_size"]).to_dict()
+    if mismatch := shape_mismatch(champion.model, wanted):
+        raise CycleError(f"the config's model shape differs from the champion's ({champion.model_name} version "
+                         f"{champion.version}): {'; '.join(mismatch).replace('checkpoint', 'champion')}; a cycle "
+                         f"continues the champion's weights, so the model section must match them")
+
+
+def minhash_index_dir(cfg: PipelineConfig, state_dir: str | Path) -> Path:
+    """continue.minhash_index, relative to the stack's state directory unless absolute."""
+    path = Path(cfg.continue_.minhash_index)
+    return path if path.is_absolute() else Path(state_dir).resolve() / path
+
+
+def cycle_config(cfg: PipelineConfig, discovery: Discovery, champion: Champion | None,
+                 state_dir: str | Path) -> PipelineConfig:
+    """The config the cycle's stages run with: each source reduced to its new files (sources
+    without any left out), MinHash deduplication against the persistent index (unless
+    curate.dedup.minhash.index_dir names another), and with a champion: training from its
+    checkpoint with the re-warmed cosine schedule and the cycle's step count."""
+    new = defaultdict(list)
+    for f in discovery.files:
+        new[f.source].append(f.uri)
+    data = cfg.model_dump(mode="json")
+    data["sources"] = [dict(s, files=new[s["name"]]) for s in data["sources"] if new.get(s["name"])]
+    if not data["sources"]:
+        raise CycleError(discovery.message)
+    minhash = data["curate"]["dedup"]["minhash"]
+    if minhash["enabled"] and not minhash["index_dir"]:
+        minhash["index_dir"] = str(minhash_index_dir(cfg, state_dir))
+    if champion is not None:
+        check_continuation(cfg, champion)
+        c, train = cfg.continue_, data["train"]
+        train.update(init_from=str(champion.checkpoint), init_sha256=champion.checkpoint_sha256,
+                     init_optimizer=c.init_optimizer, resume=False, lr_schedule="cosine",
+                     warmup_steps=train["warmup_steps"] if c.rewarm_steps is None else c.rewarm_steps,
+                     lr=c.lr or train["lr"], max_steps=c.max_steps or train["max_steps"], stop_at_step=None)
+    return PipelineConfig.model_validate(data)

@@ -1,0 +1,141 @@
+"""The training mix of a continued-pretraining cycle: the cycle's new tokens plus a replay share
+sampled from earlier cycles' token shards (Ibrahim et al. 2024, "Simple and Scalable Strategies to
+Continually Pre-train LLMs": replay against forgetting).
+
+`build_mix` writes a token index (tasks/tokens/binfile.py layout) whose train split is the new
+train split followed by whole documents drawn at random from the pool's train splits until the
+replay tokens are `fraction` of the mix; its val split is the new data's (held out, never replayed).
+The index's "mix" entry records the pool (every earlier cycle's own token index, then this cycle's,
+so the next cycle replays from all of them), the token counts by origin and where the replay
+starts. `trained_replay_share` replays the training loader over the samples a run consumed and
+measures which share of the tokens it trained on came from the replay part.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from tasks.core.hashing import sha256_file
+from tasks.core.layout import TOKENS_INDEX_FILE
+from tasks.tokens.binfile import load_index, open_doc_starts, open_split
+
+
+class MixError(ValueError):
+    """A replay pool that cannot be mixed with the new tokens (another tokenizer, no documents)."""
+
+
+def replay_pool(tokens_index: str | Path | None) -> list[Path]:
+    """The per-cycle token indexes behind a model trained on `tokens_index`: its mix's pool, or the
+    index itself when it was not a mix (a model pretrained from scratch)."""
+    if not tokens_index or not Path(tokens_index).is_file():
+        return []
+    mix = json.loads(Path(tokens_index).read_text()).get("mix")
+    return [Path(p) for p in mix["pool"]] if mix else [Path(tokens_index).resolve()]
+
+
+def _documents(index_path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) token offsets of the train split's documents."""
+    starts = np.asarray(open_doc_starts(index_path, "train"), dtype=np.int64)
+    ends = np.append(starts[1:], load_index(index_path)["splits"]["train"]["tokens"]).astype(np.int64)
+    return starts, ends
+
+
+def _draw(pool: list[Path], target: int, seed: int) -> list[tuple[int, int, int]]:
+    """(pool member, start, end) of the replayed documents: a seeded random order over every pool
+    document, repeated (a new order each pass) when the pool holds fewer tokens than the target;
+    stops at the document that brings the replay closest to the target."""
+    docs = [(i, int(a), int(b)) for i, p in enumerate(pool) for a, b in zip(*_documents(p)) if b > a]
+    if not docs:
+        raise MixError(f"the replay pool has no training documents: {[str(p) for p in pool]}")
+    rng = np.random.default_rng([seed, len(docs)])
+    chosen, total = [], 0
+    while total < target:
+        for k in rng.permutation(len(docs)):
+            i, a, b = docs[k]
+            if total + (b - a) - target > target - total:  # this one overshoots more than stopping undershoots
+                return chosen
+            chosen.append(docs[k])
+            total += b - a
+            if total >= target:
+                return chosen
+    return chosen
+
+
+def build_mix(new_index: str | Path, pool: list[Path], fraction: float, seed: int, out_dir: str | Path) -> dict:
+    """Write out_dir/{train.bin, train.doc_starts.npy, index.json}: the new train tokens, then
+    replayed documents making up `fraction` of the total. Returns the index (absolute paths) plus
+    "index_path". Every pool index must come from the same tokenizer (sha256) as `new_index`."""
+    new_index, out_dir = Path(new_index).resolve(), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    index = load_index(new_index)
+    for p in pool:
+        other = load_index(p)
+        if other.get("tokenizer_sha256") != index.get("tokenizer_sha256") or other["dtype"] != index["dtype"]:
+            raise MixError(f"cannot replay {p}: its tokens come from tokenizer {other.get('tokenizer_sha256')}, "
+                           f"not the cycle's {index.get('tokenizer_sha256')}")
+    new_tokens = index["splits"]["train"]["tokens"]
+    target = round(new_tokens * fraction / (1 - fraction)) if pool and fraction > 0 else 0
+    drawn = _draw(pool, target, seed) if target else []
+    dtype = np.dtype(index["dtype"]).newbyteorder("<")
+    by_origin = {str(new_index): {"role": "new", "tokens": new_tokens, "docs": index["splits"]["train"]["docs"]}}
+    train_path, starts_path = out_dir / "train.bin", out_dir / "train.doc_starts.npy"
+    new_starts = np.asarray(open_doc_starts(new_index, "train"), dtype=np.int64)
+    replay_starts, offset = [], new_tokens
+    with open(train_path, "wb") as out:
+        with open(index["splits"]["train"]["path"], "rb") as f:
+            shutil.copyfileobj(f, out, 1 << 20)
+        splits = {i: open_split(p, "train") for i, p in enumerate(pool)}
+        for i, a, b in drawn:
+            out.write(np.asarray(splits[i][a:b], dtype=dtype).tobytes())
+            replay_starts.append(offset)
+            offset += b - a
+            entry = by_origin.setdefault(str(pool[i]), {"role": "replay", "tokens": 0, "docs": 0})
+            entry["tokens"] += b - a
+            entry["docs"] += 1
+    np.save(starts_path, np.concatenate([new_starts, np.asarray(replay_starts, dtype=np.int64)]))
+    replay_tokens = offset - new_tokens
+    val = index["splits"]["val"]
+    mixed = {k: v for k, v in index.items() if k != "splits"}
+    mixed["splits"] = {
+        "train": {"path": train_path.name, "tokens": offset, "docs": len(new_starts) + len(replay_starts),
+                  "bytes": None, "sha256": sha256_file(train_path), "doc_starts": starts_path.name,
+                  "doc_starts_sha256": sha256_file(starts_path)},
+        # held-out text of the new data only (absolute: it stays where the tokens stage wrote it)
+        "val": {k: val[k] for k in ("path", "tokens", "docs", "bytes", "sha256", "doc_starts", "doc_starts_sha256")
+                if k in val},
+    }
+    mixed["mix"] = {"new_index": str(new_index), "pool": [str(p) for p in pool] + [str(new_index)],
+                    "replay_fraction": fraction, "seed": seed, "new_tokens": new_tokens,
+                    "replay_tokens": replay_tokens, "replay_target": target, "replay_start": new_tokens,
+                    "replay_share": replay_tokens / offset if offset else 0.0, "replay_docs": len(drawn),
+                    "by_origin": by_origin}
+    index_path = out_dir / TOKENS_INDEX_FILE
+    index_path.write_text(json.dumps(mixed, indent=2) + "\n")
+    result = load_index(index_path)
+    result["index_path"] = str(index_path.resolve())
+    return result
+
+
+def trained_replay_share(index_path: str | Path, seq_len: int, seed: int, consumed_samples: int,
+                         skip_ranges: list[tuple[int, int]] | None = None) -> dict:
+    """Which share of the input tokens a run trained on came from the replay part of its mix: the
+    training loader (tasks.train.data.GlobalWindows, same seed and seq_len) replayed over global
+    samples [0, consumed_samples) minus the skipped ranges."""
+    from tasks.train.data import GlobalWindows
+
+    mix = json.loads(Path(index_path).read_text()).get("mix")
+    if not mix:
+        return {"trained_tokens": 0, "replay_tokens": 0, "replay_share": 0.0}
+    windows = GlobalWindows(index_path, "train", seq_len, 1, seed=seed)
+    skipped = [range(a, b) for a, b in skip_ranges or []]
+    boundary, total, replay = mix["replay_start"], 0, 0
+    for g in range(consumed_samples):
+        if any(g in r for r in skipped):
+            continue
+        s = windows.window_start(g)
+        total += seq_len
+        replay += max(0, s + seq_len - max(s, boundary))
+    return {"trained_tokens": total, "replay_tokens": replay, "replay_share": replay / total if total else 0.0}
