@@ -7,7 +7,8 @@
     ├── prepare_tokens    encode_and_pack (the champion's tokenizer, sha256-checked) → mix_replay
     ├── train             plan_training → torchrun_train   (step 0 = the champion's weights; re-warm)
     ├── evaluate          evaluate_checkpoint × N
-    └── deploy            gate_register_serve
+    └── gate_and_deploy   score_yardstick → gate_register_serve   (champion and challenger on one
+                          pinned set, bits per byte: better on the new data, no forgetting)
     then the ledger commits the cycle's files (model registered, or refused by the gate: consumed
     either way); a cycle that fails or is killed commits nothing, so the next one takes them again.
 
@@ -25,15 +26,29 @@ from prefect import flow
 
 from flows.artifacts import publish_quietly
 from flows.cli import run_flow_cli
-from flows.pretrain import curate, deploy, evaluate, prepare_tokens, pretrain_dag, train
+from flows.pretrain import curate, evaluate, prepare_tokens, pretrain_dag, train
 from flows.run_context import RunContext, new_run_name, open_run, pretrain_scope
 from flows.stage_task import flow_lineage, run_stage_task
 from flows.triggers import triggers_active
 from tasks.config import PipelineConfig
 from tasks.core.constants import CONTINUE_FLOW
-from tasks.core.stage import Markdown, StageInputs, TokensResult
+from tasks.core.stage import DeployResult, EvalResult, Markdown, StageInputs, StageResult, TokensResult
 
 CYCLE_TAG = "crucible.cycle"
+
+
+@flow(name="gate_and_deploy")
+def gate_and_deploy(cfg: PipelineConfig, run: RunContext, evaluations: list[EvalResult], tokenizer: str,
+                    tokens_index: str, replay: list[str], train_run_id: str | None) -> tuple[StageResult, DeployResult]:
+    """The best checkpoint against the champion on the yardstick, then the deploy stage with that verdict."""
+    with flow_lineage(cfg, run):
+        best = min(evaluations, key=lambda e: e.val_loss)
+        yardstick = run_stage_task("yardstick", cfg, run, StageInputs(
+            evaluation=best.data, tokenizer=tokenizer, tokens_index=tokens_index, replay=replay))
+        # deployed here, never by the triggered deploy-model flow (whose gate compares val_loss)
+        deployed = run_stage_task("deploy", cfg, run.model_copy(update={"triggered": False}), StageInputs(
+            evaluation=best.data | {"yardstick": yardstick.data}, tokenizer=tokenizer, train_run_id=train_run_id))
+        return yardstick, deployed
 
 
 @flow(name="replay_mix")
@@ -93,13 +108,16 @@ def _continue(cfg: PipelineConfig, run_name: str, champion) -> dict:
         ingested, curated, scored = curate(cfg, run)
         tokenizer = str(champion.tokenizer)
         tokens = prepare_tokens(cfg, run, tokenizer, scored.shards)
-        mix = replay_mix(cfg, run, tokens.index_path, [str(p) for p in replay_pool(champion.tokens_index)])
+        pool = [str(p) for p in replay_pool(champion.tokens_index)]
+        mix = replay_mix(cfg, run, tokens.index_path, pool)
         plan, trained = train(cfg, run, mix.index_path, tokenizer)
         evals = evaluate(cfg, run, trained.checkpoints, tokenizer, tokens.index_path, trained.mlflow_run_id)
-        deployed = deploy(cfg, run, evals, tokenizer, trained.mlflow_run_id)
+        yardstick, deployed = gate_and_deploy(cfg, run, evals, tokenizer, tokens.index_path, pool,
+                                              trained.mlflow_run_id)
         summary.record(ingest=ingested.data, curate=curated.data, quality=scored.data, tokens=tokens.data,
                        mix=mix.data | {"trained": _trained_share(cfg, mix.index_path, trained.checkpoints)},
-                       plan=plan.data, train=trained.data, evaluate=[e.data for e in evals], deploy=deployed.data)
+                       plan=plan.data, train=trained.data, evaluate=[e.data for e in evals],
+                       yardstick=yardstick.data, deploy=deployed.data)
     return summary.as_dict()
 
 

@@ -171,6 +171,9 @@ def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run
         report = retried(evaluate_task, cfg.stack)(paths, run_id)
     champion_loss = champion_val_loss(_tracking_uri(cfg), cfg.deploy.model_name)
     decision = gate(cfg.deploy, report, champion_loss)
+    if cfg.train.init_from:  # a continued-pretraining cycle: its own flow gates it on the fixed yardstick
+        decision = {"passed": False, "reason": "continued-pretraining checkpoint: deployed only by its cycle's "
+                                               f"yardstick gate (val_loss {report['val_loss']:.4f})"}
     write_gate(report, decision, champion_loss)
     if not decision["passed"]:  # no deploy-model run follows: the verdict is recorded here
         record_gate(_tracking_uri(cfg), run_id, report.get("step"), decision)

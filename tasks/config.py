@@ -671,6 +671,14 @@ class ContinueConfig(Section):
     lr: float | None = Field(default=None, gt=0)
     max_steps: int | None = Field(default=None, gt=0)  # optimizer steps per cycle (None: train.max_steps)
     init_optimizer: bool = False  # also continue the champion's AdamW moments
+    # the gate on the fixed yardstick (tasks/continued/yardstick.py), in bits per byte: better on the
+    # new data by at least min_improvement, worse on earlier cycles' held-out text and WikiText by at
+    # most max_forgetting; LAMBADA / HellaSwag accuracy lower by at most max_forgetting_acc
+    min_improvement: float = Field(default=0.0, ge=0)
+    max_forgetting: float = Field(default=0.02, ge=0)
+    max_forgetting_acc: float = Field(default=0.05, ge=0)
+    yardstick_docs: int = Field(default=16, gt=0)  # held-out documents per part (old / new)
+    yardstick_max_chars: int = Field(default=4000, gt=0)  # characters of each document scored
     # a continuation keeps the champion's tokenizer; true asks to retrain it and is refused
     retrain_tokenizer: bool = False
     # cron schedule of the continue-pretraining deployment `crucible up` serves (None: run on demand)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tasks.ablate.stage import AblateStage
-from tasks.continued.stage import ReplayMixStage
+from tasks.continued.stage import ReplayMixStage, YardstickStage
 from tasks.core.stage import Stage
 from tasks.curate.stage import CurateStage
 from tasks.deploy.stage import DeployStage
@@ -25,8 +25,8 @@ from tasks.train.stage import TrainStage
 # continued-pretraining cycles (flows/continued.py).
 STAGES: dict[str, Stage] = {s.name: s for s in (
     IngestStage(), CurateStage(), QualityStage(), TokenizerStage(), TokensStage(), ReplayMixStage(), PlanStage(),
-    TrainStage(), EvaluateStage(), DeployStage(), AblateStage())}
-CONTINUE_ONLY = {"mix"}
+    TrainStage(), EvaluateStage(), YardstickStage(), DeployStage(), AblateStage())}
+CONTINUE_ONLY = {"mix", "yardstick"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,13 @@ PRETRAIN_FLOWS: list[FlowSpec] = [
     FlowSpec("evaluate", "Subflow: evaluate every checkpoint (validation loss, perplexity, task suite)."),
     FlowSpec("deploy", "Subflow: gate the best checkpoint, register it in MLflow and serve it."),
 ]
+# The continue-pretraining flow's own subflows (flows/continued.py); it reuses the others above.
+CONTINUE_FLOWS: list[FlowSpec] = [
+    FlowSpec("replay_mix", "Subflow: mix the cycle's new token shards with documents replayed from earlier cycles."),
+    FlowSpec("gate_and_deploy", "Subflow: score the champion and the best checkpoint on the fixed yardstick (bits "
+                                "per byte), then gate, register and serve the challenger if it is better and has "
+                                "not forgotten."),
+]
 ROOT_FLOWS = {
     "pretrain": "The pretrain flow (flows/pretrain.py): raw web pages -> curated corpus -> tokenizer -> token "
                 "shards -> torchrun training -> evaluation of every checkpoint -> gated deployment.",
@@ -61,7 +68,7 @@ ROOT_FLOWS = {
     "ablate": "The ablate flow (flows/ablate.py): the same model and token budget trained on the langid-only and "
               "the fully curated corpus, both scored on clean held-out text.",
 }
-FLOW_DOCS = {f.name: f.doc for f in PRETRAIN_FLOWS} | ROOT_FLOWS
+FLOW_DOCS = {f.name: f.doc for f in PRETRAIN_FLOWS + CONTINUE_FLOWS} | ROOT_FLOWS
 
 
 def stage(name: str) -> Stage:

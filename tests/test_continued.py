@@ -57,7 +57,7 @@ def config(tmp: Path) -> PipelineConfig:
         "evaluate": {"max_val_batches": 2, "batch_size": 4, "sample_tokens": 4, "prompts": ["The"],
                      "wikitext": {"limit": 1}, "lambada": {"limit": 10}, "hellaswag": {"limit": 5}},
         "deploy": {"model_name": "cont-model", "serve": False, "max_val_loss": 20.0},
-        "continue": {"replay_fraction": 0.25, "max_steps": 20, "rewarm_steps": 4},
+        "continue": {"replay_fraction": 0.25, "max_steps": 30, "rewarm_steps": 4, "lr": 1e-3},
     })
 
 
@@ -190,3 +190,30 @@ def test_refusals_before_anything_starts(cycles, tmp_path):
     with pytest.raises(CycleError, match="would\nnot be a continuation|not be a continuation"):
         check_continuation(retrain, champion)
 
+
+
+def test_gate_scores_both_models_on_one_yardstick(cycles):
+    """Champion and challenger scored on the same pinned set (one sha256), in bits per byte per part;
+    the deploy decision is the yardstick's, recorded with the set's hash."""
+    from tasks.core.hashing import sha256_file
+    from tasks.continued.yardstick import decide
+
+    c2, cfg = cycles["c2"], cycles["cfg"]
+    y, deployed = c2["stages"]["yardstick"], c2["stages"]["deploy"]
+    assert sha256_file(y["set"]["path"]) == y["set"]["sha256"] == deployed["yardstick"]["sha256"]
+    assert y["set"]["parts"]["old"] > 0 and y["set"]["parts"]["new"] > 0 and y["set"]["parts"]["wikitext"] > 0
+    assert set(y["challenger"]["bits_per_byte"]) == set(y["champion"]["bits_per_byte"]) == {"old", "new", "wikitext"}
+    assert all(0 < v < 20 for who in ("challenger", "champion") for v in y[who]["bits_per_byte"].values())
+    assert deployed["passed"] == y["decision"]["passed"] and deployed["reason"] == y["decision"]["reason"]
+    ch, champ = y["challenger"]["bits_per_byte"], y["champion"]["bits_per_byte"]
+    # the rule itself: a challenger worse on the new data is refused; one that forgets is refused
+    assert not decide(cfg.continue_, {**ch, "new": champ["new"] + 0.1}, champ, {}, {})["passed"]
+    assert not decide(cfg.continue_, {**champ, "new": champ["new"] - 0.1, "old": champ["old"] + 0.5}, champ, {}, {})["passed"]
+    assert decide(cfg.continue_, {**champ, "new": champ["new"] - 0.1}, champ, {}, {})["passed"]
+    if deployed["version"] is not None:
+        from mlflow.tracking import MlflowClient
+
+        tags = MlflowClient(tracking_uri=c2["mlflow"]["tracking_uri"]).get_model_version(
+            "cont-model", str(deployed["version"])).tags
+        assert tags["gate.yardstick_sha256"] == y["set"]["sha256"]
+    print(json.dumps({k: y[k] for k in ("challenger", "champion", "decision")}, indent=1))

@@ -69,6 +69,15 @@ def lineage_tags(cfg, evaluation: dict, tokenizer_path: Path) -> dict:
     return tags
 
 
+def yardstick_tags(yardstick: dict) -> dict:
+    """Model-version tags of a yardstick gate: the set's hash and both models' bits per byte per part."""
+    tags = {"gate.yardstick_sha256": yardstick["set"]["sha256"], "gate.reason": yardstick["decision"]["reason"],
+            "gate.champion_version": yardstick["champion"]["version"]}
+    for who in ("challenger", "champion"):
+        tags |= {f"gate.{who}.bpb_{part}": f"{v:.6f}" for part, v in yardstick[who]["bits_per_byte"].items()}
+    return tags
+
+
 def _check_served(deploy_cfg, endpoint: str, step) -> str:
     """The server answers /health with the new checkpoint's step and completes a prompt."""
     import httpx
@@ -123,7 +132,11 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
             "endpoint": current["url"] if current and current["healthy"] else None,
             "pid": current["pid"] if current else None, "verified": champion["tags"].get("deployment.verified"),
         }
-    decision = gate(dcfg, evaluation, champion["val_loss"] if champion else None)
+    # a continued-pretraining cycle was gated on the fixed yardstick (tasks/continued/yardstick.py):
+    # champion and challenger scored on one set, instead of val_loss figures from different splits
+    yardstick = evaluation.get("yardstick")
+    decision = (yardstick["decision"] if yardstick and champion
+                else gate(dcfg, evaluation, champion["val_loss"] if champion else None))
     result = {
         "passed": decision["passed"], "reason": decision["reason"], "model_name": dcfg.model_name,
         "val_loss": evaluation.get("val_loss"), "checkpoint": evaluation.get("checkpoint"),
@@ -132,6 +145,8 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
         "version": None, "alias": None, "content_hash": None, "source": None, "endpoint": None, "pid": None,
         "verified": None,
     }
+    if yardstick and champion:
+        result["yardstick"] = {"sha256": yardstick["set"]["sha256"], "checks": decision["checks"]}
     log.info("deploy gate for %s: %s", evaluation.get("checkpoint"), decision["reason"])
     record_gate(tracking_uri, train_run_id, evaluation.get("step"), decision)
     if not decision["passed"]:
@@ -140,8 +155,11 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
             result.update(endpoint=current["url"], pid=current["pid"])
         return result
 
-    reg = register(tracking_uri, dcfg.model_name, evaluation["checkpoint"], tokenizer_path, evaluation,
-                   train_run_id, extra_tags=lineage_tags(cfg, evaluation, Path(tokenizer_path)))
+    tags = lineage_tags(cfg, evaluation, Path(tokenizer_path))
+    if yardstick:
+        tags |= yardstick_tags(yardstick)
+    reg = register(tracking_uri, dcfg.model_name, evaluation["checkpoint"], tokenizer_path,
+                   {k: v for k, v in evaluation.items() if k != "yardstick"}, train_run_id, extra_tags=tags)
     result.update({k: reg[k] for k in ("version", "alias", "content_hash", "source")})
     if dcfg.serve and serve_model is None:
         raise ValueError("deploy.serve is true but no model server was handed to deploy_if_better (serve_model); "

@@ -35,6 +35,8 @@ DATASET_DOCS = {
     "tokens_index": "Index of the packed token shards: splits, token counts, dtype and the tokenizer used.",
     "tokens_mix": "Index of a continued-pretraining cycle's training mix: the cycle's new tokens plus documents "
                   "replayed from earlier cycles' token shards (the pool), with token counts by origin.",
+    "yardstick": "The pinned evaluation set of a continued-pretraining gate: held-out documents of earlier cycles, "
+                 "of this cycle and WikiText-2 pages, scored in bits per byte for champion and challenger (JSONL).",
     "tokens_split": "Packed token ids of the {split} split (flat binary array, see index.json for the dtype).",
     "eval_report": "Evaluation report of checkpoint {checkpoint}: validation loss, perplexity, task-suite scores and "
                    "sample generations (JSON).",
