@@ -173,7 +173,57 @@ def run_cycle(cfg: PipelineConfig, summary_path: str | Path | None = None, run_n
     return summary
 
 
+def build_deployment(cfg: PipelineConfig):
+    """The continue-pretraining deployment: this config as its parameters, the cron schedule of
+    continue.schedule (none: on demand only), and at most one cycle at a time (a run due while one is
+    going is enqueued and starts when it ends: Prefect's ENQUEUE collision strategy)."""
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    from prefect.client.schemas.schedules import CronSchedule
+
+    c = cfg.continue_
+    schedules = [CronSchedule(cron=c.schedule, timezone=c.timezone)] if c.schedule else None
+    return continue_pretraining.to_deployment(
+        name=CONTINUE_FLOW, parameters={"config": cfg.model_dump(mode="json")}, schedules=schedules,
+        concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
+        description=f"Continued pretraining of {cfg.deploy.model_name} on the new files of {len(cfg.sources)} "
+                    f"source(s); schedule {c.schedule or 'none (on demand)'} ({c.timezone}).")
+
+
+def set_schedule(cfg: PipelineConfig, cron: str | None = None, paused: bool | None = None) -> dict:
+    """Change the registered deployment's schedule (a new cron, in continue.timezone) and/or pause or
+    resume it; returns {"deployment", "schedules": [{"cron", "timezone", "active"}], "paused"}."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentScheduleCreate
+    from prefect.client.schemas.schedules import CronSchedule
+
+    from tasks.core.constants import CONTINUE_DEPLOYMENT
+
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name(CONTINUE_DEPLOYMENT)
+        if cron is not None:
+            schedule = CronSchedule(cron=cron, timezone=cfg.continue_.timezone)
+            for existing in client.read_deployment_schedules(deployment.id):
+                client.delete_deployment_schedule(deployment.id, existing.id)
+            client.create_deployment_schedules(deployment.id, [DeploymentScheduleCreate(schedule=schedule, active=True)])
+        if paused is True:
+            client.pause_deployment(deployment.id)
+        elif paused is False:
+            client.resume_deployment(deployment.id)
+        deployment = client.read_deployment(deployment.id)
+        return {"deployment": CONTINUE_DEPLOYMENT, "paused": deployment.paused,
+                "schedules": [{"cron": getattr(s.schedule, "cron", None), "timezone": getattr(s.schedule, "timezone", None),
+                               "active": s.active} for s in client.read_deployment_schedules(deployment.id)]}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # what the stack runs: `python -m flows.continued serve CONFIG`
+        from prefect import serve
+
+        from tasks.config import load_config
+
+        serve(build_deployment(load_config(argv[1], argv[2:])), limit=1)
+        return 0
     return run_flow_cli("python -m flows.continued", __doc__, run_cycle, "--summary",
                         "also write the cycle's JSON summary here", ("status", "run_dir", "message"), argv)
 

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from tasks.core.constants import (CHECKPOINT_EVENT, DEPLOY_DEPLOYMENT, EVAL_DEPLOYMENT, EVAL_EVENT,
+from tasks.core.constants import (CHECKPOINT_EVENT, CONTINUE_DEPLOYMENT, DEPLOY_DEPLOYMENT, EVAL_DEPLOYMENT, EVAL_EVENT,
                                   LINEAGE_URL_ENV, REPO_ROOT)
 from tasks.core.io import atomic_write_text
 
@@ -52,8 +52,9 @@ MLFLOW = "mlflow"
 MODEL_SERVER = "model_server"
 LINEAGE = "lineage"
 TRIGGERS = "triggers"  # the serve process of the event-triggered deployments (flows/triggers.py)
-CORE_SERVICES = (PREFECT, MLFLOW, LINEAGE, TRIGGERS)
-STOP_ORDER = (MODEL_SERVER, TRIGGERS, LINEAGE, MLFLOW, PREFECT)
+CONTINUE = "continue"  # the serve process of the scheduled continue-pretraining deployment (flows/continued.py)
+CORE_SERVICES = (PREFECT, MLFLOW, LINEAGE, TRIGGERS, CONTINUE)
+STOP_ORDER = (MODEL_SERVER, CONTINUE, TRIGGERS, LINEAGE, MLFLOW, PREFECT)
 LOG_TAIL_LINES = 40
 
 # Children started by this process, kept so they can be reaped (no zombies in long-lived parents
@@ -272,6 +273,20 @@ def triggers_spec(stack_cfg, lineage_cfg=None, port: int | None = None) -> Servi
         marker=["flows.triggers", "serve"], env=env,
         info={"deployments": [EVAL_DEPLOYMENT, DEPLOY_DEPLOYMENT], "events": [CHECKPOINT_EVENT, EVAL_EVENT]},
     )
+
+
+def continue_spec(stack_cfg, config_path: str | Path, overrides: list[str] | None = None, lineage_cfg=None,
+                  port: int | None = None) -> ServiceSpec:
+    """The continue-pretraining deployment (cron schedule continue.schedule, one cycle at a time):
+    `python -m flows.continued serve CONFIG [KEY=VALUE ...]`, prefect's `serve`, whose runs talk to
+    this stack's Prefect and MLflow. Health: the runner's webserver, as for the triggers process."""
+    spec = triggers_spec(stack_cfg, lineage_cfg, port=port or stack_cfg.continue_port)
+    return ServiceSpec(
+        name=CONTINUE, cmd=[sys.executable, "-m", "flows.continued", "serve", str(Path(config_path).resolve()),
+                            *(overrides or [])],
+        host=spec.host, port=spec.port, health_path="/health", url=prefect_ui_url(stack_cfg) + "/deployments",
+        marker=["flows.continued", "serve"], env={**spec.env, "PREFECT_RUNNER_SERVER_PORT": str(spec.port)},
+        info={"deployments": [CONTINUE_DEPLOYMENT], "config": str(Path(config_path).resolve())})
 
 
 # ------------------------------------------------------------------------------ processes
@@ -598,13 +613,15 @@ def service_status(stack_cfg, name: str, spec: ServiceSpec | None = None) -> dic
 
 # ------------------------------------------------------------------------------- public API
 
-def up(stack_cfg, timeout: float | None = None, lineage_cfg=None) -> dict:
+def up(stack_cfg, timeout: float | None = None, lineage_cfg=None, continue_config: tuple | None = None) -> dict:
     """Start Prefect, MLflow, the lineage service (and the last deployed model server) unless
     already healthy. `lineage_cfg`: the config's `lineage` section (port, database); defaults if None.
 
     Idempotent: healthy services are left alone, stale pid files are cleaned. Waits until every
     service is healthy; raises StackError with the log tail otherwise. Returns
     {service: {url, healthy, pid, started, seconds}} plus "seconds" for the whole call.
+    continue_config: (config path, overrides) of a config with continue.schedule: its scheduled
+    continue-pretraining deployment is served too.
     """
     t0 = time.monotonic()
     root = state_dir(stack_cfg)
@@ -624,6 +641,9 @@ def up(stack_cfg, timeout: float | None = None, lineage_cfg=None) -> dict:
         out = {**start_services(stack_cfg, specs, timeout), **out}
         if stack_cfg.triggers:  # its deployments register with Prefect, so it starts once Prefect is healthy
             out.update(start_services(stack_cfg, [triggers_spec(stack_cfg, lineage_cfg)], timeout))
+        if continue_config is not None:
+            path, overrides = continue_config
+            out.update(start_services(stack_cfg, [continue_spec(stack_cfg, path, overrides, lineage_cfg)], timeout))
     out["seconds"] = round(time.monotonic() - t0, 2)
     return out
 
@@ -649,6 +669,8 @@ def status(stack_cfg, lineage_cfg=None) -> dict[str, dict]:
     }
     if stack_cfg.triggers:
         out[TRIGGERS] = service_status(stack_cfg, TRIGGERS, triggers_spec(stack_cfg, lineage_cfg))
+    if read_spec(stack_cfg, CONTINUE) is not None or _read_pid(stack_cfg, CONTINUE) is not None:
+        out[CONTINUE] = service_status(stack_cfg, CONTINUE)
     if read_spec(stack_cfg, MODEL_SERVER) is not None or _read_pid(stack_cfg, MODEL_SERVER) is not None:
         out[MODEL_SERVER] = service_status(stack_cfg, MODEL_SERVER)
     return out

@@ -563,6 +563,7 @@ class StackConfig(Section):
     # false: checkpoints are evaluated only by the pretrain flow itself
     triggers: bool = True
     triggers_port: int = Field(default=8610, gt=0, lt=65536)
+    continue_port: int = Field(default=8611, gt=0, lt=65536)  # health webserver of the continue-pretraining serve
     # a failed event-triggered evaluation is retried this often, with exponential backoff (seconds)
     eval_retries: int = Field(default=2, ge=0)
     eval_retry_backoff: float = Field(default=10.0, gt=0)
@@ -745,9 +746,12 @@ class PipelineConfig(Section):
         return sources
 
     def resolve_uri(self, uri: str) -> str:
-        """A source URI relative to data_root becomes absolute; URLs and absolute paths stay."""
+        """A source URI relative to data_root becomes absolute; URLs and absolute paths stay; one
+        starting with ./ is relative to the working directory (e.g. a landing folder of new files)."""
         if re.match(r"^[a-z][a-z0-9+.\-]*://", uri) or os.path.isabs(uri):
             return uri
+        if uri.startswith("./"):
+            return str(Path.cwd() / uri[2:])
         return str(Path(self.data_root) / uri)
 
 

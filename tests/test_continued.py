@@ -217,3 +217,45 @@ def test_gate_scores_both_models_on_one_yardstick(cycles):
             "cont-model", str(deployed["version"])).tags
         assert tags["gate.yardstick_sha256"] == y["set"]["sha256"]
     print(json.dumps({k: y[k] for k in ("challenger", "champion", "decision")}, indent=1))
+
+
+def test_schedule_is_registered_with_its_cron_and_can_be_changed(tmp_path, monkeypatch):
+    """The deployment `crucible up` serves: the configured cron and time zone and a concurrency
+    limit of 1, read back through the Prefect API; `crucible schedule` changes, pauses, resumes it."""
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.continued import build_deployment, set_schedule
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    cfg = config(tmp_path).model_copy(update={"continue_": PipelineConfig.model_validate(
+        {"name": "x", "sources": [{"name": "a", "uri": "x", "format": "warc", "licence": "l", "provenance": "p"}],
+         "continue": {"schedule": "0 3 * * *", "timezone": "Europe/Berlin"}}).continue_})
+    with prefect_test_harness(server_startup_timeout=180):
+        deployment_id = build_deployment(cfg).apply()
+        api = PREFECT_API_URL.value().rstrip("/")
+        read = httpx.get(f"{api}/deployments/{deployment_id}", timeout=30).json()
+        assert read["name"] == "continue-pretraining" and not read["paused"]
+        assert [(s["schedule"]["cron"], s["schedule"]["timezone"]) for s in read["schedules"]] == [
+            ("0 3 * * *", "Europe/Berlin")]
+        assert read["global_concurrency_limit"]["limit"] == 1 and read["concurrency_options"]["collision_strategy"] == "ENQUEUE"
+        assert read["parameters"]["config"]["continue_"]["schedule"] == "0 3 * * *"
+        changed = set_schedule(cfg, cron="30 4 * * 1")
+        assert changed["schedules"] == [{"cron": "30 4 * * 1", "timezone": "Europe/Berlin", "active": True}]
+        assert set_schedule(cfg, paused=True)["paused"] is True
+        assert httpx.get(f"{api}/deployments/{deployment_id}", timeout=30).json()["paused"] is True
+        assert set_schedule(cfg, paused=False)["paused"] is False
+
+
+def test_schedule_cli_refuses_a_bad_cron(tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config(tmp_path).model_dump(mode="json", by_alias=True)))
+    proc = subprocess.run([sys.executable, "-m", "infra.cli", "schedule", str(path), "--cron", "every night"],
+                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 2 and "not a cron expression" in proc.stderr

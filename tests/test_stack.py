@@ -119,7 +119,7 @@ def test_up_idempotent_status_down(stack_cfg, lineage_cfg):
     result = stack.down(stack_cfg)
     assert all(result[n] in ("stopped", "killed") for n in SERVICES), result
     assert result["model_server"] == "not running"
-    assert list(result) == ["model_server", "triggers", "lineage", "mlflow", "prefect"]  # stop order
+    assert list(result) == ["model_server", "continue", "triggers", "lineage", "mlflow", "prefect"]  # stop order
     st = stack.status(stack_cfg, lineage_cfg)
     assert all(not s["healthy"] and s["pid"] is None for s in st.values()), st
     assert all(stack.group_pids(g) == [] for g in pgids), "processes left behind after down"
@@ -127,7 +127,8 @@ def test_up_idempotent_status_down(stack_cfg, lineage_cfg):
     assert stack.port_free("127.0.0.1", stack_cfg.prefect_port)
     assert stack.port_free("127.0.0.1", stack_cfg.mlflow_port)
     assert stack.port_free("127.0.0.1", lineage_cfg.service_port)
-    assert stack.down(stack_cfg) == {"model_server": "not running", "triggers": "not running", "lineage": "not running",
+    assert stack.down(stack_cfg) == {"model_server": "not running", "continue": "not running",
+                                     "triggers": "not running", "lineage": "not running",
                                      "mlflow": "not running", "prefect": "not running"}
 
 

@@ -55,10 +55,18 @@ def _print_status(st: dict) -> None:
             print(f"  {'':<13} {s['error']}")
 
 
+def _continue_config(args) -> tuple | None:
+    """(config path, overrides) when --config names a config with continue.schedule: `up` serves its
+    scheduled continue-pretraining deployment."""
+    if args.config is None:
+        return None
+    return (args.config, args.overrides) if _load(args.config, args.overrides).continue_.schedule else None
+
+
 def cmd_up(args) -> int:
     stack_cfg, _, lineage_cfg = _stack_configs(args)
     print(f"starting the local stack in {stack.state_dir(stack_cfg)} ...", file=sys.stderr)
-    res = stack.up(stack_cfg, lineage_cfg=lineage_cfg)
+    res = stack.up(stack_cfg, lineage_cfg=lineage_cfg, continue_config=_continue_config(args))
     if args.json:
         print(json.dumps(res, indent=2))
     else:
@@ -98,16 +106,38 @@ def cmd_run(args) -> int:
           file=sys.stderr)
     _stack_for(cfg)
 
-    from flows.pretrain import run_pipeline  # imports Prefect, which reads PREFECT_API_URL now
+    if args.cycle:
+        from flows.continued import run_cycle as run_pipeline  # imports Prefect, which reads PREFECT_API_URL now
+    else:
+        from flows.pretrain import run_pipeline
 
     t0 = time.monotonic()
     try:
         summary = run_pipeline(cfg, summary_path=args.summary, run_name=args.run_name)
+        if summary.get("status") == "NO_NEW_DATA":
+            print(f"crucible: {summary['message']}; nothing was trained")
+            return 0
     except Exception as e:  # noqa: BLE001 - the flow's own logs hold the traceback
         where = f"; summary in {args.summary}" if args.summary else ""
         return fail(f"crucible: pipeline failed after {time.monotonic() - t0:.0f}s: {e}{where}", 1)
     _print_links(summary, time.monotonic() - t0)
     return 0 if summary.get("status", "COMPLETED") == "COMPLETED" else 1
+
+
+def cmd_schedule(args) -> int:
+    """Show or change the continue-pretraining deployment's schedule on the running stack."""
+    # a bad --cron fails here, named like any config field (a JSON string is valid YAML)
+    cfg = _load(args.config, args.overrides + ([f"continue.schedule={json.dumps(args.cron)}"] if args.cron else []))
+    os.environ.update(stack.client_env(cfg.stack, cfg.lineage))
+    from flows.continued import set_schedule
+
+    try:
+        result = set_schedule(cfg, cron=args.cron, paused=True if args.pause else False if args.resume else None)
+    except Exception as e:  # noqa: BLE001 - e.g. the deployment is not served: say how to serve it
+        return fail(f"crucible: could not read the continue-pretraining deployment ({type(e).__name__}: {e}); "
+                    f"serve it with `crucible up --config {args.config}` (continue.schedule set)", 1)
+    print(json.dumps(result, indent=2))
+    return 0
 
 
 def cmd_ablate(args) -> int:

@@ -83,6 +83,21 @@ def _add_pipeline_commands(sub) -> None:
     _add_overrides(sp, "train.max_steps=50")
     sp.add_argument("--summary", metavar="PATH", help="also write the run's JSON summary to PATH")
     sp.add_argument("--run-name", metavar="NAME", help="run name (default: <config name>-<timestamp>)")
+    sp.add_argument("--continue", dest="cycle", action="store_true",
+                    help="run one continued-pretraining cycle now (the continue-pretraining flow: new files "
+                         "only, from the champion) instead of the pretrain flow")
+
+    sp = sub.add_parser("schedule", help="show or change the continue-pretraining schedule",
+                        description="Read or change the cron schedule of the continue-pretraining deployment that "
+                                    "`crucible up --config CONFIG` serves (continue.schedule), or pause/resume it.",
+                        epilog="example:\n  crucible schedule configs/continue.yaml --cron '0 3 * * *'",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("config", metavar="CONFIG", help="pipeline config (YAML)")
+    _add_overrides(sp, "continue.timezone=Europe/Berlin")
+    how = sp.add_mutually_exclusive_group()
+    how.add_argument("--cron", metavar="EXPR", help="new cron expression (in continue.timezone)")
+    how.add_argument("--pause", action="store_true", help="pause the schedule (no cycle starts until --resume)")
+    how.add_argument("--resume", action="store_true", help="resume a paused schedule")
 
     sp = sub.add_parser("ablate", help="train the same model on the langid-only and the curated corpus; compare "
                                        "held-out loss",
@@ -167,7 +182,7 @@ def cmd_plan(args) -> int:
 
 
 COMMANDS = {"up": commands.cmd_up, "down": commands.cmd_down, "status": commands.cmd_status,
-            "run": commands.cmd_run, "ablate": commands.cmd_ablate, "lineage": commands.cmd_lineage,
+            "run": commands.cmd_run, "schedule": commands.cmd_schedule, "ablate": commands.cmd_ablate, "lineage": commands.cmd_lineage,
             "plan": cmd_plan, "filter": cmd_tool, "dedup": cmd_tool}
 
 
