@@ -126,6 +126,7 @@ class ArrayWindows(GlobalWindows):
     def __init__(self, tokens: np.ndarray, seq_len: int, micro_batch_size: int, seed: int):
         self.tokens, self.seq_len, self.micro_batch_size, self.seed = tokens, seq_len, micro_batch_size, seed
         self.n_windows = (len(tokens) - 1) // seq_len
+        self.n_new = self.n_windows  # one stratum: not a continued-pretraining mix
         self._perm_epoch, self._perm, self.skip_ranges = -1, None, []
 
 

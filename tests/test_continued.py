@@ -61,6 +61,46 @@ def config(tmp: Path) -> PipelineConfig:
     })
 
 
+def kill_a_cycle_while_training(cfg: PipelineConfig, tmp: Path) -> dict:
+    """`python -m flows.continued CONFIG` SIGKILLed (with its torchrun workers) once training has
+    started; returns what the ledger and the registry say right after."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.run_context import default_tracking_uri
+    from tasks.continued.ledger import Ledger
+    from tasks.deploy.registry import get_champion
+
+    path = tmp / "continue.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True)))
+    before = {p.name for p in (tmp / "runs").glob("cont-*")}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.continued", str(path)], cwd=tmp, start_new_session=True,
+                            stdout=open(tmp / "killed.log", "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+                                 "PREFECT_API_URL": PREFECT_API_URL.value()})  # the test's Prefect server
+    deadline, run_dir = time.monotonic() + 600, None
+    while time.monotonic() < deadline and proc.poll() is None:
+        started = [p for p in (tmp / "runs").glob("cont-*") if p.name not in before
+                   and (p / "train" / "train_log.jsonl").is_file()]
+        if started:
+            run_dir = started[0]
+            break
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert run_dir is not None, (tmp / "killed.log").read_text()[-3000:]
+    ledger = Ledger.for_config(cfg, tmp / "state")
+    champion = get_champion(default_tracking_uri(cfg), cfg.deploy.model_name)
+    return {"run_name": run_dir.name, "status": ledger.cycle(run_dir.name).status,
+            "offered": [Path(f.uri).name for f in ledger.discover(cfg).files], "champion": champion["version"]}
+
+
 @pytest.fixture(scope="module")
 def cycles(tmp_path_factory):
     """Three cycles through a real temporary Prefect server."""
@@ -86,6 +126,7 @@ def cycles(tmp_path_factory):
             write_warc(tmp / "landing" / "delivery-2.warc.gz",
                        [("docs-crawl-00000.warc.gz", i, True) for i in range(RECRAWLED)]
                        + [("docs-crawl-00003.warc.gz", i, False) for i in range(160)])
+            out["killed"] = kill_a_cycle_while_training(cfg, tmp)
             out["c2"] = run_cycle(cfg)
             out["c3"] = run_cycle(cfg)
         yield out
@@ -174,7 +215,8 @@ def test_ledger_and_registry_record_the_cycles(cycles):
 def test_third_cycle_without_new_files_trains_nothing(cycles):
     c3 = cycles["c3"]
     assert c3["status"] == "NO_NEW_DATA" and c3["message"].startswith("no new data")
-    assert len(list((cycles["tmp"] / "runs").glob("cont-*"))) == 2
+    runs = {p.name for p in (cycles["tmp"] / "runs").glob("cont-*")}
+    assert runs == {cycles["c1"]["run_name"], cycles["killed"]["run_name"], cycles["c2"]["run_name"]}
 
 
 def test_refusals_before_anything_starts(cycles, tmp_path):
@@ -259,3 +301,75 @@ def test_schedule_cli_refuses_a_bad_cron(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "infra.cli", "schedule", str(path), "--cron", "every night"],
                           capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
     assert proc.returncode == 2 and "not a cron expression" in proc.stderr
+
+
+def test_a_killed_cycle_leaves_champion_and_ledger_and_the_next_takes_its_files(cycles):
+    killed, c2 = cycles["killed"], cycles["c2"]
+    assert killed["status"] == "pending" and killed["offered"] == ["delivery-2.warc.gz"] and killed["champion"] == 1
+    assert c2["run_name"] != killed["run_name"] and c2["cycle"]["number"] == 2
+    assert [Path(f["uri"]).name for f in c2["cycle"]["discovery"]["sources"]["landing"]["new"]] == ["delivery-2.warc.gz"]
+
+
+def test_upstream_lineage_of_the_cycle_reaches_the_raw_files_of_both_cycles(cycles):
+    """Walking the two runs' lineage events upstream from cycle 2's model (its registered version,
+    else its last checkpoint) reaches both deliveries' raw files."""
+    from tasks.lineage.validate import read_events
+
+    c1, c2 = cycles["c1"], cycles["c2"]
+    events = read_events(c1["lineage_log"]) + read_events(c2["lineage_log"])
+    produced_by: dict[str, set[str]] = {}
+    for e in events:
+        for o in e.get("outputs") or []:
+            produced_by.setdefault(f"{o['namespace']}:{o['name']}", set()).update(
+                f"{i['namespace']}:{i['name']}" for i in e.get("inputs") or [])
+    deployed = c2["stages"]["deploy"]
+    if deployed["version"] is not None:
+        start = next(n for n in produced_by if n.endswith(f"models/cont-model/{deployed['version']}"))
+    else:
+        start = next(n for n in produced_by if n.endswith(str(Path(c2["stages"]["train"]["checkpoints"][-1]))))
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(produced_by.get(node, ()))
+    raw = {Path(n.split(":", 1)[1]).name for n in seen if n.endswith(".warc.gz")}
+    assert {"delivery-1.warc.gz", "delivery-2.warc.gz"} <= raw, sorted(raw)
+
+
+def test_the_rewarm_is_not_mistaken_for_loss_spikes(cycles):
+    spikes = Path(cycles["c2"]["run_dir"]) / "train" / "spikes.jsonl"
+    skipped = [json.loads(line) for line in spikes.read_text().splitlines()] if spikes.is_file() else []
+    assert sum(s.get("action") == "skip" for s in skipped) <= 0.005 * cycles["c2"]["stages"]["train"]["steps"]
+
+
+def test_mix_holds_the_replay_share_in_every_stretch_of_training(base, tmp_path):
+    """build_mix appends whole replayed documents up to the configured share; the training loader
+    interleaves the two strata evenly, so any prefix of samples has the share up to one window (a
+    plain permutation of all windows would not), and trained_replay_share measures it."""
+    import numpy as np
+
+    from lm_helpers import tokens_artifact
+    from tasks.continued.mix import MixError, build_mix, trained_replay_share
+    from tasks.tokens.binfile import open_doc_starts, open_split
+    from tasks.train.data import GlobalWindows
+
+    new = tokens_artifact(base)["index_path"]
+    mix = build_mix(new, [Path(new)], 0.25, 0, tmp_path / "mix")
+    info = mix["mix"]
+    assert abs(info["replay_share"] - 0.25) < 0.02 and info["replay_docs"] > 0
+    tokens, starts = open_split(mix["index_path"], "train"), open_doc_starts(mix["index_path"], "train")
+    assert len(tokens) == info["new_tokens"] + info["replay_tokens"] and starts[-1] < len(tokens)
+    assert np.array_equal(tokens[:info["new_tokens"]], open_split(new, "train"))  # new tokens first, unchanged
+    windows = GlobalWindows(mix["index_path"], "train", 64, 4, seed=5)
+    replay_windows = windows.n_windows - windows.n_new
+    for k in (10, 37, 100, windows.n_windows):
+        got = sum(windows.window_start(g) >= windows.n_new * 64 for g in range(k))
+        assert abs(got - k * replay_windows / windows.n_windows) <= 1, (k, got)
+    share = trained_replay_share(mix["index_path"], 64, 5, 100)
+    assert abs(share["replay_share"] - info["replay_share"]) < 0.03 and share["trained_tokens"] == 100 * 64
+    other = dict(json.loads(Path(new).read_text()), tokenizer_sha256="0" * 64)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "index.json").write_text(json.dumps(other))
+    with pytest.raises(MixError, match="tokenizer"):
+        build_mix(new, [tmp_path / "other" / "index.json"], 0.25, 0, tmp_path / "bad")

@@ -70,7 +70,8 @@ class YardstickStage(Stage):
         decision = decide(cfg.continue_, challenger, champion_bpb, challenger_acc, champion_acc)
         data = {"set": built, "challenger": {"checkpoint": evaluation["checkpoint"], "bits_per_byte": challenger},
                 "champion": {"version": champion.version, "checkpoint": str(champion.checkpoint),
-                             "bits_per_byte": champion_bpb}, "decision": decision}
+                             "content_hash": champion.tags.get("content_hash"), "bits_per_byte": champion_bpb},
+                "decision": decision}
         (out / "gate.json").write_text(json.dumps(data, indent=2) + "\n")
         rows = [{"check": k["check"], "part": k["part"], "challenger": round(k["challenger"], 4),
                  "champion": round(k["champion"], 4), "passed": k["ok"], "rule": k["rule"]} for k in decision["checks"]]

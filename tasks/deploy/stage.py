@@ -35,6 +35,13 @@ class DeployStage(Stage):
                                     inputs.train_run_id, serve_model=ctx.serve_model,
                                     server_status=ctx.model_server_status)
         result = DeployResult(data)
+        yardstick = inputs.evaluation.get("yardstick")
+        if yardstick:  # a continued cycle: the champion it was gated against (and continued from) is an input
+            champion = yardstick["champion"]
+            result.inputs.append(model_version_dataset(
+                ctx.tracking_uri, cfg.deploy.model_name, champion["version"], content_hash=champion["content_hash"],
+                output=False, doc=DATASET_DOCS["model_version"].format(name=cfg.deploy.model_name,
+                                                                       version=champion["version"])))
         if data.get("version") is not None:
             name, version = data["model_name"], data["version"]
             result.outputs.append(model_version_dataset(
