@@ -78,3 +78,19 @@ def test_dedup_index_benchmark(tmp_path):
     for mode in ("memory_mapped", "in_memory"):  # every planted near-duplicate found, no new document flagged
         assert r["probe"][mode]["near_duplicates_found"] == 100 and r["probe"][mode]["new_flagged"] == 0
     assert r["bytes_per_doc_on_disk"] >= 14 * 12  # keys + document numbers, ids on top
+
+
+def test_continued_benchmark(tmp_path):
+    """Both arms through the real flows at the smallest scale: the continued arm trained half the
+    compute from the first model, on replay; both scored on the same held-out pages."""
+    out = tmp_path / "continued.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "continued.py"), "--seeds", "1", "--steps", "6",
+                           "--docs", "40", "--work", str(tmp_path / "work"), "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    r = json.loads(out.read_text())
+    cont, retrain = (next(x for x in r["runs"] if x["arm"] == arm) for arm in ("continue", "retrain"))
+    assert r["compute_ratio"] == 0.5 and cont["flops_total"] == retrain["flops"]
+    assert set(cont["bits_per_byte"]) == set(retrain["bits_per_byte"]) == {"A", "B"}
+    assert all(0 < v < 20 for x in (cont, retrain) for v in x["bits_per_byte"].values())
+    assert cont["replay_share_trained"]["replay_tokens"] > 0 and isinstance(r["target_met"], bool)

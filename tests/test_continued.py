@@ -373,3 +373,44 @@ def test_mix_holds_the_replay_share_in_every_stretch_of_training(base, tmp_path)
     (tmp_path / "other" / "index.json").write_text(json.dumps(other))
     with pytest.raises(MixError, match="tokenizer"):
         build_mix(new, [tmp_path / "other" / "index.json"], 0.25, 0, tmp_path / "bad")
+
+
+def test_crucible_up_serves_the_schedule_and_crucible_schedule_changes_it(tmp_path):
+    """The user's path: `crucible up --config` starts the continue-pretraining serve process beside the
+    stack; the deployment is in Prefect with the configured cron; `crucible schedule` pauses it."""
+    import subprocess
+    import sys
+
+    import httpx
+    import yaml
+
+    from tasks.core.net import free_port
+
+    repo = Path(__file__).resolve().parent.parent
+    raw = config(tmp_path).model_dump(mode="json", by_alias=True)
+    raw["stack"].update(prefect_port=free_port(), mlflow_port=free_port(), triggers_port=free_port(),
+                        continue_port=free_port(), start_timeout=240, stop_timeout=15)
+    raw["lineage"]["service_port"] = free_port()
+    raw["continue"].update(schedule="15 2 * * *", timezone="Europe/Paris")
+    path = tmp_path / "continue.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "CRUCIBLE_"))}
+
+    def crucible(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "infra.cli", *args], cwd=repo, env=env, capture_output=True,
+                              text=True, timeout=400)
+
+    try:
+        up = crucible("up", "--config", str(path), "--json")
+        assert up.returncode == 0, (up.stdout + up.stderr)[-3000:]
+        services = json.loads(up.stdout)
+        assert services["continue"]["healthy"], services
+        api = f"http://127.0.0.1:{raw['stack']['prefect_port']}/api"
+        read = httpx.post(f"{api}/deployments/filter", timeout=30,
+                          json={"deployments": {"name": {"any_": ["continue-pretraining"]}}}).json()
+        assert [(s["schedule"]["cron"], s["schedule"]["timezone"]) for s in read[0]["schedules"]] == [
+            ("15 2 * * *", "Europe/Paris")]
+        paused = crucible("schedule", str(path), "--pause")
+        assert paused.returncode == 0 and json.loads(paused.stdout)["paused"] is True, paused.stderr[-2000:]
+    finally:
+        crucible("down", "--config", str(path))
