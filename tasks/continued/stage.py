@@ -28,6 +28,8 @@ class ReplayMixStage(Stage):
         data = build_mix(inputs.tokens_index, [Path(p) for p in inputs.replay], c.replay_fraction, c.replay_seed,
                          ctx.stage_dir(self.name))
         mix = data["mix"]
+        # top-level numbers become the stage's MLflow metrics; tokens by origin are in data["mix"]["by_origin"]
+        data.update(new_tokens=mix["new_tokens"], replay_tokens=mix["replay_tokens"], replay_share=mix["replay_share"])
         rows = "\n".join(f"| {v['role']} | `{origin}` | {v['docs']:,} | {v['tokens']:,} |"
                          for origin, v in mix["by_origin"].items())
         report = (f"**{mix['new_tokens']:,} new + {mix['replay_tokens']:,} replayed tokens** (replay share "
