@@ -14,6 +14,8 @@ scored in bits per byte (tasks/continued/yardstick.score) with each arm's final 
 Compute: training FLOPs (6 x parameters x tokens) of the step that produced the model: (a) counts
 only cycle 2 (cycle 1 was paid before B arrived), (b) the whole retraining; (a)'s total is listed too.
 Target (issue 17): (a) within 1 % of (b) in bits per byte on A and on B, at <= 50 % of (b)'s compute.
+Also reported: what the loss-spike detector did during each re-warmed cycle (target: at most 0.5 %
+of its steps skipped).
 """
 from __future__ import annotations
 
@@ -104,6 +106,15 @@ def flops(summary: dict) -> float:
     return 6.0 * plan["params"] * plan["tokens"]
 
 
+def spike_actions(summary: dict) -> dict:
+    """What the loss-spike detector did in a run (train/spikes.jsonl): the re-warm must not count."""
+    path = Path(summary["run_dir"]) / "train" / "spikes.jsonl"
+    actions = [json.loads(line)["action"] for line in path.read_text().splitlines()] if path.is_file() else []
+    steps = summary["stages"]["train"]["steps"]
+    return {"steps": steps, "skipped": actions.count("skip"), "skipped_share": actions.count("skip") / steps,
+            "rebaselines": actions.count("rebaseline"), "rollbacks": actions.count("rollback")}
+
+
 def run_arm(work: Path, arm: str, seed: int, steps: int, held_out: Path) -> dict:
     from flows.continued import run_cycle
     from tasks.continued.yardstick import score
@@ -119,7 +130,8 @@ def run_arm(work: Path, arm: str, seed: int, steps: int, held_out: Path) -> dict
         write_warc(landing / "b.warc.gz", data_root() / "web" / FILES["B"], 0, ARGS.docs)
         final = run_cycle(cfg)
         compute, total = flops(final), flops(first) + flops(final)
-        extra = {"gate": final["stages"]["deploy"]["reason"], "replay_share_trained": final["stages"]["mix"]["trained"]}
+        extra = {"gate": final["stages"]["deploy"]["reason"], "replay_share_trained": final["stages"]["mix"]["trained"],
+                 "spikes": spike_actions(final)}
     else:
         cfg = config(work, arm, seed, 2 * steps, name)
         write_warc(landing / "a.warc.gz", data_root() / "web" / FILES["A"], 0, ARGS.docs)
@@ -171,9 +183,11 @@ def main() -> int:
               "summary": summary, "relative_gap": gap, "compute_ratio": compute_ratio,
               "target": "continue within 1 % of retrain on A and B at <= 50 % of its compute",
               "target_met": all(abs(g) <= 0.01 or g < 0 for g in gap.values()) and compute_ratio <= 0.5,
+              "rewarm_spikes": {"skipped": sum(r["spikes"]["skipped"] for r in runs if r["arm"] == "continue"),
+                                "steps": sum(r["spikes"]["steps"] for r in runs if r["arm"] == "continue")},
               "runs": runs}
     write_result(ARGS.out, result)
-    print(json.dumps({k: result[k] for k in ("relative_gap", "compute_ratio", "target_met")}, indent=2))
+    print(json.dumps({k: result[k] for k in ("relative_gap", "compute_ratio", "target_met", "rewarm_spikes")}, indent=2))
     return 0
 
 

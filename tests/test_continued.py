@@ -61,9 +61,13 @@ def config(tmp: Path) -> PipelineConfig:
     })
 
 
-def kill_a_cycle_while_training(cfg: PipelineConfig, tmp: Path) -> dict:
-    """`python -m flows.continued CONFIG` SIGKILLed (with its torchrun workers) once training has
-    started; returns what the ledger and the registry say right after."""
+# a file that shows the cycle is inside that part of its DAG
+KILL_POINTS = {"curation": Path("ingest"), "training": Path("train") / "train_log.jsonl"}
+
+
+def kill_a_cycle(cfg: PipelineConfig, tmp: Path, during: str) -> dict:
+    """`python -m flows.continued CONFIG` SIGKILLed (with its Ray and torchrun workers) once it is
+    inside curation or training; returns what the ledger and the registry say right after."""
     import os
     import signal
     import subprocess
@@ -80,21 +84,22 @@ def kill_a_cycle_while_training(cfg: PipelineConfig, tmp: Path) -> dict:
     path = tmp / "continue.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True)))
     before = {p.name for p in (tmp / "runs").glob("cont-*")}
+    log = tmp / f"killed-during-{during}.log"
     proc = subprocess.Popen([sys.executable, "-m", "flows.continued", str(path)], cwd=tmp, start_new_session=True,
-                            stdout=open(tmp / "killed.log", "w"), stderr=subprocess.STDOUT,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
                                  "PREFECT_API_URL": PREFECT_API_URL.value()})  # the test's Prefect server
     deadline, run_dir = time.monotonic() + 600, None
     while time.monotonic() < deadline and proc.poll() is None:
         started = [p for p in (tmp / "runs").glob("cont-*") if p.name not in before
-                   and (p / "train" / "train_log.jsonl").is_file()]
+                   and (p / KILL_POINTS[during]).exists()]
         if started:
             run_dir = started[0]
             break
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
-    assert run_dir is not None, (tmp / "killed.log").read_text()[-3000:]
+    assert run_dir is not None, log.read_text()[-3000:]
     ledger = Ledger.for_config(cfg, tmp / "state")
     champion = get_champion(default_tracking_uri(cfg), cfg.deploy.model_name)
     return {"run_name": run_dir.name, "status": ledger.cycle(run_dir.name).status,
@@ -126,7 +131,7 @@ def cycles(tmp_path_factory):
             write_warc(tmp / "landing" / "delivery-2.warc.gz",
                        [("docs-crawl-00000.warc.gz", i, True) for i in range(RECRAWLED)]
                        + [("docs-crawl-00003.warc.gz", i, False) for i in range(160)])
-            out["killed"] = kill_a_cycle_while_training(cfg, tmp)
+            out["killed"] = [kill_a_cycle(cfg, tmp, during) for during in KILL_POINTS]
             out["c2"] = run_cycle(cfg)
             out["c3"] = run_cycle(cfg)
         yield out
@@ -216,7 +221,7 @@ def test_third_cycle_without_new_files_trains_nothing(cycles):
     c3 = cycles["c3"]
     assert c3["status"] == "NO_NEW_DATA" and c3["message"].startswith("no new data")
     runs = {p.name for p in (cycles["tmp"] / "runs").glob("cont-*")}
-    assert runs == {cycles["c1"]["run_name"], cycles["killed"]["run_name"], cycles["c2"]["run_name"]}
+    assert runs == {cycles["c1"]["run_name"], cycles["c2"]["run_name"], *(k["run_name"] for k in cycles["killed"])}
 
 
 def test_refusals_before_anything_starts(cycles, tmp_path):
@@ -304,9 +309,13 @@ def test_schedule_cli_refuses_a_bad_cron(tmp_path):
 
 
 def test_a_killed_cycle_leaves_champion_and_ledger_and_the_next_takes_its_files(cycles):
-    killed, c2 = cycles["killed"], cycles["c2"]
-    assert killed["status"] == "pending" and killed["offered"] == ["delivery-2.warc.gz"] and killed["champion"] == 1
-    assert c2["run_name"] != killed["run_name"] and c2["cycle"]["number"] == 2
+    """SIGKILL during curation, then during training: each time the champion stays, the ledger
+    offers the same file, and the cycle after them takes it."""
+    c2 = cycles["c2"]
+    for killed in cycles["killed"]:
+        assert killed["status"] == "pending" and killed["offered"] == ["delivery-2.warc.gz"]
+        assert killed["champion"] == 1 and c2["run_name"] != killed["run_name"]
+    assert c2["cycle"]["number"] == 2
     assert [Path(f["uri"]).name for f in c2["cycle"]["discovery"]["sources"]["landing"]["new"]] == ["delivery-2.warc.gz"]
 
 
