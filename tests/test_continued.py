@@ -421,5 +421,9 @@ def test_crucible_up_serves_the_schedule_and_crucible_schedule_changes_it(tmp_pa
             ("15 2 * * *", "Europe/Paris")]
         paused = crucible("schedule", str(path), "--pause")
         assert paused.returncode == 0 and json.loads(paused.stdout)["paused"] is True, paused.stderr[-2000:]
+        # `crucible run --continue` runs one cycle now, through the stack: nothing has landed yet
+        now = crucible("run", "--continue", str(path))
+        assert now.returncode == 0 and "no new data" in now.stdout and "nothing was trained" in now.stdout, \
+            (now.stdout + now.stderr)[-3000:]
     finally:
         crucible("down", "--config", str(path))
