@@ -155,7 +155,8 @@ def main() -> int:
     ARGS = ap.parse_args()
     from prefect.testing.utilities import prefect_test_harness
 
-    work = Path(ARGS.work or tempfile.mkdtemp(prefix="crucible-continued-"))
+    work = Path(ARGS.work or tempfile.mkdtemp(prefix="crucible-continued-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
     os.environ["PREFECT_HOME"] = str(work / "prefect")
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     os.chdir(work)
