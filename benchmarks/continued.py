@@ -13,7 +13,10 @@ Held-out text: the next 40 pages of each file (never trained on), extracted by t
 scored in bits per byte (tasks/continued/yardstick.score) with each arm's final checkpoint.
 Compute: training FLOPs (6 x parameters x tokens) of the step that produced the model: (a) counts
 only cycle 2 (cycle 1 was paid before B arrived), (b) the whole retraining; (a)'s total is listed too.
-Target (issue 17): (a) within 1 % of (b) in bits per byte on A and on B, at <= 50 % of (b)'s compute.
+The compute is set by the step counts (the comparison is at a fixed budget); what is measured is the
+held-out quality each arm reaches, and the wall time of each arm's flows as a user runs them.
+Target (issue 17): (a) within 1 % of (b) in bits per byte on A and on B, at <= 50 % of (b)'s compute,
+on the mean over seeds and (stricter, since the seed spread is wide at this scale) for every seed.
 Also reported: what the loss-spike detector did during each re-warmed cycle (target: at most 0.5 %
 of its steps skipped).
 """
@@ -176,19 +179,29 @@ def main() -> int:
 
     summary = {arm: {"bpb_A": stats(arm, lambda r: r["bits_per_byte"]["A"]),
                      "bpb_B": stats(arm, lambda r: r["bits_per_byte"]["B"]),
-                     "flops": stats(arm, lambda r: r["flops"])} for arm in ("continue", "retrain")}
+                     "flops": stats(arm, lambda r: r["flops"]),
+                     "wall_seconds": stats(arm, lambda r: r["seconds"])} for arm in ("continue", "retrain")}
     gap = {p: summary["continue"][f"bpb_{p}"]["mean"] / summary["retrain"][f"bpb_{p}"]["mean"] - 1 for p in "AB"}
+    # the same seed in both arms: the paired gap shows whether the mean gap outlasts the seed noise
+    by_seed = {r["seed"]: {} for r in runs}
+    for r in runs:
+        by_seed[r["seed"]][r["arm"]] = r["bits_per_byte"]
+    paired = {seed: {p: arms["continue"][p] / arms["retrain"][p] - 1 for p in "AB"} for seed, arms in by_seed.items()}
     compute_ratio = summary["continue"]["flops"]["mean"] / summary["retrain"]["flops"]["mean"]
     result = {"benchmark": "continued", "machine": platform.machine(), "cpus": os.cpu_count(),
               "args": {"seeds": ARGS.seeds, "steps": ARGS.steps, "docs": ARGS.docs, "held_out_pages": HELD_OUT},
               "summary": summary, "relative_gap": gap, "compute_ratio": compute_ratio,
               "target": "continue within 1 % of retrain on A and B at <= 50 % of its compute",
-              "target_met": all(abs(g) <= 0.01 or g < 0 for g in gap.values()) and compute_ratio <= 0.5,
+              "target_met": all(g <= 0.01 for g in gap.values()) and compute_ratio <= 0.5,
+              "paired_gap_by_seed": paired,
+              "target_met_every_seed": all(g <= 0.01 for gaps in paired.values() for g in gaps.values())
+              and compute_ratio <= 0.5,
               "rewarm_spikes": {"skipped": sum(r["spikes"]["skipped"] for r in runs if r["arm"] == "continue"),
                                 "steps": sum(r["spikes"]["steps"] for r in runs if r["arm"] == "continue")},
               "runs": runs}
     write_result(ARGS.out, result)
-    print(json.dumps({k: result[k] for k in ("relative_gap", "compute_ratio", "target_met", "rewarm_spikes")}, indent=2))
+    print(json.dumps({k: result[k] for k in ("relative_gap", "compute_ratio", "target_met", "paired_gap_by_seed",
+                                             "target_met_every_seed", "rewarm_spikes")}, indent=2))
     return 0
 
 

@@ -67,7 +67,7 @@ def _state_dir(cfg: PipelineConfig) -> Path:
 def continue_pretraining(config: dict, run_name: str | None = None) -> dict:
     """`config` is the resolved pipeline config as JSON (what the deployment passes); validated here."""
     from flows.run_context import default_tracking_uri
-    from tasks.continued.cycle import check_continuation, cycle_config, find_champion
+    from tasks.continued.cycle import cycle_config, find_champion
     from tasks.continued.ledger import Ledger
 
     cfg = PipelineConfig.model_validate(config)
@@ -81,9 +81,7 @@ def continue_pretraining(config: dict, run_name: str | None = None) -> dict:
         return {"status": "NO_NEW_DATA", "message": discovery.message, "discovery": discovery.to_dict()}
     tracking_uri = default_tracking_uri(cfg)
     champion = find_champion(cfg, tracking_uri)
-    if champion is not None:
-        check_continuation(cfg, champion)
-    cycle_cfg = cycle_config(cfg, discovery, champion, state)
+    cycle_cfg = cycle_config(cfg, discovery, champion, state)  # refuses a config that would not continue it
     number = int((champion.tags.get(CYCLE_TAG) if champion else 0) or 0) + 1
     run_name = run_name or new_run_name(cfg)
     ledger.pending(run_name, discovery.files)

@@ -3,7 +3,7 @@
 The flows' generic stage task (flows/stage_task.py) takes each task's name, lineage job name,
 documentation and config sections from here, and so do the lineage service's sample events;
 tests/test_stages.py checks flows/pretrain.py against PRETRAIN_FLOWS. A new stage is one file (a
-`tasks.core.stage.Stage`) plus one line in STAGES below (and, for a new subflow, one FlowSpec)."""
+`tasks.core.stage.Stage`) plus one line in ALL_STAGES below (and, for a new subflow, one FlowSpec)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,9 +23,10 @@ from tasks.train.stage import TrainStage
 
 # In pipeline order. The ablate stage runs in its own flow (flows/ablate.py); the replay mix only in
 # continued-pretraining cycles (flows/continued.py).
-STAGES: dict[str, Stage] = {s.name: s for s in (
+ALL_STAGES: tuple[Stage, ...] = (
     IngestStage(), CurateStage(), QualityStage(), TokenizerStage(), TokensStage(), ReplayMixStage(), PlanStage(),
-    TrainStage(), EvaluateStage(), YardstickStage(), DeployStage(), AblateStage())}
+    TrainStage(), EvaluateStage(), YardstickStage(), DeployStage(), AblateStage())
+STAGES: dict[str, Stage] = {s.name: s for s in ALL_STAGES}
 CONTINUE_ONLY = {"mix", "yardstick"}
 
 

@@ -94,4 +94,5 @@ def test_continued_benchmark(tmp_path):
     assert set(cont["bits_per_byte"]) == set(retrain["bits_per_byte"]) == {"A", "B"}
     assert all(0 < v < 20 for x in (cont, retrain) for v in x["bits_per_byte"].values())
     assert cont["replay_share_trained"]["replay_tokens"] > 0 and isinstance(r["target_met"], bool)
+    assert set(r["paired_gap_by_seed"]["1337"]) == {"A", "B"} and isinstance(r["target_met_every_seed"], bool)
     assert cont["spikes"]["steps"] == 6 and r["rewarm_spikes"]["steps"] == 6

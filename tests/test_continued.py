@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, PipelineConfig
+from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, ContinueConfig, PipelineConfig
 
 WEB = Path(__import__("os").environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT) / "web"
 RECRAWLED = 40  # pages of the first delivery crawled again into the second
@@ -276,9 +276,8 @@ def test_schedule_is_registered_with_its_cron_and_can_be_changed(tmp_path, monke
     from flows.continued import build_deployment, set_schedule
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
-    cfg = config(tmp_path).model_copy(update={"continue_": PipelineConfig.model_validate(
-        {"name": "x", "sources": [{"name": "a", "uri": "x", "format": "warc", "licence": "l", "provenance": "p"}],
-         "continue": {"schedule": "0 3 * * *", "timezone": "Europe/Berlin"}}).continue_})
+    cfg = config(tmp_path).model_copy(update={"continue_": ContinueConfig(schedule="0 3 * * *",
+                                                                          timezone="Europe/Berlin")})
     with prefect_test_harness(server_startup_timeout=180):
         deployment_id = build_deployment(cfg).apply()
         api = PREFECT_API_URL.value().rstrip("/")

@@ -17,7 +17,8 @@ import torch
 from lm_helpers import tiny_cfg, tokens_artifact
 from tasks.core.net import free_port
 from tasks.train import list_checkpoints, load_model_for_inference, run_training
-from tasks.train.checkpoint import (MANIFEST, META_FILE, _sha256, apply_retention, latest_checkpoint,
+from tasks.core.hashing import sha256_file
+from tasks.train.checkpoint import (MANIFEST, META_FILE, apply_retention, latest_checkpoint,
                                     read_manifest)
 from tasks.train.metrics import SPIKE_LOG
 from train_faults import FAULTS_ENV, WORKER_MODULE
@@ -146,7 +147,7 @@ def test_retention_manifest_and_metrics(reference):
     for entry, path in zip(manifest["checkpoints"], ckpts):
         assert ".metadata" in entry["files"] and META_FILE in entry["files"]
         assert any(f.endswith(".distcp") for f in entry["files"])
-        assert all(_sha256(path / f) == h for f, h in entry["files"].items())
+        assert all(sha256_file(path / f) == h for f, h in entry["files"].items())
     log = _log(reference)
     # FLOPs per token counted here from the trained model itself: 6 N (the tied embedding counted
     # once, as the output matmul) + 12 L d T for attention; flops_per_s is per process

@@ -11,10 +11,11 @@ import pytest
 from tasks.config import PipelineConfig
 from tasks.core.layout import RunLayout
 from tasks.core.stage import Markdown, PlanResult, Stage, StageContext, StageInputs, StageResult
-from tasks.registry import FLOW_DOCS, PRETRAIN_FLOWS, STAGES, stage
+from tasks.registry import ALL_STAGES, FLOW_DOCS, PRETRAIN_FLOWS, STAGES, stage
 
 
 def test_every_stage_has_one_entry_and_the_full_shape():
+    assert len(STAGES) == len(ALL_STAGES)  # no two stages share a name (the dict would keep only one)
     tasks = [s.task for s in STAGES.values()]
     assert len(set(tasks)) == len(tasks)  # a Prefect task / lineage job name belongs to one stage
     sections = set(PipelineConfig.model_fields)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.config import PipelineConfig
-from tasks.continued.ledger import Discovery
+from tasks.continued.ledger import Discovery, under_state_dir
 
 
 class CycleError(ValueError):
@@ -42,8 +42,8 @@ def find_champion(cfg: PipelineConfig, tracking_uri: str) -> Champion | None:
     """The champion of deploy.model_name, or None when there is none yet (the cycle bootstraps).
     Its checkpoint and tokenizer must still be where it was registered from and hash to the
     registered content hash; otherwise the cycle is refused (nothing unverified is loaded)."""
-    from tasks.core.hashing import sha256_file, sha256_text, sha256_tree
-    from tasks.deploy.registry import get_champion
+    from tasks.core.hashing import sha256_file, sha256_tree
+    from tasks.deploy.registry import content_hash_of, get_champion
     from tasks.train.checkpoint import read_meta
 
     found = get_champion(tracking_uri, cfg.deploy.model_name)
@@ -57,7 +57,7 @@ def find_champion(cfg: PipelineConfig, tracking_uri: str) -> Champion | None:
                          f"continues the champion's own checkpoint (with its optimizer state), so keep its run "
                          f"directory or promote another version")
     tree, tok_sha = sha256_tree(ckpt), sha256_file(tok)
-    if sha256_text(f"checkpoint {tree}\ntokenizer {tok_sha}\n") != tags.get("content_hash"):
+    if content_hash_of(tree, tok_sha) != tags.get("content_hash"):
         raise CycleError(f"the champion's files ({ckpt}, {tok}) no longer match the content hash registered for "
                          f"{name}: refusing to continue from them")
     index = tags.get("data.tokens_index")
@@ -79,16 +79,15 @@ def check_continuation(cfg: PipelineConfig, champion: Champion) -> None:
                          "not mean what the champion learnt, so this would not be a continuation. Train a new "
                          "model with `crucible run` instead, or set continue.retrain_tokenizer=false")
     wanted = GPTConfig.from_model_config(cfg.model, champion.model["vocab_size"]).to_dict()
-    if mismatch := shape_mismatch(champion.model, wanted):
+    if mismatch := shape_mismatch(champion.model, wanted, saved="champion"):
         raise CycleError(f"the config's model shape differs from the champion's ({champion.model_name} version "
-                         f"{champion.version}): {'; '.join(mismatch).replace('checkpoint', 'champion')}; a cycle "
+                         f"{champion.version}): {'; '.join(mismatch)}; a cycle "
                          f"continues the champion's weights, so the model section must match them")
 
 
 def minhash_index_dir(cfg: PipelineConfig, state_dir: str | Path) -> Path:
     """continue.minhash_index, relative to the stack's state directory unless absolute."""
-    path = Path(cfg.continue_.minhash_index)
-    return path if path.is_absolute() else Path(state_dir).resolve() / path
+    return under_state_dir(cfg.continue_.minhash_index, Path(state_dir).resolve())
 
 
 def cycle_config(cfg: PipelineConfig, discovery: Discovery, champion: Champion | None,
@@ -110,6 +109,7 @@ def cycle_config(cfg: PipelineConfig, discovery: Discovery, champion: Champion |
     if champion is not None:
         check_continuation(cfg, champion)
         c, train = cfg.continue_, data["train"]
+        # continue.lr_schedule "rewarm_cosine" (the only one so far): a fresh warmup, then cosine
         train.update(init_from=str(champion.checkpoint), init_sha256=champion.checkpoint_sha256,
                      init_optimizer=c.init_optimizer, resume=False, lr_schedule="cosine",
                      warmup_steps=train["warmup_steps"] if c.rewarm_steps is None else c.rewarm_steps,

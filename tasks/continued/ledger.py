@@ -166,10 +166,15 @@ class Discovery:
                                        "new": [asdict(f) for f in s.new]} for s in self.sources}}
 
 
+def under_state_dir(path: str | Path, state_dir: str | Path) -> Path:
+    """A `continue.*` path setting: relative to the stack's state directory unless absolute."""
+    path = Path(path).expanduser()
+    return path if path.is_absolute() else Path(state_dir) / path
+
+
 def ledger_path(cfg: PipelineConfig, state_dir: str | Path) -> Path:
     """`continue.ledger`, relative to the stack's state directory unless absolute."""
-    path = Path(cfg.continue_.ledger).expanduser()
-    return path if path.is_absolute() else Path(state_dir) / path
+    return under_state_dir(cfg.continue_.ledger, state_dir)
 
 
 def sha256_uri(uri: str, storage_options: dict | None = None) -> str:

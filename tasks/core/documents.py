@@ -50,7 +50,6 @@ DOC_SCHEMA = pa.schema(
     + [pa.field(name, pa.string()) for name in _OPTIONAL_STRING_FIELDS]
     + [pa.field("language_score", pa.float64()), pa.field("source_file", pa.string()),
        pa.field("source_offset", pa.int64())])
-DOC_FIELDS = tuple(DOC_SCHEMA.names)
 
 _ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://github.com/crucible-ml/crucible/doc")
 

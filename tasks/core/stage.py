@@ -86,9 +86,6 @@ class StageResult:
     primary: str | None = None  # the output node the Prefect run links to (default: the first output)
     reports: list[Markdown | Table] = field(default_factory=list)
 
-    def summary(self) -> dict:
-        return self.data
-
 
 class DocumentsResult(StageResult):
     """ingest, curate, quality: Parquet document shards plus per-step accounting."""

@@ -159,7 +159,8 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
     if yardstick:
         tags |= yardstick_tags(yardstick)
     reg = register(tracking_uri, dcfg.model_name, evaluation["checkpoint"], tokenizer_path,
-                   {k: v for k, v in evaluation.items() if k != "yardstick"}, train_run_id, extra_tags=tags)
+                   {k: v for k, v in evaluation.items() if k != "yardstick"}, train_run_id, extra_tags=tags,
+                   content_hash=content_hash)
     result.update({k: reg[k] for k in ("version", "alias", "content_hash", "source")})
     if dcfg.serve and serve_model is None:
         raise ValueError("deploy.serve is true but no model server was handed to deploy_if_better (serve_model); "

@@ -74,7 +74,12 @@ def champion_val_loss(tracking_uri: str, model_name: str) -> float | None:
 def model_content_hash(ckpt_dir: str | Path, tokenizer_path: str | Path) -> str:
     """sha256 identifying what was registered: the checkpoint directory's tree hash and the
     tokenizer file's hash (reproducible: does not depend on the export)."""
-    return sha256_text(f"checkpoint {sha256_tree(ckpt_dir)}\ntokenizer {sha256_file(tokenizer_path)}\n")
+    return content_hash_of(sha256_tree(ckpt_dir), sha256_file(tokenizer_path))
+
+
+def content_hash_of(checkpoint_tree_sha256: str, tokenizer_sha256: str) -> str:
+    """model_content_hash from the two hashes already computed."""
+    return sha256_text(f"checkpoint {checkpoint_tree_sha256}\ntokenizer {tokenizer_sha256}\n")
 
 
 def export_for_inference(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
@@ -113,7 +118,8 @@ def _artifact_run(client: MlflowClient, tracking_uri: str, model_name: str) -> s
 
 
 def register(tracking_uri: str, model_name: str, ckpt_dir: str | Path, tokenizer_path: str | Path,
-             eval_result: dict, run_id: str | None, extra_tags: dict | None = None) -> dict:
+             eval_result: dict, run_id: str | None, extra_tags: dict | None = None,
+             content_hash: str | None = None) -> dict:
     """Log the checkpoint + tokenizer as a pyfunc model, register it as a new version of
     `model_name`, tag it with the evaluation results (val_loss, perplexity, step, eval.<metric> for
     every task metric), the training run id and `extra_tags` (data lineage), and point the alias
@@ -129,7 +135,7 @@ def register(tracking_uri: str, model_name: str, ckpt_dir: str | Path, tokenizer
 
     ckpt_dir, tokenizer_path = Path(ckpt_dir).resolve(), Path(tokenizer_path).resolve()
     client = _client(tracking_uri)
-    content_hash = model_content_hash(ckpt_dir, tokenizer_path)
+    content_hash = content_hash or model_content_hash(ckpt_dir, tokenizer_path)  # given: the caller hashed them
     own_run = run_id is None
     target_run = run_id or _artifact_run(client, tracking_uri, model_name)
     artifact_path = f"registered_model/{ckpt_dir.name}-{content_hash[:12]}"

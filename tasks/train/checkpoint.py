@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from tasks.core.hashing import sha256_file
 from tasks.core.io import atomic_write_text
 from tasks.core.layout import CHECKPOINTS_DIR
 from tasks.train.model import GPT, GPTConfig
@@ -217,10 +218,10 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir
     return int(state["train"]["step"])
 
 
-def shape_mismatch(saved_model: dict, model: dict) -> list[str]:
-    """The model fields (GPTConfig) on which a checkpoint's model differs from `model`, as
-    "model.d_model: checkpoint 128, config 256" ([] when the weights fit)."""
-    return [f"model.{k}: checkpoint {saved_model.get(k)!r}, config {model.get(k)!r}"
+def shape_mismatch(saved_model: dict, model: dict, saved: str = "checkpoint") -> list[str]:
+    """The model fields (GPTConfig) on which a saved model differs from `model`, as
+    "model.d_model: checkpoint 128, config 256" ([] when the weights fit); `saved` names the saved side."""
+    return [f"model.{k}: {saved} {saved_model.get(k)!r}, config {model.get(k)!r}"
             for k in sorted(set(saved_model) | set(model)) if saved_model.get(k) != model.get(k)]
 
 
@@ -306,14 +307,6 @@ def read_rng_state(ckpt_dir: str | Path, rank: int) -> dict | None:
 
 # ---------------------------------------------------------------- manifest and retention
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def read_manifest(out_dir: str | Path) -> dict:
     path = Path(out_dir) / CHECKPOINTS_DIR / MANIFEST
     return json.loads(path.read_text()) if path.is_file() else {"checkpoints": []}
@@ -332,7 +325,7 @@ def checkpoint_entry(ckpt_dir: str | Path) -> dict:
         "path": ckpt_dir.name,
         "train_loss": meta.get("train_loss"),
         "val_loss": meta.get("val_loss"),
-        "files": {str(p.relative_to(ckpt_dir)): _sha256(p) for p in files},
+        "files": {str(p.relative_to(ckpt_dir)): sha256_file(p) for p in files},
         "bytes": sum(p.stat().st_size for p in files),
     }
 
@@ -386,7 +379,7 @@ def verify_checkpoint(ckpt_dir: str | Path, manifest: dict | None = None) -> boo
     entry = next((e for e in manifest["checkpoints"] if e["path"] == ckpt_dir.name), None)
     if entry is None:
         return True
-    return all((ckpt_dir / f).is_file() and _sha256(ckpt_dir / f) == h for f, h in entry["files"].items())
+    return all((ckpt_dir / f).is_file() and sha256_file(ckpt_dir / f) == h for f, h in entry["files"].items())
 
 
 def latest_checkpoint(out_dir: str | Path, before_step: int | None = None, verify: bool = True

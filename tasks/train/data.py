@@ -5,13 +5,12 @@ those three numbers: ranks see different data, and a resumed run draws the same 
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tasks.tokens.binfile import open_doc_starts, open_split
+from tasks.tokens.binfile import load_index, open_doc_starts, open_split
 
 
 class RandomWindows:
@@ -69,7 +68,7 @@ class GlobalWindows:
                              f"= {seq_len + 1}: make the corpus larger or seq_len smaller")
         self._perm_epoch, self._perm = -1, None
         self.skip_ranges: list[tuple[int, int]] = []
-        mix = json.loads(Path(index_path).read_text()).get("mix")
+        mix = load_index(index_path).get("mix")
         # windows starting before the replay part are the new data's stratum
         self.n_new = min(self.n_windows, -(-mix["replay_start"] // seq_len)) if mix else self.n_windows
 

@@ -27,8 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def endpoint_url(deploy_cfg) -> str:
-    host = "127.0.0.1" if deploy_cfg.host in ("0.0.0.0", "", "::") else deploy_cfg.host
-    return f"http://{host}:{deploy_cfg.port}/v1"
+    return f"http://{stack.connect_host(deploy_cfg.host)}:{deploy_cfg.port}/v1"
 
 
 def server_spec(deploy_cfg, ckpt_dir: str | Path, tokenizer_path: str | Path, model_name: str) -> stack.ServiceSpec:
@@ -112,12 +111,6 @@ def _reload_in_place(stack_cfg, deploy_cfg, spec: stack.ServiceSpec) -> dict | N
     stack.write_spec(stack_cfg, spec)  # record the new checkpoint, so `crucible up` after a restart serves it
     return {"endpoint": spec.url, "pid": pid, "log": str(stack.log_path(stack_cfg, stack.MODEL_SERVER)),
             "seconds": round(time.perf_counter() - t0, 3), "reloaded": True}
-
-
-def stop_server(stack_cfg, forget: bool = False) -> str:
-    """Stop the model server; forget=True also drops its record so `crucible up` won't restart it."""
-    with stack.stack_lock(stack_cfg):
-        return stack.stop_service(stack_cfg, stack.MODEL_SERVER, forget=forget)
 
 
 def server_status(stack_cfg) -> dict | None:
