@@ -10,7 +10,7 @@ of docs-crawl-00000, B = the first --docs pages of docs-crawl-00003.
       (from cycle 1's model: re-warm, 25 % replay of A, --steps steps);
   (b) retrain:  one pretrain from scratch on A and B together, 2 x --steps steps (as much data seen).
 Held-out text: the next 40 pages of each file (never trained on), extracted by the ingest stage and
-scored in bits per byte (tasks/continued/yardstick.score) with each arm's final checkpoint.
+scored in bits per byte (tasks.deploy.yardstick.score) with each arm's final checkpoint.
 Compute: training FLOPs (6 x parameters x tokens) of the step that produced the model: (a) counts
 only cycle 2 (cycle 1 was paid before B arrived), (b) the whole retraining; (a)'s total is listed too.
 The compute is set by the step counts (the comparison is at a fixed budget); what is measured is the
@@ -120,7 +120,7 @@ def spike_actions(summary: dict) -> dict:
 
 def run_arm(work: Path, arm: str, seed: int, steps: int, held_out: Path) -> dict:
     from flows.continued import run_cycle
-    from tasks.continued.yardstick import score
+    from tasks.deploy.yardstick import score
 
     name = f"bench-{arm}-{seed}-{uuid.uuid4().hex[:6]}"
     landing = work / arm / "landing"

@@ -15,11 +15,19 @@
 With no champion yet, the cycle bootstraps: the full pretrain DAG (its own tokenizer) on the new
 files. `crucible up` serves this flow as a deployment with continue.schedule (cron) and a
 concurrency limit of 1; `crucible run --continue CONFIG` runs one cycle now.
+
+One cycle of a model at a time, however it was started: a scheduled run due while one is going
+waits in Prefect (state AwaitingConcurrencySlot, the deployment's ENQUEUE strategy), and every
+cycle, `crucible run --continue` included, holds a lock beside the data ledger
+(<state_dir>/continue-<model>.lock): one that finds it taken says so and waits for it.
 """
 from __future__ import annotations
 
 import json
+import re
 import sys
+import time
+from contextlib import ExitStack
 from pathlib import Path
 
 from prefect import flow
@@ -63,14 +71,45 @@ def _state_dir(cfg: PipelineConfig) -> Path:
     return state_dir(cfg.stack)
 
 
+def hold_cycle_slot(cfg: PipelineConfig, stack: ExitStack) -> float:
+    """Take the model's one cycle slot for the rest of `stack`: an exclusive lock on
+    <state_dir>/continue-<model>.lock, beside the ledger it protects (the OS releases it when its
+    holder exits or is killed). A cycle that finds it taken says so and waits. Returns the seconds waited."""
+    import fcntl
+
+    path = _state_dir(cfg) / f"continue-{re.sub(r'[^A-Za-z0-9_.-]', '_', cfg.deploy.model_name)}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = stack.enter_context(open(path, "a+"))
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return 0.0
+    except BlockingIOError:
+        pass
+    print(f"[continue] another cycle of {cfg.deploy.model_name} is running (it holds {path}); this one waits "
+          "for it to finish", flush=True)
+    t0 = time.monotonic()
+    fcntl.flock(f, fcntl.LOCK_EX)
+    waited = time.monotonic() - t0
+    print(f"[continue] the other cycle finished; starting after {waited:.0f}s of waiting", flush=True)
+    return waited
+
+
 @flow(name=CONTINUE_FLOW)
 def continue_pretraining(config: dict, run_name: str | None = None) -> dict:
     """`config` is the resolved pipeline config as JSON (what the deployment passes); validated here."""
+    cfg = PipelineConfig.model_validate(config)
+    with ExitStack() as slot:
+        waited = hold_cycle_slot(cfg, slot)
+        summary = _cycle(cfg, run_name)
+        summary["waited_for_other_cycle_s"] = round(waited, 1)
+        return summary
+
+
+def _cycle(cfg: PipelineConfig, run_name: str | None) -> dict:
     from flows.run_context import default_tracking_uri
     from tasks.continued.cycle import cycle_config, find_champion
     from tasks.continued.ledger import Ledger
 
-    cfg = PipelineConfig.model_validate(config)
     state = _state_dir(cfg)
     ledger = Ledger.for_config(cfg, state)
     discovery = ledger.discover(cfg)
@@ -91,7 +130,11 @@ def continue_pretraining(config: dict, run_name: str | None = None) -> dict:
     else:
         summary = _continue(cycle_cfg, run_name, champion)
     summary["cycle"] = {"number": number, "discovery": discovery.to_dict(),
-                        "champion": champion.to_dict() if champion else None}
+                        "champion": champion.to_dict() if champion else None,
+                        # rewarm_cosine from the champion, or wsd from its run's pre-decay checkpoint
+                        "schedule": {"lr_schedule": "wsd" if cycle_cfg.train.lr_schedule == "wsd" and champion
+                                     else "rewarm_cosine" if champion else None,
+                                     "init_from": cycle_cfg.train.init_from}}
     _close_cycle(cycle_cfg, ledger, run_name, number, summary, champion)
     return summary
 

@@ -10,7 +10,8 @@ Two deployments, served with prefect's `serve` (each flow run in its own subproc
         checkpoint (tasks.evaluate.evaluate_checkpoint) and emits `crucible.eval.completed`
         (resource crucible.eval.<run>.<step>, label crucible.eval.passed "true"/"false"; payload
         passed, reason, val_loss, perplexity, checkpoint, step, run_name, run_id, report_path,
-        tokenizer). `passed` is the deployment gate against the current champion at that moment.
+        tokenizer). `passed` is the deployment gate against the current champion at that moment, on
+        the fixed yardstick (tasks/deploy/yardstick.py), which the report keeps for deploy-model.
     deploy-model/deploy-model
         triggered by `crucible.eval.completed` with crucible.eval.passed = "true". Runs
         tasks.deploy.deploy_if_better (the gate again, against the champion of now: register,
@@ -105,7 +106,7 @@ def eval_limit_name(run_name: str) -> str:
     return "crucible-eval-" + re.sub(r"[^A-Za-z0-9_.-]", "_", run_name or "unknown")
 
 
-def _ensure_limit(name: str) -> None:
+def ensure_limit(name: str) -> None:
     """Create the global concurrency limit `name` (limit 1) unless it exists."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
@@ -157,26 +158,23 @@ def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run
     """Evaluate one checkpoint (one at a time per run), gate it, emit crucible.eval.completed."""
     from prefect.concurrency.sync import concurrency
 
-    from tasks.deploy import gate
-    from tasks.deploy.registry import champion_val_loss, record_gate
+    from tasks.deploy.registry import record_gate
     from tasks.deploy.triggered import write_gate
+    from tasks.deploy.yardstick import gate_at_evaluation
 
     run_id, run_name = _none(run_id), _none(run_name)
     paths = run_paths(checkpoint, {"tokenizer": tokenizer, "tokens_index": tokens_index, "config_path": config_path})
     run_name = run_name or Path(paths["run_dir"]).name
     cfg = _load_cfg(paths["config"])
     limit = eval_limit_name(run_name)
-    _ensure_limit(limit)
+    ensure_limit(limit)
     with concurrency(limit, occupy=1, strict=True):
         report = retried(evaluate_task, cfg.stack)(paths, run_id)
-    champion_loss = champion_val_loss(_tracking_uri(cfg), cfg.deploy.model_name)
-    decision = gate(cfg.deploy, report, champion_loss)
-    if cfg.train.init_from:  # a continued-pretraining cycle: its own flow gates it on the fixed yardstick
-        decision = {"passed": False, "reason": "continued-pretraining checkpoint: deployed only by its cycle's "
-                                               f"yardstick gate (val_loss {report['val_loss']:.4f})"}
-    write_gate(report, decision, champion_loss)
+    # against the champion of now, on the fixed yardstick; deploy-model re-gates if the champion changes
+    decision, yardstick = gate_at_evaluation(cfg, _tracking_uri(cfg), report, paths["tokenizer"])
+    write_gate(report, decision, yardstick)
     if not decision["passed"]:  # no deploy-model run follows: the verdict is recorded here
-        record_gate(_tracking_uri(cfg), run_id, report.get("step"), decision)
+        record_gate(_tracking_uri(cfg), run_id, report.get("step"), decision, yardstick)
     publish_eval_table(paths["run_dir"], run_name)
     step = report.get("step", _none(step))
     payload = {"passed": decision["passed"], "reason": decision["reason"], "val_loss": report["val_loss"],

@@ -540,7 +540,15 @@ class EvaluateConfig(Section):
 class DeployConfig(Section):
     model_name: str = "crucible-tiny"
     max_val_loss: float = Field(default=8.0, gt=0)  # gate: absolute threshold
-    min_improvement: float = Field(default=0.0, ge=0)  # gate: better than champion by at least δ
+    # against a champion, the gate compares both on the fixed yardstick (tasks/deploy/yardstick.py),
+    # in bits per byte: better on the challenger's own held-out data by at least min_improvement (δ),
+    # worse on the champion's held-out data and WikiText by at most max_forgetting (ε); LAMBADA /
+    # HellaSwag accuracy lower by at most max_forgetting_acc
+    min_improvement: float = Field(default=0.0, ge=0)
+    max_forgetting: float = Field(default=0.02, ge=0)
+    max_forgetting_acc: float = Field(default=0.05, ge=0)
+    yardstick_docs: int = Field(default=16, gt=0)  # held-out documents per part (old / new)
+    yardstick_max_chars: int = Field(default=4000, gt=0)  # characters of each document scored
     host: str = "127.0.0.1"
     port: int = Field(default=8600, gt=0, lt=65536)
     serve: bool = True  # start/refresh the model server after registering a new champion
@@ -651,9 +659,8 @@ class PlanConfig(Section):
 
 
 class ContinueConfig(Section):
-    """Scheduled continued pretraining (`continue:` in YAML; issue 17). This part holds the data
-    ledger only; the schedule, replay fraction, learning-rate re-warm and gate fields join it as
-    those parts land."""
+    """Scheduled continued pretraining (`continue:` in YAML): the data ledger, the replay mix, the
+    learning-rate re-warm and the schedule. A cycle is gated like any challenger (deploy section)."""
 
     # SQLite record of every raw file consumed by a committed cycle (tasks.continued.ledger);
     # relative to stack.state_dir unless absolute
@@ -665,21 +672,18 @@ class ContinueConfig(Section):
     # al. 2024: 0.05 for a weak distribution shift, 0.25 for a strong one)
     replay_fraction: float = Field(default=0.25, ge=0, lt=1)
     replay_seed: int = 0
-    # rewarm_cosine: linear re-warm over rewarm_steps from 0 to `lr` (train.lr unless set), then
-    # cosine re-decay to train.min_lr over the cycle's steps
-    lr_schedule: Literal["rewarm_cosine"] = "rewarm_cosine"
-    rewarm_steps: int | None = Field(default=None, ge=0)  # None: train.warmup_steps
+    # rewarm_cosine: from the champion, a linear re-warm over rewarm_steps from 0 to `lr` (train.lr
+    # unless set), then cosine re-decay to train.min_lr over the cycle's steps (Ibrahim et al. 2024).
+    # wsd: the champion was trained warmup-stable-decay; the cycle starts from its run's last kept
+    # checkpoint before the decay began (verified against its checkpoint manifest) with a new stable
+    # phase at `lr` and a decay over the last train.wsd_decay_fraction of the cycle's steps
+    # (rewarm_steps of warmup, none unless set). auto: wsd when the champion is WSD and such a
+    # checkpoint is kept, else rewarm_cosine; an explicit wsd that cannot be done is refused.
+    lr_schedule: Literal["auto", "rewarm_cosine", "wsd"] = "auto"
+    rewarm_steps: int | None = Field(default=None, ge=0)  # None: train.warmup_steps (wsd: 0)
     lr: float | None = Field(default=None, gt=0)
     max_steps: int | None = Field(default=None, gt=0)  # optimizer steps per cycle (None: train.max_steps)
     init_optimizer: bool = False  # also continue the champion's AdamW moments
-    # the gate on the fixed yardstick (tasks/continued/yardstick.py), in bits per byte: better on the
-    # new data by at least min_improvement, worse on earlier cycles' held-out text and WikiText by at
-    # most max_forgetting; LAMBADA / HellaSwag accuracy lower by at most max_forgetting_acc
-    min_improvement: float = Field(default=0.0, ge=0)
-    max_forgetting: float = Field(default=0.02, ge=0)
-    max_forgetting_acc: float = Field(default=0.05, ge=0)
-    yardstick_docs: int = Field(default=16, gt=0)  # held-out documents per part (old / new)
-    yardstick_max_chars: int = Field(default=4000, gt=0)  # characters of each document scored
     # a continuation keeps the champion's tokenizer; true asks to retrain it and is refused
     retrain_tokenizer: bool = False
     # cron schedule of the continue-pretraining deployment `crucible up` serves (None: run on demand)

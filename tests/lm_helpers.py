@@ -157,7 +157,7 @@ def sample_tokenizer(path: Path, vocab_size: int = 320) -> Path:
 
 
 def random_checkpoint(out_dir: Path, tokenizer: Path, step: int, seed: int, run_name: str = "test",
-                      **model_options) -> Path:
+                      meta_extra: dict | None = None, **model_options) -> Path:
     """A randomly initialised GPT for `tokenizer` (2 layers, 2 heads, width 32, seq_len 32 unless
     model_options say otherwise), saved as step `step` with tasks.train's checkpoint code."""
     import torch
@@ -172,5 +172,6 @@ def random_checkpoint(out_dir: Path, tokenizer: Path, step: int, seed: int, run_
     cfg = GPTConfig(vocab_size=vocab, **{"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 32, **model_options})
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    meta = {"model": cfg.to_dict(), "eos_id": 1, "tokenizer_sha256": sha256_file(tokenizer), "run_name": run_name}
+    meta = {"model": cfg.to_dict(), "eos_id": 1, "tokenizer_sha256": sha256_file(tokenizer), "run_name": run_name,
+            **(meta_extra or {})}
     return save_checkpoint(model, opt, step, out_dir, meta)

@@ -197,6 +197,21 @@ def test_replay_share_of_trained_tokens(cycles):
     assert abs(mix["mix"]["replay_share"] - 0.25) <= 0.02
     # measured on the loader's real sample order over the steps trained (stratified: holds for 20 steps)
     assert mix["trained"]["trained_tokens"] > 0 and abs(mix["trained"]["replay_share"] - 0.25) <= 0.02
+    # per-source token counts of the mix: in the summary, as MLflow metrics and on the mix's lineage dataset
+    from mlflow.tracking import MlflowClient
+
+    from tasks.lineage.validate import read_events
+    from tasks.tracking.mlflow_tracking import metric_name
+
+    by_source = mix["mix"]["by_source"]
+    assert by_source and sum(v["tokens"] for v in by_source.values()) == mix["new_tokens"] + mix["replay_tokens"]
+    metrics = MlflowClient(tracking_uri=cycles["c2"]["mlflow"]["tracking_uri"]).get_run(mix["mlflow_run_id"]).data.metrics
+    assert all(metrics[metric_name(f"tokens.{s}")] == v["tokens"]
+               and metrics[metric_name(f"replay_tokens.{s}")] == v["replay_tokens"]
+               for s, v in by_source.items())
+    facets = [o["facets"]["crucible_token_mix"] for e in read_events(cycles["c2"]["lineage_log"])
+              for o in e.get("outputs") or [] if "crucible_token_mix" in (o.get("facets") or {})]
+    assert facets and facets[-1]["by_source"] == by_source and facets[-1]["replay_share"] == mix["replay_share"]
 
 
 def test_ledger_and_registry_record_the_cycles(cycles):
@@ -243,7 +258,7 @@ def test_gate_scores_both_models_on_one_yardstick(cycles):
     """Champion and challenger scored on the same pinned set (one sha256), in bits per byte per part;
     the deploy decision is the yardstick's, recorded with the set's hash."""
     from tasks.core.hashing import sha256_file
-    from tasks.continued.yardstick import decide
+    from tasks.deploy.yardstick import decide
 
     c2, cfg = cycles["c2"], cycles["cfg"]
     y, deployed = c2["stages"]["yardstick"], c2["stages"]["deploy"]
@@ -254,9 +269,9 @@ def test_gate_scores_both_models_on_one_yardstick(cycles):
     assert deployed["passed"] == y["decision"]["passed"] and deployed["reason"] == y["decision"]["reason"]
     ch, champ = y["challenger"]["bits_per_byte"], y["champion"]["bits_per_byte"]
     # the rule itself: a challenger worse on the new data is refused; one that forgets is refused
-    assert not decide(cfg.continue_, {**ch, "new": champ["new"] + 0.1}, champ, {}, {})["passed"]
-    assert not decide(cfg.continue_, {**champ, "new": champ["new"] - 0.1, "old": champ["old"] + 0.5}, champ, {}, {})["passed"]
-    assert decide(cfg.continue_, {**champ, "new": champ["new"] - 0.1}, champ, {}, {})["passed"]
+    assert not decide(cfg.deploy, {**ch, "new": champ["new"] + 0.1}, champ, {}, {})["passed"]
+    assert not decide(cfg.deploy, {**champ, "new": champ["new"] - 0.1, "old": champ["old"] + 0.5}, champ, {}, {})["passed"]
+    assert decide(cfg.deploy, {**champ, "new": champ["new"] - 0.1}, champ, {}, {})["passed"]
     if deployed["version"] is not None:
         from mlflow.tracking import MlflowClient
 
@@ -374,6 +389,27 @@ def test_mix_holds_the_replay_share_in_every_stretch_of_training(base, tmp_path)
     for k in (10, 37, 100, windows.n_windows):
         got = sum(windows.window_start(g) >= windows.n_new * 64 for g in range(k))
         assert abs(got - k * replay_windows / windows.n_windows) <= 1, (k, got)
+    # tokens per data source: the new index's own, plus each replayed document's source
+    from tasks.tokens.binfile import doc_source_names, load_index
+
+    by_source, new_index = info["by_source"], load_index(new)
+    assert set(by_source) == set(new_index["sources"]) == {"gutenberg", "linux-doc"}
+    for source, v in by_source.items():
+        assert v["new_tokens"] == new_index["by_source"][source]["train"]["tokens"]
+        assert v["tokens"] == v["new_tokens"] + v["replay_tokens"]
+    assert sum(v["replay_tokens"] for v in by_source.values()) == info["replay_tokens"]
+    assert sum(v["share"] for v in by_source.values()) == pytest.approx(1.0)
+    names = doc_source_names(mix["index_path"], "train")
+    assert len(names) == len(starts) and names[len(open_doc_starts(new, "train")):].count("gutenberg") > 0
+    # a pool index from before token indexes recorded sources: its replayed tokens are "(unknown)"
+    old = json.loads(Path(new).read_text())
+    for split in old["splits"].values():
+        split.pop("doc_sources", None)
+        split["path"], split["doc_starts"] = str(Path(new).parent / split["path"]), str(Path(new).parent / split["doc_starts"])
+    (tmp_path / "older").mkdir()
+    (tmp_path / "older" / "index.json").write_text(json.dumps({k: v for k, v in old.items() if k != "sources"}))
+    older = build_mix(new, [tmp_path / "older" / "index.json"], 0.25, 0, tmp_path / "mix-older")["mix"]["by_source"]
+    assert older["(unknown)"]["new_tokens"] == 0 and older["(unknown)"]["replay_tokens"] > 0
     share = trained_replay_share(mix["index_path"], 64, 5, 100)
     assert abs(share["replay_share"] - info["replay_share"]) < 0.03 and share["trained_tokens"] == 100 * 64
     other = dict(json.loads(Path(new).read_text()), tokenizer_sha256="0" * 64)
@@ -381,6 +417,106 @@ def test_mix_holds_the_replay_share_in_every_stretch_of_training(base, tmp_path)
     (tmp_path / "other" / "index.json").write_text(json.dumps(other))
     with pytest.raises(MixError, match="tokenizer"):
         build_mix(new, [tmp_path / "other" / "index.json"], 0.25, 0, tmp_path / "bad")
+
+
+def test_a_wsd_champion_continues_from_its_pre_decay_checkpoint(tmp_path):
+    """continue.lr_schedule wsd / auto: a champion trained warmup-stable-decay is continued from its
+    run's last kept checkpoint before the decay (verified against the run's checkpoint manifest),
+    with a new stable phase and decay; refused (wsd) or re-warmed (auto) when that cannot be done."""
+    import shutil
+
+    from lm_helpers import random_checkpoint, sample_tokenizer
+    from tasks.continued.cycle import Champion, CycleError, cycle_config
+    from tasks.continued.ledger import Discovery, RawFile, SourceDiscovery
+    from tasks.core.hashing import sha256_file, sha256_tree
+    from tasks.train.checkpoint import META_FILE, apply_retention
+    from tasks.train.schedule import lr_at, schedule_record
+
+    cfg = config(tmp_path)
+    tok = sample_tokenizer(tmp_path / "tokenizer.json")
+    champion_cfg = cfg.train.model_copy(update={"lr_schedule": "wsd", "max_steps": 30, "warmup_steps": 5,
+                                                "wsd_decay_fraction": 0.4})  # decay from step 18
+    train_dir = tmp_path / "runs" / "champ" / "train"
+    model = {"n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 64}
+    ckpts = {}
+    for step in (10, 20, 30):
+        ckpts[step] = random_checkpoint(train_dir, tok, step, step, meta_extra={"schedule": schedule_record(champion_cfg)},
+                                        **model)
+        apply_retention(train_dir, ckpts[step], None)
+
+    def champion(ckpt):
+        from tasks.train.checkpoint import read_meta
+
+        return Champion("cont-model", 1, ckpt, sha256_tree(ckpt), tok, sha256_file(tok), None,
+                        read_meta(ckpt)["model"], "champ", None, {})
+
+    new = RawFile(uri=str(tmp_path / "landing" / "a.warc.gz"), source="landing", size=1, stamp="1", sha256="0" * 64,
+                  licence="test")
+    discovery = Discovery([SourceDiscovery("landing", str(tmp_path / "landing" / "*.warc.gz"), 1, [new])])
+    for schedule in ("wsd", "auto"):
+        wsd = cfg.model_copy(update={"continue_": cfg.continue_.model_copy(update={"lr_schedule": schedule})})
+        cycle = cycle_config(wsd, discovery, champion(ckpts[30]), tmp_path / "state")
+        t = cycle.train
+        assert t.init_from == str(ckpts[10]) and t.init_sha256 == sha256_tree(ckpts[10]) and t.lr_schedule == "wsd"
+        # a new stable phase at continue.lr (no re-warm unless asked), then the decay
+        assert t.warmup_steps == 4 and lr_at(10, t) == lr_at(18, t) == 1e-3 and lr_at(30, t) < lr_at(25, t) < 1e-3
+    # the re-warmed cosine when asked for, from the champion itself
+    cosine = cycle_config(cfg.model_copy(update={"continue_": cfg.continue_.model_copy(
+        update={"lr_schedule": "rewarm_cosine"})}), discovery, champion(ckpts[30]), tmp_path / "state")
+    assert cosine.train.init_from == str(ckpts[30]) and cosine.train.lr_schedule == "cosine"
+    wsd = cfg.model_copy(update={"continue_": cfg.continue_.model_copy(update={"lr_schedule": "wsd"})})
+    auto = cfg.model_copy(update={"continue_": cfg.continue_.model_copy(update={"lr_schedule": "auto"})})
+    # a pre-decay checkpoint that differs from the run's manifest is refused
+    meta_file = ckpts[10] / META_FILE
+    meta_file.write_text(meta_file.read_text() + " ")
+    with pytest.raises(CycleError, match="manifest"):
+        cycle_config(auto, discovery, champion(ckpts[30]), tmp_path / "state")
+    # none kept: wsd is refused, naming why; auto re-warms from the champion
+    shutil.rmtree(ckpts[10])
+    apply_retention(train_dir, None, None)
+    with pytest.raises(CycleError, match="no checkpoint of the champion's run at or before step 18"):
+        cycle_config(wsd, discovery, champion(ckpts[30]), tmp_path / "state")
+    assert cycle_config(auto, discovery, champion(ckpts[30]), tmp_path / "state").train.init_from == str(ckpts[30])
+    # a champion trained with cosine: wsd is refused
+    cosine_dir = tmp_path / "runs" / "cos" / "train"
+    plain = random_checkpoint(cosine_dir, tok, 10, 0, meta_extra={"schedule": schedule_record(cfg.train)}, **model)
+    with pytest.raises(CycleError, match="not wsd"):
+        cycle_config(wsd, discovery, champion(plain), tmp_path / "state")
+
+
+def test_a_second_cycle_waits_for_the_running_one_and_says_so(tmp_path):
+    """One cycle of a model at a time, however started: while a cycle holds the model's slot (here
+    the test holds it), `python -m flows.continued` says it waits, and runs once the slot is free."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from contextlib import ExitStack
+
+    import yaml
+
+    from flows.continued import hold_cycle_slot
+
+    (tmp_path / "landing").mkdir()
+    cfg = config(tmp_path)
+    path = tmp_path / "continue.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True)))
+    log = tmp_path / "second.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "CRUCIBLE_"))}
+    with ExitStack() as running:
+        assert hold_cycle_slot(cfg, running) == 0.0
+        proc = subprocess.Popen([sys.executable, "-m", "flows.continued", str(path)], cwd=tmp_path,
+                                stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                env={**env, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+                                     "PREFECT_HOME": str(tmp_path / "prefect")})
+        deadline = time.monotonic() + 240
+        while "waits for it to finish" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(2)
+        assert proc.poll() is None and "waits for it to finish" in log.read_text(), log.read_text()[-3000:]
+    assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+    out = log.read_text()
+    assert "the other cycle finished; starting after" in out and "no new data" in out.lower(), out[-3000:]
 
 
 def test_crucible_up_serves_the_schedule_and_crucible_schedule_changes_it(tmp_path):

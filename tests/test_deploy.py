@@ -4,6 +4,7 @@ server (in process through TestClient, and as a real background process of the s
 The model is a small randomly initialised GPT saved with tasks.train's own checkpoint code."""
 from __future__ import annotations
 
+import json
 import math
 import socket
 import time
@@ -52,21 +53,27 @@ def client(generator):
 # ------------------------------------------------------------------------------------- gate
 
 def test_gate():
+    """The absolute threshold every challenger meets; against a champion the yardstick decides."""
+    from tasks.deploy.yardstick import decide
+
     cfg = DeployConfig(max_val_loss=6.0, min_improvement=0.05)
-    assert gate(cfg, {"val_loss": 5.0}, None)["passed"]
-    r = gate(cfg, {"val_loss": 6.0}, None)
+    assert gate(cfg, {"val_loss": 5.0})["passed"]
+    r = gate(cfg, {"val_loss": 6.0})
     assert not r["passed"] and "max_val_loss" in r["reason"]
-    assert not gate(cfg, {"val_loss": 7.0}, 9.0)["passed"]  # absolute threshold wins
-    assert gate(cfg, {"val_loss": 4.9}, 5.0)["passed"]  # improves by 0.1 >= 0.05
-    r = gate(cfg, {"val_loss": 4.98}, 5.0)
-    assert not r["passed"] and "champion" in r["reason"]  # improves by 0.02 < 0.05
-    assert not gate(cfg, {"val_loss": 5.2}, 5.0)["passed"]  # worse
-    strict = DeployConfig(max_val_loss=6.0, min_improvement=0.0)
-    assert not gate(strict, {"val_loss": 5.0}, 5.0)["passed"]  # equal is not better
-    assert gate(strict, {"val_loss": 4.999}, 5.0)["passed"]
     for bad in ({}, {"val_loss": float("nan")}, {"val_loss": float("inf")}, {"val_loss": None}, {"val_loss": "3"}):
-        r = gate(cfg, bad, None)
+        r = gate(cfg, bad)
         assert not r["passed"] and "val_loss" in r["reason"]
+    champ = {"old": 3.0, "new": 3.0, "wikitext": 4.0}
+    assert decide(cfg, {**champ, "new": 2.9}, champ, {}, {})["passed"]  # 0.1 better on the new data
+    r = decide(cfg, {**champ, "new": 2.98}, champ, {}, {})
+    assert not r["passed"] and "new" in r["reason"] and ">= 0.05" in r["reason"]  # 0.02 < δ
+    assert not decide(cfg, {**champ, "new": 2.9, "old": 3.03}, champ, {}, {})["passed"]  # forgets 0.03 > ε
+    assert decide(cfg, {**champ, "new": 2.9, "old": 3.01}, champ, {}, {})["passed"]  # within ε
+    assert not decide(cfg, {**champ, "new": 2.9}, champ, {"lambada_acc": 0.1}, {"lambada_acc": 0.2})["passed"]
+    r = decide(cfg, {"wikitext": 1.0}, {"wikitext": 2.0}, {}, {})  # nothing of its own data to improve on
+    assert not r["passed"] and "no held-out text" in r["reason"]
+    strict = DeployConfig(max_val_loss=6.0, min_improvement=0.0)
+    assert not decide(strict, champ, champ, {}, {})["passed"]  # equal is not better
 
 
 # --------------------------------------------------------------------------------- registry
@@ -102,12 +109,9 @@ def test_registry_champion_alias_and_gate(tiny, mlflow_store):
     champ = get_champion(uri, "crucible-test")
     assert champ["version"] == 1 and champ["val_loss"] == 5.5
 
-    # a worse model does not pass the gate against the champion
-    cfg = DeployConfig(max_val_loss=8.0, min_improvement=0.0)
-    assert not gate(cfg, {"val_loss": 5.7}, champ["val_loss"])["passed"]
-    # a better one does and becomes champion (registered without a training run id)
-    assert gate(cfg, {"val_loss": 5.1}, champ["val_loss"])["passed"]
+    # a second version becomes champion (registered without a training run id)
     reg2 = register(uri, "crucible-test", tiny["ckpt2"], tiny["tokenizer"], {"val_loss": 5.1, "step": 20}, None)
+    assert client.get_model_version("crucible-test", "2").tags["export_sha256"]  # verifies a download
     assert reg2["version"] == 2 and get_champion(uri, "crucible-test")["version"] == 1
     promote(uri, "crucible-test", 2, "checked by the test")
     assert get_champion(uri, "crucible-test")["val_loss"] == 5.1
@@ -142,60 +146,132 @@ def _supervised(cfg: PipelineConfig) -> dict:
     return {"serve_model": serve_model, "server_status": lambda: server_status(cfg.stack)}
 
 
-def test_deploy_if_better_without_serving(tiny, tmp_path, mlflow_store):
+@pytest.fixture(scope="module")
+def trained(run, base):
+    """The session's real training run: step 10 and the better step 20, with their tokenizer."""
+    from lm_helpers import tokenizer_artifact
+
+    ckpts = {int(Path(c).name.split("-")[-1]): c for c in run["checkpoints"]}
+    return {"tokenizer": Path(tokenizer_artifact(base)["path"]), 10: ckpts[10], 20: ckpts[20]}
+
+
+def _gated_cfg(tmp_path: Path, name: str, **deploy) -> PipelineConfig:
+    cfg = _pipeline_cfg(tmp_path, **{"serve": False, "model_name": name, **deploy})
+    return cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(update={
+        "wikitext": cfg.evaluate.wikitext.model_copy(update={"limit": 2})})})
+
+
+def test_gate_compares_with_the_champion_on_the_yardstick_not_val_loss(trained, tmp_path, mlflow_store):
+    """Cross-run val_loss figures are not comparable, so the gate ignores them: a challenger claiming
+    a far lower val_loss (step 10) is refused because it is worse on the yardstick than the champion
+    (step 20); the other way round, a challenger with a higher val_loss is promoted. Both models'
+    bits per byte and the set's hash are on the gate record (training run, version tags, files)."""
     from mlflow import MlflowClient
+
+    from tasks.core.hashing import sha256_file
 
     uri = mlflow_store["uri"]
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     exp = client.create_experiment("train-gated", artifact_location=mlflow_store["artifacts"])
     train_run = client.create_run(exp).info.run_id
-    cfg = _pipeline_cfg(tmp_path, serve=False, model_name="crucible-gated")
-    ev = {"val_loss": 6.0, "step": 10, "checkpoint": str(tiny["ckpt"]), "run_name": "test",
-          "task_metrics": {"hellaswag_acc_norm": 0.3}}
-    first = deploy_if_better(cfg, uri, ev, tiny["tokenizer"], train_run, **_supervised(cfg))
+    tok, name = trained["tokenizer"], "crucible-gated"
+    cfg = _gated_cfg(tmp_path, name)
+    ev20 = {"val_loss": 6.0, "step": 20, "checkpoint": trained[20], "run_name": "test",
+            "task_metrics": {"hellaswag_acc_norm": 0.3}}
+    first = deploy_if_better(cfg, uri, ev20, tok, train_run, **_supervised(cfg))
     assert first["passed"] and first["version"] == 1 and first["content_hash"] and first["endpoint"] is None
+    assert "no champion yet" in first["reason"] and "yardstick" not in first
     # challenger -> verified (loaded back from the registry and run) -> champion
     assert first["alias"] == "champion" and "loaded from the registry" in first["verified"]
-    assert client.get_registered_model("crucible-gated").aliases == {"champion": 1}
-    tags = client.get_model_version("crucible-gated", "1").tags
-    assert tags["train_run_id"] == train_run and tags["val_loss"] == "6.0" and tags["step"] == "10"
+    assert client.get_registered_model(name).aliases == {"champion": 1}
+    tags = client.get_model_version(name, "1").tags
+    assert tags["train_run_id"] == train_run and tags["val_loss"] == "6.0" and tags["step"] == "20"
     assert tags["eval.hellaswag_acc_norm"] == "0.3" and tags["deployment.status"] == "champion"
     assert tags["data.licences"] == "CC0" and tags["data.sources"].startswith("s (CC0; test)")
-    assert tags["lineage.checkpoint_node"] == f"dataset:file:{Path(tiny['ckpt']).resolve()}"
-    worse = {"val_loss": 6.5, "step": 20, "checkpoint": str(tiny["ckpt2"])}
-    second = deploy_if_better(cfg, uri, worse, tiny["tokenizer"], train_run, **_supervised(cfg))
-    assert not second["passed"] and second["version"] is None
-    assert second["champion_version"] == 1 and second["champion_val_loss"] == 6.0
-    assert "champion" in second["reason"]
-    # the failed gate is recorded with its reason on the training run; the champion stays
+    assert tags["lineage.checkpoint_node"] == f"dataset:file:{Path(trained[20]).resolve()}"
+
+    claims_better = {"val_loss": 1.0, "step": 10, "checkpoint": trained[10]}
+    second = deploy_if_better(cfg, uri, claims_better, tok, train_run, **_supervised(cfg))
+    assert not second["passed"] and second["version"] is None and second["champion_version"] == 1
+    assert second["reason"].startswith("yardstick refuses: new "), second["reason"]
+    y = second["yardstick"]
+    assert sha256_file(y["path"]) == y["sha256"] and y["champion_version"] == 1
+    assert set(y["challenger_bpb"]) == set(y["champion_bpb"]) == {"old", "new", "wikitext"}
+    assert y["challenger_bpb"]["new"] > y["champion_bpb"]["new"]
+    # the verdict, the set's hash and both models' numbers are on the training run
     run = client.get_run(train_run).data
-    assert run.tags["gate.step-20.passed"] == "false" and run.tags["gate.step-20.reason"] == second["reason"]
-    assert run.tags["gate.step-10.passed"] == "true"
-    assert {(m.step, m.value) for m in client.get_metric_history(train_run, "gate_passed")} == {(10, 1.0), (20, 0.0)}
-    assert client.get_registered_model("crucible-gated").aliases == {"champion": 1}
+    assert run.tags["gate.step-10.passed"] == "false" and run.tags["gate.step-10.reason"] == second["reason"]
+    assert run.tags["gate.step-10.yardstick_sha256"] == y["sha256"] and run.tags["gate.step-20.passed"] == "true"
+    assert run.metrics["gate_champion_bpb_new"] == pytest.approx(y["champion_bpb"]["new"])
+    assert {(m.step, m.value) for m in client.get_metric_history(train_run, "gate_passed")} == {(20, 1.0), (10, 0.0)}
+    assert client.get_registered_model(name).aliases == {"champion": 1}
+    # the champion's scores on this set are kept on its version and reused by the next gate
+    champ_tags = client.get_model_version(name, "1").tags
+    assert float(champ_tags[f"yardstick.{y['sha256'][:16]}.new"]) == pytest.approx(y["champion_bpb"]["new"], abs=1e-6)
+    again = deploy_if_better(cfg, uri, claims_better, tok, train_run, **_supervised(cfg))
+    record = json.loads((Path(y["path"]).parent / "gate-step-10.json").read_text())
+    assert not again["passed"] and record["champion"]["scores"] == "reused from its registry tags"
     # The champion's own checkpoint again (as when the triggered deploy-model flow got there first):
     # reported as deployed, no new version.
-    again = deploy_if_better(cfg, uri, ev, tiny["tokenizer"], None, **_supervised(cfg))
-    assert again["passed"] and again["version"] == 1 and "already the champion" in again["reason"]
-    assert again["content_hash"] == first["content_hash"]
+    same = deploy_if_better(cfg, uri, ev20, tok, None, **_supervised(cfg))
+    assert same["passed"] and same["version"] == 1 and "already the champion" in same["reason"]
+    assert same["content_hash"] == first["content_hash"]
+
+    # the other way round: the champion claims the lower val_loss, the better model is promoted
+    other = _gated_cfg(tmp_path, "crucible-gated-2")
+    assert deploy_if_better(other, uri, claims_better, tok, None, **_supervised(other))["version"] == 1
+    promoted = deploy_if_better(other, uri, ev20, tok, None, **_supervised(other))
+    assert promoted["passed"] and promoted["version"] == 2 and promoted["reason"].startswith("yardstick: new ")
+    v2 = client.get_model_version("crucible-gated-2", "2").tags
+    assert v2["gate.yardstick_sha256"] == promoted["yardstick"]["sha256"] and v2["gate.champion_version"] == "1"
+    assert float(v2["gate.challenger.bpb_new"]) < float(v2["gate.champion.bpb_new"])
 
 
-def test_challenger_that_cannot_be_served_is_rejected_and_champion_stays(tiny, tmp_path, mlflow_store):
+def test_gate_scores_a_champion_whose_files_are_gone_from_its_verified_registered_copy(trained, tmp_path,
+                                                                                      mlflow_store):
+    import shutil
+
+    uri = mlflow_store["uri"]
+    copy = tmp_path / "gone" / "train" / "checkpoints" / "step-000010"
+    shutil.copytree(trained[10], copy)
+    cfg = _gated_cfg(tmp_path, "crucible-gone")
+    first = deploy_if_better(cfg, uri, {"val_loss": 5.0, "step": 10, "checkpoint": str(copy)}, trained["tokenizer"],
+                             None, **_supervised(cfg))
+    assert first["version"] == 1
+    shutil.rmtree(tmp_path / "gone")
+    res = deploy_if_better(cfg, uri, {"val_loss": 5.0, "step": 20, "checkpoint": trained[20]}, trained["tokenizer"],
+                           None, **_supervised(cfg))
+    record = json.loads((Path(res["yardstick"]["path"]).parent / "gate-step-20.json").read_text())
+    assert record["champion"]["scores"].startswith("scored from ") and "artifacts" in record["champion"]["scores"]
+    assert res["passed"] and res["version"] == 2, res["reason"]
+    # a registered copy that no longer matches its recorded hashes is not scored (on a new set, so
+    # no score kept on the version applies): the challenger is refused
+    from mlflow import MlflowClient
+
+    MlflowClient(tracking_uri=uri).set_model_version_tag("crucible-gone", "2", "export_sha256", "0" * 64)
+    MlflowClient(tracking_uri=uri).set_model_version_tag("crucible-gone", "2", "checkpoint", str(tmp_path / "gone"))
+    other_set = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={"yardstick_docs": 8})})
+    refused = deploy_if_better(other_set, uri, {"val_loss": 5.0, "step": 10, "checkpoint": trained[10]},
+                               trained["tokenizer"], None, **_supervised(other_set))
+    assert not refused["passed"] and "cannot be scored" in refused["reason"], refused["reason"]
+
+
+def test_challenger_that_cannot_be_served_is_rejected_and_champion_stays(trained, tmp_path, mlflow_store):
     from mlflow import MlflowClient
 
     uri = mlflow_store["uri"]
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     name = "crucible-unservable"
-    unserved = _pipeline_cfg(tmp_path, serve=False, model_name=name)
-    ok = deploy_if_better(unserved, uri, {"val_loss": 6.0, "step": 10, "checkpoint": str(tiny["ckpt"])},
-                          tiny["tokenizer"], None, **_supervised(unserved))
+    unserved = _gated_cfg(tmp_path, name)
+    ok = deploy_if_better(unserved, uri, {"val_loss": 6.0, "step": 10, "checkpoint": trained[10]},
+                          trained["tokenizer"], None, **_supervised(unserved))
     assert ok["version"] == 1 and ok["alias"] == "champion"
     with socket.socket() as busy:  # another process holds the model server's port: serving must fail
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
-        cfg = _pipeline_cfg(tmp_path, serve=True, model_name=name, port=busy.getsockname()[1])
-        res = deploy_if_better(cfg, uri, {"val_loss": 5.0, "step": 20, "checkpoint": str(tiny["ckpt2"])},
-                               tiny["tokenizer"], None, **_supervised(cfg))
+        cfg = _gated_cfg(tmp_path, name, serve=True, port=busy.getsockname()[1])
+        res = deploy_if_better(cfg, uri, {"val_loss": 5.0, "step": 20, "checkpoint": trained[20]},
+                               trained["tokenizer"], None, **_supervised(cfg))
     assert not res["passed"] and res["version"] is None and "failed verification" in res["reason"]
     assert "in use" in res["reason"]
     assert client.get_registered_model(name).aliases == {"champion": 1}  # no challenger left behind

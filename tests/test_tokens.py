@@ -132,6 +132,33 @@ def test_document_starts_beside_each_split(index):
         assert np.array_equal(open_doc_starts(index["index_path"], split), starts)
 
 
+def test_document_sources_beside_each_split(index, base):
+    """<split>.doc_sources.npy: each document's data source (the curated row's `source`) as an id
+    into index["sources"]; by_source counts tokens and documents per source and split."""
+    from collections import Counter
+
+    from tasks.core.hashing import sha256_file
+    from tasks.tokens.binfile import doc_source_names, open_doc_starts
+
+    rows = _docs(base)
+    assert index["sources"] == ["gutenberg", "linux-doc"]
+    for split in ("train", "val"):
+        info = index["splits"][split]
+        assert sha256_file(info["doc_sources"]) == info["doc_sources_sha256"]
+        names = doc_source_names(index["index_path"], split)
+        starts = open_doc_starts(index["index_path"], split)
+        lens = np.diff(np.append(starts, info["tokens"]))
+        assert Counter(names) == {k: v[split]["docs"] for k, v in index["by_source"].items() if v[split]["docs"]}
+        for source in index["sources"]:
+            assert sum(int(n) for n, name in zip(lens, names) if name == source) == \
+                index["by_source"][source][split]["tokens"]
+        assert sum(v[split]["tokens"] for v in index["by_source"].values()) == info["tokens"]
+    # every document's source is the one its row had
+    for source in index["sources"]:
+        assert sum(index["by_source"][source][s]["docs"] for s in ("train", "val")) == \
+            sum(r["source"] == source for r in rows)
+
+
 def test_document_starts_from_an_older_index(index, tmp_path):
     """An index written before doc_starts existed: the offsets are derived from the EOS ids."""
     import shutil

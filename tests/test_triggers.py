@@ -73,9 +73,9 @@ def test_checkpoint_table_and_triggered_handover_files(tmp_path):
     report = {**direct, "report_path": str(path)}
     write_json_atomic(path, report)
     assert await_evaluation(RunLayout(run_dir), ckpt, 0.5) is None  # not gated yet: still being written
-    write_gate(report, {"passed": False, "reason": "val_loss too high"}, 4.0)
+    write_gate(report, {"passed": False, "reason": "val_loss too high"})
     got = await_evaluation(RunLayout(run_dir), ckpt, 0.5)
-    assert got["gate"] == {"passed": False, "reason": "val_loss too high", "champion_val_loss": 4.0}
+    assert got["gate"] == {"passed": False, "reason": "val_loss too high"}
     assert checkpoint_rows(run_dir)[0]["gate"] == "failed: val_loss too high"
 
 

@@ -1,15 +1,19 @@
 """One continued-pretraining cycle, as plain logic: the champion it continues (verified against the
 registry), the checks that refuse a config that would not be a continuation, and the config the
 cycle's stages run with (only the new files, the persistent MinHash index, training initialised
-from the champion with a re-warmed schedule)."""
+from the champion with a re-warmed schedule, or for a WSD champion from its pre-decay checkpoint
+with a new stable-then-decay phase)."""
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.config import PipelineConfig
 from tasks.continued.ledger import Discovery, under_state_dir
+
+log = logging.getLogger(__name__)
 
 
 class CycleError(ValueError):
@@ -85,6 +89,31 @@ def check_continuation(cfg: PipelineConfig, champion: Champion) -> None:
                          f"continues the champion's weights, so the model section must match them")
 
 
+def pre_decay_checkpoint(champion: Champion) -> tuple[Path | None, str]:
+    """(checkpoint, why) for a WSD continuation: the champion's run's newest kept checkpoint at or
+    before the step its decay began, verified file by file against the run's checkpoint manifest.
+    None (with the reason) when the champion was not trained warmup-stable-decay or none is kept."""
+    from tasks.core.hashing import sha256_file
+    from tasks.train.checkpoint import read_manifest, read_meta
+
+    schedule = read_meta(champion.checkpoint).get("schedule") or {}
+    if schedule.get("lr_schedule") != "wsd":
+        return None, (f"the champion was trained with lr_schedule {schedule.get('lr_schedule', 'unrecorded')!r}, "
+                      "not wsd")
+    train_dir, start = champion.checkpoint.parent.parent, int(schedule["decay_start"])
+    kept = [e for e in read_manifest(train_dir)["checkpoints"] if e["step"] <= start]
+    if not kept:
+        return None, (f"no checkpoint of the champion's run at or before step {start}, where its decay began, is "
+                      f"kept in {train_dir} (train.checkpoint_every / keep_last_checkpoints decide what is kept)")
+    entry = max(kept, key=lambda e: e["step"])
+    ckpt = champion.checkpoint.parent / entry["path"]
+    on_disk = {str(p.relative_to(ckpt)): p for p in ckpt.rglob("*") if p.is_file()} if ckpt.is_dir() else {}
+    if set(on_disk) != set(entry["files"]) or any(sha256_file(on_disk[k]) != v for k, v in entry["files"].items()):
+        raise CycleError(f"the champion's pre-decay checkpoint {ckpt} does not match its run's checkpoint manifest: "
+                         "refusing to continue from it")
+    return ckpt, f"step {entry['step']} of the champion's run, the last kept before its decay began (step {start})"
+
+
 def minhash_index_dir(cfg: PipelineConfig, state_dir: str | Path) -> Path:
     """continue.minhash_index, relative to the stack's state directory unless absolute."""
     return under_state_dir(cfg.continue_.minhash_index, Path(state_dir).resolve())
@@ -109,9 +138,21 @@ def cycle_config(cfg: PipelineConfig, discovery: Discovery, champion: Champion |
     if champion is not None:
         check_continuation(cfg, champion)
         c, train = cfg.continue_, data["train"]
-        # continue.lr_schedule "rewarm_cosine" (the only one so far): a fresh warmup, then cosine
-        train.update(init_from=str(champion.checkpoint), init_sha256=champion.checkpoint_sha256,
-                     init_optimizer=c.init_optimizer, resume=False, lr_schedule="cosine",
-                     warmup_steps=train["warmup_steps"] if c.rewarm_steps is None else c.rewarm_steps,
-                     lr=c.lr or train["lr"], max_steps=c.max_steps or train["max_steps"], stop_at_step=None)
+        start, why = (None, "continue.lr_schedule is rewarm_cosine") if c.lr_schedule == "rewarm_cosine" \
+            else pre_decay_checkpoint(champion)
+        if start is None and c.lr_schedule == "wsd":
+            raise CycleError(f"continue.lr_schedule is wsd, but {why}; use rewarm_cosine (or auto)")
+        common = dict(init_optimizer=c.init_optimizer, resume=False, lr=c.lr or train["lr"],
+                      max_steps=c.max_steps or train["max_steps"], stop_at_step=None)
+        if start is not None:  # a new stable phase from before the champion's decay, then a decay
+            from tasks.core.hashing import sha256_tree
+
+            train.update(init_from=str(start), init_sha256=sha256_tree(start), lr_schedule="wsd",
+                         warmup_steps=c.rewarm_steps or 0, **common)
+        else:  # re-warm from the champion itself, then cosine re-decay
+            train.update(init_from=str(champion.checkpoint), init_sha256=champion.checkpoint_sha256,
+                         lr_schedule="cosine",
+                         warmup_steps=train["warmup_steps"] if c.rewarm_steps is None else c.rewarm_steps, **common)
+        log.info("cycle schedule: %s from %s (%s)", "wsd" if start is not None else "rewarm_cosine",
+                 train["init_from"], why)
     return PipelineConfig.model_validate(data)

@@ -7,7 +7,8 @@ train split followed by whole documents drawn at random from the pool's train sp
 replay tokens are `fraction` of the mix; its val split is the new data's (held out, never replayed).
 The index's "mix" entry records the pool (every earlier cycle's own token index, then this cycle's,
 so the next cycle replays from all of them), the token counts by origin and where the replay
-starts. `trained_replay_share` replays the training loader over the samples a run consumed and
+starts, and the tokens per data source (new and replayed; from each index's document sources).
+`trained_replay_share` replays the training loader over the samples a run consumed and
 measures which share of the tokens it trained on came from the replay part.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 
 from tasks.core.hashing import sha256_file
 from tasks.core.layout import TOKENS_INDEX_FILE
-from tasks.tokens.binfile import load_index, open_doc_starts, open_split
+from tasks.tokens.binfile import doc_source_names, load_index, open_doc_starts, open_split
 
 
 class MixError(ValueError):
@@ -36,6 +37,19 @@ def replay_pool(tokens_index: str | Path | None) -> list[Path]:
     return [Path(p) for p in mix["pool"]] if mix else [Path(tokens_index).resolve()]
 
 
+def _zero() -> dict:
+    return {"new_tokens": 0, "replay_tokens": 0}
+
+
+def _source_tokens(index_path: Path) -> dict[str, int]:
+    """Train tokens per source of a token index."""
+    starts, ends = _documents(index_path)
+    out: dict[str, int] = {}
+    for name, a, b in zip(doc_source_names(index_path, "train"), starts, ends):
+        out[name] = out.get(name, 0) + int(b - a)
+    return out
+
+
 def _documents(index_path: Path) -> tuple[np.ndarray, np.ndarray]:
     """(starts, ends) token offsets of the train split's documents."""
     starts = np.asarray(open_doc_starts(index_path, "train"), dtype=np.int64)
@@ -43,18 +57,19 @@ def _documents(index_path: Path) -> tuple[np.ndarray, np.ndarray]:
     return starts, ends
 
 
-def _draw(pool: list[Path], target: int, seed: int) -> list[tuple[int, int, int]]:
-    """(pool member, start, end) of the replayed documents: a seeded random order over every pool
+def _draw(pool: list[Path], target: int, seed: int) -> list[tuple[int, int, int, int]]:
+    """(pool member, start, end, document number) of the replayed documents: a seeded random order over every pool
     document, repeated (a new order each pass) when the pool holds fewer tokens than the target;
     stops at the document that brings the replay closest to the target."""
-    docs = [(i, int(a), int(b)) for i, p in enumerate(pool) for a, b in zip(*_documents(p)) if b > a]
+    docs = [(i, int(a), int(b), k) for i, p in enumerate(pool) for k, (a, b) in enumerate(zip(*_documents(p)))
+            if b > a]
     if not docs:
         raise MixError(f"the replay pool has no training documents: {[str(p) for p in pool]}")
     rng = np.random.default_rng([seed, len(docs)])
     chosen, total = [], 0
     while total < target:
         for k in rng.permutation(len(docs)):
-            i, a, b = docs[k]
+            i, a, b, _ = docs[k]
             if total + (b - a) - target > target - total:  # this one overshoots more than stopping undershoots
                 return chosen
             chosen.append(docs[k])
@@ -81,6 +96,9 @@ def build_mix(new_index: str | Path, pool: list[Path], fraction: float, seed: in
     drawn = _draw(pool, target, seed) if target else []
     dtype = np.dtype(index["dtype"]).newbyteorder("<")
     by_origin = {str(new_index): {"role": "new", "tokens": new_tokens, "docs": index["splits"]["train"]["docs"]}}
+    by_source: dict[str, dict] = {}
+    for name, tokens in _source_tokens(new_index).items():
+        by_source.setdefault(name, _zero())["new_tokens"] += tokens
     train_path, starts_path = out_dir / "train.bin", out_dir / "train.doc_starts.npy"
     new_starts = np.asarray(open_doc_starts(new_index, "train"), dtype=np.int64)
     replay_starts, offset = [], new_tokens
@@ -88,30 +106,44 @@ def build_mix(new_index: str | Path, pool: list[Path], fraction: float, seed: in
         with open(index["splits"]["train"]["path"], "rb") as f:
             shutil.copyfileobj(f, out, 1 << 20)
         splits = {i: open_split(p, "train") for i, p in enumerate(pool)}
-        for i, a, b in drawn:
+        sources = {i: doc_source_names(p, "train") for i, p in enumerate(pool)}
+        # the mix's source table extends the new index's, so the new val split's source ids stay valid
+        names = list(index.get("sources") or [])
+        ids = {n: j for j, n in enumerate(names)}
+        doc_ids = [ids.setdefault(n, len(ids)) for n in doc_source_names(new_index, "train")]
+        for i, a, b, k in drawn:
+            doc_ids.append(ids.setdefault(sources[i][k], len(ids)))
             out.write(np.asarray(splits[i][a:b], dtype=dtype).tobytes())
             replay_starts.append(offset)
             offset += b - a
             entry = by_origin.setdefault(str(pool[i]), {"role": "replay", "tokens": 0, "docs": 0})
             entry["tokens"] += b - a
             entry["docs"] += 1
+            by_source.setdefault(sources[i][k], _zero())["replay_tokens"] += b - a
     np.save(starts_path, np.concatenate([new_starts, np.asarray(replay_starts, dtype=np.int64)]))
+    sources_path = out_dir / "train.doc_sources.npy"
+    np.save(sources_path, np.asarray(doc_ids, dtype=np.uint16))
     replay_tokens = offset - new_tokens
+    for v in by_source.values():
+        v["tokens"] = v["new_tokens"] + v["replay_tokens"]
+        v["share"] = v["tokens"] / offset if offset else 0.0
     val = index["splits"]["val"]
-    mixed = {k: v for k, v in index.items() if k != "splits"}
+    mixed = {k: v for k, v in index.items() if k not in ("splits", "by_source")}
+    mixed["sources"] = list(ids)
     mixed["splits"] = {
         "train": {"path": train_path.name, "tokens": offset, "docs": len(new_starts) + len(replay_starts),
                   "bytes": None, "sha256": sha256_file(train_path), "doc_starts": starts_path.name,
-                  "doc_starts_sha256": sha256_file(starts_path)},
+                  "doc_starts_sha256": sha256_file(starts_path), "doc_sources": sources_path.name,
+                  "doc_sources_sha256": sha256_file(sources_path)},
         # held-out text of the new data only (absolute: it stays where the tokens stage wrote it)
-        "val": {k: val[k] for k in ("path", "tokens", "docs", "bytes", "sha256", "doc_starts", "doc_starts_sha256")
-                if k in val},
+        "val": {k: val[k] for k in ("path", "tokens", "docs", "bytes", "sha256", "doc_starts", "doc_starts_sha256",
+                                    "doc_sources", "doc_sources_sha256") if k in val},
     }
     mixed["mix"] = {"new_index": str(new_index), "pool": [str(p) for p in pool] + [str(new_index)],
                     "replay_fraction": fraction, "seed": seed, "new_tokens": new_tokens,
                     "replay_tokens": replay_tokens, "replay_target": target, "replay_start": new_tokens,
                     "replay_share": replay_tokens / offset if offset else 0.0, "replay_docs": len(drawn),
-                    "by_origin": by_origin}
+                    "by_origin": by_origin, "by_source": dict(sorted(by_source.items()))}
     index_path = out_dir / TOKENS_INDEX_FILE
     index_path.write_text(json.dumps(mixed, indent=2) + "\n")
     result = load_index(index_path)

@@ -1,6 +1,6 @@
 """The stages only a continued-pretraining cycle runs: the replay mix (the cycle's new tokens plus
 replayed documents of earlier cycles, tasks/continued/mix.py) and the fixed yardstick both the
-champion and the challenger are scored on (tasks/continued/yardstick.py)."""
+champion and the challenger are scored on (tasks/deploy/yardstick.py), as a stage of its own."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tasks.core.stage import Markdown, Stage, StageInputs, StageResult, Table, TokensResult
 from tasks.lineage import dataset_for_path
+from tasks.lineage.facets import CrucibleTokenMixDatasetFacet
 from tasks.lineage.outputs import DATASET_DOCS
 
 
@@ -28,14 +29,25 @@ class ReplayMixStage(Stage):
         data = build_mix(inputs.tokens_index, [Path(p) for p in inputs.replay], c.replay_fraction, c.replay_seed,
                          ctx.stage_dir(self.name))
         mix = data["mix"]
-        # top-level numbers become the stage's MLflow metrics; tokens by origin are in data["mix"]["by_origin"]
+        # top-level numbers become the stage's MLflow metrics (per source: tokens.<source>, ...);
+        # tokens by origin and by source are in data["mix"]
         data.update(new_tokens=mix["new_tokens"], replay_tokens=mix["replay_tokens"], replay_share=mix["replay_share"])
+        for source, v in mix["by_source"].items():
+            data.update({f"tokens.{source}": v["tokens"], f"new_tokens.{source}": v["new_tokens"],
+                         f"replay_tokens.{source}": v["replay_tokens"], f"share.{source}": v["share"]})
         rows = "\n".join(f"| {v['role']} | `{origin}` | {v['docs']:,} | {v['tokens']:,} |"
                          for origin, v in mix["by_origin"].items())
+        sources = "\n".join(f"| {name} | {v['new_tokens']:,} | {v['replay_tokens']:,} | {v['share']:.3f} |"
+                            for name, v in mix["by_source"].items())
         report = (f"**{mix['new_tokens']:,} new + {mix['replay_tokens']:,} replayed tokens** (replay share "
                   f"{mix['replay_share']:.3f}, configured {mix['replay_fraction']:.3f})\n\n"
-                  f"| role | token index | docs | tokens |\n|---|---|---|---|\n{rows}\n")
-        outputs = [dataset_for_path(data["index_path"], output=True, doc=DATASET_DOCS["tokens_mix"]),
+                  f"| role | token index | docs | tokens |\n|---|---|---|---|\n{rows}\n\n"
+                  f"| source | new tokens | replayed tokens | share of the mix |\n|---|---|---|---|\n{sources}\n")
+        mix_facet = CrucibleTokenMixDatasetFacet(
+            replay_fraction=mix["replay_fraction"], replay_share=mix["replay_share"], new_tokens=mix["new_tokens"],
+            replay_tokens=mix["replay_tokens"], by_source=mix["by_source"])
+        outputs = [dataset_for_path(data["index_path"], output=True, doc=DATASET_DOCS["tokens_mix"],
+                                    facets={"crucible_token_mix": mix_facet}),
                    dataset_for_path(data["splits"]["train"]["path"], output=True,
                                     doc=DATASET_DOCS["tokens_split"].format(split="train (mix)"),
                                     rows=data["splits"]["train"]["tokens"])]
@@ -55,29 +67,19 @@ class YardstickStage(Stage):
                                               *inputs.replay]]
 
     def run(self, cfg, inputs, ctx) -> StageResult:
-        from tasks.continued.cycle import CycleError, find_champion
-        from tasks.continued.yardstick import ACCURACY, build_yardstick, decide, score
+        from tasks.continued.cycle import CycleError
+        from tasks.deploy.registry import get_champion
+        from tasks.deploy.yardstick import against_champion, yardstick_rows
 
-        champion = find_champion(cfg, ctx.tracking_uri)
+        champion = get_champion(ctx.tracking_uri, cfg.deploy.model_name)
         if champion is None:
             raise CycleError("the yardstick compares with the champion, and there is none")
         out = ctx.stage_dir(self.name)
-        evaluation = inputs.evaluation
-        built = build_yardstick(cfg, inputs.tokenizer, inputs.tokens_index, inputs.replay, out / "yardstick.jsonl")
-        batch = cfg.evaluate.task_batch_size
-        challenger = score(evaluation["checkpoint"], inputs.tokenizer, built["path"], batch)
-        champion_bpb = score(champion.checkpoint, champion.tokenizer, built["path"], batch)
-        challenger_acc = {m: (evaluation.get("task_metrics") or {}).get(m) for m in ACCURACY}
-        champion_acc = {m: float(champion.tags[f"eval.{m}"]) for m in ACCURACY if f"eval.{m}" in champion.tags}
-        decision = decide(cfg.continue_, challenger, champion_bpb, challenger_acc, champion_acc)
-        data = {"set": built, "challenger": {"checkpoint": evaluation["checkpoint"], "bits_per_byte": challenger},
-                "champion": {"version": champion.version, "checkpoint": str(champion.checkpoint),
-                             "content_hash": champion.tags.get("content_hash"), "bits_per_byte": champion_bpb},
-                "decision": decision}
+        data = against_champion(cfg, ctx.tracking_uri, inputs.evaluation, inputs.tokenizer, champion, out,
+                                new_index=inputs.tokens_index, pool=inputs.replay)
         (out / "gate.json").write_text(json.dumps(data, indent=2) + "\n")
-        rows = [{"check": k["check"], "part": k["part"], "challenger": round(k["challenger"], 4),
-                 "champion": round(k["champion"], 4), "passed": k["ok"], "rule": k["rule"]} for k in decision["checks"]]
+        built, decision = data["set"], data["decision"]
         return StageResult(data, outputs=[dataset_for_path(built["path"], output=True, doc=DATASET_DOCS["yardstick"]),
                                           dataset_for_path(str(out / "gate.json"), output=True)],
-                           reports=[Table("yardstick-gate", rows, f"Champion vs challenger on the yardstick "
-                                          f"{built['sha256'][:12]}: {decision['reason']}"[:500])])
+                           reports=[Table("yardstick-gate", yardstick_rows(decision["checks"]), f"Champion vs challenger on the "
+                                          f"yardstick {built['sha256'][:12]}: {decision['reason']}"[:500])])

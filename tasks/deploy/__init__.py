@@ -1,7 +1,8 @@
 """Deployment: gate a checkpoint on its evaluation, register it in MLflow (alias `challenger`,
 then `champion` once verified) and serve it behind an OpenAI-compatible API.
 
-    gate.py          gate(deploy_cfg, eval_result, champion_val_loss) -> {passed, reason}
+    gate.py          gate(deploy_cfg, eval_result) -> {passed, reason}: the absolute threshold
+    yardstick.py     the gate against the champion: both scored on one pinned set in bits per byte
     registry.py      get_champion / register / promote / reject / record_gate (MLflow model registry)
     generation.py    KV-cached sampling shared by the model server and the registered pyfunc
     export.py        Hugging Face-compatible export (Llama layout) + model card
@@ -96,9 +97,10 @@ def _check_served(deploy_cfg, endpoint: str, step) -> str:
 def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: Path,
                      train_run_id: str | None = None, serve_model: ServeModel | None = None,
                      server_status: ServerStatus | None = None) -> dict:
-    """Gate `evaluation` (an evaluate-stage report: checkpoint, val_loss, ...) against the current
-    champion. Pass: register it as `challenger` (tagged with the eval results, training run and
-    data lineage), verify it (deploy.serve and a `serve_model`: swapped into the model server,
+    """Gate `evaluation` (an evaluate-stage report: checkpoint, val_loss, ...): below
+    deploy.max_val_loss and, with a champion, better than it on the fixed yardstick
+    (tasks/deploy/yardstick.gate_evaluation). Pass: register it as `challenger` (tagged with the
+    eval results, training run, data lineage and yardstick scores), verify it (deploy.serve and a `serve_model`: swapped into the model server,
     which must answer; else loaded back from the registry and run), then `promote` it to
     `champion`. Fail: the verdict is recorded on the training run (record_gate) and the champion
     stays. A challenger failing verification is rejected (tagged with the reason) and the previous
@@ -115,6 +117,7 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
     the running server's (still the previous champion) if there is one.
     """
     from tasks.deploy.registry import get_champion, model_content_hash, promote, record_gate, register, reject
+    from tasks.deploy.yardstick import gate_evaluation, score_tags
 
     dcfg = cfg.deploy
     champion = get_champion(tracking_uri, dcfg.model_name)
@@ -132,11 +135,9 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
             "endpoint": current["url"] if current and current["healthy"] else None,
             "pid": current["pid"] if current else None, "verified": champion["tags"].get("deployment.verified"),
         }
-    # a continued-pretraining cycle was gated on the fixed yardstick (tasks/continued/yardstick.py):
-    # champion and challenger scored on one set, instead of val_loss figures from different splits
-    yardstick = evaluation.get("yardstick")
-    decision = (yardstick["decision"] if yardstick and champion
-                else gate(dcfg, evaluation, champion["val_loss"] if champion else None))
+    # against a champion: both scored on the fixed yardstick (a cycle's yardstick stage or the
+    # triggered evaluation may have done it already against this champion)
+    decision, yardstick = gate_evaluation(cfg, tracking_uri, evaluation, tokenizer_path, champion)
     result = {
         "passed": decision["passed"], "reason": decision["reason"], "model_name": dcfg.model_name,
         "val_loss": evaluation.get("val_loss"), "checkpoint": evaluation.get("checkpoint"),
@@ -145,10 +146,14 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
         "version": None, "alias": None, "content_hash": None, "source": None, "endpoint": None, "pid": None,
         "verified": None,
     }
-    if yardstick and champion:
-        result["yardstick"] = {"sha256": yardstick["set"]["sha256"], "checks": decision["checks"]}
+    if yardstick:
+        result["yardstick"] = {"sha256": yardstick["set"]["sha256"], "path": yardstick["set"]["path"],
+                               "checks": decision["checks"], "champion_version": yardstick["champion"]["version"],
+                               "champion_content_hash": yardstick["champion"]["content_hash"],
+                               "challenger_bpb": yardstick["challenger"]["bits_per_byte"],
+                               "champion_bpb": yardstick["champion"]["bits_per_byte"]}
     log.info("deploy gate for %s: %s", evaluation.get("checkpoint"), decision["reason"])
-    record_gate(tracking_uri, train_run_id, evaluation.get("step"), decision)
+    record_gate(tracking_uri, train_run_id, evaluation.get("step"), decision, yardstick)
     if not decision["passed"]:
         current = server_status() if server_status else None
         if current and current["healthy"]:
@@ -158,6 +163,7 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
     tags = lineage_tags(cfg, evaluation, Path(tokenizer_path))
     if yardstick:
         tags |= yardstick_tags(yardstick)
+        tags |= score_tags(yardstick["set"]["sha256"], yardstick["challenger"]["bits_per_byte"])
     reg = register(tracking_uri, dcfg.model_name, evaluation["checkpoint"], tokenizer_path,
                    {k: v for k, v in evaluation.items() if k != "yardstick"}, train_run_id, extra_tags=tags,
                    content_hash=content_hash)

@@ -66,11 +66,6 @@ def get_champion(tracking_uri: str, model_name: str) -> dict | None:
             "tags": dict(mv.tags)}
 
 
-def champion_val_loss(tracking_uri: str, model_name: str) -> float | None:
-    champ = get_champion(tracking_uri, model_name)
-    return champ["val_loss"] if champ else None
-
-
 def model_content_hash(ckpt_dir: str | Path, tokenizer_path: str | Path) -> str:
     """sha256 identifying what was registered: the checkpoint directory's tree hash and the
     tokenizer file's hash (reproducible: does not depend on the export)."""
@@ -143,6 +138,8 @@ def register(tracking_uri: str, model_name: str, ckpt_dir: str | Path, tokenizer
     try:
         with tempfile.TemporaryDirectory(prefix="crucible-register-") as tmp:
             export = export_for_inference(ckpt_dir, Path(tmp) / "checkpoint")
+            # what a download of the registered copy is verified against (tasks/deploy/yardstick.py)
+            copy_hashes = {"export_sha256": sha256_tree(export), "tokenizer_sha256": sha256_file(tokenizer_path)}
             model_dir = Path(tmp) / "model"
             # MLflow resets warning filters inside save_model, so its advice to add type hints and an
             # input example (the signature is given explicitly, see mlflow_model.py) is caught here
@@ -175,6 +172,7 @@ def register(tracking_uri: str, model_name: str, ckpt_dir: str | Path, tokenizer
             for k in EVAL_TAGS if eval_result.get(k) is not None}
     tags.update({f"eval.{k}": str(v) for k, v in (eval_result.get("task_metrics") or {}).items() if v is not None})
     tags.update({k: str(v)[:5000] for k, v in (extra_tags or {}).items() if v is not None})
+    tags.update(copy_hashes)
     tags.update({"train_run_id": str(run_id or ""), "content_hash": content_hash,
                  "checkpoint": str(ckpt_dir), "tokenizer": str(tokenizer_path), "deployment.status": CHALLENGER})
     mv = client.create_model_version(model_name, source=source, run_id=target_run, tags=tags,
@@ -217,9 +215,18 @@ def reject(tracking_uri: str, model_name: str, version: int, reason: str) -> Non
     _drop_challenger(client, model_name, version)
 
 
-def record_gate(tracking_uri: str, run_id: str | None, step: int | None, decision: dict) -> None:
+def set_version_tags(tracking_uri: str, model_name: str, version: int, tags: dict) -> None:
+    client = _client(tracking_uri)
+    for key, value in tags.items():
+        client.set_model_version_tag(model_name, str(version), key, str(value)[:5000])
+
+
+def record_gate(tracking_uri: str, run_id: str | None, step: int | None, decision: dict,
+                yardstick: dict | None = None) -> None:
     """The gate's verdict on the training run: tags gate.step-N.passed / .reason and the metric
-    gate_passed (1/0) at the checkpoint's step. Nothing without a run id."""
+    gate_passed (1/0) at the checkpoint's step; gated on the yardstick, also the set's hash, the
+    champion's version and both models' bits per byte (metrics gate_<who>_bpb_<part>). Nothing
+    without a run id."""
     if not run_id:
         return
     import time
@@ -227,10 +234,16 @@ def record_gate(tracking_uri: str, run_id: str | None, step: int | None, decisio
     from mlflow.entities import Metric, RunTag
 
     key = f"gate.step-{int(step) if step is not None else 'unknown'}"
-    _client(tracking_uri).log_batch(
-        run_id, metrics=[Metric("gate_passed", float(bool(decision["passed"])), int(time.time() * 1000), int(step or 0))],
-        tags=[RunTag(f"{key}.passed", str(bool(decision["passed"])).lower()),
-              RunTag(f"{key}.reason", str(decision["reason"])[:5000])])
+    now, at = int(time.time() * 1000), int(step or 0)
+    metrics = [Metric("gate_passed", float(bool(decision["passed"])), now, at)]
+    tags = [RunTag(f"{key}.passed", str(bool(decision["passed"])).lower()),
+            RunTag(f"{key}.reason", str(decision["reason"])[:5000])]
+    if yardstick:
+        tags += [RunTag(f"{key}.yardstick_sha256", yardstick["set"]["sha256"]),
+                 RunTag(f"{key}.champion_version", str(yardstick["champion"]["version"]))]
+        metrics += [Metric(f"gate_{who}_bpb_{part}", float(v), now, at)
+                    for who in ("challenger", "champion") for part, v in yardstick[who]["bits_per_byte"].items()]
+    _client(tracking_uri).log_batch(run_id, metrics=metrics, tags=tags)
 
 
 def verify_registered(tracking_uri: str, model_name: str, version: int) -> str:

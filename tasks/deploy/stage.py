@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.core.stage import DeployResult, Stage, StageInputs
+from tasks.core.stage import DeployResult, Stage, StageInputs, Table
 from tasks.lineage import dataset_for_path, model_version_dataset
 from tasks.lineage.emitter import model_version_node
 from tasks.lineage.outputs import DATASET_DOCS
@@ -24,6 +24,7 @@ class DeployStage(Stage):
     def run(self, cfg, inputs, ctx) -> DeployResult:
         from tasks.deploy import deploy_if_better
         from tasks.deploy.triggered import await_deployment
+        from tasks.deploy.yardstick import yardstick_rows
 
         # with the stack's triggers service up, deploy-model runs deploy passing checkpoints as they
         # are evaluated: report what they did (None: one failed, so deploy here)
@@ -34,14 +35,18 @@ class DeployStage(Stage):
             data = deploy_if_better(cfg, ctx.tracking_uri, inputs.evaluation, Path(inputs.tokenizer),
                                     inputs.train_run_id, serve_model=ctx.serve_model,
                                     server_status=ctx.model_server_status)
-        result = DeployResult(data)
-        yardstick = inputs.evaluation.get("yardstick")
-        if yardstick:  # a continued cycle: the champion it was gated against (and continued from) is an input
-            champion = yardstick["champion"]
+        yardstick = data.get("yardstick")
+        reports = []
+        if yardstick:  # gated against the champion on the yardstick: the champion was read, and the checks
+            reports.append(Table("deploy-gate", yardstick_rows(yardstick["checks"]),
+                                 f"Champion (version {yardstick['champion_version']}) vs challenger on the yardstick "
+                                 f"{yardstick['sha256'][:12]}: {data['reason']}"[:500]))
+        result = DeployResult(data, reports=reports)
+        if yardstick:
+            version = yardstick["champion_version"]
             result.inputs.append(model_version_dataset(
-                ctx.tracking_uri, cfg.deploy.model_name, champion["version"], content_hash=champion["content_hash"],
-                output=False, doc=DATASET_DOCS["model_version"].format(name=cfg.deploy.model_name,
-                                                                       version=champion["version"])))
+                ctx.tracking_uri, cfg.deploy.model_name, version, content_hash=yardstick["champion_content_hash"],
+                output=False, doc=DATASET_DOCS["model_version"].format(name=cfg.deploy.model_name, version=version)))
         if data.get("version") is not None:
             name, version = data["model_name"], data["version"]
             result.outputs.append(model_version_dataset(

@@ -29,10 +29,14 @@ log = logging.getLogger(__name__)
 POLL = 1.0
 
 
-def write_gate(report: dict, decision: dict, champion_val_loss: float | None) -> dict:
-    """Add the gate's verdict to an evaluation report (in memory and in its file)."""
-    report["gate"] = {"passed": bool(decision["passed"]), "reason": decision["reason"],
-                      "champion_val_loss": champion_val_loss}
+def write_gate(report: dict, decision: dict, yardstick: dict | None = None) -> dict:
+    """Add the gate's verdict (and the yardstick it was decided on, which deploy-model reuses while
+    the champion is the same) to an evaluation report, in memory and in its file."""
+    report["gate"] = {"passed": bool(decision["passed"]), "reason": decision["reason"]}
+    if yardstick:
+        report["gate"] |= {"yardstick_sha256": yardstick["set"]["sha256"],
+                           "champion_version": yardstick["champion"]["version"]}
+        report["yardstick"] = yardstick
     write_json_atomic(Path(report["report_path"]), report)
     return report
 

@@ -3,7 +3,8 @@ reports under run_dir/evaluate (direct: evaluate/step-N.json; event-triggered:
 evaluate/triggered/step-N.json; the newest report of a step wins).
 
 Each row: step, checkpoint, val_loss, perplexity, every task-suite metric, the deployment gate's
-verdict at evaluation time (report["gate"], written by whoever gated it) and whether it is the
+verdict at evaluation time (report["gate"], written by whoever gated it; its reason holds both
+models' bits per byte), the yardstick's sha256 (first 12 digits) and whether it is the
 run's best. Publishing it (a Prefect table artifact keyed per run) is the Prefect side's job
 (flows/artifacts.publish_eval_table)."""
 from __future__ import annotations
@@ -56,7 +57,9 @@ def checkpoint_rows(run_dir: str | Path) -> list[dict]:
         rows.append({"step": step, "checkpoint": Path(str(r.get("checkpoint", ""))).name or None,
                      "val_loss": r.get("val_loss"), "perplexity": r.get("perplexity"),
                      **{m: tm.get(m) for m in metrics},
-                     "gate": gate_text(r.get("gate")), "best": best is not None and r.get("val_loss") == best,
+                     "gate": gate_text(r.get("gate")),
+                     "yardstick": ((r.get("gate") or {}).get("yardstick_sha256") or "")[:12] or None,
+                     "best": best is not None and r.get("val_loss") == best,
                      "evaluated_by": "trigger" if path.parent == layout.triggered_eval_dir else "pretrain flow"})
     return rows
 

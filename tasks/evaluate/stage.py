@@ -23,9 +23,8 @@ class EvaluateStage(Stage):
             dataset_for_path(p) for p in token_split_paths(inputs.tokens_index, ("val",))]
 
     def run(self, cfg, inputs, ctx) -> EvalResult:
-        from tasks.deploy import gate
-        from tasks.deploy.registry import champion_val_loss
         from tasks.deploy.triggered import await_evaluation, write_gate
+        from tasks.deploy.yardstick import gate_at_evaluation
         from tasks.evaluate import evaluate_checkpoint
 
         checkpoint = inputs.checkpoint
@@ -36,8 +35,7 @@ class EvaluateStage(Stage):
             data = evaluate_checkpoint(cfg, Path(checkpoint), Path(inputs.tokenizer), Path(inputs.tokens_index),
                                        ctx.layout.eval_report(checkpoint), tracking_uri=ctx.tracking_uri,
                                        run_id=inputs.train_run_id)
-            champion_loss = champion_val_loss(ctx.tracking_uri, cfg.deploy.model_name)
-            write_gate(data, gate(cfg.deploy, data, champion_loss), champion_loss)  # verdict now, for the table
+            write_gate(data, *gate_at_evaluation(cfg, ctx.tracking_uri, data, inputs.tokenizer))  # for the table
         outputs = [dataset_for_path(data["report_path"], output=True,
                                     doc=DATASET_DOCS["eval_report"].format(checkpoint=Path(checkpoint).name))]
         return EvalResult(data, inputs=eval_data_inputs(data, cfg.data_root), outputs=outputs,

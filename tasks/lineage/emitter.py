@@ -69,16 +69,18 @@ def _now() -> str:
 
 def dataset_for_path(path: str | Path, *, rows: int | None = None, n_bytes: int | None = None,
                      source: dict | CrucibleSourceDatasetFacet | None = None, output: bool = False,
-                     doc: str | None = None, inspect: bool = True):
+                     doc: str | None = None, inspect: bool = True, facets: dict | None = None):
     """An Input/OutputDataset for a local file or directory, versioned by its sha256.
 
     `source`: a registry entry {name, licence, provenance} (a raw file) or a ready facet (e.g. the
     union for a shard). `doc`: what the artifact is (documentation facet). `inspect`: read sizes,
     Parquet schemas and row counts from the file (footer only) for `schema`, `dataQualityMetrics`
-    and, on outputs, `outputStatistics`; `rows`/`n_bytes` override what is read."""
+    and, on outputs, `outputStatistics`; `rows`/`n_bytes` override what is read. `facets`: more
+    dataset facets by name (e.g. a mix's crucible_token_mix)."""
     path = Path(path).resolve()
     facets: dict[str, DatasetFacet] = {
         "version": dataset_version_dataset.DatasetVersionDatasetFacet(datasetVersion=sha256_tree(path)),
+        **(facets or {}),
     }
     if isinstance(source, dict):
         facets["crucible_source"] = CrucibleSourceDatasetFacet.raw(source["name"], source["licence"],

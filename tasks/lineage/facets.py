@@ -107,6 +107,18 @@ def source_entries(facet: Any) -> list[dict]:
 
 
 @attr.define
+class CrucibleTokenMixDatasetFacet(CustomSchema, DatasetFacet):
+    """A continued-pretraining cycle's training mix: its new and replayed tokens, overall and per
+    data source (source -> {new_tokens, replay_tokens, tokens, share})."""
+
+    replay_fraction: float
+    replay_share: float
+    new_tokens: int
+    replay_tokens: int
+    by_source: dict = attr.field(factory=dict)
+
+
+@attr.define
 class CrucibleStatsRunFacet(CustomSchema, RunFacet):
     """Documents in/out of a stage and the documents each filter dropped."""
 

@@ -9,6 +9,10 @@ memory-mappable) holds the token offset where each document starts, in file orde
 spans [starts[i], starts[i + 1]) and ends with its EOS. The index names it under the split's
 "doc_starts". `open_doc_starts` reads it (or, for an index written before the file existed,
 derives the same offsets from the EOS positions).
+
+Document sources: `<split>.doc_sources.npy` (uint16) holds each document's index into the
+index's "sources" list (the curated row's `source`); "by_source" counts tokens and documents per
+source and split. A continued cycle's mix reports its per-source token counts from them.
 """
 from __future__ import annotations
 
@@ -30,12 +34,16 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
+# the source name of documents whose shard row has none
+UNKNOWN_SOURCE = "(unknown)"
+
+
 def load_index(index_path: str | Path) -> dict:
     """Read index.json; each split's "path" comes back absolute."""
     index_path = Path(index_path).resolve()
     index = json.loads(index_path.read_text())
     for split in index["splits"].values():
-        for key in ("path", "doc_starts", "llmc_path"):
+        for key in ("path", "doc_starts", "doc_sources", "llmc_path"):
             if split.get(key):
                 p = Path(split[key])
                 split[key] = str(p if p.is_absolute() else index_path.parent / p)
@@ -50,6 +58,21 @@ def open_split(index_path: str | Path, split: str) -> np.memmap | np.ndarray:
     if info["tokens"] == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(info["path"], dtype=dtype, mode="r", shape=(info["tokens"],))
+
+
+def doc_source_names(index_path: str | Path, split: str) -> list[str]:
+    """The source name of each document of the split (UNKNOWN_SOURCE throughout for an index written
+    before token indexes recorded sources)."""
+    index = load_index(index_path)
+    info = index["splits"][split]
+    n = len(open_doc_starts(index_path, split))
+    if not info.get("doc_sources") or "sources" not in index:
+        return [UNKNOWN_SOURCE] * n
+    ids = np.load(info["doc_sources"], mmap_mode="r")
+    if ids.ndim != 1 or len(ids) != n:
+        raise ValueError(f"{info['doc_sources']}: expected one source id per document ({n})")
+    names = index["sources"]
+    return [names[int(i)] for i in ids]
 
 
 def open_doc_starts(index_path: str | Path, split: str) -> np.ndarray:

@@ -20,9 +20,9 @@ import numpy as np
 from tasks.config import PipelineConfig
 from tasks.core.hashing import sha256_file, sha256_text
 from tasks.tokenizer.bpe import load_tokenizer
-from tasks.tokenizer.corpus import iter_doc_batches
+from tasks.tokenizer.corpus import iter_doc_columns
 from tasks.core.layout import TOKENS_INDEX_FILE
-from tasks.tokens.binfile import dtype_for_vocab, write_llmc
+from tasks.tokens.binfile import UNKNOWN_SOURCE, dtype_for_vocab, write_llmc
 
 log = logging.getLogger(__name__)
 
@@ -48,21 +48,24 @@ def encode_shard(tokenizer_path: str, shard: str, eos_token: str, batch_docs: in
     dtype = dtype_for_vocab(tok.get_vocab_size())
     stats = {s: {"tokens": 0, "docs": 0, "bytes": 0} for s in SPLITS}
     doc_lens = {s: array("q") for s in SPLITS}
+    sources: dict[str, int] = {}  # source name -> local id (UNKNOWN_SOURCE for a document without one)
+    doc_sources = {s: array("H") for s in SPLITS}
     paths = {s: f"{part_prefix}.{s}.bin" for s in SPLITS}
     files = {s: open(paths[s], "wb") for s in SPLITS}
     try:
-        for ids, texts in iter_doc_batches([shard], batch_docs):
-            keys = ids if ids is not None else [None] * len(texts)
-            keys = [k if k is not None else "sha256:" + sha256_text(t) for k, t in zip(keys, texts)]
+        for batch in iter_doc_columns([shard], ["id", "source"], batch_docs):
+            texts = batch["text"]
+            keys = [str(k) if k is not None else "sha256:" + sha256_text(t) for k, t in zip(batch["id"], texts)]
             encodings = tok.encode_batch(texts, add_special_tokens=False)
             chunks: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
-            for key, text, enc in zip(keys, texts, encodings):
+            for key, text, enc, source in zip(keys, texts, encodings, batch["source"]):
                 split = "val" if is_val_doc(key, val_fraction, seed) else "train"
                 arr = np.empty(len(enc.ids) + 1, dtype=dtype)
                 arr[:-1] = enc.ids
                 arr[-1] = eos_id
                 chunks[split].append(arr)
                 doc_lens[split].append(arr.size)
+                doc_sources[split].append(sources.setdefault(source or UNKNOWN_SOURCE, len(sources)))
                 stats[split]["tokens"] += arr.size
                 stats[split]["docs"] += 1
                 stats[split]["bytes"] += len(text.encode("utf-8"))
@@ -73,6 +76,7 @@ def encode_shard(tokenizer_path: str, shard: str, eos_token: str, batch_docs: in
         for f in files.values():
             f.close()
     return {"paths": paths, "stats": stats, "doc_lens": {s: doc_lens[s].tobytes() for s in SPLITS},
+            "sources": list(sources), "doc_sources": {s: doc_sources[s].tobytes() for s in SPLITS},
             "pid": os.getpid()}
 
 
@@ -93,6 +97,41 @@ def _encode_all(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path], p
         for job, result in runner.finished():
             results[job.name] = result
     return [results[f"{i:05d}"] for i in range(len(jobs))]  # in shard order
+
+
+def _concatenate(parts: list[dict], paths: dict, starts_paths: dict, sources_paths: dict
+                 ) -> tuple[dict, list[str], dict]:
+    """Concatenate the encoded parts in shard order into each split's token file, document starts
+    and document sources (ids into one sorted source table for the run). Returns (stats per split,
+    source names, tokens and documents per source and split)."""
+    stats = {s: {"tokens": 0, "docs": 0, "bytes": 0} for s in SPLITS}
+    doc_starts: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
+    source_names = sorted({name for part in parts for name in part["sources"]})
+    source_id = {name: i for i, name in enumerate(source_names)}
+    by_source = {name: {s: {"tokens": 0, "docs": 0} for s in SPLITS} for name in source_names}
+    for s in SPLITS:
+        doc_source_ids = []
+        with open(paths[s], "wb") as out:
+            for part in parts:
+                lens = np.frombuffer(part["doc_lens"][s], dtype=np.int64)
+                local = np.frombuffer(part["doc_sources"][s], dtype=np.uint16)
+                ids = np.asarray([source_id[n] for n in part["sources"]], dtype=np.uint16)[local] \
+                    if local.size else local
+                doc_source_ids.append(ids)
+                for i, n in zip(*np.unique(ids, return_counts=True)):
+                    by_source[source_names[i]][s]["docs"] += int(n)
+                    by_source[source_names[i]][s]["tokens"] += int(lens[ids == i].sum())
+                doc_starts[s].append(stats[s]["tokens"] + np.concatenate(([0], np.cumsum(lens)[:-1]))
+                                     if lens.size else lens)
+                for key in stats[s]:
+                    stats[s][key] += part["stats"][s][key]
+                with open(part["paths"][s], "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+        np.save(starts_paths[s], np.concatenate(doc_starts[s]).astype(np.int64) if doc_starts[s]
+                else np.zeros(0, dtype=np.int64))
+        np.save(sources_paths[s], np.concatenate(doc_source_ids).astype(np.uint16) if doc_source_ids
+                else np.zeros(0, dtype=np.uint16))
+    return stats, source_names, by_source
 
 
 def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path], out_dir: Path) -> dict:
@@ -120,22 +159,9 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path]
     parts_dir.mkdir()
     parts = _encode_all(cfg, tokenizer_path, [Path(s) for s in shards], parts_dir)
 
-    stats = {s: {"tokens": 0, "docs": 0, "bytes": 0} for s in SPLITS}
-    doc_starts: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
-    paths = {s: out_dir / f"{s}.bin" for s in SPLITS}
-    starts_paths = {s: out_dir / f"{s}.doc_starts.npy" for s in SPLITS}
-    for s in SPLITS:
-        with open(paths[s], "wb") as out:
-            for part in parts:
-                lens = np.frombuffer(part["doc_lens"][s], dtype=np.int64)
-                doc_starts[s].append(stats[s]["tokens"] + np.concatenate(([0], np.cumsum(lens)[:-1]))
-                                     if lens.size else lens)
-                for key in stats[s]:
-                    stats[s][key] += part["stats"][s][key]
-                with open(part["paths"][s], "rb") as f:
-                    shutil.copyfileobj(f, out, 1 << 20)
-        np.save(starts_paths[s], np.concatenate(doc_starts[s]).astype(np.int64) if doc_starts[s]
-                else np.zeros(0, dtype=np.int64))
+    paths, starts_paths, sources_paths = ({s: out_dir / f"{s}{suffix}" for s in SPLITS}
+                                          for suffix in (".bin", ".doc_starts.npy", ".doc_sources.npy"))
+    stats, source_names, by_source = _concatenate(parts, paths, starts_paths, sources_paths)
     shutil.rmtree(parts_dir, ignore_errors=True)
     total_docs = sum(stats[s]["docs"] for s in SPLITS)
     if total_docs == 0:
@@ -153,9 +179,13 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path]
         "seed": tcfg.seed,
         "splits": {
             s: {"path": paths[s].name, **stats[s], "sha256": sha256_file(paths[s]),
-                "doc_starts": starts_paths[s].name, "doc_starts_sha256": sha256_file(starts_paths[s])}
+                "doc_starts": starts_paths[s].name, "doc_starts_sha256": sha256_file(starts_paths[s]),
+                "doc_sources": sources_paths[s].name, "doc_sources_sha256": sha256_file(sources_paths[s])}
             for s in SPLITS
         },
+        # doc_sources[i] indexes this list; tokens and documents per source and split
+        "sources": source_names,
+        "by_source": by_source,
     }
     if tcfg.llmc:  # the same tokens again, behind llm.c's header (llm.c refuses an empty file)
         for s in [s for s in SPLITS if stats[s]["tokens"]]:
@@ -166,6 +196,7 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path]
     for s in SPLITS:
         index["splits"][s]["path"] = str(paths[s].resolve())
         index["splits"][s]["doc_starts"] = str(starts_paths[s].resolve())
+        index["splits"][s]["doc_sources"] = str(sources_paths[s].resolve())
         if index["splits"][s].get("llmc_path"):
             index["splits"][s]["llmc_path"] = str((out_dir / index["splits"][s]["llmc_path"]).resolve())
     index["index_path"] = str(index_path.resolve())

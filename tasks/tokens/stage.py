@@ -24,4 +24,6 @@ class TokensStage(Stage):
                                      rows=s.get("tokens")) for name, s in splits.items()]
         # document start offsets: training reads them for document-aware attention masks
         outputs += [dataset_for_path(s["doc_starts"], output=True) for s in splits.values()]
+        # each document's data source (per-source token counts; a continued cycle's mix reports them)
+        outputs += [dataset_for_path(s["doc_sources"], output=True) for s in splits.values()]
         return TokensResult(data, outputs=outputs)

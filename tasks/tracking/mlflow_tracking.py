@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,12 @@ def local_artifact_location(tracking_uri: str, experiment: str) -> str | None:
     return (db.parent / "mlartifacts" / experiment).as_uri()
 
 
+def metric_name(name: str) -> str:
+    """`name` with every character MLflow refuses in a metric name (data source names may hold
+    any) replaced by "_"."""
+    return re.sub(r"[^\w\-. /]", "_", name)
+
+
 class Tracker:
     def __init__(self, tracking_uri: str, experiment: str):
         self.tracking_uri = tracking_uri
@@ -63,8 +70,9 @@ class Tracker:
             self.client.log_batch(run_id, params=items[i:i + 100])
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        """Finite numbers only; a name is made of what MLflow allows (others become "_")."""
         ts = int(time.time() * 1000)
-        items = [Metric(k, float(v), ts, step) for k, v in metrics.items()
+        items = [Metric(metric_name(k), float(v), ts, step) for k, v in metrics.items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
         for i in range(0, len(items), 1000):
             self.client.log_batch(run_id, metrics=items[i:i + 1000])

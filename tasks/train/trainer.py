@@ -36,7 +36,7 @@ from tasks.train.metrics import SPIKE_LOG, MetricsLogger
 from tasks.train.model import GPT, GPTConfig, lm_loss
 from tasks.train.optimizer import build_optimizer
 from tasks.train.parallelize import autocast_context, describe_built, grad_sync_context, parallelize
-from tasks.train.schedule import lr_at, set_lr
+from tasks.train.schedule import lr_at, schedule_record, set_lr
 from tasks.train.spikes import SpikeDetector
 
 
@@ -376,6 +376,7 @@ class Trainer:
             "world_size": self.world,
             "global_batch_samples": self.global_samples,
             "train_options": {k: getattr(tcfg, k) for k in ("parallelism", "dtype", "compile", "doc_mask", "z_loss")},
+            "schedule": schedule_record(tcfg),
         }
 
     # ------------------------------------------------------------------ metrics (rank 0)

@@ -1,0 +1,285 @@
+"""The deployment gate: a challenger is compared with the champion on one pinned evaluation set
+(the yardstick), both scored in bits per byte, a tokenizer-independent metric, instead of
+val_loss figures measured on different validation splits with different tokenizers.
+
+The set (gate/yardstick.jsonl of the challenger's run, or the cycle's yardstick stage directory;
+one {"part", "text"} per line, identified by its sha256) holds evenly spread held-out documents:
+  old       the validation splits behind the champion: the token indexes it was trained on (for a
+            continued model, every earlier cycle's), decoded with the champion's tokenizer,
+  new       the validation split of the challenger's own data, decoded with its tokenizer,
+  wikitext  WikiText-2 test pages (evaluate.wikitext), the suite's language-modelling task.
+Byte-level BPE round-trips token ids to the exact text. Bits per byte of a part =
+-(sum of natural-log likelihoods) / ln 2 / (UTF-8 bytes of its texts).
+
+Promote only if the challenger improves on `new` by at least deploy.min_improvement and regresses
+on `old` and `wikitext` by at most deploy.max_forgetting (bits per byte), and on the suite's
+LAMBADA / HellaSwag accuracy (from both evaluation reports) by at most deploy.max_forgetting_acc:
+the forgetting guard. The absolute threshold deploy.max_val_loss applies to every challenger.
+
+Scores are kept on the registered versions as tags `yardstick.<sha256[:16]>.<part>`, so the
+champion is scored once per set (every checkpoint of a run is gated on the same set). The
+champion's files are its registered checkpoint and tokenizer, verified against the registered
+content hash; when they are gone, its registered copy is downloaded from MLflow and verified
+against the hashes recorded at registration (`export_sha256`, `tokenizer_sha256`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import uuid
+from pathlib import Path
+
+from tasks.core.hashing import sha256_file, sha256_tree
+from tasks.core.io import write_json_atomic
+from tasks.core.layout import RunLayout
+
+log = logging.getLogger(__name__)
+
+PARTS = ("old", "new", "wikitext")
+ACCURACY = ("lambada_acc", "hellaswag_acc")
+
+
+class YardstickUnavailable(RuntimeError):
+    """The champion cannot be scored (its files are gone and its registered copy does not verify)."""
+
+
+def _held_out(index_path: str | Path, tokenizer, limit: int, max_chars: int) -> list[str]:
+    from tasks.evaluate.suite import spread_indices
+    from tasks.tokens.binfile import load_index, open_doc_starts, open_split
+
+    info = load_index(index_path)["splits"]["val"]
+    if not info["tokens"]:
+        return []
+    tokens, starts = open_split(index_path, "val"), open_doc_starts(index_path, "val")
+    ends = list(starts[1:]) + [info["tokens"]]
+    texts = []
+    for i in spread_indices(len(starts), limit):
+        ids = [int(t) for t in tokens[int(starts[i]):int(ends[i])]]
+        texts.append(tokenizer.decode(ids, skip_special_tokens=True)[:max_chars])
+    return [t for t in texts if t.strip()]
+
+
+def build_yardstick(cfg, out_path: str | Path, new_index: str | Path | None, new_tokenizer: str | Path | None,
+                    pool: list[str | Path], pool_tokenizer: str | Path | None) -> dict:
+    """Write the evaluation set; returns {"path", "sha256", "parts": {part: documents}}."""
+    from tasks.evaluate.suite import load_wikitext_pages, spread_indices
+    from tasks.tokenizer.bpe import load_tokenizer
+
+    d = cfg.deploy
+    parts: dict[str, list[str]] = {}
+    pool = [p for p in pool if Path(p).is_file()]
+    if pool and pool_tokenizer:
+        tok = load_tokenizer(pool_tokenizer)
+        per_pool = max(1, d.yardstick_docs // len(pool))
+        parts["old"] = [t for p in pool for t in _held_out(p, tok, per_pool, d.yardstick_max_chars)]
+    if new_index and Path(new_index).is_file() and new_tokenizer:
+        parts["new"] = _held_out(new_index, load_tokenizer(new_tokenizer), d.yardstick_docs, d.yardstick_max_chars)
+    wikitext = Path(cfg.resolve_uri(cfg.evaluate.wikitext.path))
+    if cfg.evaluate.wikitext.enabled and wikitext.is_file():
+        pages = load_wikitext_pages(wikitext)
+        parts["wikitext"] = [pages[i][:d.yardstick_max_chars]
+                             for i in spread_indices(len(pages), cfg.evaluate.wikitext.limit)]
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for part, texts in parts.items():
+            for text in texts:
+                f.write(json.dumps({"part": part, "text": text}, ensure_ascii=False) + "\n")
+    tmp.replace(out_path)  # two gates of one run may build the same set at once
+    return {"path": str(out_path), "sha256": sha256_file(out_path),
+            "parts": {k: len(v) for k, v in parts.items() if v}}
+
+
+def score(checkpoint: str | Path, tokenizer_path: str | Path, yardstick: str | Path, batch_size: int = 16) -> dict:
+    """{part: bits per byte} of one model on the set."""
+    from tasks.evaluate.scoring import LMScorer
+
+    scorer = LMScorer.from_files(checkpoint, tokenizer_path, batch_size=batch_size)
+    rows = [json.loads(line) for line in Path(yardstick).read_text(encoding="utf-8").splitlines()]
+    out = {}
+    for part in dict.fromkeys(r["part"] for r in rows):
+        texts = [r["text"] for r in rows if r["part"] == part]
+        ll = sum(s.logprob for s in scorer.loglikelihood_rolling(texts))
+        n_bytes = sum(len(t.encode("utf-8")) for t in texts)
+        out[part] = -ll / n_bytes / math.log(2) if n_bytes else float("nan")
+    return out
+
+
+def decide(d, challenger: dict, champion: dict, challenger_acc: dict, champion_acc: dict) -> dict:
+    """The gate on the yardstick: {"passed", "reason", "checks": [...]}; `d` is the deploy section."""
+    if "new" not in challenger or "new" not in champion:
+        return {"passed": False, "checks": [],
+                "reason": "yardstick refuses: there is no held-out text of the challenger's own data to show an "
+                          "improvement on (its checkpoint is not in a run directory with a token index)"}
+    gain = champion["new"] - challenger["new"]
+    checks = [{"check": "new data improves", "part": "new", "challenger": challenger["new"],
+               "champion": champion["new"], "ok": gain > 0 and gain >= d.min_improvement,
+               "rule": f"champion - challenger >= {d.min_improvement:g} and > 0 (bits per byte)"}]
+    for part in ("old", "wikitext"):
+        if part in challenger and part in champion:
+            checks.append({"check": "no forgetting", "part": part, "challenger": challenger[part],
+                           "champion": champion[part],
+                           "ok": challenger[part] - champion[part] <= d.max_forgetting,
+                           "rule": f"challenger - champion <= {d.max_forgetting:g} (bits per byte)"})
+    for metric in ACCURACY:
+        if challenger_acc.get(metric) is not None and champion_acc.get(metric) is not None:
+            checks.append({"check": "no forgetting", "part": metric, "challenger": challenger_acc[metric],
+                           "champion": champion_acc[metric],
+                           "ok": champion_acc[metric] - challenger_acc[metric] <= d.max_forgetting_acc,
+                           "rule": f"champion - challenger <= {d.max_forgetting_acc:g} (accuracy)"})
+    failed = [k for k in checks if not k["ok"]]
+    describe = "; ".join(f"{k['part']} {k['challenger']:.4f} vs champion {k['champion']:.4f}"
+                         for k in (failed or checks))
+    return {"passed": not failed, "checks": checks,
+            "reason": (f"yardstick: {describe}" if not failed else
+                       f"yardstick refuses: {describe} ({', '.join(k['rule'] for k in failed)})")}
+
+
+def score_tags(set_sha256: str, bits_per_byte: dict) -> dict:
+    """Model-version tags holding a model's scores on one set (reused while the set is unchanged)."""
+    return {f"yardstick.{set_sha256[:16]}.{part}": f"{v:.6f}" for part, v in bits_per_byte.items()}
+
+
+def scores_from_tags(tags: dict, built: dict) -> dict | None:
+    """A version's scores on this set, from its tags; None unless every part of the set is there."""
+    prefix = f"yardstick.{built['sha256'][:16]}."
+    try:
+        got = {part: float(tags[prefix + part]) for part in built["parts"]}
+    except (KeyError, ValueError):
+        return None
+    return got or None
+
+
+def champion_files(tracking_uri: str, model_name: str, champion: dict, cache_dir: str | Path) -> tuple[Path, Path]:
+    """(checkpoint, tokenizer) of the registered champion, verified: its own files if they still
+    hash to the registered content hash, else its registered copy from MLflow, verified against the
+    hashes recorded when it was registered. Raises YardstickUnavailable when neither verifies."""
+    from tasks.deploy.registry import content_hash_of
+
+    tags = champion["tags"]
+    ckpt, tok = Path(tags.get("checkpoint", "")), Path(tags.get("tokenizer", ""))
+    if tags.get("checkpoint") and ckpt.is_dir() and tok.is_file():
+        if content_hash_of(sha256_tree(ckpt), sha256_file(tok)) == tags.get("content_hash"):
+            return ckpt, tok
+        log.warning("the champion's files %s / %s no longer match its content hash", ckpt, tok)
+    if not (tags.get("export_sha256") and tags.get("tokenizer_sha256")):
+        raise YardstickUnavailable(f"version {champion['version']}'s files ({ckpt}, {tok}) are gone or changed and "
+                                   "it was registered without the hashes that would verify its registered copy")
+    local = Path(cache_dir) / f"{model_name}-v{champion['version']}"
+    if not (local / "verified").is_file():
+        import mlflow.artifacts
+
+        local.mkdir(parents=True, exist_ok=True)
+        mlflow.artifacts.download_artifacts(artifact_uri=champion["source"], dst_path=str(local),
+                                            tracking_uri=tracking_uri)
+    arts = next(local.rglob("artifacts"), None)
+    ckpt = arts / "checkpoint" if arts else local / "missing"
+    toks = [p for p in arts.iterdir() if p.is_file()] if arts else []
+    if (not ckpt.is_dir() or len(toks) != 1 or sha256_tree(ckpt) != tags["export_sha256"]
+            or sha256_file(toks[0]) != tags["tokenizer_sha256"]):
+        raise YardstickUnavailable(f"the registered copy of version {champion['version']} ({champion['source']}) "
+                                   "does not match the hashes recorded at registration")
+    (local / "verified").write_text("checked against export_sha256 and tokenizer_sha256\n")
+    return ckpt, toks[0]
+
+
+def trained_on(checkpoint: str | Path) -> Path | None:
+    """The token index a checkpoint was trained on (a continued cycle's mix), else its run's."""
+    from tasks.train.checkpoint import read_meta
+
+    index = read_meta(checkpoint).get("tokens_index")
+    if index and Path(index).is_file():
+        return Path(index)
+    if RunLayout.is_run_checkpoint(checkpoint) and RunLayout.of_checkpoint(checkpoint).tokens_index.is_file():
+        return RunLayout.of_checkpoint(checkpoint).tokens_index
+    return None
+
+
+def gate_dir(cfg, checkpoint: str | Path) -> Path:
+    """Where a checkpoint's gate files go: its run's gate/ folder, else run_root/.gate/."""
+    if RunLayout.is_run_checkpoint(checkpoint):
+        return RunLayout.of_checkpoint(checkpoint).run_dir / "gate"
+    return Path(cfg.run_root).resolve() / ".gate"
+
+
+def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: str | Path, champion: dict,
+                     out_dir: str | Path | None = None, new_index: str | Path | None = None,
+                     pool: list[str | Path] | None = None) -> dict:
+    """Score the challenger (evaluation["checkpoint"]) and the champion (a get_champion dict) on
+    one set and decide. new_index / pool default to what each model was trained on. Returns
+    {"set", "challenger", "champion", "decision"}, also written to <out_dir>/gate-step-N.json."""
+    from tasks.continued.mix import replay_pool
+    from tasks.deploy.registry import set_version_tags
+
+    d, name = cfg.deploy, cfg.deploy.model_name
+    ckpt = evaluation["checkpoint"]
+    out_dir = Path(out_dir or gate_dir(cfg, ckpt))
+    new_index = new_index if new_index is not None else trained_on(ckpt)
+    pool = pool if pool is not None else replay_pool(champion["tags"].get("data.tokens_index"))
+    champ_tok = champion["tags"].get("tokenizer")
+    built = build_yardstick(cfg, out_dir / "yardstick.jsonl", new_index, tokenizer_path, pool,
+                            champ_tok if champ_tok and Path(champ_tok).is_file() else None)
+    batch = cfg.evaluate.task_batch_size
+    challenger_bpb = score(ckpt, tokenizer_path, built["path"], batch)
+    champion_bpb = scores_from_tags(champion["tags"], built)
+    scored = "reused from its registry tags"
+    if champion_bpb is None:
+        # downloaded registered copies are kept beside the runs
+        c_ckpt, c_tok = champion_files(tracking_uri, name, champion, Path(cfg.run_root).resolve() / ".champions")
+        champion_bpb = score(c_ckpt, c_tok, built["path"], batch)
+        set_version_tags(tracking_uri, name, champion["version"], score_tags(built["sha256"], champion_bpb))
+        scored = f"scored from {c_ckpt}"
+    challenger_acc = {m: (evaluation.get("task_metrics") or {}).get(m) for m in ACCURACY}
+    champion_acc = {m: float(champion["tags"][f"eval.{m}"]) for m in ACCURACY if f"eval.{m}" in champion["tags"]}
+    decision = decide(d, challenger_bpb, champion_bpb, challenger_acc, champion_acc)
+    data = {"set": built, "challenger": {"checkpoint": str(ckpt), "bits_per_byte": challenger_bpb},
+            "champion": {"version": champion["version"], "content_hash": champion["tags"].get("content_hash"),
+                         "checkpoint": champion["tags"].get("checkpoint"), "bits_per_byte": champion_bpb,
+                         "scores": scored},
+            "decision": decision}
+    step = evaluation.get("step")
+    write_json_atomic(out_dir / f"gate-step-{int(step) if step is not None else 'unknown'}.json", data)
+    return data
+
+
+def gate_evaluation(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: str | Path,
+                    champion: dict | None = None) -> tuple[dict, dict | None]:
+    """The deploy gate for an evaluated checkpoint against the champion of now:
+    (decision {"passed", "reason", ...}, yardstick or None). With no champion only the absolute
+    threshold applies; a yardstick already in the evaluation is reused when it was scored
+    against this champion. A champion that cannot be scored refuses the challenger (the reason
+    says why) rather than falling back to comparing val_loss across runs."""
+    from tasks.deploy.gate import gate
+
+    absolute = gate(cfg.deploy, evaluation)
+    if not absolute["passed"] or champion is None:
+        return absolute, None
+    yardstick = evaluation.get("yardstick")
+    if not (yardstick and yardstick["champion"]["version"] == champion["version"]):
+        try:
+            yardstick = against_champion(cfg, tracking_uri, evaluation, tokenizer_path, champion)
+        except YardstickUnavailable as e:
+            return {"passed": False, "reason": f"the champion (version {champion['version']}) cannot be scored on "
+                                               f"the yardstick: {e}"}, None
+    return yardstick["decision"], yardstick
+
+
+def gate_at_evaluation(cfg, tracking_uri: str, report: dict, tokenizer_path: str | Path) -> tuple[dict, dict | None]:
+    """The verdict written into a checkpoint's evaluation report (the checkpoint table shows it;
+    the triggered deploy-model run follows only a pass): the gate against the champion of now.
+    A continued cycle's checkpoints are deployed only by its own gate_and_deploy."""
+    from tasks.deploy.registry import get_champion
+
+    if cfg.train.init_from:
+        return {"passed": False, "reason": "continued-pretraining checkpoint: deployed only by its cycle's "
+                                           f"gate_and_deploy (val_loss {report['val_loss']:.4f})"}, None
+    return gate_evaluation(cfg, tracking_uri, report, tokenizer_path, get_champion(tracking_uri, cfg.deploy.model_name))
+
+
+def yardstick_rows(checks: list[dict]) -> list[dict]:
+    """The gate's checks (decision["checks"]) as table rows (the eval table artifact)."""
+    return [{"check": k["check"], "part": k["part"], "challenger": round(k["challenger"], 4),
+             "champion": round(k["champion"], 4), "passed": k["ok"], "rule": k["rule"]} for k in checks]
