@@ -251,7 +251,19 @@ def test_refusals_before_anything_starts(cycles, tmp_path):
     retrain = cfg.model_copy(update={"continue_": cfg.continue_.model_copy(update={"retrain_tokenizer": True})})
     with pytest.raises(CycleError, match="would\nnot be a continuation|not be a continuation"):
         check_continuation(retrain, champion)
+    # training tokens to replay from that are gone: refused before anything starts, naming the file
+    import dataclasses
 
+    from tasks.continued.cycle import cycle_config
+    from tasks.continued.ledger import Discovery, RawFile, SourceDiscovery
+
+    new = RawFile(uri=str(tmp_path / "x.warc.gz"), source="landing", size=1, stamp="1", sha256="0" * 64, licence="t")
+    discovery = Discovery([SourceDiscovery("landing", str(tmp_path / "*.warc.gz"), 1, [new])])
+    gone = dataclasses.replace(champion, tokens_index=None)
+    with pytest.raises(CycleError, match="nothing can be replayed"):
+        cycle_config(cfg, discovery, gone, tmp_path / "state")
+    no_replay = cfg.model_copy(update={"continue_": cfg.continue_.model_copy(update={"replay_fraction": 0.0})})
+    assert cycle_config(no_replay, discovery, gone, tmp_path / "state").train.init_from == str(champion.checkpoint)
 
 
 def test_gate_scores_both_models_on_one_yardstick(cycles):
@@ -433,6 +445,7 @@ def test_a_wsd_champion_continues_from_its_pre_decay_checkpoint(tmp_path):
     from tasks.train.schedule import lr_at, schedule_record
 
     cfg = config(tmp_path)
+    cfg = cfg.model_copy(update={"continue_": cfg.continue_.model_copy(update={"replay_fraction": 0.0})})
     tok = sample_tokenizer(tmp_path / "tokenizer.json")
     champion_cfg = cfg.train.model_copy(update={"lr_schedule": "wsd", "max_steps": 30, "warmup_steps": 5,
                                                 "wsd_decay_fraction": 0.4})  # decay from step 18

@@ -231,6 +231,8 @@ def test_gate_scores_a_champion_whose_files_are_gone_from_its_verified_registere
                                                                                       mlflow_store):
     import shutil
 
+    from mlflow import MlflowClient
+
     uri = mlflow_store["uri"]
     copy = tmp_path / "gone" / "train" / "checkpoints" / "step-000010"
     shutil.copytree(trained[10], copy)
@@ -239,6 +241,15 @@ def test_gate_scores_a_champion_whose_files_are_gone_from_its_verified_registere
                              None, **_supervised(cfg))
     assert first["version"] == 1
     shutil.rmtree(tmp_path / "gone")
+    # a continued cycle starts from the verified registered copy (weights only: not with AdamW moments)
+    from tasks.continued.cycle import CycleError, find_champion
+
+    found = find_champion(cfg, uri)
+    assert ".champions" in str(found.checkpoint) and found.checkpoint_sha256 == MlflowClient(
+        tracking_uri=uri).get_model_version("crucible-gone", "1").tags["export_sha256"]
+    with_moments = cfg.model_copy(update={"continue_": cfg.continue_.model_copy(update={"init_optimizer": True})})
+    with pytest.raises(CycleError, match="init_optimizer"):
+        find_champion(with_moments, uri)
     res = deploy_if_better(cfg, uri, {"val_loss": 5.0, "step": 20, "checkpoint": trained[20]}, trained["tokenizer"],
                            None, **_supervised(cfg))
     record = json.loads((Path(res["yardstick"]["path"]).parent / "gate-step-20.json").read_text())
@@ -246,8 +257,6 @@ def test_gate_scores_a_champion_whose_files_are_gone_from_its_verified_registere
     assert res["passed"] and res["version"] == 2, res["reason"]
     # a registered copy that no longer matches its recorded hashes is not scored (on a new set, so
     # no score kept on the version applies): the challenger is refused
-    from mlflow import MlflowClient
-
     MlflowClient(tracking_uri=uri).set_model_version_tag("crucible-gone", "2", "export_sha256", "0" * 64)
     MlflowClient(tracking_uri=uri).set_model_version_tag("crucible-gone", "2", "checkpoint", str(tmp_path / "gone"))
     other_set = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={"yardstick_docs": 8})})

@@ -44,29 +44,34 @@ class Champion:
 
 def find_champion(cfg: PipelineConfig, tracking_uri: str) -> Champion | None:
     """The champion of deploy.model_name, or None when there is none yet (the cycle bootstraps).
-    Its checkpoint and tokenizer must still be where it was registered from and hash to the
-    registered content hash; otherwise the cycle is refused (nothing unverified is loaded)."""
+    Its checkpoint and tokenizer must hash to the registered content hash; when its checkpoint is
+    gone (checkpoint retention, a cleaned run directory), the registered copy (weights only) is
+    downloaded and verified against the hashes recorded at registration. Nothing unverified is
+    loaded; a champion that cannot be verified refuses the cycle."""
+    from tasks.deploy.registry import get_champion
+    from tasks.deploy.yardstick import YardstickUnavailable, champion_files
     from tasks.core.hashing import sha256_file, sha256_tree
-    from tasks.deploy.registry import content_hash_of, get_champion
     from tasks.train.checkpoint import read_meta
 
     found = get_champion(tracking_uri, cfg.deploy.model_name)
     if found is None:
         return None
     tags, version = found["tags"], found["version"]
-    ckpt, tok = Path(tags.get("checkpoint", "")), Path(tags.get("tokenizer", ""))
     name = f"{cfg.deploy.model_name} version {version}"
-    if not tags.get("checkpoint") or not ckpt.is_dir() or not tok.is_file():
-        raise CycleError(f"the champion ({name}) was registered from {ckpt} and {tok}, which are gone: a cycle "
-                         f"continues the champion's own checkpoint (with its optimizer state), so keep its run "
-                         f"directory or promote another version")
-    tree, tok_sha = sha256_tree(ckpt), sha256_file(tok)
-    if content_hash_of(tree, tok_sha) != tags.get("content_hash"):
-        raise CycleError(f"the champion's files ({ckpt}, {tok}) no longer match the content hash registered for "
-                         f"{name}: refusing to continue from them")
+    try:
+        ckpt, tok = champion_files(tracking_uri, cfg.deploy.model_name, found, Path(cfg.run_root).resolve() / ".champions")
+    except YardstickUnavailable as e:
+        raise CycleError(f"the champion ({name}) cannot be verified: {e}; promote another version") from None
+    if str(ckpt) != tags.get("checkpoint"):
+        log.warning("the champion's checkpoint %s is gone; continuing from its registered copy %s (weights only)",
+                    tags.get("checkpoint"), ckpt)
+        if cfg.continue_.init_optimizer:
+            raise CycleError(f"continue.init_optimizer is true, but the champion's ({name}) own checkpoint "
+                             f"{tags.get('checkpoint')} is gone and its registered copy holds the weights only: set "
+                             "continue.init_optimizer=false")
     index = tags.get("data.tokens_index")
     meta = read_meta(ckpt)
-    return Champion(cfg.deploy.model_name, version, ckpt, tree, tok, tok_sha,
+    return Champion(cfg.deploy.model_name, version, ckpt, sha256_tree(ckpt), tok, sha256_file(tok),
                     Path(index) if index and Path(index).is_file() else None, meta["model"],
                     tags.get("run_name"), found.get("run_id"), tags)
 
@@ -138,6 +143,15 @@ def cycle_config(cfg: PipelineConfig, discovery: Discovery, champion: Champion |
     if champion is not None:
         check_continuation(cfg, champion)
         c, train = cfg.continue_, data["train"]
+        if c.replay_fraction > 0:
+            from tasks.continued.mix import replay_pool
+
+            pool = replay_pool(champion.tokens_index)
+            missing = [str(p) for p in pool if not p.is_file()]
+            if not pool or missing:
+                raise CycleError(f"continue.replay_fraction is {c.replay_fraction}, but the champion's training tokens "
+                                 f"({champion.tags.get('data.tokens_index') if not pool else ', '.join(missing)}) are "
+                                 "gone, so nothing can be replayed: restore them, or set continue.replay_fraction=0")
         start, why = (None, "continue.lr_schedule is rewarm_cosine") if c.lr_schedule == "rewarm_cosine" \
             else pre_decay_checkpoint(champion)
         if start is None and c.lr_schedule == "wsd":
