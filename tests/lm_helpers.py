@@ -164,7 +164,7 @@ def random_checkpoint(out_dir: Path, tokenizer: Path, step: int, seed: int, run_
     from tokenizers import Tokenizer
 
     from tasks.core.hashing import sha256_file
-    from tasks.train.checkpoint import save_checkpoint
+    from tasks.train.checkpoint import apply_retention, save_checkpoint
     from tasks.train.model import GPT, GPTConfig
 
     vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
@@ -174,4 +174,6 @@ def random_checkpoint(out_dir: Path, tokenizer: Path, step: int, seed: int, run_
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     meta = {"model": cfg.to_dict(), "eos_id": 1, "tokenizer_sha256": sha256_file(tokenizer), "run_name": run_name,
             **(meta_extra or {})}
-    return save_checkpoint(model, opt, step, out_dir, meta)
+    ckpt = save_checkpoint(model, opt, step, out_dir, meta)
+    apply_retention(out_dir, ckpt, None)  # the run's manifest vouches for it, as the trainer's does
+    return ckpt

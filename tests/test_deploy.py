@@ -236,6 +236,9 @@ def test_gate_scores_a_champion_whose_files_are_gone_from_its_verified_registere
     uri = mlflow_store["uri"]
     copy = tmp_path / "gone" / "train" / "checkpoints" / "step-000010"
     shutil.copytree(trained[10], copy)
+    from tasks.train.checkpoint import apply_retention
+
+    apply_retention(copy.parent.parent, copy, None)  # a run of its own, with its manifest
     cfg = _gated_cfg(tmp_path, "crucible-gone")
     first = deploy_if_better(cfg, uri, {"val_loss": 5.0, "step": 10, "checkpoint": str(copy)}, trained["tokenizer"],
                              None, **_supervised(cfg))

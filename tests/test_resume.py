@@ -67,7 +67,7 @@ def _kill_after_parts(stage: str, runner: str, args: list[Path], out: Path, n_do
     deadline = time.monotonic() + 240
     try:
         while True:
-            done = len(list(parts.glob("*.pkl"))) if parts.is_dir() else 0
+            done = len(list(parts.glob("*.job.json"))) if parts.is_dir() else 0
             if done >= n_done:
                 os.kill(proc.pid, signal.SIGKILL)
                 break
@@ -109,7 +109,7 @@ def test_sigkill_then_resume_is_identical(setup):
     assert not list(out.glob("shard-*.parquet"))
     for p in (out / "_parts").glob("*.parquet"):
         pq.ParquetFile(p).metadata  # a visible part is a complete Parquet file
-    assert len(list((out / "_parts").glob("*.pkl"))) >= killed_after
+    assert len(list((out / "_parts").glob("*.job.json"))) >= killed_after
 
     init_ray(RayConfig(num_cpus=2))
     try:

@@ -26,7 +26,7 @@ from tasks.config import StackConfig
 from tasks.core.hashing import sha256_file
 from tasks.core.layout import RunLayout
 from tasks.core.net import free_port
-from tasks.train.checkpoint import save_checkpoint
+from tasks.train.checkpoint import apply_retention, save_checkpoint
 from tasks.train.model import GPT, GPTConfig
 
 
@@ -101,6 +101,7 @@ def _make_run(base: Path, root: Path, store: str) -> tuple[Path, list[Path]]:
         meta = {"model": mcfg.to_dict(), "eos_id": index["eos_id"], "run_name": "trig-run",
                 "tokenizer_sha256": sha256_file(run_dir / "tokenizer" / "tokenizer.json"), "step": step}
         ckpts.append(save_checkpoint(model, torch.optim.AdamW(model.parameters()), step, run_dir / "train", meta))
+        apply_retention(run_dir / "train", ckpts[-1], None)
     return run_dir, ckpts
 
 

@@ -59,7 +59,8 @@ def find_champion(cfg: PipelineConfig, tracking_uri: str) -> Champion | None:
     tags, version = found["tags"], found["version"]
     name = f"{cfg.deploy.model_name} version {version}"
     try:
-        ckpt, tok = champion_files(tracking_uri, cfg.deploy.model_name, found, Path(cfg.run_root).resolve() / ".champions")
+        ckpt, tok, _ = champion_files(tracking_uri, cfg.deploy.model_name, found,
+                                      Path(cfg.run_root).resolve() / ".champions")
     except YardstickUnavailable as e:
         raise CycleError(f"the champion ({name}) cannot be verified: {e}; promote another version") from None
     if str(ckpt) != tags.get("checkpoint"):

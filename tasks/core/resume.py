@@ -3,10 +3,10 @@
 A stage splits its work into jobs (ingest: one per source file or file range; curate: one per
 input row group), run by `tasks.core.executor`. Each job writes its part files atomically (temp
 + rename, see `tasks.core.documents.ShardWriter`); the driver then stores the job's result with
-`JobStore.save` as `<parts_dir>/<job>.pkl` (atomically), together with a key (everything the
-job's output depends on) and the sha256 of each part. On a re-run `JobStore.load` returns the
-stored result only when the key matches and every part still has its sha256, so a job is either
-reused whole or redone.
+`JobStore.save` (atomically), together with a key (everything the
+job's output depends on) and the sha256 of each part, as JSON (`<job>.json`: nothing found in a
+run folder is ever unpickled). On a re-run `JobStore.load` returns the stored result only when
+the key matches and every part still has its sha256, so a job is either reused whole or redone.
 
 The merged output is written file by file atomically, then `manifest.json` last (sha256 per
 output file, the run key, the summary); `verify_manifest` accepts it on a re-run only when the
@@ -19,13 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 from pathlib import Path
 
 from tasks.core.hashing import sha256_file
 from tasks.core.io import atomic_write_bytes
 
 MANIFEST = "manifest.json"
+JOB_SUFFIX = ".job.json"  # a finished job's stored result
 
 
 def digest(obj) -> str:
@@ -47,6 +47,41 @@ def remove_temp_files(d: Path) -> None:
             p.unlink(missing_ok=True)
 
 
+# JSON with two tagged types, so job results (exact-dedup keys are bytes, MinHash signatures numpy
+# arrays) round-trip without pickle; decoding builds only bytes and numeric arrays
+_NUMERIC_KINDS = "biuf"
+
+
+def _encode(obj):
+    import base64
+
+    import numpy as np
+
+    if isinstance(obj, (bytes, bytearray)):
+        return {"__bytes__": base64.b64encode(obj).decode()}
+    if isinstance(obj, np.ndarray) and obj.dtype.kind in _NUMERIC_KINDS:
+        return {"__ndarray__": base64.b64encode(np.ascontiguousarray(obj).tobytes()).decode(),
+                "dtype": obj.dtype.str, "shape": list(obj.shape)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"a job result holds a {type(obj).__name__}, which is not stored")
+
+
+def _decode(d: dict):
+    import base64
+
+    import numpy as np
+
+    if "__bytes__" in d:
+        return base64.b64decode(d["__bytes__"])
+    if "__ndarray__" in d:
+        dtype = np.dtype(d["dtype"])
+        if dtype.kind not in _NUMERIC_KINDS:
+            raise ValueError(f"refusing to decode an array of dtype {dtype}")
+        return np.frombuffer(base64.b64decode(d["__ndarray__"]), dtype=dtype).reshape(d["shape"]).copy()
+    return d
+
+
 class JobStore:
     """Finished jobs' results in `parts_dir`, each verified by key and part sha256 on load."""
 
@@ -55,29 +90,29 @@ class JobStore:
 
     def load(self, name: str, key: str) -> dict | None:
         """The stored result of job `name` if its key matches and every part verifies, else None."""
-        path = self.dir / f"{name}.pkl"
+        path = self.dir / f"{name}{JOB_SUFFIX}"
         if not path.is_file():
             return None
         try:
-            stored = pickle.loads(path.read_bytes())
-        except Exception:  # noqa: BLE001 - a damaged result file just means: redo the job
+            stored = json.loads(path.read_bytes(), object_hook=_decode)
+        except ValueError:  # a damaged (or foreign) result file just means: redo the job
             return None
-        if not isinstance(stored, dict) or stored.get("key") != key:
+        if not isinstance(stored, dict) or stored.get("key") != key or not isinstance(stored.get("part_sha256"), dict):
             return None
         for part, sha in stored["part_sha256"].items():
             if not Path(part).is_file() or sha256_file(part) != sha:
                 return None
-        return stored["result"]
+        return stored.get("result")
 
     def save(self, name: str, key: str, result: dict) -> None:
         shas = {p: sha256_file(p) for p in result.get("parts", [])}
-        atomic_write_bytes(self.dir / f"{name}.pkl",
-                           pickle.dumps({"key": key, "part_sha256": shas, "result": result}, protocol=5))
+        atomic_write_bytes(self.dir / f"{name}{JOB_SUFFIX}",
+                           json.dumps({"key": key, "part_sha256": shas, "result": result}, default=_encode).encode())
 
     def prune(self, keep: set[str]) -> None:
         """Drop stored results of jobs that are no longer part of the run."""
-        for stale in self.dir.glob("*.pkl"):
-            if stale.stem not in keep:
+        for stale in self.dir.glob(f"*{JOB_SUFFIX}"):
+            if stale.name[:-len(JOB_SUFFIX)] not in keep:
                 stale.unlink()
 
 

@@ -28,7 +28,7 @@ driver (cached per process) and shipped to the actors through the object store o
 
 Resumability (the machinery is `tasks.core.executor` and `tasks.core.resume`, shared with
 ingest): every job (one input row group) writes its part atomically (temp + rename), and the
-driver then writes `_parts/<job>.pkl` (atomically) with the job's result, a key (curate
+driver then writes `_parts/<job>.job.json` (atomically) with the job's result, a key (curate
 config, source PII policies, decontam index fingerprint, input shard path/size/mtime, row
 group) and the sha256 of the part. A re-run reuses a job whose key matches and whose part
 still has that sha256, and redoes the rest. The merged output is written shard by shard

@@ -58,14 +58,15 @@ class TextGenerator:
 
     @classmethod
     def from_files(cls, checkpoint: str | Path, tokenizer_path: str | Path,
-                   eos_token: str = DEFAULT_EOS_TOKEN) -> "TextGenerator":
-        """Load a checkpoint directory (tasks.train.checkpoint layout) and its tokenizer.json.
+                   eos_token: str = DEFAULT_EOS_TOKEN, expected_tree_sha256: str | None = None) -> "TextGenerator":
+        """Load a checkpoint directory (tasks.train.checkpoint layout, verified: its run's manifest,
+        or `expected_tree_sha256` for a copy) and its tokenizer.json.
 
         Refuses a tokenizer whose hash differs from the one recorded in the checkpoint."""
         from tasks.train.checkpoint import load_model_for_inference
 
         checkpoint, tokenizer_path = Path(checkpoint).resolve(), Path(tokenizer_path).resolve()
-        model, meta = load_model_for_inference(checkpoint)
+        model, meta = load_model_for_inference(checkpoint, expected_tree_sha256=expected_tree_sha256)
         tok = load_tokenizer(tokenizer_path)
         want = meta.get("tokenizer_sha256")
         if want and want != sha256_file(tokenizer_path):

@@ -19,7 +19,12 @@ class CrucibleLM(PythonModel):
     def load_context(self, context):
         from tasks.deploy.generation import TextGenerator
 
-        self.gen = TextGenerator.from_files(context.artifacts["checkpoint"], context.artifacts["tokenizer"])
+        # the export's tree hash recorded at registration: checked before the weights are read
+        expected = (context.model_config or {}).get("export_sha256")
+        if not expected:
+            raise ValueError("the registered model records no export_sha256 to verify its checkpoint against")
+        self.gen = TextGenerator.from_files(context.artifacts["checkpoint"], context.artifacts["tokenizer"],
+                                            expected_tree_sha256=expected)
 
     # No type hints on purpose: MLflow would infer a signature from them that drops the params
     # schema; the signature (string in, string out, PARAMS) is given at registration instead.

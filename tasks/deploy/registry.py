@@ -148,7 +148,7 @@ def register(tracking_uri: str, model_name: str, ckpt_dir: str | Path, tokenizer
                 mlflow.pyfunc.save_model(
                     path=str(model_dir), python_model=str(MODEL_CODE),
                     artifacts={"checkpoint": str(export), "tokenizer": str(tokenizer_path)},
-                    pip_requirements=PIP_REQUIREMENTS,
+                    pip_requirements=PIP_REQUIREMENTS, model_config={"export_sha256": copy_hashes["export_sha256"]},
                     signature=infer_signature(["The Linux kernel"], ["is a free"], params=PYFUNC_PARAMS),
                     metadata={"crucible_content_hash": content_hash, "source_checkpoint": str(ckpt_dir),
                               "requires": "the crucible package (tasks.train, tasks.deploy) importable"})

@@ -93,11 +93,13 @@ def build_yardstick(cfg, out_path: str | Path, new_index: str | Path | None, new
             "parts": {k: len(v) for k, v in parts.items() if v}}
 
 
-def score(checkpoint: str | Path, tokenizer_path: str | Path, yardstick: str | Path, batch_size: int = 16) -> dict:
-    """{part: bits per byte} of one model on the set."""
+def score(checkpoint: str | Path, tokenizer_path: str | Path, yardstick: str | Path, batch_size: int = 16,
+          expected_tree_sha256: str | None = None) -> dict:
+    """{part: bits per byte} of one model on the set (`expected_tree_sha256`: a verified copy's hash)."""
     from tasks.evaluate.scoring import LMScorer
 
-    scorer = LMScorer.from_files(checkpoint, tokenizer_path, batch_size=batch_size)
+    scorer = LMScorer.from_files(checkpoint, tokenizer_path, batch_size=batch_size,
+                                 expected_tree_sha256=expected_tree_sha256)
     rows = [json.loads(line) for line in Path(yardstick).read_text(encoding="utf-8").splitlines()]
     out = {}
     for part in dict.fromkeys(r["part"] for r in rows):
@@ -153,17 +155,20 @@ def scores_from_tags(tags: dict, built: dict) -> dict | None:
     return got or None
 
 
-def champion_files(tracking_uri: str, model_name: str, champion: dict, cache_dir: str | Path) -> tuple[Path, Path]:
-    """(checkpoint, tokenizer) of the registered champion, verified: its own files if they still
-    hash to the registered content hash, else its registered copy from MLflow, verified against the
-    hashes recorded when it was registered. Raises YardstickUnavailable when neither verifies."""
+def champion_files(tracking_uri: str, model_name: str, champion: dict, cache_dir: str | Path
+                   ) -> tuple[Path, Path, str | None]:
+    """(checkpoint, tokenizer, copy hash) of the registered champion, verified: its own files if
+    they still hash to the registered content hash (copy hash None: its run's manifest vouches for
+    it), else its registered copy from MLflow, verified against the hashes recorded when it was
+    registered (copy hash: export_sha256, for loading it). Raises YardstickUnavailable when neither
+    verifies."""
     from tasks.deploy.registry import content_hash_of
 
     tags = champion["tags"]
     ckpt, tok = Path(tags.get("checkpoint", "")), Path(tags.get("tokenizer", ""))
     if tags.get("checkpoint") and ckpt.is_dir() and tok.is_file():
         if content_hash_of(sha256_tree(ckpt), sha256_file(tok)) == tags.get("content_hash"):
-            return ckpt, tok
+            return ckpt, tok, None
         log.warning("the champion's files %s / %s no longer match its content hash", ckpt, tok)
     if not (tags.get("export_sha256") and tags.get("tokenizer_sha256")):
         raise YardstickUnavailable(f"version {champion['version']}'s files ({ckpt}, {tok}) are gone or changed and "
@@ -183,7 +188,7 @@ def champion_files(tracking_uri: str, model_name: str, champion: dict, cache_dir
         raise YardstickUnavailable(f"the registered copy of version {champion['version']} ({champion['source']}) "
                                    "does not match the hashes recorded at registration")
     (local / "verified").write_text("checked against export_sha256 and tokenizer_sha256\n")
-    return ckpt, toks[0]
+    return ckpt, toks[0], tags["export_sha256"]
 
 
 def trained_on(checkpoint: str | Path) -> Path | None:
@@ -228,8 +233,9 @@ def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: s
     scored = "reused from its registry tags"
     if champion_bpb is None:
         # downloaded registered copies are kept beside the runs
-        c_ckpt, c_tok = champion_files(tracking_uri, name, champion, Path(cfg.run_root).resolve() / ".champions")
-        champion_bpb = score(c_ckpt, c_tok, built["path"], batch)
+        c_ckpt, c_tok, copy_hash = champion_files(tracking_uri, name, champion,
+                                                  Path(cfg.run_root).resolve() / ".champions")
+        champion_bpb = score(c_ckpt, c_tok, built["path"], batch, expected_tree_sha256=copy_hash)
         set_version_tags(tracking_uri, name, champion["version"], score_tags(built["sha256"], champion_bpb))
         scored = f"scored from {c_ckpt}"
     challenger_acc = {m: (evaluation.get("task_metrics") or {}).get(m) for m in ACCURACY}

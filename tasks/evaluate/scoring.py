@@ -77,14 +77,15 @@ class LMScorer:
 
     @classmethod
     def from_files(cls, checkpoint: str | Path, tokenizer_path: str | Path, batch_size: int = 16,
-                   eos_token: str = "<|endoftext|>") -> "LMScorer":
-        """Load a checkpoint directory and its tokenizer.json; refuses a tokenizer whose hash differs
-        from the one the checkpoint records."""
+                   eos_token: str = "<|endoftext|>", expected_tree_sha256: str | None = None) -> "LMScorer":
+        """Load a checkpoint directory (verified: its run's manifest, or `expected_tree_sha256` for a
+        copy) and its tokenizer.json; refuses a tokenizer whose hash differs from the one the
+        checkpoint records."""
         from tasks.core.hashing import sha256_file
         from tasks.tokenizer.bpe import load_tokenizer
         from tasks.train.checkpoint import load_model_for_inference
 
-        model, meta = load_model_for_inference(checkpoint)
+        model, meta = load_model_for_inference(checkpoint, expected_tree_sha256=expected_tree_sha256)
         want = meta.get("tokenizer_sha256")
         if want and want != sha256_file(tokenizer_path):
             raise ValueError(f"tokenizer {tokenizer_path} is not the one the checkpoint was trained with")

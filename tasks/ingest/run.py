@@ -17,7 +17,7 @@ Sources are read by URI (`tasks.ingest.fs`: local paths and globs, file://, http
 with the `s3` extra), streaming.
 
 Resumable (`tasks.core.executor` and `tasks.core.resume`, the machinery curate uses): each job's result is stored in
-`_parts/<job>.pkl` with the sha256 of its part file and a key (ingest config, source entry, the
+`_parts/<job>.job.json` with the sha256 of its part file and a key (ingest config, source entry, the
 file's size and change stamp, the record range); a re-run reuses every job whose key matches
 and whose part verifies, and reads only the other source files. The merged shards and
 `quarantine.jsonl` are written atomically, then `manifest.json` (sha256 per file, the run key,

@@ -10,7 +10,10 @@ and, beside them, crucible_checkpoint.json: step, model config, vocab size, eos 
 the trainer state (data loader position in global samples, skipped data ranges, the loss-spike
 windows), and rng/rank-XXXXX.json per rank (torch, numpy, python and data-generator RNG states).
 Only tensors go into DCP (the optimizer's param groups are rebuilt from the config), and the rest
-is JSON, so nothing is ever unpickled on load. A checkpoint is written into step-XXXXXX.tmp and
+is JSON. DCP itself reads `.metadata` with pickle, so no checkpoint is handed to DCP before it is
+verified (`require_verified`): every file must have the sha256 its run's manifest records (written
+by the trainer when it saved it; a directory the manifest does not list is refused), or, for a copy
+such as a registered export, the tree hash recorded for it. A checkpoint is written into step-XXXXXX.tmp and
 renamed once complete, so a directory named step-XXXXXX is always whole.
 
 Async saving (train.async_checkpoint): `start_checkpoint(..., async_save=True)` copies the state
@@ -203,7 +206,9 @@ def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: in
 def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: str | Path) -> int:
     """Collective resume: load model and optimizer state in place; returns the checkpoint's step.
 
-    DCP reshards on load, so the world size may differ from the one that saved."""
+    DCP reshards on load, so the world size may differ from the one that saved. The checkpoint
+    must verify against its run's manifest first."""
+    require_verified(ckpt_dir)
     osd = get_optimizer_state_dict(model, optimizer)  # initialises moments so shapes are known
     state = {
         "model": get_model_state_dict(model),
@@ -232,15 +237,10 @@ def init_from_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckp
 
     The directory's tree hash must equal `tree_sha256` before DCP reads its `.metadata` (a pickle),
     and the checkpoint's model shape (its JSON meta) must equal `model`'s. Returns the meta."""
-    from tasks.core.hashing import sha256_tree
-
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / META_FILE).is_file():
         raise FileNotFoundError(f"{ckpt_dir} is not a complete checkpoint (no {META_FILE})")
-    actual = sha256_tree(ckpt_dir)
-    if actual != tree_sha256:
-        raise ValueError(f"refusing to load {ckpt_dir}: its content hash {actual[:16]}... is not the expected "
-                         f"{tree_sha256[:16]}... (changed since it was registered)")
+    require_verified(ckpt_dir, tree_sha256)
     meta = read_meta(ckpt_dir)
     if mismatch := shape_mismatch(meta["model"], model.cfg.to_dict()):
         raise ValueError(f"the checkpoint {ckpt_dir} has another model shape: {'; '.join(mismatch)}")
@@ -345,9 +345,11 @@ def apply_retention(out_dir: str | Path, new_ckpt: str | Path | None, keep_last:
     entries = {e["step"]: e for e in manifest["checkpoints"]}
     on_disk = {int(p.name.split("-")[1]): p for p in list_checkpoints(out_dir)}
     entries = {s: e for s, e in entries.items() if s in on_disk}
-    for s, p in on_disk.items():  # new ones, and any the manifest missed
-        if s not in entries or (new_ckpt is not None and Path(new_ckpt).name == p.name):
-            entries[s] = checkpoint_entry(p)
+    # only the checkpoint this run just wrote joins the manifest: a directory that appeared some other
+    # way (or one a crash left unlisted) is never vouched for, so it is never loaded
+    if new_ckpt is not None and Path(new_ckpt).name in {p.name for p in on_disk.values()}:
+        step = next(s for s, p in on_disk.items() if p.name == Path(new_ckpt).name)
+        entries[step] = checkpoint_entry(on_disk[step])
     steps = sorted(entries)
     keep = set(steps[-keep_last:]) if keep_last else set(steps)
     if steps:
@@ -369,17 +371,46 @@ def apply_retention(out_dir: str | Path, new_ckpt: str | Path | None, keep_last:
     return manifest
 
 
-def verify_checkpoint(ckpt_dir: str | Path, manifest: dict | None = None) -> bool:
-    """True when every file the manifest lists for this checkpoint has its recorded sha256
-    (a checkpoint absent from the manifest counts as valid if it is complete)."""
+class UnverifiedCheckpoint(ValueError):
+    """A checkpoint that must not be loaded: nothing trusted vouches for its files."""
+
+
+def checkpoint_problem(ckpt_dir: str | Path, manifest: dict | None = None,
+                       expected_tree_sha256: str | None = None) -> str | None:
+    """Why `ckpt_dir` must not be loaded, or None when it verifies: with `expected_tree_sha256`,
+    its tree hash must equal it; else its run's manifest (checkpoints.json beside it) must list it
+    and every file on disk must be one it lists, with its sha256."""
+    from tasks.core.hashing import sha256_tree
+
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / META_FILE).is_file():
-        return False
+        return f"{ckpt_dir} is not a complete checkpoint (no {META_FILE})"
+    if expected_tree_sha256 is not None:
+        actual = sha256_tree(ckpt_dir)
+        return None if actual == expected_tree_sha256 else (
+            f"{ckpt_dir} has content hash {actual[:16]}..., not the recorded {expected_tree_sha256[:16]}...")
     manifest = manifest if manifest is not None else read_manifest(ckpt_dir.parent.parent)
     entry = next((e for e in manifest["checkpoints"] if e["path"] == ckpt_dir.name), None)
     if entry is None:
-        return True
-    return all((ckpt_dir / f).is_file() and sha256_file(ckpt_dir / f) == h for f, h in entry["files"].items())
+        return f"{ckpt_dir} is not listed in its run's checkpoint manifest ({CHECKPOINTS_DIR}/{MANIFEST})"
+    on_disk = {str(p.relative_to(ckpt_dir)) for p in ckpt_dir.rglob("*") if p.is_file()}
+    if extra := sorted(on_disk - set(entry["files"])):
+        return f"{ckpt_dir} holds files its manifest does not list: {extra[:3]}"
+    for f, h in entry["files"].items():
+        if not (ckpt_dir / f).is_file() or sha256_file(ckpt_dir / f) != h:
+            return f"{ckpt_dir / f} does not have the sha256 its manifest records"
+    return None
+
+
+def verify_checkpoint(ckpt_dir: str | Path, manifest: dict | None = None) -> bool:
+    """True when the checkpoint verifies against its run's manifest (checkpoint_problem)."""
+    return checkpoint_problem(ckpt_dir, manifest) is None
+
+
+def require_verified(ckpt_dir: str | Path, expected_tree_sha256: str | None = None) -> None:
+    """Raise UnverifiedCheckpoint unless the checkpoint verifies; call before anything reads it with DCP."""
+    if problem := checkpoint_problem(ckpt_dir, expected_tree_sha256=expected_tree_sha256):
+        raise UnverifiedCheckpoint(f"refusing to load a checkpoint that does not verify: {problem}")
 
 
 def latest_checkpoint(out_dir: str | Path, before_step: int | None = None, verify: bool = True
@@ -389,21 +420,24 @@ def latest_checkpoint(out_dir: str | Path, before_step: int | None = None, verif
     for p in reversed(list_checkpoints(out_dir)):
         if before_step is not None and int(p.name.split("-")[1]) >= before_step:
             continue
-        if not verify or verify_checkpoint(p, manifest):
+        problem = checkpoint_problem(p, manifest) if verify else None
+        if problem is None:
             return p
-        print(f"[checkpoint] WARNING: {p} does not match its sha256 in {MANIFEST}: skipped", flush=True)
+        print(f"[checkpoint] WARNING: skipped: {problem}", flush=True)
     return None
 
 
-def load_model_for_inference(ckpt_dir: str | Path, device: str | torch.device = "cpu"
-                             ) -> tuple[GPT, dict]:
-    """Build the model from the checkpoint's JSON and load its weights (no process group needed).
+def load_model_for_inference(ckpt_dir: str | Path, device: str | torch.device = "cpu",
+                             expected_tree_sha256: str | None = None) -> tuple[GPT, dict]:
+    """Build the model from the checkpoint's JSON and load its weights (no process group needed),
+    once it verifies (require_verified: its run's manifest, or `expected_tree_sha256` for a copy).
 
     Returns (model in eval mode, meta dict).
     """
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / META_FILE).is_file():
         raise FileNotFoundError(f"{ckpt_dir} is not a complete checkpoint (no {META_FILE})")
+    require_verified(ckpt_dir, expected_tree_sha256)
     meta = read_meta(ckpt_dir)
     cfg = GPTConfig(**meta["model"])
     model = GPT(cfg)
