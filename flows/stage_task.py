@@ -82,11 +82,20 @@ def run_facets(cfg: PipelineConfig, stage: Stage, data: dict) -> dict:
     return facets
 
 
-def serve_model(cfg: PipelineConfig, checkpoint_dir: str | Path, tokenizer_path: str | Path, model_name: str) -> dict:
+def serve_model(cfg: PipelineConfig, checkpoint_dir: str | Path, tokenizer_path: str | Path, model_name: str,
+                version: int | None = None, tracking_uri: str | None = None) -> dict:
     """How a deploy stage run by a flow serves a model: the stack's model-server supervisor."""
     from infra.services.model_server.supervisor import serve_model as supervise
 
-    return supervise(cfg, checkpoint_dir, tokenizer_path, model_name)
+    return supervise(cfg, checkpoint_dir, tokenizer_path, model_name, version, tracking_uri)
+
+
+def verify_model(cfg: PipelineConfig, checkpoint_dir: str | Path, tokenizer_path: str | Path, model_name: str,
+                 version: int | None = None, tracking_uri: str | None = None) -> str:
+    """How a deploy stage verifies a challenger: a temporary model server of its own."""
+    from infra.services.model_server.supervisor import verify_model as verify
+
+    return verify(cfg, checkpoint_dir, tokenizer_path, model_name, version, tracking_uri)
 
 
 def model_server_status(cfg: PipelineConfig):
@@ -103,7 +112,7 @@ def stage_context(stage: Stage, cfg: PipelineConfig, run: RunContext, mlflow_run
     return StageContext(layout=run.layout, run_name=run.run_name, tracking_uri=run.tracking_uri,
                         experiment=run.experiment, mlflow_run_id=mlflow_run_id, triggered=run.triggered,
                         progress=lambda unit: stage_progress(stage.name, unit), serve_model=serve_model,
-                        model_server_status=model_server_status(cfg),
+                        verify_model=verify_model, model_server_status=model_server_status(cfg),
                         lineage=lineage, worker_module=TRAIN_WORKER)
 
 

@@ -197,11 +197,12 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
     paths = run_paths(checkpoint, {"tokenizer": tokenizer})
     cfg = _load_cfg(paths["config"])
     evaluation = json.loads(Path(report_path).read_text())
-    from flows.stage_task import model_server_status, serve_model
+    from flows.stage_task import model_server_status, serve_model, verify_model
     from tasks.core.io import write_json_atomic
 
     result = deploy_if_better(cfg, _tracking_uri(cfg), evaluation, Path(paths["tokenizer"]), run_id,
-                              serve_model=serve_model, server_status=model_server_status(cfg))
+                              serve_model=serve_model, verify_model=verify_model,
+                              server_status=model_server_status(cfg))
     write_json_atomic(RunLayout(paths["run_dir"]).triggered_deploy_record(paths["checkpoint"]), result)
     if result.get("version") is not None:
         _emit(DEPLOYED_EVENT, {"prefect.resource.id": f"crucible.model.{result['model_name']}.{result['version']}"},

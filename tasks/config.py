@@ -559,6 +559,10 @@ class DeployConfig(Section):
     # name of the environment variable holding the bearer token clients must send (None: no auth)
     api_key_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     reload_in_place: bool = True  # a new champion is swapped into the running server (POST /v1/admin/reload)
+    # a challenger is verified by a temporary server of its own on this port (0: any free port)
+    verify_port: int = Field(default=0, ge=0, lt=65536)
+    max_body_bytes: int = Field(default=1 << 20, gt=0)  # largest request body the server reads (413 above)
+    max_streams: int = Field(default=64, gt=0)  # concurrent streamed completions (429 above)
 
 
 class StackConfig(Section):

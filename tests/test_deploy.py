@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from infra import stack
 from infra.services.model_server.server import create_app
-from infra.services.model_server.supervisor import serve_model, server_status, start_or_refresh_server
+from infra.services.model_server.supervisor import serve_model, server_status, start_or_refresh_server, verify_model
 from lm_helpers import random_checkpoint, sample_tokenizer
 from tasks.config import DeployConfig, PipelineConfig, StackConfig
 from tasks.core.net import free_port
@@ -143,7 +143,7 @@ def _pipeline_cfg(tmp_path: Path, **deploy) -> PipelineConfig:
 
 def _supervised(cfg: PipelineConfig) -> dict:
     """What the flows hand deploy_if_better: the stack's model-server supervisor."""
-    return {"serve_model": serve_model, "server_status": lambda: server_status(cfg.stack)}
+    return {"serve_model": serve_model, "verify_model": verify_model, "server_status": lambda: server_status(cfg.stack)}
 
 
 @pytest.fixture(scope="module")
@@ -278,15 +278,17 @@ def test_challenger_that_cannot_be_served_is_rejected_and_champion_stays(trained
     ok = deploy_if_better(unserved, uri, {"val_loss": 6.0, "step": 10, "checkpoint": trained[10]},
                           trained["tokenizer"], None, **_supervised(unserved))
     assert ok["version"] == 1 and ok["alias"] == "champion"
-    with socket.socket() as busy:  # another process holds the model server's port: serving must fail
+    with socket.socket() as busy:  # another process holds the verification server's port: it must fail
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
-        cfg = _gated_cfg(tmp_path, name, serve=True, port=busy.getsockname()[1])
+        cfg = _gated_cfg(tmp_path, name, serve=True, port=free_port(), verify_port=busy.getsockname()[1])
         res = deploy_if_better(cfg, uri, {"val_loss": 5.0, "step": 20, "checkpoint": trained[20]},
                                trained["tokenizer"], None, **_supervised(cfg))
     assert not res["passed"] and res["version"] is None and "failed verification" in res["reason"]
     assert "in use" in res["reason"]
     assert client.get_registered_model(name).aliases == {"champion": 1}  # no challenger left behind
+    # the live server was never touched: verification runs in a server of its own
+    assert server_status(cfg.stack) is None and res["endpoint"] is None
     v2 = client.get_model_version(name, "2").tags
     assert v2["deployment.status"] == "rejected" and v2["deployment.reason"] == res["reason"]
 
@@ -394,7 +396,9 @@ def test_models_and_health(client, tiny):
     assert client.get("/v1/models/other").status_code == 404
     h = client.get("/health").json()
     assert h["status"] == "ok" and h["model"] == "crucible-test" and h["step"] == 10
-    assert h["checkpoint"] == str(Path(tiny["ckpt"]).resolve())
+    # anyone who reaches the port reads /health and the model card: no filesystem paths in them
+    for body in (h, client.get("/v1/models").json()):
+        assert "/" + Path(tiny["ckpt"]).parts[1] not in json.dumps(body), body
 
 
 def test_wrong_tokenizer_is_refused(tiny, tmp_path):
@@ -406,14 +410,24 @@ def test_wrong_tokenizer_is_refused(tiny, tmp_path):
 
 # ------------------------------------------------------------------- the server as a service
 
-def test_model_server_process_start_refresh_status_down(tiny, tmp_path, monkeypatch):
+def test_model_server_process_start_refresh_status_down(tiny, tmp_path, monkeypatch, mlflow_store):
+    import os
+    import stat
+
+    from tasks.deploy.registry import register
+    from infra.services.model_server.supervisor import admin_key_file
+
     monkeypatch.delenv(stack.STATE_DIR_ENV, raising=False)
     stack_cfg = StackConfig(state_dir=str(tmp_path / "state"), prefect_port=free_port(),
                             mlflow_port=free_port(), start_timeout=120, stop_timeout=10)
-    deploy_cfg = DeployConfig(model_name="crucible-test", port=free_port(), threads=1)
+    deploy_cfg = DeployConfig(model_name="crucible-proc", port=free_port(), threads=1)
+    uri = mlflow_store["uri"]
+    v1, v2 = (register(uri, "crucible-proc", c, tiny["tokenizer"], {"val_loss": 5.0}, None)["version"]
+              for c in (tiny["ckpt"], tiny["ckpt2"]))
 
     t0 = time.monotonic()
-    first = start_or_refresh_server(stack_cfg, deploy_cfg, tiny["ckpt"], tiny["tokenizer"], "crucible-test")
+    first = start_or_refresh_server(stack_cfg, deploy_cfg, tiny["ckpt"], tiny["tokenizer"], "crucible-test",
+                                    version=v1, tracking_uri=uri)
     print(f"\nmodel server healthy after {time.monotonic() - t0:.1f}s")
     assert first["endpoint"] == f"http://127.0.0.1:{deploy_cfg.port}/v1"
     st = stack.status(stack_cfg)["model_server"]
@@ -425,11 +439,18 @@ def test_model_server_process_start_refresh_status_down(tiny, tmp_path, monkeypa
     assert httpx.post(f"{first['endpoint']}/completions", json={"max_tokens": "x"}, timeout=30).status_code == 400
     assert httpx.get(f"{first['endpoint']}/models", timeout=10).json()["data"][0]["id"] == "crucible-test"
 
-    # refresh with a new checkpoint: swapped into the running process (POST /v1/admin/reload)
-    second = start_or_refresh_server(stack_cfg, deploy_cfg, tiny["ckpt2"], tiny["tokenizer"], "crucible-test")
+    # refresh with a new registered version: resolved in MLflow by the running process and swapped
+    # in (POST /v1/admin/reload with the admin token, a 0600 file in the state directory)
+    key = admin_key_file(stack_cfg)
+    assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
+    assert httpx.post(f"{first['endpoint']}/admin/reload", json={"version": v2}, timeout=30).status_code == 401
+    second = start_or_refresh_server(stack_cfg, deploy_cfg, tiny["ckpt2"], tiny["tokenizer"], "crucible-test",
+                                     version=v2, tracking_uri=uri)
     assert second["reloaded"] and second["pid"] == first["pid"]
-    assert httpx.get(f"{second['endpoint'].removesuffix('/v1')}/health", timeout=10).json()["step"] == 20
+    health = httpx.get(f"{second['endpoint'].removesuffix('/v1')}/health", timeout=10).json()
+    assert health["step"] == 20 and health["version"] == v2
     assert stack.read_spec(stack_cfg, "model_server").info["checkpoint"] == str(Path(tiny["ckpt2"]).resolve())
+    assert key.read_text().strip() not in stack.log_path(stack_cfg, "model_server").read_text()
 
     # without reload_in_place: a new process serves it, the old one is gone
     restart_cfg = deploy_cfg.model_copy(update={"reload_in_place": False})

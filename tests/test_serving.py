@@ -142,18 +142,63 @@ def test_concurrent_requests_are_batched_and_equal_sequential(client):
 # ------------------------------------------------------------------------ auth and bad input
 
 def test_bearer_auth(generator):
-    with TestClient(create_app(generator, "m", api_key="s3cret")) as c:
+    with pytest.raises(ValueError, match="must not be the clients"):
+        create_app(generator, "m", api_key="s3cret", admin_key="s3cret")
+    with TestClient(create_app(generator, "m", api_key="s3cret", admin_key="adm1n")) as c:
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic s3cret"}):
             r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=headers)
             assert r.status_code == 401
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_api_key"
         assert c.get("/v1/models").status_code == 401
-        assert c.post("/v1/admin/reload", json={"checkpoint": "/nope"}).status_code == 401
+        # the admin API takes the admin token only: never the clients' key
+        assert c.post("/v1/admin/reload", json={"version": 2}).status_code == 401
+        assert c.post("/v1/admin/reload", json={"version": 2},
+                      headers={"Authorization": "Bearer s3cret"}).status_code == 401
+        no_registry = c.post("/v1/admin/reload", json={"version": 2}, headers={"Authorization": "Bearer adm1n"})
+        assert no_registry.status_code == 400 and no_registry.json()["error"]["code"] == "no_registry"
         assert c.get("/health").status_code == 200  # liveness stays open
         ok = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
                     headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200
+
+
+def test_admin_api_is_off_without_an_admin_key(generator):
+    with TestClient(create_app(generator, "m")) as c:
+        r = c.post("/v1/admin/reload", json={"version": 2})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
+
+
+def test_request_limits_name_the_limit(generator):
+    """A body over the size limit gets 413 before it is parsed, a stream over the concurrency limit 429."""
+    with TestClient(create_app(generator, "m", max_body_bytes=2000, max_streams=1)) as c:
+        r = c.post("/v1/completions", json={"prompt": "x" * 5000, "max_tokens": 1})
+        assert r.status_code == 413 and "2000 bytes" in r.json()["error"]["message"]
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+        state = c.app.state.crucible
+        assert state.streams.acquire(blocking=False)  # a stream in progress holds the only slot
+        second = c.post("/v1/completions", json={"prompt": "The", "max_tokens": 2, "stream": True})
+        assert second.status_code == 429 and "at most 1 concurrent streams" in second.json()["error"]["message"]
+        assert c.post("/v1/completions", json={"prompt": "The", "max_tokens": 2}).status_code == 200  # not a stream
+        state.streams.release()
+        again = c.post("/v1/completions", json={"prompt": "The", "max_tokens": 2, "stream": True})
+        assert again.status_code == 200
+        assert state.streams.acquire(blocking=False)  # and a finished stream gave its slot back
+        state.streams.release()
+
+
+def test_a_key_variable_that_is_named_but_empty_stops_the_server(tiny):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "EMPTY_KEY": ""}
+    r = subprocess.run([sys.executable, "-m", "infra.services.model_server", "--checkpoint", str(tiny["ckpt"]),
+                        "--tokenizer", str(tiny["tokenizer"]), "--model-name", "m", "--api-key-env", "EMPTY_KEY",
+                        "--port", "1"], env=env, capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode != 0 and "EMPTY_KEY is empty or not set" in r.stderr, r.stderr[-2000:]
 
 
 def test_fuzzed_bodies_get_4xx_and_server_survives(client):
@@ -186,15 +231,26 @@ def test_reload_keeps_in_flight_requests_on_the_old_model(tiny):
     ids = old.encode("The Linux")
     want_old = old.complete(ids, max_tokens=60, temperature=0)[0].text
     want_new = new.complete(ids, max_tokens=8, temperature=0)[0].text
-    with TestClient(create_app(old, "m", max_tokens_limit=128)) as c:
-        bad = c.post("/v1/admin/reload", json={"checkpoint": str(tiny["ckpt"]) + "-missing"})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "checkpoint"
+    registry = {2: tiny["ckpt2"]}  # what the registry resolves (the process test resolves in MLflow)
+
+    def resolve(version, alias):
+        return str(registry[version]), str(tiny["tokenizer"]), None, version
+
+    admin = {"Authorization": "Bearer adm1n"}
+    with TestClient(create_app(old, "m", max_tokens_limit=128, admin_key="adm1n", resolve_version=resolve,
+                               version=1)) as c:
+        # a filesystem path is never accepted; an unknown version is a 400 naming it
+        path = c.post("/v1/admin/reload", json={"checkpoint": str(tiny["ckpt2"])}, headers=admin)
+        assert path.status_code == 400 and path.json()["error"]["param"] == "checkpoint"
+        bad = c.post("/v1/admin/reload", json={"version": 7}, headers=admin)
+        assert bad.status_code == 400 and "version 7" in bad.json()["error"]["message"]
         with c.stream("POST", "/v1/completions", json={"prompt": "The Linux", "max_tokens": 60,
                                                         "temperature": 0, "stream": True}) as r:
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
-            rel = c.post("/v1/admin/reload", json={"checkpoint": str(tiny["ckpt2"])})
-            assert rel.status_code == 200 and rel.json()["step"] == 20
+            rel = c.post("/v1/admin/reload", json={"version": 2}, headers=admin)
+            assert rel.status_code == 200 and rel.json() == {"status": "reloaded", "version": 2, "step": 20,
+                                                             "previous": 1}
             rest = "\n".join(lines)
         chunks = _sse(first + "\n" + rest)
         assert "".join(ch["choices"][0]["text"] for ch in chunks) == want_old

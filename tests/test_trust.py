@@ -96,11 +96,16 @@ def test_the_model_server_reload_refuses_a_poisoned_checkpoint(poisoned):
     from tasks.deploy.generation import TextGenerator
 
     p = poisoned
-    client = TestClient(create_app(TextGenerator.from_files(p["good"], p["tokenizer"]), "m"))
-    for ckpt in (p["tampered"], p["planted"]):
-        r = client.post("/v1/admin/reload", json={"checkpoint": str(ckpt)})
+    # as if a registry entry pointed at the poisoned directories (the server never takes a path)
+    registry = {2: p["tampered"], 3: p["planted"]}
+    client = TestClient(create_app(TextGenerator.from_files(p["good"], p["tokenizer"]), "m", admin_key="adm1n",
+                                   resolve_version=lambda v, a: (str(registry[v]), str(p["tokenizer"]), None, v)))
+    for version in registry:
+        r = client.post("/v1/admin/reload", json={"version": version}, headers={"Authorization": "Bearer adm1n"})
         assert r.status_code == 400 and "does not verify" in r.json()["error"]["message"], r.text
         assert not p["marker"].exists()
+    r = client.post("/v1/admin/reload", json={"checkpoint": str(p["tampered"])}, headers={"Authorization": "Bearer adm1n"})
+    assert r.status_code == 400 and not p["marker"].exists()
     assert client.get("/health").json()["step"] == 10  # still the verified model
 
 

@@ -48,8 +48,7 @@ def find_champion(cfg: PipelineConfig, tracking_uri: str) -> Champion | None:
     gone (checkpoint retention, a cleaned run directory), the registered copy (weights only) is
     downloaded and verified against the hashes recorded at registration. Nothing unverified is
     loaded; a champion that cannot be verified refuses the cycle."""
-    from tasks.deploy.registry import get_champion
-    from tasks.deploy.yardstick import YardstickUnavailable, champion_files
+    from tasks.deploy.registry import UnverifiedModel, get_champion, registered_files
     from tasks.core.hashing import sha256_file, sha256_tree
     from tasks.train.checkpoint import read_meta
 
@@ -59,9 +58,9 @@ def find_champion(cfg: PipelineConfig, tracking_uri: str) -> Champion | None:
     tags, version = found["tags"], found["version"]
     name = f"{cfg.deploy.model_name} version {version}"
     try:
-        ckpt, tok, _ = champion_files(tracking_uri, cfg.deploy.model_name, found,
+        ckpt, tok, _ = registered_files(tracking_uri, cfg.deploy.model_name, found,
                                       Path(cfg.run_root).resolve() / ".champions")
-    except YardstickUnavailable as e:
+    except UnverifiedModel as e:
         raise CycleError(f"the champion ({name}) cannot be verified: {e}; promote another version") from None
     if str(ckpt) != tags.get("checkpoint"):
         log.warning("the champion's checkpoint %s is gone; continuing from its registered copy %s (weights only)",

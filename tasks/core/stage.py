@@ -65,9 +65,11 @@ class StageContext:
     # evaluate/deploy stages then collect its results instead of doing the work twice
     triggered: bool = False
     progress: Callable[[str], Callable | None] = lambda unit: None  # unit -> progress(done, total, note)
-    # (cfg, checkpoint_dir, tokenizer_path, model_name) -> server info: how the deploy stage serves a
-    # model (the stack's model-server supervisor), None: not served here
+    # (cfg, checkpoint_dir, tokenizer_path, model_name, version, tracking_uri) -> server info: how the
+    # deploy stage serves a model, and verifies a challenger in a server of its own (the stack's
+    # model-server supervisor), None: not served here
     serve_model: Callable[..., dict] | None = None
+    verify_model: Callable[..., str] | None = None
     model_server_status: Callable[[], dict | None] | None = None  # the running server's {url, pid, healthy}
     lineage: Any = None  # the stage run's lineage handle (training parents its torchrun run to it)
     worker_module: str | None = None  # training: the torchrun entry module (None: the plain worker)

@@ -10,7 +10,8 @@ then `champion` once verified) and serve it behind an OpenAI-compatible API.
     stage.py         the deploy stage of the pretrain flow
 
 The model server and its supervisor are a service of the stack (infra/services/model_server):
-deploy_if_better is handed `serve_model` / `server_status` callables instead of importing it.
+deploy_if_better is handed `serve_model` / `verify_model` / `server_status` callables instead of
+importing it.
 Event-triggered evaluation/deployment lives in flows/triggers.py.
 
 Importing this package is cheap (no MLflow, no torch); the heavy modules load on first use.
@@ -27,10 +28,13 @@ from tasks.deploy.gate import gate
 
 log = logging.getLogger(__name__)
 
-__all__ = ["gate", "deploy_if_better", "api_headers", "ServeModel", "ServerStatus"]
+__all__ = ["gate", "deploy_if_better", "api_headers", "ServeModel", "VerifyModel", "ServerStatus"]
 
-# (cfg, checkpoint_dir, tokenizer_path, model_name) -> {"endpoint", "pid", ...}: serves a checkpoint
+# (cfg, checkpoint_dir, tokenizer_path, model_name, version, tracking_uri) -> {"endpoint", "pid", ...}:
+# the live model server serves a registered version
 ServeModel = Callable[..., dict]
+# same arguments -> what was checked: a temporary server of its own serves the challenger and answers
+VerifyModel = Callable[..., str]
 # () -> {"url", "pid", "healthy"} of the running model server, None when there is none
 ServerStatus = Callable[[], dict | None]
 
@@ -79,7 +83,7 @@ def yardstick_tags(yardstick: dict) -> dict:
     return tags
 
 
-def _check_served(deploy_cfg, endpoint: str, step) -> str:
+def check_served(deploy_cfg, endpoint: str, step) -> str:
     """The server answers /health with the new checkpoint's step and completes a prompt."""
     import httpx
 
@@ -96,19 +100,20 @@ def _check_served(deploy_cfg, endpoint: str, step) -> str:
 
 def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: Path,
                      train_run_id: str | None = None, serve_model: ServeModel | None = None,
-                     server_status: ServerStatus | None = None) -> dict:
+                     server_status: ServerStatus | None = None, verify_model: VerifyModel | None = None) -> dict:
     """Gate `evaluation` (an evaluate-stage report: checkpoint, val_loss, ...): below
     deploy.max_val_loss and, with a champion, better than it on the fixed yardstick
     (tasks/deploy/yardstick.gate_evaluation). Pass: register it as `challenger` (tagged with the
-    eval results, training run, data lineage and yardstick scores), verify it (deploy.serve and a `serve_model`: swapped into the model server,
-    which must answer; else loaded back from the registry and run), then `promote` it to
-    `champion`. Fail: the verdict is recorded on the training run (record_gate) and the champion
-    stays. A challenger failing verification is rejected (tagged with the reason) and the previous
-    champion is served again.
+    eval results, training run, data lineage and yardstick scores), verify it (deploy.serve:
+    `verify_model` serves it in a temporary server of its own, which must answer; else it is
+    loaded back from the registry and run), `promote` it to `champion`, and only then swap the
+    live server to it (`serve_model`). Fail: the verdict is recorded on the training run
+    (record_gate) and the champion stays, still served. A challenger failing verification is
+    rejected (tagged with the reason).
 
-    serve_model(cfg, checkpoint_dir, tokenizer_path, model_name) -> {"endpoint", "pid", ...}
-    serves a checkpoint (the stack's model-server supervisor; None: nothing is served here, as
-    with deploy.serve=false). server_status() -> {"url", "pid", "healthy"} | None reports the
+    serve_model / verify_model(cfg, checkpoint_dir, tokenizer_path, model_name, version,
+    tracking_uri): the stack's model-server supervisor (None: nothing is served here, as with
+    deploy.serve=false). server_status() -> {"url", "pid", "healthy"} | None reports the
     running server (None: no endpoint is reported when nothing new is served).
 
     Returns {"passed", "reason", "model_name", "val_loss", "checkpoint", "champion_version",
@@ -168,42 +173,34 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
                    {k: v for k, v in evaluation.items() if k != "yardstick"}, train_run_id, extra_tags=tags,
                    content_hash=content_hash)
     result.update({k: reg[k] for k in ("version", "alias", "content_hash", "source")})
-    if dcfg.serve and serve_model is None:
-        raise ValueError("deploy.serve is true but no model server was handed to deploy_if_better (serve_model); "
-                         "pass the stack's supervisor (infra.services.model_server.supervisor.serve_model) "
+    if dcfg.serve and (serve_model is None or verify_model is None):
+        raise ValueError("deploy.serve is true but no model server was handed to deploy_if_better (serve_model, "
+                         "verify_model); pass the stack's supervisor (infra.services.model_server.supervisor) "
                          "or set deploy.serve=false")
-    serving = dcfg.serve
-    try:
-        if serving:
-            served = serve_model(cfg, evaluation["checkpoint"], tokenizer_path, dcfg.model_name)
-            result.update(endpoint=served["endpoint"], pid=served["pid"])
-            verified = _check_served(dcfg, served["endpoint"], evaluation.get("step"))
+    name, version = dcfg.model_name, reg["version"]
+    try:  # the live server keeps serving the champion while the challenger is verified apart from it
+        if dcfg.serve:
+            verified = verify_model(cfg, evaluation["checkpoint"], tokenizer_path, name, version, tracking_uri)
         else:
             from tasks.deploy.registry import verify_registered
 
-            verified = verify_registered(tracking_uri, dcfg.model_name, reg["version"])
+            verified = verify_registered(tracking_uri, name, version)
     except Exception as e:  # noqa: BLE001 - any failure to load or serve keeps the champion
-        why = f"challenger version {reg['version']} failed verification: {type(e).__name__}: {e}"
+        why = f"challenger version {version} failed verification: {type(e).__name__}: {e}"
         log.warning("deploy: %s; the champion stays", why)
-        reject(tracking_uri, dcfg.model_name, reg["version"], why)
-        result.update(passed=False, reason=why, version=None, alias=None, endpoint=None, pid=None)
-        if serving:
-            result.update(_serve_champion_again(cfg, champion, serve_model))
+        reject(tracking_uri, name, version, why)
+        result.update(passed=False, reason=why, version=None, alias=None)
+        current = server_status() if server_status else None
+        if current and current["healthy"]:
+            result.update(endpoint=current["url"], pid=current["pid"])
         return result
-    promote(tracking_uri, dcfg.model_name, reg["version"], verified)
+    promote(tracking_uri, name, version, verified)
     result.update(alias="champion", verified=verified)
+    if dcfg.serve:  # only now does the live server swap to it
+        try:
+            served = serve_model(cfg, evaluation["checkpoint"], tokenizer_path, name, version, tracking_uri)
+            result.update(endpoint=served["endpoint"], pid=served["pid"])
+        except Exception as e:  # noqa: BLE001 - it is the verified champion; the server is what failed
+            log.error("deploy: version %s is champion, but the model server could not serve it: %s", version, e)
+            result["reason"] += f"; promoted, but the model server could not serve it: {type(e).__name__}: {e}"
     return result
-
-
-def _serve_champion_again(cfg, champion: dict | None, serve_model: ServeModel) -> dict:
-    """After a challenger failed to serve: the previous champion back in the server (best effort)."""
-    if not champion:
-        return {}
-    ckpt, tok = champion["tags"].get("checkpoint"), champion["tags"].get("tokenizer")
-    try:
-        if ckpt and tok and Path(ckpt).exists() and Path(tok).exists():
-            served = serve_model(cfg, ckpt, tok, cfg.deploy.model_name)
-            return {"endpoint": served["endpoint"], "pid": served["pid"]}
-    except Exception as e:  # noqa: BLE001
-        log.warning("deploy: could not serve the champion (version %s) again: %s", champion["version"], e)
-    return {}

@@ -49,6 +49,23 @@ def _missing(e: MlflowException) -> bool:
     return e.error_code == "INVALID_PARAMETER_VALUE" and "alias" in e.message and "not found" in e.message
 
 
+class UnverifiedModel(RuntimeError):
+    """A registered version whose files cannot be verified (gone, changed, or a copy that does not match)."""
+
+
+def get_version(tracking_uri: str, model_name: str, version: int | None = None, alias: str | None = None) -> dict:
+    """A registered version by number or alias, in get_champion's shape; raises LookupError if there is none."""
+    client = _client(tracking_uri)
+    try:
+        mv = (client.get_model_version(model_name, str(version)) if version is not None
+              else client.get_model_version_by_alias(model_name, alias))
+    except MlflowException as e:
+        if _missing(e):
+            raise LookupError(f"{model_name} has no version {version if version is not None else repr(alias)}") from None
+        raise
+    return {"version": int(mv.version), "run_id": mv.run_id, "source": mv.source, "tags": dict(mv.tags)}
+
+
 def get_champion(tracking_uri: str, model_name: str) -> dict | None:
     """The version with alias `champion`: {version, val_loss, run_id, source, tags}; None if the
     model or the alias does not exist. val_loss is None if the version has no val_loss tag."""
@@ -219,6 +236,40 @@ def set_version_tags(tracking_uri: str, model_name: str, version: int, tags: dic
     client = _client(tracking_uri)
     for key, value in tags.items():
         client.set_model_version_tag(model_name, str(version), key, str(value)[:5000])
+
+
+def registered_files(tracking_uri: str, model_name: str, version: dict, cache_dir: str | Path
+                   ) -> tuple[Path, Path, str | None]:
+    """(checkpoint, tokenizer, copy hash) of a registered version (a get_champion / get_version
+    dict), verified: its own files if they still hash to the registered content hash (copy hash
+    None: its run's manifest vouches for it), else its registered copy from MLflow, verified against the hashes recorded when it was
+    registered (copy hash: export_sha256, for loading it). Raises UnverifiedModel when neither
+    verifies."""
+    tags = version["tags"]
+    ckpt, tok = Path(tags.get("checkpoint", "")), Path(tags.get("tokenizer", ""))
+    if tags.get("checkpoint") and ckpt.is_dir() and tok.is_file():
+        if content_hash_of(sha256_tree(ckpt), sha256_file(tok)) == tags.get("content_hash"):
+            return ckpt, tok, None
+        log.warning("version %s's files %s / %s no longer match its content hash", version["version"], ckpt, tok)
+    if not (tags.get("export_sha256") and tags.get("tokenizer_sha256")):
+        raise UnverifiedModel(f"version {version['version']}'s files ({ckpt}, {tok}) are gone or changed and "
+                              "it was registered without the hashes that would verify its registered copy")
+    local = Path(cache_dir) / f"{model_name}-v{version['version']}"
+    if not (local / "verified").is_file():
+        import mlflow.artifacts
+
+        local.mkdir(parents=True, exist_ok=True)
+        mlflow.artifacts.download_artifacts(artifact_uri=version["source"], dst_path=str(local),
+                                            tracking_uri=tracking_uri)
+    arts = next(local.rglob("artifacts"), None)
+    ckpt = arts / "checkpoint" if arts else local / "missing"
+    toks = [p for p in arts.iterdir() if p.is_file()] if arts else []
+    if (not ckpt.is_dir() or len(toks) != 1 or sha256_tree(ckpt) != tags["export_sha256"]
+            or sha256_file(toks[0]) != tags["tokenizer_sha256"]):
+        raise UnverifiedModel(f"the registered copy of version {version['version']} ({version['source']}) "
+                              "does not match the hashes recorded at registration")
+    (local / "verified").write_text("checked against export_sha256 and tokenizer_sha256\n")
+    return ckpt, toks[0], tags["export_sha256"]
 
 
 def record_gate(tracking_uri: str, run_id: str | None, step: int | None, decision: dict,

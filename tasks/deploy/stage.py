@@ -33,7 +33,7 @@ class DeployStage(Stage):
                 if ctx.triggered else None)
         if data is None:
             data = deploy_if_better(cfg, ctx.tracking_uri, inputs.evaluation, Path(inputs.tokenizer),
-                                    inputs.train_run_id, serve_model=ctx.serve_model,
+                                    inputs.train_run_id, serve_model=ctx.serve_model, verify_model=ctx.verify_model,
                                     server_status=ctx.model_server_status)
         yardstick = data.get("yardstick")
         reports = []

@@ -31,7 +31,7 @@ import os
 import uuid
 from pathlib import Path
 
-from tasks.core.hashing import sha256_file, sha256_tree
+from tasks.core.hashing import sha256_file
 from tasks.core.io import write_json_atomic
 from tasks.core.layout import RunLayout
 
@@ -39,10 +39,6 @@ log = logging.getLogger(__name__)
 
 PARTS = ("old", "new", "wikitext")
 ACCURACY = ("lambada_acc", "hellaswag_acc")
-
-
-class YardstickUnavailable(RuntimeError):
-    """The champion cannot be scored (its files are gone and its registered copy does not verify)."""
 
 
 def _held_out(index_path: str | Path, tokenizer, limit: int, max_chars: int) -> list[str]:
@@ -155,42 +151,6 @@ def scores_from_tags(tags: dict, built: dict) -> dict | None:
     return got or None
 
 
-def champion_files(tracking_uri: str, model_name: str, champion: dict, cache_dir: str | Path
-                   ) -> tuple[Path, Path, str | None]:
-    """(checkpoint, tokenizer, copy hash) of the registered champion, verified: its own files if
-    they still hash to the registered content hash (copy hash None: its run's manifest vouches for
-    it), else its registered copy from MLflow, verified against the hashes recorded when it was
-    registered (copy hash: export_sha256, for loading it). Raises YardstickUnavailable when neither
-    verifies."""
-    from tasks.deploy.registry import content_hash_of
-
-    tags = champion["tags"]
-    ckpt, tok = Path(tags.get("checkpoint", "")), Path(tags.get("tokenizer", ""))
-    if tags.get("checkpoint") and ckpt.is_dir() and tok.is_file():
-        if content_hash_of(sha256_tree(ckpt), sha256_file(tok)) == tags.get("content_hash"):
-            return ckpt, tok, None
-        log.warning("the champion's files %s / %s no longer match its content hash", ckpt, tok)
-    if not (tags.get("export_sha256") and tags.get("tokenizer_sha256")):
-        raise YardstickUnavailable(f"version {champion['version']}'s files ({ckpt}, {tok}) are gone or changed and "
-                                   "it was registered without the hashes that would verify its registered copy")
-    local = Path(cache_dir) / f"{model_name}-v{champion['version']}"
-    if not (local / "verified").is_file():
-        import mlflow.artifacts
-
-        local.mkdir(parents=True, exist_ok=True)
-        mlflow.artifacts.download_artifacts(artifact_uri=champion["source"], dst_path=str(local),
-                                            tracking_uri=tracking_uri)
-    arts = next(local.rglob("artifacts"), None)
-    ckpt = arts / "checkpoint" if arts else local / "missing"
-    toks = [p for p in arts.iterdir() if p.is_file()] if arts else []
-    if (not ckpt.is_dir() or len(toks) != 1 or sha256_tree(ckpt) != tags["export_sha256"]
-            or sha256_file(toks[0]) != tags["tokenizer_sha256"]):
-        raise YardstickUnavailable(f"the registered copy of version {champion['version']} ({champion['source']}) "
-                                   "does not match the hashes recorded at registration")
-    (local / "verified").write_text("checked against export_sha256 and tokenizer_sha256\n")
-    return ckpt, toks[0], tags["export_sha256"]
-
-
 def trained_on(checkpoint: str | Path) -> Path | None:
     """The token index a checkpoint was trained on (a continued cycle's mix), else its run's."""
     from tasks.train.checkpoint import read_meta
@@ -217,7 +177,7 @@ def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: s
     one set and decide. new_index / pool default to what each model was trained on. Returns
     {"set", "challenger", "champion", "decision"}, also written to <out_dir>/gate-step-N.json."""
     from tasks.continued.mix import replay_pool
-    from tasks.deploy.registry import set_version_tags
+    from tasks.deploy.registry import registered_files, set_version_tags
 
     d, name = cfg.deploy, cfg.deploy.model_name
     ckpt = evaluation["checkpoint"]
@@ -233,7 +193,7 @@ def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: s
     scored = "reused from its registry tags"
     if champion_bpb is None:
         # downloaded registered copies are kept beside the runs
-        c_ckpt, c_tok, copy_hash = champion_files(tracking_uri, name, champion,
+        c_ckpt, c_tok, copy_hash = registered_files(tracking_uri, name, champion,
                                                   Path(cfg.run_root).resolve() / ".champions")
         champion_bpb = score(c_ckpt, c_tok, built["path"], batch, expected_tree_sha256=copy_hash)
         set_version_tags(tracking_uri, name, champion["version"], score_tags(built["sha256"], champion_bpb))
@@ -259,6 +219,7 @@ def gate_evaluation(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: st
     against this champion. A champion that cannot be scored refuses the challenger (the reason
     says why) rather than falling back to comparing val_loss across runs."""
     from tasks.deploy.gate import gate
+    from tasks.deploy.registry import UnverifiedModel
 
     absolute = gate(cfg.deploy, evaluation)
     if not absolute["passed"] or champion is None:
@@ -267,7 +228,7 @@ def gate_evaluation(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: st
     if not (yardstick and yardstick["champion"]["version"] == champion["version"]):
         try:
             yardstick = against_champion(cfg, tracking_uri, evaluation, tokenizer_path, champion)
-        except YardstickUnavailable as e:
+        except UnverifiedModel as e:
             return {"passed": False, "reason": f"the champion (version {champion['version']}) cannot be scored on "
                                                f"the yardstick: {e}"}, None
     return yardstick["decision"], yardstick

@@ -10,14 +10,17 @@ Endpoints:
                            include_usage; with logprobs, a choice's logprobs come in its
                            final chunk, the one with finish_reason); top_k as an extension.
     GET  /v1/models        the one served model;  GET /v1/models/{id}
-    POST /v1/admin/reload  {"checkpoint": DIR, "tokenizer": optional tokenizer.json}: load a new
-                           checkpoint and serve it; requests already admitted finish on the old one.
-    GET  /health           {"status": "ok", model, checkpoint, step, batching stats, ...}
+    POST /v1/admin/reload  {"version": N} or {"alias": "champion"}: serve another registered version
+                           of the model, resolved through the MLflow registry and verified (never a
+                           path); requests already admitted finish on the old one. Needs the admin
+                           token (--admin-key-file), which is never the clients' key.
+    GET  /health           {"status": "ok", model, version, step, batching stats, ...}: no paths
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: malformed or
-unsupported requests get 400, an unknown model 404, a missing/wrong bearer token 401 (when the
-server has an API key: --api-key-env NAME names the environment variable holding it); nothing a
-client sends stops the server.
+unsupported requests get 400, a body over the size limit 413, too many concurrent streams 429, an
+unknown model 404, a missing/wrong bearer token 401 (when the server has an API key: --api-key-env
+NAME names the environment variable holding it; a named variable that is empty or unset stops the
+server from starting); nothing a client sends stops the server.
 
 Generation is continuously batched (scheduler.py): one thread steps all active
 sequences together with a KV cache and admits new requests between steps.
@@ -96,10 +99,16 @@ class CompletionRequest(BaseModel):
 
 
 class ReloadRequest(BaseModel):
+    """A registered version of the served model, by number or alias; never a filesystem path."""
     model_config = ConfigDict(extra="forbid")
 
-    checkpoint: StrictStr
-    tokenizer: StrictStr | None = None
+    version: StrictInt | None = Field(default=None, ge=1)
+    alias: StrictStr | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+
+
+# (version or None, alias or None) -> (checkpoint, tokenizer, tree hash of a copy or None, version):
+# the registered files, verified (infra/services/model_server/__main__.py resolves them in MLflow)
+ResolveVersion = Any
 
 
 def _loc_param(loc: tuple) -> str | None:
@@ -112,16 +121,65 @@ def _loc_param(loc: tuple) -> str | None:
 class ServerState:
     """The generator being served (swapped by /v1/admin/reload) and the batching scheduler."""
 
-    def __init__(self, generator: TextGenerator, max_batch: int):
+    def __init__(self, generator: TextGenerator, max_batch: int, version: int | None, max_streams: int):
         self.generator = generator
+        self.version = version
         self.scheduler = BatchScheduler(max_batch)
         self.reload_lock = threading.Lock()
         self.reloads = 0
+        self.max_streams = max_streams
+        self.streams = threading.BoundedSemaphore(max_streams)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets 413 before anything parses it."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await self._refuse(send)
+
+    async def _refuse(self, send):
+        body = json.dumps(error_body(f"the request body is larger than this server's limit of {self.limit} bytes",
+                                     param=None, code="request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
 
 
 def create_app(generator: TextGenerator, model_name: str, max_tokens_limit: int = 1024, max_n: int = 16,
-               api_key: str | None = None, max_batch: int = 32) -> FastAPI:
-    state = ServerState(generator, max_batch)
+               api_key: str | None = None, max_batch: int = 32, admin_key: str | None = None,
+               resolve_version: ResolveVersion | None = None, version: int | None = None,
+               max_body_bytes: int = 1 << 20, max_streams: int = 64) -> FastAPI:
+    """The app serving `generator` as `model_name` (registered `version`, when known). api_key: the
+    clients' bearer token (None: open); admin_key: the admin API's, which must differ (None: the
+    admin API answers 403); resolve_version: how /v1/admin/reload finds a registered version."""
+    if admin_key and api_key and hmac.compare_digest(admin_key.encode(), api_key.encode()):
+        raise ValueError("the admin key must not be the clients' API key")
+    state = ServerState(generator, max_batch, version, max_streams)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -133,15 +191,20 @@ def create_app(generator: TextGenerator, model_name: str, max_tokens_limit: int 
     _add_error_handlers(app)
     auth = [Depends(_key_check(api_key))]
     app.include_router(_models_router(state, model_name, auth, api_key))
-    app.include_router(_admin_router(state, auth))
+    app.include_router(_admin_router(state, [Depends(_key_check(admin_key, admin=True))], resolve_version))
     app.include_router(_completions_router(state, model_name, auth, max_tokens_limit, max_n))
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
     return app
 
 
-def _key_check(api_key: str | None):
-    """A dependency refusing requests without the server's bearer token (none: all pass)."""
+def _key_check(api_key: str | None, admin: bool = False):
+    """A dependency refusing requests without the server's bearer token (none: all pass; for the
+    admin API, none: it is disabled)."""
     def require_key(request: Request) -> None:
         if not api_key:
+            if admin:
+                raise APIError(403, "the admin API is disabled: the server was started without an admin key",
+                               None, "admin_disabled")
             return
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
@@ -193,12 +256,12 @@ def _models_router(state: ServerState, model_name: str, auth: list, api_key: str
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "crucible",
-                "root": state.generator.checkpoint, "max_model_len": state.generator.seq_len}
+                "root": model_name, "version": state.version, "max_model_len": state.generator.seq_len}
 
     @router.get("/health")
-    def health() -> dict:
+    def health() -> dict:  # no paths: anyone who can reach the port can read it
         g = state.generator
-        return {"status": "ok", "model": model_name, "checkpoint": g.checkpoint,
+        return {"status": "ok", "model": model_name, "version": state.version,
                 "step": g.meta.get("step"), "seq_len": g.seq_len, "vocab_size": g.vocab_size,
                 "uptime_s": round(time.time() - started, 1), "reloads": state.reloads,
                 "batching": state.scheduler.stats(), "auth": bool(api_key)}
@@ -216,27 +279,34 @@ def _models_router(state: ServerState, model_name: str, auth: list, api_key: str
     return router
 
 
-def _admin_router(state: ServerState, auth: list) -> APIRouter:
-    """POST /v1/admin/reload: swap in a new checkpoint without dropping requests."""
+def _admin_router(state: ServerState, auth: list, resolve_version: ResolveVersion | None) -> APIRouter:
+    """POST /v1/admin/reload: swap in another registered version without dropping requests."""
     router = APIRouter()
 
     @router.post("/v1/admin/reload", dependencies=auth)
     def reload(req: ReloadRequest) -> dict:
-        """Load a checkpoint and make it the served model. Sequences already admitted keep the
-        generator they were encoded with and finish on it."""
+        """Resolve the version in the registry, verify its files, load it and make it the served
+        model. Sequences already admitted keep the generator they were encoded with and finish on it."""
+        if (req.version is None) == (req.alias is None):
+            raise APIError(400, "send exactly one of 'version' (a number) and 'alias' (e.g. \"champion\")",
+                           "version", "invalid_value")
+        if resolve_version is None:
+            raise APIError(400, "this server has no model registry to resolve versions in (--tracking-uri)",
+                           None, "no_registry")
+        what = f"version {req.version}" if req.version is not None else f"alias {req.alias!r}"
         with state.reload_lock:
-            old = state.generator
-            tokenizer = req.tokenizer or old.tokenizer_path
+            old_version = state.version
             try:
-                new = TextGenerator.from_files(req.checkpoint, tokenizer)
-            except (OSError, ValueError, KeyError, RuntimeError) as e:
-                raise APIError(400, f"cannot load {req.checkpoint}: {type(e).__name__}: {e}", "checkpoint",
+                checkpoint, tokenizer, copy_hash, version = resolve_version(req.version, req.alias)
+                new = TextGenerator.from_files(checkpoint, tokenizer, expected_tree_sha256=copy_hash)
+            except (OSError, ValueError, KeyError, RuntimeError, LookupError) as e:
+                raise APIError(400, f"cannot serve {what}: {type(e).__name__}: {e}", "version",
                                "invalid_value") from None
-            state.generator = new
+            state.generator, state.version = new, version
             state.reloads += 1
-        log.info("reloaded: now serving %s (step %s), was %s", new.checkpoint, new.meta.get("step"), old.checkpoint)
-        return {"status": "reloaded", "checkpoint": new.checkpoint, "step": new.meta.get("step"),
-                "previous": old.checkpoint}
+        log.info("reloaded: now serving version %s (step %s), was version %s", version, new.meta.get("step"),
+                 old_version)
+        return {"status": "reloaded", "version": version, "step": new.meta.get("step"), "previous": old_version}
 
     return router
 
@@ -251,10 +321,25 @@ def _completions_router(state: ServerState, model_name: str, auth: list, max_tok
         gen = state.generator  # one generator for the whole request, even if a reload happens meanwhile
         settings = _sampling_settings(req, gen, model_name, max_tokens_limit, max_n)
         job = CompletionJob(model_name, settings)
-        job.submit(gen, state.scheduler)
         if not req.stream:
+            job.submit(gen, state.scheduler)
             return job.response()
-        return StreamingResponse(job.stream(), media_type="text/event-stream",
+        if not state.streams.acquire(blocking=False):
+            raise APIError(429, f"this server allows at most {state.max_streams} concurrent streams; retry later",
+                           "stream", "too_many_streams")
+        try:
+            job.submit(gen, state.scheduler)
+        except BaseException:
+            state.streams.release()
+            raise
+
+        def stream() -> Iterator[str]:
+            try:
+                yield from job.stream()
+            finally:
+                state.streams.release()
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     return router

@@ -5,63 +5,121 @@ deploy.host:deploy.port with its pid file, spec and log under the stack's state 
 own session so it outlives `crucible run`. The spec is kept after `crucible down`, so `crucible up` serves the last
 deployed model again.
 
-A refresh of a running server (deploy.reload_in_place, the default) posts the new checkpoint to its
-/v1/admin/reload: requests in flight finish on the old model, nothing is dropped, and the recorded
-spec is updated to the new checkpoint. Only when the server is not running, runs with different
-settings, or the reload fails, is it (re)started (a few seconds without an answer on the port).
+A refresh of a running server (deploy.reload_in_place, the default) posts the new registered
+version to its /v1/admin/reload with the admin token (a secret generated into the state directory,
+file mode 0600, never the clients' key): the server resolves and verifies the version in MLflow;
+requests in flight finish on the old model, nothing is dropped, and the recorded spec is updated.
+Only when the server is not running, runs with different settings, the version is unknown or the
+reload fails, is it (re)started (a few seconds without an answer on the port).
 
-`serve_model` is what flows hand to the deploy stage (tasks.deploy.deploy_if_better's serve_model).
+`verify_model` serves a challenger in a separate, temporary server process (deploy.verify_port,
+default any free port) and checks that it answers; the live server swaps only after promotion.
+`serve_model` and `verify_model` are what flows hand to the deploy stage (tasks.deploy.deploy_if_better).
 """
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from infra import stack
-from tasks.deploy import api_headers
+from tasks.deploy import check_served
 
 SERVER_MODULE = "infra.services.model_server"
+VERIFY_SERVER = "model-server-verify"
+ADMIN_KEY_FILE = "model-server.admin-key"
 log = logging.getLogger(__name__)
+
+
+def admin_key_file(stack_cfg) -> Path:
+    """The admin token of the stack's model servers, generated on first use (mode 0600)."""
+    path = stack.state_dir(stack_cfg) / ADMIN_KEY_FILE
+    if not path.is_file() or not path.read_text().strip():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
+def admin_headers(stack_cfg) -> dict:
+    return {"Authorization": f"Bearer {admin_key_file(stack_cfg).read_text().strip()}"}
 
 
 def endpoint_url(deploy_cfg) -> str:
     return f"http://{stack.connect_host(deploy_cfg.host)}:{deploy_cfg.port}/v1"
 
 
-def server_spec(deploy_cfg, ckpt_dir: str | Path, tokenizer_path: str | Path, model_name: str) -> stack.ServiceSpec:
+def server_spec(deploy_cfg, ckpt_dir: str | Path, tokenizer_path: str | Path, model_name: str,
+                stack_cfg=None, version: int | None = None, tracking_uri: str | None = None) -> stack.ServiceSpec:
+    """The live model server's spec; with `stack_cfg`, its admin API takes the stack's admin token
+    and, with `tracking_uri`, resolves reloads in that registry."""
     ckpt_dir, tokenizer_path = str(Path(ckpt_dir).resolve()), str(Path(tokenizer_path).resolve())
+    admin = (["--admin-key-file", str(admin_key_file(stack_cfg)),
+              "--cache-dir", str(stack.state_dir(stack_cfg) / "registered-copies")] if stack_cfg is not None else [])
     return stack.ServiceSpec(
         name=stack.MODEL_SERVER,
         cmd=[sys.executable, "-m", SERVER_MODULE, "--checkpoint", ckpt_dir, "--tokenizer", tokenizer_path,
              "--model-name", model_name, "--host", deploy_cfg.host, "--port", str(deploy_cfg.port),
              "--threads", str(deploy_cfg.threads), "--max-tokens-limit", str(deploy_cfg.max_tokens_limit),
-             "--max-n", str(deploy_cfg.max_n), "--max-batch", str(deploy_cfg.max_batch)]
+             "--max-n", str(deploy_cfg.max_n), "--max-batch", str(deploy_cfg.max_batch),
+             "--max-body-bytes", str(deploy_cfg.max_body_bytes), "--max-streams", str(deploy_cfg.max_streams)]
+            + (["--version", str(version)] if version is not None else [])
+            + (["--tracking-uri", tracking_uri] if tracking_uri else []) + admin
             + (["--api-key-env", deploy_cfg.api_key_env] if deploy_cfg.api_key_env else []),
         host=deploy_cfg.host, port=deploy_cfg.port, health_path="/health", url=endpoint_url(deploy_cfg),
         marker=[SERVER_MODULE],
         # importable even if the repo is not pip-installed; the server runs from the state dir
         env={"PYTHONPATH": stack.repo_pythonpath(), "PYTHONUNBUFFERED": "1"},
-        info={"model_name": model_name, "checkpoint": ckpt_dir, "tokenizer": tokenizer_path,
+        info={"model_name": model_name, "version": version, "checkpoint": ckpt_dir, "tokenizer": tokenizer_path,
               "requires": [ckpt_dir, tokenizer_path]},
     )
 
 
-def serve_model(cfg, checkpoint_dir: str | Path, tokenizer_path: str | Path, model_name: str) -> dict:
-    """Serve `checkpoint_dir` as the stack's model server, per the config's `stack` and `deploy`
-    sections: start_or_refresh_server's {"endpoint", "pid", "log", "seconds", "reloaded"}."""
-    return start_or_refresh_server(cfg.stack, cfg.deploy, checkpoint_dir, tokenizer_path, model_name)
+def serve_model(cfg, checkpoint_dir: str | Path, tokenizer_path: str | Path, model_name: str,
+                version: int | None = None, tracking_uri: str | None = None) -> dict:
+    """Serve `checkpoint_dir` (registered `version` of `model_name`) as the stack's model server, per
+    the config's `stack` and `deploy` sections: start_or_refresh_server's {"endpoint", "pid", ...}."""
+    return start_or_refresh_server(cfg.stack, cfg.deploy, checkpoint_dir, tokenizer_path, model_name,
+                                   version=version, tracking_uri=tracking_uri)
+
+
+def verify_model(cfg, checkpoint_dir: str | Path, tokenizer_path: str | Path, model_name: str,
+                 version: int | None = None, tracking_uri: str | None = None) -> str:
+    """Serve a challenger in a temporary server process of its own (deploy.verify_port; 0: any
+    free port), check that it reports its step and completes a prompt, and stop it. The live server
+    is not touched. Returns what was checked; raises when it does not answer."""
+    from tasks.core.net import free_port
+    from tasks.train.checkpoint import read_meta
+
+    dcfg = cfg.deploy
+    port = dcfg.verify_port or free_port()
+    live = server_spec(dcfg.model_copy(update={"port": port}), checkpoint_dir, tokenizer_path, model_name,
+                       version=version)
+    spec = replace(live, name=VERIFY_SERVER, url=f"http://{stack.connect_host(dcfg.host)}:{port}/v1")
+    try:
+        with stack.stack_lock(cfg.stack):
+            stack.start_services(cfg.stack, [spec], restart=True)
+        checked = check_served(dcfg, spec.url, read_meta(checkpoint_dir).get("step"))
+    finally:
+        with stack.stack_lock(cfg.stack):
+            stack.stop_service(cfg.stack, VERIFY_SERVER, forget=True)
+    return f"{checked.replace('served at', 'served by a verification server at')}; then stopped"
 
 
 def start_or_refresh_server(stack_cfg, deploy_cfg, ckpt_dir: str | Path, tokenizer_path: str | Path,
-                            model_name: str, timeout: float | None = None) -> dict:
+                            model_name: str, timeout: float | None = None, version: int | None = None,
+                            tracking_uri: str | None = None) -> dict:
     """(Re)start the model server for this checkpoint and wait until GET /health answers.
 
     Returns {"endpoint": "http://127.0.0.1:8600/v1", "pid": int, "log": path, "seconds": float}.
     Raises infra.stack.StackError (with the server's log tail) if it does not become healthy.
     """
-    spec = server_spec(deploy_cfg, ckpt_dir, tokenizer_path, model_name)
+    spec = server_spec(deploy_cfg, ckpt_dir, tokenizer_path, model_name, stack_cfg, version, tracking_uri)
     for p in spec.info["requires"]:
         if not Path(p).exists():
             raise FileNotFoundError(f"cannot serve {model_name}: {p} does not exist")
@@ -82,7 +140,7 @@ def _settings(cmd: list[str]) -> list[str]:
         if skip:
             skip = False
             continue
-        if a in ("--checkpoint", "--tokenizer"):
+        if a in ("--checkpoint", "--tokenizer", "--version"):
             skip = True
             continue
         out.append(a)
@@ -90,18 +148,17 @@ def _settings(cmd: list[str]) -> list[str]:
 
 
 def _reload_in_place(stack_cfg, deploy_cfg, spec: stack.ServiceSpec) -> dict | None:
-    """POST the new checkpoint to the running server; None if it cannot be reloaded in place."""
+    """POST the new registered version to the running server; None if it cannot be reloaded in place."""
     import httpx
 
     pid = stack.running_pid(stack_cfg, stack.MODEL_SERVER)
     old = stack.read_spec(stack_cfg, stack.MODEL_SERVER)
-    if pid is None or old is None or _settings(old.cmd) != _settings(spec.cmd):
+    if pid is None or old is None or _settings(old.cmd) != _settings(spec.cmd) or spec.info.get("version") is None:
         return None
-    headers = api_headers(deploy_cfg)
     t0 = time.perf_counter()
     try:
-        r = httpx.post(f"{spec.url}/admin/reload", headers=headers, timeout=300, trust_env=False,
-                       json={"checkpoint": spec.info["checkpoint"], "tokenizer": spec.info["tokenizer"]})
+        r = httpx.post(f"{spec.url}/admin/reload", headers=admin_headers(stack_cfg), timeout=300, trust_env=False,
+                       json={"version": spec.info["version"]})
     except httpx.HTTPError as e:
         log.warning("reload in place failed (%s); restarting the model server", e)
         return None
