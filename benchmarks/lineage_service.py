@@ -100,13 +100,14 @@ def _run(args: argparse.Namespace, work: Path) -> int:
     assert direct["ingested"] == n and again["duplicates"] == n
 
     try:
-        proc, base = start_service(work / "http.db", free_port(), timeout=60)
+        (work / "token").write_text("bench-token\n")
+        proc, base = start_service(work / "http.db", free_port(), timeout=60, token_file=work / "token")
     except RuntimeError as e:
         print(e, file=sys.stderr)
         return 1
     try:
         t0 = time.perf_counter()
-        http = replay(log, base, batch_size=args.batch_size)
+        http = replay(log, base, batch_size=args.batch_size, token="bench-token")  # validated, as every write
         http_s = time.perf_counter() - t0
         assert http["ingested"] == n, http
         queries, stats = _query_service(base, pipelines[-1], args.repeat)

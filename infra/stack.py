@@ -30,6 +30,7 @@ import errno
 import fcntl
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -43,7 +44,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tasks.core.constants import (CHECKPOINT_EVENT, CONTINUE_DEPLOYMENT, DEPLOY_DEPLOYMENT, EVAL_DEPLOYMENT, EVAL_EVENT,
-                                  LINEAGE_URL_ENV, REPO_ROOT)
+                                  LINEAGE_TOKEN_FILE_ENV, LINEAGE_URL_ENV, REPO_ROOT)
 from tasks.core.io import atomic_write_text
 
 STATE_DIR_ENV = "CRUCIBLE_STATE_DIR"
@@ -149,10 +150,32 @@ def lineage_db(stack_cfg, lineage_cfg=None) -> Path:
     return db if db.is_absolute() else state_dir(stack_cfg) / db
 
 
+LINEAGE_WRITE_TOKEN = "lineage-write.token"
+LINEAGE_READ_TOKEN = "lineage-read.token"
+
+
+def secret_file(stack_cfg, name: str) -> Path:
+    """A secret of the stack in its state directory (mode 0600), generated on first use. Its path,
+    never its value, goes into environments and service specs."""
+    path = state_dir(stack_cfg) / "secrets" / name
+    if not path.is_file() or not path.read_text().strip():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
+def secret(stack_cfg, name: str) -> str:
+    return secret_file(stack_cfg, name).read_text().strip()
+
+
 def client_env(stack_cfg, lineage_cfg=None) -> dict[str, str]:
-    """Environment a client process (e.g. `crucible run`) needs to talk to this stack."""
+    """Environment a client process (e.g. `crucible run`) needs to talk to this stack (secrets by
+    file path only)."""
     return {
         LINEAGE_URL_ENV: lineage_url(lineage_cfg),
+        LINEAGE_TOKEN_FILE_ENV: str(secret_file(stack_cfg, LINEAGE_WRITE_TOKEN)),
         "PREFECT_API_URL": prefect_api_url(stack_cfg),
         "PREFECT_UI_URL": prefect_ui_url(stack_cfg),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -234,7 +257,9 @@ def lineage_spec(stack_cfg, lineage_cfg=None) -> ServiceSpec:
         name=LINEAGE,
         cmd=[sys.executable, "-m", "infra.services.lineage", "--db", str(db),
              "--host", lineage_cfg.service_host, "--port", str(lineage_cfg.service_port),
-             "--prefect-ui", prefect_ui_url(stack_cfg), "--mlflow-ui", mlflow_tracking_uri(stack_cfg)],
+             "--prefect-ui", prefect_ui_url(stack_cfg), "--mlflow-ui", mlflow_tracking_uri(stack_cfg),
+             "--write-token-file", str(secret_file(stack_cfg, LINEAGE_WRITE_TOKEN))]
+            + ([] if lineage_cfg.public_reads else ["--read-token-file", str(secret_file(stack_cfg, LINEAGE_READ_TOKEN))]),
         host=lineage_cfg.service_host, port=lineage_cfg.service_port, health_path="/healthz",
         url=lineage_url(lineage_cfg), marker=["infra.services.lineage", "--db"],
         # the service is this repository's code: importable from the state directory too

@@ -598,6 +598,9 @@ class LineageConfig(Section):
     http_url: str | None = Field(default=None, pattern=r"^https?://")
     http_timeout: float = Field(default=5.0, gt=0)  # seconds per HTTP request
     owner: str | None = "team:crucible"  # `ownership` facet of jobs and produced datasets; null: none
+    # reads of the lineage service: public (the auditors' page works) or only with the read token
+    # (a 0600 file in the state directory; API clients only). Writes always need the write token.
+    public_reads: bool = True
 
 
 # Dense BF16 peaks from the vendors' datasheets; prices are rough on-demand USD per GPU-hour.

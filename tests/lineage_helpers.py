@@ -14,10 +14,11 @@ from tasks.core.constants import REPO_ROOT
 
 
 def start_service(db: str | Path, port: int, load: str | Path | None = None,
-                  timeout: float = 30.0) -> tuple[subprocess.Popen, str]:
-    """(process, base URL); raises RuntimeError with the service's output if it does not come up."""
+                  timeout: float = 30.0, token_file: str | Path | None = None) -> tuple[subprocess.Popen, str]:
+    """(process, base URL); raises RuntimeError with the service's output if it does not come up.
+    token_file: the write token's file (None: the service refuses writes)."""
     cmd = [sys.executable, "-m", "infra.services.lineage", "--db", str(db), "--host", "127.0.0.1",
-           "--port", str(port)]
+           "--port", str(port)] + (["--write-token-file", str(token_file)] if token_file else [])
     if load:
         cmd += ["--load", str(load)]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -178,7 +178,7 @@ def test_validator_checks_custom_facets_against_their_schemas(tmp_path):
 
 # ------------------------------------------------------------------------------- HTTP transport
 
-def test_down_service_never_fails_the_run_and_replay_fills_it(tmp_path):
+def test_down_service_never_fails_the_run_and_replay_fills_it(tmp_path, monkeypatch):
     import subprocess
     import sys
     import time
@@ -186,8 +186,12 @@ def test_down_service_never_fails_the_run_and_replay_fills_it(tmp_path):
     import httpx
 
     from infra.services.lineage.sample import emit_pipeline
+    from tasks.core.constants import LINEAGE_TOKEN_FILE_ENV
     from tasks.lineage.transport import endpoint_url, http_stats, reset_http_stats
 
+    # the service's write token, handed to the emitter and `crucible lineage replay` as the stack does
+    (tmp_path / "token").write_text("w-t0ken\n")
+    monkeypatch.setenv(LINEAGE_TOKEN_FILE_ENV, str(tmp_path / "token"))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     reset_http_stats()
@@ -202,7 +206,7 @@ def test_down_service_never_fails_the_run_and_replay_fills_it(tmp_path):
     assert stats.sent == 0 and stats.failed >= 1 and stats.missed == len(events), stats
     assert "ConnectionError" in stats.last_error
 
-    proc, _ = start_service(tmp_path / "lineage.db", port)
+    proc, _ = start_service(tmp_path / "lineage.db", port, token_file=tmp_path / "token")
     try:
         # the service is back when the run ends: the pretrain flow's epilogue replays the log to it
         from flows.run_context import RunContext, finish_lineage
@@ -351,7 +355,7 @@ def test_lineage_graph_connects_token_shards_through_torchrun_to_checkpoints(lm_
     from infra.services.lineage import create_app
     from tasks.lineage.replay import replay
 
-    with TestClient(create_app(tmp_path / "lineage.db")) as client:
+    with TestClient(create_app(tmp_path / "lineage.db", write_token="t"), headers={"Authorization": "Bearer t"}) as client:
         assert replay(lm_lineage["log"], "http://testserver", client=client)["ingested"] == len(lm_lineage["events"])
         train_bin = f"dataset:file:{(lm_lineage['index'].parent / 'train.bin').resolve()}"
         resp = client.get("/api/v1/lineage", params={"nodeId": train_bin, "direction": "downstream", "depth": 1})

@@ -16,13 +16,16 @@ from infra.services.lineage.store import LineageStore, Node, split_node_id
 from lineage_helpers import start_service
 from tasks.core.net import free_port
 from tasks.lineage import JobRef, LineageEmitter, dataset_for_path
-from tasks.lineage.replay import replay
+from tasks.lineage.replay import ReplayError, replay
 from tasks.lineage.validate import read_events
 from tasks.registry import PRETRAIN_FLOWS
 
 LICENCES = {s["name"]: s["licence"] for s in DEFAULT_SOURCES}
 RAW_FILES = sum(len(s["files"]) for s in DEFAULT_SOURCES)
 
+
+TOKEN = "write-t0ken"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def sample(tmp_path_factory):
@@ -34,8 +37,9 @@ def sample(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(sample, tmp_path_factory):
     _, log, _ = sample
-    app = create_app(tmp_path_factory.mktemp("db") / "lineage.db", prefect_ui_url="http://127.0.0.1:4200")
-    with TestClient(app) as c:
+    app = create_app(tmp_path_factory.mktemp("db") / "lineage.db", prefect_ui_url="http://127.0.0.1:4200",
+                     write_token=TOKEN)
+    with TestClient(app, headers=AUTH) as c:
         result = replay(log, "http://testserver", client=c, batch_size=17)
         assert result["ingested"] == result["events"] == len(read_events(log))
         yield c
@@ -188,7 +192,7 @@ def test_trace_cut_by_depth_lists_no_false_sources(client, sample):
 
 
 def test_trace_flags_sources_without_licence(tmp_path):
-    app = create_app(tmp_path / "l.db")
+    app = create_app(tmp_path / "l.db", write_token=TOKEN)
     em = LineageEmitter(tmp_path / "l.jsonl", "crucible", PRODUCER)
     known, unknown, out = tmp_path / "known.txt", tmp_path / "scraped.txt", tmp_path / "mixed.parquet"
     for p in (known, unknown, out):
@@ -197,7 +201,7 @@ def test_trace_flags_sources_without_licence(tmp_path):
             dataset_for_path(known, source={"name": "k", "licence": "CC0-1.0", "provenance": "made here"}),
             dataset_for_path(unknown)]) as run:
         run.outputs.append(dataset_for_path(out, output=True))
-    with TestClient(app) as c:
+    with TestClient(app, headers=AUTH) as c:
         replay(tmp_path / "l.jsonl", "http://testserver", client=c)
         trace = c.get("/api/v1/crucible/trace", params={"nodeId": f"dataset:file:{out.resolve()}"}).json()
         assert trace["licences"] == {"CC0-1.0": ["k"]}
@@ -242,7 +246,7 @@ def test_provenance_report_json_and_markdown(client, sample):
 def test_report_without_optional_facets(tmp_path):
     """Only what today's emitter writes (no stats/config/eval facets): the report still works."""
     log, (p,) = write_sample_log(tmp_path, pipelines=1, stats=False)
-    with TestClient(create_app(tmp_path / "l.db")) as c:
+    with TestClient(create_app(tmp_path / "l.db", write_token=TOKEN), headers=AUTH) as c:
         replay(log, "http://testserver", client=c)
         rep = c.get("/api/v1/crucible/report", params={"nodeId": p.model_version_node}).json()
         assert len(rep["sources"]) == RAW_FILES
@@ -270,7 +274,7 @@ def test_ingest_is_idempotent(client, sample, tmp_path):
 
 
 def test_bad_events_are_refused_whole(tmp_path):
-    with TestClient(create_app(tmp_path / "l.db")) as c:
+    with TestClient(create_app(tmp_path / "l.db", write_token=TOKEN), headers=AUTH) as c:
         good = {"eventType": "START", "eventTime": "2026-01-01T00:00:00Z", "producer": PRODUCER,
                 "schemaURL": "https://openlineage.io/spec/2-0-2/OpenLineage.json#/$defs/RunEvent",
                 "run": {"runId": str(uuid.uuid4())}, "job": {"namespace": "crucible", "name": "j"}}
@@ -279,8 +283,11 @@ def test_bad_events_are_refused_whole(tmp_path):
         resp = c.post("/api/v1/lineage", json=[good, bad])
         assert resp.status_code == 400 and "event 1" in resp.json()["detail"]
         assert c.get("/api/v1/crucible/stats").json()["events"] == 0  # nothing of that batch stored
-        assert c.post("/api/v1/lineage", params={"validate": "true"}, json={**good, "eventType": "DONE"}).status_code == 422
-        assert c.post("/api/v1/lineage", params={"validate": "true"}, json=good).status_code == 201
+        # every event is checked against the spec by default: 400 naming the failing field, nothing stored
+        bad_type = c.post("/api/v1/lineage", json={**good, "eventType": "DONE"})
+        assert bad_type.status_code == 400 and "eventType" in bad_type.json()["detail"], bad_type.text
+        assert c.get("/api/v1/crucible/stats").json()["events"] == 0
+        assert c.post("/api/v1/lineage", json=good).status_code == 201
 
 
 def test_out_of_order_events_keep_the_final_state(tmp_path):
@@ -301,9 +308,12 @@ def test_out_of_order_events_keep_the_final_state(tmp_path):
 def test_server_entry_and_replay_over_http(sample, tmp_path):
     _, log, (_, second) = sample
     port = free_port()
-    proc, base = start_service(tmp_path / "l.db", port)
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    proc, base = start_service(tmp_path / "l.db", port, token_file=tmp_path / "token")
     try:
-        result = replay(log, base, batch_size=25)
+        with pytest.raises(ReplayError, match="401"):  # no token
+            replay(log, base, batch_size=25)
+        result = replay(log, base, batch_size=25, token=TOKEN)
         n = len(read_events(log))
         assert result["mode"] == "batch" and result["requests"] == -(-n // 25) and result["ingested"] == n
         resp = httpx.get(f"{base}/api/v1/lineage", params={"nodeId": second.model_version_node, "depth": 20})
@@ -328,3 +338,27 @@ def test_replay_falls_back_to_one_event_per_request_for_marquez(sample):
         result = replay(log, "http://testserver/api/v1/lineage", client=c, batch_size=50)
     assert result["mode"] == "single" and len(got) == result["events"] == len(read_events(log))
     assert [e["run"]["runId"] for e in got] == [e["run"]["runId"] for e in read_events(log)]
+
+
+def test_writes_need_the_write_token_and_reads_can_too(tmp_path):
+    """An unauthenticated or invalid write changes nothing in the store; a service without a write
+    token refuses writes; with a read token, API reads need it (or the write token), the page does not."""
+    good = {"eventType": "START", "eventTime": "2026-01-01T00:00:00Z", "producer": PRODUCER,
+            "schemaURL": "https://openlineage.io/spec/2-0-2/OpenLineage.json#/$defs/RunEvent",
+            "run": {"runId": str(uuid.uuid4())}, "job": {"namespace": "crucible", "name": "j"}}
+    with TestClient(create_app(tmp_path / "l.db", write_token=TOKEN)) as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
+            assert c.post("/api/v1/lineage", json=good, headers=headers).status_code == 401
+        assert c.get("/api/v1/crucible/stats").json()["events"] == 0  # reads are public by default
+        assert c.post("/api/v1/lineage", json=good, headers=AUTH).status_code == 201
+        assert c.get("/api/v1/crucible/stats").json()["events"] == 1
+    with TestClient(create_app(tmp_path / "open.db")) as c:
+        r = c.post("/api/v1/lineage", json=good)
+        assert r.status_code == 403 and "no token" in r.json()["detail"]
+    with TestClient(create_app(tmp_path / "private.db", write_token=TOKEN, read_token="read-t0ken")) as c:
+        assert c.get("/api/v1/crucible/stats").status_code == 401
+        assert c.get("/api/v1/namespaces").status_code == 401
+        assert c.get("/api/v1/crucible/stats", headers={"Authorization": "Bearer read-t0ken"}).status_code == 200
+        assert c.get("/api/v1/crucible/stats", headers=AUTH).status_code == 200
+        assert c.post("/api/v1/lineage", json=good, headers={"Authorization": "Bearer read-t0ken"}).status_code == 401
+        assert c.get("/healthz").status_code == 200 and c.get("/").status_code == 200

@@ -194,10 +194,13 @@ def cmd_lineage(args) -> int:
     import httpx
 
     batch = args.batch_size or lineage_cfg.replay_batch_size
+    # the stack's own service takes the stack's write token; another endpoint whatever the environment holds
+    stack_cfg = _stack_configs(args)[0]
+    token = stack.secret(stack_cfg, stack.LINEAGE_WRITE_TOKEN) if not args.url else None
     code = 0
     for path in args.logs:
         try:
-            result = replay(path, url, batch_size=batch, single=args.single)
+            result = replay(path, url, batch_size=batch, single=args.single, token=token)
         except (ReplayError, ValueError, OSError, httpx.HTTPError) as e:
             hint = "" if args.url else " (is the stack up? `crucible up`)"
             print(f"crucible: replay of {path} to {url} failed: {e}{hint}", file=sys.stderr)

@@ -10,6 +10,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # set by `crucible run` for the flow process: the stack's lineage service, where events also go
 LINEAGE_URL_ENV = "CRUCIBLE_LINEAGE_URL"
+# the lineage service's write token: the token itself, or (what the stack hands its processes, so
+# the secret never sits in an environment listing or spec file) the path of a 0600 file holding it
+LINEAGE_TOKEN_ENV = "CRUCIBLE_LINEAGE_TOKEN"
+LINEAGE_TOKEN_FILE_ENV = "CRUCIBLE_LINEAGE_TOKEN_FILE"
 
 # Prefect events (resource ids: crucible.checkpoint.<run>.<step>, crucible.eval.<run>.<step>, ...)
 CHECKPOINT_EVENT = "crucible.checkpoint.saved"

@@ -37,12 +37,12 @@ class DeployStage(Stage):
                                     server_status=ctx.model_server_status)
         yardstick = data.get("yardstick")
         reports = []
-        if yardstick:  # gated against the champion on the yardstick: the champion was read, and the checks
+        if yardstick:  # gated against the champion on the yardstick: the checks, as a table artifact
             reports.append(Table("deploy-gate", yardstick_rows(yardstick["checks"]),
                                  f"Champion (version {yardstick['champion_version']}) vs challenger on the yardstick "
                                  f"{yardstick['sha256'][:12]}: {data['reason']}"[:500]))
         result = DeployResult(data, reports=reports)
-        if yardstick:
+        if yardstick and cfg.train.init_from:  # continued from the champion it was gated against: an input
             version = yardstick["champion_version"]
             result.inputs.append(model_version_dataset(
                 ctx.tracking_uri, cfg.deploy.model_name, version, content_hash=yardstick["champion_content_hash"],

@@ -6,6 +6,9 @@ and if the server refuses arrays the replay falls back to one event per request 
 keep-alive connection.
 
     python -m tasks.lineage.replay runs/<run>/lineage.jsonl http://127.0.0.1:5055
+
+The service's write token is sent as a bearer token: $CRUCIBLE_LINEAGE_TOKEN, or the file
+$CRUCIBLE_LINEAGE_TOKEN_FILE names (`crucible lineage replay` uses the stack's).
 """
 from __future__ import annotations
 
@@ -62,11 +65,13 @@ def _batches(lines: Iterator[bytes], size: int) -> Iterator[list[bytes]]:
 
 
 def replay(jsonl_path: str | Path, url: str, *, batch_size: int = 500, timeout: float = 60.0,
-           client: httpx.Client | None = None, single: bool = False) -> dict:
+           client: httpx.Client | None = None, single: bool = False, token: str | None = None) -> dict:
     """POST every event of `jsonl_path` to `url`; returns counts (ingested/duplicates when the
     server reports them). Lines are sent as they are (the server checks them); a refused batch
     raises ReplayError with the server's answer. `client`: an httpx.Client to use (e.g. FastAPI's
-    TestClient)."""
+    TestClient). `token`: the service's write token (default: lineage_token(), from the environment)."""
+    from tasks.lineage.transport import lineage_token
+
     if batch_size < 1:
         raise ValueError("batch_size must be at least 1")
     endpoint = lineage_url(url)
@@ -74,10 +79,12 @@ def replay(jsonl_path: str | Path, url: str, *, batch_size: int = 500, timeout: 
     client = client or httpx.Client(timeout=timeout)
     summary = {"url": endpoint, "events": 0, "requests": 0, "ingested": 0, "duplicates": 0,
                "mode": "single" if single else "batch"}
+    token = token or lineage_token()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
 
     def post(body: bytes) -> httpx.Response:
         summary["requests"] += 1
-        return client.post(endpoint, content=body, headers={"Content-Type": "application/json"})
+        return client.post(endpoint, content=body, headers=headers)
 
     def count(resp: httpx.Response, n: int) -> None:
         summary["events"] += n

@@ -138,13 +138,35 @@ class RecordFirstTransport(CompositeTransport):
         return self._children
 
 
+def lineage_token() -> str | None:
+    """The lineage service's write token for this process: $CRUCIBLE_LINEAGE_TOKEN, else the file
+    $CRUCIBLE_LINEAGE_TOKEN_FILE names (what the stack hands its processes); None: send none."""
+    import os
+
+    from tasks.core.constants import LINEAGE_TOKEN_ENV, LINEAGE_TOKEN_FILE_ENV
+
+    if os.environ.get(LINEAGE_TOKEN_ENV, "").strip():
+        return os.environ[LINEAGE_TOKEN_ENV].strip()
+    path = os.environ.get(LINEAGE_TOKEN_FILE_ENV)
+    if path:
+        try:
+            return Path(path).read_text().strip() or None
+        except OSError as e:
+            log.warning("cannot read the lineage token file %s: %s", path, e)
+    return None
+
+
 def make_transport(log_path: str | Path, http_url: str | None = None, timeout: float = 5.0) -> Transport:
-    """The JSONL file (append) alone, or file + best-effort HTTP to `http_url`."""
+    """The JSONL file (append) alone, or file + best-effort HTTP to `http_url` (with the write token,
+    lineage_token(), as a bearer token when there is one)."""
     file_transport = FileTransport(FileConfig(log_file_path=str(log_path), append=True))
     if not http_url:
         return file_transport
     base, endpoint = split_lineage_url(http_url)
-    config = HttpConfig.from_dict({"url": base, "endpoint": endpoint, "timeout": timeout, "retry": HTTP_RETRY})
+    settings = {"url": base, "endpoint": endpoint, "timeout": timeout, "retry": HTTP_RETRY}
+    if token := lineage_token():
+        settings["auth"] = {"type": "api_key", "apiKey": token}
+    config = HttpConfig.from_dict(settings)
     if urlsplit(base).hostname in ("127.0.0.1", "localhost", "::1"):
         import requests
 

@@ -55,7 +55,7 @@ def _facets(event: dict):
 def event_errors(event: dict, spec_dir: str | Path | None = None) -> list[str]:
     """Schema errors for one event (empty list when valid)."""
     spec_dir = str(spec_dir or DEFAULT_DATA_ROOT / "openlineage-spec")
-    errors = [f"event: {e.message}" for e in _validator(spec_dir, EVENT_SCHEMA).iter_errors(event)]
+    errors = [f"event {e.json_path}: {e.message}" for e in _validator(spec_dir, EVENT_SCHEMA).iter_errors(event)]
     for name, facet in _facets(event):
         url = facet.get("_schemaURL", "") if isinstance(facet, dict) else ""
         if url.startswith(SPEC_URL) or url.startswith(CUSTOM_FACET_SCHEMA_BASE):
@@ -64,7 +64,7 @@ def event_errors(event: dict, spec_dir: str | Path | None = None) -> list[str]:
             except Exception as e:  # noqa: BLE001 - an unknown schema is an error of the event
                 errors.append(f"facet {name}: schema {url} not found ({type(e).__name__})")
                 continue
-            errors += [f"facet {name}: {e.message}" for e in validator.iter_errors(facet)]
+            errors += [f"facet {name} {e.json_path}: {e.message}" for e in validator.iter_errors(facet)]
         elif name.startswith("crucible_"):
             errors.append(f"facet {name}: _schemaURL {url!r} is not a Crucible facet schema")
     return errors

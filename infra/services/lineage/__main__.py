@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from tasks.config import LineageConfig
 
@@ -19,8 +20,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mlflow-ui", default=None, help="MLflow UI base URL, for model version links")
     parser.add_argument("--load", action="append", default=[], metavar="JSONL",
                         help="ingest this lineage log before serving (repeatable; idempotent)")
+    parser.add_argument("--write-token-file", default=None,
+                        help="file holding the bearer token writes need (without one, writes are refused)")
+    parser.add_argument("--read-token-file", default=None,
+                        help="file holding the bearer token API reads need (without one, reads are public)")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
+    tokens = {}
+    for what, path in (("write", args.write_token_file), ("read", args.read_token_file)):
+        if path:
+            try:
+                tokens[what] = Path(path).read_text().strip()
+            except OSError as e:
+                print(f"lineage service: cannot read the {what} token file {path}: {e}", file=sys.stderr)
+                return 2
+            if not tokens[what]:
+                print(f"lineage service: the {what} token file {path} is empty; refusing to start", file=sys.stderr)
+                return 2
 
     import uvicorn
 
@@ -28,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     from infra.services.lineage.store import EventError
     from tasks.lineage.replay import iter_events
 
-    app = create_app(args.db, prefect_ui_url=args.prefect_ui, mlflow_ui_url=args.mlflow_ui)
+    app = create_app(args.db, prefect_ui_url=args.prefect_ui, mlflow_ui_url=args.mlflow_ui,
+                     write_token=tokens.get("write"), read_token=tokens.get("read"))
     for path in args.load:
         batch: list[dict] = []
         totals = {"file": path, "ingested": 0, "duplicates": 0}

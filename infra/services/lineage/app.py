@@ -16,14 +16,21 @@ report endpoints, and the auditors' page at `/`.
 Path parameters that contain '/' or ':' (namespaces such as `mlflow://127.0.0.1:5000`, file paths
 as dataset names) should be percent-encoded, as with Marquez; unencoded ones are resolved against
 the stored namespaces and names where that is unambiguous.
+
+Trust: a write needs the write token (`Authorization: Bearer ...`; a service without one refuses
+writes), and every event is checked against the OpenLineage spec before anything is stored (an
+invalid one gets 400 naming the failing fields; `?validate=false` skips the check for a trusted
+bulk load). Reads are public unless the service has a read token; the page, /static and /healthz
+always are.
 """
 from __future__ import annotations
 
+import hmac
 import re
 from pathlib import Path
 from urllib.parse import unquote
 
-from fastapi import APIRouter, FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -61,26 +68,45 @@ def _namespace_obj(row) -> dict:
             "ownerName": None, "description": None, "isHidden": False}
 
 
+def bearer(*tokens: str | None, what: str, required: bool = True):
+    """A dependency admitting a request whose bearer token is one of `tokens` (none configured and
+    required: refused with 403; not required: open)."""
+    allowed = [t.encode() for t in tokens if t]
+
+    def check(request: Request) -> None:
+        if not allowed:
+            if required:
+                raise HTTPException(403, f"{what} is disabled: the service has no token for it (--write-token-file)")
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.strip().encode(), t) for t in allowed):
+            raise HTTPException(401, f"{what} needs the service's bearer token", headers={"WWW-Authenticate": "Bearer"})
+    return check
+
+
 def create_app(db_path: str | Path, *, prefect_ui_url: str | None = None, mlflow_ui_url: str | None = None,
-               spec_dir: str | Path | None = None) -> FastAPI:
+               spec_dir: str | Path | None = None, write_token: str | None = None,
+               read_token: str | None = None) -> FastAPI:
     """The app over the SQLite store at `db_path` (created if missing).
 
     prefect_ui_url / mlflow_ui_url: base URLs for links in the page and reports (optional; model
     versions in `mlflow://host:port` namespaces link to that host without it). spec_dir: the
-    OpenLineage spec copy used by `POST ...?validate=true` (default: the shared data copy)."""
+    OpenLineage spec copy events are validated against (default: the shared data copy).
+    write_token: what a POST must send (None: writes refused); read_token: what API reads must send
+    (None: public reads; the write token also reads)."""
     store = LineageStore(db_path)
     links = Links(prefect_ui_url=prefect_ui_url, mlflow_ui_url=mlflow_ui_url)
     app = FastAPI(title="Crucible lineage", version="1.0",
                   description="OpenLineage store with a Marquez-compatible API and provenance reports.")
     app.state.store = store
     app.state.links = links
-    app.include_router(_page_router(store))
+    reads = [Depends(bearer(read_token, write_token if read_token else None, what="reading", required=False))]
+    app.include_router(_page_router(store, reads))
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-    app.include_router(_ingest_router(store, spec_dir))
-    app.include_router(_graph_router(store))
-    app.include_router(_namespace_router(store))
-    app.include_router(_browse_router(store))
-    app.include_router(_crucible_router(store, links, Provenance(store, links)))
+    app.include_router(_ingest_router(store, spec_dir), dependencies=[Depends(bearer(write_token, what="writing"))])
+    for router in (_graph_router(store), _namespace_router(store), _browse_router(store),
+                   _crucible_router(store, links, Provenance(store, links))):
+        app.include_router(router, dependencies=reads)
     return app
 
 
@@ -95,7 +121,7 @@ def _node_or_error(store: LineageStore, value: str) -> Node:
     return node
 
 
-def _page_router(store: LineageStore) -> APIRouter:
+def _page_router(store: LineageStore, reads: list) -> APIRouter:
     """The auditors' page, health and counts."""
     router = APIRouter()
 
@@ -108,7 +134,7 @@ def _page_router(store: LineageStore) -> APIRouter:
         store.query("SELECT 1")
         return {"status": "ok"}
 
-    @router.get(f"{API}/crucible/stats")
+    @router.get(f"{API}/crucible/stats", dependencies=reads)
     def stats() -> dict:
         return store.counts()
 
@@ -120,7 +146,7 @@ def _ingest_router(store: LineageStore, spec_dir: str | Path | None) -> APIRoute
     router = APIRouter()
 
     @router.post(f"{API}/lineage", status_code=201)
-    async def post_lineage(request: Request, validate: bool = False) -> JSONResponse:
+    async def post_lineage(request: Request, validate: bool = True) -> JSONResponse:
         try:
             body = loads(await request.body())
         except (ValueError, UnicodeDecodeError) as e:
@@ -131,9 +157,11 @@ def _ingest_router(store: LineageStore, spec_dir: str | Path | None) -> APIRoute
 
             errors = {i: errs for i, e in enumerate(events)
                       if (errs := event_errors(e, spec_dir) if isinstance(e, dict) else ["not an object"])}
-            if errors:
-                return JSONResponse({"detail": "events do not match the OpenLineage schema",
-                                     "errors": {str(i): errs[:20] for i, errs in errors.items()}}, 422)
+            if errors:  # nothing of the request is stored
+                first = next(iter(errors.items()))
+                return JSONResponse({"detail": f"event {first[0]} does not match the OpenLineage schema: "
+                                               f"{first[1][0]}",
+                                     "errors": {str(i): errs[:20] for i, errs in errors.items()}}, 400)
         try:
             result = await run_in_threadpool(store.ingest_batch, events)
         except EventError as e:

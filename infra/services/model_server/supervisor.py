@@ -19,8 +19,6 @@ default any free port) and checks that it answers; the live server swaps only af
 from __future__ import annotations
 
 import logging
-import os
-import secrets
 import sys
 import time
 from dataclasses import replace
@@ -36,14 +34,8 @@ log = logging.getLogger(__name__)
 
 
 def admin_key_file(stack_cfg) -> Path:
-    """The admin token of the stack's model servers, generated on first use (mode 0600)."""
-    path = stack.state_dir(stack_cfg) / ADMIN_KEY_FILE
-    if not path.is_file() or not path.read_text().strip():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(32) + "\n")
-    return path
+    """The admin token of the stack's model servers (a 0600 secret in the state directory)."""
+    return stack.secret_file(stack_cfg, ADMIN_KEY_FILE)
 
 
 def admin_headers(stack_cfg) -> dict:
