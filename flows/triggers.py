@@ -37,14 +37,13 @@ none of this runs: the pretrain flow evaluates and deploys its checkpoints itsel
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import re
 import sys
 from pathlib import Path
 
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
@@ -60,14 +59,13 @@ def _none(v):
     return None if v is None or (isinstance(v, str) and v.strip() in ("", "None", "null")) else v
 
 
-def run_paths(checkpoint: str | Path, payload: dict | None = None) -> dict:
-    """{run_dir, config, tokenizer, tokens_index, checkpoint} of a checkpoint in a pipeline run."""
-    payload = payload or {}
+def run_paths(checkpoint: str | Path) -> dict:
+    """{run_dir, config, tokenizer, tokens_index, checkpoint} of a checkpoint in a pipeline run,
+    all derived from the run's own layout: an event names the checkpoint and nothing else."""
     layout = RunLayout.of_checkpoint(checkpoint)
     return {"run_dir": str(layout.run_dir), "checkpoint": str(Path(checkpoint).resolve()),
-            "config": str(_none(payload.get("config_path")) or layout.config_file),
-            "tokenizer": str(_none(payload.get("tokenizer")) or layout.tokenizer_file),
-            "tokens_index": str(_none(payload.get("tokens_index")) or layout.tokens_index)}
+            "config": str(layout.config_file), "tokenizer": str(layout.tokenizer_file),
+            "tokens_index": str(layout.tokens_index)}
 
 
 def _load_cfg(path: str):
@@ -153,8 +151,7 @@ def retried(evaluate, stack_cfg):
 
 @flow(name=EVAL_FLOW, log_prints=True)
 def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run_name: str | None = None,
-                             run_id: str | None = None, tokenizer: str | None = None,
-                             tokens_index: str | None = None, config_path: str | None = None) -> dict:
+                             run_id: str | None = None) -> dict:
     """Evaluate one checkpoint (one at a time per run), gate it, emit crucible.eval.completed."""
     from prefect.concurrency.sync import concurrency
 
@@ -163,7 +160,7 @@ def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run
     from tasks.deploy.yardstick import gate_at_evaluation
 
     run_id, run_name = _none(run_id), _none(run_name)
-    paths = run_paths(checkpoint, {"tokenizer": tokenizer, "tokens_index": tokens_index, "config_path": config_path})
+    paths = run_paths(checkpoint)
     run_name = run_name or Path(paths["run_dir"]).name
     cfg = _load_cfg(paths["config"])
     limit = eval_limit_name(run_name)
@@ -188,18 +185,24 @@ def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run
 
 
 @flow(name=DEPLOY_FLOW, log_prints=True)
-def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = None, run_id: str | None = None,
-                      tokenizer: str | None = None) -> dict:
-    """Gate against the current champion, register, alias champion, serve (swap in place)."""
-    from tasks.deploy import deploy_if_better
-
-    run_id, run_name = _none(run_id), _none(run_name)
-    paths = run_paths(checkpoint, {"tokenizer": tokenizer})
-    cfg = _load_cfg(paths["config"])
-    evaluation = json.loads(Path(report_path).read_text())
+def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = None,
+                      run_id: str | None = None) -> dict:
+    """Check the event's claim against the pipeline's records, gate against the current champion
+    (on the yardstick), register, alias champion, serve (swap in place). A claim that does not match
+    the records is refused and logged as forged; nothing is deployed."""
     from flows.stage_task import model_server_status, serve_model, verify_model
     from tasks.core.io import write_json_atomic
+    from tasks.deploy import deploy_if_better
+    from tasks.deploy.triggered import ForgedClaim, evaluation_claim_problem
 
+    run_id, run_name = _none(run_id), _none(run_name)
+    paths = run_paths(checkpoint)
+    cfg = _load_cfg(paths["config"])
+    evaluation, problem = evaluation_claim_problem(paths["checkpoint"], report_path, run_id, _tracking_uri(cfg))
+    if problem:
+        log = get_run_logger()
+        log.warning("refusing a forged or stale crucible.eval.completed claim for %s: %s", checkpoint, problem)
+        raise ForgedClaim(f"refused: the event's claim does not match the pipeline's records: {problem}")
     result = deploy_if_better(cfg, _tracking_uri(cfg), evaluation, Path(paths["tokenizer"]), run_id,
                               serve_model=serve_model, verify_model=verify_model,
                               server_status=model_server_status(cfg))
@@ -230,8 +233,7 @@ def build_deployments() -> list:
             match={"prefect.resource.id": "crucible.eval.*", "crucible.eval.passed": "true"},
             parameters={"checkpoint": "{{ event.payload.checkpoint }}",
                         "report_path": "{{ event.payload.report_path }}",
-                        "run_name": "{{ event.payload.run_name }}", "run_id": "{{ event.payload.run_id }}",
-                        "tokenizer": "{{ event.payload.tokenizer }}"})])
+                        "run_name": "{{ event.payload.run_name }}", "run_id": "{{ event.payload.run_id }}"})])
     return [evaluate, deploy]
 
 

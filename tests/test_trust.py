@@ -144,3 +144,50 @@ def test_stored_job_results_are_json_and_a_pickle_is_never_loaded(tmp_path):
     (tmp_path / f"job-1{JOB_SUFFIX}").write_bytes(pickle.dumps(_WritesMarker(str(marker))))
     (tmp_path / "job-1.pkl").write_bytes(pickle.dumps(_WritesMarker(str(marker))))  # the old format
     assert store.load("job-1", "key") is None and not marker.exists()
+
+
+def test_a_forged_evaluation_event_is_refused(tmp_path, tmp_path_factory):
+    """deploy-model treats crucible.eval.completed as a claim: the report must be the one the
+    evaluate flow recorded for that checkpoint, the checkpoint unchanged since, and (with a run id)
+    the hash and val_loss logged on the training run must match. The outsider's replay of a real
+    event with a forged report naming another checkpoint is refused."""
+    from mlflow import MlflowClient
+
+    from tasks.config import PipelineConfig
+    from tasks.core.io import write_json_atomic
+    from tasks.core.layout import RunLayout
+    from tasks.deploy.triggered import evaluation_claim_problem, write_gate
+    from tasks.evaluate import evaluate_checkpoint
+    from test_triggers import _make_run
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir, (step10, step20) = _make_run(tmp_path_factory.getbasetemp() / "lm", tmp_path, store)
+    cfg = PipelineConfig.model_validate_json((run_dir / "config.json").read_text())
+    client = MlflowClient(tracking_uri=store)
+    run_id = client.create_run(client.create_experiment("t", artifact_location=(tmp_path / "a").as_uri())).info.run_id
+    layout = RunLayout(run_dir)
+    reports = {}
+    for ckpt in (step10, step20):
+        report = evaluate_checkpoint(cfg, ckpt, layout.tokenizer_file, layout.tokens_index,
+                                     layout.triggered_eval_report(ckpt), tracking_uri=store, run_id=run_id)
+        reports[ckpt] = write_gate(report, {"passed": True, "reason": "test"})
+    genuine, problem = evaluation_claim_problem(step10, reports[step10]["report_path"], run_id, store)
+    assert problem is None and genuine["checkpoint_sha256"]
+
+    # a forged report elsewhere, claiming a far better val_loss for step 20
+    forged = {**reports[step20], "val_loss": 0.01, "report_path": str(tmp_path / "forged.json")}
+    write_json_atomic(tmp_path / "forged.json", forged)
+    assert "recorded at" in evaluation_claim_problem(step20, tmp_path / "forged.json", run_id, store)[1]
+    # the recorded report edited in place: its val_loss is not the one logged on the training run
+    edited = {**reports[step20], "val_loss": 0.01}
+    write_json_atomic(Path(reports[step20]["report_path"]), edited)
+    assert "not the one logged" in evaluation_claim_problem(step20, edited["report_path"], run_id, store)[1]
+    # a run id that never evaluated this checkpoint
+    other = client.create_run(client.get_run(run_id).info.experiment_id).info.run_id
+    assert "records no evaluation" in evaluation_claim_problem(step10, reports[step10]["report_path"], other, store)[1]
+    # a report whose gate failed, and a checkpoint that changed since it was evaluated
+    write_json_atomic(Path(reports[step20]["report_path"]), {**reports[step20], "gate": {"passed": False,
+                                                                                          "reason": "worse"}})
+    assert "did not pass" in evaluation_claim_problem(step20, reports[step20]["report_path"], None, store)[1]
+    (step10 / "extra.bin").write_bytes(b"x")
+    assert "changed since" in evaluation_claim_problem(step10, reports[step10]["report_path"], None, store)[1]

@@ -41,6 +41,54 @@ def write_gate(report: dict, decision: dict, yardstick: dict | None = None) -> d
     return report
 
 
+class ForgedClaim(RuntimeError):
+    """An event whose claim does not match the pipeline's records (forged, or stale)."""
+
+
+def evaluation_claim_problem(checkpoint: str | Path, report_path: str | Path, run_id: str | None,
+                             tracking_uri: str | None) -> tuple[dict | None, str | None]:
+    """(the evaluation report, None) when a crucible.eval.completed event's claim matches the
+    pipeline's own records, else (None, why). An event is a claim: its report must be the one the
+    evaluate-checkpoint flow wrote for that checkpoint (in the run directory, not a path the event
+    chose), name that checkpoint, carry a passing gate verdict and the tree hash of the checkpoint
+    as it is now; with a training run id, the hash and val_loss logged on that MLflow run at the
+    checkpoint's step must match too."""
+    from tasks.core.hashing import sha256_tree
+    from tasks.evaluate.evaluate import eval_hash_tag
+
+    ckpt = Path(checkpoint).resolve()
+    if not RunLayout.is_run_checkpoint(ckpt):
+        return None, f"{ckpt} is not a pipeline checkpoint"
+    recorded = RunLayout.of_checkpoint(ckpt).triggered_eval_report(ckpt)
+    if Path(report_path).resolve() != recorded.resolve():
+        return None, f"the event names report {report_path}, but this checkpoint's evaluation is recorded at {recorded}"
+    report = _read(recorded, "gate")
+    if report is None:
+        return None, f"there is no gated evaluation report at {recorded}"
+    if Path(str(report.get("checkpoint", ""))).resolve() != ckpt:
+        return None, f"the report at {recorded} is of {report.get('checkpoint')}, not {ckpt}"
+    if not report["gate"].get("passed"):
+        return None, f"the evaluation did not pass the gate: {report['gate'].get('reason')}"
+    actual = sha256_tree(ckpt)
+    if report.get("checkpoint_sha256") != actual:
+        return None, "the checkpoint changed since it was evaluated (its tree hash is not the evaluated one)"
+    if run_id:
+        from mlflow import MlflowClient
+        from mlflow.exceptions import MlflowException
+
+        try:
+            client = MlflowClient(tracking_uri=tracking_uri)
+            logged = client.get_run(run_id).data.tags.get(eval_hash_tag(report["step"]))
+            losses = [m.value for m in client.get_metric_history(run_id, "val_loss") if m.step == report["step"]]
+        except MlflowException as e:
+            return None, f"the training run {run_id} cannot be read in MLflow: {e.error_code}"
+        if logged != actual:
+            return None, f"MLflow run {run_id} records no evaluation of this checkpoint at step {report['step']}"
+        if not any(abs(v - float(report["val_loss"])) <= 1e-5 for v in losses):
+            return None, f"the report's val_loss {report['val_loss']} is not the one logged on run {run_id}"
+    return report, None
+
+
 def _read(path: Path, key: str | None = None) -> dict | None:
     try:
         data = json.loads(path.read_text())

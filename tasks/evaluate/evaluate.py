@@ -144,6 +144,10 @@ def _evaluate(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Path, tokens_
     }
     if reference is not None:
         report["reference"] = _finite(reference)
+    from tasks.core.hashing import sha256_tree
+
+    # what was evaluated, recorded on the training run too: deploy-model checks a claim against it
+    report["checkpoint_sha256"] = sha256_tree(ckpt_dir)
     out_path = Path(out_path).resolve()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     report["report_path"] = str(out_path)
@@ -157,9 +161,17 @@ def _evaluate(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Path, tokens_
         values = {"val_loss": report["val_loss"], "perplexity": report["perplexity"], **report["task_metrics"]}
         if reference is not None:
             values.update({f"reference_{k}": v for k, v in report["reference"]["metrics"].items()})
+        from mlflow.entities import RunTag
+
         MlflowClient(tracking_uri=tracking_uri).log_batch(run_id, metrics=[
-            Metric(name, float(v), ts, report["step"]) for name, v in values.items() if v is not None])
+            Metric(name, float(v), ts, report["step"]) for name, v in values.items() if v is not None],
+            tags=[RunTag(eval_hash_tag(report["step"]), report["checkpoint_sha256"])])
     return report
+
+
+def eval_hash_tag(step: int) -> str:
+    """The training run's tag holding the tree hash of the checkpoint evaluated at `step`."""
+    return f"eval.step-{int(step)}.checkpoint_sha256"
 
 
 def _finite(obj):
