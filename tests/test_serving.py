@@ -257,3 +257,54 @@ def test_reload_keeps_in_flight_requests_on_the_old_model(tiny):
         assert c.get("/health").json()["step"] == 20
         after = c.post("/v1/completions", json={"prompt": "The Linux", "max_tokens": 8, "temperature": 0}).json()
         assert after["choices"][0]["text"] == want_new
+
+
+# ----------------------------------------------------------------- the official OpenAI client
+
+def test_the_official_openai_client_models_completions_chat_streaming_and_errors(generator):
+    """What most OpenAI-compatible tools speak: the `openai` package against this server."""
+    import openai
+
+    app = create_app(generator, "crucible-test", max_tokens_limit=64, max_n=4, api_key="sk-test")
+    with TestClient(app) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="sk-test", http_client=http, max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["crucible-test"]
+        done = client.completions.create(model="crucible-test", prompt="The Linux kernel", max_tokens=5,
+                                         temperature=0)
+        assert done.object == "text_completion" and done.choices[0].finish_reason in ("length", "stop")
+        assert done.usage.completion_tokens > 0
+        chat = client.chat.completions.create(
+            model="crucible-test", max_tokens=8, temperature=0, n=2, seed=3,
+            messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello"}])
+        assert chat.object == "chat.completion" and len(chat.choices) == 2
+        assert all(c.message.role == "assistant" and isinstance(c.message.content, str) for c in chat.choices)
+        assert "User:" not in chat.choices[0].message.content  # stops before the next turn
+        # the transcript the server builds for a base model, and the same greedy text as a completion
+        plain = client.completions.create(model="crucible-test", prompt="System: You are terse.\nUser: Hello\n"
+                                          "Assistant:", max_tokens=8, temperature=0, stop=["\nUser:", "\nSystem:"])
+        greedy = client.chat.completions.create(model="crucible-test", max_tokens=8, temperature=0, messages=[
+            {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello"}])
+        assert greedy.choices[0].message.content == plain.choices[0].text.strip()
+        stream = client.chat.completions.create(model="crucible-test", max_tokens=6, temperature=0, stream=True,
+                                                stream_options={"include_usage": True},
+                                                messages=[{"role": "user", "content": "Hello"}])
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text.strip() == greedy.choices[0].message.content
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+        assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+        completion_stream = list(client.completions.create(model="crucible-test", prompt="The", max_tokens=3,
+                                                           stream=True, temperature=0))
+        assert "".join(c.choices[0].text for c in completion_stream)
+        # errors come back as the client's exception types
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+        with pytest.raises(openai.BadRequestError, match="max_tokens"):
+            client.chat.completions.create(model="crucible-test", max_tokens=10_000,
+                                           messages=[{"role": "user", "content": "x"}])
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="crucible-test", messages=[])
+        bad_key = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=http, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad_key.models.list()

@@ -9,6 +9,10 @@ Endpoints:
                            in OpenAI's chunk format, ending with `data: [DONE]`; stream_options
                            include_usage; with logprobs, a choice's logprobs come in its
                            final chunk, the one with finish_reason); top_k as an extension.
+    POST /v1/chat/completions  messages (system/developer/user/assistant, text), the same sampling
+                           fields, stream: a base model has no chat template, so the messages
+                           become a plain role-prefixed transcript ("User: ...\nAssistant:") and
+                           generation stops before the next "User:" or "System:" turn
     GET  /v1/models        the one served model;  GET /v1/models/{id}
     POST /v1/admin/reload  {"version": N} or {"alias": "champion"}: serve another registered version
                            of the model, resolved through the MLflow registry and verified (never a
@@ -320,8 +324,11 @@ def _completions_router(state: ServerState, model_name: str, auth: list, max_tok
     def completions(req: CompletionRequest):
         gen = state.generator  # one generator for the whole request, even if a reload happens meanwhile
         settings = _sampling_settings(req, gen, model_name, max_tokens_limit, max_n)
-        job = CompletionJob(model_name, settings)
-        if not req.stream:
+        return answer(CompletionJob(model_name, settings), gen, bool(req.stream))
+
+    def answer(job: CompletionJob, gen: TextGenerator, streamed: bool):
+        """One answer, or server-sent events within the concurrent-streams limit."""
+        if not streamed:
             job.submit(gen, state.scheduler)
             return job.response()
         if not state.streams.acquire(blocking=False):
@@ -341,6 +348,12 @@ def _completions_router(state: ServerState, model_name: str, auth: list, max_tok
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @router.post("/v1/chat/completions", dependencies=auth)
+    def chat_completions(req: ChatCompletionRequest):
+        gen = state.generator
+        return answer(ChatJob(model_name, _chat_settings(req, gen, model_name, max_tokens_limit, max_n)),
+                      gen, bool(req.stream))
 
     return router
 
@@ -395,12 +408,14 @@ class CompletionJob:
     """One request's choices in the scheduler: the scheduler thread reports their progress through
     a queue, which the request's thread turns into one answer or into server-sent events."""
 
+    id_prefix, object_name, chunk_object = "cmpl-", "text_completion", "text_completion"
+
     def __init__(self, model_name: str, settings: SamplingSettings):
         self.model_name, self.settings = model_name, settings
         self.events: queue.Queue = queue.Queue()
         self.seqs: list[Sequence] = []
         self.prompt_tokens = 0
-        self.cid, self.created = f"cmpl-{uuid.uuid4().hex}", 0  # created: when the choices are submitted
+        self.cid, self.created = f"{self.id_prefix}{uuid.uuid4().hex}", 0  # created: when the choices are submitted
 
     def _on_event(self, seq: Sequence, delta: str, finished: bool) -> None:
         self.events.put((seq.index, delta, finished))
@@ -433,17 +448,20 @@ class CompletionJob:
         failed = [s.error for s in self.seqs if s.error]
         if failed:
             raise APIError(500, failed[0], None, None, "server_error")
-        choices = []
-        for s in self.seqs:
-            c = s.result()
-            choices.append({"text": (s.prompt_text + c.text) if self.settings.echo else c.text, "index": s.index,
-                            "logprobs": c.logprobs, "finish_reason": c.finish_reason})
-        return {"id": self.cid, "object": "text_completion", "created": self.created, "model": self.model_name,
+        choices = [self._choice(s, s.result()) for s in self.seqs]
+        return {"id": self.cid, "object": self.object_name, "created": self.created, "model": self.model_name,
                 "choices": choices, "usage": self.usage()}
 
+    def _choice(self, s: Sequence, c) -> dict:
+        return {"text": (s.prompt_text + c.text) if self.settings.echo else c.text, "index": s.index,
+                "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+
+    def _chunk_choice(self, index: int, text: str, finish: str | None, logprobs) -> dict:
+        return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
+
     def _chunk(self, index: int, text: str, finish: str | None, logprobs=None) -> str:
-        body = {"id": self.cid, "object": "text_completion", "created": self.created, "model": self.model_name,
-                "choices": [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}]}
+        body = {"id": self.cid, "object": self.chunk_object, "created": self.created, "model": self.model_name,
+                "choices": [self._chunk_choice(index, text, finish, logprobs)]}
         if self.settings.include_usage:
             body["usage"] = None
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -471,13 +489,100 @@ class CompletionJob:
                     yield self._chunk(index, delta, None)
                 yield self._chunk(index, "", s.finish or "length", s.result().logprobs)
             if self.settings.include_usage:
-                body = {"id": self.cid, "object": "text_completion", "created": self.created,
+                body = {"id": self.cid, "object": self.chunk_object, "created": self.created,
                         "model": self.model_name, "choices": [], "usage": self.usage()}
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
         finally:  # the client went away (or we are done): stop generating for it
             for s in self.seqs:
                 s.cancelled = True
+
+
+class ChatJob(CompletionJob):
+    """A chat completion: the same generation, answered in OpenAI's chat shapes."""
+
+    id_prefix, object_name, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+
+    def _choice(self, s: Sequence, c) -> dict:
+        return {"index": s.index, "message": {"role": "assistant", "content": c.text.strip()},
+                "logprobs": None, "finish_reason": c.finish_reason}
+
+    def _chunk_choice(self, index: int, text: str, finish: str | None, logprobs) -> dict:
+        return {"index": index, "delta": {"content": text} if text or finish is None else {},
+                "logprobs": None, "finish_reason": finish}
+
+    def stream(self) -> Iterator[str]:
+        for s in self.seqs:  # the first chunk of each choice names the role, as OpenAI's do
+            body = {"id": self.cid, "object": self.chunk_object, "created": self.created, "model": self.model_name,
+                    "choices": [{"index": s.index, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}]}
+            yield f"data: {json.dumps(body)}\n\n"
+        yield from super().stream()
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: StrictStr = Field(pattern=r"^(system|developer|user|assistant)$")
+    content: StrictStr | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # content parts: only text is understood
+            if any(p.get("type") != "text" for p in self.content):
+                raise APIError(400, "only text content parts are supported", "messages", "unsupported_value")
+            return "".join(str(p.get("text", "")) for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(BaseModel):
+    """OpenAI's /v1/chat/completions body (text only). Unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_PROMPTS)
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: StrictInt | None = Field(default=None, gt=0)
+    n: StrictInt | None = Field(default=None, ge=1)
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    tools: list | None = None
+    user: str | None = None
+
+
+# a base model has no chat template: a plain role-prefixed transcript, ending where the assistant speaks
+ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+ROLE_STOPS = ["\nUser:", "\nSystem:"]
+
+
+def chat_prompt(messages: list[ChatMessage]) -> str:
+    return "".join(f"{ROLE_NAMES[m.role]}: {m.text()}\n" for m in messages) + "Assistant:"
+
+
+def _chat_settings(req: ChatCompletionRequest, gen: TextGenerator, model_name: str, max_tokens_limit: int,
+                   max_n: int) -> SamplingSettings:
+    if req.tools:
+        raise APIError(400, "tools are not supported by this server", "tools", "unsupported_value")
+    if req.logprobs:
+        raise APIError(400, "logprobs are not supported for chat completions by this server", "logprobs",
+                       "unsupported_value")
+    prompt = chat_prompt(req.messages)
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise APIError(400, f"the messages are longer than {MAX_PROMPT_CHARS} characters", "messages",
+                       "invalid_value")
+    as_completion = CompletionRequest(
+        model=req.model, prompt=prompt, max_tokens=req.max_completion_tokens if req.max_tokens is None else req.max_tokens,
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, n=req.n, stop=req.stop, seed=req.seed,
+        stream=req.stream, stream_options=req.stream_options, user=req.user)
+    settings = _sampling_settings(as_completion, gen, model_name, max_tokens_limit, max_n)
+    settings.stop = settings.stop + ROLE_STOPS  # the model must not write the user's next turn
+    return settings
 
 
 def _prompts(req: CompletionRequest, gen: TextGenerator) -> list[tuple[str, list[int]]]:
