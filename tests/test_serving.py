@@ -285,7 +285,7 @@ def test_the_official_openai_client_models_completions_chat_streaming_and_errors
         greedy = client.chat.completions.create(model="crucible-test", max_tokens=8, temperature=0, messages=[
             {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello"}])
         assert greedy.choices[0].message.content == plain.choices[0].text.strip()
-        stream = client.chat.completions.create(model="crucible-test", max_tokens=6, temperature=0, stream=True,
+        stream = client.chat.completions.create(model="crucible-test", max_tokens=8, temperature=0, stream=True,
                                                 stream_options={"include_usage": True},
                                                 messages=[{"role": "user", "content": "Hello"}])
         chunks = list(stream)
