@@ -13,7 +13,8 @@ the async writer uses its own group, see tasks.train.checkpoint.new_checkpoint_g
   one real training step while the checkpoint is written, then wait_and_finalize. Blocked time =
   the start + whatever was left to wait for after the step; the step's time is compared with a
   step without a save in flight (the writer competes for the same cores).
-- resume: load_checkpoint into a fresh model and optimizer (what a resumed run does), and
+- resume: load_checkpoint into a fresh model and optimizer (what a resumed run does: every file is
+  first checked against the manifest), and
   load_model_for_inference (what evaluation and serving do).
 - manifest: apply_retention's sha256 of every file (rank 0, after each save in the worker).
 - reference_nanogpt: torch.save({"model", "optimizer"}) to one file, torch.load(weights_only=True)
@@ -107,10 +108,10 @@ def run(a: argparse.Namespace, work: Path) -> int:
     bench = setup(a, work)
     load_start = os.getloadavg()[0]
     rounds, ckpt = save_rounds(bench, a.rounds)
-    resume = resume_rounds(bench, ckpt, a.rounds)
     t0 = time.perf_counter()
-    apply_retention(work / "async", ckpt, None)
+    apply_retention(work / "async", ckpt, None)  # the manifest every load verifies the checkpoint against
     manifest_s = time.perf_counter() - t0
+    resume = resume_rounds(bench, ckpt, a.rounds)  # includes that verification, as a real resume does
     results = summarise(bench, ckpt, rounds, resume, manifest_s)
     n_params = bench.model.num_params()
     out = {
