@@ -54,7 +54,7 @@ def _train_checkpoints(cfg, layout: RunLayout, steps: tuple[int, ...]) -> list[P
 
     from tasks.core.hashing import sha256_file
     from tasks.tokens.binfile import load_index, open_split
-    from tasks.train.checkpoint import save_checkpoint
+    from tasks.train.checkpoint import apply_retention, save_checkpoint
     from tasks.train.model import GPT, GPTConfig
 
     index = load_index(layout.tokens_index)
@@ -76,6 +76,7 @@ def _train_checkpoints(cfg, layout: RunLayout, steps: tuple[int, ...]) -> list[P
         opt.step()
         if step in steps:
             out.append(save_checkpoint(model, opt, step, layout.stage_dir("train"), {**meta, "step": step}))
+            apply_retention(layout.stage_dir("train"), out[-1], None)  # the run's manifest, as the trainer writes
     return out
 
 
