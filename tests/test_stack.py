@@ -84,7 +84,13 @@ def test_up_idempotent_status_down(stack_cfg, lineage_cfg):
              "schemaURL": "https://openlineage.io/spec/2-0-2/OpenLineage.json#/$defs/RunEvent",
              "run": {"runId": "0195f7a3-0000-7000-8000-000000000001"}, "job": {"namespace": "crucible", "name": "j"},
              "inputs": [], "outputs": [{"namespace": "file", "name": "/tmp/out.bin"}]}
-    r = httpx.post(f"{lineage}/api/v1/lineage", json=event, timeout=10)
+    # writes need the stack's write token (a 0600 file in the state dir): without it, nothing is stored
+    assert httpx.post(f"{lineage}/api/v1/lineage", json=event, timeout=10).status_code == 401
+    token_file = stack.secret_file(stack_cfg, stack.LINEAGE_WRITE_TOKEN)
+    assert oct(token_file.stat().st_mode & 0o777) == "0o600"
+    assert token_file.read_text().strip() not in stack.read_spec(stack_cfg, "lineage").cmd  # passed by path
+    r = httpx.post(f"{lineage}/api/v1/lineage", json=event, timeout=10,
+                   headers={"Authorization": f"Bearer {token_file.read_text().strip()}"})
     assert r.status_code == 201 and r.json()["ingested"] == 1, r.text
     assert httpx.get(f"{lineage}/api/v1/namespaces/crucible/jobs/j", timeout=10).json()["latestRun"]["state"] \
         == "COMPLETED"
