@@ -97,7 +97,9 @@ def _flow_runs(api: str, deployment: str, checkpoint: Path) -> list[dict]:
     import httpx
 
     name = deployment.split("/", 1)[1]
-    runs = httpx.post(f"{api}/flow_runs/filter", timeout=30, trust_env=False,
+    from tasks.core.net import prefect_api_headers
+
+    runs = httpx.post(f"{api}/flow_runs/filter", timeout=30, trust_env=False, headers=prefect_api_headers(),
                       json={"deployments": {"name": {"any_": [name]}}}).json()
     return [r for r in runs if r["parameters"].get("checkpoint") == str(checkpoint)]
 
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         f"stack.mlflow_port={free_port()}", f"stack.triggers_port={free_port()}",
         f"lineage.service_port={free_port()}", f"deploy.port={free_port()}", "deploy.model_name=latency-model"])
     os.environ.pop(stack.STATE_DIR_ENV, None)
-    os.environ.update(stack.client_env(cfg.stack, cfg.lineage))  # before Prefect is imported anywhere
+    stack.use_stack(cfg.stack, cfg.lineage)  # before Prefect is imported anywhere (with the stack's auth)
     layout = _layout_run(cfg, tmp / "lm")
     ckpts = _train_checkpoints(cfg, layout, (10, 40))
     t0 = time.perf_counter()
@@ -224,9 +226,12 @@ def _wait_automations(api: str, timeout: float = 120.0) -> None:
     """The triggers service registers its deployments' automations after it is healthy."""
     import httpx
 
+    from tasks.core.net import prefect_api_headers
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        autos = httpx.post(f"{api}/automations/filter", json={}, timeout=30, trust_env=False).json()
+        autos = httpx.post(f"{api}/automations/filter", json={}, timeout=30, trust_env=False,
+                           headers=prefect_api_headers()).json()
         if len([a for a in autos if a.get("enabled")]) >= 2:
             time.sleep(3)  # the server's trigger service loads new automations periodically
             return

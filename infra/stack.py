@@ -152,6 +152,7 @@ def lineage_db(stack_cfg, lineage_cfg=None) -> Path:
 
 LINEAGE_WRITE_TOKEN = "lineage-write.token"
 LINEAGE_READ_TOKEN = "lineage-read.token"
+PREFECT_AUTH = "prefect-auth"  # Prefect's server.api.auth_string, "crucible:<token>"
 
 
 def secret_file(stack_cfg, name: str) -> Path:
@@ -167,7 +168,28 @@ def secret_file(stack_cfg, name: str) -> Path:
 
 
 def secret(stack_cfg, name: str) -> str:
-    return secret_file(stack_cfg, name).read_text().strip()
+    value = secret_file(stack_cfg, name).read_text().strip()
+    return f"crucible:{value}" if name == PREFECT_AUTH else value
+
+
+def prefect_auth_env(stack_cfg) -> dict[str, str]:
+    """Prefect's auth settings for the stack's server (server.api.auth_string) and its clients
+    (api.auth_string). Put into a process's environment when it starts, never into a spec or log."""
+    value = secret(stack_cfg, PREFECT_AUTH)
+    return {"PREFECT_SERVER_API_AUTH_STRING": value, "PREFECT_API_AUTH_STRING": value}
+
+
+def prefect_headers(stack_cfg) -> dict[str, str]:
+    """The Authorization header a raw HTTP client of the stack's Prefect API sends."""
+    from tasks.core.net import prefect_api_headers
+
+    return prefect_api_headers(secret(stack_cfg, PREFECT_AUTH))
+
+
+def use_stack(stack_cfg, lineage_cfg=None) -> None:
+    """Point this process's clients (Prefect, MLflow, lineage) at the stack, with its Prefect auth."""
+    os.environ.update(client_env(stack_cfg, lineage_cfg))
+    os.environ.update({"PREFECT_API_AUTH_STRING": prefect_auth_env(stack_cfg)["PREFECT_API_AUTH_STRING"]})
 
 
 def client_env(stack_cfg, lineage_cfg=None) -> dict[str, str]:
@@ -467,6 +489,8 @@ def _launch(stack_cfg, spec: ServiceSpec) -> int:
     log.parent.mkdir(parents=True, exist_ok=True)
     cwd = state_dir(stack_cfg)
     env = {**os.environ, **spec.env}
+    if spec.name == PREFECT or "PREFECT_API_URL" in spec.env:  # the server and its clients share its auth
+        env.update(prefect_auth_env(stack_cfg))
     with open(log, "ab") as logf:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         logf.write(f"\n=== crucible: starting {spec.name} at {stamp}: {' '.join(spec.cmd)}\n".encode())

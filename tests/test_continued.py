@@ -563,7 +563,12 @@ def test_crucible_up_serves_the_schedule_and_crucible_schedule_changes_it(tmp_pa
         services = json.loads(up.stdout)
         assert services["continue"]["healthy"], services
         api = f"http://127.0.0.1:{raw['stack']['prefect_port']}/api"
-        read = httpx.post(f"{api}/deployments/filter", timeout=30,
+        from infra import stack
+        from tasks.config import StackConfig
+
+        headers = stack.prefect_headers(StackConfig(state_dir=raw["stack"]["state_dir"]))
+        assert httpx.post(f"{api}/deployments/filter", timeout=30, json={}).status_code == 401  # auth is on
+        read = httpx.post(f"{api}/deployments/filter", timeout=30, headers=headers,
                           json={"deployments": {"name": {"any_": ["continue-pretraining"]}}}).json()
         assert [(s["schedule"]["cron"], s["schedule"]["timezone"]) for s in read[0]["schedules"]] == [
             ("15 2 * * *", "Europe/Paris")]

@@ -12,6 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from infra import stack
+from tasks.config import StackConfig
 from tasks.core.net import free_port
 from tasks.lineage.validate import event_errors, read_events
 
@@ -44,7 +46,10 @@ def run(tmp_path_factory):
         status = json.loads(subprocess.run(CRUCIBLE + ["status", "--json", "--config", str(REPO / "configs" / "tiny.yaml"),
                                                        *sets], cwd=REPO, env=env, capture_output=True, text=True,
                                                       timeout=60).stdout)
-        yield {"summary": summary, "status": status, "stdout": proc.stdout, "env": env, "sets": sets}
+        # the stack's Prefect API needs its auth string (a 0600 secret in the state dir): a raw client sends it
+        headers = stack.prefect_headers(StackConfig(state_dir=str(tmp / "state")))
+        yield {"summary": summary, "status": status, "stdout": proc.stdout, "env": env, "sets": sets,
+               "prefect_headers": headers}
     finally:
         subprocess.run(CRUCIBLE + ["down", "--config", str(REPO / "configs" / "tiny.yaml"), *sets],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
@@ -64,13 +69,15 @@ def test_flow_and_all_subflows_completed_in_prefect(run):
     api = run["status"]["prefect"]["url"].rstrip("/")
     api = api if api.endswith("/api") else api + "/api"
     root_id = run["summary"]["flow_run_id"]
-    root = httpx.get(f"{api}/flow_runs/{root_id}", timeout=30).json()
+    # the stack's Prefect API refuses a client without its auth string (server.api.auth_string)
+    assert httpx.get(f"{api}/flow_runs/{root_id}", timeout=30).status_code == 401
+    root = httpx.get(headers=run["prefect_headers"], url=f"{api}/flow_runs/{root_id}", timeout=30).json()
     assert root["state"]["type"] == "COMPLETED"
-    children = httpx.post(f"{api}/flow_runs/filter", json={
+    children = httpx.post(headers=run["prefect_headers"], url=f"{api}/flow_runs/filter", json={
         "flow_runs": {"parent_flow_run_id": {"operator": "and_", "any_": [root_id]}}}, timeout=30).json()
     if not children:  # parent_flow_run_id filter shape differs across versions; fall back to task-run parents
-        children = [r for r in httpx.post(f"{api}/flow_runs/filter", json={}, timeout=30).json() if r["id"] != root_id]
-    flows = {f["id"]: f["name"] for f in httpx.post(f"{api}/flows/filter", json={}, timeout=30).json()}
+        children = [r for r in httpx.post(headers=run["prefect_headers"], url=f"{api}/flow_runs/filter", json={}, timeout=30).json() if r["id"] != root_id]
+    flows = {f["id"]: f["name"] for f in httpx.post(headers=run["prefect_headers"], url=f"{api}/flows/filter", json={}, timeout=30).json()}
     names = {flows[c["flow_id"]]: c["state"]["type"] for c in children}
     assert SUBFLOWS <= set(names), names
     assert all(names[n] == "COMPLETED" for n in SUBFLOWS), names
@@ -146,7 +153,7 @@ def test_checkpoint_table_artifact_compares_every_checkpoint(run):
 
     s = run["summary"]
     api = run["status"]["prefect"]["url"].rstrip("/") + "/api"
-    arts = httpx.post(f"{api}/artifacts/filter", timeout=30,
+    arts = httpx.post(headers=run["prefect_headers"], url=f"{api}/artifacts/filter", timeout=30,
                       json={"artifacts": {"key": {"any_": [table_key(s["run_name"])]}}}).json()
     assert arts and all(a["type"] == "table" for a in arts)
     rows = json.loads(max(arts, key=lambda a: a["created"])["data"])
@@ -163,7 +170,7 @@ def test_training_plan_stage_prices_the_run(run):
     assert plan["tokens"] == 200 * 8 * 128 * 2 and plan["params"] > 0 and plan["gpu_hours"] > 0
     assert json.loads(Path(plan["path"]).read_text())["plan"]["tokens"] == plan["tokens"]
     api = run["status"]["prefect"]["url"].rstrip("/") + "/api"
-    arts = httpx.post(f"{api}/artifacts/filter", timeout=30,
+    arts = httpx.post(headers=run["prefect_headers"], url=f"{api}/artifacts/filter", timeout=30,
                       json={"artifacts": {"key": {"any_": ["training-plan"]}}}).json()
     assert arts and arts[0]["type"] == "markdown" and f"{plan['params']:,} parameters" in arts[0]["data"]
 
@@ -172,7 +179,7 @@ def test_long_stages_report_progress_to_prefect(run):
     """Ingest and curate each keep a Prefect progress artifact, at 100 % once the stage is done."""
     api = run["status"]["prefect"]["url"].rstrip("/") + "/api"
     for stage in ("ingest", "curate"):
-        arts = httpx.post(f"{api}/artifacts/filter", timeout=30,
+        arts = httpx.post(headers=run["prefect_headers"], url=f"{api}/artifacts/filter", timeout=30,
                           json={"artifacts": {"key": {"any_": [f"{stage}-progress"]}}}).json()
         assert arts, f"no {stage}-progress artifact"
         latest = max(arts, key=lambda a: a["updated"])
@@ -340,7 +347,7 @@ def test_prefect_runs_link_to_the_lineage_page(run):
     api = run["status"]["prefect"]["url"].rstrip("/") + "/api"
     base = run["status"]["lineage"]["url"]
     # link artifacts (Prefect stores them as markdown links) pointing at the lineage service's page
-    links = [a for a in httpx.post(f"{api}/artifacts/filter", json={}, timeout=30).json()
+    links = [a for a in httpx.post(headers=run["prefect_headers"], url=f"{api}/artifacts/filter", json={}, timeout=30).json()
              if isinstance(a.get("data"), str) and f"]({base}/#node=" in a["data"]]  # progress artifacts hold numbers
     by_flow = [a for a in links if a.get("flow_run_id") == s["flow_run_id"] and a.get("task_run_id") is None]
     assert len(by_flow) == 1 and f"]({s['lineage']['page_url']})" in by_flow[0]["data"], by_flow

@@ -149,7 +149,10 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
             stack.start_services(stack_cfg, [stack.prefect_spec(stack_cfg)])
             stack.start_services(stack_cfg, [spec])
         print(f"\nprefect + serve healthy after {time.monotonic() - t0:.1f}s")
-        c = httpx.Client(base_url=api, timeout=60, trust_env=False)
+        # the stack's Prefect has server auth on: clients send its auth string (here and in subprocesses)
+        assert httpx.post(f"{api}/deployments/filter", json={}, timeout=60).status_code == 401
+        monkeypatch.setenv("PREFECT_API_AUTH_STRING", stack.prefect_auth_env(stack_cfg)["PREFECT_API_AUTH_STRING"])
+        c = httpx.Client(base_url=api, timeout=60, trust_env=False, headers=stack.prefect_headers(stack_cfg))
         deps = {}
         for name in ("evaluate-checkpoint/evaluate-checkpoint", "deploy-model/deploy-model"):
             r = c.get(f"/deployments/name/{name}")

@@ -3,7 +3,6 @@ ablate and lineage replay. Each takes the parsed arguments and returns the exit 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -97,7 +96,7 @@ def _stack_for(cfg) -> None:
     """Bring the local stack up for a pipeline config and point this process's clients at it."""
     res = stack.up(cfg.stack, lineage_cfg=cfg.lineage)
     _print_status({k: v for k, v in res.items() if isinstance(v, dict)})
-    os.environ.update(stack.client_env(cfg.stack, cfg.lineage))
+    stack.use_stack(cfg.stack, cfg.lineage)
 
 
 def cmd_run(args) -> int:
@@ -128,7 +127,7 @@ def cmd_schedule(args) -> int:
     """Show or change the continue-pretraining deployment's schedule on the running stack."""
     # a bad --cron fails here, named like any config field (a JSON string is valid YAML)
     cfg = _load(args.config, args.overrides + ([f"continue.schedule={json.dumps(args.cron)}"] if args.cron else []))
-    os.environ.update(stack.client_env(cfg.stack, cfg.lineage))
+    stack.use_stack(cfg.stack, cfg.lineage)
     from flows.continued import set_schedule
 
     try:

@@ -106,7 +106,10 @@ def flow_run_failed(deployment: str, checkpoint: str | Path) -> str | None:
     if not api:
         return None
     try:
-        runs = httpx.post(f"{api.rstrip('/')}/flow_runs/filter", timeout=10, trust_env=False, json={
+        from tasks.core.net import prefect_api_headers
+
+        runs = httpx.post(f"{api.rstrip('/')}/flow_runs/filter", timeout=10, trust_env=False,
+                          headers=prefect_api_headers(), json={
             "deployments": {"name": {"any_": [deployment]}}, "sort": "EXPECTED_START_TIME_DESC",
             "limit": 200}).json()
     except (httpx.HTTPError, ValueError):
