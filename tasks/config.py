@@ -94,6 +94,10 @@ class IngestConfig(Section):
     normalise_whitespace: bool = True  # collapse runs of spaces, strip lines, at most one blank line
     extract_metadata: bool = True  # trafilatura title/date (about 1.4x slower); off: <title> and WARC-Date
     max_record_bytes: int = Field(default=10_000_000, gt=0)  # raw payload/line cap, quarantined above
+    # a compressed JSONL file that inflates more than this (decompressed / compressed bytes, judged
+    # once max_record_bytes have been inflated) is a decompression bomb: quarantined, not read on.
+    # Text compresses 3-10x; a page of zeros 1000x
+    max_compression_ratio: float = Field(default=100.0, gt=1)
     resume: bool = True  # reuse finished per-file jobs (sha256-verified parts) and a complete output
 
 

@@ -161,7 +161,8 @@ def process_file_range(source: SourceConfig, path: str, ingest: IngestConfig, st
     writer = ShardWriter(part_dir, prefix=part_name, shard_docs=1 << 40) if part_dir else None
     idx = 0
     try:
-        for rec in iter_records(path, source.format, ingest.max_record_bytes, source.storage_options):
+        for rec in iter_records(path, source.format, ingest.max_record_bytes, source.storage_options,
+                                ingest.max_compression_ratio):
             if stop is not None and idx >= stop:
                 res["eof"] = False
                 break

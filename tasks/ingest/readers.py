@@ -27,7 +27,9 @@ Bad input never raises out of a reader:
   "digest_mismatch"; undecodable Content-Encoding → "bad_content_encoding"; payload over
   `max_record_bytes` → "oversized_record"; a response without an HTTP header → "malformed_warc"
 * JSONL: truncated gzip → "truncated"; other gzip/zstd damage → "bad_gzip"; invalid UTF-8 →
-  "invalid_utf8"; unparsable line or not an object → "bad_json"; no string `text` → "missing_text"
+  "invalid_utf8"; unparsable line or not an object → "bad_json"; no string `text` → "missing_text";
+  a gzip/zstd file inflating more than `max_compression_ratio` times (once `max_record_bytes` are
+  inflated) → "decompression_bomb", and the rest of the file is not read
 * WET payloads and text files must be UTF-8 → "invalid_utf8"
 """
 from __future__ import annotations
@@ -133,7 +135,8 @@ class _ZstdRaw(io.RawIOBase):
 
 
 def iter_records(uri: str | Path, fmt: str, max_record_bytes: int = 10_000_000,
-                 storage_options: dict | None = None) -> Iterator[RawRecord | Skipped]:
+                 storage_options: dict | None = None,
+                 max_compression_ratio: float = 100.0) -> Iterator[RawRecord | Skipped]:
     """Records of the source file `uri` (a local path or any URI `fs.open_source` opens with the
     source's `storage_options`)."""
     uri = str(uri)
@@ -149,7 +152,7 @@ def iter_records(uri: str | Path, fmt: str, max_record_bytes: int = 10_000_000,
         if fmt in ("warc", "wet"):
             yield from _iter_warc(fh, "response" if fmt == "warc" else "conversion", max_record_bytes)
         elif fmt == "jsonl":
-            yield from _iter_jsonl(fh, posixpath.basename(uri), max_record_bytes)
+            yield from _iter_jsonl(fh, posixpath.basename(uri), max_record_bytes, max_compression_ratio)
         else:
             yield from _iter_text(fh, posixpath.basename(uri), max_record_bytes)
 
@@ -349,9 +352,25 @@ def _jsonl_record(obj: dict, offset: int, line_no: int, name: str) -> RawRecord:
     return out
 
 
-def _iter_jsonl(raw: io.BufferedReader, name: str, max_line_bytes: int) -> Iterator[RawRecord]:
+def _bomb(raw, inflated: int, min_inflated: int, max_ratio: float) -> str | None:
+    """Why a compressed stream is a decompression bomb (None while it is not): more than
+    `max_ratio` inflated bytes per compressed byte once `min_inflated` bytes are inflated."""
+    if inflated <= min_inflated:
+        return None
+    try:
+        compressed = max(1, raw.tell())
+    except (OSError, ValueError):  # a stream that cannot tell: judged by the record caps only
+        return None
+    ratio = inflated / compressed
+    return (f"{inflated} bytes inflated from {compressed} ({ratio:.0f}x > max_compression_ratio {max_ratio:g}); "
+            "the rest of the file was not read") if ratio > max_ratio else None
+
+
+def _iter_jsonl(raw: io.BufferedReader, name: str, max_line_bytes: int,
+                max_ratio: float = 100.0) -> Iterator[RawRecord]:
     offset = line_no = n_lines = 0
     with _decompressed(raw) as fh:
+        compressed = fh is not raw
         while True:
             try:
                 line = fh.readline(max_line_bytes + 1)
@@ -359,6 +378,9 @@ def _iter_jsonl(raw: io.BufferedReader, name: str, max_line_bytes: int) -> Itera
                 skipped = 0
                 while oversized and line and not line.endswith(b"\n"):
                     skipped += len(line)
+                    if compressed and (bomb := _bomb(raw, offset + skipped, max_line_bytes, max_ratio)):
+                        yield RawRecord(offset=offset, error="decompression_bomb", detail=bomb)
+                        return
                     line = fh.readline(_CHUNK)
             except EOFError as e:
                 yield RawRecord(offset=offset, error="truncated", detail=f"line {line_no + 1}: {e}"[:300])
@@ -371,6 +393,9 @@ def _iter_jsonl(raw: io.BufferedReader, name: str, max_line_bytes: int) -> Itera
             line_no += 1
             start = offset
             offset += len(line) + (skipped if oversized else 0)
+            if compressed and (bomb := _bomb(raw, offset, max_line_bytes, max_ratio)):
+                yield RawRecord(offset=start, error="decompression_bomb", detail=bomb, extra={"line": line_no})
+                return
             if oversized:
                 yield RawRecord(offset=start, error="oversized_record",
                                 detail=f"line {line_no}: over {max_line_bytes} bytes", extra={"line": line_no})
