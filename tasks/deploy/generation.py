@@ -127,6 +127,7 @@ class TextGenerator:
             sorted_p, order = torch.sort(probs, dim=-1, descending=True)
             # drop a token when the mass before it already reaches top_p (the top token always stays)
             drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
+            drop[..., 0] = False  # even when top_p underflows to 0 in the tensor's dtype (a fuzzer found it)
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
             probs = probs / probs.sum(dim=-1, keepdim=True)

@@ -28,12 +28,14 @@ from __future__ import annotations
 import hmac
 import re
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel
 
 from infra.services.lineage.fastjson import dumps_bytes, loads
 from infra.services.lineage.provenance import TRACE_DEPTH, Provenance, report_markdown
@@ -53,9 +55,23 @@ from infra.services.lineage.views import (
     _ms,
 )
 
+class Problem(BaseModel):
+    """FastAPI's error body: {"detail": ...} (and, for an invalid event, the schema errors)."""
+    detail: Any
+    errors: dict | None = None
+
+
+# documented on every route, so clients (and the fuzzer in tests/test_fuzz.py) know every answer
+ERRORS = {status: {"model": Problem, "description": what} for status, what in (
+    (400, "malformed request or an event that does not match the OpenLineage spec"),
+    (401, "missing or wrong bearer token"), (403, "writes disabled: no write token configured"),
+    (404, "no such node, namespace, job, dataset or run"))}
+
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 API = "/api/v1"
 MAX_DEPTH = 200
+MAX_PAGE = 10_000  # rows per page of a listing
+MAX_OFFSET = 2**53  # SQLite's INTEGER holds it (a larger offset was a 500: the fuzzer found it)
 
 
 def _ok(data, headers: dict | None = None) -> Response:
@@ -123,7 +139,7 @@ def _node_or_error(store: LineageStore, value: str) -> Node:
 
 def _page_router(store: LineageStore, reads: list) -> APIRouter:
     """The auditors' page, health and counts."""
-    router = APIRouter()
+    router = APIRouter(responses=ERRORS)
 
     @router.get("/", include_in_schema=False)
     def index() -> FileResponse:
@@ -143,7 +159,7 @@ def _page_router(store: LineageStore, reads: list) -> APIRouter:
 
 def _ingest_router(store: LineageStore, spec_dir: str | Path | None) -> APIRouter:
     """POST /api/v1/lineage: one event or a JSON array, optionally checked against the schemas."""
-    router = APIRouter()
+    router = APIRouter(responses=ERRORS)
 
     @router.post(f"{API}/lineage", status_code=201)
     async def post_lineage(request: Request, validate: bool = True) -> JSONResponse:
@@ -173,7 +189,7 @@ def _ingest_router(store: LineageStore, spec_dir: str | Path | None) -> APIRoute
 
 def _graph_router(store: LineageStore) -> APIRouter:
     """GET /api/v1/lineage: Marquez's lineage graph around a node."""
-    router = APIRouter()
+    router = APIRouter(responses=ERRORS)
 
     @router.get(f"{API}/lineage")
     def get_lineage(node_id_value: str = Query(..., alias="nodeId"), depth: int = Query(20, ge=0, le=MAX_DEPTH),
@@ -186,17 +202,18 @@ def _graph_router(store: LineageStore) -> APIRouter:
 
 def _namespace_router(store: LineageStore) -> APIRouter:
     """Namespaces and, under them, jobs (with runs) and datasets (with versions)."""
-    router = APIRouter()
+    router = APIRouter(responses=ERRORS)
 
     @router.get(f"{API}/namespaces")
-    def namespaces(limit: int = Query(100, ge=1), offset: int = Query(0, ge=0)) -> dict:
+    def namespaces(limit: int = Query(100, ge=1, le=MAX_PAGE),
+                   offset: int = Query(0, ge=0, le=MAX_OFFSET)) -> dict:
         rows = store.query("SELECT * FROM namespaces ORDER BY name LIMIT ? OFFSET ?", (limit, offset))
         return {"namespaces": [_namespace_obj(r) for r in rows],
                 "totalCount": store.query("SELECT count(*) FROM namespaces")[0][0]}
 
     @router.get(API + "/namespaces/{rest:path}")
-    def namespace_routes(request: Request, rest: str, limit: int = Query(100, ge=1),
-                         offset: int = Query(0, ge=0)) -> Response:
+    def namespace_routes(request: Request, rest: str, limit: int = Query(100, ge=1, le=MAX_PAGE),
+                         offset: int = Query(0, ge=0, le=MAX_OFFSET)) -> Response:
         ns, segs = _split_namespace_path(request, rest, store.namespaces_known())
         if ns is None:
             raise HTTPException(404, f"namespace not found in {rest!r}")
@@ -262,7 +279,7 @@ def _dataset_resource(store: LineageStore, ns: str, name: str, row: list, sub: t
 
 def _browse_router(store: LineageStore) -> APIRouter:
     """A run by id, search over jobs and datasets, and the stored events."""
-    router = APIRouter()
+    router = APIRouter(responses=ERRORS)
 
     @router.get(API + "/jobs/runs/{run_id}")
     def get_run(run_id: str) -> dict:
@@ -277,7 +294,8 @@ def _browse_router(store: LineageStore) -> APIRouter:
         return _search(store, q, filter, sort, limit, namespace)
 
     @router.get(f"{API}/events/lineage")
-    def events(limit: int = Query(100, ge=1, le=10000), offset: int = Query(0, ge=0), before: str | None = None,
+    def events(limit: int = Query(100, ge=1, le=MAX_PAGE), offset: int = Query(0, ge=0, le=MAX_OFFSET),
+               before: str | None = None,
                after: str | None = None, sortDirection: str = "desc") -> Response:
         where, params = [], []
         try:
@@ -326,7 +344,7 @@ def _search(store: LineageStore, q: str, kind: str | None, sort: str, limit: int
 
 def _crucible_router(store: LineageStore, links: Links, prov: Provenance) -> APIRouter:
     """Crucible's own endpoints: node detail for the page, the source trace, the provenance report."""
-    router = APIRouter()
+    router = APIRouter(responses=ERRORS)
 
     @router.get(f"{API}/crucible/node")
     def node_detail(node_id_value: str = Query(..., alias="nodeId")) -> Response:

@@ -47,6 +47,10 @@ class BatchScheduler:
             return {"active": len(self._active), "waiting": len(self._waiting), "steps": self.steps,
                     "max_batch": self.max_batch, "max_seen_batch": self.max_seen_batch}
 
+    @property
+    def stopped(self) -> bool:
+        return self._stop
+
     def shutdown(self, timeout: float = 5.0) -> None:
         with self._cv:
             self._stop = True

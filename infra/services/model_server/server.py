@@ -67,6 +67,30 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape, which every 4xx of this server has."""
+    error: ErrorDetail
+
+
+# documented on every route (the OpenAPI schema clients and fuzzers read)
+ERRORS = {status: {"model": ErrorResponse, "description": what} for status, what in (
+    (400, "malformed or unsupported request, or over a limit the message names"),
+    (401, "missing or wrong bearer token"), (403, "the admin API is disabled"), (404, "unknown model or path"),
+    (413, "request body over the size limit"), (429, "too many concurrent streams"))}
+
+
+# a completion answers JSON, or server-sent events with stream=true
+STREAMED = {200: {"content": {"application/json": {}, "text/event-stream": {}},
+                  "description": "the completion; with stream=true, server-sent events ending with `data: [DONE]`"}}
+
+
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
@@ -187,6 +211,8 @@ def create_app(generator: TextGenerator, model_name: str, max_tokens_limit: int 
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        if state.scheduler.stopped:  # the app started again after a shutdown (an in-process client's)
+            state.scheduler = BatchScheduler(max_batch)
         yield
         state.scheduler.shutdown()
 
@@ -243,7 +269,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(error_body(str(e.detail), param=None, code=code), status_code=e.status_code)
+        return JSONResponse(error_body(str(e.detail), param=None, code=code), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))  # 405 keeps its Allow header
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, e: Exception):
@@ -254,7 +281,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def _models_router(state: ServerState, model_name: str, auth: list, api_key: str | None) -> APIRouter:
     """GET /health and the model listing."""
-    router = APIRouter()
+    router = APIRouter(responses=ERRORS)
     created = int(state.generator.loaded_at)
     started = time.time()
 
@@ -285,7 +312,7 @@ def _models_router(state: ServerState, model_name: str, auth: list, api_key: str
 
 def _admin_router(state: ServerState, auth: list, resolve_version: ResolveVersion | None) -> APIRouter:
     """POST /v1/admin/reload: swap in another registered version without dropping requests."""
-    router = APIRouter()
+    router = APIRouter(responses=ERRORS)
 
     @router.post("/v1/admin/reload", dependencies=auth)
     def reload(req: ReloadRequest) -> dict:
@@ -318,9 +345,9 @@ def _admin_router(state: ServerState, auth: list, resolve_version: ResolveVersio
 def _completions_router(state: ServerState, model_name: str, auth: list, max_tokens_limit: int,
                         max_n: int) -> APIRouter:
     """POST /v1/completions: validate, submit the choices to the scheduler, answer or stream."""
-    router = APIRouter()
+    router = APIRouter(responses=ERRORS)
 
-    @router.post("/v1/completions", dependencies=auth)
+    @router.post("/v1/completions", dependencies=auth, responses=STREAMED)
     def completions(req: CompletionRequest):
         gen = state.generator  # one generator for the whole request, even if a reload happens meanwhile
         settings = _sampling_settings(req, gen, model_name, max_tokens_limit, max_n)
@@ -349,7 +376,7 @@ def _completions_router(state: ServerState, model_name: str, auth: list, max_tok
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @router.post("/v1/chat/completions", dependencies=auth)
+    @router.post("/v1/chat/completions", dependencies=auth, responses=STREAMED)
     def chat_completions(req: ChatCompletionRequest):
         gen = state.generator
         return answer(ChatJob(model_name, _chat_settings(req, gen, model_name, max_tokens_limit, max_n)),
