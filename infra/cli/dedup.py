@@ -1,7 +1,8 @@
 """`crucible dedup INPUT.jsonl --out RESULT.jsonl [--config C]`: exact + MinHash dedup of JSONL.
 
 Input: one {"id", "text", ...} object per line (.jsonl or .jsonl.gz). Output: one line per input
-document, in input order: {"id", "cluster", "keep"} — `cluster` is the id of the cluster's
+line, in input order: {"id", "cluster", "keep"} (a line that is not such an object: {"id": null,
+"line", "cluster": null, "keep": false, "reason": "bad_input: ..."}) — `cluster` is the id of the cluster's
 survivor (the first document of the cluster in input order, or with `minhash.survivor: quality`
 the one with the highest `quality_field` value), `keep` is true for survivors only.
 
@@ -54,30 +55,45 @@ def load_dedup_config(path: str | Path | None) -> DedupConfig:
     return DedupConfig.model_validate(raw or {})
 
 
-def read_jsonl(path: str | Path) -> Iterator[dict]:
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict | None, str | None]]:
+    """(line number, document, None) per good line; (line number, None, reason) per line that is
+    not a JSON object with a string `text` (it is reported, not deduplicated); blank lines skipped."""
     opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
+    with opener(path, "rb") as f:
         for n, line in enumerate(f, 1):
-            if line.strip():
-                doc = json.loads(line)
-                if not isinstance(doc.get("text"), str):
-                    raise ValueError(f"{path}:{n}: no string 'text'")
-                doc.setdefault("id", str(n))
-                yield doc
+            if not line.strip():
+                continue
+            try:
+                doc = json.loads(line.decode("utf-8"))
+            except ValueError as e:  # UnicodeDecodeError is one
+                yield n, None, f"bad_input: not JSON ({e})"[:200]
+                continue
+            if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
+                yield n, None, "bad_input: not an object with a string 'text'"
+                continue
+            doc.setdefault("id", str(n))
+            yield n, doc, None
 
 
 def dedup_jsonl(in_path: str | Path, out_path: str | Path, cfg: DedupConfig) -> dict:
     t0 = time.perf_counter()
-    docs = list(read_jsonl(in_path))
+    rows = list(read_jsonl(in_path))
+    docs = [d for _, d, _ in rows if d is not None]
     ids = [str(d["id"]) for d in docs]
     texts = [d["text"] for d in docs]
     field = cfg.minhash.quality_field
     scores = [d.get(field) if isinstance(d.get(field), (int, float)) else None for d in docs]
     info: dict = {}
     roots, steps = dedup_texts(texts, cfg, scores=scores, work_dir=Path(out_path).resolve().parent, info=info)
-    with AtomicJsonlWriter(out_path) as w:
-        for i, r in enumerate(roots):
+    with AtomicJsonlWriter(out_path) as w:  # one line per input line, in input order
+        i = 0
+        for n, doc, reason in rows:
+            if doc is None:
+                w.write({"id": None, "line": n, "cluster": None, "keep": False, "reason": reason})
+                continue
+            r = roots[i]
             w.write({"id": ids[i], "cluster": ids[r], "keep": r == i})
+            i += 1
     kept = sum(1 for i, r in enumerate(roots) if r == i)
     drops = [(ids[i], info["dropped_by"][i], ids[r]) for i, r in enumerate(roots) if r != i]
     sigs = {ids[k]: s for k, s in info.get("signatures", {}).items()}
@@ -85,6 +101,7 @@ def dedup_jsonl(in_path: str | Path, out_path: str | Path, cfg: DedupConfig) -> 
                           texts=dict(zip(ids, texts)), ngram=cfg.minhash.ngram)
     return {
         "input": str(in_path), "output": str(out_path), "docs_in": len(docs), "docs_out": kept,
+        "bad_input": len(rows) - len(docs),
         "clusters_with_duplicates": len({r for i, r in enumerate(roots) if r != i}),
         "steps": [s.to_dict() for s in steps], "clustering": info.get("clustering", {}).get("method"),
         "report": report, "seconds": round(time.perf_counter() - t0, 3),

@@ -80,13 +80,13 @@ def filter_file(input_path: str | Path, out_path: str | Path, cur) -> dict:
     stop_words = frozenset(cur.gopher_quality.stop_words)
     counts: Counter = Counter()
     n = kept = 0
-    with open(input_path, encoding="utf-8") as fin, AtomicJsonlWriter(out_path) as out:
-        for lineno, line in enumerate(fin, 1):
-            if not line.strip():
+    with open(input_path, "rb") as fin, AtomicJsonlWriter(out_path) as out:
+        for lineno, raw in enumerate(fin, 1):
+            if not raw.strip():
                 continue
             n += 1
             try:
-                doc = json.loads(line)
+                doc = json.loads(raw.decode("utf-8"))  # a line that is not UTF-8 is bad input too
                 if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
                     raise ValueError("not an object with a string 'text'")
             except ValueError:
