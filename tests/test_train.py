@@ -420,6 +420,11 @@ def test_async_checkpoint_is_a_snapshot_published_only_when_complete(tmp_path):
     assert list_checkpoints(tmp_path) == []  # not visible before wait_and_finalize
     path = pending.wait_and_finalize()
     assert list_checkpoints(tmp_path) == [path] and not path.with_name(path.name + ".tmp").exists()
+    from tasks.train.checkpoint import UnverifiedCheckpoint, apply_retention
+
+    with pytest.raises(UnverifiedCheckpoint):  # not loadable until the run's manifest vouches for it
+        load_model_for_inference(path)
+    apply_retention(tmp_path, path, None)  # what rank 0 of the trainer does next
     got, _ = load_model_for_inference(path)
     assert all(torch.equal(got.state_dict()[k], want[k]) for k in want)
     assert not torch.equal(got.state_dict()["tok_emb.weight"], model.state_dict()["tok_emb.weight"])

@@ -121,7 +121,7 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
     "verified"}. When the gate or verification fails, version/alias are None and `endpoint` is
     the running server's (still the previous champion) if there is one.
     """
-    from tasks.deploy.registry import get_champion, model_content_hash, promote, record_gate, register, reject
+    from tasks.deploy.registry import get_champion, model_content_hash, record_gate, register
     from tasks.deploy.yardstick import gate_evaluation, score_tags
 
     dcfg = cfg.deploy
@@ -160,9 +160,7 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
     log.info("deploy gate for %s: %s", evaluation.get("checkpoint"), decision["reason"])
     record_gate(tracking_uri, train_run_id, evaluation.get("step"), decision, yardstick)
     if not decision["passed"]:
-        current = server_status() if server_status else None
-        if current and current["healthy"]:
-            result.update(endpoint=current["url"], pid=current["pid"])
+        result.update(_live_server(server_status))
         return result
 
     tags = lineage_tags(cfg, evaluation, Path(tokenizer_path))
@@ -177,8 +175,26 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
         raise ValueError("deploy.serve is true but no model server was handed to deploy_if_better (serve_model, "
                          "verify_model); pass the stack's supervisor (infra.services.model_server.supervisor) "
                          "or set deploy.serve=false")
-    name, version = dcfg.model_name, reg["version"]
-    try:  # the live server keeps serving the champion while the challenger is verified apart from it
+    return _verify_promote_serve(cfg, tracking_uri, evaluation, tokenizer_path, reg["version"], result,
+                                 serve_model, verify_model, server_status)
+
+
+def _live_server(server_status: ServerStatus | None) -> dict:
+    """{endpoint, pid} of the running model server (still the champion's), or {}."""
+    current = server_status() if server_status else None
+    return {"endpoint": current["url"], "pid": current["pid"]} if current and current["healthy"] else {}
+
+
+def _verify_promote_serve(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: Path, version: int,
+                          result: dict, serve_model: ServeModel | None, verify_model: VerifyModel | None,
+                          server_status: ServerStatus | None) -> dict:
+    """A registered challenger: verified apart from the live server (which keeps serving the
+    champion), then promoted, and only then served live. A failed verification rejects it."""
+    from tasks.deploy.registry import promote, reject
+
+    dcfg = cfg.deploy
+    name = dcfg.model_name
+    try:
         if dcfg.serve:
             verified = verify_model(cfg, evaluation["checkpoint"], tokenizer_path, name, version, tracking_uri)
         else:
@@ -189,10 +205,7 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
         why = f"challenger version {version} failed verification: {type(e).__name__}: {e}"
         log.warning("deploy: %s; the champion stays", why)
         reject(tracking_uri, name, version, why)
-        result.update(passed=False, reason=why, version=None, alias=None)
-        current = server_status() if server_status else None
-        if current and current["healthy"]:
-            result.update(endpoint=current["url"], pid=current["pid"])
+        result.update(passed=False, reason=why, version=None, alias=None, **_live_server(server_status))
         return result
     promote(tracking_uri, name, version, verified)
     result.update(alias="champion", verified=verified)
