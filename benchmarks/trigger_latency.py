@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop(stack.STATE_DIR_ENV, None)
     stack.use_stack(cfg.stack, cfg.lineage)  # before Prefect is imported anywhere (with the stack's auth)
     layout = _layout_run(cfg, tmp / "lm")
+    stack.register_run_root(cfg.stack, cfg.run_root)  # as `crucible run` does: the triggered flows load from there
     ckpts = _train_checkpoints(cfg, layout, (10, 40))
     t0 = time.perf_counter()
     results: list[dict] = []

@@ -68,6 +68,22 @@ def run_paths(checkpoint: str | Path) -> dict:
             "tokens_index": str(layout.tokens_index)}
 
 
+def trusted_run_paths(checkpoint: str | Path) -> dict:
+    """run_paths of a checkpoint under one of the run roots `crucible run` registered with this
+    stack (stack.register_run_root); an event naming a checkpoint anywhere else is refused."""
+    from infra import stack
+    from tasks.config import StackConfig
+    from tasks.deploy.triggered import ForgedClaim
+
+    paths = run_paths(checkpoint)
+    roots = stack.run_roots(StackConfig())  # the state dir: $CRUCIBLE_STATE_DIR, set for the stack's processes
+    ckpt = Path(paths["checkpoint"])
+    if not any(ckpt.is_relative_to(root) for root in roots):
+        raise ForgedClaim(f"{ckpt} is not under a run root of this stack ({', '.join(map(str, roots)) or 'none'}; "
+                          "`crucible run` registers its config's run_root)")
+    return paths
+
+
 def _load_cfg(path: str):
     from tasks.config import PipelineConfig
 
@@ -160,7 +176,7 @@ def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run
     from tasks.deploy.yardstick import gate_at_evaluation
 
     run_id, run_name = _none(run_id), _none(run_name)
-    paths = run_paths(checkpoint)
+    paths = trusted_run_paths(checkpoint)
     run_name = run_name or Path(paths["run_dir"]).name
     cfg = _load_cfg(paths["config"])
     limit = eval_limit_name(run_name)
@@ -196,7 +212,7 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
     from tasks.deploy.triggered import ForgedClaim, evaluation_claim_problem
 
     run_id, run_name = _none(run_id), _none(run_name)
-    paths = run_paths(checkpoint)
+    paths = trusted_run_paths(checkpoint)
     cfg = _load_cfg(paths["config"])
     evaluation, problem = evaluation_claim_problem(paths["checkpoint"], report_path, run_id, _tracking_uri(cfg))
     if problem:

@@ -186,6 +186,27 @@ def prefect_headers(stack_cfg) -> dict[str, str]:
     return prefect_api_headers(secret(stack_cfg, PREFECT_AUTH))
 
 
+RUN_ROOTS_FILE = "run-roots.json"
+
+
+def register_run_root(stack_cfg, run_root: str | Path) -> None:
+    """Record a run root the stack's event-triggered flows may load checkpoints from (what
+    `crucible run` does for its config): an event naming a checkpoint anywhere else is refused."""
+    path = state_dir(stack_cfg) / RUN_ROOTS_FILE
+    roots = run_roots(stack_cfg)
+    root = Path(run_root).expanduser().resolve()
+    if root not in roots:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(sorted(str(r) for r in roots + [root]), indent=2) + "\n", fsync=False)
+
+
+def run_roots(stack_cfg) -> list[Path]:
+    try:
+        return [Path(p) for p in json.loads((state_dir(stack_cfg) / RUN_ROOTS_FILE).read_text())]
+    except (OSError, ValueError, TypeError):
+        return []
+
+
 def use_stack(stack_cfg, lineage_cfg=None) -> None:
     """Point this process's clients (Prefect, MLflow, lineage) at the stack, with its Prefect auth."""
     os.environ.update(client_env(stack_cfg, lineage_cfg))

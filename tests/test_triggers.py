@@ -44,6 +44,26 @@ def test_run_paths_from_checkpoint(tmp_path):
     assert retried(evaluate_task, StackConfig(eval_retries=5)).retries == 5
 
 
+def test_triggered_flows_load_checkpoints_only_under_registered_run_roots(tmp_path, monkeypatch):
+    """An event is a claim: the checkpoint it names must lie under a run root `crucible run`
+    registered with the stack, else the flow refuses it before reading anything."""
+    from flows.triggers import trusted_run_paths
+    from tasks.deploy.triggered import ForgedClaim
+
+    stack_cfg = StackConfig(state_dir=str(tmp_path / "state"))
+    monkeypatch.setenv(stack.STATE_DIR_ENV, str(tmp_path / "state"))
+    ours = tmp_path / "runs" / "r1" / "train" / "checkpoints" / "step-000010"
+    elsewhere = tmp_path / "planted" / "r1" / "train" / "checkpoints" / "step-000010"
+    with pytest.raises(ForgedClaim, match="none"):
+        trusted_run_paths(ours)
+    stack.register_run_root(stack_cfg, tmp_path / "runs")
+    stack.register_run_root(stack_cfg, tmp_path / "runs")  # once
+    assert stack.run_roots(stack_cfg) == [(tmp_path / "runs").resolve()]
+    assert trusted_run_paths(ours)["run_dir"] == str((tmp_path / "runs" / "r1").resolve())
+    with pytest.raises(ForgedClaim, match="not under a run root"):
+        trusted_run_paths(elsewhere)
+
+
 def test_checkpoint_table_and_triggered_handover_files(tmp_path):
     """The run's checkpoint table (newest report per step, triggered or direct) and the pretrain
     flow's wait for triggered results: a report without its gate verdict is not taken; a missing
@@ -140,6 +160,7 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
     run_dir, ckpts = _make_run(base, tmp_path, store)
     stack_cfg = StackConfig(state_dir=str(tmp_path / "state"), prefect_port=free_port(),
                             mlflow_port=free_port(), start_timeout=150, stop_timeout=10)
+    stack.register_run_root(stack_cfg, tmp_path / "runs")  # as `crucible run` does for its config
     spec = triggers_spec(stack_cfg, port=free_port())
     spec.env.update({"MLFLOW_TRACKING_URI": store})
     api = stack.prefect_api_url(stack_cfg)

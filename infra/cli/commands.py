@@ -66,6 +66,8 @@ def cmd_up(args) -> int:
     stack_cfg, _, lineage_cfg = _stack_configs(args)
     print(f"starting the local stack in {stack.state_dir(stack_cfg)} ...", file=sys.stderr)
     res = stack.up(stack_cfg, lineage_cfg=lineage_cfg, continue_config=_continue_config(args))
+    if args.config is not None:  # its scheduled cycles' checkpoints are evaluated by the triggered flows
+        stack.register_run_root(stack_cfg, _load(args.config, args.overrides).run_root)
     if args.json:
         print(json.dumps(res, indent=2))
     else:
@@ -97,6 +99,7 @@ def _stack_for(cfg) -> None:
     res = stack.up(cfg.stack, lineage_cfg=cfg.lineage)
     _print_status({k: v for k, v in res.items() if isinstance(v, dict)})
     stack.use_stack(cfg.stack, cfg.lineage)
+    stack.register_run_root(cfg.stack, cfg.run_root)  # the triggered flows load checkpoints from there only
 
 
 def cmd_run(args) -> int:
