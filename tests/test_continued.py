@@ -495,6 +495,11 @@ def test_a_wsd_champion_continues_from_its_pre_decay_checkpoint(tmp_path):
     plain = random_checkpoint(cosine_dir, tok, 10, 0, meta_extra={"schedule": schedule_record(cfg.train)}, **model)
     with pytest.raises(CycleError, match="not wsd"):
         cycle_config(wsd, discovery, champion(plain), tmp_path / "state")
+    # never from past the champion: a later checkpoint of its run (before the decay) was not gated
+    early_dir = tmp_path / "runs" / "early" / "train"
+    early = {step: random_checkpoint(early_dir, tok, step, step, meta_extra={"schedule": schedule_record(champion_cfg)},
+                                     **model) for step in (5, 12)}
+    assert cycle_config(wsd, discovery, champion(early[5]), tmp_path / "state").train.init_from == str(early[5])
 
 
 def test_a_second_cycle_waits_for_the_running_one_and_says_so(tmp_path):

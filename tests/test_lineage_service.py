@@ -288,6 +288,8 @@ def test_bad_events_are_refused_whole(tmp_path):
         assert bad_type.status_code == 400 and "eventType" in bad_type.json()["detail"], bad_type.text
         assert c.get("/api/v1/crucible/stats").json()["events"] == 0
         assert c.post("/api/v1/lineage", json=good).status_code == 201
+        for malformed in ({"run": "x"}, {"inputs": {"a": 1}, "outputs": []}, {"inputs": ["s"]}):  # 400, never 500
+            assert c.post("/api/v1/lineage", json={**good, **malformed}).status_code == 400
 
 
 def test_out_of_order_events_keep_the_final_state(tmp_path):

@@ -308,3 +308,44 @@ def test_the_official_openai_client_models_completions_chat_streaming_and_errors
         bad_key = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=http, max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad_key.models.list()
+
+
+def test_a_stream_slot_comes_back_even_when_the_client_leaves_before_the_first_byte():
+    """The slot and the sequences are released by the response itself, not by its body generator
+    (which never runs when the client is gone before the response starts)."""
+    import asyncio
+    import threading
+
+    from infra.services.model_server.server import SlotStream
+
+    class Job:  # the two things SlotStream uses of a completion job
+        cancelled = False
+
+        def stream(self):
+            yield "data: never read\n\n"
+
+        def cancel(self):
+            self.cancelled = True
+
+    slots, job = threading.BoundedSemaphore(1), Job()
+    assert slots.acquire(blocking=False)
+    response = SlotStream(job, slots)
+
+    async def gone():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        raise OSError("the client is gone")
+
+    try:
+        asyncio.run(response({"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST"}, gone, send))
+    except Exception:  # noqa: BLE001 - the disconnect surfaces as it may (an exception group under anyio)
+        pass
+    assert job.cancelled and slots.acquire(blocking=False)  # the slot is free again
+
+
+def test_a_chunked_body_over_the_limit_is_a_413(generator):
+    with TestClient(create_app(generator, "m", max_body_bytes=2000)) as c:
+        chunks = (b'{"prompt": "' + b"x" * 1000, b"x" * 1000, b"x" * 1000 + b'", "max_tokens": 1}')
+        r = c.post("/v1/completions", content=iter(chunks), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "2000 bytes" in r.json()["error"]["message"], r.text

@@ -105,8 +105,10 @@ def pre_decay_checkpoint(champion: Champion) -> tuple[Path | None, str]:
     if schedule.get("lr_schedule") != "wsd":
         return None, (f"the champion was trained with lr_schedule {schedule.get('lr_schedule', 'unrecorded')!r}, "
                       "not wsd")
+    # never past the champion itself (a run's later checkpoints were not the ones gated and promoted)
+    champion_step = int(read_meta(champion.checkpoint).get("step", 0))
     train_dir, start = champion.checkpoint.parent.parent, int(schedule["decay_start"])
-    kept = [e for e in read_manifest(train_dir)["checkpoints"] if e["step"] <= start]
+    kept = [e for e in read_manifest(train_dir)["checkpoints"] if e["step"] <= min(start, champion_step)]
     if not kept:
         return None, (f"no checkpoint of the champion's run at or before step {start}, where its decay began, is "
                       f"kept in {train_dir} (train.checkpoint_every / keep_last_checkpoints decide what is kept)")

@@ -95,7 +95,7 @@ class JobStore:
             return None
         try:
             stored = json.loads(path.read_bytes(), object_hook=_decode)
-        except ValueError:  # a damaged (or foreign) result file just means: redo the job
+        except (ValueError, TypeError, KeyError):  # a damaged (or foreign) result file just means: redo the job
             return None
         if not isinstance(stored, dict) or stored.get("key") != key or not isinstance(stored.get("part_sha256"), dict):
             return None

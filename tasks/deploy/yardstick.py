@@ -220,6 +220,7 @@ def gate_evaluation(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: st
     says why) rather than falling back to comparing val_loss across runs."""
     from tasks.deploy.gate import gate
     from tasks.deploy.registry import UnverifiedModel
+    from tasks.train.checkpoint import UnverifiedCheckpoint
 
     absolute = gate(cfg.deploy, evaluation)
     if not absolute["passed"] or champion is None:
@@ -228,7 +229,7 @@ def gate_evaluation(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: st
     if not (yardstick and yardstick["champion"]["version"] == champion["version"]):
         try:
             yardstick = against_champion(cfg, tracking_uri, evaluation, tokenizer_path, champion)
-        except UnverifiedModel as e:
+        except (UnverifiedModel, UnverifiedCheckpoint) as e:
             return {"passed": False, "reason": f"the champion (version {champion['version']}) cannot be scored on "
                                                f"the yardstick: {e}"}, None
     return yardstick["decision"], yardstick

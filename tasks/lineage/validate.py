@@ -45,11 +45,19 @@ def _validator(spec_dir: str, url: str, custom_dir: str = str(FACET_SCHEMA_DIR))
 
 
 def _facets(event: dict):
+    """(name, facet) of every facet of the event; parts of the wrong type are left to the event
+    schema to report (a malformed event is a 400, never a crash)."""
+    def items(obj, key):
+        group = obj.get(key) if isinstance(obj, dict) else None
+        return group.items() if isinstance(group, dict) else ()
+
     for key in ("run", "job"):
-        yield from (event.get(key, {}).get("facets") or {}).items()
-    for ds in (event.get("inputs") or []) + (event.get("outputs") or []):
-        for group in ("facets", "inputFacets", "outputFacets"):
-            yield from (ds.get(group) or {}).items()
+        yield from items(event.get(key), "facets")
+    for side in ("inputs", "outputs"):
+        datasets = event.get(side)
+        for ds in datasets if isinstance(datasets, list) else ():
+            for group in ("facets", "inputFacets", "outputFacets"):
+                yield from items(ds, group)
 
 
 @lru_cache(maxsize=4)

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="file holding the admin API's bearer token (never the clients' key); none: admin API off")
     ap.add_argument("--tracking-uri", default=None, help="MLflow registry that /v1/admin/reload resolves versions in")
     ap.add_argument("--cache-dir", default=None, help="where registered copies are downloaded when a version's own "
-                                                      "files are gone (default: the system temp dir)")
+                                                      "files are gone (default: a private temporary directory)")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     generator = TextGenerator.from_files(args.checkpoint, args.tokenizer)
     log.info("loaded version %s (step %s, %d parameters) in %.1fs", args.version, generator.meta.get("step"),
              sum(p.numel() for p in generator.model.parameters()), time.perf_counter() - t0)
-    cache = Path(args.cache_dir or Path(tempfile.gettempdir()) / "crucible-registered-copies")
+    # default: a private (0700) directory of this process, never a predictable shared one
+    cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="crucible-registered-copies-"))
     resolve = version_resolver(args.tracking_uri, args.model_name, cache) if args.tracking_uri else None
     app = create_app(generator, args.model_name, args.max_tokens_limit, args.max_n, api_key=api_key,
                      max_batch=args.max_batch, admin_key=admin_key, resolve_version=resolve, version=args.version,

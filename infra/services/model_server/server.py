@@ -178,7 +178,7 @@ class BodyLimit:
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.limit:
-                raise _TooLarge()
+                raise _TooLarge(self.limit)
             return message
 
         try:
@@ -194,8 +194,29 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(StarletteHTTPException):
+    """Raised while the body is read: FastAPI passes HTTP exceptions through, so it stays a 413."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body is larger than this server's limit of {limit} bytes")
+
+
+class SlotStream(StreamingResponse):
+    """A streamed completion holding one of the server's stream slots: released, and the request's
+    sequences cancelled, however the response ends (done, failed, or the client gone before the
+    first byte, when the body generator never runs)."""
+
+    def __init__(self, job: "CompletionJob", slots: threading.BoundedSemaphore):
+        super().__init__(job.stream(), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job, self.slots = job, slots
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+            self.slots.release()
 
 
 def create_app(generator: TextGenerator, model_name: str, max_tokens_limit: int = 1024, max_n: int = 16,
@@ -268,7 +289,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code)
         return JSONResponse(error_body(str(e.detail), param=None, code=code), status_code=e.status_code,
                             headers=getattr(e, "headers", None))  # 405 keeps its Allow header
 
@@ -366,15 +387,7 @@ def _completions_router(state: ServerState, model_name: str, auth: list, max_tok
         except BaseException:
             state.streams.release()
             raise
-
-        def stream() -> Iterator[str]:
-            try:
-                yield from job.stream()
-            finally:
-                state.streams.release()
-
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return SlotStream(job, state.streams)
 
     @router.post("/v1/chat/completions", dependencies=auth, responses=STREAMED)
     def chat_completions(req: ChatCompletionRequest):
@@ -483,6 +496,14 @@ class CompletionJob:
         return {"text": (s.prompt_text + c.text) if self.settings.echo else c.text, "index": s.index,
                 "logprobs": c.logprobs, "finish_reason": c.finish_reason}
 
+    def _preamble(self) -> Iterator[str]:
+        return iter(())
+
+    def cancel(self) -> None:
+        """Stop generating for this request (its client went away, or it is done)."""
+        for s in self.seqs:
+            s.cancelled = True
+
     def _chunk_choice(self, index: int, text: str, finish: str | None, logprobs) -> dict:
         return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
 
@@ -497,6 +518,7 @@ class CompletionJob:
         """Server-sent events: text deltas as they are generated, a final chunk per choice (with
         its finish reason and logprobs), the usage chunk if asked for, then [DONE]."""
         try:
+            yield from self._preamble()
             if self.settings.echo:
                 for s in self.seqs:
                     yield self._chunk(s.index, s.prompt_text, None)
@@ -538,13 +560,12 @@ class ChatJob(CompletionJob):
         return {"index": index, "delta": {"content": text} if text or finish is None else {},
                 "logprobs": None, "finish_reason": finish}
 
-    def stream(self) -> Iterator[str]:
+    def _preamble(self) -> Iterator[str]:
         for s in self.seqs:  # the first chunk of each choice names the role, as OpenAI's do
             body = {"id": self.cid, "object": self.chunk_object, "created": self.created, "model": self.model_name,
                     "choices": [{"index": s.index, "delta": {"role": "assistant", "content": ""},
                                  "logprobs": None, "finish_reason": None}]}
             yield f"data: {json.dumps(body)}\n\n"
-        yield from super().stream()
 
 
 class ChatMessage(BaseModel):

@@ -92,14 +92,16 @@ def verify_model(cfg, checkpoint_dir: str | Path, tokenizer_path: str | Path, mo
     port = dcfg.verify_port or free_port()
     live = server_spec(dcfg.model_copy(update={"port": port}), checkpoint_dir, tokenizer_path, model_name,
                        version=version)
-    spec = replace(live, name=VERIFY_SERVER, url=f"http://{stack.connect_host(dcfg.host)}:{port}/v1")
+    # one service name per verification: two deploys verifying at once never stop each other's server
+    name = f"{VERIFY_SERVER}-{port}"
+    spec = replace(live, name=name, url=f"http://{stack.connect_host(dcfg.host)}:{port}/v1")
     try:
         with stack.stack_lock(cfg.stack):
             stack.start_services(cfg.stack, [spec], restart=True)
         checked = check_served(dcfg, spec.url, read_meta(checkpoint_dir).get("step"))
     finally:
         with stack.stack_lock(cfg.stack):
-            stack.stop_service(cfg.stack, VERIFY_SERVER, forget=True)
+            stack.stop_service(cfg.stack, name, forget=True)
     return f"{checked.replace('served at', 'served by a verification server at')}; then stopped"
 
 
