@@ -73,27 +73,31 @@ def _add_stack_commands(sub) -> None:
     sp.add_argument("--json", action="store_true", help="print {service: {url, healthy, pid}} as JSON")
 
 
-def _add_pipeline_commands(sub) -> None:
-    sp = sub.add_parser("run", help="run the pipeline on CONFIG against the local stack",
-                        description="Validate CONFIG, bring the stack up, run the pretrain flow and print links "
-                                    "to the Prefect flow run, the MLflow runs, the served model and the lineage log.",
-                        epilog="example:\n  crucible run configs/tiny.yaml --set train.max_steps=50 --summary out.json",
+def _config_command(sub, name: str, summary: str, description: str, example: str, override_example: str):
+    """A subcommand taking a pipeline CONFIG and --set overrides."""
+    sp = sub.add_parser(name, help=summary, description=description, epilog=f"example:\n  {example}",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("config", metavar="CONFIG", help="pipeline config (YAML)")
-    _add_overrides(sp, "train.max_steps=50")
+    _add_overrides(sp, override_example)
+    return sp
+
+
+def _add_pipeline_commands(sub) -> None:
+    sp = _config_command(sub, "run", "run the pipeline on CONFIG against the local stack",
+                         "Validate CONFIG, bring the stack up, run the pretrain flow and print links to the Prefect "
+                         "flow run, the MLflow runs, the served model and the lineage log.",
+                         "crucible run configs/tiny.yaml --set train.max_steps=50 --summary out.json",
+                         "train.max_steps=50")
     sp.add_argument("--summary", metavar="PATH", help="also write the run's JSON summary to PATH")
     sp.add_argument("--run-name", metavar="NAME", help="run name (default: <config name>-<timestamp>)")
     sp.add_argument("--continue", dest="cycle", action="store_true",
                     help="run one continued-pretraining cycle now (the continue-pretraining flow: new files "
                          "only, from the champion) instead of the pretrain flow")
 
-    sp = sub.add_parser("schedule", help="show or change the continue-pretraining schedule",
-                        description="Read or change the cron schedule of the continue-pretraining deployment that "
-                                    "`crucible up --config CONFIG` serves (continue.schedule), or pause/resume it.",
-                        epilog="example:\n  crucible schedule configs/continue.yaml --cron '0 3 * * *'",
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    sp.add_argument("config", metavar="CONFIG", help="pipeline config (YAML)")
-    _add_overrides(sp, "continue.timezone=Europe/Berlin")
+    sp = _config_command(sub, "schedule", "show or change the continue-pretraining schedule",
+                         "Read or change the cron schedule of the continue-pretraining deployment that `crucible up "
+                         "--config CONFIG` serves (continue.schedule), or pause/resume it.",
+                         "crucible schedule configs/continue.yaml --cron '0 3 * * *'", "continue.timezone=Europe/Berlin")
     how = sp.add_mutually_exclusive_group()
     how.add_argument("--cron", metavar="EXPR", help="new cron expression (in continue.timezone)")
     how.add_argument("--pause", action="store_true", help="pause the schedule (no cycle starts until --resume)")

@@ -41,15 +41,6 @@ def _zero() -> dict:
     return {"new_tokens": 0, "replay_tokens": 0}
 
 
-def _source_tokens(index_path: Path) -> dict[str, int]:
-    """Train tokens per source of a token index."""
-    starts, ends = _documents(index_path)
-    out: dict[str, int] = {}
-    for name, a, b in zip(doc_source_names(index_path, "train"), starts, ends):
-        out[name] = out.get(name, 0) + int(b - a)
-    return out
-
-
 def _documents(index_path: Path) -> tuple[np.ndarray, np.ndarray]:
     """(starts, ends) token offsets of the train split's documents."""
     starts = np.asarray(open_doc_starts(index_path, "train"), dtype=np.int64)
@@ -97,8 +88,9 @@ def build_mix(new_index: str | Path, pool: list[Path], fraction: float, seed: in
     dtype = np.dtype(index["dtype"]).newbyteorder("<")
     by_origin = {str(new_index): {"role": "new", "tokens": new_tokens, "docs": index["splits"]["train"]["docs"]}}
     by_source: dict[str, dict] = {}
-    for name, tokens in _source_tokens(new_index).items():
-        by_source.setdefault(name, _zero())["new_tokens"] += tokens
+    new_names = doc_source_names(new_index, "train")
+    for name, a, b in zip(new_names, *_documents(new_index)):
+        by_source.setdefault(name, _zero())["new_tokens"] += int(b - a)
     train_path, starts_path = out_dir / "train.bin", out_dir / "train.doc_starts.npy"
     new_starts = np.asarray(open_doc_starts(new_index, "train"), dtype=np.int64)
     replay_starts, offset = [], new_tokens
@@ -110,7 +102,7 @@ def build_mix(new_index: str | Path, pool: list[Path], fraction: float, seed: in
         # the mix's source table extends the new index's, so the new val split's source ids stay valid
         names = list(index.get("sources") or [])
         ids = {n: j for j, n in enumerate(names)}
-        doc_ids = [ids.setdefault(n, len(ids)) for n in doc_source_names(new_index, "train")]
+        doc_ids = [ids.setdefault(n, len(ids)) for n in new_names]
         for i, a, b, k in drawn:
             doc_ids.append(ids.setdefault(sources[i][k], len(ids)))
             out.write(np.asarray(splits[i][a:b], dtype=dtype).tobytes())

@@ -24,15 +24,21 @@ EVENT_SCHEMA = SPEC_URL + "2-0-2/OpenLineage.json"
 
 
 @lru_cache(maxsize=4)
+def _documents(spec_dir: str, custom_dir: str) -> dict[str, dict]:
+    """Every schema document (the spec's and Crucible's facets') by its URL, without fragment: what
+    both validators resolve $refs in."""
+    docs = {}
+    for base, prefix in ((spec_dir, SPEC_URL), (custom_dir, CUSTOM_FACET_SCHEMA_BASE)):
+        for p in sorted(Path(base).rglob("*.json")):
+            doc = json.loads(p.read_text())
+            docs[doc.get("$id", prefix + str(p.relative_to(base))).split("#")[0]] = doc
+    return docs
+
+
+@lru_cache(maxsize=4)
 def _registry(spec_dir: str, custom_dir: str) -> Registry:
-    resources = []
-    for p in Path(spec_dir).rglob("*.json"):
-        doc = json.loads(p.read_text())
-        resources.append((doc.get("$id", SPEC_URL + str(p.relative_to(spec_dir))), Resource.from_contents(doc)))
-    for p in sorted(Path(custom_dir).glob("*.json")):
-        doc = json.loads(p.read_text())
-        resources.append((doc.get("$id", CUSTOM_FACET_SCHEMA_BASE + p.name), Resource.from_contents(doc)))
-    return Registry().with_resources(resources)
+    return Registry().with_resources((url, Resource.from_contents(doc))
+                                     for url, doc in _documents(spec_dir, custom_dir).items())
 
 
 @lru_cache(maxsize=256)
@@ -58,17 +64,6 @@ def _facets(event: dict):
         for ds in datasets if isinstance(datasets, list) else ():
             for group in ("facets", "inputFacets", "outputFacets"):
                 yield from items(ds, group)
-
-
-@lru_cache(maxsize=4)
-def _documents(spec_dir: str, custom_dir: str) -> dict[str, dict]:
-    """Every schema document by its URL (no fragment): what the fast validators resolve $refs in."""
-    docs = {}
-    for base, pattern, prefix in ((spec_dir, "*.json", SPEC_URL), (custom_dir, "*.json", CUSTOM_FACET_SCHEMA_BASE)):
-        for p in Path(base).rglob(pattern):
-            doc = json.loads(p.read_text())
-            docs[doc.get("$id", prefix + str(p.relative_to(base))).split("#")[0]] = doc
-    return docs
 
 
 @lru_cache(maxsize=256)
