@@ -53,25 +53,13 @@ class RunContext(BaseModel):
     triggered: bool = False
 
     def emitter(self, cfg: PipelineConfig) -> LineageEmitter:
-        return LineageEmitter(self.lineage_log, cfg.lineage.namespace, cfg.lineage.producer,
-                              http_url=self.lineage_url, http_timeout=cfg.lineage.http_timeout,
-                              owner=cfg.lineage.owner)
-
-    def mlflow_run_url(self, run_id: str | None) -> str | None:
-        if run_id and self.mlflow_experiment_id and self.tracking_uri.startswith("http"):
-            return f"{self.tracking_uri.rstrip('/')}/#/experiments/{self.mlflow_experiment_id}/runs/{run_id}"
-        return None
+        return lineage_emitter(cfg, self.lineage_log, self.lineage_url)
 
     def links(self, *, mlflow_run_id: str | None, flow_run_id: str | None,
               task_run_id: str | None = None) -> CrucibleLinksRunFacet:
         """The crucible_links run facet: this run in MLflow and in Prefect."""
-        ui = prefect_ui_base()
-        return CrucibleLinksRunFacet(
-            mlflow_run_id=mlflow_run_id, mlflow_run_url=self.mlflow_run_url(mlflow_run_id),
-            mlflow_experiment=self.experiment, prefect_flow_run_id=flow_run_id,
-            prefect_flow_run_url=f"{ui}/runs/flow-run/{flow_run_id}" if ui and flow_run_id else None,
-            prefect_task_run_id=task_run_id,
-            prefect_task_run_url=f"{ui}/runs/task-run/{task_run_id}" if ui and task_run_id else None)
+        return run_links(self.tracking_uri, self.experiment, self.mlflow_experiment_id, mlflow_run_id=mlflow_run_id,
+                         flow_run_id=flow_run_id, task_run_id=task_run_id)
 
     def lineage_page(self, node_id: str) -> str | None:
         """Link to the lineage service's page of a node, if the service is receiving this run."""
@@ -84,6 +72,27 @@ class RunContext(BaseModel):
     @property
     def root(self) -> JobRef:
         return JobRef(self.root_job, self.root_run_id)
+
+
+def lineage_emitter(cfg: PipelineConfig, lineage_log: str | Path, http_url: str | None) -> LineageEmitter:
+    """The emitter of a pipeline run's events: its JSONL log, and `http_url` (None: the log only)."""
+    return LineageEmitter(lineage_log, cfg.lineage.namespace, cfg.lineage.producer, http_url=http_url,
+                          http_timeout=cfg.lineage.http_timeout, owner=cfg.lineage.owner)
+
+
+def run_links(tracking_uri: str, experiment: str, experiment_id: str | None, *, mlflow_run_id: str | None,
+              flow_run_id: str | None, task_run_id: str | None = None) -> CrucibleLinksRunFacet:
+    """The crucible_links run facet: a run in MLflow (its page when the tracking server is HTTP and
+    the experiment id known) and in Prefect."""
+    ui = prefect_ui_base()
+    mlflow_url = (f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{mlflow_run_id}"
+                  if mlflow_run_id and experiment_id and tracking_uri.startswith("http") else None)
+    return CrucibleLinksRunFacet(
+        mlflow_run_id=mlflow_run_id, mlflow_run_url=mlflow_url, mlflow_experiment=experiment,
+        prefect_flow_run_id=flow_run_id,
+        prefect_flow_run_url=f"{ui}/runs/flow-run/{flow_run_id}" if ui and flow_run_id else None,
+        prefect_task_run_id=task_run_id,
+        prefect_task_run_url=f"{ui}/runs/task-run/{task_run_id}" if ui and task_run_id else None)
 
 
 def default_tracking_uri(cfg: PipelineConfig) -> str:

@@ -125,11 +125,13 @@ def run_stage(name: str, cfg: PipelineConfig, run: RunContext, inputs: StageInpu
     links = run.links(mlflow_run_id=mlflow_run, flow_run_id=flow_run.id, task_run_id=task_run.id)
     lineage = StageLineage(run.emitter(cfg), JobRef(f"{flow_run.flow_name}.{task_run.task_name}", task_run.id),
                            run.root, links)
+    collecting = collects(stage, run)  # the triggered flows do the work: a job of its own, inputs as read
     t0 = time.perf_counter()
     try:
         with lineage.emitter.run(lineage.job, parent=current_flow(), root=run.root,
-                                 inputs=stage.input_datasets(cfg, inputs), run_facets={"crucible_links": links},
-                                 job_doc=stage.doc, code_path=code_path(stage)) as active:
+                                 inputs=[] if collecting else stage.input_datasets(cfg, inputs),
+                                 run_facets={"crucible_links": links}, code_path=code_path(stage),
+                                 job_doc=collecting[1] if collecting else stage.doc) as active:
             result = stage.run(cfg, inputs, stage_context(stage, cfg, run, mlflow_run, lineage))
             active.inputs.extend(result.inputs)
             active.outputs.extend(result.outputs)
@@ -157,6 +159,14 @@ def node_of(dataset) -> str:
     return f"dataset:{dataset.namespace}:{dataset.name}"
 
 
+def collects(stage: Stage, run: RunContext) -> tuple[str, str] | None:
+    """(task, doc) when this stage only collects what the stack's event-triggered flows did, else None."""
+    return stage.collect if run.triggered else None
+
+
 def run_stage_task(name: str, cfg: PipelineConfig, run: RunContext, inputs: StageInputs | None = None) -> StageResult:
-    """Run stage `name` as its Prefect task, named as the registry says (the lineage job is `<flow>.<task>`)."""
-    return run_stage.with_options(name=STAGES[name].task)(name, cfg, run, inputs or StageInputs())
+    """Run stage `name` as its Prefect task, named as the registry says (the lineage job is `<flow>.<task>`);
+    a stage that only collects the triggered flows' results is named for that (Stage.collect)."""
+    collecting = collects(STAGES[name], run)
+    task_name = collecting[0] if collecting else STAGES[name].task
+    return run_stage.with_options(name=task_name)(name, cfg, run, inputs or StageInputs())

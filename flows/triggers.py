@@ -30,6 +30,17 @@ the gate's verdict under "gate"; a failed gate is also recorded on the training 
 results to run_dir/deploy/triggered/ (tasks/deploy/triggered.py). Each evaluation updates the
 run's Prefect table artifact comparing all its checkpoints (key eval-checkpoints-<run>).
 
+Lineage: each flow run emits OpenLineage START and COMPLETE/FAIL (run id: the Prefect flow run's
+id) into its pipeline run's lineage log (run_dir/lineage.jsonl) and to the lineage service, as the
+pretrain flow's runs do, and so does the `evaluate` task run (job `evaluate-checkpoint.evaluate`,
+parented to its flow run). A flow run's `parent` facet names the training run that spawned it (the
+torchrun job run that wrote the checkpoint, found in that log: tasks/lineage/runs.py), its `root`
+the pretrain flow run above that; `crucible_links` names the training run in MLflow. Datasets:
+evaluate reads the checkpoint, the tokenizer, the token index and val split and the task suite's
+evaluation data and writes the report (the flow adds the gate's verdict to it: a new version);
+deploy-model reads the checkpoint, the report and the tokenizer and writes the registered model
+version and the served model (namespace the server, name models/<name>, version the model version).
+
 With the stack up (`crucible run`), the pretrain flow leaves evaluation and deployment to these
 flows and waits for their results (triggers_active). Without it (plain `python -m flows.pretrain`)
 none of this runs: the pretrain flow evaluates and deploys its checkpoints itself.
@@ -41,7 +52,9 @@ import logging
 import os
 import re
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -50,8 +63,21 @@ from prefect.tasks import exponential_backoff
 from flows.artifacts import publish_eval_table
 from tasks.core.constants import (CHECKPOINT_EVENT, DEPLOY_FLOW, DEPLOYED_EVENT, EVAL_EVENT, EVAL_FLOW)
 from tasks.core.layout import RunLayout
+from tasks.lineage.emitter import ActiveRun, JobRef, dataset_for_path
+from tasks.lineage.outputs import DATASET_DOCS
 
 log = logging.getLogger("crucible.triggers")
+TRIGGERS_CODE = "flows/triggers.py"
+JOB_DOCS = {
+    EVAL_FLOW: "Event-triggered flow (crucible.checkpoint.saved): evaluate one checkpoint as training saves it, "
+               "gate it against the champion on the yardstick, record the verdict in the report and emit "
+               "crucible.eval.completed.",
+    f"{EVAL_FLOW}.evaluate": "Evaluate one checkpoint: validation loss and perplexity on the val split, the task "
+                             "suite and sample generations (retried with backoff, one evaluation per run at a time).",
+    DEPLOY_FLOW: "Event-triggered flow (crucible.eval.completed, passed): check the event's claim against the "
+                 "pipeline's records, gate the checkpoint against the champion of now, register it, promote it to "
+                 "champion once a server of its own answers, and swap it into the running model server.",
+}
 
 
 def _none(v):
@@ -146,17 +172,83 @@ def _emit(event: str, resource: dict, payload: dict) -> None:
     EventsWorker.drain_all(timeout=10)
 
 
+def _checkpoint_with_sources(datasets: list, paths: dict, training) -> list:
+    """The checkpoint among `datasets` gets the licences of what its training run read (its own
+    producer's COMPLETE, listing it, comes only when training ends)."""
+    ckpt = str(Path(paths["checkpoint"]).resolve())
+    for ds in datasets:
+        if ds.name == ckpt and training.sources is not None:
+            ds.facets["crucible_source"] = training.sources
+    return datasets
+
+
+@contextmanager
+def triggered_lineage(cfg, paths: dict, mlflow_run_id: str | None, inputs=None,
+                      task: bool = False) -> Iterator[tuple[ActiveRun, object]]:
+    """START/COMPLETE (or FAIL) of the current triggered flow run, or (task) of the current task run
+    of it, parented to that flow run, in the pipeline run's lineage log; `inputs(training)` -> the
+    START inputs. Yields (the active run, the checkpoint's TrainingRun)."""
+    from prefect.runtime import flow_run, task_run
+
+    from flows.run_context import lineage_emitter, lineage_targets, run_links
+    from tasks.lineage.runs import training_run_of
+
+    layout = RunLayout(paths["run_dir"])
+    training = training_run_of(layout.lineage_log, paths["checkpoint"])
+    flow = JobRef(flow_run.flow_name, flow_run.id)
+    if task:
+        job, up, job_type = JobRef(f"{flow.name}.{task_run.task_name}", task_run.id), flow, "TASK"
+        task_run_id = task_run.id
+    else:
+        job, up, job_type, task_run_id = flow, training.run, "FLOW", None
+    tracking_uri = _tracking_uri(cfg)
+    links = run_links(tracking_uri, cfg.name, _experiment_id(tracking_uri, mlflow_run_id), mlflow_run_id=mlflow_run_id,
+                      flow_run_id=flow_run.id, task_run_id=task_run_id)
+    emitter = lineage_emitter(cfg, layout.lineage_log, lineage_targets(cfg)[0])
+    with emitter.run(job, parent=up, root=training.root, inputs=inputs(training) if inputs else [],
+                     job_type=job_type, run_facets={"crucible_links": links}, job_doc=JOB_DOCS.get(job.name),
+                     code_path=TRIGGERS_CODE) as active:
+        yield active, training
+
+
+def _experiment_id(tracking_uri: str, run_id: str | None) -> str | None:
+    """The MLflow experiment of the training run (for its page's URL); None if it cannot be read."""
+    if not run_id:
+        return None
+    try:
+        from mlflow import MlflowClient
+
+        return MlflowClient(tracking_uri=tracking_uri).get_run(run_id).info.experiment_id
+    except Exception:  # noqa: BLE001 - a link, never a failure
+        return None
+
+
 @task(name="evaluate", retry_jitter_factor=0.2, cache_policy=NO_CACHE, persist_result=False)
 def evaluate_task(paths: dict, run_id: str | None) -> dict:
+    from flows.stage_task import run_facets
+    from tasks.core.stage import StageInputs
     from tasks.evaluate import evaluate_checkpoint
+    from tasks.evaluate.stage import report_datasets
+    from tasks.registry import STAGES
 
     cfg = _load_cfg(paths["config"])
-    for key in ("checkpoint", "tokenizer", "tokens_index"):
-        if not Path(paths[key]).exists():
-            raise FileNotFoundError(f"{key} {paths[key]} does not exist")
-    report = RunLayout(paths["run_dir"]).triggered_eval_report(paths["checkpoint"])
-    return evaluate_checkpoint(cfg, Path(paths["checkpoint"]), Path(paths["tokenizer"]), Path(paths["tokens_index"]),
-                               report, tracking_uri=_tracking_uri(cfg), run_id=run_id)
+    stage = STAGES["evaluate"]
+    missing = [f"{key} {paths[key]} does not exist" for key in ("checkpoint", "tokenizer", "tokens_index")
+               if not Path(paths[key]).exists()]
+    read = (None if missing else lambda training: _checkpoint_with_sources(stage.input_datasets(cfg, StageInputs(
+        checkpoint=paths["checkpoint"], tokenizer=paths["tokenizer"], tokens_index=paths["tokens_index"])),
+        paths, training))
+    with triggered_lineage(cfg, paths, run_id, read, task=True) as (active, _):
+        if missing:
+            raise FileNotFoundError("; ".join(missing))
+        report = evaluate_checkpoint(cfg, Path(paths["checkpoint"]), Path(paths["tokenizer"]),
+                                     Path(paths["tokens_index"]), RunLayout(paths["run_dir"]).triggered_eval_report(
+                                         paths["checkpoint"]), tracking_uri=_tracking_uri(cfg), run_id=run_id)
+        inputs, outputs = report_datasets(cfg, report)
+        active.inputs.extend(inputs)
+        active.outputs.extend(outputs)
+        active.run_facets.update(run_facets(cfg, stage, report))
+    return report
 
 
 def retried(evaluate, stack_cfg):
@@ -176,26 +268,32 @@ def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run
     from tasks.deploy.yardstick import gate_at_evaluation
 
     run_id, run_name = _none(run_id), _none(run_name)
-    paths = trusted_run_paths(checkpoint)
+    paths = trusted_run_paths(checkpoint)  # nothing, lineage included, is written for an untrusted claim
     run_name = run_name or Path(paths["run_dir"]).name
     cfg = _load_cfg(paths["config"])
-    limit = eval_limit_name(run_name)
-    ensure_limit(limit)
-    with concurrency(limit, occupy=1, strict=True):
-        report = retried(evaluate_task, cfg.stack)(paths, run_id)
-    # against the champion of now, on the fixed yardstick; deploy-model re-gates if the champion changes
-    decision, yardstick = gate_at_evaluation(cfg, _tracking_uri(cfg), report, paths["tokenizer"])
-    write_gate(report, decision, yardstick)
-    if not decision["passed"]:  # no deploy-model run follows: the verdict is recorded here
-        record_gate(_tracking_uri(cfg), run_id, report.get("step"), decision, yardstick)
-    publish_eval_table(paths["run_dir"], run_name)
+    with triggered_lineage(cfg, paths, run_id) as (active, training):
+        limit = eval_limit_name(run_name)
+        ensure_limit(limit)
+        with concurrency(limit, occupy=1, strict=True):
+            report = retried(evaluate_task, cfg.stack)(paths, run_id)
+        # against the champion of now, on the fixed yardstick; deploy-model re-gates if the champion changes
+        decision, yardstick = gate_at_evaluation(cfg, _tracking_uri(cfg), report, paths["tokenizer"])
+        active.inputs.extend(_checkpoint_with_sources([dataset_for_path(paths["checkpoint"]),
+                                                       dataset_for_path(paths["tokenizer"]),
+                                                       dataset_for_path(report["report_path"])], paths, training))
+        write_gate(report, decision, yardstick)  # the report's version with the gate's verdict
+        doc = DATASET_DOCS["eval_report"].format(checkpoint=Path(paths["checkpoint"]).name)
+        active.outputs.append(dataset_for_path(report["report_path"], output=True, doc=doc))
+        if not decision["passed"]:  # no deploy-model run follows: the verdict is recorded here
+            record_gate(_tracking_uri(cfg), run_id, report.get("step"), decision, yardstick)
+        publish_eval_table(paths["run_dir"], run_name)
     step = report.get("step", _none(step))
     payload = {"passed": decision["passed"], "reason": decision["reason"], "val_loss": report["val_loss"],
                "perplexity": report.get("perplexity"), "checkpoint": paths["checkpoint"], "step": step,
                "run_name": run_name, "run_id": run_id, "report_path": report["report_path"],
                "tokenizer": paths["tokenizer"], "task_metrics": report.get("task_metrics", {})}
     _emit(EVAL_EVENT, {"prefect.resource.id": f"crucible.eval.{run_name}.{step}",
-                       "crucible.eval.passed": str(decision["passed"]).lower()}, payload)
+                       "crucible.eval.passed": str(decision["passed"]).lower()}, payload)  # after COMPLETE
     print(f"evaluated {paths['checkpoint']}: val_loss {report['val_loss']}; gate: {decision['reason']}")
     return payload
 
@@ -209,20 +307,29 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
     from flows.stage_task import model_server_status, serve_model, verify_model
     from tasks.core.io import write_json_atomic
     from tasks.deploy import deploy_if_better
+    from tasks.deploy.stage import deploy_outputs
     from tasks.deploy.triggered import ForgedClaim, evaluation_claim_problem
 
     run_id, run_name = _none(run_id), _none(run_name)
-    paths = trusted_run_paths(checkpoint)
+    paths = trusted_run_paths(checkpoint)  # nothing, lineage included, is written for an untrusted claim
     cfg = _load_cfg(paths["config"])
-    evaluation, problem = evaluation_claim_problem(paths["checkpoint"], report_path, run_id, _tracking_uri(cfg))
-    if problem:
-        log = get_run_logger()
-        log.warning("refusing a forged or stale crucible.eval.completed claim for %s: %s", checkpoint, problem)
-        raise ForgedClaim(f"refused: the event's claim does not match the pipeline's records: {problem}")
-    result = deploy_if_better(cfg, _tracking_uri(cfg), evaluation, Path(paths["tokenizer"]), run_id,
-                              serve_model=serve_model, verify_model=verify_model,
-                              server_status=model_server_status(cfg))
-    write_json_atomic(RunLayout(paths["run_dir"]).triggered_deploy_record(paths["checkpoint"]), result)
+    recorded = RunLayout(paths["run_dir"]).triggered_eval_report(paths["checkpoint"])  # not the event's path
+
+    def read(training) -> list:
+        files = [p for p in (paths["checkpoint"], recorded, paths["tokenizer"]) if Path(p).exists()]
+        return _checkpoint_with_sources([dataset_for_path(p) for p in files], paths, training)
+
+    with triggered_lineage(cfg, paths, run_id, read) as (active, _):
+        evaluation, problem = evaluation_claim_problem(paths["checkpoint"], report_path, run_id, _tracking_uri(cfg))
+        if problem:
+            log = get_run_logger()
+            log.warning("refusing a forged or stale crucible.eval.completed claim for %s: %s", checkpoint, problem)
+            raise ForgedClaim(f"refused: the event's claim does not match the pipeline's records: {problem}")
+        result = deploy_if_better(cfg, _tracking_uri(cfg), evaluation, Path(paths["tokenizer"]), run_id,
+                                  serve_model=serve_model, verify_model=verify_model,
+                                  server_status=model_server_status(cfg))
+        write_json_atomic(RunLayout(paths["run_dir"]).triggered_deploy_record(paths["checkpoint"]), result)
+        active.outputs.extend(deploy_outputs(_tracking_uri(cfg), result))
     if result.get("version") is not None:
         _emit(DEPLOYED_EVENT, {"prefect.resource.id": f"crucible.model.{result['model_name']}.{result['version']}"},
               {k: result.get(k) for k in ("model_name", "version", "checkpoint", "val_loss", "endpoint")})

@@ -37,6 +37,7 @@ class SourceConfig(Section):
     opt_out_domains: list[str] = []
     opt_out_url_patterns: list[str] = []  # regexes searched in the URL; a match drops the record "opt_out"
     pii_policy: Literal["redact", "keep"] = "redact"
+    # multiplies the source's train tokens when token shards are built (0 drops it; tasks/tokens/mixture.py)
     mixture_weight: float = Field(default=1.0, ge=0)
     retention: str = ""  # retention note: how long the raw and derived data may be kept, and why
     # the exact files to read instead of expanding `uri` (a continued-pretraining cycle sets it to
@@ -86,13 +87,15 @@ class RayConfig(Section):
 
 
 class IngestConfig(Section):
-    extractor: Literal["trafilatura"] = "trafilatura"
+    # HTML main-content extractor (tasks/ingest/extract.py); the README's "Extraction" gives the
+    # measured speed and agreement behind the default
+    extractor: Literal["trafilatura", "resiliparse"] = "resiliparse"
     favour_precision: bool = True
     max_doc_bytes: int = Field(default=1_000_000, gt=0)
     shard_docs: int = Field(default=2000, gt=0)  # documents per output Parquet shard
     normalise_nfc: bool = True
     normalise_whitespace: bool = True  # collapse runs of spaces, strip lines, at most one blank line
-    extract_metadata: bool = True  # trafilatura title/date (about 1.4x slower); off: <title> and WARC-Date
+    extract_metadata: bool = True  # page date via htmldate (+ trafilatura's title); off: <title> and WARC-Date
     max_record_bytes: int = Field(default=10_000_000, gt=0)  # raw payload/line cap, quarantined above
     # a compressed JSONL file that inflates more than this (decompressed / compressed bytes, judged
     # once max_record_bytes have been inflated) is a decompression bomb: quarantined, not read on.
@@ -167,6 +170,10 @@ class MinHashConfig(Section):
     scheme: Literal["affine32", "legacy"] = "affine32"
     verify: bool = False  # join an LSH candidate pair only if its exact shingle Jaccard >= threshold
     verify_threshold: float = Field(default=0.8, ge=0, le=1)
+    # a cluster member is dropped only if its Jaccard to the cluster's kept document reaches this
+    # (exact with verify, else estimated from the signatures); the others are re-clustered, so a
+    # chain A~B~C never drops C for A (tasks.dedup.cluster; benchmarks/dedup_quality.py chose 0.7)
+    representative_threshold: float = Field(default=0.7, ge=0, le=1)
     batch_shingles: int = Field(default=16384, gt=0)  # shingles hashed per vectorised batch
     # shingle hash: "fast" (word hashes combined, `tasks.dedup.minhash.fast_hash32`) or "sha1"
     # (datasketch's default sha1_hash32); datasketch gives equal values with hashfunc= either one
@@ -186,9 +193,35 @@ class MinHashConfig(Section):
     index_dir: str | None = None
 
 
+class UrlDedupConfig(Section):
+    """URL dedup (tasks.dedup.urls, curate only): documents whose normalised URL is the same keep
+    one copy: the newest `crawl_date`, else the longest text, else the first in corpus order."""
+
+    enabled: bool = True
+    # query parameters dropped before comparing URLs (case-insensitive; a trailing * is a prefix)
+    tracking_params: list[str] = ["utm_*", "fbclid", "gclid", "dclid", "gbraid", "wbraid", "msclkid", "yclid",
+                                  "twclid", "igshid", "mc_cid", "mc_eid", "_ga", "_gl", "_hsenc", "_hsmi",
+                                  "mkt_tok", "vero_id", "oly_anon_id", "oly_enc_id"]
+
+
+class LineDedupConfig(Section):
+    """CCNet-style line dedup across the corpus (tasks.dedup.lines, curate only): a line whose
+    normalised form occurs in more than `max_docs` distinct documents is removed from all of them."""
+
+    enabled: bool = True
+    max_docs: int = Field(default=10, ge=1)  # why 10: README, "Curation"
+    # counting: "local" (one process), "ray" (hashes spilled to Parquet partitions, counted per
+    # partition in Ray tasks) or "auto" (ray from ray_min_docs input documents)
+    counting: Literal["auto", "local", "ray"] = "auto"
+    ray_min_docs: int = Field(default=200_000, gt=0)
+    partitions: int = Field(default=0, ge=0)  # line-hash partitions; 0: from the corpus size
+
+
 class DedupConfig(Section):
     exact: bool = True
     minhash: MinHashConfig = MinHashConfig()
+    url: UrlDedupConfig = UrlDedupConfig()
+    lines: LineDedupConfig = LineDedupConfig()
 
 
 class PiiConfig(Section):
@@ -363,6 +396,9 @@ class TokensConfig(Section):
     batch_docs: int = Field(default=512, gt=0)  # documents per encode_batch call
     ray: bool = True  # encode shards in parallel as Ray tasks (output identical either way)
     llmc: bool = False  # also write <split>.llmc.bin: the same ids behind llm.c's 1 KiB header
+    # seed of the sources' mixture_weight resampling of the train split (tasks/tokens/mixture.py); apart
+    # from `seed` so another draw of the mixture keeps the same validation documents
+    mixture_seed: int = 1234
 
 
 class ModelConfig(Section):

@@ -49,8 +49,10 @@ PRETRAIN_FLOWS: list[FlowSpec] = [
     FlowSpec("prepare_tokens", "Subflow: encode the curated corpus with the tokenizer and pack it into token shards."),
     FlowSpec("train", "Subflow: price the run with the planner, then train the model with torchrun, writing "
                       "distributed checkpoints."),
-    FlowSpec("evaluate", "Subflow: evaluate every checkpoint (validation loss, perplexity, task suite)."),
-    FlowSpec("deploy", "Subflow: gate the best checkpoint, register it in MLflow and serve it."),
+    FlowSpec("evaluate", "Subflow: evaluate every checkpoint (validation loss, perplexity, task suite); with the "
+                         "stack's triggers service up, collect the event-triggered evaluate-checkpoint runs' reports."),
+    FlowSpec("deploy", "Subflow: gate the best checkpoint, register it in MLflow and serve it; with the stack's "
+                       "triggers service up, collect what the event-triggered deploy-model runs did."),
 ]
 # The continue-pretraining flow's own subflows (flows/continued.py); it reuses the others above.
 CONTINUE_FLOWS: list[FlowSpec] = [

@@ -38,6 +38,7 @@ def test_langid_only_arm_switches_off_everything_but_langid():
     a = langid_only(cfg)
     assert filter_names(a.curate) == ["langid"]
     assert not a.curate.dedup.exact and not a.curate.dedup.minhash.enabled and not a.quality.enabled
+    assert not a.curate.dedup.url.enabled and not a.curate.dedup.lines.enabled
     assert cfg.quality.enabled and len(filter_names(cfg.curate)) > 1  # the original is untouched
     assert a.train == cfg.train and a.model == cfg.model and a.tokens == cfg.tokens
 

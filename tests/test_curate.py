@@ -1,6 +1,6 @@
 """`run_curate` on a small real sample (dolma CC sample, the wget WARC, some docs-crawl pages):
 every step fires, the accounting adds up, dropped.jsonl explains every missing document, and
-the output does not depend on how the input is sharded."""
+the output (ids and texts) does not depend on the Ray CPUs or the input sharding."""
 from __future__ import annotations
 
 import json
@@ -8,20 +8,24 @@ import os
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, IngestConfig, PipelineConfig, RayConfig, SourceConfig
+from tasks.config import (DATA_ROOT_ENV, DEFAULT_DATA_ROOT, IngestConfig, PipelineConfig, RayConfig, SourceConfig,
+                          UrlDedupConfig)
 from tasks.core.documents import iter_docs, write_docs
 from tasks.curate import run_curate
 from tasks.dedup.exact import exact_key
+from tasks.dedup.lines import LineDedupFilter, count_frequent_lines
+from tasks.dedup.urls import TrackingParams, normalise_url, parse_crawl_date
 from tasks.ingest.process import process_file_range
 
 DATA = Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
 WEB = DATA / "web"
 pytestmark = pytest.mark.skipif(not (WEB / "cc-main-2019-30-sample.jsonl.gz").exists(), reason=f"no data under {DATA}")
 
-STEPS = ["langid", "gopher_repetition", "gopher_quality", "c4", "fineweb", "decontam", "pii", "exact_dedup",
-         "minhash_dedup"]
+STEPS = ["line_dedup", "langid", "gopher_repetition", "gopher_quality", "c4", "fineweb", "decontam", "pii",
+         "url_dedup", "exact_dedup", "minhash_dedup"]
 NEVER_DROPS = {"pii"}
 
 
@@ -84,9 +88,10 @@ def test_accounting_and_every_step_fires(curated, sample_docs):
             assert sum(st["dropped"].values()) >= 1, f"{st['name']} dropped nothing"
         assert all(r.startswith(st["name"] if st["name"] != "langid" else "langid:") for r in st["dropped"])
     assert s["dropped"]["langid:low_score"] >= 1 and s["dropped"]["langid:de"] >= 1
-    assert s["languages"]["en"] > 0 and sum(s["languages"].values()) == steps[0]["docs_in"]
+    assert s["languages"]["en"] > 0 and sum(s["languages"].values()) == steps[STEPS.index("langid")]["docs_in"]
     assert s["languages_out"] == {"en": s["docs_out"]}
-    assert s["dropped"]["exact_dedup"] >= 3  # allenai.org x3 in wget, a repeated page in cc-main
+    assert s["dropped"]["url_dedup"] >= 2  # allenai.org x3 in wget
+    assert s["dropped"]["exact_dedup"] >= 1  # a repeated page in cc-main
 
 
 def test_real_near_duplicate_removed(curated, sample_docs):
@@ -108,7 +113,7 @@ def test_dropped_file_explains_every_missing_document(curated, sample_docs):
     assert sorted(out_ids + [d["id"] for d in dropped]) == sorted(in_ids)
     for d in dropped:
         assert d["step"] in STEPS
-        if d["step"] in ("exact_dedup", "minhash_dedup"):
+        if d["step"] in ("url_dedup", "exact_dedup", "minhash_dedup"):
             assert d["duplicate_of"] in set(out_ids)  # the kept copy is in the output
     # output keeps corpus order, is English, and has no exact duplicates left
     pos = {i: n for n, i in enumerate(in_ids)}
@@ -118,9 +123,93 @@ def test_dropped_file_explains_every_missing_document(curated, sample_docs):
     assert all(len(pq_rows) <= 150 for pq_rows in [list(iter_docs([p])) for p in s["shards"]])
 
 
-def test_output_independent_of_input_sharding(curated, sample_docs, cfg, tmp_path):
+def test_output_identical_whatever_the_parallelism(sample_docs, cfg, ray_session, tmp_path):
+    """Ray with 2 and 1 CPUs (2 and 1 curate actors), 1 and 3 input shards (12-row row groups:
+    one job each): the curated documents (ids and texts) and dropped.jsonl are identical. The
+    input keeps the wget pages (allenai.org ×3) and the docs-crawl pages (a real near-duplicate
+    pair) with 40 cc-main documents, so the dedup steps have work."""
+    import ray
+
+    from tasks.core.documents import ShardWriter
+    from tasks.core.ray_utils import init_ray
+
+    docs = [d for d in sample_docs if d["source"] == "cc-main"][:40] + \
+        [d for d in sample_docs if d["source"] != "cc-main"]
+    outputs = {}
+    try:
+        for cpus in (2, 1):
+            if cpus == 1:  # the module's 2-CPU Ray, then a fresh local Ray with 1 CPU
+                ray.shutdown()
+            init_ray(RayConfig(num_cpus=cpus))
+            for n_shards in (1, 3):
+                with ShardWriter(tmp_path / f"in-{cpus}-{n_shards}", shard_docs=-(-len(docs) // n_shards),
+                                 row_group_docs=12) as w:
+                    w.write_many(docs)
+                assert len(w.paths) == n_shards
+                s = run_curate(cfg.model_copy(update={"ray": RayConfig(num_cpus=cpus)}), w.paths,
+                               tmp_path / f"out-{cpus}-{n_shards}")
+                assert s["jobs"] >= 7 and s["workers"] == cpus
+                dropped = Path(s["dropped_file"]).read_text().splitlines()
+                outputs[cpus, n_shards] = ([(d["id"], d["text"]) for d in iter_docs(s["shards"])], dropped)
+    finally:  # the module's 2-CPU Ray again, for the tests after this one
+        ray.shutdown()
+        init_ray(RayConfig(num_cpus=2))
+    first, dropped = outputs[2, 1]
+    assert len(first) >= 20 and "minhash_dedup" in {json.loads(x)["step"] for x in dropped}
+    for key, out in outputs.items():
+        assert out == (first, dropped), key
+
+
+# ------------------------------------------------------------------ URL and line dedup (issue 15, items 1-2)
+
+def _frequent_line_docs(texts, frequent) -> int:
+    """How many of `texts` still hold a line whose hash is in `frequent`."""
+    step = LineDedupFilter(frequent, min_words=0)
+    return sum(any(step.frequent_mask(t.split("\n"))) for t in texts)
+
+
+def test_url_dedup_keeps_the_newest_crawl(curated, sample_docs):
     s, _ = curated
-    shards = write_docs(sample_docs, tmp_path / "in", shard_docs=333)
-    again = run_curate(cfg, shards, tmp_path / "out")
-    assert [d["id"] for d in iter_docs(again["shards"])] == [d["id"] for d in iter_docs(s["shards"])]
-    assert again["dropped"] == s["dropped"]
+    by_id = {d["id"]: d for d in sample_docs}
+    tracking = TrackingParams(UrlDedupConfig().tracking_params)
+    drops = [d for d in map(json.loads, Path(s["dropped_file"]).read_text().splitlines()) if d["step"] == "url_dedup"]
+    assert len(drops) == s["dropped"]["url_dedup"] >= 2
+    assert {by_id[d["id"]]["url"] for d in drops} == {"https://allenai.org/"}  # captured three times by wget
+    for d in drops:
+        dup, kept = by_id[d["id"]], by_id[d["duplicate_of"]]
+        assert normalise_url(dup["url"], tracking) == normalise_url(kept["url"], tracking)
+        assert parse_crawl_date(kept["crawl_date"]) >= parse_crawl_date(dup["crawl_date"])
+    step = next(st for st in s["steps"] if st["name"] == "url_dedup")
+    assert step["dropped"] == {"url_dedup": len(drops)}
+
+
+def test_line_dedup_counted_on_ray_as_in_process_and_applied(curated, cfg, tmp_path):
+    s, shards = curated
+    lines_cfg = cfg.curate.dedup.lines.model_copy(update={"partitions": 3})
+    local = count_frequent_lines(shards, lines_cfg, tmp_path, method="local")
+    on_ray = count_frequent_lines(shards, lines_cfg, tmp_path, cfg.ray, method="ray", spill_task_docs=100)
+    assert on_ray.stats["spill_tasks"] == len(shards) and len(local.hashes) > 0
+    assert np.array_equal(on_ray.hashes, local.hashes)
+    assert {k: on_ray.stats[k] for k in ("line_rows", "distinct_lines")} == \
+        {k: local.stats[k] for k in ("line_rows", "distinct_lines")}
+    ld, step = s["line_dedup"], s["steps"][0]
+    assert ld["counting"]["frequent_lines"] == len(local.hashes)
+    assert step["name"] == "line_dedup" and step["dropped"] == {"line_dedup:too_short": ld["docs_too_short"]} != {}
+    assert ld["lines_removed"] > 0 and step["bytes_in"] - step["bytes_out"] >= ld["bytes_removed"] > 0
+    assert ld["by_source"]["cc-main"]["lines_removed"] > 0
+    for k in ("docs_shortened", "lines_removed", "bytes_removed"):
+        assert sum(v[k] for v in ld["by_source"].values()) == ld[k]
+    assert _frequent_line_docs([d["text"] for d in iter_docs(s["shards"])], local.hashes) == 0
+
+
+def test_url_and_line_dedup_switched_off_change_the_output(curated, cfg, tmp_path):
+    s, shards = curated
+    dedup = cfg.curate.dedup.model_copy(update={"url": UrlDedupConfig(enabled=False),
+                                                "lines": cfg.curate.dedup.lines.model_copy(update={"enabled": False})})
+    off = run_curate(cfg.model_copy(update={"curate": cfg.curate.model_copy(update={"dedup": dedup})}),
+                     shards, tmp_path / "out")
+    assert [st["name"] for st in off["steps"]] == [n for n in STEPS if n not in ("line_dedup", "url_dedup")]
+    assert "line_dedup" not in off and off["docs_out"] > s["docs_out"]
+    assert off["dropped"]["exact_dedup"] > s["dropped"]["exact_dedup"]  # the allenai.org copies
+    frequent = count_frequent_lines(shards, cfg.curate.dedup.lines, tmp_path, method="local").hashes
+    assert _frequent_line_docs([d["text"] for d in iter_docs(off["shards"])], frequent) > 0

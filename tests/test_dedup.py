@@ -90,6 +90,36 @@ def test_clusters_are_transitive_and_keep_earliest():
     assert roots == [0, 1, 0, 0]
 
 
+@needs_data
+@pytest.mark.parametrize("verify", [True, False])
+def test_chain_member_is_not_dropped_for_a_representative_it_does_not_match(real_texts, verify):
+    """A~B and B~C but A !~ C: connected components put all three in A's cluster; C must be
+    kept, not dropped as A's duplicate through B. Exact Jaccard A-B 0.81, B-C 0.83, A-C 0.68
+    (estimated 0.80 / 0.82 / 0.66): verified pairs at 0.8 and, unverified, shared LSH band keys
+    chain them; the representative check (default 0.7) separates C from A."""
+    from tasks.config import DedupConfig, MinHashConfig
+    from tasks.dedup.minhash import band_keys, jaccard
+    from tasks.dedup.texts import dedup_texts
+
+    a = real_texts[0]
+    b = edit_words(a, 0.02, seed=0)
+    c = edit_words(b, 0.02, seed=100)
+    sh = [shingles(t) for t in (a, b, c)]
+    assert jaccard(sh[0], sh[1]) >= 0.8 and jaccard(sh[1], sh[2]) >= 0.8 and jaccard(sh[0], sh[2]) < 0.7
+    keys = [set(band_keys(s, 14, 8)) for s in MinHasher().signatures([a, b, c])]
+    assert keys[0] & keys[1] and keys[1] & keys[2] and not keys[0] & keys[2]
+    texts = [a, real_texts[1], b, real_texts[2], c]
+    chained = minhash_clusters(MinHasher().signatures(texts))
+    assert chained == [0, 1, 0, 3, 0]  # the components chain C to A
+    cfg = DedupConfig(minhash=MinHashConfig(verify=verify, verify_threshold=0.8))
+    assert cfg.minhash.representative_threshold == 0.7
+    info: dict = {}
+    roots, _ = dedup_texts(texts, cfg, info=info)
+    assert roots == [0, 1, 0, 3, 4]  # B dropped for A, C kept
+    check = info["clustering"]["representative_check"]
+    assert check["failed_first_check"] == 1 and check["pairs_checked"] == 2
+
+
 def test_documents_without_words_are_never_duplicates():
     hasher = MinHasher()
     sigs = [hasher.signature("..."), hasher.signature("!!!"), hasher.signature("real words here")]
@@ -207,8 +237,8 @@ def test_dedup_report_rates_histogram_and_example_pairs(real_texts):
     sigs = dict(zip(ids, hasher.signatures([texts[i] for i in ids])))
     rep = dedup_report(ids, sources, drops, signatures=sigs, texts=texts)
     assert rep["docs"] == 7 and rep["duplicates"] == 4 and rep["duplicate_rate"] == round(4 / 7, 4)
-    assert rep["by_source"]["web"] == {"docs": 4, "duplicates": 2, "exact_duplicates": 1, "near_duplicates": 1,
-                                       "index_duplicates": 0, "duplicate_rate": 0.5}
+    assert rep["by_source"]["web"] == {"docs": 4, "duplicates": 2, "url_duplicates": 0, "exact_duplicates": 1,
+                                       "near_duplicates": 1, "index_duplicates": 0, "duplicate_rate": 0.5}
     assert rep["by_source"]["books"]["duplicates"] == 2 and rep["by_source"]["books"]["docs"] == 3
     # clusters: {a, a-copy, a-near, a-near-copy} (chain through the exact copy of a near copy), {b, b-near}; c alone
     assert rep["cluster_sizes"] == {"1": 1, "2": 1, "4": 1}
@@ -224,7 +254,7 @@ def test_dedup_report_rates_histogram_and_example_pairs(real_texts):
     tables = report_tables(rep)
     assert {r["source"] for r in tables["by_source"]} == {"web", "books"}
     md = report_markdown(rep)
-    assert "| web | 4 | 1 | 1 | 50.00 % |" in md and "| b | b-near | minhash_dedup | 2 |" in md
+    assert "| web | 4 | 0 | 1 | 1 | 50.00 % |" in md and "| b | b-near | minhash_dedup | 2 |" in md
 
 
 def test_large_star_small_star_rounds_reach_the_components():
@@ -393,8 +423,11 @@ def test_curate_verifies_candidate_pairs_in_process_and_in_ray_tasks(verify_corp
         drops = {d["id"]: d.get("duplicate_of") for d in map(json.loads, Path(s["dropped_file"]).read_text().splitlines())}
         return s, drops, [d["id"] for d in iter_docs(s["shards"])]
 
-    # without verification the weak copy is an LSH candidate of the base and joins its cluster
-    s0, drops0, _ = run(_verify_cfg("local", verify=False), "plain")
+    # without verification (nor the representative check) the weak copy, an LSH candidate of the
+    # base, joins its cluster
+    plain = _verify_cfg("local", verify=False)
+    plain.curate.dedup.minhash.representative_threshold = 0.0
+    s0, drops0, _ = run(plain, "plain")
     assert drops0 == {near: base, low: base}
     assert "verified_pairs" not in s0["dedup"]["clustering"]
 

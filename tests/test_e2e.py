@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -48,11 +49,34 @@ def run(tmp_path_factory):
                                                       timeout=60).stdout)
         # the stack's Prefect API needs its auth string (a 0600 secret in the state dir): a raw client sends it
         headers = stack.prefect_headers(StackConfig(state_dir=str(tmp / "state")))
+        _wait_for_triggered_runs(status, headers)
         yield {"summary": summary, "status": status, "stdout": proc.stdout, "env": env, "sets": sets,
                "prefect_headers": headers}
     finally:
         subprocess.run(CRUCIBLE + ["down", "--config", str(REPO / "configs" / "tiny.yaml"), *sets],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+FINAL = {"COMPLETED": "COMPLETE", "FAILED": "FAIL", "CRASHED": "FAIL", "CANCELLED": "ABORT"}
+
+
+def _prefect_runs(status: dict, headers: dict) -> tuple[list[dict], list[dict]]:
+    """Every flow run and task run in the stack's Prefect (a fresh stack: all of them are the demo's)."""
+    api = status["prefect"]["url"].rstrip("/") + "/api"
+    flow_runs = httpx.post(f"{api}/flow_runs/filter", headers=headers, json={"limit": 200}, timeout=30).json()
+    task_runs = httpx.post(f"{api}/task_runs/filter", headers=headers, json={"limit": 200}, timeout=30).json()
+    assert len(flow_runs) < 200 and len(task_runs) < 200
+    return flow_runs, task_runs
+
+
+def _wait_for_triggered_runs(status: dict, headers: dict, timeout: float = 120) -> None:
+    """The pretrain flow returns once it has the triggered runs' results; the runs themselves finish
+    (their COMPLETE events, their final state) a moment later."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(r["state_type"] in FINAL for r in _prefect_runs(status, headers)[0]):
+            return
+        time.sleep(2)
 
 
 def test_summary_has_every_stage_and_links(run):
@@ -210,10 +234,15 @@ def test_lineage_start_complete_for_every_task_run(run):
         assert types[0] == "START" and types[-1] == "COMPLETE", (run_id, types)
     task_events = [e for e in events if e["job"]["facets"]["jobType"]["jobType"] == "TASK"]
     names = Counter(e["job"]["name"] for e in task_events if e["eventType"] == "COMPLETE")
+    # with the stack up the event-triggered flows evaluate and deploy (their jobs), and the pretrain
+    # flow's evaluate/deploy tasks only collect their results: jobs of their own, producing nothing
     for job in ("curate.ingest_sources", "curate.filter_and_dedup", "train_tokenizer.train_bpe",
-                "prepare_tokens.encode_and_pack", "train.torchrun_train", "evaluate.evaluate_checkpoint",
-                "deploy.gate_register_serve"):
+                "prepare_tokens.encode_and_pack", "train.torchrun_train", "evaluate-checkpoint.evaluate",
+                "evaluate.await_evaluation", "deploy.await_deployment"):
         assert names[job] >= 1, (job, names)
+    assert not names["evaluate.evaluate_checkpoint"] and not names["deploy.gate_register_serve"], names
+    assert not [e for e in task_events if e["job"]["name"] in ("evaluate.await_evaluation", "deploy.await_deployment")
+                and e["outputs"]]
     root_id = run["summary"]["flow_run_id"]
     for e in events:
         if e["run"]["runId"] != root_id:
@@ -229,7 +258,7 @@ def test_lineage_start_complete_for_every_task_run(run):
     assert any(i["name"].endswith("/tokens/train.bin") for i in torchrun[1]["inputs"])
     assert {o["name"] for o in torchrun[1]["outputs"]} >= set(train["checkpoints"])
     # every evaluation reads the val shard and the suite's evaluation data (licence, content hash)
-    evals = [e for e in task_events if e["job"]["name"] == "evaluate.evaluate_checkpoint" and e["eventType"] == "COMPLETE"]
+    evals = [e for e in task_events if e["job"]["name"] == "evaluate-checkpoint.evaluate" and e["eventType"] == "COMPLETE"]
     for e in evals:
         data = {i["facets"]["crucible_source"]["source"]: i for i in e["inputs"]
                 if i["facets"].get("crucible_source", {}).get("use") == "evaluation"}
@@ -299,7 +328,7 @@ def test_every_consumed_file_is_a_lineage_dataset_with_facets(run):
            if "crucible_source" in i.get("facets", {}) and not i["facets"]["crucible_source"]["derived"]]
     all_licences = {i["facets"]["crucible_source"]["licence"] for i in raw}
     assert len(all_licences) >= 2
-    model = [o for e in events for o in e.get("outputs", []) if o["name"].startswith("models/")]
+    model = [o for e in events for o in e.get("outputs", []) if o["namespace"].startswith("mlflow://")]
     assert model and set(model[0]["facets"]["crucible_source"]["licences"]) == all_licences
     for what in ("curated shards", "tokenizer", "token shards", "checkpoints", "eval reports"):
         for p in expected[what]:
@@ -323,8 +352,10 @@ def test_lineage_service_in_the_stack_answers_the_model_upstream_graph(run):
     assert run["status"]["lineage"]["healthy"]
     base = run["status"]["lineage"]["url"]
     events = read_events(s["lineage_log"])
-    # every event arrived over HTTP while the run went on
-    assert s["lineage"]["http"]["sent"] == len(events) and s["lineage"]["http"]["failed"] == 0
+    # every event arrived over HTTP while the run went on (the triggered flows' runs sent their own)
+    triggered = [e for e in events if e["job"]["name"].startswith(("evaluate-checkpoint", "deploy-model"))]
+    assert triggered and s["lineage"]["http"]["sent"] == len(events) - len(triggered)
+    assert s["lineage"]["http"]["failed"] == 0
     assert httpx.get(f"{base}/api/v1/crucible/stats", timeout=30).json()["events"] == len(events)
     dep = s["stages"]["deploy"]
     node = s["lineage"]["output_node"]
@@ -356,3 +387,33 @@ def test_prefect_runs_link_to_the_lineage_page(run):
     assert len(task_links) >= 7, task_links  # one per stage task run
     deploy_link = [a for a in task_links if "deploy" in a["data"]]
     assert deploy_link and s["lineage"]["output_node"].split(":models/")[1] in deploy_link[0]["data"]
+
+
+def test_every_prefect_run_is_one_lineage_run_in_the_same_state(run):
+    """Every flow run (pretrain, its subflows, the event-triggered evaluate-checkpoint and
+    deploy-model runs) and every task run of the demo is exactly one OpenLineage run, with the
+    Prefect run's id as its run id and its final state as its last event. The only other run is the
+    torchrun job (a job run of its own under the train task run)."""
+    s = run["summary"]
+    flow_runs, task_runs = _prefect_runs(run["status"], run["prefect_headers"])
+    # a subflow call shows up as a task run in its parent flow run too: the subflow run is its run
+    subflow_calls = {r["parent_task_run_id"] for r in flow_runs if r.get("parent_task_run_id")}
+    prefect = {r["id"]: r["state_type"] for r in flow_runs + task_runs if r["id"] not in subflow_calls}
+    lineage: dict[str, list[str]] = defaultdict(list)
+    for e in read_events(s["lineage_log"]):
+        lineage[e["run"]["runId"]].append(e["eventType"])
+    deployments = Counter(r.get("deployment_id") is not None for r in flow_runs)
+    assert deployments[True] >= 3, flow_runs  # >= 2 evaluate-checkpoint runs and a deploy-model run
+    assert set(lineage) - set(prefect) == {s["stages"]["train"]["lineage_run_id"]}
+    missing = {i: state for i, state in prefect.items() if i not in lineage}
+    assert not missing, missing
+    for run_id, state in prefect.items():
+        types = lineage[run_id]
+        assert types.count("START") >= 1 and types[-1] == FINAL[state], (run_id, state, types)
+    # the served model is a dataset of its own: the model server's endpoint, the version it serves
+    dep = s["stages"]["deploy"]
+    served = [o for e in read_events(s["lineage_log"]) if e["job"]["name"] == "deploy-model"
+              and e["eventType"] == "COMPLETE" for o in e["outputs"] if "crucible_serving" in o["facets"]]
+    assert served and served[-1]["namespace"] == dep["endpoint"].removesuffix("/v1")
+    assert served[-1]["name"] == f"models/{dep['model_name']}"
+    assert served[-1]["facets"]["version"]["datasetVersion"] == str(dep["version"])

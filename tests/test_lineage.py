@@ -430,3 +430,77 @@ def test_failed_torchrun_job_emits_fail_with_the_error(lm_lineage, tmp_path):
     assert fail["run"]["runId"] == torchrun.run_id and fail["run"]["facets"]["parent"]["run"]["runId"] == task.run_id
     assert "torchrun exited with code" in fail["run"]["facets"]["errorMessage"]["message"]
     assert fail["outputs"] == []
+
+
+# ------------------------------------------ the dedup index and the served model as datasets
+
+def test_curate_reads_and_writes_the_dedup_index_as_a_versioned_dataset(ray_session, tmp_path):
+    """With a persistent MinHash index, each curate run reads the index as it found it and writes
+    the next generation: one dataset, its version the index generation, input and output of the job."""
+    import gzip
+
+    from tasks.config import PipelineConfig
+    from tasks.core.documents import write_docs
+    from tasks.core.layout import RunLayout
+    from tasks.core.stage import StageContext, StageInputs
+    from tasks.curate.stage import CurateStage
+    from tasks.config import DEFAULT_DATA_ROOT
+
+    cc_main = Path(DEFAULT_DATA_ROOT) / "web" / "cc-main-2019-30-sample.jsonl.gz"
+    if not cc_main.exists():
+        pytest.skip(f"no {cc_main}")
+    with gzip.open(cc_main, "rt", encoding="utf-8") as f:
+        texts = [t for t in (json.loads(line)["text"] for line, _ in zip(f, range(200))) if len(t.split()) > 200][:6]
+    off = {"enabled": False}
+    cfg = PipelineConfig.model_validate({
+        "name": "index-lineage", "data_root": str(DEFAULT_DATA_ROOT), "ray": {"num_cpus": 2},
+        "sources": [{"name": "cc", "uri": "web/*", "format": "jsonl", "licence": "CC", "provenance": "p"}],
+        "curate": {"langid": off, "gopher_quality": off, "gopher_repetition": off, "c4": off, "fineweb": off,
+                   "decontam": off, "pii": off, "resume": False,
+                   "dedup": {"minhash": {"clustering": "local", "index_dir": str(tmp_path / "index")}}}})
+    stage, index = CurateStage(), str((tmp_path / "index").resolve())
+    em = LineageEmitter(tmp_path / "lineage.jsonl", "crucible", PRODUCER)
+    versions = []
+    for cycle, docs in enumerate((texts[:3], texts[3:] + texts[:1])):  # cycle 2 repeats one of cycle 1
+        shards = write_docs([{"id": f"c{cycle}-{i}", "text": t, "source": "cc"} for i, t in enumerate(docs)],
+                            tmp_path / f"in{cycle}")
+        inputs = StageInputs(shards=[str(s) for s in shards])
+        started = stage.input_datasets(cfg, inputs)
+        ctx = StageContext(layout=RunLayout(tmp_path / f"run{cycle}"), run_name=f"r{cycle}",
+                           tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="x")
+        result = stage.run(cfg, inputs, ctx)
+        read = {d.name: d for d in started + result.inputs if d.name == index}
+        written = [d for d in result.outputs if d.name == index]
+        assert len(written) == 1 and written[0].facets["dataQualityMetrics"].rowCount == 3 * (cycle + 1)
+        versions.append(written[0].facets["version"].datasetVersion)
+        if cycle == 0:
+            assert not read and result.data["dropped"].get("minhash_index", 0) == 0
+        else:
+            assert read[index].facets["version"].datasetVersion == versions[0]  # the generation cycle 1 wrote
+            assert result.data["dropped"]["minhash_index"] == 1
+        em.emit(RunState.COMPLETE, _ref("curate.filter_and_dedup"), inputs=started + result.inputs,
+                outputs=result.outputs)
+    assert versions == ["gen-000001", "gen-000002"]
+    events = read_events(tmp_path / "lineage.jsonl")
+    assert all(event_errors(e) == [] for e in events)
+
+
+def test_served_model_is_a_dataset_with_endpoint_and_model_version(tmp_path):
+    """A deployment that registered and served a model writes two datasets: the model version in the
+    registry and the served model (namespace the server, name models/<name>, version the model version)."""
+    from tasks.deploy.stage import deploy_outputs
+
+    served = {"model_name": "m", "version": 3, "content_hash": "abc", "alias": "champion",
+              "endpoint": "http://127.0.0.1:8123/v1"}
+    outputs = deploy_outputs("http://127.0.0.1:5000", served)
+    assert [(o.namespace, o.name) for o in outputs] == [("mlflow://127.0.0.1:5000", "models/m/3"),
+                                                        ("http://127.0.0.1:8123", "models/m")]
+    serving = outputs[1].facets
+    assert serving["version"].datasetVersion == "3"
+    assert (serving["crucible_serving"].endpoint, serving["crucible_serving"].model_version) == (served["endpoint"], 3)
+    em = LineageEmitter(tmp_path / "lineage.jsonl", "crucible", PRODUCER)
+    em.emit(RunState.COMPLETE, _ref("deploy-model"), outputs=outputs)
+    assert event_errors(read_events(tmp_path / "lineage.jsonl")[0]) == []
+    # not served (deploy.serve false, or the gate kept the champion): the registry's version alone, or nothing
+    assert [o.name for o in deploy_outputs("http://127.0.0.1:5000", {**served, "endpoint": None})] == ["models/m/3"]
+    assert deploy_outputs("http://127.0.0.1:5000", {**served, "version": None}) == []

@@ -256,3 +256,141 @@ def test_vocabulary_over_65536_ids_is_written_as_uint32(tmp_path):
             got.append(ids[:end])
             ids = ids[end:]
     assert sorted(got) == sorted(expected.values())
+
+
+# ------------------------------------------------------------------ mixture weights
+
+def _weighted_cfg(gutenberg: float, linux: float, **tokens):
+    """tiny_cfg() with the test corpus's two sources in the registry, at these mixture weights."""
+    from tasks.config import PipelineConfig
+
+    raw = tiny_cfg().model_dump(mode="json")
+    raw["sources"] = [
+        {"name": "gutenberg", "uri": "text/gutenberg/carroll-alice.txt", "format": "text",
+         "licence": "public domain", "provenance": "Project Gutenberg", "mixture_weight": gutenberg},
+        {"name": "linux-doc", "uri": "text/linux-doc-rst.jsonl.gz", "format": "jsonl",
+         "licence": "GPL-2.0", "provenance": "Linux 6.1 docs", "mixture_weight": linux}]
+    raw["tokens"].update(tokens)
+    return PipelineConfig.model_validate(raw)
+
+
+def _written_docs(index: dict, split: str) -> tuple[list[str], list[bytes]]:
+    """Each written document's source and token bytes, read back from the files."""
+    from tasks.tokens.binfile import doc_source_names, open_doc_starts
+
+    tokens = np.asarray(open_split(index["index_path"], split))
+    starts = np.append(open_doc_starts(index["index_path"], split), len(tokens))
+    return doc_source_names(index["index_path"], split), [tokens[a:b].tobytes() for a, b in zip(starts, starts[1:])]
+
+
+def _shares(names: list[str], docs: list[bytes]) -> dict[str, float]:
+    total = sum(len(d) for d in docs)
+    return {s: sum(len(d) for n, d in zip(names, docs) if n == s) / total for s in sorted(set(names))}
+
+
+def test_mixture_weights_give_the_target_token_shares(index, base, tmp_path):
+    """gutenberg 2.0, linux-doc 0.5: read back from the written train split, each source's token
+    share is w*T / sum(w*T) of the natural train tokens within 2 points (and far from the natural
+    share); whole documents only (gutenberg's each twice, linux-doc's once or dropped, counts adding
+    up); the val split is not weighted; same seed, same bytes; another seed, another draw."""
+    from collections import Counter
+
+    tok = Path(tokenizer_artifact(base)["path"])
+    weights = {"gutenberg": 2.0, "linux-doc": 0.5}
+    res = prepare_tokens(_weighted_cfg(*weights.values()), tok, corpus_shards(base), tmp_path / "w")
+    natural_names, natural_docs = _written_docs(index, "train")
+    names, docs = _written_docs(res, "train")
+    natural, effective = _shares(natural_names, natural_docs), _shares(names, docs)
+    weighted_total = sum(weights[s] * natural[s] for s in natural)
+    mixture = res["mixture"]
+    assert mixture["applied"] and set(mixture["by_source"]) == set(weights)
+    for s, w in weights.items():
+        target = w * natural[s] / weighted_total
+        assert abs(effective[s] - target) <= 0.02, (s, effective[s], target)
+        assert abs(natural[s] - target) > 0.05  # so natural shares would fail the check above
+        v = mixture["by_source"][s]
+        assert v["target_share"] == pytest.approx(target) and v["share"] == pytest.approx(effective[s])
+        assert v["natural_docs"] == v["kept_docs"] + v["dropped_docs"] and v["docs"] == v["kept_docs"] + v["repeats"]
+        assert res["by_source"][s]["train"] == {"tokens": v["tokens"], "docs": v["docs"]}
+    # whole documents: every gutenberg document exactly twice, each linux-doc document at most once
+    written, before = Counter(docs), Counter(natural_docs)
+    gutenberg, linux = ({x for x, name in zip(natural_docs, natural_names) if name == s} for s in weights)
+    assert all(written[d] == 2 * before[d] for d in gutenberg)
+    assert all(written[d] <= before[d] for d in linux) and set(written) <= set(before)
+    assert mixture["dropped"]["mixture_weight"] == mixture["by_source"]["linux-doc"]["dropped_docs"] > 0
+    assert res["splits"]["train"]["docs"] == len(docs) == sum(v["docs"] for v in mixture["by_source"].values())
+    assert Path(res["splits"]["val"]["path"]).read_bytes() == Path(index["splits"]["val"]["path"]).read_bytes()
+    again = prepare_tokens(_weighted_cfg(*weights.values()), tok, corpus_shards(base), tmp_path / "again")
+    other = prepare_tokens(_weighted_cfg(*weights.values(), mixture_seed=99), tok, corpus_shards(base), tmp_path / "o")
+    for key in ("sha256", "doc_starts_sha256", "doc_sources_sha256"):
+        assert again["splits"]["train"][key] == res["splits"]["train"][key]
+    assert other["splits"]["train"]["sha256"] != res["splits"]["train"]["sha256"]
+    assert other["splits"]["val"]["sha256"] == res["splits"]["val"]["sha256"]
+
+
+def test_mixture_weights_of_one_write_the_unweighted_files(index, base, tmp_path):
+    """Every weight exactly 1: nothing is resampled, the files are those of a build without weights
+    byte for byte, and the effective shares are the natural ones; weight 0 drops a source."""
+    tok = Path(tokenizer_artifact(base)["path"])
+    res = prepare_tokens(_weighted_cfg(1.0, 1.0), tok, corpus_shards(base), tmp_path / "ones")
+    assert not res["mixture"]["applied"] and res["mixture"]["dropped"] == {}
+    for split in ("train", "val"):
+        for key in ("sha256", "doc_starts_sha256", "doc_sources_sha256"):
+            assert res["splits"][split][key] == index["splits"][split][key]
+    for v in res["mixture"]["by_source"].values():
+        assert v["share"] == pytest.approx(v["target_share"]) and v["repeats"] == v["dropped_docs"] == 0
+    dropped = prepare_tokens(_weighted_cfg(0.0, 1.0), tok, corpus_shards(base), tmp_path / "zero")
+    assert set(_written_docs(dropped, "train")[0]) == {"linux-doc"}
+    assert dropped["mixture"]["dropped"] == {"mixture_weight": index["by_source"]["gutenberg"]["train"]["docs"]}
+    g = dropped["mixture"]["by_source"]["gutenberg"]
+    assert g["docs"] == g["tokens"] == g["share"] == 0 and g["dropped_docs"] == g["natural_docs"] > 0
+    assert dropped["by_source"]["gutenberg"]["val"] == index["by_source"]["gutenberg"]["val"]  # val not weighted
+
+
+def test_tokens_stage_records_the_mixture(base, tmp_path, monkeypatch):
+    """The stage run as plain Python: effective and target shares as top-level numbers (its MLflow
+    metrics), the weights as MLflow params, the token card's effective share column, and the
+    crucible_mixture facet on the index and train split, valid against its schema."""
+    import uuid
+
+    from mlflow import MlflowClient
+    from openlineage.client.event_v2 import RunState
+
+    from tasks.core.layout import RunLayout
+    from tasks.core.stage import StageContext, StageInputs
+    from tasks.lineage import JobRef, LineageEmitter
+    from tasks.lineage.validate import event_errors, read_events
+    from tasks.registry import STAGES
+    from tasks.tracking import Tracker
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").resolve().as_uri()
+    tracker = Tracker(uri, "mix")
+    run_id = tracker.start_run("tokens")
+    ctx = StageContext(layout=RunLayout.for_run(tmp_path / "runs", "r"), run_name="r", tracking_uri=uri,
+                       experiment="mix", mlflow_run_id=run_id)
+    inputs = StageInputs(tokenizer=tokenizer_artifact(base)["path"], shards=[str(p) for p in corpus_shards(base)])
+    result = STAGES["tokens"].run(_weighted_cfg(2.0, 0.5), inputs, ctx)
+    data, mixture = result.data, result.data["mixture"]
+    assert data["docs_in"] == data["docs_out"] + data["dropped"]["mixture_weight"]
+    for s, v in mixture["by_source"].items():
+        assert data[f"mixture.share.{s}"] == v["share"] and data[f"mixture.target_share.{s}"] == v["target_share"]
+    params = MlflowClient(uri).get_run(run_id).data.params
+    assert params["mixture.weight.gutenberg"] == "2.0" and params["mixture.weight.linux-doc"] == "0.5"
+    card = Path(data["dataset_card"]).read_text()
+    g = mixture["by_source"]["gutenberg"]
+    assert "| target share | effective share |" in card
+    assert f"| gutenberg | public domain | 2 | {g['natural_tokens']:,} | {100 * g['target_share']:.1f}% | " \
+           f"{100 * g['share']:.1f}% |" in card
+    log = tmp_path / "lineage.jsonl"
+    LineageEmitter(log, "crucible", "https://github.com/crucible-ml/crucible").emit(
+        RunState.COMPLETE, JobRef("prepare_tokens.encode_and_pack", str(uuid.uuid4())),
+        outputs=result.outputs)
+    event = read_events(log)[0]
+    assert event_errors(event) == []
+    with_facet = [o for o in event["outputs"] if "crucible_mixture" in o["facets"]]
+    assert [Path(o["name"]).name for o in with_facet] == ["index.json", "train.bin"]
+    assert with_facet[0]["facets"]["crucible_mixture"]["by_source"]["linux-doc"]["weight"] == 0.5
+    bad = json.loads(json.dumps(event))
+    del bad["outputs"][0]["facets"]["crucible_mixture"]["by_source"]["gutenberg"]["share"]
+    assert any("crucible_mixture" in e for e in event_errors(bad))

@@ -323,3 +323,85 @@ def test_without_triggers_the_pretrain_subflows_evaluate_and_deploy_directly(tmp
     assert sorted(m.step for m in MlflowClient(tracking_uri=store).get_metric_history(train_run, "val_loss")) == [10, 20]
     rows = json.loads(max(arts, key=lambda a: a["created"])["data"])
     assert [r["step"] for r in rows] == [10, 20] and all(r["evaluated_by"] == "pretrain flow" for r in rows)
+
+
+@pytest.mark.e2e
+def test_triggered_flow_runs_emit_lineage_parented_to_the_training_run(tmp_path, tmp_path_factory, monkeypatch):
+    """evaluate-checkpoint and deploy-model, run against a real temporary Prefect server: each flow
+    run is an OpenLineage run (run id: the Prefect flow run's) whose parent is the torchrun training
+    run of the checkpoint and whose root is the pretrain run, both read from the run's lineage log;
+    the evaluate task run is one under its flow run, with the checkpoint, tokenizer, val split and
+    evaluation data in and the report out. A refused deploy-model claim is a FAIL."""
+    from openlineage.client.event_v2 import RunState
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.triggers import deploy_model_flow, evaluate_checkpoint_flow
+    from tasks.config import PipelineConfig
+    from tasks.deploy.triggered import ForgedClaim
+    from tasks.lineage import JobRef, LineageEmitter, dataset_for_path
+    from tasks.lineage.validate import event_errors, read_events
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    monkeypatch.setenv(stack.STATE_DIR_ENV, str(tmp_path / "state"))
+    monkeypatch.delenv("CRUCIBLE_LINEAGE_URL", raising=False)
+    store = f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    run_dir, ckpts = _make_run(tmp_path_factory.getbasetemp() / "lm", tmp_path, store)
+    stack.register_run_root(StackConfig(state_dir=str(tmp_path / "state")), tmp_path / "runs")
+    cfg = PipelineConfig.model_validate_json((run_dir / "config.json").read_text())
+    # the pretrain run's lineage so far: its root run and the torchrun job still training
+    log = RunLayout(run_dir).lineage_log
+    em = LineageEmitter(log, cfg.lineage.namespace, cfg.lineage.producer)
+    root, torchrun = JobRef("pretrain", str(uuid.uuid4())), JobRef("train.torchrun_train.torchrun", str(uuid.uuid4()))
+    em.emit(RunState.START, root, job_type="FLOW")
+    licence = {"name": "test", "licence": "GPL-2.0", "provenance": "Debian"}
+    em.emit(RunState.START, torchrun, parent=JobRef("train.torchrun_train", str(uuid.uuid4())), root=root,
+            job_type="JOB", integration="TORCH", inputs=[dataset_for_path(run_dir / "tokens" / "train.bin",
+                                                                          source=licence)])
+    with prefect_test_harness(server_startup_timeout=180):
+        state = evaluate_checkpoint_flow(str(ckpts[0]), run_name="trig-run", return_state=True)
+        assert state.is_completed(), state.message
+        with pytest.raises(ForgedClaim):  # the event names a report the pipeline did not write
+            deploy_model_flow(str(ckpts[0]), str(tmp_path / "planted.json"), run_name="trig-run")
+        api = PREFECT_API_URL.value().rstrip("/")
+        flows = [f["id"] for f in httpx.post(f"{api}/flow_runs/filter", json={}, timeout=60).json()]
+        tasks = httpx.post(f"{api}/task_runs/filter", json={}, timeout=60).json()
+    events = read_events(log)[2:]
+    assert all(event_errors(e) == [] for e in events), [event_errors(e)[:2] for e in events]
+    by_run: dict = {}
+    for e in events:
+        by_run.setdefault(e["run"]["runId"], []).append(e)
+    eval_flow = str(state.state_details.flow_run_id)
+    (deploy_flow,) = set(flows) - {eval_flow}
+    (evaluate,) = [t["id"] for t in tasks if t["flow_run_id"] == eval_flow]
+    assert set(by_run) == {eval_flow, deploy_flow, evaluate}  # one lineage run per Prefect run, same id
+    for run_id, types in ((eval_flow, ["START", "COMPLETE"]), (evaluate, ["START", "COMPLETE"]),
+                          (deploy_flow, ["START", "FAIL"])):
+        assert [e["eventType"] for e in by_run[run_id]] == types
+    flow_events = by_run[eval_flow] + by_run[deploy_flow]
+    assert {e["job"]["name"] for e in flow_events} == {"evaluate-checkpoint", "deploy-model"}
+    for e in flow_events:  # spawned by the training run's checkpoint event, under the pretrain run
+        parent = e["run"]["facets"]["parent"]
+        assert (parent["job"]["name"], parent["run"]["runId"]) == (torchrun.name, torchrun.run_id)
+        assert (parent["root"]["job"]["name"], parent["root"]["run"]["runId"]) == ("pretrain", root.run_id)
+        assert e["job"]["facets"]["jobType"]["jobType"] == "FLOW" and e["job"]["facets"]["documentation"]
+    task_done = by_run[evaluate][-1]
+    assert task_done["job"]["name"] == "evaluate-checkpoint.evaluate"
+    assert task_done["run"]["facets"]["parent"]["run"]["runId"] == eval_flow
+    assert task_done["run"]["facets"]["parent"]["root"]["run"]["runId"] == root.run_id
+    assert task_done["run"]["facets"]["crucible_links"]["prefect_task_run_id"] == evaluate
+    inputs = {i["name"]: i for i in task_done["inputs"]}
+    assert {str(ckpts[0]), str(run_dir / "tokenizer" / "tokenizer.json"), str(run_dir / "tokens" / "val.bin")} <= set(inputs)
+    # the checkpoint carries the licences of what its training run read (its COMPLETE is yet to come)
+    assert inputs[str(ckpts[0])]["facets"]["crucible_source"]["licences"] == ["GPL-2.0"]
+    report = str(RunLayout(run_dir).triggered_eval_report(ckpts[0]))
+    assert [o["name"] for o in task_done["outputs"]] == [report]
+    assert task_done["outputs"][0]["facets"]["crucible_source"]["licences"] == ["GPL-2.0"]
+    gated = by_run[eval_flow][-1]  # the flow adds the gate's verdict: the report's final version
+    assert [o["name"] for o in gated["outputs"]] == [report]
+    assert gated["outputs"][0]["facets"]["version"]["datasetVersion"] == sha256_file(report)
+    refused = by_run[deploy_flow][-1]
+    assert "does not match the pipeline's records" in refused["run"]["facets"]["errorMessage"]["message"]
+    assert {str(ckpts[0]), report} <= {i["name"] for i in refused["inputs"]} and refused["outputs"] == []

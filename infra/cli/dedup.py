@@ -14,7 +14,11 @@ Steps (config `curate.dedup`, or a bare dedup section — see `load_dedup_config
    pair is joined only if its exact shingle Jaccard is ≥ `minhash.verify_threshold`
    (`tasks.dedup.verify`; on the Ray path checked in the per-partition Ray tasks). A
    candidate pair is (the first document filed under a band key, a later document sharing
-   that key), so a document can join a cluster only through a verified pair. Clustering runs
+   that key), so a document can join a cluster only through a verified pair. A member is
+   dropped only if its Jaccard to the cluster's kept document reaches
+   `minhash.representative_threshold` (exact with verify, else estimated from the signatures);
+   the others are re-clustered around their own best member (`tasks.dedup.cluster`), so a chain
+   A~B~C does not drop C for A. Clustering runs
    in process or, from `minhash.ray_min_docs` documents (`minhash.clustering`), on Ray with
    bounded memory (`tasks.dedup.cluster`); both give the same clusters.
 A summary (StepStats of both steps, clusters, the dedup report of `tasks.dedup.report`,

@@ -45,6 +45,8 @@ def langid_only(cfg: PipelineConfig) -> PipelineConfig:
     cur.langid.enabled = True
     cur.dedup.exact = False
     cur.dedup.minhash.enabled = False
+    cur.dedup.url.enabled = False
+    cur.dedup.lines.enabled = False
     c.quality.classifier.enabled = False
     c.quality.kenlm.enabled = False
     return PipelineConfig.model_validate(c.model_dump())

@@ -120,7 +120,8 @@ def build_mix(new_index: str | Path, pool: list[Path], fraction: float, seed: in
         v["tokens"] = v["new_tokens"] + v["replay_tokens"]
         v["share"] = v["tokens"] / offset if offset else 0.0
     val = index["splits"]["val"]
-    mixed = {k: v for k, v in index.items() if k not in ("splits", "by_source")}
+    # the new tokens' own mixture describes only them, not the mix
+    mixed = {k: v for k, v in index.items() if k not in ("splits", "by_source", "mixture")}
     mixed["sources"] = list(ids)
     mixed["splits"] = {
         "train": {"path": train_path.name, "tokens": offset, "docs": len(new_starts) + len(replay_starts),

@@ -150,6 +150,9 @@ class Stage:
     reads: ClassVar[tuple[str, ...]]
     doc: ClassVar[str]
     result_type: ClassVar[type[StageResult]] = StageResult
+    # (task, doc) of the stage when the stack's event-triggered flows do its work and it only collects
+    # their results (StageContext.triggered): a job of its own in the lineage, with no START inputs
+    collect: ClassVar[tuple[str, str] | None] = None
 
     def input_datasets(self, cfg: PipelineConfig, inputs: StageInputs) -> list:
         """Lineage inputs known before the run (START event): the files it is handed."""

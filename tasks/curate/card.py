@@ -18,6 +18,7 @@ _STEP_SECTIONS = {
     "langid": "langid", "gopher_repetition": "gopher_repetition", "gopher_quality": "gopher_quality",
     "c4": "c4", "fineweb": "fineweb", "decontam": "decontam", "pii": "pii",
     "exact_dedup": None, "minhash_dedup": "dedup.minhash", "minhash_index": "dedup.minhash",
+    "line_dedup": "dedup.lines", "url_dedup": "dedup.url",
 }
 
 
@@ -72,7 +73,8 @@ def render_dataset_card(cfg: PipelineConfig, summary: dict) -> str:
         if name not in known:
             w(f"| {name or '(none)'} | (not in registry) | | {cfg.curate.pii.default_policy} | | | "
               f"{c['docs_in']:,} | {c['docs_out']:,} |")
-    w("")
+    w("\nMixture weights are applied when the token shards are built (train split only); the token shards' "
+      "card (`tokens/DATASET_CARD.md`) gives each source's target and effective token share.\n")
 
     w("## Processing steps\n")
     w("Steps run in this order; each sees only what the previous one kept.\n")
@@ -146,3 +148,41 @@ def render_dataset_card(cfg: PipelineConfig, summary: dict) -> str:
 
 def write_dataset_card(cfg: PipelineConfig, summary: dict, path: str | Path) -> Path:
     return atomic_write_text(path, render_dataset_card(cfg, summary))
+
+
+def _share(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def render_token_card(cfg: PipelineConfig, index: dict) -> str:
+    """The token shards' card (the tokens stage writes it beside index.json): per source its licence,
+    mixture weight, natural train tokens, target and effective token share and the documents the
+    weighting dropped or repeated (index["mixture"], tasks/tokens/mixture.py), and the splits."""
+    mixture, splits, registry = index["mixture"], index["splits"], {s.name: s for s in cfg.sources}
+    out: list[str] = []
+    w = out.append
+    w(f"# Dataset card: {cfg.name} (token shards)\n")
+    w(f"{splits['train']['tokens']:,} train tokens in {splits['train']['docs']:,} documents, "
+      f"{splits['val']['tokens']:,} validation tokens in {splits['val']['docs']:,} documents ({index['dtype']}, "
+      f"vocabulary {index['vocab_size']:,}, tokenizer sha256 {index['tokenizer_sha256'][:12]}).\n")
+    w("## Mixture\n")
+    w(f"Each source's mixture weight multiplies its train tokens, by including whole documents floor(w) times "
+      f"and a seeded random subset once more (seed {mixture['seed']}); the target share is w·T / Σ w·T over "
+      f"the sources' natural train tokens T. The validation split is not weighted. "
+      + ("The train split was resampled." if mixture["applied"]
+         else "Every document was written once: the natural corpus, nothing resampled.") + "\n")
+    w("| source | licence | mixture weight | natural tokens | target share | effective share | tokens | "
+      "docs kept | docs dropped | repeats |")
+    w("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, v in sorted(mixture["by_source"].items()):
+        licence = _fmt(registry[name].licence) if name in registry else "(not in registry)"
+        w(f"| {name} | {licence} | {v['weight']:g} | {v['natural_tokens']:,} | {_share(v['target_share'])} | "
+          f"{_share(v['share'])} | {v['tokens']:,} | {v['kept_docs']:,} | {v['dropped_docs']:,} | {v['repeats']:,} |")
+    w(f"\nDocuments written zero times (reason `mixture_weight`): {sum(mixture['dropped'].values()):,}.\n")
+    w("## Validation split (not weighted)\n")
+    w("| source | tokens | docs |")
+    w("|---|---:|---:|")
+    for name, v in sorted(index["by_source"].items()):
+        if v["val"]["docs"]:
+            w(f"| {name} | {v['val']['tokens']:,} | {v['val']['docs']:,} |")
+    return "\n".join(out) + "\n"

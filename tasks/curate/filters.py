@@ -99,6 +99,12 @@ def duplicated_ngram_chars(toks: list[str] | _Joined, n: int) -> int:
             nxt = i + 1
 
 
+def real_word_count(text: str) -> int:
+    """Gopher's document length: word tokens that are not symbol words (what `min_doc_words`
+    bounds; also re-applied by line dedup, `tasks.dedup.lines`, to documents it shortened)."""
+    return sum(1 for w in words(text) if not is_symbol_word(w))
+
+
 class GopherQualityFilter(Filter):
     name = "gopher_quality"
 

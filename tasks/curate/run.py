@@ -1,13 +1,23 @@
-"""`run_curate`: ingested shards → language id → heuristic filters → decontamination → PII
-redaction → exact + MinHash dedup.
+"""`run_curate`: ingested shards → line dedup → language id → heuristic filters →
+decontamination → PII redaction → URL + exact + MinHash dedup.
 
+0. Line dedup counts (`tasks.dedup.lines`, with `dedup.lines.enabled`): over the whole input, in
+   how many distinct documents each normalised line occurs (in process, or on Ray with the hashes
+   spilled to Parquet partitions); the lines in more than `dedup.lines.max_docs` documents are
+   shipped to the workers once. It runs before the workers because their filters and the dedup
+   keys and signatures should see the text without the boilerplate, and counting needs the
+   whole corpus first (CCNet likewise counts before language id).
 1. Per input row group (ingest writes 500-row groups), on Ray actors (one per CPU, each loads
    the fastText model once): `run_filters` with the enabled filters (`filters.build_filters`,
-   in `filters.FILTER_ORDER`), kept documents written to a part file; for every kept document
-   the worker also returns its id, exact-dedup key, MinHash signature and size. Results are
-   merged in corpus order.
+   in `filters.FILTER_ORDER`, after line dedup's `LineDedupFilter`: frequent lines removed, a
+   shortened document below the minimum length dropped as "line_dedup:too_short"), kept
+   documents written to a part file; for every kept document the worker also returns its id,
+   exact-dedup key, MinHash signature, size, and (URL dedup on) URL key and crawl time. Results
+   are merged in corpus order.
 2. In the driver (`tasks.dedup.steps`, the steps `crucible dedup` runs too), over the whole
-   corpus in shard/row order: exact dedup (first copy kept),
+   corpus in shard/row order: URL dedup (`tasks.dedup.urls`: per normalised URL the newest
+   crawl, else the longest text, else the first is kept; documents without a URL pass),
+   exact dedup (first copy kept),
    then MinHash LSH clustering of the remaining documents (first document of each cluster kept,
    or with `minhash.survivor: quality` the highest quality score; in process, or on Ray with
    band keys spilled to Parquet from `minhash.ray_min_docs` documents: `tasks.dedup.cluster`).
@@ -49,6 +59,8 @@ document the language filter saw), languages_out (over the curated output), shar
 dropped_file, pii ({"replacements": {source: {kind: n}}, "by_kind", "docs_changed"}),
 decontam (hits per benchmark, report path, index stats), sources (docs in/out per source),
 dedup (`tasks.dedup.report`: duplicate rate per source, cluster sizes, example pairs, clustering),
+line_dedup (with line dedup on: the counting stats, and lines, bytes and documents removed per
+source, `lines.line_dedup_summary`),
 dataset_card, manifest, resumed_jobs, seconds. Memory in the driver is O(documents) for ids, keys and signatures
 (112 × 4 bytes per document with the default 14×8 LSH).
 """
@@ -73,9 +85,11 @@ from tasks.core.steps import StepStats, run_filters
 from tasks.curate.filters import filter_names
 from tasks.dedup.exact import exact_key
 from tasks.dedup.index import MinHashIndex
+from tasks.dedup.lines import FrequentLines, LineDedupFilter, count_frequent_lines, line_dedup_summary
 from tasks.dedup.minhash import MinHasher
 from tasks.dedup.report import add_text_jaccard, dedup_report, example_ids
 from tasks.dedup.steps import DedupPass
+from tasks.dedup.urls import TrackingParams, parse_crawl_date, url_key
 from tasks.dedup.verify import JaccardVerifier, ParquetTexts
 
 DATASET_CARD = "DATASET_CARD.md"
@@ -85,14 +99,16 @@ DROPPED = "dropped.jsonl"
 
 def curate_shard(shard: str | Path, filters: list, hasher: MinHasher | None, part_dir: str | Path,
                  part_name: str, row_groups: list[int] | None = None, batch_size: int = 500,
-                 score_field: str | None = None) -> dict:
+                 score_field: str | None = None, url_tracking: TrackingParams | None = None) -> dict:
     """Filter one shard (or some of its row groups); write survivors to
-    `<part_dir>/<part_name>-00000.parquet`."""
+    `<part_dir>/<part_name>-00000.parquet`. With `url_tracking` (URL dedup on) the kept documents'
+    normalised URL keys and crawl times are returned too."""
     stats: dict[str, StepStats] = {}
     dropped: list = []
     languages: Counter = Counter()
     sources_in: Counter = Counter()
     ids, keys, sigs, nbytes, doc_sources, scores = [], [], [], [], [], []
+    url_keys, crawl_times = [], []
     docs_in = 0
     for f in filters:  # a previous job that failed half-way must not leak its extras
         if hasattr(f, "drain"):
@@ -111,13 +127,16 @@ def curate_shard(shard: str | Path, filters: list, hasher: MinHasher | None, par
                 nbytes.append(len(text.encode("utf-8")))
                 doc_sources.append(doc.get("source") or "")
                 scores.append(doc.get(score_field) if score_field else None)
+                if url_tracking is not None:
+                    url_keys.append(url_key(doc.get("url"), url_tracking))
+                    crawl_times.append(parse_crawl_date(doc.get("crawl_date")))
             sigs.extend(hasher.signatures(kept) if hasher is not None else [None] * len(kept))
             languages.update(d["language"] for d in batch if d.get("language"))
     extras = {f.name: f.drain() for f in filters if hasattr(f, "drain")}
     return {
         "docs_in": docs_in, "stats": {k: v.to_dict() for k, v in stats.items()},
         "dropped": dropped, "ids": ids, "keys": keys, "sigs": sigs, "nbytes": nbytes,
-        "doc_sources": doc_sources, "scores": scores,
+        "doc_sources": doc_sources, "scores": scores, "url_keys": url_keys, "crawl_times": crawl_times,
         "languages": dict(languages), "sources_in": dict(sources_in), "extras": extras,
         "parts": [str(p) for p in writer.paths],
     }
@@ -128,19 +147,26 @@ def source_policies(cfg: PipelineConfig) -> dict[str, str]:
 
 
 class CurateWorker:
-    """Ray actor body: builds the filters (and loads the fastText model) once."""
+    """Ray actor body: builds the filters (and loads the fastText model) once. With
+    `frequent_lines` (line dedup's sorted hashes) line dedup runs first, before language id."""
 
-    def __init__(self, cfg: CurateConfig, policies: dict[str, str] | None = None, decontam_index=None):
+    def __init__(self, cfg: CurateConfig, policies: dict[str, str] | None = None, decontam_index=None,
+                 frequent_lines=None):
         from tasks.curate.filters import build_filters
 
         self.filters = build_filters(cfg, decontam_index=decontam_index, pii_policies=policies)
+        if frequent_lines is not None:
+            gq = cfg.gopher_quality
+            self.filters.insert(0, LineDedupFilter(frequent_lines, gq.min_doc_words if gq.enabled else 0))
+        url = cfg.dedup.url
+        self.url_tracking = TrackingParams(url.tracking_params) if url.enabled else None
         mh = cfg.dedup.minhash
         self.hasher = MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram, mh.scheme, mh.hash) if mh.enabled else None
         self.score_field = mh.quality_field if mh.enabled and mh.survivor == "quality" else None
 
     def process(self, shard: str, part_dir: str, part_name: str, row_groups: list[int] | None = None) -> dict:
         res = curate_shard(shard, self.filters, self.hasher, part_dir, part_name, row_groups,
-                           score_field=self.score_field)
+                           score_field=self.score_field, url_tracking=self.url_tracking)
         res["name"] = part_name
         return res
 
@@ -205,6 +231,14 @@ def _decontam_index(cfg: PipelineConfig):
     return _INDEX_CACHE[key]
 
 
+def _frequent_lines(cfg: PipelineConfig, shards: list[str], work_dir: Path) -> FrequentLines | None:
+    """Line dedup's frequent lines over the whole input (None when off): counted before the
+    workers run, so every worker removes the same lines (`tasks.dedup.lines`)."""
+    if not cfg.curate.dedup.lines.enabled:
+        return None
+    return count_frequent_lines(shards, cfg.curate.dedup.lines, work_dir, cfg.ray)
+
+
 # ------------------------------------------------------------------ the stage
 
 def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progress: Progress | None = None) -> dict:
@@ -223,9 +257,12 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
     if cfg.curate.resume and (done := output.completed(t0)) is not None:
         return done
     store = output.start(cfg.curate.resume)
+    lines = _frequent_lines(cfg, shards, output.parts_dir)
+    if lines is not None:  # every job's output depends on the whole corpus's line counts
+        job_base = digest([job_base, lines.fingerprint()])
     jobs = plan_jobs(shards, output.parts_dir, job_base)
     store.prune({job.name for job in jobs})
-    mapped = _map_jobs(cfg, jobs, index, store, progress)
+    mapped = _map_jobs(cfg, jobs, index, store, progress, lines)
 
     corpus = _Corpus.of(mapped.results)
     dedup, clustering, mh_index = _dedup(cfg.curate.dedup, mapped.results, corpus, output.parts_dir)
@@ -236,6 +273,9 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
         mh_index.save(cfg.curate.dedup.minhash.index_dir)
 
     summary = _summary(cfg, mapped.results, steps, dropped, written, index, output.dir)
+    if lines is not None:
+        summary["line_dedup"] = line_dedup_summary(
+            lines.stats, [r.get("extras", {}).get("line_dedup", {}) for r in mapped.results])
     summary.update(jobs=len(jobs), workers=mapped.workers)
     from tasks.curate.card import write_dataset_card
 
@@ -261,11 +301,13 @@ class _Mapped:
     seconds: float
 
 
-def _map_jobs(cfg: PipelineConfig, jobs: list[Job], index, store: JobStore, progress: Progress | None) -> _Mapped:
-    """Reuse the finished jobs, run the others on `CurateWorker` actors (the decontam index is
-    shipped once)."""
+def _map_jobs(cfg: PipelineConfig, jobs: list[Job], index, store: JobStore, progress: Progress | None,
+              lines: FrequentLines | None = None) -> _Mapped:
+    """Reuse the finished jobs, run the others on `CurateWorker` actors (the decontam index and
+    the frequent lines are shipped once)."""
     report = progress or (lambda done, total, note: None)
-    actors = RayActors(CurateWorker, (cfg.curate, source_policies(cfg), Shared(index) if index is not None else None),
+    actors = RayActors(CurateWorker, (cfg.curate, source_policies(cfg), Shared(index) if index is not None else None,
+                                      Shared(lines.hashes) if lines is not None else None),
                        "process", cfg.ray)
     done: dict[str, dict] = {}
     ran_docs = 0
@@ -293,6 +335,8 @@ class _Corpus:
     nbytes: list[int]
     sources: list[str]
     scores: list[float | None]  # `minhash.quality_field`, for `survivor: quality`
+    url_keys: list[bytes | None]  # `urls.url_key` (URL dedup on)
+    crawl_times: list[float | None]  # `urls.parse_crawl_date` (URL dedup on)
 
     @classmethod
     def of(cls, results: list[dict]) -> "_Corpus":
@@ -300,13 +344,14 @@ class _Corpus:
             return [x for r in results for x in r.get(name, [])]
 
         return cls(sum(r["docs_in"] for r in results), column("ids"), column("keys"), column("sigs"),
-                   column("nbytes"), column("doc_sources"), column("scores"))
+                   column("nbytes"), column("doc_sources"), column("scores"), column("url_keys"),
+                   column("crawl_times"))
 
 
 def _filter_steps(cfg: CurateConfig, results: list[dict]) -> list[StepStats]:
-    """The filter steps' stats over every job, in chain order."""
+    """The filter steps' stats over every job, in chain order (line dedup first)."""
     steps = []
-    for name in filter_names(cfg):
+    for name in (["line_dedup"] if cfg.dedup.lines.enabled else []) + filter_names(cfg):
         st = StepStats(name)
         for r in results:
             if name in r["stats"]:
@@ -317,10 +362,12 @@ def _filter_steps(cfg: CurateConfig, results: list[dict]) -> list[StepStats]:
 
 def _dedup(cfg: DedupConfig, results: list[dict], corpus: _Corpus,
            parts_dir: Path) -> tuple[DedupPass, dict | None, MinHashIndex | None]:
-    """Exact dedup, MinHash clustering, then (continued pretraining) the index of the documents
-    earlier runs kept, over the whole corpus in order. Returns the pass, the clustering stats and
-    the updated index (saved by the caller once the output is complete)."""
+    """URL dedup, exact dedup, MinHash clustering, then (continued pretraining) the index of the
+    documents earlier runs kept, over the whole corpus in order. Returns the pass, the clustering
+    stats and the updated index (saved by the caller once the output is complete)."""
     dedup = DedupPass(corpus.nbytes, corpus.ids)
+    if cfg.url.enabled:
+        dedup.url(corpus.url_keys, corpus.crawl_times)
     if cfg.exact:
         dedup.exact(corpus.keys)
     mh, clustering, mh_index = cfg.minhash, None, None
@@ -336,7 +383,9 @@ def _dedup(cfg: DedupConfig, results: list[dict], corpus: _Corpus,
     if mh.enabled and mh.index_dir:
         t0, alive = time.perf_counter(), dedup.alive
         mh_index = MinHashIndex.open(mh.index_dir, mh.bands, mh.rows, mh.seed, mh.scheme, mh.hash)
-        dedup.apply("minhash_index", mh_index.add([corpus.ids[i] for i in alive], [corpus.sigs[i] for i in alive]), t0)
+        # within_batch=False: the clustering (representative check included) decided between this run's documents
+        earlier = mh_index.add([corpus.ids[i] for i in alive], [corpus.sigs[i] for i in alive], within_batch=False)
+        dedup.apply("minhash_index", earlier, t0)
     return dedup, clustering, mh_index
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tasks.core.stage import DocumentsResult, Markdown, Stage, Table
-from tasks.lineage.outputs import DATASET_DOCS, optional_output, shard_output
+from tasks.lineage.outputs import DATASET_DOCS, dedup_index_dataset, optional_output, shard_output
 from tasks.tracking import Tracker
 
 
@@ -15,18 +15,33 @@ class CurateStage(Stage):
            "exact and MinHash deduplication of the ingested shards; dropped documents are listed in dropped.jsonl.")
     result_type = DocumentsResult
 
+    def input_datasets(self, cfg, inputs) -> list:
+        """The shards, and the MinHash index of earlier runs when this run dedups against one."""
+        index = dedup_index_dataset(minhash_index_dir(cfg))
+        return super().input_datasets(cfg, inputs) + ([index] if index else [])
+
     def run(self, cfg, inputs, ctx) -> DocumentsResult:
         from tasks.curate import run_curate
 
+        index_before = dedup_index_dataset(minhash_index_dir(cfg))
         data = run_curate(cfg, [Path(p) for p in inputs.shards], ctx.stage_dir(self.name),
                           progress=ctx.progress("row groups filtered"))
         outputs = [shard_output(cfg, p, DATASET_DOCS["curated_shard"]) for p in data["shards"]]
         outputs += optional_output(data.get("dropped_file"), DATASET_DOCS["dropped"])
+        index_after = dedup_index_dataset(minhash_index_dir(cfg), output=True)
+        if index_after and (index_before is None or index_after.facets["version"] != index_before.facets["version"]):
+            outputs.append(index_after)  # this run saved a new generation (a resumed run may not have)
         if data.get("dedup") and ctx.mlflow_run_id:
             from tasks.dedup.report import report_metrics
 
             Tracker(ctx.tracking_uri, ctx.experiment).log_metrics(ctx.mlflow_run_id, report_metrics(data["dedup"]))
         return DocumentsResult(data, outputs=outputs, reports=curation_reports(data))
+
+
+def minhash_index_dir(cfg) -> str | None:
+    """The persistent MinHash index this run reads and writes (None: no index in use)."""
+    mh = cfg.curate.dedup.minhash
+    return mh.index_dir if mh.enabled and mh.index_dir else None
 
 
 def curation_reports(data: dict) -> list:
@@ -49,4 +64,7 @@ def curation_reports(data: dict) -> list:
                           "Clusters by number of documents (1: kept documents without copies)"),
                     Markdown("dedup-report", report_markdown(data["dedup"]),
                              "Duplicates per source, cluster sizes, example pairs with their Jaccard")]
+    if data.get("line_dedup"):
+        rows = [{"source": src, **v} for src, v in data["line_dedup"]["by_source"].items()]
+        reports.append(Table("line-dedup-by-source", rows, "Lines and bytes removed by line dedup, per source"))
     return reports

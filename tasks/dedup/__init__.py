@@ -6,7 +6,9 @@ or the highest quality score. `run_curate` applies exact then MinHash after the 
 numpy-vectorised and equal to datasketch's given the same shingle hash (`tasks.dedup.minhash`:
 the fast default `fast_hash32` or datasketch's `sha1_hash32`); clustering runs in process or on
 Ray with bounded memory (`tasks.dedup.cluster`), optionally joining only candidate pairs whose exact
-shingle Jaccard passes (`tasks.dedup.verify`); `tasks.dedup.report` summarises the duplicates.
+shingle Jaccard passes (`tasks.dedup.verify`), and dropping a member only if it is close enough
+to its cluster's kept document (`minhash.representative_threshold`: no chaining);
+`tasks.dedup.report` summarises the duplicates.
 """
 from tasks.dedup.cluster import cluster_signatures
 from tasks.dedup.exact import ExactDeduper, exact_key

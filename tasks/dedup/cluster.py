@@ -19,8 +19,16 @@ stops at a few million documents. This path keeps memory bounded by the partitio
    process holds the whole graph. At the fixed point every component is a star around its
    smallest document (checked per partition: no node has both smaller and larger neighbours,
    none has two smaller ones);
-4. survivors (`choose_survivors`): the smallest document (first seen), or the highest quality
-   score with ties to the first seen.
+4. survivors (`representative_survivors`, with a `representative_threshold`; without one,
+   `choose_survivors`): a cluster's representative is its best member — the smallest document
+   (first seen), or the highest quality score with ties to the first seen — and a member is
+   dropped as its duplicate only if its Jaccard to it reaches the threshold: exact with a text
+   verifier (`JaccardVerifier.with_threshold`), else estimated from the signatures
+   (`verify.SignatureVerifier`). Connected components chain (A~B, B~C joins A and C though
+   A !~ C); a member failing the check is not dropped for the chain's sake: the members that
+   failed form the cluster's next round, around their own best member, until none is left
+   (after `REPRESENTATIVE_ROUNDS` the rest are kept). Deterministic: it depends only on the
+   components, the scores and the corpus order.
 
 The result equals the in-process path's: the same candidate pairs (up to a 64-bit band-key
 collision, probability ≈ n²/2⁶⁵ per band: ~3·10⁻⁶ at 10 M documents) and the same components.
@@ -407,6 +415,64 @@ def choose_survivors(roots: np.ndarray, scores: np.ndarray | None = None) -> np.
     return best[roots]
 
 
+REPRESENTATIVE_ROUNDS = 16  # a cluster still unresolved after this many is a chain of unrelated documents: kept
+_CHECK_CHUNK = 50_000  # member/representative pairs checked per verifier call (bounds the texts read at once)
+
+
+def _pair_checker(verifier, on_ray: bool) -> Callable[[np.ndarray], np.ndarray]:
+    """`check(pairs) -> mask` in chunks, in this process or (`on_ray`) in Ray tasks sharing one
+    copy of the verifier (a text verifier then reads its texts there, never in the driver)."""
+    def chunks(pairs: np.ndarray) -> list[np.ndarray]:
+        return [pairs[lo:lo + _CHECK_CHUNK] for lo in range(0, len(pairs), _CHECK_CHUNK)]
+
+    if not on_ray:
+        return lambda pairs: np.concatenate([np.asarray(verifier.mask(c), bool) for c in chunks(pairs)])
+    import ray
+
+    ref, task = ray.put(verifier), ray.remote(num_cpus=1)(_mask_task)
+    return lambda pairs: np.concatenate(ray.get([task.remote(ref, c) for c in chunks(pairs)]))
+
+
+def _mask_task(verifier, pairs: np.ndarray) -> np.ndarray:
+    return np.asarray(verifier.mask(pairs), dtype=bool)
+
+
+def representative_survivors(components: np.ndarray, scores: np.ndarray | None, verifier, on_ray: bool = False,
+                             max_rounds: int = REPRESENTATIVE_ROUNDS) -> tuple[np.ndarray, dict]:
+    """Per document the survivor it is dropped for (itself: kept), given `components[i]` (the
+    smallest document of its connected component). Each round, in every component the best
+    pending member (`choose_survivors`' order) is kept as representative and every other pending
+    member is checked against it with `verifier.mask`; those that pass are its duplicates, those
+    that fail are the next round's pending members. Returns (survivors, stats)."""
+    components = np.asarray(components, dtype=np.int64)
+    n = len(components)
+    idx = np.arange(n, dtype=np.int64)
+    rank = np.empty(n, dtype=np.int64)
+    rank[np.lexsort((idx, -np.where(np.isnan(scores), -np.inf, scores))) if scores is not None else idx] = idx
+    survivors = idx.copy()
+    pending = np.flatnonzero(np.bincount(components, minlength=n)[components] > 1)
+    stats = {"rounds": 0, "pairs_checked": 0, "failed_first_check": 0, "kept_unresolved": 0}
+    check = _pair_checker(verifier, on_ray) if len(pending) else None
+    while len(pending):
+        pending = pending[np.lexsort((rank[pending], components[pending]))]
+        first = np.r_[True, components[pending][1:] != components[pending][:-1]]
+        reps = pending[first][np.cumsum(first) - 1]
+        others, reps = pending[~first], reps[~first]
+        if len(others) == 0:
+            break
+        if stats["rounds"] == max_rounds:
+            stats["kept_unresolved"] = int(len(others))
+            break
+        ok = check(np.stack([np.minimum(others, reps), np.maximum(others, reps)], axis=1))
+        survivors[others[ok]] = reps[ok]
+        stats["rounds"] += 1
+        stats["pairs_checked"] += int(len(others))
+        if stats["rounds"] == 1:
+            stats["failed_first_check"] = int((~ok).sum())
+        pending = others[~ok]
+    return survivors, stats
+
+
 def clustering_method(mh, n_docs: int) -> str:
     """"local" or "ray" for `minhash.clustering` ("auto": ray from `ray_min_docs` documents)."""
     if mh.clustering != "auto":
@@ -417,15 +483,19 @@ def clustering_method(mh, n_docs: int) -> str:
 def cluster_signatures(sigs: Sequence[np.ndarray | None], bands: int, rows: int, *, method: str = "local",
                        work_dir: str | Path | None = None, partitions: int = 0, verify=None,
                        scores: Sequence[float | None] | None = None, shard_docs: int = 100_000,
+                       representative_threshold: float | None = None,
                        log: Callable[[str], None] | None = None) -> tuple[list[int], dict]:
     """Survivor index per document (`result[i] == i`: kept), by the in-process path
     (`method="local"`) or on Ray (`"ray"`); a document without a signature is its own cluster.
     `verify`: a batch verifier (`tasks.dedup.verify.JaccardVerifier`, indexed like `sigs`; on
     Ray it runs in the per-partition tasks) or a picklable `verify(a, b) -> bool`; the stats then
     count `candidate_pairs` and `verified_pairs` (for a plain callable on the in-process path,
-    which checks pairs lazily, neither). Logs the memory estimate first. Returns (survivors, stats)."""
+    which checks pairs lazily, neither). With `representative_threshold` a document is dropped only
+    if its Jaccard to its survivor reaches it (exact with a text verifier, else estimated;
+    `representative_survivors`, stats `representative_check`); without, for its component.
+    Logs the memory estimate first. Returns (survivors, stats)."""
     from tasks.dedup.minhash import minhash_clusters
-    from tasks.dedup.verify import batch_verifier
+    from tasks.dedup.verify import SignatureVerifier, batch_verifier
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     valid = np.array([i for i, s in enumerate(sigs) if s is not None], dtype=np.int64)
@@ -435,6 +505,7 @@ def cluster_signatures(sigs: Sequence[np.ndarray | None], bands: int, rows: int,
     est = memory_estimate(len(valid), num_perm, bands, itemsize, partitions or None, shard_docs)
     log(format_estimate(est, method))
     stats: dict = {"method": method, "memory_estimate": est}
+    verifier = batch_verifier(verify)
     if method == "local" or len(valid) < 2:
         roots = np.asarray(minhash_clusters(list(sigs), bands, rows, verify=verify, stats=stats), dtype=np.int64)
     else:
@@ -443,14 +514,18 @@ def cluster_signatures(sigs: Sequence[np.ndarray | None], bands: int, rows: int,
         shards = []
         for lo in range(0, len(valid), shard_docs):
             shards.append((lo, np.stack([sigs[i] for i in valid[lo:lo + shard_docs]])))
-        verifier = batch_verifier(verify)
         sub_verify = verifier.reindexed(valid) if verifier is not None else None  # sub index → caller's
         res = cluster_ray(shards, len(valid), bands, rows, work_dir, partitions, sub_verify, log)
         stats.update(res.stats)
         sub_roots = res.roots_array(len(valid))
         roots = np.arange(n, dtype=np.int64)
         roots[valid] = valid[sub_roots]
-    if scores is not None:
-        sc = np.array([np.nan if x is None else float(x) for x in scores], dtype=np.float64)
-        roots = choose_survivors(roots, sc)
-    return roots.tolist(), stats
+    sc = None if scores is None else np.array([np.nan if x is None else float(x) for x in scores], dtype=np.float64)
+    if representative_threshold is None:
+        return choose_survivors(roots, sc).tolist(), stats
+    if hasattr(verifier, "with_threshold"):  # exact Jaccard, in Ray tasks on the Ray path
+        check, on_ray = verifier.with_threshold(representative_threshold), method == "ray"
+    else:
+        check, on_ray = SignatureVerifier(sigs, representative_threshold), False
+    survivors, stats["representative_check"] = representative_survivors(roots, sc, check, on_ray)
+    return survivors.tolist(), stats

@@ -153,7 +153,11 @@ class MinHashIndex:
             out.append(number)
         return out
 
-    def add(self, ids: Sequence[str], signatures: Sequence[np.ndarray | None]) -> list[str | None]:
+    def add(self, ids: Sequence[str], signatures: Sequence[np.ndarray | None],
+            within_batch: bool = True) -> list[str | None]:
+        """Per document the id of the indexed document it shares a band key with (None: new,
+        added). `within_batch=False`: two documents of this batch are never each other's
+        duplicates (the caller's clustering has decided between them)."""
         valid = [k for k, s in enumerate(signatures) if s is not None]
         out: list[str | None] = [None] * len(ids)
         if not valid:
@@ -166,7 +170,7 @@ class MinHashIndex:
         hit_rows = (found >= 0).any(axis=1)
         # keys two documents of this batch share: only those can make one a duplicate of the other
         _, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
-        shared = (counts[inverse.reshape(-1)] > 1).reshape(keys.shape)
+        shared = (counts[inverse.reshape(-1)] > 1).reshape(keys.shape) & within_batch
         shared_rows = shared.any(axis=1)
         batch: dict[int, int] = {}  # shared keys of this batch's new documents -> document number
         added_rows, numbers = [], []
@@ -175,17 +179,16 @@ class MinHashIndex:
             own = own_numbers[row]
             if own < 0:  # the same id may have been added earlier in this batch
                 own = self._new_number.get(ids[k], -1)
-            if own < 0 and not hit_rows[row] and not shared_rows[row]:  # the common case: new
+            if own >= 0:  # already indexed: kept by the run that indexed it (which may have kept
+                continue  # two documents sharing a band key: the clustering's representative check)
+            if not hit_rows[row] and not shared_rows[row]:  # the common case: new
                 hit = None
             else:
-                hit = next((int(d) for d in found[row] if d >= 0 and d != own), None) if hit_rows[row] else None
+                hit = next((int(d) for d in found[row] if d >= 0), None) if hit_rows[row] else None
                 if hit is None and shared_rows[row]:
-                    hit = next((batch[int(x)] for x in keys[row][shared[row]]
-                                if int(x) in batch and batch[int(x)] != own), None)
+                    hit = next((batch[int(x)] for x in keys[row][shared[row]] if int(x) in batch), None)
             if hit is not None:
                 out[k] = self._id_of(hit)
-                continue
-            if own >= 0:  # already indexed (same id): nothing new to add
                 continue
             self._new_ids.append(ids[k])
             self._new_number[ids[k]] = number

@@ -58,6 +58,7 @@ def dedup_report(ids: Sequence[str], sources: Sequence[str], drops: Sequence[tup
     for src, c in sorted(by_source.items()):
         dups = sum(v for k, v in c.items() if k != "docs")
         per_source[src] = {"docs": c["docs"], "duplicates": dups,
+                           "url_duplicates": c.get("url_dedup", 0),
                            "exact_duplicates": c.get("exact_dedup", 0),
                            "near_duplicates": c.get("minhash_dedup", 0),
                            "index_duplicates": c.get("minhash_index", 0),
@@ -137,10 +138,11 @@ def report_markdown(report: dict) -> str:
              f"{report['duplicates']:,} of {report['docs']:,} documents removed as duplicates "
              f"({100 * report['duplicate_rate']:.2f} %) in {report['clusters_with_duplicates']:,} clusters; "
              f"the largest has {report['largest_cluster']:,} documents.", "",
-             "## Duplicate rate per source", "", "| source | docs | exact | near | rate |", "|---|---:|---:|---:|---:|"]
+             "## Duplicate rate per source", "", "| source | docs | URL | exact | near | rate |",
+             "|---|---:|---:|---:|---:|---:|"]
     for s, v in report["by_source"].items():
-        lines.append(f"| {s or '(none)'} | {v['docs']} | {v['exact_duplicates']} | {v['near_duplicates']} "
-                     f"| {100 * v['duplicate_rate']:.2f} % |")
+        lines.append(f"| {s or '(none)'} | {v['docs']} | {v.get('url_duplicates', 0)} | {v['exact_duplicates']} "
+                     f"| {v['near_duplicates']} | {100 * v['duplicate_rate']:.2f} % |")
     lines += ["", "## Cluster sizes", "", "| documents per cluster | clusters |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in report["cluster_sizes"].items()]
     lines += ["", "## Example pairs", "",

@@ -1,5 +1,5 @@
-"""The dedup steps of a corpus, shared by `run_curate` and `dedup_texts`: exact, MinHash, and
-(curate) the MinHash index of earlier runs.
+"""The dedup steps of a corpus, shared by `run_curate` and `dedup_texts`: (curate) URL, exact,
+MinHash, and (curate) the MinHash index of earlier runs.
 
 `DedupPass` holds documents 0..n-1 in corpus order. Each step decides, for every document still
 alive, what earlier document it duplicates (None: kept) and is accounted by the one step loop
@@ -17,6 +17,7 @@ from tasks.config import MinHashConfig
 from tasks.core.steps import StepStats, decide_all
 from tasks.dedup.cluster import cluster_signatures, clustering_method
 from tasks.dedup.exact import ExactDeduper
+from tasks.dedup.urls import url_duplicates
 
 
 class DedupPass:
@@ -39,6 +40,14 @@ class DedupPass:
         self.steps.append(st)
         return st
 
+    def url(self, url_keys: Sequence[bytes | None], crawl_times: Sequence[float | None]) -> StepStats:
+        """URL dedup by `url_keys` (per document, `urls.url_key`; None: no URL, kept): per URL
+        the newest crawl, else the longest text, else the first is kept (`urls.url_duplicates`)."""
+        t0, alive = time.perf_counter(), self.alive
+        keep = url_duplicates([url_keys[i] for i in alive], [crawl_times[i] for i in alive],
+                              [self.nbytes[i] for i in alive])
+        return self.apply("url_dedup", [None if k is None else self.names[alive[k]] for k in keep], t0)
+
     def exact(self, keys: Sequence[bytes]) -> StepStats:
         """Exact dedup by `keys` (per document, `exact_key`): the first copy is kept."""
         t0, first = time.perf_counter(), ExactDeduper()
@@ -52,6 +61,7 @@ class DedupPass:
         t0 = time.perf_counter() if started is None else started
         roots, stats = cluster_signatures(  # prints the memory estimate first
             sigs, mh.bands, mh.rows, method=clustering_method(mh, len(sigs)), work_dir=work_dir,
-            partitions=mh.partitions, verify=verify, scores=scores)
+            partitions=mh.partitions, verify=verify, scores=scores,
+            representative_threshold=mh.representative_threshold)
         self.apply("minhash_dedup", [None if r == k else self.names[self.alive[r]] for k, r in enumerate(roots)], t0)
         return stats

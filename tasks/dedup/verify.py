@@ -16,6 +16,10 @@ The texts come from a `TextSource`:
   no texts): document k is row k of the files laid end to end, and a task reads only the row
   groups holding the rows it needs, one file at a time.
 
+`SignatureVerifier` checks pairs by their signatures alone (estimated Jaccard); the clustering
+uses it, when there is no text verifier, to check each member against its cluster's kept
+representative (`JaccardVerifier.with_threshold` when there is one).
+
 `index` maps the verifier's document numbers onto the source's rows (the clustering works on
 the documents that survived exact dedup and have a signature); `reindexed(sub)` composes one
 more such mapping.
@@ -117,12 +121,34 @@ class JaccardVerifier:
         inv = inv.reshape(-1, 2)
         return np.array([jaccard(sets[a], sets[b]) for a, b in inv], dtype=np.float64)
 
+    def with_threshold(self, threshold: float) -> "JaccardVerifier":
+        """The same verifier accepting pairs from `threshold` on."""
+        out = copy.copy(self)
+        out.threshold = float(threshold)
+        return out
+
     def mask(self, pairs: np.ndarray) -> np.ndarray:
         """Boolean mask over the (k, 2) `pairs`: True where the pair is a verified duplicate."""
         return self.similarities(pairs) >= self.threshold
 
     def __call__(self, j: int, i: int) -> bool:
         return bool(self.mask(np.array([[j, i]]))[0])
+
+
+class SignatureVerifier:
+    """Accepts a pair when the estimated Jaccard of its MinHash signatures (the share of equal
+    values) is ≥ `threshold`. Holds the caller's signature list, not a copy; runs in the driver."""
+
+    def __init__(self, sigs: Sequence[np.ndarray | None], threshold: float):
+        self.sigs, self.threshold = sigs, float(threshold)
+
+    def mask(self, pairs: np.ndarray) -> np.ndarray:
+        pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+        if len(pairs) == 0:
+            return np.zeros(0, bool)
+        a = np.stack([self.sigs[i] for i in pairs[:, 0]])
+        b = np.stack([self.sigs[i] for i in pairs[:, 1]])
+        return (a == b).mean(axis=1) >= self.threshold
 
 
 class CallableVerifier:

@@ -17,6 +17,10 @@ class EvaluateStage(Stage):
     reads = ("evaluate",)
     doc = "Evaluate one checkpoint: validation loss and perplexity, the task suite and sample generations."
     result_type = EvalResult
+    # with the stack's triggers service up, the evaluate-checkpoint flow evaluates and this task collects
+    collect = ("await_evaluation", "Collect the event-triggered evaluate-checkpoint flow run's report of one "
+               "checkpoint (that run evaluates it, as job `evaluate-checkpoint.evaluate`): the report is this task's "
+               "input, not its output. If that run failed or timed out, evaluate the checkpoint here instead.")
 
     def input_datasets(self, cfg, inputs: StageInputs) -> list:
         return super().input_datasets(cfg, inputs) + [
@@ -31,15 +35,24 @@ class EvaluateStage(Stage):
         # with the stack's triggers service up, the evaluate-checkpoint flow already evaluates each
         # checkpoint as it is saved: collect its report (None: it failed, so evaluate here)
         data = await_evaluation(ctx.layout, checkpoint, cfg.stack.triggered_timeout) if ctx.triggered else None
-        if data is None:
-            data = evaluate_checkpoint(cfg, Path(checkpoint), Path(inputs.tokenizer), Path(inputs.tokens_index),
-                                       ctx.layout.eval_report(checkpoint), tracking_uri=ctx.tracking_uri,
-                                       run_id=inputs.train_run_id)
-            write_gate(data, *gate_at_evaluation(cfg, ctx.tracking_uri, data, inputs.tokenizer))  # for the table
-        outputs = [dataset_for_path(data["report_path"], output=True,
-                                    doc=DATASET_DOCS["eval_report"].format(checkpoint=Path(checkpoint).name))]
-        return EvalResult(data, inputs=eval_data_inputs(data, cfg.data_root), outputs=outputs,
-                          reports=eval_table(ctx.layout.run_dir, ctx.run_name))
+        if data is not None:  # collected: the triggered run wrote the report, this task read it
+            return EvalResult(data, inputs=[dataset_for_path(data["report_path"])],
+                              reports=eval_table(ctx.layout.run_dir, ctx.run_name))
+        data = evaluate_checkpoint(cfg, Path(checkpoint), Path(inputs.tokenizer), Path(inputs.tokens_index),
+                                   ctx.layout.eval_report(checkpoint), tracking_uri=ctx.tracking_uri,
+                                   run_id=inputs.train_run_id)
+        write_gate(data, *gate_at_evaluation(cfg, ctx.tracking_uri, data, inputs.tokenizer))  # for the table
+        read, written = report_datasets(cfg, data)
+        if ctx.triggered:  # the collecting task evaluated after all: what it read is known only now
+            read = self.input_datasets(cfg, inputs) + read
+        return EvalResult(data, inputs=read, outputs=written, reports=eval_table(ctx.layout.run_dir, ctx.run_name))
+
+
+def report_datasets(cfg, report: dict) -> tuple[list, list]:
+    """(inputs, outputs) an evaluation adds once it has run: the evaluation data its task suite
+    read, and its report."""
+    doc = DATASET_DOCS["eval_report"].format(checkpoint=Path(report["checkpoint"]).name)
+    return eval_data_inputs(report, cfg.data_root), [dataset_for_path(report["report_path"], output=True, doc=doc)]
 
 
 def eval_table(run_dir: str | Path, run_name: str) -> list:

@@ -1,4 +1,5 @@
-"""HTML → text with trafilatura, plus the charset decoding in front of it.
+"""HTML → text with trafilatura or resiliparse (`ingest.extractor`), plus the charset decoding
+in front of either.
 
 Decoding: the charset comes from the HTTP Content-Type, else from a `<meta charset>` in the
 first 4 KiB, else UTF-8. Decoding is strict: bytes that are not valid in that charset raise
@@ -11,6 +12,18 @@ which worker saw which page first). With `extract_metadata` the title and page d
 trafilatura's metadata (date search not extensive, original date preferred); without it the
 title is the page's `<title>` and there is no page date. Either way the caller falls back to
 the crawl date.
+
+Resiliparse (`extractor: resiliparse`): the page is parsed once into a Lexbor DOM;
+`extract_plain_text` with `main_content=True` keeps block structure (one line per paragraph,
+which the line-based filters and line dedup rely on) and list bullets, and leaves out image alt
+texts, link targets, form fields, `<noscript>`, comment sections and post meta (bylines), the
+counterparts of what the trafilatura call above leaves out. The title is the page's `<title>`.
+With `extract_metadata` the page date comes from htmldate with the same settings trafilatura
+uses (it is trafilatura's own date finder), so `date` means the same thing whichever extractor ran.
+A page nested deeper than `MAX_NESTING` elements is refused (`HTMLTooDeep`, quarantined as
+"extraction_error"): Resiliparse's main-content pass is superlinear in depth.
+Decoding is the shared strict path above for both, so a page is quarantined or dropped for the
+same reasons whichever extractor is configured.
 """
 from __future__ import annotations
 
@@ -22,9 +35,23 @@ import re
 HTML_MEDIA_TYPES = frozenset({"text/html", "application/xhtml+xml"})
 _META_CHARSET = re.compile(rb"""<meta[^>]{0,200}?charset\s*=\s*["']?\s*([A-Za-z0-9_\-:.]+)""", re.I)
 _TITLE = re.compile(r"<title[^>]*>(.*?)</title\s*>", re.I | re.S)
+# Resiliparse's main-content pass takes time superlinear in nesting depth (20,000 nested <div>s:
+# over 10 s, 200,000: minutes), so deeper pages are refused (quarantined "extraction_error").
+# 512 is where Chromium's HTML parser stops nesting; real pages stay far below (docs crawl: 20)
+MAX_NESTING = 512
+_TAG_OPEN_CLOSE = re.compile(r"<([A-Za-z][A-Za-z0-9]*)|</([A-Za-z][A-Za-z0-9]*)")
+# void elements and elements whose end tag may be left out: they do not deepen the tree
+_FLAT_TAGS = frozenset("area base br col embed hr img input link meta param source track wbr p li td th tr "
+                       "dt dd option optgroup thead tbody tfoot colgroup rt rp".split())
+# htmldate settings for both extractors: no extensive (slow, guessy) search, publication date
+_DATE_SEARCH = {"extensive_search": False, "original_date": True}
 
 logging.getLogger("trafilatura").setLevel(logging.ERROR)
 logging.getLogger("htmldate").setLevel(logging.ERROR)
+
+
+class HTMLTooDeep(ValueError):
+    pass
 
 
 class DecodeFailed(Exception):
@@ -71,14 +98,19 @@ def _title_tag(html: str) -> str | None:
 
 
 def extract_html(html: str, url: str | None, favour_precision: bool = True,
-                 with_metadata: bool = True) -> tuple[str | None, str | None, str | None]:
+                 with_metadata: bool = True, extractor: str = "trafilatura"
+                 ) -> tuple[str | None, str | None, str | None]:
     """Return (text, title, page date); text is None when nothing could be extracted."""
+    if extractor == "resiliparse":
+        return _extract_resiliparse(html, url, with_metadata)
+    if extractor != "trafilatura":
+        raise ValueError(f"unknown extractor {extractor!r}")
     import trafilatura
 
     result = trafilatura.bare_extraction(
         html, url=url, favor_precision=favour_precision, include_comments=False,
         include_tables=True, deduplicate=False, with_metadata=with_metadata,
-        date_extraction_params={"extensive_search": False, "original_date": True},
+        date_extraction_params=dict(_DATE_SEARCH),
     )
     if result is None:
         return None, _title_tag(html), None
@@ -89,3 +121,38 @@ def extract_html(html: str, url: str | None, favour_precision: bool = True,
     else:
         title, date = _title_tag(html), None
     return text, title, date
+
+
+def _extract_resiliparse(html: str, url: str | None, with_metadata: bool
+                         ) -> tuple[str | None, str | None, str | None]:
+    from resiliparse.extract.html2text import extract_plain_text
+    from resiliparse.parse.html import HTMLTree
+
+    if html.count("<") > MAX_NESTING and (depth := nesting_depth(html)) > MAX_NESTING:
+        raise HTMLTooDeep(f"elements nested {depth} deep > {MAX_NESTING}")
+    tree = HTMLTree.parse(html)
+    text = extract_plain_text(
+        tree, preserve_formatting=True, main_content=True, list_bullets=True, alt_texts=False,
+        links=False, form_fields=False, noscript=False, comments=False, post_meta=False,
+    )
+    title = " ".join((tree.title or "").split()) or None
+    date = None
+    if with_metadata:
+        from htmldate import find_date
+
+        date = find_date(html, url=url, **_DATE_SEARCH)
+    return text or None, title, date
+
+
+def nesting_depth(html: str) -> int:
+    """Upper estimate of the element nesting depth from the tags alone (no parse): open tags
+    minus close tags, not counting void elements and those with optional end tags."""
+    depth = deepest = 0
+    for opened, closed in _TAG_OPEN_CLOSE.findall(html):
+        if opened:
+            if opened.lower() not in _FLAT_TAGS:
+                depth += 1
+                deepest = max(deepest, depth)
+        elif closed.lower() not in _FLAT_TAGS:
+            depth = max(depth - 1, 0)
+    return deepest

@@ -8,8 +8,9 @@ directly. Per candidate record, in order:
    one of its `opt_out_url_patterns` (regex search) → dropped "opt_out"
 3. WARC responses: HTTP status not 2xx → dropped "http_status"; content type not HTML →
    dropped "non_html"; raw payload decoded (strict, see `extract.decode_html`: failures are
-   quarantined) and extracted with trafilatura; nothing extracted → dropped "empty_extraction"
-   (an exception inside the extractor → quarantined "extraction_error")
+   quarantined) and extracted with `ingest.extractor` (trafilatura or resiliparse); nothing
+   extracted → dropped "empty_extraction" (an exception inside the extractor → quarantined
+   "extraction_error")
 4. NFC + whitespace normalisation (`normalise`); empty text → dropped "empty_text"; text that
    cannot be UTF-8 encoded (lone surrogates from JSON escapes) → quarantined "invalid_unicode"
 5. text over `ingest.max_doc_bytes` (UTF-8 bytes) → quarantined "oversized"
@@ -104,10 +105,10 @@ def record_to_doc(rec: RawRecord, source: SourceConfig, ingest: IngestConfig, pa
             return "quarantined", e.reason, None, e.detail
         try:
             text, page_title, page_date = extract_html(html, rec.url, ingest.favour_precision,
-                                                       ingest.extract_metadata)
+                                                       ingest.extract_metadata, ingest.extractor)
         except ImportError:  # a broken installation is not bad input: fail loudly, quarantine nothing
             raise
-        except Exception as e:  # lxml/trafilatura failures on hostile HTML: keep going
+        except Exception as e:  # parser/extractor failures on hostile HTML: keep going
             return "quarantined", "extraction_error", None, f"{type(e).__name__}: {e}"[:300]
         if not text or not text.strip():
             return "dropped", "empty_extraction", None, ""

@@ -69,17 +69,19 @@ def _now() -> str:
 
 def dataset_for_path(path: str | Path, *, rows: int | None = None, n_bytes: int | None = None,
                      source: dict | CrucibleSourceDatasetFacet | None = None, output: bool = False,
-                     doc: str | None = None, inspect: bool = True, facets: dict | None = None):
+                     doc: str | None = None, inspect: bool = True, facets: dict | None = None,
+                     version: str | None = None):
     """An Input/OutputDataset for a local file or directory, versioned by its sha256.
 
     `source`: a registry entry {name, licence, provenance} (a raw file) or a ready facet (e.g. the
     union for a shard). `doc`: what the artifact is (documentation facet). `inspect`: read sizes,
     Parquet schemas and row counts from the file (footer only) for `schema`, `dataQualityMetrics`
     and, on outputs, `outputStatistics`; `rows`/`n_bytes` override what is read. `facets`: more
-    dataset facets by name (e.g. a mix's crucible_token_mix)."""
+    dataset facets by name (e.g. a mix's crucible_token_mix). `version`: the dataset version when
+    hashing the content is not the way to tell versions apart (default: its sha256)."""
     path = Path(path).resolve()
     facets: dict[str, DatasetFacet] = {
-        "version": dataset_version_dataset.DatasetVersionDatasetFacet(datasetVersion=sha256_tree(path)),
+        "version": dataset_version_dataset.DatasetVersionDatasetFacet(datasetVersion=version or sha256_tree(path)),
         **(facets or {}),
     }
     if isinstance(source, dict):
@@ -118,6 +120,24 @@ def model_version_dataset(tracking_uri: str, model_name: str, version: str | int
     if doc:
         facets["documentation"] = documentation(doc)
     return cls(namespace=f"mlflow://{host}", name=f"models/{model_name}/{version}", facets=facets)
+
+
+def served_model_dataset(endpoint: str, model_name: str, version: str | int, doc: str | None = None):
+    """The model deployment as an output dataset: namespace the server (scheme://host:port), name
+    `models/<name>` (what clients ask for); its version is the registered model version served."""
+    from urllib.parse import urlsplit
+
+    from tasks.lineage.facets import CrucibleServingDatasetFacet
+
+    parts = urlsplit(endpoint)
+    facets: dict[str, DatasetFacet] = {
+        "version": dataset_version_dataset.DatasetVersionDatasetFacet(datasetVersion=str(version)),
+        "crucible_serving": CrucibleServingDatasetFacet(endpoint=endpoint, model_name=model_name,
+                                                        model_version=int(version),
+                                                        model_uri=f"models:/{model_name}/{version}")}
+    if doc:
+        facets["documentation"] = documentation(doc)
+    return OutputDataset(namespace=f"{parts.scheme}://{parts.netloc}", name=f"models/{model_name}", facets=facets)
 
 
 def model_version_node(tracking_uri: str, model_name: str, version: str | int) -> str:

@@ -119,6 +119,29 @@ class CrucibleTokenMixDatasetFacet(CustomSchema, DatasetFacet):
 
 
 @attr.define
+class CrucibleMixtureDatasetFacet(CustomSchema, DatasetFacet):
+    """The sources' mixture weights applied to a token index's train split (tasks/tokens/mixture.py):
+    per source its weight, natural and written documents and tokens, target and effective token
+    share, documents dropped and repeated; `dropped` counts documents included zero times."""
+
+    split: str
+    seed: int
+    applied: bool
+    by_source: dict = attr.field(factory=dict)
+    dropped: dict = attr.field(factory=dict)
+
+
+@attr.define
+class CrucibleServingDatasetFacet(CustomSchema, DatasetFacet):
+    """A model deployment: the OpenAI-compatible endpoint and the registered model version it serves."""
+
+    endpoint: str
+    model_name: str
+    model_version: int
+    model_uri: str  # models:/<name>/<version> in the MLflow registry
+
+
+@attr.define
 class CrucibleStatsRunFacet(CustomSchema, RunFacet):
     """Documents in/out of a stage and the documents each filter dropped."""
 

@@ -43,6 +43,11 @@ DATASET_DOCS = {
     "ablation": "Result of the curation ablation: held-out loss of each arm, corpus sizes, token budget (JSON).",
     "model_version": "Registered MLflow model version {name}/{version}: the checkpoint that passed the deployment "
                      "gate, served by the model server.",
+    "served_model": "Model {name} served by the OpenAI-compatible model server at {endpoint}; its dataset version is "
+                    "the registered model version being served ({version}).",
+    "dedup_index": "Persistent MinHash dedup index (tasks/dedup/index.py): LSH band keys of every document kept by "
+                   "earlier curate runs, which each run reads to drop near-duplicates and writes with its own kept "
+                   "documents added; its version is the index generation (one per curate run that saved it).",
 }
 
 
@@ -71,6 +76,21 @@ def shard_output(cfg: PipelineConfig, path: str, doc: str):
 def optional_output(path: str | None, doc: str) -> list:
     """An extra output file (quarantine, dropped documents) if the stage wrote it."""
     return [dataset_for_path(path, output=True, doc=doc)] if path and Path(path).is_file() else []
+
+
+def dedup_index_dataset(index_dir: str | Path | None, output: bool = False):
+    """The MinHash dedup index as it is now (None: no index there), versioned by its generation:
+    hashing gigabytes of band keys each cycle would cost more than the dedup itself."""
+    import json
+
+    if not index_dir or not (Path(index_dir) / "meta.json").is_file():
+        return None
+    d = Path(index_dir).resolve()
+    meta = json.loads((d / "meta.json").read_text())
+    generation = int(meta.get("generation", 0))
+    files = [p for p in (d / f"gen-{generation:06d}").glob("*") if p.is_file()]
+    return dataset_for_path(d, output=output, rows=meta.get("docs"), n_bytes=sum(p.stat().st_size for p in files),
+                            doc=DATASET_DOCS["dedup_index"], inspect=False, version=f"gen-{generation:06d}")
 
 
 def training_data_source(cfg: PipelineConfig, path: str) -> dict | None:

@@ -3,7 +3,9 @@
 Every document is followed by one EOS id; `<split>.doc_starts.npy` records where each document
 starts (for document-aware attention masks in training). Documents go to train or val by a hash of
 (seed, document id), so a document is never split across the two and the split does not
-depend on shard order or on the other documents. The corpus streams batch by batch.
+depend on shard order or on the other documents. The corpus streams batch by batch. Then the
+sources' `mixture_weight`s up- or down-sample the train split's whole documents (seeded; the val
+split is not weighted; tasks/tokens/mixture.py); with every weight 1 nothing is resampled.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from tasks.tokenizer.bpe import load_tokenizer
 from tasks.tokenizer.corpus import iter_doc_columns
 from tasks.core.layout import TOKENS_INDEX_FILE
 from tasks.tokens.binfile import UNKNOWN_SOURCE, dtype_for_vocab, write_llmc
+from tasks.tokens.mixture import DROP_REASON, plan_mixture, write_weighted_split
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ def encode_shard(tokenizer_path: str, shard: str, eos_token: str, batch_docs: in
     doc_lens = {s: array("q") for s in SPLITS}
     sources: dict[str, int] = {}  # source name -> local id (UNKNOWN_SOURCE for a document without one)
     doc_sources = {s: array("H") for s in SPLITS}
+    doc_bytes = {s: array("q") for s in SPLITS}  # UTF-8 bytes per document (a weighted split's byte count)
     paths = {s: f"{part_prefix}.{s}.bin" for s in SPLITS}
     files = {s: open(paths[s], "wb") for s in SPLITS}
     try:
@@ -68,7 +72,8 @@ def encode_shard(tokenizer_path: str, shard: str, eos_token: str, batch_docs: in
                 doc_sources[split].append(sources.setdefault(source or UNKNOWN_SOURCE, len(sources)))
                 stats[split]["tokens"] += arr.size
                 stats[split]["docs"] += 1
-                stats[split]["bytes"] += len(text.encode("utf-8"))
+                doc_bytes[split].append(len(text.encode("utf-8")))
+                stats[split]["bytes"] += doc_bytes[split][-1]
             for s in SPLITS:
                 if chunks[s]:
                     np.concatenate(chunks[s]).tofile(files[s])
@@ -77,7 +82,7 @@ def encode_shard(tokenizer_path: str, shard: str, eos_token: str, batch_docs: in
             f.close()
     return {"paths": paths, "stats": stats, "doc_lens": {s: doc_lens[s].tobytes() for s in SPLITS},
             "sources": list(sources), "doc_sources": {s: doc_sources[s].tobytes() for s in SPLITS},
-            "pid": os.getpid()}
+            "doc_bytes": {s: doc_bytes[s].tobytes() for s in SPLITS}, "pid": os.getpid()}
 
 
 def _encode_all(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path], parts_dir: Path) -> list[dict]:
@@ -134,6 +139,27 @@ def _concatenate(parts: list[dict], paths: dict, starts_paths: dict, sources_pat
     return stats, source_names, by_source
 
 
+def _weight_train_split(cfg: PipelineConfig, files: tuple[dict, dict, dict], parts: list[dict], stats: dict,
+                        by_source: dict, source_names: list[str], dtype: np.dtype) -> dict:
+    """Apply the sources' mixture weights to the train split (tasks/tokens/mixture.py), updating its
+    counts in `stats` and `by_source`; the val split is never weighted. Returns the index's "mixture"."""
+    paths, starts_paths, sources_paths = (f["train"] for f in files)
+    starts, ids = np.load(starts_paths), np.load(sources_paths)
+    lens = np.diff(np.append(starts, stats["train"]["tokens"]))
+    weights = {s.name: s.mixture_weight for s in cfg.sources}
+    plan = plan_mixture(lens, ids, source_names, weights, cfg.tokens.mixture_seed)
+    if plan.applied:  # else nothing is rewritten: the files stay those of an unweighted build
+        write_weighted_split(plan, paths, starts_paths, sources_paths, starts, ids, dtype)
+        doc_bytes = np.concatenate([np.frombuffer(p["doc_bytes"]["train"], dtype=np.int64) for p in parts])
+        stats["train"].update(tokens=int((plan.copies * lens).sum()), docs=len(plan.order),
+                              bytes=int((plan.copies * doc_bytes).sum()))
+        for name, v in plan.by_source.items():
+            by_source[name]["train"] = {"tokens": v["tokens"], "docs": v["docs"]}
+    dropped = sum(v["dropped_docs"] for v in plan.by_source.values())
+    return {"split": "train", "seed": cfg.tokens.mixture_seed, "applied": plan.applied,
+            "by_source": plan.by_source, "dropped": {DROP_REASON: dropped} if dropped else {}}
+
+
 def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path], out_dir: Path) -> dict:
     """Encode shards into out_dir/{train,val}.bin and out_dir/index.json.
 
@@ -162,6 +188,8 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path]
     paths, starts_paths, sources_paths = ({s: out_dir / f"{s}{suffix}" for s in SPLITS}
                                           for suffix in (".bin", ".doc_starts.npy", ".doc_sources.npy"))
     stats, source_names, by_source = _concatenate(parts, paths, starts_paths, sources_paths)
+    mixture = _weight_train_split(cfg, (paths, starts_paths, sources_paths), parts, stats, by_source,
+                                  source_names, dtype)
     shutil.rmtree(parts_dir, ignore_errors=True)
     total_docs = sum(stats[s]["docs"] for s in SPLITS)
     if total_docs == 0:
@@ -186,6 +214,9 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path]
         # doc_sources[i] indexes this list; tokens and documents per source and split
         "sources": source_names,
         "by_source": by_source,
+        # the sources' mixture weights on the train split: per source its natural and written
+        # documents and tokens, target and effective token share, documents dropped and repeated
+        "mixture": mixture,
     }
     if tcfg.llmc:  # the same tokens again, behind llm.c's header (llm.c refuses an empty file)
         for s in [s for s in SPLITS if stats[s]["tokens"]]:

