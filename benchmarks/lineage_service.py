@@ -10,17 +10,26 @@ same raw files. Measured:
 
 - ingestion into the store directly (ingest_batch) and over HTTP into a real uvicorn process
   (replay), plus re-ingestion of the same log (all duplicates);
-- GET /api/v1/lineage at depth 20 from the newest model version (Marquez's default: both
-  directions), upstream only, and downstream from a raw file (which reaches every run);
-- the trace and the provenance report of the newest model version.
+- GET /api/v1/lineage at depth 20, upstream and downstream, from `--queries` randomly chosen
+  (seeded) raw files and model versions each: four kinds of query, each reported with its median
+  and p99. Downstream from a raw file reaches every run (~5,000 nodes, ~21 MB of JSON); upstream
+  from a model version its own chain. The first queries meet a cold cache, as after any ingestion.
+  Timed: request sent to the last byte of the answer received; the client's parsing of the JSON
+  is reported apart (`client_parse_median_ms`), as it is the client's cost, not the service's.
+  `service_cpu_ms_per_query`: the service process's CPU time (/proc, 10 ms ticks) over the series
+  divided by its queries, a figure other work on a shared machine inflates far less than latency;
+- both directions from the newest model version, and its trace and provenance report.
 
-Targets (issue 7): ≥ 1,000 events/s ingestion; ≤ 200 ms for a depth-20 graph query.
+Targets (issues 7 and 15): ≥ 1,000 events/s ingestion; depth-20 graph queries of every kind
+≤ 200 ms median and ≤ 500 ms p99.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
+import random
 import shutil
 import statistics
 import sys
@@ -42,7 +51,25 @@ from tasks.core.net import free_port  # noqa: E402
 from tasks.lineage.replay import iter_events, replay  # noqa: E402
 
 TARGET_EVENTS_PER_S = 1000
-TARGET_QUERY_MS = 200
+TARGET_QUERY_MS = 200  # median of each kind of depth-20 graph query
+TARGET_QUERY_P99_MS = 500
+GRAPH_KINDS = {  # kind -> (start, direction)
+    "graph_depth20_upstream_random_model": ("model", "upstream"),
+    "graph_depth20_downstream_random_model": ("model", "downstream"),
+    "graph_depth20_upstream_random_raw_file": ("raw", "upstream"),
+    "graph_depth20_downstream_random_raw_file": ("raw", "downstream"),
+}
+
+
+def _percentile(sorted_times: list[float], q: float) -> float:
+    """Nearest-rank percentile (p99 of 100 queries: the second slowest)."""
+    return sorted_times[max(math.ceil(q * len(sorted_times)) - 1, 0)]
+
+
+def _figures(times: list[float]) -> dict:
+    times = sorted(times)
+    return {"median_ms": round(statistics.median(times), 1), "p95_ms": round(_percentile(times, 0.95), 1),
+            "p99_ms": round(_percentile(times, 0.99), 1), "max_ms": round(times[-1], 1), "runs": len(times)}
 
 
 def _timed(fn, repeat: int) -> dict:
@@ -51,9 +78,7 @@ def _timed(fn, repeat: int) -> dict:
         t0 = time.perf_counter()
         out = fn()
         times.append((time.perf_counter() - t0) * 1000)
-    times.sort()
-    return {"median_ms": round(statistics.median(times), 1), "p95_ms": round(times[int(0.95 * (len(times) - 1))], 1),
-            "max_ms": round(times[-1], 1), "runs": repeat, "last": out}
+    return {**_figures(times), "last": out}
 
 
 def _ingest_direct(db: Path, events: list[dict], batch_size: int) -> tuple[float, float, dict]:
@@ -72,7 +97,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pipelines", type=int, default=334, help="pretrain runs (34 events each)")
     ap.add_argument("--batch-size", type=int, default=500)
-    ap.add_argument("--repeat", type=int, default=20, help="repetitions per query")
+    ap.add_argument("--repeat", type=int, default=20, help="repetitions of the newest model's queries")
+    ap.add_argument("--queries", type=int, default=100, help="random start nodes per kind of graph query")
+    ap.add_argument("--seed", type=int, default=15, help="seed of the start nodes' choice")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "lineage_service.json"))
     ap.add_argument("--keep", action="store_true", help="keep the generated log and stores (temp dir)")
     args = ap.parse_args()
@@ -110,7 +137,7 @@ def _run(args: argparse.Namespace, work: Path) -> int:
         http = replay(log, base, batch_size=args.batch_size, token="bench-token")  # validated, as every write
         http_s = time.perf_counter() - t0
         assert http["ingested"] == n, http
-        queries, stats = _query_service(base, pipelines[-1], args.repeat)
+        queries, stats = _query_service(base, pipelines, args, proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -121,7 +148,6 @@ def _run(args: argparse.Namespace, work: Path) -> int:
         "http_replay": round(n / http_s),
         "direct_reingest_duplicates": round(n / again_s),
     }
-    q20 = queries["graph_depth20_both_newest_model"]["median_ms"]
     result = {
         "benchmark": "lineage_service",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
@@ -136,10 +162,13 @@ def _run(args: argparse.Namespace, work: Path) -> int:
         "ingest_s": {"direct": round(direct_s, 2), "http": round(http_s, 2), "reingest": round(again_s, 2)},
         "events_per_s": rates,
         "queries": queries,
-        "targets": {"events_per_s": TARGET_EVENTS_PER_S, "graph_depth20_ms": TARGET_QUERY_MS},
+        "targets": {"events_per_s": TARGET_EVENTS_PER_S, "graph_depth20_median_ms": TARGET_QUERY_MS,
+                    "graph_depth20_p99_ms": TARGET_QUERY_P99_MS},
         "within_target": {
             "ingest": min(rates["direct_ingest_batch"], rates["http_replay"]) >= TARGET_EVENTS_PER_S,
-            "graph_depth20": q20 <= TARGET_QUERY_MS,
+            # every kind of graph query, the newest model's included, on both figures
+            "graph_depth20": all(q["median_ms"] <= TARGET_QUERY_MS and q["p99_ms"] <= TARGET_QUERY_P99_MS
+                                 for name, q in queries.items() if name.startswith("graph_depth20")),
         },
     }
     _print_summary(result)
@@ -148,19 +177,26 @@ def _run(args: argparse.Namespace, work: Path) -> int:
     return 0 if all(result["within_target"].values()) else 1
 
 
-def _query_service(base: str, newest, repeat: int) -> tuple[dict, dict]:
-    """Timed queries of the running service around the newest pipeline run's model version (graph
-    both ways and upstream, downstream from a raw file, trace, report), and the store's stats."""
-    client = httpx.Client(base_url=base, timeout=120)
-    model = newest.model_version_node
-    raw = newest.file_node(newest.raw_files[0])
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def graph(node: str, direction: str, depth: int = 20):
-        resp = client.get("/api/v1/lineage", params={"nodeId": node, "depth": depth, "direction": direction})
-        resp.raise_for_status()
-        g = resp.json()["graph"]
-        return {"nodes": len(g), "jobs": sum(1 for x in g if x["type"] == "JOB"),
-                "bytes": len(resp.content)}
+
+def _query_service(base: str, pipelines: list, args: argparse.Namespace, pid: int) -> tuple[dict, dict]:
+    """Timed graph queries of the running service (the four random kinds, then both directions from
+    the newest model version), its trace and report, and the store's stats."""
+    client = httpx.Client(base_url=base, timeout=120)
+    model = pipelines[-1].model_version_node
+    rng = random.Random(args.seed)
+    starts = {"model": [p.model_version_node for p in pipelines],
+              "raw": sorted({p.file_node(f) for p in pipelines for f in p.raw_files})}
+    queries = {kind: _graph_series(client, [rng.choice(starts[start]) for _ in range(args.queries)], direction, pid)
+               for kind, (start, direction) in GRAPH_KINDS.items()}
+    queries["graph_depth20_both_newest_model"] = _graph_series(client, [model] * args.repeat, "both", pid)
 
     def trace():
         t = client.get("/api/v1/crucible/trace", params={"nodeId": model}).json()
@@ -171,17 +207,35 @@ def _query_service(base: str, newest, repeat: int) -> tuple[dict, dict]:
         r.raise_for_status()
         return {"bytes": len(r.content)}
 
-    few = max(3, repeat // 4)  # the slow queries
-    queries = {
-        "graph_depth20_both_newest_model": _timed(lambda: graph(model, "both"), repeat),
-        "graph_depth20_upstream_newest_model": _timed(lambda: graph(model, "upstream"), repeat),
-        "graph_depth20_downstream_raw_file": _timed(lambda: graph(raw, "downstream"), few),
-        "trace_full_depth_newest_model": _timed(trace, few),
-        "report_md_full_depth_newest_model": _timed(report, few),
-    }
+    few = max(3, args.repeat // 4)
+    queries["trace_full_depth_newest_model"] = _timed(trace, few)
+    queries["report_md_full_depth_newest_model"] = _timed(report, few)
     stats = client.get("/api/v1/crucible/stats").json()
     client.close()
     return queries, stats
+
+
+def _graph_series(client: httpx.Client, nodes: list[str], direction: str, pid: int) -> dict:
+    """GET /api/v1/lineage at depth 20 from each node in turn: figures of the time to the answer's
+    last byte, the service's CPU time and the client's parse time apart, and the graphs' sizes."""
+    times, parse_ms, sizes = [], [], []
+    cpu_before = _cpu_seconds(pid)
+    for node in nodes:
+        t0 = time.perf_counter()
+        resp = client.get("/api/v1/lineage", params={"nodeId": node, "depth": 20, "direction": direction})
+        times.append((time.perf_counter() - t0) * 1000)
+        resp.raise_for_status()
+        t0 = time.perf_counter()
+        graph = resp.json()["graph"]
+        parse_ms.append((time.perf_counter() - t0) * 1000)
+        sizes.append({"nodes": len(graph), "jobs": sum(1 for x in graph if x["type"] == "JOB"),
+                      "bytes": len(resp.content)})
+    cpu_after = _cpu_seconds(pid)
+    cpu_ms = None if cpu_before is None or cpu_after is None else round((cpu_after - cpu_before) * 1000 / len(nodes), 1)
+    return {**_figures(times), "service_cpu_ms_per_query": cpu_ms,
+            "client_parse_median_ms": round(statistics.median(parse_ms), 1),
+            "start_nodes": len(set(nodes)), "nodes_min": min(s["nodes"] for s in sizes),
+            "nodes_max": max(s["nodes"] for s in sizes), "last": sizes[-1]}
 
 
 def _print_summary(result: dict) -> None:
@@ -193,11 +247,13 @@ def _print_summary(result: dict) -> None:
     print(f"{'ingestion':<40}{'events/s':>10}")
     for k, v in rates.items():
         print(f"{k:<40}{v:>10}")
-    print(f"{'query':<40}{'median ms':>10}{'p95 ms':>9}   result")
+    print(f"{'query':<44}{'runs':>5}{'median ms':>10}{'p99 ms':>9}{'cpu ms':>8}   last result")
     for k, v in queries.items():
-        print(f"{k:<40}{v['median_ms']:>10}{v['p95_ms']:>9}   {v['last']}")
+        print(f"{k:<44}{v['runs']:>5}{v['median_ms']:>10}{v['p99_ms']:>9}"
+              f"{v.get('service_cpu_ms_per_query') or '':>8}   {v['last']}")
     print(f"targets: ingestion ≥ {TARGET_EVENTS_PER_S}/s: {'met' if met['ingest'] else 'MISSED'};"
-          f" depth-20 graph ≤ {TARGET_QUERY_MS} ms: {'met' if met['graph_depth20'] else 'MISSED'}")
+          f" every depth-20 graph query kind ≤ {TARGET_QUERY_MS} ms median and ≤ {TARGET_QUERY_P99_MS} ms p99:"
+          f" {'met' if met['graph_depth20'] else 'MISSED'}")
 
 
 if __name__ == "__main__":

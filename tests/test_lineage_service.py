@@ -2,6 +2,7 @@
 
 The event log is written by Crucible's own emitter (infra.services.lineage.sample drives it through
 two `pretrain` runs, the second resuming training from the first's checkpoint)."""
+import sqlite3
 import uuid
 from urllib.parse import quote
 
@@ -11,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from infra.services.lineage import create_app
+from infra.services.lineage.fastjson import dumps_bytes, loads
 from infra.services.lineage.sample import DEFAULT_SOURCES, FILTER_DROPS, PRODUCER, write_sample_log
 from infra.services.lineage.store import LineageStore, Node, split_node_id
 from lineage_helpers import start_service
@@ -364,3 +366,78 @@ def test_writes_need_the_write_token_and_reads_can_too(tmp_path):
         assert c.get("/api/v1/crucible/stats", headers=AUTH).status_code == 200
         assert c.post("/api/v1/lineage", json=good, headers={"Authorization": "Bearer read-t0ken"}).status_code == 401
         assert c.get("/healthz").status_code == 200 and c.get("/").status_code == 200
+
+
+def _graph_bytes(client, node: str, direction: str) -> bytes:
+    resp = client.get("/api/v1/lineage", params={"nodeId": node, "depth": 20, "direction": direction})
+    assert resp.status_code == 200, resp.text
+    return resp.content
+
+
+def test_graph_answers_follow_every_write_to_a_dataset(tmp_path):
+    """The graph view reuses each dataset's encoded object only while its stored row is unchanged,
+    whether this service or another process wrote the change."""
+    db, log, src, out = tmp_path / "l.db", tmp_path / "l.jsonl", tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("input")
+    em = LineageEmitter(log, "crucible", PRODUCER)
+
+    def emit(n: int) -> None:
+        out.write_text(f"output {n}")
+        with em.run(JobRef("curate.ingest_sources", str(uuid.uuid4())), inputs=[dataset_for_path(src)]) as run:
+            run.outputs.append(dataset_for_path(out, output=True, doc=f"pass {n}"))
+
+    out_id = f"dataset:file:{out.resolve()}"
+    with TestClient(create_app(db, write_token=TOKEN), headers=AUTH) as c:
+        def served() -> dict:
+            graph = loads(_graph_bytes(c, f"dataset:file:{src.resolve()}", "downstream"))["graph"]
+            return next(n["data"] for n in graph if n["id"] == out_id)
+
+        for n, writer in enumerate(("service", "service", "another process")):
+            emit(n)
+            if writer == "service":
+                replay(log, "http://testserver", client=c)
+            else:
+                LineageStore(db).ingest_batch(read_events(log))
+            data = served()
+            assert data["description"] == f"pass {n}" and data["facets"]["documentation"]["description"] == f"pass {n}"
+            assert data["currentVersion"] == dataset_for_path(out).facets["version"].datasetVersion
+            assert data["crucible"]["hop"] == 1 and len(data["crucible"]["versions"]) == n + 1
+            # a repeated answer (from the cache) is the same, byte for byte, and JSON as dumps writes it
+            again = _graph_bytes(c, f"dataset:file:{src.resolve()}", "downstream")
+            assert again == _graph_bytes(c, f"dataset:file:{src.resolve()}", "downstream") == dumps_bytes(loads(again))
+
+
+def test_a_database_from_before_revisions_is_migrated_when_opened(sample, tmp_path):
+    """A store written before `datasets.revision` and the walks' covering index opens, gains them
+    and answers the same graphs; writes after that carry revisions."""
+    _, log, (_, second) = sample
+    db = tmp_path / "l.db"
+    LineageStore(db).ingest_batch(read_events(log))
+    queries = [(second.model_version_node, "upstream"), (second.file_node(second.raw_files[0]), "downstream")]
+
+    def graphs() -> list[bytes]:
+        with TestClient(create_app(db)) as c:
+            return [_graph_bytes(c, node, direction) for node, direction in queries]
+
+    def schema() -> tuple[list[str], set[str]]:
+        with sqlite3.connect(db) as conn:
+            return ([r[1] for r in conn.execute("PRAGMA table_info(datasets)")],
+                    {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")})
+
+    expected = graphs()
+    with sqlite3.connect(db) as conn:  # back to the schema as it was
+        conn.executescript("DROP INDEX datasets_revision; DROP INDEX run_io_by_dataset;"
+                           " ALTER TABLE datasets DROP COLUMN revision;"
+                           " CREATE INDEX run_io_dataset ON run_io (namespace, name, direction);")
+    columns, indexes = schema()
+    assert columns == ["namespace", "name", "facets", "current_version", "version_time", "created_at",
+                       "updated_at", "last_modified_at"] and "run_io_dataset" in indexes
+    assert graphs() == expected
+    columns, indexes = schema()
+    assert columns[-1] == "revision" and {"datasets_revision", "run_io_by_dataset"} <= indexes
+    assert "run_io_dataset" not in indexes
+    store = LineageStore(db)
+    event = next(e for e in read_events(log) if e.get("outputs"))
+    assert store.ingest({**event, "eventTime": "2030-01-01T00:00:00Z"})
+    revised = {(r["namespace"], r["name"]) for r in store.query("SELECT * FROM datasets WHERE revision > 0")}
+    assert revised == {(d["namespace"], d["name"]) for d in event.get("inputs", []) + event["outputs"]}

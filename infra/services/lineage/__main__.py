@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cannot load {path}: {e}", file=sys.stderr)
             return 1
         print(json.dumps(totals), flush=True)
+    # What start-up made (modules, the app) stays for good: out of the collector's way, a large graph
+    # query's allocations no longer make it traverse all of that (a third of such a query's time)
+    gc.freeze()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

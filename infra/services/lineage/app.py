@@ -41,6 +41,7 @@ from infra.services.lineage.fastjson import dumps_bytes, loads
 from infra.services.lineage.provenance import TRACE_DEPTH, Provenance, report_markdown
 from infra.services.lineage.store import EventError, LineageStore, Node, node_id, utc_time
 from infra.services.lineage.views import (
+    EncodedDatasets,
     Links,
     dataset_links,
     dataset_obj,
@@ -190,12 +191,13 @@ def _ingest_router(store: LineageStore, spec_dir: str | Path | None) -> APIRoute
 def _graph_router(store: LineageStore) -> APIRouter:
     """GET /api/v1/lineage: Marquez's lineage graph around a node."""
     router = APIRouter(responses=ERRORS)
+    encoded = EncodedDatasets()
 
     @router.get(f"{API}/lineage")
     def get_lineage(node_id_value: str = Query(..., alias="nodeId"), depth: int = Query(20, ge=0, le=MAX_DEPTH),
                     direction: str = Query("both", pattern="^(both|upstream|downstream)$")) -> Response:
         node = _node_or_error(store, node_id_value)
-        return _ok(graph_json(store, store.walk(node, depth, direction)))
+        return _ok(graph_json(store, store.walk(node, depth, direction), encoded))
 
     return router
 

@@ -188,8 +188,8 @@ class Provenance:
         unseen = {(i["namespace"], i["name"]) for r in runs for i in r["inputs"]
                   if i["nodeId"] not in produced and raw_source(i["facets"]) is None
                   and evaluation_data(i["facets"]) is None}
-        beyond = {node_id("DATASET", r["namespace"], r["name"])
-                  for r in self.store._io_for_datasets("out", sorted(unseen))} if unseen else set()
+        beyond = {node_id("DATASET", namespace, name)
+                  for _, namespace, name, *_ in self.store._io_for_datasets("out", sorted(unseen))} if unseen else set()
         sources: dict[tuple, dict] = {}
         evaluation: dict[tuple, dict] = {}
         for r in runs:

@@ -80,6 +80,7 @@ CREATE TABLE IF NOT EXISTS datasets (
     created_at TEXT NOT NULL,
     updated_at TEXT NOT NULL,
     last_modified_at TEXT,
+    revision INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (namespace, name)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS dataset_versions (
@@ -104,7 +105,17 @@ CREATE TABLE IF NOT EXISTS run_io (
     event_time TEXT NOT NULL,
     PRIMARY KEY (run_id, direction, namespace, name)
 ) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS run_io_dataset ON run_io (namespace, name, direction);
+"""
+# Added to databases made before them by _migrate, when the store opens one. `revision` is the
+# highest event id when the row was last written: the graph view caches each dataset's encoded
+# object per revision. The walks' steps from datasets to runs read run_io through a covering
+# index, not its rows (the same row order as the former run_io_dataset index, which it replaces).
+_ADDED_COLUMNS = {"datasets": {"revision": "INTEGER NOT NULL DEFAULT 0"}}
+_INDEXES = """
+CREATE INDEX IF NOT EXISTS datasets_revision ON datasets (namespace, name, revision);
+DROP INDEX IF EXISTS run_io_dataset;
+CREATE INDEX IF NOT EXISTS run_io_by_dataset ON run_io (namespace, name, direction, run_id, version, job_namespace,
+                                                        job_name);
 """
 
 # OpenLineage event type -> Marquez run state; terminal states outrank RUNNING whatever the arrival order.
@@ -113,6 +124,8 @@ RUN_STATES = {"START": "RUNNING", "RUNNING": "RUNNING", "COMPLETE": "COMPLETED",
 _STATE_RANK = {"NEW": 0, "RUNNING": 1, "COMPLETED": 2, "FAILED": 2, "ABORTED": 2}
 _TERMINAL = {"COMPLETE", "FAIL", "ABORT"}
 _CHUNK = 300  # keys per IN (VALUES ...) query
+# the columns of run_io a walk reads (row tuples in this order)
+_IO_COLUMNS = "t.run_id, t.namespace, t.name, t.version, t.job_namespace, t.job_name"
 
 
 class EventError(ValueError):
@@ -140,6 +153,24 @@ def _merge_facets(old: dict, old_time: str | None, new: dict, new_time: str) -> 
     """Facet-wise merge: the newer side wins per facet; `_deleted: true` removes a facet."""
     merged = {**old, **new} if old_time is None or new_time >= old_time else {**new, **old}
     return {k: v for k, v in merged.items() if not (isinstance(v, dict) and v.get("_deleted") is True)}
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    """Bring a database written by an earlier version up to this schema (columns, then indexes), in
+    one transaction, so that two processes opening it at once do not both add a column."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for table, columns in _ADDED_COLUMNS.items():
+            have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+            for name, decl in columns.items():
+                if name not in have:
+                    conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
+        for statement in filter(str.strip, _INDEXES.split(";")):
+            conn.execute(statement)
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,8 +279,11 @@ class Node:
         return (self.namespace, self.name)
 
 
+_ID_PREFIX = {t: prefix for prefix, t in NODE_TYPES.items()}  # "DATASET" -> "dataset"
+
+
 def node_id(node_type: str, namespace: str, name: str) -> str:
-    return f"{node_type.lower()}:{namespace}:{name}"
+    return f"{_ID_PREFIX.get(node_type) or node_type.lower()}:{namespace}:{name}"
 
 
 def split_node_id(value: str, known_namespaces: Iterable[str] = ()) -> list[Node]:
@@ -296,17 +330,24 @@ class Walk:
     runs: dict[str, tuple[str, str]] = field(default_factory=dict)  # run id -> job key
     truncated: bool = False
 
+    # called per row a walk reads: the entry is made only when missing (not built for setdefault)
     def add_job(self, key: tuple[str, str], run_id: str | None, hop: int, side: str) -> None:
-        info = self.jobs.setdefault(key, {"runs": set(), "hop": hop, "sides": set()})
-        info["hop"] = min(info["hop"], hop)
+        info = self.jobs.get(key)
+        if info is None:
+            info = self.jobs[key] = {"runs": set(), "hop": hop, "sides": set()}
+        elif hop < info["hop"]:
+            info["hop"] = hop
         info["sides"].add(side)
         if run_id:
             info["runs"].add(run_id)
             self.runs[run_id] = key
 
     def add_dataset(self, key: tuple[str, str], version: str | None, hop: int, side: str) -> None:
-        info = self.datasets.setdefault(key, {"versions": set(), "hop": hop, "sides": set()})
-        info["hop"] = min(info["hop"], hop)
+        info = self.datasets.get(key)
+        if info is None:
+            info = self.datasets[key] = {"versions": set(), "hop": hop, "sides": set()}
+        elif hop < info["hop"]:
+            info["hop"] = hop
         info["sides"].add(side)
         if version:
             info["versions"].add(version)
@@ -334,6 +375,7 @@ class LineageStore:
         conn = self._conn()
         conn.execute("PRAGMA journal_mode=WAL")
         conn.executescript(_SCHEMA)
+        _migrate(conn)
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -542,6 +584,7 @@ class LineageStore:
 
     def _write_datasets(self, conn, datasets: dict[tuple, dict]) -> None:
         old = self._existing(conn, "datasets", ("namespace", "name"), list(datasets))
+        revision = conn.execute("SELECT max(id) FROM events").fetchone()[0]  # this batch's events included
         rows = []
         for key, d in datasets.items():
             o = old.get(key)
@@ -552,8 +595,8 @@ class LineageStore:
                     d["version"], d["version_time"] = o["current_version"], o["version_time"]
                 d["modified"] = max(filter(None, (d["modified"], o["last_modified_at"])), default=None)
             rows.append((*key, _dumps(d["facets"]), d["version"], d["version_time"], d["created"], d["updated"],
-                         d["modified"]))
-        conn.executemany("INSERT OR REPLACE INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+                         d["modified"], revision))
+        conn.executemany("INSERT OR REPLACE INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
     def _write_versions(self, conn, versions: dict[tuple, dict]) -> None:
         old = self._existing(conn, "dataset_versions", ("namespace", "name", "version"), list(versions))
@@ -603,21 +646,41 @@ class LineageStore:
 
     # -- lineage -------------------------------------------------------------------------------
 
-    def _io_for_datasets(self, direction: str, keys: list[tuple[str, str]]) -> list[sqlite3.Row]:
-        conn, out = self._conn(), []
+    def _io_rows(self, sql: str, params: list) -> list[tuple]:
+        cursor = self._conn().cursor()
+        cursor.row_factory = None  # plain tuples: one step of a walk can read thousands of rows
+        return cursor.execute(sql, params).fetchall()
+
+    def _io_for_datasets(self, direction: str, keys: list[tuple[str, str]], first_only: bool = False) -> list[tuple]:
+        """_IO_COLUMNS of the runs that read ("in") or wrote ("out") the datasets `keys`, in key order
+        (first_only: at most one row, to tell whether there is any)."""
+        out: list[tuple] = []
         for chunk in _chunks(keys):
-            sql = (f"WITH k(ns, name) AS (VALUES {', '.join(['(?, ?)'] * len(chunk))})"
-                   " SELECT t.run_id, t.namespace, t.name, t.version, t.job_namespace, t.job_name"
-                   " FROM k CROSS JOIN run_io AS t ON t.namespace = k.ns AND t.name = k.name AND t.direction = ?")
-            out += conn.execute(sql, [*(v for k in chunk for v in k), direction]).fetchall()
+            sql = (f"WITH k(ns, name) AS (VALUES {', '.join(['(?, ?)'] * len(chunk))}) SELECT {_IO_COLUMNS}"
+                   " FROM k CROSS JOIN run_io AS t ON t.namespace = k.ns AND t.name = k.name AND t.direction = ?"
+                   + (" LIMIT 1" if first_only else ""))
+            out += self._io_rows(sql, [*(v for k in chunk for v in k), direction])
+            if out and first_only:
+                break
         return out
 
-    def _io_for_runs(self, direction: str, run_ids: list[str]) -> list[sqlite3.Row]:
-        conn, out = self._conn(), []
+    def _io_for_runs(self, direction: str, run_ids: list[str]) -> list[tuple]:
+        out: list[tuple] = []
         for chunk in _chunks(run_ids):
-            sql = ("SELECT run_id, namespace, name, version, job_namespace, job_name FROM run_io"
-                   f" WHERE direction = ? AND run_id IN ({', '.join('?' * len(chunk))})")
-            out += conn.execute(sql, [direction, *chunk]).fetchall()
+            sql = (f"SELECT {_IO_COLUMNS} FROM run_io AS t"
+                   f" WHERE t.direction = ? AND t.run_id IN ({', '.join('?' * len(chunk))})")
+            out += self._io_rows(sql, [direction, *chunk])
+        return out
+
+    def dataset_revisions(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
+        """The revision of each stored dataset among `keys`."""
+        out: dict[tuple[str, str], int] = {}
+        for chunk in _chunks(keys):
+            # the planner picks the table (rows of kilobytes, the revision last) without the hint
+            sql = (f"WITH k(ns, name) AS (VALUES {', '.join(['(?, ?)'] * len(chunk))})"
+                   " SELECT t.namespace, t.name, t.revision FROM k CROSS JOIN datasets AS t"
+                   " INDEXED BY datasets_revision ON t.namespace = k.ns AND t.name = k.name")
+            out.update(((ns, name), revision) for ns, name, revision in self._io_rows(sql, [v for k in chunk for v in k]))
         return out
 
     def walk(self, start: Node, depth: int = 20, direction: str = "both") -> Walk:
@@ -636,9 +699,8 @@ class LineageStore:
         return walk
 
     def _walk_side(self, walk: Walk, start: Node, depth: int, side: str) -> None:
-        up = side == "upstream"
         # upstream: dataset <-(out)- run <-(in)- dataset; downstream: dataset -(in)-> run -(out)-> dataset
-        to_run, from_run = ("out", "in") if up else ("in", "out")
+        to_run, from_run = ("out", "in") if side == "upstream" else ("in", "out")
         seen_runs: set[str] = set()
         seen_versions: set[tuple] = set()
         frontier: dict[tuple[str, str], set[str | None]] = {}
@@ -654,41 +716,59 @@ class LineageStore:
             frontier = self._expand_runs(walk, run_ids, from_run, 0, side, seen_versions)
         while frontier and hop < depth:
             hop += 1
-            by_dataset: dict[tuple[str, str], list[sqlite3.Row]] = {}
-            for row in self._io_for_datasets(to_run, list(frontier)):
-                by_dataset.setdefault((row["namespace"], row["name"]), []).append(row)
-            new_runs: list[str] = []
-            for key, wanted in frontier.items():
-                rows = by_dataset.get(key, [])
-                if None not in wanted:
-                    exact = [r for r in rows if r["version"] in wanted or not r["version"]]
-                    # upstream: a producer that recorded another hash still wrote this name; downstream
-                    # a reader of another version did not read this one
-                    rows = exact or (rows if up else [])
-                ds_id = node_id("DATASET", *key)
-                for r in rows:
-                    job_key = (r["job_namespace"], r["job_name"])
-                    walk.add_job(job_key, r["run_id"], hop, side)
-                    job_id = node_id("JOB", *job_key)
-                    walk.edges.add((job_id, ds_id) if up else (ds_id, job_id))
-                    if r["run_id"] not in seen_runs:
-                        seen_runs.add(r["run_id"])
-                        new_runs.append(r["run_id"])
+            new_runs = self._enter_runs(walk, frontier, to_run, hop, side, seen_runs)
             frontier = self._expand_runs(walk, new_runs, from_run, hop, side, seen_versions)
-        if frontier and self._io_for_datasets(to_run, list(frontier)):
+        if frontier and self._io_for_datasets(to_run, list(frontier), first_only=True):
             walk.truncated = True
+
+    def _enter_runs(self, walk: Walk, frontier: dict[tuple[str, str], set[str | None]], direction: str, hop: int,
+                    side: str, seen_runs: set[str]) -> list[str]:
+        """One hop from the frontier's dataset versions to the runs that wrote (upstream) or read
+        (downstream) them; returns the runs not seen before."""
+        up = direction == "out"
+        by_dataset: dict[tuple[str, str], list[tuple]] = {}
+        for row in self._io_for_datasets(direction, list(frontier)):
+            key = (row[1], row[2])
+            if key in by_dataset:
+                by_dataset[key].append(row)
+            else:
+                by_dataset[key] = [row]
+        new_runs: list[str] = []
+        add_job, add_edge, job_ids = walk.add_job, walk.edges.add, {}
+        for key, wanted in frontier.items():
+            rows = by_dataset.get(key, [])
+            if None not in wanted:
+                exact = [r for r in rows if r[3] in wanted or not r[3]]
+                # upstream: a producer that recorded another hash still wrote this name; downstream
+                # a reader of another version did not read this one
+                rows = exact or (rows if up else [])
+            ds_id = node_id("DATASET", *key)
+            for run_id, _, _, _, job_namespace, job_name in rows:
+                job_key = (job_namespace, job_name)
+                add_job(job_key, run_id, hop, side)
+                job_id = job_ids.get(job_key) or job_ids.setdefault(job_key, node_id("JOB", *job_key))
+                add_edge((job_id, ds_id) if up else (ds_id, job_id))
+                if run_id not in seen_runs:
+                    seen_runs.add(run_id)
+                    new_runs.append(run_id)
+        return new_runs
 
     def _expand_runs(self, walk: Walk, run_ids: list[str], direction: str, hop: int, side: str,
                      seen_versions: set[tuple]) -> dict[tuple[str, str], set[str | None]]:
         frontier: dict[tuple[str, str], set[str | None]] = {}
-        for r in self._io_for_runs(direction, run_ids):
-            key, version = (r["namespace"], r["name"]), r["version"] or None
-            walk.add_dataset(key, version, hop, side)
-            ds_id, job_id = node_id("DATASET", *key), node_id("JOB", r["job_namespace"], r["job_name"])
-            walk.edges.add((ds_id, job_id) if direction == "in" else (job_id, ds_id))
+        add_dataset, add_edge, job_ids, inputs = walk.add_dataset, walk.edges.add, {}, direction == "in"
+        for _, namespace, name, version, job_namespace, job_name in self._io_for_runs(direction, run_ids):
+            key, version, job_key = (namespace, name), version or None, (job_namespace, job_name)
+            add_dataset(key, version, hop, side)
+            ds_id = node_id("DATASET", namespace, name)
+            job_id = job_ids.get(job_key) or job_ids.setdefault(job_key, node_id("JOB", *job_key))
+            add_edge((ds_id, job_id) if inputs else (job_id, ds_id))
             if (key, version) not in seen_versions:
                 seen_versions.add((key, version))
-                frontier.setdefault(key, set()).add(version)
+                if key in frontier:
+                    frontier[key].add(version)
+                else:
+                    frontier[key] = {version}
         return frontier
 
     # -- reads ---------------------------------------------------------------------------------

@@ -522,14 +522,15 @@ function init() {
   $("zoom-fit").addEventListener("click", () => { fitScale(); renderGraph(); });
   $("focus-button").addEventListener("click", () => state.selected && selectRoot(state.selected));
   $("trace-button").addEventListener("click", () => state.selected && showTrace(state.selected));
-  loadStats();
+  const stats = loadStats();
   const params = new URLSearchParams(location.hash.slice(1));
   if (params.get("node")) {
     if (params.get("direction")) $("direction").value = params.get("direction");
     if (params.get("depth")) $("depth").value = params.get("depth");
     selectRoot(params.get("node"));
   }
-  document.body.dataset.ready = "true";
+  // ready once the header's figures are in (a test read them before they were on a loaded machine)
+  stats.then(() => { document.body.dataset.ready = "true"; });
 }
 
 document.addEventListener("DOMContentLoaded", init);
