@@ -319,8 +319,9 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
         files = [p for p in (paths["checkpoint"], recorded, paths["tokenizer"]) if Path(p).exists()]
         return _checkpoint_with_sources([dataset_for_path(p) for p in files], paths, training)
 
-    with triggered_lineage(cfg, paths, run_id, read) as (active, _):
-        evaluation, problem = evaluation_claim_problem(paths["checkpoint"], report_path, run_id, _tracking_uri(cfg))
+    evaluation, problem = evaluation_claim_problem(paths["checkpoint"], report_path, run_id, _tracking_uri(cfg))
+    # a refused claim still gets its FAIL, but never a link to the MLflow run it named
+    with triggered_lineage(cfg, paths, None if problem else run_id, read) as (active, _):
         if problem:
             log = get_run_logger()
             log.warning("refusing a forged or stale crucible.eval.completed claim for %s: %s", checkpoint, problem)

@@ -182,7 +182,7 @@ class MinHashConfig(Section):
     # distributed connected components: tasks.dedup.cluster) or "auto" (ray from ray_min_docs)
     clustering: Literal["auto", "local", "ray"] = "auto"
     ray_min_docs: int = Field(default=200_000, gt=0)
-    partitions: int = Field(default=0, ge=0)  # band-key partitions; 0: from the corpus size
+    partitions: int = Field(default=0, ge=0, le=65535)  # band-key partitions (uint16 ids); 0: from the corpus size
     # which document of a cluster is kept: the first in corpus order, or the highest
     # `quality_field` score (ties and documents without a score: first seen)
     survivor: Literal["first_seen", "quality"] = "first_seen"
@@ -214,7 +214,7 @@ class LineDedupConfig(Section):
     # partition in Ray tasks) or "auto" (ray from ray_min_docs input documents)
     counting: Literal["auto", "local", "ray"] = "auto"
     ray_min_docs: int = Field(default=200_000, gt=0)
-    partitions: int = Field(default=0, ge=0)  # line-hash partitions; 0: from the corpus size
+    partitions: int = Field(default=0, ge=0, le=65535)  # line-hash partitions (uint16 ids); 0: from the corpus size
 
 
 class DedupConfig(Section):
@@ -623,6 +623,27 @@ class StackConfig(Section):
     triggered_timeout: float = Field(default=1800.0, gt=0)
     start_timeout: float = Field(default=180.0, gt=0)  # seconds for a service to become healthy
     stop_timeout: float = Field(default=15.0, gt=0)  # seconds between SIGTERM and SIGKILL
+    # where Prefect's server and MLflow's tracking store keep their state (infra/database.py):
+    # SQLite files in the state directory, or PostgreSQL (databases `prefect` and `mlflow`)
+    database: Literal["sqlite", "postgres"] = "sqlite"
+    # postgres: a cluster `crucible up` creates under <state_dir>/postgres and runs on 127.0.0.1:postgres_port,
+    # as postgres_os_user when crucible runs as root (PostgreSQL refuses to run as root) ...
+    postgres_port: int = Field(default=5432, gt=0, lt=65536)
+    postgres_os_user: str = "postgres"
+    # ... or an existing server, postgresql://user@host:port (its password from PGPASSWORD or PGPASSFILE)
+    postgres_url: str | None = Field(default=None, pattern=r"^postgres(ql)?://")
+    database_timeout: float = Field(default=10.0, gt=0)  # seconds to reach PostgreSQL before `up` fails
+    # MLflow's artifact store (a local path or a URI such as s3://bucket/mlflow); None: <state_dir>/mlflow/artifacts
+    artifacts_root: str | None = None
+
+    @field_validator("postgres_url")
+    @classmethod
+    def _no_password_in_url(cls, url: str | None) -> str | None:
+        from urllib.parse import urlsplit
+
+        if url and urlsplit(url).password is not None:  # the URL goes into service specs, logs and MLflow params
+            raise ValueError("holds a password: give it in PGPASSWORD or a PGPASSFILE instead")
+        return url
 
 
 class LineageConfig(Section):

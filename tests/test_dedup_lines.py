@@ -89,3 +89,18 @@ def test_navigation_removed_article_text_kept(pages, shards, tmp_path):
     caif = next(d for d in kept_nav if "/networking/caif/" in d["url"])
     assert "Preparing the setup with a STE modem" in out[caif["id"]]
 
+
+
+def test_spill_tasks_and_partitions_follow_the_text_bytes(shards):
+    """On Ray, long documents (books) bound a spill task by its text bytes and size the partitions
+    too, not only the document count."""
+    from tasks.dedup.lines import _chunks, default_partitions
+
+    import pyarrow.parquet as pq
+
+    row_groups = sum(pq.ParquetFile(s).metadata.num_row_groups for s in shards)
+    chunks, n_docs, text_bytes = _chunks([str(s) for s in shards])
+    assert len(chunks) == 1 < row_groups and n_docs == 105 and text_bytes > 0
+    by_bytes, _, _ = _chunks([str(s) for s in shards], task_bytes=1)
+    assert len(by_bytes) == row_groups  # every row group over the byte budget: a task each
+    assert default_partitions(1_000) == 2 and default_partitions(1_000, 10 * 2**30) > 2

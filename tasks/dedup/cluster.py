@@ -226,9 +226,6 @@ def _load(source) -> np.ndarray:
 def spill_shard(source, doc_offset: int, bands: int, rows: int, partitions: int, spill_dir: str,
                 shard_no: int) -> int:
     """Band keys of one signature shard → `spill_dir/p-XXXXX/s-XXXXXX.parquet`; returns rows."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     sigs = _load(source)
     n = len(sigs)
     if n == 0:
@@ -236,21 +233,30 @@ def spill_shard(source, doc_offset: int, bands: int, rows: int, partitions: int,
     keys = band_hashes(sigs, bands, rows).ravel()
     doc = np.repeat(np.arange(doc_offset, doc_offset + n, dtype=np.uint32), bands)
     band = np.tile(np.arange(bands, dtype=np.uint8), n)
+    spill_partitioned({"band": band, "key": keys, "doc": doc}, keys, partitions, spill_dir, shard_no)
+    return n * bands
+
+
+def spill_partitioned(columns: dict[str, np.ndarray], keys: np.ndarray, partitions: int, spill_dir: str | Path,
+                      task_no: int) -> None:
+    """Rows (`columns`, equal lengths) → `spill_dir/p-XXXXX/s-<task_no>.parquet`, each row in the
+    partition of its uint64 key (`_partition_of`); written through a temporary file and a rename."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     part = _partition_of(keys, partitions)
     order = np.argsort(part, kind="stable")
     bounds = np.searchsorted(part[order], np.arange(partitions + 1, dtype=np.int64))
-    keys, doc, band = keys[order], doc[order], band[order]
+    columns = {name: col[order] for name, col in columns.items()}
     for p in range(partitions):
         lo, hi = bounds[p], bounds[p + 1]
         if lo == hi:
             continue
         d = Path(spill_dir) / f"p-{p:05d}"
         d.mkdir(parents=True, exist_ok=True)
-        table = pa.table({"band": band[lo:hi], "key": keys[lo:hi], "doc": doc[lo:hi]})
-        tmp = d / f".s-{shard_no:06d}.tmp"
-        pq.write_table(table, tmp, compression="none")
-        tmp.replace(d / f"s-{shard_no:06d}.parquet")
-    return n * bands
+        tmp = d / f".s-{task_no:06d}.tmp"
+        pq.write_table(pa.table({name: col[lo:hi] for name, col in columns.items()}), tmp, compression="none")
+        tmp.replace(d / f"s-{task_no:06d}.parquet")
 
 
 def partition_pairs(part_dir: str) -> np.ndarray:

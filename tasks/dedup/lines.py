@@ -20,9 +20,11 @@ are removed from every page that holds them.
 
 Counting in process (`method="local"`) holds every (line, document) pair of the corpus. On Ray
 (`"ray"`), as the MinHash clustering does (`tasks.dedup.cluster`): a task per group of input
-row groups spills its (line hash, document key) rows into `partitions` Parquet directories
-chosen by the hash (`cluster._partition_of`), then a task per partition counts its hashes and
-returns the frequent ones; no process holds more than one row-group group or one partition.
+row groups (at most 100,000 documents or 256 MiB of text) spills its (line hash, document key)
+rows into `partitions` Parquet directories chosen by the hash (`cluster.spill_partitioned`; by
+default about 4 M rows each, estimated from the documents and their text bytes), then a task per
+partition counts its hashes and returns the frequent ones; no process holds more than one
+row-group group or one partition.
 Both paths return the same sorted uint64 array of frequent hashes (8 bytes per frequent line:
 what the driver holds and ships to the workers through the object store once).
 """
@@ -49,7 +51,9 @@ _DROPPED_CHARS = regex.compile(r"[\p{Mn}\p{P}\p{S}\p{Cc}\p{Cf}]+")
 _DIGIT = regex.compile(r"\d")
 _ROWS_PER_PARTITION = 4_000_000  # ≈ 64 MB of (hash, document) rows per partition task
 _LINES_PER_DOC = 40  # guess of distinct lines per document, to size the partitions
+_BYTES_PER_LINE = 64  # ...and of text bytes per line, so long documents (books) get partitions too
 _SPILL_TASK_DOCS = 100_000  # input documents per spill task
+_SPILL_TASK_BYTES = 256 << 20  # and at most about this much text (≈ 4 M lines held by one task)
 
 
 def normalise_line(line: str) -> str:
@@ -94,8 +98,11 @@ def frequent_hashes(hashes: np.ndarray, docs: np.ndarray, max_docs: int) -> tupl
     return values[counts > max_docs], len(values)
 
 
-def default_partitions(n_docs: int) -> int:
-    return int(min(1024, max(2, math.ceil(n_docs * _LINES_PER_DOC / _ROWS_PER_PARTITION))))
+def default_partitions(n_docs: int, text_bytes: int = 0) -> int:
+    """Partitions for about `_ROWS_PER_PARTITION` rows each, the rows estimated from the documents
+    and from their text bytes, whichever is larger."""
+    rows = max(n_docs * _LINES_PER_DOC, text_bytes / _BYTES_PER_LINE)
+    return int(min(1024, max(2, math.ceil(rows / _ROWS_PER_PARTITION))))
 
 
 # ------------------------------------------------------------------ counting over the input shards
@@ -113,25 +120,11 @@ def _chunk_texts(chunk: Chunk) -> Iterable[str]:
 
 def spill_chunk(chunk: Chunk, partitions: int, spill_dir: str, task_no: int) -> int:
     """The (hash, document) rows of one chunk → `spill_dir/p-XXXXX/s-XXXXXX.parquet`; returns rows."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from tasks.dedup.cluster import _partition_of
+    from tasks.dedup.cluster import spill_partitioned
 
     hashes, docs = line_rows(_chunk_texts(chunk))
-    part = _partition_of(hashes, partitions)  # blake2b output is uniform already
-    order = np.argsort(part, kind="stable")
-    bounds = np.searchsorted(part[order], np.arange(partitions + 1, dtype=np.int64))
-    hashes, docs = hashes[order], docs[order]
-    for p in range(partitions):
-        lo, hi = bounds[p], bounds[p + 1]
-        if lo == hi:
-            continue
-        d = Path(spill_dir) / f"p-{p:05d}"
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".s-{task_no:06d}.tmp"
-        pq.write_table(pa.table({"hash": hashes[lo:hi], "doc": docs[lo:hi]}), tmp, compression="none")
-        tmp.replace(d / f"s-{task_no:06d}.parquet")
+    # partitioned by the line hash itself: blake2b output is uniform already
+    spill_partitioned({"hash": hashes, "doc": docs}, hashes, partitions, spill_dir, task_no)
     return len(hashes)
 
 
@@ -156,23 +149,28 @@ class FrequentLines:
         return hashlib.sha256(np.ascontiguousarray(self.hashes).tobytes()).hexdigest()
 
 
-def _chunks(shards: Sequence[str], task_docs: int = _SPILL_TASK_DOCS) -> tuple[list[Chunk], int]:
-    """Input row groups grouped into spill tasks of about `task_docs` documents; total docs."""
+def _chunks(shards: Sequence[str], task_docs: int = _SPILL_TASK_DOCS,
+            task_bytes: int = _SPILL_TASK_BYTES) -> tuple[list[Chunk], int, int]:
+    """Input row groups grouped into spill tasks of about `task_docs` documents or `task_bytes`
+    bytes of text (from the Parquet footers), whichever comes first; total docs and text bytes."""
     import pyarrow.parquet as pq
 
     chunks: list[Chunk] = [[]]
-    in_chunk = total = 0
+    in_chunk = bytes_in_chunk = total = total_bytes = 0
     for s in shards:
         meta = pq.ParquetFile(s).metadata
+        text_col = meta.schema.names.index("text")
         for rg in range(meta.num_row_groups):
-            if in_chunk >= task_docs:
+            if in_chunk >= task_docs or bytes_in_chunk >= task_bytes:
                 chunks.append([])
-                in_chunk = 0
+                in_chunk = bytes_in_chunk = 0
             chunks[-1].append((str(s), [rg]))
-            n = meta.row_group(rg).num_rows
+            n, nbytes = meta.row_group(rg).num_rows, meta.row_group(rg).column(text_col).total_uncompressed_size
             in_chunk += n
+            bytes_in_chunk += nbytes
             total += n
-    return [c for c in chunks if c], total
+            total_bytes += nbytes
+    return [c for c in chunks if c], total, total_bytes
 
 
 def counting_method(cfg: LineDedupConfig, n_docs: int) -> str:
@@ -186,10 +184,10 @@ def count_frequent_lines(shards: Sequence[str | Path], cfg: LineDedupConfig, wor
                          spill_task_docs: int = _SPILL_TASK_DOCS) -> FrequentLines:
     """The frequent lines of the documents in the Parquet `shards` (see the module docstring),
     in process or on Ray (`method`, default from `cfg.counting`; a spill task per
-    `spill_task_docs` input documents); spill files live under `work_dir/_lines` and are
+    `spill_task_docs` input documents at most); spill files live under `work_dir/_lines` and are
     removed at the end."""
     t0 = time.perf_counter()
-    chunks, n_docs = _chunks([str(s) for s in shards], spill_task_docs)
+    chunks, n_docs, text_bytes = _chunks([str(s) for s in shards], spill_task_docs)
     method = method or counting_method(cfg, n_docs)
     stats: dict = {"method": method, "docs": n_docs, "max_docs": cfg.max_docs}
     if method == "local":
@@ -198,7 +196,7 @@ def count_frequent_lines(shards: Sequence[str | Path], cfg: LineDedupConfig, wor
         frequent, stats["distinct_lines"] = frequent_hashes(hashes, docs, cfg.max_docs)
     else:
         stats["spill_tasks"] = len(chunks)
-        frequent = _count_on_ray(chunks, cfg.partitions or default_partitions(n_docs), cfg.max_docs,
+        frequent = _count_on_ray(chunks, cfg.partitions or default_partitions(n_docs, text_bytes), cfg.max_docs,
                                  Path(work_dir) / "_lines", ray_cfg, stats)
     stats["frequent_lines"] = len(frequent)
     stats["seconds"] = round(time.perf_counter() - t0, 3)

@@ -28,7 +28,7 @@ def mixture_record(data: dict) -> dict:
 
 class TokensStage(Stage):
     name, task, flow = "tokens", "encode_and_pack", "prepare_tokens"
-    reads = ("tokens",)
+    reads = ("tokens", "sources")  # sources: each one's mixture_weight
     doc = ("Encode the curated shards with the tokenizer and pack the token ids into train/validation shards, the "
            "train split weighted by the sources' mixture weights.")
     result_type = TokensResult
