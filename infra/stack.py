@@ -5,6 +5,8 @@ a model has been deployed) the model server, as background processes under one s
     ├── prefect/            PREFECT_HOME of the server (SQLite database prefect.db)
     ├── mlflow/mlflow.db    MLflow backend store (runs, registry)
     ├── mlflow/artifacts/   MLflow artifact store, served by the tracking server (mlflow-artifacts:/)
+    ├── postgres/data/      stack.database=postgres: the PostgreSQL cluster holding both instead
+                            of prefect.db and mlflow.db (infra/database.py)
     ├── lineage.db          the lineage service's SQLite store (lineage.service_db)
     ├── run/<svc>.pid       pid of a running service (its process-group leader)
     ├── run/<svc>.json      how the service was started (command, port, health URL)
@@ -43,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from infra import database  # stdlib only at import: PostgreSQL for stack.database=postgres
 from tasks.core.constants import (CHECKPOINT_EVENT, CONTINUE_DEPLOYMENT, DEPLOY_DEPLOYMENT, EVAL_DEPLOYMENT, EVAL_EVENT,
                                   LINEAGE_TOKEN_FILE_ENV, LINEAGE_URL_ENV, REPO_ROOT)
 from tasks.core.io import atomic_write_text
@@ -54,8 +57,9 @@ MODEL_SERVER = "model_server"
 LINEAGE = "lineage"
 TRIGGERS = "triggers"  # the serve process of the event-triggered deployments (flows/triggers.py)
 CONTINUE = "continue"  # the serve process of the scheduled continue-pretraining deployment (flows/continued.py)
-CORE_SERVICES = (PREFECT, MLFLOW, LINEAGE, TRIGGERS, CONTINUE)
-STOP_ORDER = (MODEL_SERVER, CONTINUE, TRIGGERS, LINEAGE, MLFLOW, PREFECT)
+POSTGRES = "postgres"  # the embedded PostgreSQL cluster of stack.database=postgres (infra/database.py)
+CORE_SERVICES = (PREFECT, MLFLOW, LINEAGE, TRIGGERS, CONTINUE, POSTGRES)
+STOP_ORDER = (MODEL_SERVER, CONTINUE, TRIGGERS, LINEAGE, MLFLOW, PREFECT, POSTGRES)  # the database last
 LOG_TAIL_LINES = 40
 
 # Children started by this process, kept so they can be reaped (no zombies in long-lived parents
@@ -80,6 +84,9 @@ class ServiceSpec:
     marker: list[str]  # substrings of the leader's command line: guards against pid reuse
     env: dict[str, str] = field(default_factory=dict)  # added to os.environ; never secrets
     info: dict[str, Any] = field(default_factory=dict)  # extra description shown by status
+    # a command whose exit status 0 means healthy, for a service without an HTTP health URL
+    # (PostgreSQL: pg_isready); empty: GET health_url
+    probe: list[str] = field(default_factory=list)
 
     @property
     def health_url(self) -> str:
@@ -252,7 +259,8 @@ def prefect_spec(stack_cfg) -> ServiceSpec:
         url=prefect_ui_url(stack_cfg), marker=["prefect", "server", "start"],
         env={
             "PREFECT_HOME": str(home),
-            "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+            "PREFECT_SERVER_DATABASE_CONNECTION_URL": database.prefect_database_url(stack_cfg, state_dir(stack_cfg)),
+            **database.server_env(stack_cfg, state_dir(stack_cfg)),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "DO_NOT_TRACK": "true",
             "PREFECT_API_URL": api,
@@ -266,14 +274,14 @@ def prefect_spec(stack_cfg) -> ServiceSpec:
 
 
 def mlflow_spec(stack_cfg) -> ServiceSpec:
-    root = state_dir(stack_cfg) / "mlflow"
+    root = state_dir(stack_cfg)  # SQLite file or PostgreSQL (stack.database), artifacts (stack.artifacts_root)
     return ServiceSpec(
         name=MLFLOW,
         cmd=[_bin("mlflow"), "server",
-             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+             "--backend-store-uri", database.mlflow_backend_uri(stack_cfg, root),
              # artifacts are proxied by the server (--serve-artifacts is the default), so clients
              # log to mlflow-artifacts:/ over HTTP and never need the path below
-             "--artifacts-destination", str(root / "artifacts"),
+             "--artifacts-destination", database.mlflow_artifacts_root(stack_cfg, root),
              "--host", stack_cfg.host, "--port", str(stack_cfg.mlflow_port),
              "--workers", str(stack_cfg.mlflow_workers)],
         host=stack_cfg.host, port=stack_cfg.mlflow_port, health_path="/health",
@@ -283,6 +291,7 @@ def mlflow_spec(stack_cfg) -> ServiceSpec:
             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
             "MLFLOW_DISABLE_TELEMETRY": "true",
             "DO_NOT_TRACK": "true",
+            **database.server_env(stack_cfg, root),
         },
     )
 
@@ -467,6 +476,17 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def service_healthy(spec: ServiceSpec, timeout: float = 2.0) -> bool:
+    """The service's probe command exits 0 or, without one, its health URL answers 2xx."""
+    if not spec.probe:
+        return http_ok(spec.health_url, timeout=timeout)
+    try:
+        return subprocess.run(spec.probe, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=timeout + 2).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def port_free(host: str, port: int) -> bool:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -533,7 +553,7 @@ def _wait_healthy(stack_cfg, pending: dict[str, tuple[ServiceSpec, int]], timeou
         for name, (spec, pid) in pending.items():
             if name in ready:
                 continue
-            if http_ok(spec.health_url, timeout=1.0):
+            if service_healthy(spec, timeout=1.0):
                 ready[name] = round(time.monotonic() - t0, 2)
             elif not pid_alive(pid):
                 _abort(stack_cfg, pending, ready)
@@ -561,9 +581,10 @@ def _abort(stack_cfg, pending: dict[str, tuple[ServiceSpec, int]], ready: dict[s
 def _check_port(spec: ServiceSpec, stack_cfg) -> None:
     if port_free(spec.host, spec.port):
         return
-    what = "a service answering its health check" if http_ok(spec.health_url, 1.0) else "another process"
+    what = "a service answering its health check" if service_healthy(spec, 1.0) else "another process"
     hint = {PREFECT: "stack.prefect_port", MLFLOW: "stack.mlflow_port", MODEL_SERVER: "deploy.port",
-            LINEAGE: "lineage.service_port", TRIGGERS: "stack.triggers_port"}.get(spec.name)
+            LINEAGE: "lineage.service_port", TRIGGERS: "stack.triggers_port",
+            POSTGRES: "stack.postgres_port"}.get(spec.name)
     raise StackError(
         f"cannot start {spec.name}: port {spec.host}:{spec.port} is in use by {what} that this stack "
         f"(state dir {state_dir(stack_cfg)}) did not start. Stop it, or choose another port"
@@ -613,7 +634,7 @@ def start_services(stack_cfg, specs: list[ServiceSpec], timeout: float | None = 
             if old and (old.host, old.port) != (spec.host, spec.port):
                 raise StackError(f"{spec.name} is already running (pid {pid}) on {old.host}:{old.port}, but the "
                                  f"config asks for {spec.host}:{spec.port}; run `crucible down` first")
-            if http_ok(old.health_url if old else spec.health_url):
+            if service_healthy(old or spec):
                 out[spec.name] = {"url": spec.url, "healthy": True, "pid": pid, "started": False, "seconds": 0.0}
             else:  # alive but not (yet) healthy: perhaps still starting from another `up`
                 waiting_existing[spec.name] = (old or spec, pid)
@@ -677,8 +698,56 @@ def service_status(stack_cfg, name: str, spec: ServiceSpec | None = None) -> dic
     pid = running_pid(stack_cfg, name)
     spec = (read_spec(stack_cfg, name) or spec) if pid is not None else (spec or read_spec(stack_cfg, name))
     url = spec.url if spec else None
-    healthy = bool(spec) and pid is not None and http_ok(spec.health_url, timeout=10)
+    healthy = bool(spec) and pid is not None and service_healthy(spec, timeout=10)
     return {"url": url, "healthy": healthy, "pid": pid}
+
+
+# ------------------------------------------------------------------------------- database
+
+def postgres_spec(stack_cfg) -> ServiceSpec:
+    """The embedded PostgreSQL server (infra/database.py), healthy once pg_isready says so."""
+    root, port = state_dir(stack_cfg), stack_cfg.postgres_port
+    data = database.data_dir(root)
+    return ServiceSpec(
+        name=POSTGRES, cmd=database.postgres_command(stack_cfg, root), host=database.LOCAL_HOST, port=port,
+        health_path="", url=f"postgresql://{database.SUPERUSER}@{database.LOCAL_HOST}:{port}",
+        marker=["postgres", "-D", str(data)], probe=database.probe_command(stack_cfg),
+        info={"data_dir": str(data), "databases": list(database.DATABASES),
+              "os_user": database.os_user_name(stack_cfg)})
+
+
+def _start_database(stack_cfg, timeout: float | None) -> dict[str, dict]:
+    """`up`'s first step with stack.database=postgres (caller holds stack_lock): create and start the
+    embedded cluster (or take stack.postgres_url's server), then make sure its databases exist.
+    Returns start_services' entry for the embedded server ({} otherwise)."""
+    if not database.uses_postgres(stack_cfg):
+        return {}
+    root, out = state_dir(stack_cfg), {}
+    try:
+        if database.embedded(stack_cfg):
+            database.ensure_cluster(stack_cfg, root, secret(stack_cfg, database.PASSWORD_SECRET))
+            wait = min(stack_cfg.start_timeout if timeout is None else timeout, database.START_TIMEOUT)
+            try:
+                out = start_services(stack_cfg, [postgres_spec(stack_cfg)], wait)
+            except StackError as e:
+                raise StackError(f"{database.describe(stack_cfg, root)} did not start: {e}") from None
+        database.ensure_databases(stack_cfg, root)
+    except database.DatabaseError as e:  # the CLI reports a StackError in one line
+        raise StackError(str(e)) from None
+    return out
+
+
+def _database_recorded(stack_cfg) -> bool:
+    """The embedded PostgreSQL was started in this state directory (whatever the config says now)."""
+    return _pid_path(stack_cfg, POSTGRES).exists() or _spec_path(stack_cfg, POSTGRES).exists()
+
+
+def _database_status(stack_cfg) -> dict[str, dict]:
+    """The embedded PostgreSQL's status: configured (stack.database=postgres without
+    stack.postgres_url) or still recorded as started."""
+    if database.embedded(stack_cfg):
+        return {POSTGRES: service_status(stack_cfg, POSTGRES, postgres_spec(stack_cfg))}
+    return {POSTGRES: service_status(stack_cfg, POSTGRES)} if _database_recorded(stack_cfg) else {}
 
 
 # ------------------------------------------------------------------------------- public API
@@ -698,6 +767,8 @@ def up(stack_cfg, timeout: float | None = None, lineage_cfg=None, continue_confi
     for sub in ("prefect", "mlflow/artifacts", "run", "logs"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     with stack_lock(stack_cfg):
+        # stack.database=postgres: the database answers (and has its databases) before its clients start
+        database_started = _start_database(stack_cfg, timeout)
         specs = [prefect_spec(stack_cfg), mlflow_spec(stack_cfg), lineage_spec(stack_cfg, lineage_cfg)]
         out: dict = {}
         model = read_spec(stack_cfg, MODEL_SERVER)
@@ -708,7 +779,7 @@ def up(stack_cfg, timeout: float | None = None, lineage_cfg=None, continue_confi
                                      "error": f"deployed files are gone: {missing}"}
             else:
                 specs.append(model)
-        out = {**start_services(stack_cfg, specs, timeout), **out}
+        out = {**database_started, **start_services(stack_cfg, specs, timeout), **out}
         if stack_cfg.triggers:  # its deployments register with Prefect, so it starts once Prefect is healthy
             out.update(start_services(stack_cfg, [triggers_spec(stack_cfg, lineage_cfg)], timeout))
         if continue_config is not None:
@@ -727,7 +798,8 @@ def down(stack_cfg, timeout: float | None = None) -> dict[str, str]:
     with stack_lock(stack_cfg):
         # Prefect's, MLflow's and the lineage service's specs are rebuilt from the config on `up`;
         # the model server's is the deployment record and is kept.
-        return {name: stop_service(stack_cfg, name, timeout, forget=name in CORE_SERVICES) for name in STOP_ORDER}
+        return {name: stop_service(stack_cfg, name, timeout, forget=name in CORE_SERVICES) for name in STOP_ORDER
+                if name != POSTGRES or _database_recorded(stack_cfg)}
 
 
 def status(stack_cfg, lineage_cfg=None) -> dict[str, dict]:
@@ -739,6 +811,7 @@ def status(stack_cfg, lineage_cfg=None) -> dict[str, dict]:
     }
     if stack_cfg.triggers:
         out[TRIGGERS] = service_status(stack_cfg, TRIGGERS, triggers_spec(stack_cfg, lineage_cfg))
+    out.update(_database_status(stack_cfg))
     if read_spec(stack_cfg, CONTINUE) is not None or _read_pid(stack_cfg, CONTINUE) is not None:
         out[CONTINUE] = service_status(stack_cfg, CONTINUE)
     if read_spec(stack_cfg, MODEL_SERVER) is not None or _read_pid(stack_cfg, MODEL_SERVER) is not None:

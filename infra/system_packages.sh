@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Debian packages Crucible needs beyond Python: the C++ toolchain and libraries to build KenLM's
-# lmplz/build_binary, and headless Chromium + its driver for the lineage page's browser test.
+# lmplz/build_binary, headless Chromium + its driver for the lineage page's browser test, and
+# PostgreSQL (server and client programs) for stack.database=postgres.
 # Installs only what is missing; needs root (or sudo) and apt-get.
 set -euo pipefail
 
@@ -8,6 +9,7 @@ PACKAGES=(
     cmake g++ make zlib1g-dev libbz2-dev liblzma-dev
     libboost-program-options-dev libboost-system-dev libboost-thread-dev libboost-test-dev libeigen3-dev
     chromium chromium-driver
+    postgresql
 )
 
 missing=()

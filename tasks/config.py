@@ -628,7 +628,7 @@ class StackConfig(Section):
     database: Literal["sqlite", "postgres"] = "sqlite"
     # postgres: a cluster `crucible up` creates under <state_dir>/postgres and runs on 127.0.0.1:postgres_port,
     # as postgres_os_user when crucible runs as root (PostgreSQL refuses to run as root) ...
-    postgres_port: int = Field(default=5432, gt=0, lt=65536)
+    postgres_port: int = Field(default=5433, gt=0, lt=65536)  # beside a system PostgreSQL on 5432 (Debian's main cluster)
     postgres_os_user: str = "postgres"
     # ... or an existing server, postgresql://user@host:port (its password from PGPASSWORD or PGPASSFILE)
     postgres_url: str | None = Field(default=None, pattern=r"^postgres(ql)?://")
@@ -861,6 +861,8 @@ def _format_errors(err: ValidationError) -> str:
         got = f"got {e.get('input')!r}"
         if "storage_options" in path or (isinstance(e.get("input"), dict) and "storage_options" in e["input"]):
             got = "input not shown: storage_options may hold credentials"
+        if path.endswith("postgres_url"):
+            got = "input not shown: it may hold a password"
         lines.append(f"  {path}: {e['msg']} ({got})"[:300])
     return "invalid config:\n" + "\n".join(lines)
 

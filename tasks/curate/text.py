@@ -9,10 +9,13 @@ rather than an approximation: with a regex stand-in for NLTK's Treebank tokenize
 web pages got a different keep/drop decision. spaCy's tokenizer needs no model download.
 
 * `words(text)`: spaCy tokens without the whitespace tokens (datatrove's `split_into_words`).
-  The tokenizer runs inside a spaCy memory zone renewed every `_ZONE_CALLS` texts, so the
-  vocabulary does not grow without bound on a long run, while a batch still reuses its lexemes
-  (datatrove opens one zone per call, which rebuilds every lexeme each time: most of its cost),
-  and new lexemes skip the lexical attributes spaCy would compute (unused; same tokens).
+  The tokenizer keeps its lexemes and its cache of whitespace-separated chunks across texts
+  (a spaCy memory zone would disable that cache: 40 % slower here; datatrove opens one zone per
+  call, which also rebuilds every lexeme each time, most of its cost); so the vocabulary does not
+  grow without bound on a long run, a fresh tokenizer replaces it past `_MAX_LEXEMES` lexemes
+  (same tokens: the cache only memoises). New lexemes skip the lexical attributes spaCy would
+  compute (unused; same tokens). thinc, which spaCy imports, imports torch when installed (0.7 s
+  of start-up, never used by the tokenizer): it is hidden from that import.
 * `sentences(text)` / `count_sentences(text)`: the sentences spaCy's `sentencizer` makes (a
   sentence ends after a token in its punctuation list once a token follows that is neither
   punctuation nor in the list), reimplemented on the token list: the pipeline itself is not run.
@@ -26,19 +29,23 @@ and the default config keeps English only.
 """
 from __future__ import annotations
 
+import array
 import string
 import sys
 import unicodedata
+from contextlib import contextmanager
 from functools import lru_cache
 
 import regex
 
-_ZONE_CALLS = 2000
+_MAX_LEXEMES = 500_000  # ~125 MB of vocabulary and cache per process
 
 
 def _sentence_terminals() -> frozenset[str]:
     sterm = regex.compile(r"\p{Sentence_Terminal}")
-    chars = {chr(c) for c in range(sys.maxunicode + 1) if sterm.match(chr(c))}
+    # every code point in one string, matched in one call (a Python loop over them: 0.5 s of start-up)
+    every = array.array("I", range(sys.maxunicode + 1)).tobytes().decode("utf-32-le", "surrogatepass")
+    chars = set(sterm.findall(every))
     return frozenset(chars | {"\u17d6", "\u17d9", "\u17da"})
 
 
@@ -50,11 +57,26 @@ _SYMBOL_CHARS = frozenset(
 ) | TERMINAL_PUNCTUATION
 
 
+@contextmanager
+def _torch_hidden():
+    """`import torch` fails inside (thinc then runs without it), unless torch is already loaded."""
+    if "torch" in sys.modules:
+        yield
+        return
+    sys.modules["torch"] = None  # type: ignore[assignment]  # None in sys.modules: ImportError
+    try:
+        yield
+    finally:
+        if "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]
+
+
 class _English:
-    """spaCy's English tokenizer, with a memory zone renewed every `_ZONE_CALLS` texts."""
+    """spaCy's English tokenizer (replaced by a fresh one past `_MAX_LEXEMES`, see `_english`)."""
 
     def __init__(self):
-        import spacy
+        with _torch_hidden():
+            import spacy
         from spacy.pipeline import Sentencizer
 
         self.nlp = spacy.blank("en")
@@ -63,17 +85,9 @@ class _English:
         self.nlp.vocab.lex_attr_getters = {}
         self.tokenizer = self.nlp.tokenizer
         self.sentence_punct = frozenset(Sentencizer.default_punct_chars)
-        self._zone = None
-        self._calls = 0
 
     def tokens(self, text: str) -> list[str]:
         """All tokens, whitespace tokens included (as the sentencizer sees them)."""
-        if self._calls % _ZONE_CALLS == 0:
-            if self._zone is not None:
-                self._zone.__exit__(None, None, None)
-            self._zone = self.nlp.memory_zone()
-            self._zone.__enter__()
-        self._calls += 1
         return [t.text for t in self.tokenizer(text)]
 
 
@@ -82,7 +96,7 @@ _ENGLISH: _English | None = None
 
 def _english() -> _English:
     global _ENGLISH
-    if _ENGLISH is None:
+    if _ENGLISH is None or len(_ENGLISH.nlp.vocab) > _MAX_LEXEMES:
         _ENGLISH = _English()
     return _ENGLISH
 
