@@ -134,6 +134,9 @@ def open_run(cfg: PipelineConfig, run_name: str | None = None) -> RunContext:
     """Create the run directory and the MLflow parent run; called inside the pretrain flow."""
     from prefect.runtime import flow_run
 
+    from tasks.core.ray_utils import check_ray_address
+
+    check_ray_address(cfg.ray)  # a cluster nobody answers on fails here, before the run directory exists
     run_name = run_name or new_run_name(cfg)
     layout = RunLayout.for_run(cfg.run_root, run_name)
     run_dir = layout.run_dir

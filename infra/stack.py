@@ -22,6 +22,9 @@ The specs of the core services (Prefect, MLflow, the lineage service, the trigge
 built here from the config; the model server's spec comes from its supervisor
 (infra/services/model_server), which records it with `write_spec` and starts it with `start_services`.
 
+With `stack.ray: cluster` (`crucible up --ray`) the stack also runs a Ray head and worker nodes
+(section "Ray cluster" below); their sessions live in their own temp dir, not /tmp/ray.
+
 Only the standard library (and stdlib-only tasks.core modules) is imported at module level, so
 `crucible status` stays fast.
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import secrets
@@ -38,6 +42,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -233,6 +238,7 @@ def client_env(stack_cfg, lineage_cfg=None) -> dict[str, str]:
         "MLFLOW_TRACKING_URI": mlflow_tracking_uri(stack_cfg),
         "MLFLOW_DISABLE_TELEMETRY": "true",
         STATE_DIR_ENV: str(state_dir(stack_cfg)),
+        **(ray_client_env(stack_cfg) if stack_cfg.ray == "cluster" else {}),
     }
 
 
@@ -780,6 +786,8 @@ def up(stack_cfg, timeout: float | None = None, lineage_cfg=None, continue_confi
             else:
                 specs.append(model)
         out = {**database_started, **start_services(stack_cfg, specs, timeout), **out}
+        if stack_cfg.ray == "cluster":  # a Ray head, then its worker nodes (before the serve processes that use it)
+            out.update(up_ray(stack_cfg, timeout))
         if stack_cfg.triggers:  # its deployments register with Prefect, so it starts once Prefect is healthy
             out.update(start_services(stack_cfg, [triggers_spec(stack_cfg, lineage_cfg)], timeout))
         if continue_config is not None:
@@ -798,8 +806,10 @@ def down(stack_cfg, timeout: float | None = None) -> dict[str, str]:
     with stack_lock(stack_cfg):
         # Prefect's, MLflow's and the lineage service's specs are rebuilt from the config on `up`;
         # the model server's is the deployment record and is kept.
-        return {name: stop_service(stack_cfg, name, timeout, forget=name in CORE_SERVICES) for name in STOP_ORDER
-                if name != POSTGRES or _database_recorded(stack_cfg)}
+        out = {name: stop_service(stack_cfg, name, timeout, forget=name in CORE_SERVICES) for name in STOP_ORDER
+               if name != POSTGRES or _database_recorded(stack_cfg)}
+        out.update(down_ray(stack_cfg, timeout))  # Ray worker nodes, then the head
+        return out
 
 
 def status(stack_cfg, lineage_cfg=None) -> dict[str, dict]:
@@ -816,4 +826,150 @@ def status(stack_cfg, lineage_cfg=None) -> dict[str, dict]:
         out[CONTINUE] = service_status(stack_cfg, CONTINUE)
     if read_spec(stack_cfg, MODEL_SERVER) is not None or _read_pid(stack_cfg, MODEL_SERVER) is not None:
         out[MODEL_SERVER] = service_status(stack_cfg, MODEL_SERVER)
+    out.update(ray_status(stack_cfg))  # with stack.ray: cluster, or while a cluster is recorded
     return out
+
+# ------------------------------------------------------------------------- Ray cluster
+
+# The stack's Ray cluster (`crucible up --ray`, or `stack.ray: cluster`): a head node and
+# `stack.ray_workers` worker nodes, each a `ray start --block` process supervised like the other
+# services of infra/stack.py (own process group, pid file, spec, log, SIGTERM then SIGKILL).
+#
+#     ray_head       ray start --head --port <ray_port> --num-cpus <ray_head_cpus> --node-name head
+#     ray_worker_1   ray start --address <head> --num-cpus <n> --node-name worker-1 --resources {"worker-1": 1}
+#     ...
+#
+# Every node advertises `connect_host(stack.host)` (127.0.0.1 by default). Ray's GCS and raylets
+# listen on every interface whatever that address is, so the cluster requires Ray's token
+# authentication: the token is a 0600 secret of the stack (secrets/ray-auth.token), and a driver
+# needs RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH (`ray_client_env`; `crucible run` sets them).
+#
+# Health: each node's dashboard agent answers GET /api/healthz (public, no token) once the GCS
+# says the node is alive; on the head it also checks the GCS. A node's agent listens on
+# `ray_agent_port` (head) and `ray_agent_port + i` (worker i). Workers are started one at a time:
+# two `ray start` on one machine at the same moment can pick the same raylet socket name.
+# They are stopped before the head. A run attaches to the head's GCS address (`address`).
+
+RAY_HEAD = "ray_head"
+RAY_WORKER = "ray_worker_"  # + node number: ray_worker_1, ray_worker_2, ...
+RAY_TOKEN = "ray-auth.token"
+HEALTH_PATH = "/api/healthz"
+
+
+def ray_address(stack_cfg) -> str:
+    """The head's GCS address, what `ray.address` names to attach a driver on this machine."""
+    return f"{connect_host(stack_cfg.host)}:{stack_cfg.ray_port}"
+
+
+def ray_client_env(stack_cfg) -> dict[str, str]:
+    """What a driver of the stack's cluster needs in its environment (the token by path only)."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(secret_file(stack_cfg, RAY_TOKEN))}
+
+
+def ray_temp_dir(stack_cfg) -> Path:
+    """The cluster's own Ray temp dir (sessions, logs, sockets), one per state directory. Not Ray's
+    default /tmp/ray: a `ray start --head` records its address there (ray_current_cluster), and a
+    plain `ray.init()` anywhere on the machine would then attach to this cluster, or fail on the
+    stale record after it stopped. Short, because it holds Unix sockets (107-byte path limit)."""
+    tag = hashlib.sha256(str(state_dir(stack_cfg)).encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / f"crucible-ray-{tag}"
+
+
+def _node_env(stack_cfg) -> dict[str, str]:
+    return {**ray_client_env(stack_cfg), "RAY_USAGE_STATS_ENABLED": "0",
+            # `down` stops the whole stack: no point draining a node (up to 30 s) before it stops
+            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+
+
+def worker_cpus(stack_cfg) -> int:
+    """CPUs of each worker node: stack.ray_worker_cpus, else the machine's shared out (≥ 1)."""
+    return stack_cfg.ray_worker_cpus or max(1, (os.cpu_count() or 1) // stack_cfg.ray_workers)
+
+
+def _node_args(stack_cfg, name: str, cpus: int, agent_port: int) -> list[str]:
+    return ["--block", "--temp-dir", str(ray_temp_dir(stack_cfg)), "--node-ip-address", connect_host(stack_cfg.host),
+            "--num-cpus", str(cpus),
+            "--node-name", name, "--dashboard-agent-listen-port", str(agent_port),
+            "--object-store-memory", str(stack_cfg.ray_object_store_mb << 20), "--disable-usage-stats"]
+
+
+def head_spec(stack_cfg) -> ServiceSpec:
+    host = connect_host(stack_cfg.host)
+    return ServiceSpec(
+        name=RAY_HEAD,
+        cmd=[_bin("ray"), "start", "--head", "--port", str(stack_cfg.ray_port),
+             "--ray-client-server-port", str(stack_cfg.ray_client_port), "--include-dashboard", "false",
+             *_node_args(stack_cfg, "head", stack_cfg.ray_head_cpus, stack_cfg.ray_agent_port)],
+        host=host, port=stack_cfg.ray_agent_port, health_path=HEALTH_PATH, url=f"ray://{host}:{stack_cfg.ray_client_port}",
+        marker=["ray", "start", "--head", "--node-name head "], env=_node_env(stack_cfg),
+        info={"address": ray_address(stack_cfg), "node": "head", "cpus": stack_cfg.ray_head_cpus})
+
+
+def worker_spec(stack_cfg, i: int) -> ServiceSpec:
+    """Worker node i (1-based): `worker-i`, with the custom resource {"worker-i": 1} so a task can
+    be pinned to it."""
+    name, cpus, port = f"worker-{i}", worker_cpus(stack_cfg), stack_cfg.ray_agent_port + i
+    host = connect_host(stack_cfg.host)
+    return ServiceSpec(
+        name=f"{RAY_WORKER}{i}",
+        cmd=[_bin("ray"), "start", "--address", ray_address(stack_cfg), "--resources", json.dumps({name: 1}),
+             *_node_args(stack_cfg, name, cpus, port)],
+        host=host, port=port, health_path=HEALTH_PATH, url=f"http://{host}:{port}{HEALTH_PATH}",
+        marker=["ray", "start", "--address", f"--node-name {name} "], env=_node_env(stack_cfg),
+        info={"address": ray_address(stack_cfg), "node": name, "cpus": cpus, "resources": {name: 1}})
+
+
+def recorded_workers(stack_cfg) -> list[str]:
+    """Service names of the worker nodes with a pid file or spec, in number order (including
+    ones a smaller stack.ray_workers no longer asks for)."""
+    names = {p.stem for p in _run_dir(stack_cfg).glob(f"{RAY_WORKER}*") if p.suffix in (".pid", ".json")}
+    return sorted(names, key=lambda n: int(n[len(RAY_WORKER):]) if n[len(RAY_WORKER):].isdigit() else 0)
+
+
+def up_ray(stack_cfg, timeout: float | None = None) -> dict[str, dict]:
+    """Start the head, then each worker node in turn, unless already healthy (caller holds
+    stack_lock). Returns {service: {url, healthy, pid, started, seconds}}."""
+    if running_pid(stack_cfg, RAY_HEAD) is None:
+        for port, setting in ((stack_cfg.ray_port, "stack.ray_port"), (stack_cfg.ray_client_port, "stack.ray_client_port")):
+            if not port_free(connect_host(stack_cfg.host), port) or not port_free("0.0.0.0", port):
+                raise StackError(f"cannot start the Ray head: port {port} is in use by another process "
+                                 f"(another Ray cluster?). Stop it, or choose another port (e.g. --set {setting}=...).")
+    out = start_services(stack_cfg, [head_spec(stack_cfg)], timeout)
+    for i in range(1, stack_cfg.ray_workers + 1):
+        out.update(start_services(stack_cfg, [worker_spec(stack_cfg, i)], timeout))
+    out[RAY_HEAD]["address"] = ray_address(stack_cfg)
+    return out
+
+
+def down_ray(stack_cfg, timeout: float | None = None) -> dict[str, str]:
+    """Stop the worker nodes (highest first), then the head. Their specs are rebuilt by `up`.
+    {} when no node is recorded (the stack never ran a cluster)."""
+    workers = recorded_workers(stack_cfg)
+    if not workers and read_spec(stack_cfg, RAY_HEAD) is None and _read_pid(stack_cfg, RAY_HEAD) is None:
+        return {}
+    out = {name: stop_service(stack_cfg, name, timeout, forget=True) for name in reversed(workers)}
+    out[RAY_HEAD] = stop_service(stack_cfg, RAY_HEAD, timeout, forget=True)
+    return out
+
+
+def ray_status(stack_cfg) -> dict[str, dict]:
+    """Status of the head and every worker node ({} when no cluster is configured or recorded).
+    The head's entry also says how many nodes are alive: each node's health check asks the GCS
+    whether that node is alive, so this costs one local HTTP request per node."""
+    recorded = read_spec(stack_cfg, RAY_HEAD) is not None or _read_pid(stack_cfg, RAY_HEAD) is not None
+    if stack_cfg.ray != "cluster" and not recorded:
+        return {}
+    numbers = {int(n[len(RAY_WORKER):]) for n in recorded_workers(stack_cfg) if n[len(RAY_WORKER):].isdigit()}
+    if stack_cfg.ray == "cluster":
+        numbers |= set(range(1, stack_cfg.ray_workers + 1))
+    out = {RAY_HEAD: service_status(stack_cfg, RAY_HEAD, head_spec(stack_cfg))}
+    for i in sorted(numbers):
+        out[f"{RAY_WORKER}{i}"] = service_status(stack_cfg, f"{RAY_WORKER}{i}", worker_spec(stack_cfg, i))
+    alive = sum(1 for s in out.values() if s["healthy"])
+    out[RAY_HEAD].update(address=ray_address(stack_cfg), nodes=f"{alive} of {len(out)} Ray nodes alive")
+    return out
+
+
+def cluster_address(stack_cfg) -> str | None:
+    """The address of the stack's Ray cluster when its head is running, else None."""
+    return ray_address(stack_cfg) if running_pid(stack_cfg, RAY_HEAD) is not None else None

@@ -621,6 +621,19 @@ class StackConfig(Section):
     eval_retry_backoff: float = Field(default=10.0, gt=0)
     # how long the pretrain flow waits for a triggered result before doing the work itself
     triggered_timeout: float = Field(default=1800.0, gt=0)
+    # Ray: "local" (each run starts its own in-process Ray) or "cluster" (`crucible up --ray`): a
+    # head (`ray start --head`, ray_head_cpus CPUs, GCS on ray_port) plus ray_workers worker nodes
+    # (named worker-1, ...; ray_worker_cpus CPUs each, default the machine's CPUs shared out),
+    # supervised as services; a run attaches to it while it is up (infra/stack.py)
+    ray: Literal["local", "cluster"] = "local"
+    ray_port: int = Field(default=6380, gt=0, lt=65536)
+    # Ray Client (ray://host:port); not in 10002-19999, the ports of Ray's workers
+    ray_client_port: int = Field(default=10001, gt=0, lt=65536)
+    ray_agent_port: int = Field(default=52365, gt=0, lt=65000)  # head's health endpoint; worker i: + i
+    ray_workers: int = Field(default=2, ge=1, le=64)
+    ray_head_cpus: int = Field(default=0, ge=0)  # 0: the head only coordinates; the workers run tasks
+    ray_worker_cpus: int | None = Field(default=None, gt=0)
+    ray_object_store_mb: int = Field(default=512, ge=80)  # per node (Ray's minimum is ~75 MB)
     start_timeout: float = Field(default=180.0, gt=0)  # seconds for a service to become healthy
     stop_timeout: float = Field(default=15.0, gt=0)  # seconds between SIGTERM and SIGKILL
     # where Prefect's server and MLflow's tracking store keep their state (infra/database.py):

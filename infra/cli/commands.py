@@ -3,6 +3,7 @@ ablate and lineage replay. Each takes the parsed arguments and returns the exit 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,12 @@ def _load(path: str, overrides: list[str]):
 
 
 def _stack_configs(args):
+    if getattr(args, "ray", False):  # `crucible up --ray`
+        args.overrides = [*args.overrides, "stack.ray=cluster"]
+    return _stack_sections(args)
+
+
+def _stack_sections(args):
     """(stack, deploy, lineage sections) from --config (default configs/tiny.yaml, looked up in the
     working directory, then in the repository); the defaults if no default config exists."""
     from tasks.config import DeployConfig, LineageConfig, StackConfig, apply_overrides
@@ -52,6 +59,8 @@ def _print_status(st: dict) -> None:
         print(f"  {name:<13} {state:<21} {s.get('url') or '':<32} {pid}".rstrip())
         if s.get("error"):
             print(f"  {'':<13} {s['error']}")
+        if s.get("nodes"):  # the Ray head: nodes alive, and the address a run attaches to
+            print(f"  {'':<13} {s['nodes']}; ray.address={s.get('address')}")
 
 
 def _continue_config(args) -> tuple | None:
@@ -99,11 +108,32 @@ def _stack_for(cfg) -> None:
     res = stack.up(cfg.stack, lineage_cfg=cfg.lineage)
     _print_status({k: v for k, v in res.items() if isinstance(v, dict)})
     stack.use_stack(cfg.stack, cfg.lineage)
+    _attach_stack_ray(cfg)
     stack.register_run_root(cfg.stack, cfg.run_root)  # the triggered flows load checkpoints from there only
+
+
+def _attach_stack_ray(cfg) -> None:
+    """While the stack's Ray cluster is up (`crucible up --ray`) a run without its own ray.address
+    uses it: the address goes into the config (so MLflow and the run's config.json record it),
+    the cluster's token into this process's environment."""
+    address = stack.cluster_address(cfg.stack)
+    if address is None:
+        return
+    os.environ.update(stack.ray_client_env(cfg.stack))
+    if cfg.ray.address is None:
+        cfg.ray.address = address
+        print(f"using the stack's Ray cluster: ray.address={address}", file=sys.stderr)
 
 
 def cmd_run(args) -> int:
     cfg = _load(args.config, args.overrides)  # ConfigError → exit 2 before anything heavy is imported
+    if cfg.ray.address and cfg.stack.ray != "cluster":  # (a cluster of the stack's own is started below)
+        from tasks.core.ray_utils import RayUnreachable, check_ray_address
+
+        try:
+            check_ray_address(cfg.ray)
+        except RayUnreachable as e:
+            return fail(f"crucible: {e}", 1)
     print(f"config {args.config} is valid; bringing up the local stack in {stack.state_dir(cfg.stack)} ...",
           file=sys.stderr)
     _stack_for(cfg)

@@ -17,6 +17,7 @@ from infra.stack import STATE_DIR_ENV, StackError
 EXAMPLES = """\
 examples:
   crucible up                                  start Prefect + MLflow + the lineage service (+ the deployed model server)
+  crucible up --ray                            ... and a Ray cluster: a head and 2 worker nodes (stack.ray=cluster)
   crucible status                              URLs, health and pids of the local services
   crucible status --json                       the same as JSON: {service: {url, healthy, pid}}
   crucible run configs/tiny.yaml               the whole pipeline: curate → tokenizer → train → evaluate → deploy
@@ -64,6 +65,9 @@ def _add_stack_commands(sub) -> None:
                                     "model has been deployed, the model server. Healthy services are left alone.")
     _add_stack_options(sp)
     sp.add_argument("--json", action="store_true", help="print the result as JSON")
+    sp.add_argument("--ray", action="store_true",
+                    help="also start a Ray cluster (stack.ray=cluster): a head and stack.ray_workers worker nodes; "
+                         "runs attach to it while it is up")
     sp = sub.add_parser("down", help="stop the local stack",
                         description="Stop the model server, then the lineage service, MLflow and Prefect "
                                     "(SIGTERM, then SIGKILL).")

@@ -12,17 +12,24 @@ reuse the finished ones, run the rest on Ray, merge, write the manifest last.
   runs the others on its workers, stores each result as it comes back and hands it over.
   Jobs may be submitted while others run (ingest plans a capped source's next wave from the
   previous one's results).
+
+On a cluster a node may die mid-stage: a task is retried by Ray (`TASK_RETRIES`); a job whose
+actor died with its node is run again on a surviving actor (`JOB_ATTEMPTS` in all). Jobs write
+their parts atomically under fixed names, so a repeated job leaves the same output. Each result
+comes back with the id of the node that ran it; `JobRunner.nodes` counts jobs per node, what the
+stage summaries report as `nodes` (`JobRunner.node_report`).
 """
 from __future__ import annotations
 
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from tasks.config import RayConfig
-from tasks.core.ray_utils import cluster_cpus, init_ray
+from tasks.core.ray_utils import cluster_cpus, current_node_id, init_ray, tasks_per_node
 from tasks.core.resume import MANIFEST, JobStore, remove_temp_files, verify_manifest, write_manifest
 
 
@@ -81,8 +88,40 @@ class Job:
     args: tuple  # the worker's arguments
 
 
+TASK_RETRIES = 3  # Ray re-runs a task whose worker or node died (its default, stated)
+JOB_ATTEMPTS = 3  # runs of one job on actors before a lost actor fails the stage
+
+
+def _reporting_node(fn: Callable) -> Callable:
+    """`fn` as a Ray task body that returns (result, id of the node it ran on)."""
+    def run(*args):
+        return fn(*args), current_node_id()
+
+    run.__name__ = run.__qualname__ = getattr(fn, "__name__", "job")
+    return run
+
+
+def _node_reporting_class(cls: type) -> type:
+    """`cls` with `run_job(method, *args)`: the method's result and the id of the actor's node."""
+    class NodeReporting(cls):
+        def run_job(self, method: str, *args):
+            return getattr(self, method)(*args), current_node_id()
+
+    NodeReporting.__name__ = NodeReporting.__qualname__ = cls.__name__
+    return NodeReporting
+
+
+def _lost_worker_errors() -> tuple[type, ...]:
+    """What a call on an actor raises when its process or node is gone (not the job's own error)."""
+    from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError
+
+    return RayActorError, ObjectLostError, NodeDiedError
+
+
 class RayTasks:
     """Each job runs as a Ray task of `fn(*job.args)`."""
+
+    recovers_lost_workers = False  # Ray itself retries a task whose node died
 
     def __init__(self, fn: Callable, ray_cfg: RayConfig | None = None):
         self.fn, self.ray_cfg = fn, ray_cfg
@@ -93,13 +132,16 @@ class RayTasks:
         import ray
 
         self.workers = start_ray(self.ray_cfg)
-        self._remote = ray.remote(num_cpus=1)(self.fn)
+        self._remote = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(_reporting_node(self.fn))
 
     def submit(self, args: tuple):
         """The job's object ref (a task is always accepted: Ray queues it)."""
         return self._remote.remote(*args)
 
     def release(self, ref) -> None:
+        pass
+
+    def lost(self, ref) -> None:
         pass
 
     def stop(self) -> None:
@@ -114,7 +156,10 @@ class Shared:
 
 class RayActors:
     """Jobs run as `actor.<method>(*job.args)` on a pool of one-CPU actors of `cls(*init_args)`,
-    as many as CPUs (at most one per job), each built once."""
+    as many as CPUs (at most one per job), each built once. An actor lost with its node is
+    dropped; its job goes to the others (a new actor is started only when none is left)."""
+
+    recovers_lost_workers = True
 
     def __init__(self, cls: type, init_args: tuple, method: str, ray_cfg: RayConfig | None = None):
         self.cls, self.init_args, self.method, self.ray_cfg = cls, init_args, method, ray_cfg
@@ -122,14 +167,16 @@ class RayActors:
         self._idle: list = []
         self._busy: dict = {}  # object ref -> actor
         self._actors: list = []
+        self._args: list = []  # init_args with each Shared value put once
+        self._actor_cls = None
 
     def start(self, n_jobs: int) -> None:
         import ray
 
         self.workers = max(1, min(start_ray(self.ray_cfg), n_jobs))
-        args = [ray.put(a.value) if isinstance(a, Shared) else a for a in self.init_args]
-        actor_cls = ray.remote(num_cpus=1)(self.cls)
-        self._actors = [actor_cls.remote(*args) for _ in range(self.workers)]
+        self._args = [ray.put(a.value) if isinstance(a, Shared) else a for a in self.init_args]
+        self._actor_cls = ray.remote(num_cpus=1)(_node_reporting_class(self.cls))
+        self._actors = [self._actor_cls.remote(*self._args) for _ in range(self.workers)]
         self._idle = list(self._actors)
 
     def submit(self, args: tuple):
@@ -137,12 +184,26 @@ class RayActors:
         if not self._idle:
             return None
         actor = self._idle.pop()
-        ref = getattr(actor, self.method).remote(*args)
+        ref = actor.run_job.remote(self.method, *args)
         self._busy[ref] = actor
         return ref
 
     def release(self, ref) -> None:
         self._idle.append(self._busy.pop(ref))
+
+    def lost(self, ref) -> None:
+        """The actor of `ref` died (its node did): drop it; start a new one only if none is left."""
+        import ray
+
+        actor = self._busy.pop(ref)
+        self._actors.remove(actor)
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone is what we expect
+            pass
+        if not self._actors:  # scheduled as soon as a node has a free CPU
+            self._actors = [self._actor_cls.remote(*self._args)]
+            self._idle = list(self._actors)
 
     def stop(self) -> None:
         import ray
@@ -160,6 +221,9 @@ class JobRunner:
         self.workers, self.store = workers, store
         self.resumed = 0
         self.ran = 0  # jobs that were run (not reused)
+        self.nodes: Counter = Counter()  # node id -> jobs that node ran
+        self.rerun = 0  # jobs run again after their actor was lost with its node
+        self._attempts: Counter = Counter()  # job name -> runs lost so far
         self._queue: list[Job] = []
         self._pending: dict = {}  # object ref -> job
         self._started = False
@@ -189,11 +253,31 @@ class JobRunner:
             self._dispatch()
             [ref], _ = ray.wait(list(self._pending), num_returns=1)
             job = self._pending.pop(ref)
+            try:
+                result, node = ray.get(ref)
+            except _lost_worker_errors() as e:
+                if not self.workers.recovers_lost_workers:
+                    raise
+                self._requeue(job, ref, e)
+                continue
             self.workers.release(ref)
-            result = ray.get(ref)
+            self.nodes[node] += 1
             if self.store is not None and job.key is not None:
                 self.store.save(job.name, job.key, result)
             yield job, result
+
+    def _requeue(self, job: Job, ref, error: Exception) -> None:
+        """The worker running `job` is gone: drop it and run the job again first."""
+        self.workers.lost(ref)
+        self._attempts[job.name] += 1
+        if self._attempts[job.name] >= JOB_ATTEMPTS:
+            raise RuntimeError(f"job {job.name}: its worker was lost {JOB_ATTEMPTS} times") from error
+        self.rerun += 1
+        self._queue.insert(0, job)
+
+    def node_report(self) -> dict[str, int]:
+        """{node label: jobs run there} (`tasks.core.ray_utils.tasks_per_node`)."""
+        return tasks_per_node(self.nodes)
 
     def _dispatch(self) -> None:
         if not self._started:

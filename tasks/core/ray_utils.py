@@ -4,16 +4,62 @@ and tokens stages) and the Ray MinHash clustering call it.
 `init_ray(cfg.ray)` reuses a Ray that is already initialised in this process (a Prefect task
 runner, a test fixture), otherwise calls `ray.init` with the config's address and CPU count.
 With no address (and no RAY_ADDRESS in the environment) a local Ray is started with
-`ray.num_cpus`; `RAY_AUTH_MODE=disabled` is set for it unless the environment says otherwise.
-With an address ("auto", "ray://host:10001") Ray attaches and the CPU count comes from the
-cluster, so `num_cpus` is not passed.
+`ray.num_cpus` (address "local": never a cluster some `ray start` on this machine recorded in
+/tmp/ray); `RAY_AUTH_MODE=disabled` is set for it unless the environment says otherwise.
+With an address ("auto", "host:6380", "ray://host:10001") Ray attaches and the CPU count comes
+from the cluster, so `num_cpus` is not passed. An address nobody answers on fails at once
+(`RayUnreachable`, naming `ray.address`), before a stage writes anything: `ray.init` itself
+would retry for a long while.
+
+Which node ran a job: `current_node_id()` inside a task, `node_labels()` in the driver (the
+node's name, e.g. `worker-1` of the stack's cluster, else its id).
 """
 from __future__ import annotations
 
 import logging
 import os
+import socket
+from collections import Counter
 
 from tasks.config import RayConfig
+
+CONNECT_TIMEOUT_S = 5.0  # a cluster's GCS answers a TCP connect at once; this only bounds a silent host
+
+
+class RayUnreachable(ConnectionError):
+    """`ray.address` names a Ray cluster nobody answers on."""
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a GCS ("host:port") or Ray Client ("ray://host:port") address; None for
+    "auto"/"local" (Ray finds those itself)."""
+    rest = address.split("://", 1)[1] if "://" in address else address
+    if address in ("auto", "local") or ":" not in rest:
+        return None
+    host, _, port = rest.rstrip("/").rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def check_ray_address(cfg: RayConfig | None = None) -> None:
+    """Raise `RayUnreachable` when the configured cluster (`ray.address`, else RAY_ADDRESS) does
+    not accept a TCP connection within CONNECT_TIMEOUT_S."""
+    setting = "ray.address" if cfg is not None and cfg.address else "RAY_ADDRESS"
+    address = (cfg.address if cfg is not None else None) or os.environ.get("RAY_ADDRESS")
+    if not address:
+        return
+    try:
+        target = _host_port(address)
+    except ValueError:
+        raise RayUnreachable(f"Ray: {setting}={address!r} is not host:port or ray://host:port") from None
+    if target is None:
+        return
+    try:
+        with socket.create_connection(target, timeout=CONNECT_TIMEOUT_S):
+            pass
+    except OSError as e:
+        raise RayUnreachable(
+            f"Ray: no cluster answers at {setting}={address!r} ({e.strerror or e}); start one "
+            f"(`crucible up --ray`) or correct {setting}") from None
 
 
 def init_ray(cfg: RayConfig | None = None) -> bool:
@@ -25,11 +71,36 @@ def init_ray(cfg: RayConfig | None = None) -> bool:
     cfg = cfg or RayConfig()
     kwargs: dict = {"include_dashboard": False, "ignore_reinit_error": True,
                     "logging_level": logging.WARNING}
-    if cfg.address is None and not os.environ.get("RAY_ADDRESS"):
+    address = cfg.address
+    if address is None and not os.environ.get("RAY_ADDRESS"):
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         kwargs["num_cpus"] = cfg.num_cpus
-    ray.init(address=cfg.address, **kwargs)
+        # "local": always a new local Ray, never the last `ray start` cluster recorded in /tmp/ray
+        address = "local"
+    else:
+        check_ray_address(cfg)
+    _reload_auth_settings()
+    try:
+        ray.init(address=address, **kwargs)
+    except ConnectionError as e:  # e.g. a token-protected cluster (the stack's) without its token
+        if cfg.address is None:
+            raise
+        raise RayUnreachable(f"Ray: could not attach to the cluster at ray.address={cfg.address!r}: {e} (the "
+                             "stack's cluster needs RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH, which "
+                             "`crucible run` sets)") from e
     return True
+
+
+def _reload_auth_settings() -> None:
+    """Make Ray read RAY_AUTH_MODE / RAY_AUTH_TOKEN_PATH again: it caches them at the first Ray
+    session of the process, so a process that ran a local Ray (auth disabled) could not attach to
+    the stack's token-protected cluster afterwards (what Ray's own tests do between sessions)."""
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+    except ImportError:  # a Ray without token authentication: nothing cached
+        return
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def cluster_cpus() -> int:
@@ -37,3 +108,31 @@ def cluster_cpus() -> int:
     import ray
 
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def current_node_id() -> str:
+    """The Ray node this task or actor runs on (hex id)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def node_labels(node_ids) -> dict[str, str]:
+    """{node id: label}: the node's name where it is unique in the cluster (the stack names its
+    nodes head, worker-1, ...), else its id (a local Ray's single node is named by its IP)."""
+    import ray
+
+    names = {n["NodeID"]: n.get("NodeName") or "" for n in ray.nodes()}
+    taken = Counter(names.values())
+    return {i: names[i] if names.get(i) and taken[names[i]] == 1 else i for i in node_ids}
+
+
+def tasks_per_node(counts: Counter) -> dict[str, int]:
+    """{node label: jobs run there} for a stage summary, busiest node first."""
+    if not counts:
+        return {}
+    labels = node_labels(counts)
+    out: Counter = Counter()
+    for node, n in counts.items():
+        out[labels[node]] += n
+    return dict(out.most_common())

@@ -61,7 +61,8 @@ decontam (hits per benchmark, report path, index stats), sources (docs in/out pe
 dedup (`tasks.dedup.report`: duplicate rate per source, cluster sizes, example pairs, clustering),
 line_dedup (with line dedup on: the counting stats, and lines, bytes and documents removed per
 source, `lines.line_dedup_summary`),
-dataset_card, manifest, resumed_jobs, seconds. Memory in the driver is O(documents) for ids, keys and signatures
+dataset_card, manifest, jobs, workers, nodes (jobs run per Ray node), jobs_rerun (after a node was
+lost), resumed_jobs, seconds. Memory in the driver is O(documents) for ids, keys and signatures
 (112 × 4 bytes per document with the default 14×8 LSH).
 """
 from __future__ import annotations
@@ -80,6 +81,7 @@ from tasks.core.documents import AtomicJsonlWriter, ShardWriter, count_docs, ite
 from tasks.core.executor import Job, JobRunner, RayActors, ResumableOutput, Shared
 from tasks.core.io import atomic_write_bytes
 from tasks.core.progress import Progress
+from tasks.core.ray_utils import init_ray
 from tasks.core.resume import JobStore, digest, file_identity
 from tasks.core.steps import StepStats, run_filters
 from tasks.curate.filters import filter_names
@@ -256,6 +258,7 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
                              [DROPPED, DECONTAM_REPORT, DATASET_CARD])
     if cfg.curate.resume and (done := output.completed(t0)) is not None:
         return done
+    init_ray(cfg.ray)  # first: an unreachable ray.address fails before the old output is touched
     store = output.start(cfg.curate.resume)
     lines = _frequent_lines(cfg, shards, output.parts_dir)
     if lines is not None:  # every job's output depends on the whole corpus's line counts
@@ -276,7 +279,7 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
     if lines is not None:
         summary["line_dedup"] = line_dedup_summary(
             lines.stats, [r.get("extras", {}).get("line_dedup", {}) for r in mapped.results])
-    summary.update(jobs=len(jobs), workers=mapped.workers)
+    summary.update(jobs=len(jobs), workers=mapped.workers, nodes=mapped.nodes, jobs_rerun=mapped.rerun)
     from tasks.curate.card import write_dataset_card
 
     summary["dataset_card"] = str(write_dataset_card(cfg, summary, output.dir / DATASET_CARD))
@@ -299,6 +302,8 @@ class _Mapped:
     ran_docs: int  # documents of the jobs run now
     workers: int  # actors started (0: every job was reused)
     seconds: float
+    nodes: dict[str, int]  # jobs run per Ray node (`JobRunner.node_report`)
+    rerun: int  # jobs run again after their actor was lost with its node
 
 
 def _map_jobs(cfg: PipelineConfig, jobs: list[Job], index, store: JobStore, progress: Progress | None,
@@ -322,7 +327,7 @@ def _map_jobs(cfg: PipelineConfig, jobs: list[Job], index, store: JobStore, prog
             ran_docs += result["docs_in"]
             report(len(done), len(jobs), "curate")
     return _Mapped([done[job.name] for job in jobs], runner.resumed, runner.ran, ran_docs, actors.workers,
-                   time.perf_counter() - t0)
+                   time.perf_counter() - t0, runner.node_report(), runner.rerun)
 
 
 @dataclass

@@ -21,7 +21,7 @@ Resumable (`tasks.core.executor` and `tasks.core.resume`, the machinery curate u
 file's size and change stamp, the record range); a re-run reuses every job whose key matches
 and whose part verifies, and reads only the other source files. The merged shards and
 `quarantine.jsonl` are written atomically, then `manifest.json` (sha256 per file, the run key,
-the summary) last; a re-run whose manifest verifies returns the stored summary at once. A run
+the summary, which lists the jobs each Ray node ran: `nodes`) last; a re-run whose manifest verifies returns the stored summary at once. A run
 killed at any point (SIGKILL included) re-runs to byte-identical output. `ingest.resume:
 false` redoes everything.
 """
@@ -118,14 +118,16 @@ def run_ingest(cfg: PipelineConfig, out_dir: Path, progress: Progress | None = N
         if progress:
             progress(plan.n_files, plan.n_files, "ingest: complete output verified, nothing to do")
         return done
+    workers = start_ray(cfg.ray)  # first: an unreachable ray.address fails before the old output is touched
     store = output.start(cfg.ingest.resume)
-    workers = start_ray(cfg.ray)
     with JobRunner(RayTasks(process_file_range, cfg.ray), store) as runner:
         results = _IngestJobs(cfg, plan, output.parts_dir, workers, runner, progress).run()
 
     summary = _merge(cfg, plan, results, output.dir)
     summary["jobs"] = len(results)
     summary["workers"] = workers
+    summary["nodes"] = runner.node_report()  # jobs run per Ray node (resumed ones not included)
+    summary["jobs_rerun"] = runner.rerun
     output.publish(summary)
     summary["manifest"] = str(output.manifest)
     summary["resumed_jobs"] = runner.resumed

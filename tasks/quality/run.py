@@ -182,6 +182,7 @@ def run_quality(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path) -> di
         "steps": decided["steps"],
         "classifier_threshold": decided.get("classifier_threshold"),
         "perplexity_cutoffs": decided.get("perplexity_cutoffs"),
+        "nodes": decided.get("nodes", {}),  # scoring jobs run per Ray node
         "buckets": dict(sorted(Counter(r["kenlm_bucket"] for r in records if "kenlm_bucket" in r).items())),
         "sources": {s: {"docs_in": c["docs_in"], "docs_out": c["docs_out"]} for s, c in sorted(kept.sources.items())},
         "models": models,

@@ -122,4 +122,4 @@ def score_shards(cfg: PipelineConfig, shards: Sequence[str | Path], model_path: 
         for job, records in runner.finished():
             per_job[job.name] = records
     records = [r for job in jobs for r in per_job[job.name]]
-    return records, decide(records, cfg.quality)
+    return records, {**decide(records, cfg.quality), "nodes": runner.node_report()}

@@ -85,14 +85,16 @@ def encode_shard(tokenizer_path: str, shard: str, eos_token: str, batch_docs: in
             "doc_bytes": {s: doc_bytes[s].tobytes() for s in SPLITS}, "pid": os.getpid()}
 
 
-def _encode_all(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path], parts_dir: Path) -> list[dict]:
-    """Encode every shard, on Ray when configured and there is more than one shard."""
+def _encode_all(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path],
+                parts_dir: Path) -> tuple[list[dict], dict[str, int]]:
+    """Encode every shard, on Ray when configured and there is more than one shard. Returns the
+    parts in shard order and the jobs run per Ray node ({} in process)."""
     tcfg = cfg.tokens
     jobs = [(str(tokenizer_path), str(shard), cfg.tokenizer.eos_token, tcfg.batch_docs,
              tcfg.val_fraction, tcfg.seed, str(parts_dir / f"part-{i:05d}"))
             for i, shard in enumerate(shards)]
     if not tcfg.ray or len(jobs) < 2:
-        return [encode_shard(*job) for job in jobs]
+        return [encode_shard(*job) for job in jobs], {}
     from tasks.core.executor import Job, JobRunner, RayTasks
 
     results: dict[str, dict] = {}
@@ -101,7 +103,7 @@ def _encode_all(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path], p
             runner.submit(Job(f"{i:05d}", None, args))
         for job, result in runner.finished():
             results[job.name] = result
-    return [results[f"{i:05d}"] for i in range(len(jobs))]  # in shard order
+    return [results[f"{i:05d}"] for i in range(len(jobs))], runner.node_report()  # in shard order
 
 
 def _concatenate(parts: list[dict], paths: dict, starts_paths: dict, sources_paths: dict
@@ -183,7 +185,7 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path]
     parts_dir = out_dir / "parts"
     shutil.rmtree(parts_dir, ignore_errors=True)
     parts_dir.mkdir()
-    parts = _encode_all(cfg, tokenizer_path, [Path(s) for s in shards], parts_dir)
+    parts, nodes = _encode_all(cfg, tokenizer_path, [Path(s) for s in shards], parts_dir)
 
     paths, starts_paths, sources_paths = ({s: out_dir / f"{s}{suffix}" for s in SPLITS}
                                           for suffix in (".bin", ".doc_starts.npy", ".doc_sources.npy"))
@@ -234,6 +236,7 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path]
     index["seconds"] = round(time.perf_counter() - t0, 3)
     # shards encoded by other processes (Ray workers); not in index.json, which holds only the data
     index["shards_encoded_elsewhere"] = sum(part["pid"] != os.getpid() for part in parts)
+    index["nodes"] = nodes  # encoding jobs run per Ray node
     log.info("tokens: train %d tokens / %d docs, val %d tokens / %d docs (%s) in %.1fs",
              stats["train"]["tokens"], stats["train"]["docs"], stats["val"]["tokens"],
              stats["val"]["docs"], dtype.name, index["seconds"])
