@@ -696,6 +696,20 @@ class GpuSpec(Section):
     price_per_hour: float = Field(ge=0)  # USD per GPU-hour: a ballpark on-demand figure, set your own
 
 
+class CuratePlanConfig(Section):
+    """`crucible plan --curate`: the cluster a curation run is priced on (tasks/plan/curate.py)."""
+
+    # 64 vCPUs, each counted as one of the benchmarks' per-core units (their figures are per CPU the OS shows)
+    cores_per_node: int = Field(default=64, gt=0)
+    # USD per node-hour: AWS EC2 m7i.16xlarge (64 vCPU, 256 GiB) on-demand, Linux, us-east-1, list price 2025
+    node_price_per_hour: float = Field(default=3.2256, ge=0)
+    # USD per GB-month: AWS S3 Standard, first 50 TB, us-east-1, list price 2025
+    storage_price_per_gb_month: float = Field(default=0.023, ge=0)
+    target_hours: float = Field(default=24, gt=0)  # picks the node count when none is given
+    # where the measured rates are read from (relative to the repository unless absolute)
+    rates_dir: str = "benchmarks/results"
+
+
 class PlanConfig(Section):
     """The scaling-law planner (`crucible plan`, tasks/plan): hardware table and sizing rules."""
 
@@ -714,6 +728,7 @@ class PlanConfig(Section):
     microbatches_per_stage: int = Field(default=8, gt=0)  # 1F1B pipelines run this x pp microbatches
     target_days: float = Field(default=30, gt=0)  # picks the GPU count when none is given
     gpu: str = "h100"  # the accelerator the pipeline's plan stage prices the configured run on
+    curate: CuratePlanConfig = CuratePlanConfig()  # `crucible plan --curate`
 
     @model_validator(mode="after")
     def _known_gpu(self) -> "PlanConfig":

@@ -1,11 +1,14 @@
 """The scaling-law planner: published figures, MoE rule, layout sanity, cost arithmetic, CLI."""
 import json
+import math
+import shutil
 
 import pytest
 
 from tasks.config import GpuSpec, PipelineConfig, PlanConfig
 from tasks.plan import PlanError, estimate_shape, make_plan
 from infra.cli.plan import main
+from tasks.core.constants import REPO_ROOT
 
 
 def test_chinchilla_tokens_from_params():
@@ -212,3 +215,58 @@ def test_plan_for_the_configured_run():
     assert plan_for_run(on_a100, 4096)["plan"]["gpu"] == "a100" and plan["plan"]["gpu"] == "h100"
     with pytest.raises(Exception, match="plan.gpu 'tpu9'"):
         load_config("configs/tiny.yaml", ["plan.gpu=tpu9"])
+
+
+# --- `crucible plan --curate`: curation priced from the measured rates in benchmarks/results ---
+
+CURATE_STAGES = {"extract", "langid + filters", "line dedup", "exact/MinHash dedup", "quality scoring", "tokenization"}
+
+
+def _curate(argv, capsys) -> dict:
+    assert main(["--curate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_curate_plan_follows_the_rates(capsys, tmp_path):
+    plan = _curate(["10TB", "--nodes", "4"], capsys)
+    assert {s["stage"] for s in plan["stages"]} == CURATE_STAGES
+    for s in plan["stages"]:  # every stage names the file and key its rate came from
+        assert s["rate"]["file"] and s["rate"]["key"] and s["rate"]["value"] > 0
+        assert s["core_hours"] == pytest.approx(s["items_in"] / s["rate"]["value"] / 3600)
+    assert set(plan["not_measured"]) == {s["stage"] for s in plan["stages"] if not s["rate"]["measured"]}
+    assert plan["pages"] == pytest.approx(10e12 / plan["bytes_per_page"]["value"])
+    assert plan["hours"] == pytest.approx(plan["core_hours"] / (4 * 64))
+    assert plan["compute_cost_usd"] == pytest.approx(4 * plan["hours"] * 3.2256)
+    # doubling the corpus doubles the core-hours
+    assert _curate(["20TB", "--nodes", "4"], capsys)["core_hours"] == pytest.approx(2 * plan["core_hours"])
+    # a rerun benchmark changes the plan: halve the extraction rate in a copy of the results
+    rates = tmp_path / "results"
+    shutil.copytree(REPO_ROOT / "benchmarks" / "results", rates)
+    data = json.loads((rates / "extraction.json").read_text())
+    data["comparison"]["speed"]["resiliparse"]["pages_per_s_per_core"] /= 2
+    (rates / "extraction.json").write_text(json.dumps(data))
+    slower = _curate(["10TB", "--nodes", "4", "--rates-dir", str(rates)], capsys)
+    extract = plan["stages"][0]["core_hours"]
+    assert slower["core_hours"] == pytest.approx(plan["core_hours"] + extract)
+    (rates / "minhash.json").unlink()
+    assert main(["--curate", "10TB", "--rates-dir", str(rates)]) == 2
+    assert "minhash.json is missing" in capsys.readouterr().err
+
+
+def test_curate_text_input_skips_extraction(capsys):
+    plan = _curate(["500GB", "--input", "text", "--target-hours", "12"], capsys)
+    assert "extract" not in {s["stage"] for s in plan["stages"]} and plan["hours"] <= 12
+    assert plan["nodes"] == math.ceil(plan["core_hours"] / (64 * 12))
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--curate", "10XB"], "like 10TB"),
+    (["--curate=-5GB"], "like 10TB"),
+    (["--curate", "0TB"], "like 10TB"),
+    (["--curate", "10TB", "--params", "7e9"], "without --params"),
+    (["--curate", "10TB", "--input", "pdf"], "invalid choice"),
+])
+def test_curate_bad_input_exit_2(argv, match, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err

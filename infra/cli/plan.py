@@ -5,6 +5,8 @@
     plan --flops 1e22                              Chinchilla split of a compute budget
     plan --params 47e9 --active-params 13e9        mixture of experts (FLOPs from the active params)
     plan --params 7e9 --json                       the plan as JSON
+    plan --curate 10TB                             curation of 10 TB of WARC: core-hours per stage, nodes, cost
+    plan --curate 500GB --input wet --nodes 4      from measured rates in benchmarks/results/*.json
 
 Exit status 0 on success, 2 on missing or invalid input. `add_arguments` and `run` let another CLI
 (`crucible plan`) mount the same options on a subcommand.
@@ -17,7 +19,8 @@ import math
 import sys
 
 from tasks.plan.planner import PlanError, make_plan
-from tasks.plan.report import format_plan
+from tasks.plan.curate import INPUT_FORMATS, make_curate_plan
+from tasks.plan.report import format_curate_plan, format_plan
 
 
 def _number(text: str) -> float:
@@ -54,6 +57,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     hw.add_argument("--mfu", type=_number, metavar="F", help="model FLOPs utilisation, 0-1 (default plan.mfu, 0.4)")
     hw.add_argument("--config", metavar="PATH", help="pipeline config whose `plan` section (GPU table, "
                                                      "prices, sizing rules) to use")
+    cur = p.add_argument_group("curation (--curate SIZE instead of --params / --flops)")
+    cur.add_argument("--curate", metavar="SIZE", help="corpus size to curate: 10TB, 500GB, 1.5TiB or bytes")
+    cur.add_argument("--input", dest="input_format", default="warc.gz", choices=INPUT_FORMATS,
+                     help="what SIZE measures: compressed WARC (default), compressed extracted text (wet), "
+                          "or plain text; bytes per page from benchmarks/results/page_sizes.json")
+    cur.add_argument("--nodes", type=_count, help="node count (default: the fewest within --target-hours)")
+    cur.add_argument("--target-hours", type=_number, help="wall clock to fit in (default plan.curate.target_hours, 24)")
+    cur.add_argument("--cores-per-node", type=_count, help="CPUs per node (default plan.curate.cores_per_node, 64)")
+    cur.add_argument("--node-price", type=_number, help="USD per node-hour (default plan.curate.node_price_per_hour: "
+                                                        "AWS m7i.16xlarge on-demand us-east-1, $3.2256)")
+    cur.add_argument("--storage-price", type=_number, help="USD per GB-month (default plan.curate."
+                                                           "storage_price_per_gb_month: S3 Standard, $0.023)")
+    cur.add_argument("--rates-dir", metavar="DIR", help="benchmark results to read the rates from "
+                                                       "(default benchmarks/results)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -63,6 +80,18 @@ def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return p
+
+
+def _curate_plan(args: argparse.Namespace, cfg) -> dict:
+    if args.params or args.flops or args.tokens:
+        raise PlanError("--curate plans curation; give it without --params / --tokens / --flops")
+    from tasks.config import CuratePlanConfig
+
+    curate = cfg.curate if cfg else CuratePlanConfig()
+    overrides = {"target_hours": args.target_hours, "cores_per_node": args.cores_per_node,
+                 "node_price_per_hour": args.node_price, "storage_price_per_gb_month": args.storage_price}
+    curate = curate.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+    return make_curate_plan(args.curate, args.input_format, args.nodes, curate, args.rates_dir)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
                 cfg = load_config(args.config).plan
             except ConfigError as e:
                 raise PlanError(str(e)) from None
+        if args.curate is not None:
+            plan = _curate_plan(args, cfg)
+            print(json.dumps(plan, indent=2) if args.json else format_curate_plan(plan))
+            return 0
         plan = make_plan(params=args.params, tokens=args.tokens, flops=args.flops, gpus=args.gpus,
                          gpu=args.gpu or (cfg.gpu if cfg else "h100"), mfu=args.mfu, seq_len=args.seq_len,
                          n_layer=args.n_layer, d_model=args.d_model, active_params=args.active_params, cfg=cfg)

@@ -43,3 +43,40 @@ def format_plan(plan: dict) -> str:
     out.append("assumptions:")
     out += [f"  - {a}" for a in plan["assumptions"]]
     return "\n".join(out)
+
+
+def format_curate_plan(plan: dict) -> str:
+    """A curation plan (tasks.plan.curate.make_curate_plan) as a per-stage table plus totals."""
+    per_page = plan["bytes_per_page"]
+    out = [f"  input      : {_bytes(plan['size_bytes'])} of {plan['input_format']} = {_si(plan['pages'])} pages "
+           f"at {per_page['value']:,.0f} bytes each ({per_page['file']} {per_page['key']})",
+           f"  rates from : {plan['rates_dir']}", ""]
+    header = ("stage", "items in", "rate per core", "core-hours", "keep", "rate source")
+    rows = [(s["stage"], f"{_si(s['items_in'])} {s['unit']}", f"{s['rate']['value']:,.1f} {s['unit']}/s",
+             f"{s['core_hours']:,.0f}", f"{s['keep']['value']:.3f}",
+             f"{s['rate']['file']} {s['rate']['key']}" + ("" if s["rate"]["measured"] else "  ** NOT MEASURED: stand-in **"))
+            for s in plan["stages"]]
+    rows.append(("total", "", "", f"{plan['core_hours']:,.0f}", "", ""))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(5)]
+    for r in [header, *rows]:
+        out.append("  " + "  ".join(f"{c:<{w}}" if i in (0, 1) else f"{c:>{w}}" for i, (c, w) in
+                                    enumerate(zip(r, widths))) + "  " + r[5])
+    st = plan["storage"]
+    out += ["",
+            f"  cluster    : {plan['nodes']} node(s) x {plan['cores_per_node']} cores, {plan['hours']:,.1f} h wall clock "
+            f"({plan['node_hours']:,.1f} node-hours)",
+            f"  storage    : input {_bytes(st['input_bytes'])} + intermediate {_bytes(st['intermediate_bytes'])} + output "
+            f"{_bytes(st['output_bytes'])} (curated text {_bytes(st['curated_text_bytes'])}, {_si(st['tokens'])} tokens) "
+            f"= {_bytes(st['total_bytes'])}",
+            f"  cost       : compute ${plan['compute_cost_usd']:,.0f} (at ${plan['node_price_per_hour']:g}/node-hour) + "
+            f"storage ${st['cost_usd_per_month']:,.0f} for one month (at ${st['price_per_gb_month']:g}/GB-month) "
+            f"= ${plan['total_cost_usd']:,.0f}",
+            "keep fractions:"]
+    out += [f"  - {s['stage']}: " + (s["keep"]["note"] if s["keep"]["file"] == "-" else
+                                    f"{s['keep']['file']} {s['keep']['key']}")
+            for s in plan["stages"]]
+    if plan["not_measured"]:
+        out.append("NOT MEASURED (stand-in rate = the filter stage's): " + ", ".join(plan["not_measured"]))
+    out.append("assumptions:")
+    out += [f"  - {a}" for a in plan["assumptions"]]
+    return "\n".join(out)
