@@ -233,7 +233,7 @@ def test_curate_plan_follows_the_rates(capsys, tmp_path):
     for s in plan["stages"]:  # every stage names the file and key its rate came from
         assert s["rate"]["file"] and s["rate"]["key"] and s["rate"]["value"] > 0
         assert s["core_hours"] == pytest.approx(s["items_in"] / s["rate"]["value"] / 3600)
-    assert set(plan["not_measured"]) == {s["stage"] for s in plan["stages"] if not s["rate"]["measured"]}
+    assert plan["not_measured"] == [] and all(s["rate"]["measured"] for s in plan["stages"])
     assert plan["pages"] == pytest.approx(10e12 / plan["bytes_per_page"]["value"])
     assert plan["hours"] == pytest.approx(plan["core_hours"] / (4 * 64))
     assert plan["compute_cost_usd"] == pytest.approx(4 * plan["hours"] * 3.2256)
@@ -245,9 +245,13 @@ def test_curate_plan_follows_the_rates(capsys, tmp_path):
     data = json.loads((rates / "extraction.json").read_text())
     data["comparison"]["speed"]["resiliparse"]["pages_per_s_per_core"] /= 2
     (rates / "extraction.json").write_text(json.dumps(data))
+    data = json.loads((rates / "stage_rates.json").read_text())  # and the quality scoring rate
+    data["quality"]["score"]["docs_per_s_cpu"] /= 2
+    (rates / "stage_rates.json").write_text(json.dumps(data))
     slower = _curate(["10TB", "--nodes", "4", "--rates-dir", str(rates)], capsys)
-    extract = plan["stages"][0]["core_hours"]
-    assert slower["core_hours"] == pytest.approx(plan["core_hours"] + extract)
+    extract, quality = (next(s["core_hours"] for s in plan["stages"] if s["stage"] == n)
+                        for n in ("extract", "quality scoring"))
+    assert slower["core_hours"] == pytest.approx(plan["core_hours"] + extract + quality)
     (rates / "minhash.json").unlink()
     assert main(["--curate", "10TB", "--rates-dir", str(rates)]) == 2
     assert "minhash.json is missing" in capsys.readouterr().err

@@ -2,8 +2,10 @@
 per-core rates the benchmarks measured, then nodes, wall clock, storage and cost.
 
 Every rate and keep fraction is read at run time from benchmarks/results/*.json (so a rerun benchmark
-updates the plan) and reported with its file and key. A stage no benchmark measures gets a stand-in,
-flagged `measured: false` in the plan and NOT MEASURED in the table. Conventions:
+updates the plan) and reported with its file and key; the stages no other benchmark covers (line
+dedup, exact-dedup keys, quality scoring, tokenization) are measured by benchmarks/stage_rates.py. A
+figure no benchmark measures (line dedup's and tokenization's keep fraction, assumed 1) is flagged
+`measured: false`. Conventions:
 
 * core = one CPU as the OS counts it (the benchmarks' "per core"); per-core rates are assumed to scale
   linearly over cores and nodes (no scheduling, network or object-store overhead).
@@ -100,8 +102,7 @@ def stage_figures(res: Results, extractor: str, verify: bool) -> list[dict]:
     ext = f"comparison/speed/{extractor}"
     filters = res.ratio("filters_vs_datatrove.json", "documents", "crucible_with_langid/cpu_s",
                         note="filter chain with language id: documents per CPU-second of the process and its workers")
-    stand_in = Figure(filters.value, filters.file, filters.key, measured=False,
-                      note="no benchmark measures this stage; stand-in = the filter stage's per-core rate")
+    stage = "stage_rates.json"
     keep_all = Figure(1.0, "-", "-", measured=False, note="not measured: assumed to drop no documents")
     mode = "verified" if verify else "unverified"
     return [
@@ -111,18 +112,30 @@ def stage_figures(res: Results, extractor: str, verify: bool) -> list[dict]:
          "keep": res.ratio("extraction.json", f"{ext}/docs", f"{ext}/pages")},
         {"stage": "langid + filters", "unit": "docs", "rate": filters,
          "keep": res.ratio("filters_vs_datatrove.json", "crucible_kept", "documents")},
-        {"stage": "line dedup", "unit": "docs", "rate": stand_in, "keep": keep_all},
+        {"stage": "line dedup", "unit": "docs",
+         "rate": Figure(res.get(stage, "line_dedup/stage/docs_per_s_cpu"), stage, "line_dedup/stage/docs_per_s_cpu",
+                        note="in-process line counting, then LineDedupFilter (its spaCy word count of shortened "
+                             "documents, shared with the Gopher filter, counted here too: an upper bound)"),
+         "keep": keep_all},
         {"stage": "exact/MinHash dedup", "unit": "docs",
-         "rate": _harmonic([res.figure("minhash.json", "signature/fast/docs_per_s_cpu"),
+         "rate": _harmonic([res.figure(stage, "exact_key/docs_per_s_cpu"),
+                            res.figure("minhash.json", "signature/fast/docs_per_s_cpu"),
                             res.ratio("dedup_scale.json", "runs/-1/docs", "runs/-1/seconds_without_generation_estimate",
                                       "cpus")],
-                           note="MinHash signatures, then LSH clustering at the largest measured scale "
-                                "(wall seconds x CPUs); exact-hash dedup not measured separately"),
+                           note="exact-dedup keys, then MinHash signatures, then LSH clustering at the largest "
+                                "measured scale (wall seconds x CPUs)"),
          "keep": Figure(1 - res.get("dedup_quality.json", f"real/{mode}/dropped") / res.get("dedup_quality.json", "real/docs"),
                         "dedup_quality.json", f"1 - real/{mode}/dropped / real/docs")},
-        {"stage": "quality scoring", "unit": "docs", "rate": stand_in,
+        {"stage": "quality scoring", "unit": "docs",
+         "rate": Figure(res.get(stage, "quality/score/docs_per_s_cpu"), stage, "quality/score/docs_per_s_cpu",
+                        note="fastText classifier + KenLM perplexity per document, then the keep decision "
+                             "(configs/tiny.yaml's models; training not counted)"),
          "keep": res.ratio("ablation.json", "arms/curated/quality_docs_out", "arms/curated/curate_docs_out")},
-        {"stage": "tokenization", "unit": "docs", "rate": stand_in, "keep": keep_all},
+        {"stage": "tokenization", "unit": "docs",
+         "rate": Figure(res.get(stage, "tokenization/encode/docs_per_s_cpu"), stage,
+                        "tokenization/encode/docs_per_s_cpu",
+                        note="byte-level BPE encoding and packing into uint16 shards (tokenizer training not counted)"),
+         "keep": keep_all},
     ]
 
 

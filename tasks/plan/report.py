@@ -76,7 +76,7 @@ def format_curate_plan(plan: dict) -> str:
                                     f"{s['keep']['file']} {s['keep']['key']}")
             for s in plan["stages"]]
     if plan["not_measured"]:
-        out.append("NOT MEASURED (stand-in rate = the filter stage's): " + ", ".join(plan["not_measured"]))
+        out.append("NOT MEASURED (stand-in rates): " + ", ".join(plan["not_measured"]))
     out.append("assumptions:")
     out += [f"  - {a}" for a in plan["assumptions"]]
     return "\n".join(out)
