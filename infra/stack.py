@@ -970,6 +970,41 @@ def ray_status(stack_cfg) -> dict[str, dict]:
     return out
 
 
+def free_agent_ports(workers: int) -> int:
+    """A `stack.ray_agent_port` p with p .. p+workers free now (the head's and each worker node's
+    health endpoint), for a cluster started beside others (tests, benchmarks)."""
+    from tasks.core.net import free_port
+
+    for _ in range(50):
+        p = free_port()
+        if all(port_free("127.0.0.1", p + i) for i in range(workers + 1)):
+            return p
+    raise StackError(f"no {workers + 1} consecutive free ports for the Ray nodes' health endpoints")
+
+
+def up_ray_on_free_ports(state: str, attempts: int = 3, **settings):
+    """A cluster (`up_ray`) on ports free now, for one started beside others (tests, benchmarks):
+    its StackConfig. Ray picks some ports of its own at random, so one may take a chosen port
+    before its node starts: that start is stopped and tried again on other ports."""
+    from tasks.config import StackConfig
+    from tasks.core.net import free_port
+
+    for attempt in range(1, attempts + 1):
+        cfg = StackConfig(state_dir=state, ray="cluster", ray_port=free_port(), ray_client_port=free_port(),
+                          ray_agent_port=free_agent_ports(settings.get("ray_workers", 2)), **settings)
+        try:
+            with stack_lock(cfg):
+                for sub in ("run", "logs"):
+                    (state_dir(cfg) / sub).mkdir(parents=True, exist_ok=True)
+                up_ray(cfg)
+            return cfg
+        except StackError as e:
+            down_ray(cfg)
+            if attempt == attempts:
+                raise
+            print(f"Ray cluster start failed ({e}); again on other ports", file=sys.stderr)
+
+
 def cluster_address(stack_cfg) -> str | None:
     """The address of the stack's Ray cluster when its head is running, else None."""
     return ray_address(stack_cfg) if running_pid(stack_cfg, RAY_HEAD) is not None else None

@@ -13,23 +13,13 @@ from pathlib import Path
 import pytest
 
 from infra import stack
-from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, IngestConfig, PipelineConfig, RayConfig, SourceConfig, StackConfig
+from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, IngestConfig, PipelineConfig, RayConfig, SourceConfig
 from tasks.core.documents import iter_docs
-from tasks.core.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
 WEB = DATA / "web"
 pytestmark = pytest.mark.skipif(not (WEB / "docs-crawl-00000.warc.gz").exists(), reason=f"no data under {DATA}")
-
-
-def _agent_ports() -> int:
-    """A port p with p, p+1 and p+2 free: the head's and the two workers' health endpoints."""
-    for _ in range(50):
-        p = free_port()
-        if all(stack.port_free("127.0.0.1", p + i) for i in range(3)):
-            return p
-    raise RuntimeError("no three consecutive free ports")
 
 
 def _pipeline(root: Path, address: str | None) -> PipelineConfig:
@@ -76,16 +66,11 @@ def cluster(local_run, tmp_path_factory):
     attached to it as a driver (with the cluster's token) for the module."""
     import ray
 
-    cfg = StackConfig(state_dir=str(tmp_path_factory.mktemp("state")), ray="cluster", ray_port=free_port(),
-                      ray_client_port=free_port(), ray_agent_port=_agent_ports(), ray_workers=2, ray_head_cpus=0,
-                      ray_worker_cpus=1, ray_object_store_mb=128, start_timeout=120, stop_timeout=15)
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
     t0 = time.monotonic()
+    cfg = stack.up_ray_on_free_ports(str(tmp_path_factory.mktemp("state")), ray_workers=2, ray_head_cpus=0,
+                                     ray_worker_cpus=1, ray_object_store_mb=128, start_timeout=120, stop_timeout=15)
     try:
-        with stack.stack_lock(cfg):
-            for sub in ("run", "logs"):
-                (stack.state_dir(cfg) / sub).mkdir(parents=True, exist_ok=True)
-            stack.up_ray(cfg)
         print(f"\ncluster up in {time.monotonic() - t0:.1f}s")
         os.environ.update(stack.ray_client_env(cfg))
         yield cfg
@@ -122,6 +107,10 @@ def test_curate_on_two_nodes_equals_local_ray(cluster, local_run, tmp_path):
     assert set(curated["nodes"]) == {"worker-1", "worker-2"}
     assert sum(curated["nodes"].values()) == curated["jobs"]
     assert set(ingested["nodes"]) <= {"worker-1", "worker-2"} and sum(ingested["nodes"].values()) == ingested["jobs"]
+    # where the map's time went: every job's seconds on its node, within the workers' wall time
+    jobs = curated["timings"]["jobs"]
+    assert jobs["jobs_run"] == curated["jobs"] and jobs["result_bytes"] > 0
+    assert 0 < jobs["compute_s"] <= jobs["map_wall_s"] * jobs["workers"]
     assert _documents(ingested) == _documents(local_ingested)
     assert curated["docs_out"] > 0 and _documents(curated) == _documents(local_curated)
     assert curated["dropped"] == local_curated["dropped"]

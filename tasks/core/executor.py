@@ -16,8 +16,10 @@ reuse the finished ones, run the rest on Ray, merge, write the manifest last.
 On a cluster a node may die mid-stage: a task is retried by Ray (`TASK_RETRIES`); a job whose
 actor died with its node is run again on a surviving actor (`JOB_ATTEMPTS` in all). Jobs write
 their parts atomically under fixed names, so a repeated job leaves the same output. Each result
-comes back with the id of the node that ran it; `JobRunner.nodes` counts jobs per node, what the
-stage summaries report as `nodes` (`JobRunner.node_report`).
+comes back with the id of the node that ran it and the seconds its body took there;
+`JobRunner.nodes` counts jobs per node, what the stage summaries report as `nodes`
+(`JobRunner.node_report`), and `JobRunner.job_report` says where a stage's time on Ray went
+(compute in the jobs vs the map's wall time on its workers, and the bytes of results moved).
 """
 from __future__ import annotations
 
@@ -92,20 +94,27 @@ TASK_RETRIES = 3  # Ray re-runs a task whose worker or node died (its default, s
 JOB_ATTEMPTS = 3  # runs of one job on actors before a lost actor fails the stage
 
 
+def _timed_on_node(fn: Callable, *args) -> tuple[Any, str, float]:
+    """(fn(*args), id of the node it ran on, seconds it took): what every job returns."""
+    t0 = time.perf_counter()
+    result = fn(*args)
+    return result, current_node_id(), time.perf_counter() - t0
+
+
 def _reporting_node(fn: Callable) -> Callable:
-    """`fn` as a Ray task body that returns (result, id of the node it ran on)."""
+    """`fn` as a Ray task body that returns `_timed_on_node`'s triple."""
     def run(*args):
-        return fn(*args), current_node_id()
+        return _timed_on_node(fn, *args)
 
     run.__name__ = run.__qualname__ = getattr(fn, "__name__", "job")
     return run
 
 
 def _node_reporting_class(cls: type) -> type:
-    """`cls` with `run_job(method, *args)`: the method's result and the id of the actor's node."""
+    """`cls` with `run_job(method, *args)`: `_timed_on_node`'s triple for the method."""
     class NodeReporting(cls):
         def run_job(self, method: str, *args):
-            return getattr(self, method)(*args), current_node_id()
+            return _timed_on_node(getattr(self, method), *args)
 
     NodeReporting.__name__ = NodeReporting.__qualname__ = cls.__name__
     return NodeReporting
@@ -213,6 +222,15 @@ class RayActors:
         self._actors, self._idle, self._busy = [], [], {}
 
 
+def _result_size(ref) -> tuple[int, bool]:
+    """(bytes of a finished job's result, whether it sits in the object store rather than inline
+    with the reply): the owner's record, one local call."""
+    import ray
+
+    loc = ray.experimental.get_object_locations([ref]).get(ref) or {}
+    return int(loc.get("object_size") or 0), bool(loc.get("node_ids"))
+
+
 class JobRunner:
     """Reuse finished jobs from `store`, run the others on `workers` (started at the first job to
     run), store results as they come back. Use as a context manager (stops the workers)."""
@@ -223,6 +241,9 @@ class JobRunner:
         self.ran = 0  # jobs that were run (not reused)
         self.nodes: Counter = Counter()  # node id -> jobs that node ran
         self.rerun = 0  # jobs run again after their actor was lost with its node
+        self.compute_s = 0.0  # seconds in the jobs' bodies, summed over the jobs run
+        self.result_bytes = [0, 0]  # of the results: all, and those that came through the object store
+        self._first_dispatch = self._last_result = 0.0
         self._attempts: Counter = Counter()  # job name -> runs lost so far
         self._queue: list[Job] = []
         self._pending: dict = {}  # object ref -> job
@@ -254,7 +275,7 @@ class JobRunner:
             [ref], _ = ray.wait(list(self._pending), num_returns=1)
             job = self._pending.pop(ref)
             try:
-                result, node = ray.get(ref)
+                result, node, seconds = ray.get(ref)
             except _lost_worker_errors() as e:
                 if not self.workers.recovers_lost_workers:
                     raise
@@ -262,6 +283,11 @@ class JobRunner:
                 continue
             self.workers.release(ref)
             self.nodes[node] += 1
+            self.compute_s += seconds
+            size = _result_size(ref)
+            self.result_bytes[0] += size[0]
+            self.result_bytes[1] += size[0] if size[1] else 0
+            self._last_result = time.perf_counter()
             if self.store is not None and job.key is not None:
                 self.store.save(job.name, job.key, result)
             yield job, result
@@ -279,8 +305,21 @@ class JobRunner:
         """{node label: jobs run there} (`tasks.core.ray_utils.tasks_per_node`)."""
         return tasks_per_node(self.nodes)
 
+    def job_report(self) -> dict:
+        """Where the jobs' time went: `map_wall_s` from the workers' start to the last result,
+        `compute_s` summed in the jobs' bodies, `idle_share` of the workers' time not in a body
+        (start-up of workers, scheduling, transfers, waiting for the last jobs), and the bytes of
+        results moved to the driver (`via_object_store`: too big to come inline with the reply)."""
+        wall = max(0.0, self._last_result - self._first_dispatch)
+        capacity = wall * max(1, self.workers.workers)
+        return {"jobs_run": sum(self.nodes.values()), "workers": self.workers.workers,
+                "map_wall_s": round(wall, 3), "compute_s": round(self.compute_s, 3),
+                "idle_share": round(1 - self.compute_s / capacity, 4) if capacity > 0 else None,
+                "result_bytes": self.result_bytes[0], "result_bytes_via_object_store": self.result_bytes[1]}
+
     def _dispatch(self) -> None:
         if not self._started:
+            self._first_dispatch = time.perf_counter()
             self.workers.start(len(self._queue))
             self._started = True
         while self._queue:

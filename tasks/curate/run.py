@@ -260,17 +260,22 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
         return done
     init_ray(cfg.ray)  # first: an unreachable ray.address fails before the old output is touched
     store = output.start(cfg.curate.resume)
+    t_lines = time.perf_counter()
     lines = _frequent_lines(cfg, shards, output.parts_dir)
+    lines_seconds = time.perf_counter() - t_lines
     if lines is not None:  # every job's output depends on the whole corpus's line counts
         job_base = digest([job_base, lines.fingerprint()])
     jobs = plan_jobs(shards, output.parts_dir, job_base)
     store.prune({job.name for job in jobs})
     mapped = _map_jobs(cfg, jobs, index, store, progress, lines)
 
+    t_dedup = time.perf_counter()
     corpus = _Corpus.of(mapped.results)
     dedup, clustering, mh_index = _dedup(cfg.curate.dedup, mapped.results, corpus, output.parts_dir)
     steps = _filter_steps(cfg.curate, mapped.results) + dedup.steps
+    t_write = time.perf_counter()
     written = _write_curated(cfg, mapped.results, corpus, dedup, clustering, output.dir)
+    driver_seconds = {"dedup_s": round(t_write - t_dedup, 3), "write_s": round(time.perf_counter() - t_write, 3)}
     dropped = _check_accounting(steps, corpus.docs_in, written.docs_out)
     if mh_index is not None:  # only once this run's output is complete
         mh_index.save(cfg.curate.dedup.minhash.index_dir)
@@ -286,9 +291,11 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
     summary["manifest"] = str(output.manifest)
     output.publish(summary)
     summary["resumed_jobs"] = mapped.resumed
-    summary["timings"] = {"decontam_index_s": round(index_seconds, 3), "map_s": round(mapped.seconds, 3),
+    summary["timings"] = {"decontam_index_s": round(index_seconds, 3), "line_counts_s": round(lines_seconds, 3),
+                          "map_s": round(mapped.seconds, 3),
                           "map_docs_per_s": round(mapped.ran_docs / mapped.seconds, 1)
-                          if mapped.ran and mapped.seconds > 0 else None}
+                          if mapped.ran and mapped.seconds > 0 else None,
+                          **driver_seconds, "jobs": mapped.job_report}
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
 
@@ -304,6 +311,7 @@ class _Mapped:
     seconds: float
     nodes: dict[str, int]  # jobs run per Ray node (`JobRunner.node_report`)
     rerun: int  # jobs run again after their actor was lost with its node
+    job_report: dict  # `JobRunner.job_report`: compute vs wall of the jobs, result bytes
 
 
 def _map_jobs(cfg: PipelineConfig, jobs: list[Job], index, store: JobStore, progress: Progress | None,
@@ -327,7 +335,7 @@ def _map_jobs(cfg: PipelineConfig, jobs: list[Job], index, store: JobStore, prog
             ran_docs += result["docs_in"]
             report(len(done), len(jobs), "curate")
     return _Mapped([done[job.name] for job in jobs], runner.resumed, runner.ran, ran_docs, actors.workers,
-                   time.perf_counter() - t0, runner.node_report(), runner.rerun)
+                   time.perf_counter() - t0, runner.node_report(), runner.rerun, runner.job_report())
 
 
 @dataclass

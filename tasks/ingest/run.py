@@ -131,6 +131,7 @@ def run_ingest(cfg: PipelineConfig, out_dir: Path, progress: Progress | None = N
     output.publish(summary)
     summary["manifest"] = str(output.manifest)
     summary["resumed_jobs"] = runner.resumed
+    summary["timings"] = {"jobs": runner.job_report()}  # compute vs wall of the jobs, result bytes
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
 
