@@ -752,7 +752,11 @@ def _database_status(stack_cfg) -> dict[str, dict]:
     """The embedded PostgreSQL's status: configured (stack.database=postgres without
     stack.postgres_url) or still recorded as started."""
     if database.embedded(stack_cfg):
-        return {POSTGRES: service_status(stack_cfg, POSTGRES, postgres_spec(stack_cfg))}
+        try:
+            spec = postgres_spec(stack_cfg)
+        except database.DatabaseError as e:  # no PostgreSQL programs or OS user: said, not a traceback
+            return {POSTGRES: {"url": None, "healthy": False, "pid": running_pid(stack_cfg, POSTGRES), "error": str(e)}}
+        return {POSTGRES: service_status(stack_cfg, POSTGRES, spec)}
     return {POSTGRES: service_status(stack_cfg, POSTGRES)} if _database_recorded(stack_cfg) else {}
 
 
@@ -806,9 +810,9 @@ def down(stack_cfg, timeout: float | None = None) -> dict[str, str]:
     with stack_lock(stack_cfg):
         # Prefect's, MLflow's and the lineage service's specs are rebuilt from the config on `up`;
         # the model server's is the deployment record and is kept.
-        out = {name: stop_service(stack_cfg, name, timeout, forget=name in CORE_SERVICES) for name in STOP_ORDER
-               if name != POSTGRES or _database_recorded(stack_cfg)}
-        out.update(down_ray(stack_cfg, timeout))  # Ray worker nodes, then the head
+        out = down_ray(stack_cfg, timeout)  # Ray worker nodes, then the head: before the database
+        out.update({name: stop_service(stack_cfg, name, timeout, forget=name in CORE_SERVICES) for name in STOP_ORDER
+                    if name != POSTGRES or _database_recorded(stack_cfg)})
         return out
 
 
@@ -949,6 +953,8 @@ def down_ray(stack_cfg, timeout: float | None = None) -> dict[str, str]:
         return {}
     out = {name: stop_service(stack_cfg, name, timeout, forget=True) for name in reversed(workers)}
     out[RAY_HEAD] = stop_service(stack_cfg, RAY_HEAD, timeout, forget=True)
+    if all(running_pid(stack_cfg, name) is None for name in out):  # sessions and logs of a stopped cluster
+        shutil.rmtree(ray_temp_dir(stack_cfg), ignore_errors=True)
     return out
 
 

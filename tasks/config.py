@@ -629,7 +629,7 @@ class StackConfig(Section):
     ray_port: int = Field(default=6380, gt=0, lt=65536)
     # Ray Client (ray://host:port); not in 10002-19999, the ports of Ray's workers
     ray_client_port: int = Field(default=10001, gt=0, lt=65536)
-    ray_agent_port: int = Field(default=52365, gt=0, lt=65000)  # head's health endpoint; worker i: + i
+    ray_agent_port: int = Field(default=52465, gt=0, lt=65000)  # head's health endpoint; worker i: + i (not Ray's own 52365, which every local ray.init takes)
     ray_workers: int = Field(default=2, ge=1, le=64)
     ray_head_cpus: int = Field(default=0, ge=0)  # 0: the head only coordinates; the workers run tasks
     ray_worker_cpus: int | None = Field(default=None, gt=0)
