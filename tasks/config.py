@@ -812,10 +812,30 @@ class ContinueConfig(Section):
         return v
 
 
+class StorageConfig(Section):
+    """The object store behind a remote run_root (s3://bucket/prefix, any fsspec URL): the store is
+    the run's record; the driver keeps a working copy under cache_dir (never under runs/), and Ray
+    workers stage their inputs in from the store and their outputs out to it (tasks/core/storage.py)."""
+    # the fsspec file system's options (s3fs: endpoint_url, client_kwargs, key/secret/token as
+    # "${ENV_VAR}" references only, resolved where the file system is made and never stored)
+    options: dict[str, Any] = {}
+    cache_dir: str | None = None  # None: $XDG_CACHE_HOME (or ~/.cache)/crucible/store
+    check_timeout: float = Field(default=20.0, gt=0)  # the bucket check before anything is written
+
+    @field_validator("options")
+    @classmethod
+    def _no_literal_secrets(cls, v: dict[str, Any]) -> dict[str, Any]:
+        bad = literal_secret_options(v)
+        if bad:
+            raise ValueError(f"credentials in storage.options must be \"${{ENV_VAR}}\" references, not literals: {bad}")
+        return v
+
+
 class PipelineConfig(Section):
     name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$")
     data_root: str = str(DEFAULT_DATA_ROOT)
-    run_root: str = "runs"  # run directories go under here
+    run_root: str = "runs"  # run directories go under here: a local path or an object-store URI (storage)
+    storage: StorageConfig = StorageConfig()
     sources: list[SourceConfig] = Field(min_length=1)
     ray: RayConfig = RayConfig()
     ingest: IngestConfig = IngestConfig()
