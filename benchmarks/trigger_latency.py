@@ -4,8 +4,8 @@ through a real local stack; print the figures and write benchmarks/results/trigg
     .venv/bin/python benchmarks/trigger_latency.py [--keep]
 
 What runs: `crucible up` on free loopback ports (infra.stack.up: Prefect server, MLflow server,
-lineage service, and the triggers service serving the evaluate-checkpoint and deploy-model
-deployments), with configs/tiny.yaml's evaluation suite, gate and model-server settings. A run
+lineage service, and the worker of the stack's work pool running the evaluate-checkpoint and
+deploy-model deployments), with configs/tiny.yaml's evaluation suite, gate and model-server settings. A run
 directory is laid out as the pipeline lays it out (config.json, tokenizer, token shards from real
 text in shared/data/text, built by tests/lm_helpers), and two real checkpoints of the tiny model
 (tasks.train's checkpoint code) are saved one after the other: A after 10 AdamW steps, B after 40
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_config(args.config, [
         f"run_root={tmp / 'runs'}", f"stack.state_dir={tmp / 'state'}", f"stack.prefect_port={free_port()}",
-        f"stack.mlflow_port={free_port()}", f"stack.triggers_port={free_port()}",
+        f"stack.mlflow_port={free_port()}", f"stack.worker_port={free_port()}",
         f"lineage.service_port={free_port()}", f"deploy.port={free_port()}", "deploy.model_name=latency-model"])
     os.environ.pop(stack.STATE_DIR_ENV, None)
     stack.use_stack(cfg.stack, cfg.lineage)  # before Prefect is imported anywhere (with the stack's auth)
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _wait_automations(api: str, timeout: float = 120.0) -> None:
-    """The triggers service registers its deployments' automations after it is healthy."""
+    """`up` registers the deployments' automations; the server loads them a moment later."""
     import httpx
 
     from tasks.core.net import prefect_api_headers
@@ -237,7 +237,7 @@ def _wait_automations(api: str, timeout: float = 120.0) -> None:
             time.sleep(3)  # the server's trigger service loads new automations periodically
             return
         time.sleep(1)
-    raise TimeoutError("the triggers service registered no automations")
+    raise TimeoutError("no automations of the triggered deployments were registered")
 
 
 if __name__ == "__main__":

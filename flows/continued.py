@@ -13,8 +13,9 @@
     either way); a cycle that fails or is killed commits nothing, so the next one takes them again.
 
 With no champion yet, the cycle bootstraps: the full pretrain DAG (its own tokenizer) on the new
-files. `crucible up` serves this flow as a deployment with continue.schedule (cron) and a
-concurrency limit of 1; `crucible run --continue CONFIG` runs one cycle now.
+files. `crucible up --config CONFIG` registers this flow as a deployment with continue.schedule
+(cron) and a concurrency limit of 1, run by the stack's worker (flows/deployments.py);
+`crucible run --continue CONFIG` runs one cycle now.
 
 One cycle of a model at a time, however it was started: a scheduled run due while one is going
 waits in Prefect (state AwaitingConcurrencySlot, the deployment's ENQUEUE strategy), and every
@@ -41,8 +42,10 @@ from flows.triggers import triggers_active
 from tasks.config import PipelineConfig
 from tasks.core.constants import CONTINUE_FLOW
 from tasks.core.stage import DeployResult, EvalResult, Markdown, StageInputs, StageResult, TokensResult
+from tasks.core.storage import push_path, store_for
 
 CYCLE_TAG = "crucible.cycle"
+CYCLE_STATE = ".continue"  # under an object-store run_root: the ledger and the MinHash index
 
 
 @flow(name="gate_and_deploy")
@@ -69,6 +72,17 @@ def _state_dir(cfg: PipelineConfig) -> Path:
     from infra.stack import state_dir
 
     return state_dir(cfg.stack)
+
+
+def _cycle_state_dir(cfg: PipelineConfig) -> Path:
+    """Where the data ledger and the persistent MinHash index live: the stack's state directory,
+    or with an object-store run_root <run_root>/.continue, brought from the store before the cycle
+    (another machine may have run the last one) and pushed back once it is committed."""
+    store = store_for(cfg, check=True)
+    if store is None:
+        return _state_dir(cfg)
+    store.pull(CYCLE_STATE)
+    return store.local_root / CYCLE_STATE
 
 
 def hold_cycle_slot(cfg: PipelineConfig, stack: ExitStack) -> float:
@@ -110,7 +124,7 @@ def _cycle(cfg: PipelineConfig, run_name: str | None) -> dict:
     from tasks.continued.cycle import cycle_config, find_champion
     from tasks.continued.ledger import Ledger
 
-    state = _state_dir(cfg)
+    state = _cycle_state_dir(cfg)
     ledger = Ledger.for_config(cfg, state)
     discovery = ledger.discover(cfg)
     if discovery.empty:
@@ -136,6 +150,7 @@ def _cycle(cfg: PipelineConfig, run_name: str | None) -> dict:
                                      else "rewarm_cosine" if champion else None,
                                      "init_from": cycle_cfg.train.init_from}}
     _close_cycle(cycle_cfg, ledger, run_name, number, summary, champion)
+    push_path(state)  # the committed ledger and the grown index (an object-store run_root)
     return summary
 
 
@@ -214,17 +229,20 @@ def run_cycle(cfg: PipelineConfig, summary_path: str | Path | None = None, run_n
     return summary
 
 
-def build_deployment(cfg: PipelineConfig):
+def build_deployment(cfg: PipelineConfig, job_variables: dict | None = None):
     """The continue-pretraining deployment: this config as its parameters, the cron schedule of
     continue.schedule (none: on demand only), and at most one cycle at a time (a run due while one is
-    going is enqueued and starts when it ends: Prefect's ENQUEUE collision strategy)."""
+    going is enqueued and starts when it ends: Prefect's ENQUEUE collision strategy). A module
+    entrypoint, `job_variables` for the work pool's jobs (flows/deployments.py registers it)."""
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
     from prefect.client.schemas.schedules import CronSchedule
+    from prefect.types.entrypoint import EntrypointType
 
     c = cfg.continue_
     schedules = [CronSchedule(cron=c.schedule, timezone=c.timezone)] if c.schedule else None
     return continue_pretraining.to_deployment(
         name=CONTINUE_FLOW, parameters={"config": cfg.model_dump(mode="json")}, schedules=schedules,
+        entrypoint_type=EntrypointType.MODULE_PATH, job_variables=job_variables, tags=["crucible"],
         concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
         description=f"Continued pretraining of {cfg.deploy.model_name} on the new files of {len(cfg.sources)} "
                     f"source(s); schedule {c.schedule or 'none (on demand)'} ({c.timezone}).")
@@ -257,14 +275,6 @@ def set_schedule(cfg: PipelineConfig, cron: str | None = None, paused: bool | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:  # what the stack runs: `python -m flows.continued serve CONFIG`
-        from prefect import serve
-
-        from tasks.config import load_config
-
-        serve(build_deployment(load_config(argv[1], argv[2:])), limit=1)
-        return 0
     return run_flow_cli("python -m flows.continued", __doc__, run_cycle, "--summary",
                         "also write the cycle's JSON summary here", ("status", "run_dir", "message"), argv)
 

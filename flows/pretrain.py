@@ -10,10 +10,12 @@ evaluation of every checkpoint → gated deployment.
     └── deploy            gate_register_serve       (best passing checkpoint)
 
 Each task is a registered stage (tasks/registry.py) run by flows/stage_task.py. Run it with
-`crucible run CONFIG` (against the local stack) or `python -m flows.pretrain CONFIG`. With the
-stack's triggers service up, the event-triggered flows (flows/triggers.py) evaluate and deploy the
-checkpoints while training runs; `evaluate` and `deploy` then collect their results instead of
-doing the work again. Without it they evaluate and deploy directly.
+`crucible run CONFIG` (against the local stack), `python -m flows.pretrain CONFIG`, or as the
+stack's `pretrain` deployment (the Prefect UI's Run: the stack's worker runs it with the config
+`crucible up` registered; flows/deployments.py). With the stack's worker running the
+event-triggered flows (flows/triggers.py), they evaluate and deploy the checkpoints while training
+runs; `evaluate` and `deploy` then collect their results instead of doing the work again. Without
+them they evaluate and deploy directly.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from flows.run_context import RunContext, new_run_name, open_run, pretrain_scope
 from flows.stage_task import flow_lineage, run_stage_task
 from flows.triggers import triggers_active
 from tasks.config import PipelineConfig
+from tasks.core.constants import PRETRAIN_FLOW
 from tasks.core.layout import RunLayout
 from tasks.core.stage import (DeployResult, DocumentsResult, EvalResult, PlanResult, StageInputs, TokenizerResult,
                               TokensResult, TrainResult)
@@ -80,7 +83,7 @@ def deploy(cfg: PipelineConfig, run: RunContext, evaluations: list[EvalResult], 
             evaluation=best.data, tokenizer=tokenizer, train_run_id=train_run_id))
 
 
-@flow(name="pretrain")
+@flow(name=PRETRAIN_FLOW)
 def pretrain(config: dict, run_name: str | None = None) -> dict:
     """`config` is the resolved pipeline config as JSON (what a deployment or the UI passes); it is
     validated once, here, and the subflows get the validated PipelineConfig."""
@@ -90,8 +93,8 @@ def pretrain(config: dict, run_name: str | None = None) -> dict:
 def pretrain_dag(cfg: PipelineConfig, run_name: str | None = None, root_job: str = "pretrain") -> dict:
     """The pretrain DAG inside the current flow run (`root_job`: that flow's name; the
     continue-pretraining flow bootstraps its first cycle with it)."""
-    # with the stack's triggers service up, its flows evaluate and deploy each checkpoint as it is
-    # saved; evaluate/deploy below then collect their results instead of doing the work again
+    # with the stack's worker running the event-triggered flows, they evaluate and deploy each
+    # checkpoint as it is saved; evaluate/deploy below then collect their results instead
     run = open_run(cfg, run_name).model_copy(update={"triggered": triggers_active(cfg), "root_job": root_job})
     with pretrain_scope(cfg, run) as summary:
         ingested, curated, scored = curate(cfg, run)

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from tasks.config import PipelineConfig
 from tasks.core.constants import LINEAGE_URL_ENV
 from tasks.core.layout import RunLayout
+from tasks.core.storage import local_run_root, push_path, run_uri, store_for
 from tasks.lineage import JobRef, LineageEmitter
 from tasks.lineage.emitter import lineage_page, model_version_node
 from tasks.lineage.facets import CrucibleLinksRunFacet
@@ -48,8 +49,8 @@ class RunContext(BaseModel):
     mlflow_experiment_id: str | None = None
     lineage_url: str | None = None  # where events also go over HTTP (None: the JSONL log only)
     lineage_service_url: str | None = None  # Crucible's lineage service, when it receives the events
-    # the stack's triggers service evaluates and deploys the checkpoints (flows/triggers.py); the
-    # pretrain flow then waits for its results instead of doing the work twice
+    # the stack's worker runs the event-triggered flows that evaluate and deploy the checkpoints
+    # (flows/triggers.py); the pretrain flow then waits for their results instead of doing the work twice
     triggered: bool = False
 
     def emitter(self, cfg: PipelineConfig) -> LineageEmitter:
@@ -99,7 +100,7 @@ def default_tracking_uri(cfg: PipelineConfig) -> str:
     """The stack's MLflow server when `crucible run` set one, else a SQLite store beside the runs."""
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    root = Path(cfg.run_root).resolve()
+    root = local_run_root(cfg)
     root.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{root / 'mlflow.db'}"
 
@@ -137,9 +138,13 @@ def open_run(cfg: PipelineConfig, run_name: str | None = None) -> RunContext:
     from tasks.core.ray_utils import check_ray_address
 
     check_ray_address(cfg.ray)  # a cluster nobody answers on fails here, before the run directory exists
+    # likewise a missing bucket or a refused key, before anything is written
+    store = store_for(cfg, check=True)
     run_name = run_name or new_run_name(cfg)
     layout = RunLayout.for_run(cfg.run_root, run_name)
     run_dir = layout.run_dir
+    if store is not None and not run_dir.exists():  # a run another machine started: resume from the store
+        store.pull(run_name)
     run_dir.mkdir(parents=True, exist_ok=True)
     tracking_uri = default_tracking_uri(cfg)
     tracker = Tracker(tracking_uri, experiment=cfg.name)
@@ -189,6 +194,7 @@ class Summary:
             "flow_run_id": self.ctx.root_run_id,
             "prefect_ui_url": self.ctx.prefect_ui_url,
             "run_dir": self.ctx.run_dir,
+            "run_uri": run_uri(self.ctx.run_dir),
             "mlflow": {"tracking_uri": self.ctx.tracking_uri, "experiment": self.ctx.experiment,
                        "run_id": self.ctx.mlflow_parent_run_id},
             "lineage_log": self.ctx.lineage_log,
@@ -290,6 +296,7 @@ def pretrain_scope(cfg: PipelineConfig, ctx: RunContext) -> Iterator[Summary]:
         summary.lineage.update(finish_lineage(ctx, summary.stages, missed_before))
         data = summary.as_dict()
         ctx.layout.summary_file.write_text(json.dumps(data, indent=2, default=str))
+        push_path(ctx.layout.run_dir.parent)  # a remote run_root: everything the run wrote, to the store
     summary.status = "COMPLETED"
     deploy = summary.stages.get("deploy") or {}
     what = (f"model {deploy['model_name']} version {deploy['version']}" if deploy.get("version") is not None
@@ -298,6 +305,7 @@ def pretrain_scope(cfg: PipelineConfig, ctx: RunContext) -> Iterator[Summary]:
                                                           key="lineage-model-version")
     data = summary.as_dict()
     ctx.layout.summary_file.write_text(json.dumps(data, indent=2, default=str))
+    push_path(ctx.layout.summary_file)
     tracker.log_metrics(ctx.mlflow_parent_run_id, {f"time_s.{k}": v for k, v in data["timings_s"].items()})
     tracker.log_metrics(ctx.mlflow_parent_run_id, {"time_s.total": time.perf_counter() - t0})
     tracker.log_dict(ctx.mlflow_parent_run_id, data, "summary.json")

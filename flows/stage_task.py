@@ -28,6 +28,7 @@ from flows.run_context import RunContext, create_lineage_link
 from tasks.config import PipelineConfig
 from tasks.core.constants import REPO_ROOT
 from tasks.core.stage import Stage, StageContext, StageInputs, StageResult
+from tasks.core.storage import push_path
 from tasks.lineage import JobRef
 from tasks.lineage.emitter import LineageEmitter
 from tasks.lineage.facets import (CrucibleConfigRunFacet, CrucibleEvalRunFacet, CrucibleLinksRunFacet,
@@ -147,6 +148,7 @@ def run_stage(name: str, cfg: PipelineConfig, run: RunContext, inputs: StageInpu
     tracker.log_metrics(mlflow_run, {f"dropped.{k}": v for k, v in data.get("dropped", {}).items()})
     tracker.log_dict(mlflow_run, data, f"{stage.name}.json")
     tracker.end_run(mlflow_run)
+    push_path(run.layout.run_dir)  # a remote run_root: the stage's files reach the store as it completes
     publish_quietly(result.reports)
     primary = result.primary or (node_of(result.outputs[0]) if result.outputs else None)
     if primary:

@@ -1,8 +1,5 @@
-"""Event-triggered evaluation and deployment, served by one long-running process.
-
-    python -m flows.triggers serve        # what the stack runs (infra.stack.triggers_spec)
-
-Two deployments, served with prefect's `serve` (each flow run in its own subprocess):
+"""Event-triggered evaluation and deployment: two deployments the stack registers with its work
+pool (flows/deployments.py), each flow run a process of the stack's worker (infra/stack.py):
 
     evaluate-checkpoint/evaluate-checkpoint
         triggered by `crucible.checkpoint.saved` (flows/train_worker.py, resource
@@ -41,17 +38,16 @@ evaluation data and writes the report (the flow adds the gate's verdict to it: a
 deploy-model reads the checkpoint, the report and the tokenizer and writes the registered model
 version and the served model (namespace the server, name models/<name>, version the model version).
 
-With the stack up (`crucible run`), the pretrain flow leaves evaluation and deployment to these
-flows and waits for their results (triggers_active). Without it (plain `python -m flows.pretrain`)
-none of this runs: the pretrain flow evaluates and deploys its checkpoints itself.
+With the stack up (`crucible run`, or a run of the pretrain deployment), the pretrain flow leaves
+evaluation and deployment to these flows and waits for their results (triggers_active). Without it
+(plain `python -m flows.pretrain`) none of this runs: the pretrain flow evaluates and deploys its
+checkpoints itself.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import re
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -61,7 +57,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from flows.artifacts import publish_eval_table
-from tasks.core.constants import (CHECKPOINT_EVENT, DEPLOY_FLOW, DEPLOYED_EVENT, EVAL_EVENT, EVAL_FLOW)
+from tasks.core.constants import (CHECKPOINT_EVENT, DEPLOY_FLOW, DEPLOYED_EVENT, EVAL_EVENT, EVAL_FLOW,
+                                  EVENT_DEPLOYMENTS)
 from tasks.core.layout import RunLayout
 from tasks.lineage.emitter import ActiveRun, JobRef, dataset_for_path
 from tasks.lineage.outputs import DATASET_DOCS
@@ -111,9 +108,14 @@ def trusted_run_paths(checkpoint: str | Path) -> dict:
 
 
 def _load_cfg(path: str):
+    """The run's config; an object-store run_root's store is opened, so this flow's files are
+    named in lineage as the objects they become (the pretrain flow pushes them)."""
     from tasks.config import PipelineConfig
+    from tasks.core.storage import store_for
 
-    return PipelineConfig.model_validate_json(Path(path).read_text())
+    cfg = PipelineConfig.model_validate_json(Path(path).read_text())
+    store_for(cfg)
+    return cfg
 
 
 def _tracking_uri(cfg) -> str:
@@ -123,9 +125,9 @@ def _tracking_uri(cfg) -> str:
 
 
 def triggers_active(cfg) -> bool:
-    """True when the stack's triggers service is up and this process talks to that stack's Prefect
-    and MLflow: its deployments then evaluate and deploy this run's checkpoints (the pretrain flow
-    waits for them instead of doing the work twice)."""
+    """True when the stack's worker is up with the event-triggered deployments in its pool and this
+    process talks to that stack's Prefect and MLflow: those flows then evaluate and deploy this run's
+    checkpoints (the pretrain flow waits for them instead of doing the work twice)."""
     from infra import stack
 
     if not cfg.stack.triggers:
@@ -133,12 +135,10 @@ def triggers_active(cfg) -> bool:
     api = (os.environ.get("PREFECT_API_URL") or "").rstrip("/")
     if api != stack.prefect_api_url(cfg.stack).rstrip("/") or _tracking_uri(cfg) != stack.mlflow_tracking_uri(cfg.stack):
         return False
-    from infra.stack import TRIGGERS, triggers_spec
-
     try:
-        return bool(stack.service_status(cfg.stack, TRIGGERS, triggers_spec(cfg.stack, cfg.lineage)).get("healthy"))
+        return stack.worker_runs(cfg.stack, cfg.lineage, EVENT_DEPLOYMENTS)
     except Exception as e:  # noqa: BLE001 - unknown means: do the work here
-        log.warning("cannot tell whether the triggers service is up (%s); evaluating in the flow", e)
+        log.warning("cannot tell whether the stack's worker runs the triggered flows (%s); evaluating in the flow", e)
         return False
 
 
@@ -338,11 +338,14 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
     return result
 
 
-def build_deployments() -> list:
+def build_deployments(job_variables: dict | None = None) -> list:
+    """evaluate-checkpoint and deploy-model with their event triggers (module entrypoints: see
+    flows/deployments.py, which registers them; `job_variables` for the work pool's jobs)."""
     from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
+    from prefect.types.entrypoint import EntrypointType
 
     evaluate = evaluate_checkpoint_flow.to_deployment(
-        name=EVAL_FLOW, tags=["crucible"],
+        name=EVAL_FLOW, tags=["crucible"], entrypoint_type=EntrypointType.MODULE_PATH, job_variables=job_variables,
         description="Evaluate a checkpoint when training saves it (crucible.checkpoint.saved).",
         triggers=[DeploymentEventTrigger(
             name="on-checkpoint-saved", expect={CHECKPOINT_EVENT},
@@ -350,7 +353,8 @@ def build_deployments() -> list:
             parameters={"checkpoint": "{{ event.payload.path }}", "step": "{{ event.payload.step }}",
                         "run_name": "{{ event.payload.run_name }}", "run_id": "{{ event.payload.run_id }}"})])
     deploy = deploy_model_flow.to_deployment(
-        name=DEPLOY_FLOW, tags=["crucible"], concurrency_limit=1,
+        name=DEPLOY_FLOW, tags=["crucible"], concurrency_limit=1, entrypoint_type=EntrypointType.MODULE_PATH,
+        job_variables=job_variables,
         description="Register and serve an evaluated checkpoint that passed the gate (crucible.eval.completed).",
         triggers=[DeploymentEventTrigger(
             name="on-eval-passed", expect={EVAL_EVENT},
@@ -359,21 +363,3 @@ def build_deployments() -> list:
                         "report_path": "{{ event.payload.report_path }}",
                         "run_name": "{{ event.payload.run_name }}", "run_id": "{{ event.payload.run_id }}"})])
     return [evaluate, deploy]
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flows.triggers", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("serve", help="register the deployments and serve them until interrupted")
-    s.add_argument("--limit", type=int, default=4, help="flow runs executing at once in this process")
-    s.add_argument("--webserver", action="store_true", help="expose the runner's /health (PREFECT_RUNNER_SERVER_*)")
-    args = ap.parse_args(argv)
-    from prefect import serve
-
-    serve(*build_deployments(), limit=args.limit, webserver=args.webserver)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

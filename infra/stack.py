@@ -1,5 +1,6 @@
-"""The embedded local stack: Prefect server, MLflow tracking server, the lineage service and (once
-a model has been deployed) the model server, as background processes under one state directory.
+"""The embedded local stack: Prefect server, MLflow tracking server, the lineage service, the Prefect
+worker that runs the stack's deployments and (once a model has been deployed) the model server, as
+background processes under one state directory.
 
     <state>/
     ├── prefect/            PREFECT_HOME of the server (SQLite database prefect.db)
@@ -18,9 +19,15 @@ outlives the command that started it; stopping sends SIGTERM to the whole group 
 a timeout. The state directory is `stack.state_dir` (relative to the working directory) unless
 the environment variable CRUCIBLE_STATE_DIR is set.
 
-The specs of the core services (Prefect, MLflow, the lineage service, the triggers service) are
-built here from the config; the model server's spec comes from its supervisor
-(infra/services/model_server), which records it with `write_spec` and starts it with `start_services`.
+The specs of the core services (Prefect, MLflow, the lineage service, the worker) are built here from
+the config; the model server's spec comes from its supervisor (infra/services/model_server), which
+records it with `write_spec` and starts it with `start_services`.
+
+The worker (`prefect worker start`) polls the stack's `process` work pool `crucible`, to which `up`
+registers the deployments (`python -m flows.deployments`): pretrain (on demand, with the config
+`crucible up` was given), the event-triggered evaluate-checkpoint and deploy-model, and the scheduled
+continue-pretraining. Each of their flow runs is a process the worker starts, with the worker's
+environment: the stack's clients' (`flow_run_env`).
 
 With `stack.ray: cluster` (`crucible up --ray`) the stack also runs a Ray head and worker nodes
 (section "Ray cluster" below); their sessions live in their own temp dir, not /tmp/ray.
@@ -51,8 +58,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from infra import database  # stdlib only at import: PostgreSQL for stack.database=postgres
-from tasks.core.constants import (CHECKPOINT_EVENT, CONTINUE_DEPLOYMENT, DEPLOY_DEPLOYMENT, EVAL_DEPLOYMENT, EVAL_EVENT,
-                                  LINEAGE_TOKEN_FILE_ENV, LINEAGE_URL_ENV, REPO_ROOT)
+from tasks.core.constants import (EVENT_DEPLOYMENTS, LINEAGE_TOKEN_FILE_ENV, LINEAGE_URL_ENV, REPO_ROOT,
+                                  WORK_POOL)
 from tasks.core.io import atomic_write_text
 
 STATE_DIR_ENV = "CRUCIBLE_STATE_DIR"
@@ -60,11 +67,10 @@ PREFECT = "prefect"
 MLFLOW = "mlflow"
 MODEL_SERVER = "model_server"
 LINEAGE = "lineage"
-TRIGGERS = "triggers"  # the serve process of the event-triggered deployments (flows/triggers.py)
-CONTINUE = "continue"  # the serve process of the scheduled continue-pretraining deployment (flows/continued.py)
+WORKER = "worker"  # the Prefect worker of the work pool that runs the stack's deployments (flows/deployments.py)
 POSTGRES = "postgres"  # the embedded PostgreSQL cluster of stack.database=postgres (infra/database.py)
-CORE_SERVICES = (PREFECT, MLFLOW, LINEAGE, TRIGGERS, CONTINUE, POSTGRES)
-STOP_ORDER = (MODEL_SERVER, CONTINUE, TRIGGERS, LINEAGE, MLFLOW, PREFECT, POSTGRES)  # the database last
+CORE_SERVICES = (PREFECT, MLFLOW, LINEAGE, WORKER, POSTGRES)
+STOP_ORDER = (MODEL_SERVER, WORKER, LINEAGE, MLFLOW, PREFECT, POSTGRES)  # the database last
 LOG_TAIL_LINES = 40
 
 # Children started by this process, kept so they can be reaped (no zombies in long-lived parents
@@ -326,50 +332,100 @@ def lineage_spec(stack_cfg, lineage_cfg=None) -> ServiceSpec:
     )
 
 
-def triggers_spec(stack_cfg, lineage_cfg=None, port: int | None = None) -> ServiceSpec:
-    """The event-triggered evaluate/deploy process: `python -m flows.triggers serve --webserver`,
-    prefect's `serve` of the deployments evaluate-checkpoint and deploy-model, whose runs talk to
-    this stack's Prefect and MLflow (client_env). Its health check is the runner's own webserver
-    (GET /health answers 200 while the runner polls the Prefect API; PREFECT_RUNNER_SERVER_*).
-    Started after Prefect is healthy (its deployments register there), stopped before it."""
-    host = stack_cfg.host
-    port = port or stack_cfg.triggers_port
+def flow_run_env(stack_cfg, lineage_cfg=None) -> dict[str, str]:
+    """The environment of the worker, which its flow runs inherit (a process pool's jobs get the
+    worker's own), and of the process registering the deployments: the stack's clients' (with
+    Prefect's auth added at launch, never here) and this repository importable from anywhere."""
+    return {**client_env(stack_cfg, lineage_cfg), "PYTHONPATH": repo_pythonpath(), "PYTHONUNBUFFERED": "1",
+            "PREFECT_HOME": str(state_dir(stack_cfg) / "prefect-client")}
+
+
+def prefect_worker_spec(stack_cfg, lineage_cfg=None) -> ServiceSpec:
+    """`prefect worker start` for the stack's `process` work pool: it runs every flow run of the
+    deployments registered there (flows/deployments.py), each in a process of its own, at most
+    stack.worker_limit at once. Health: the worker's webserver (GET /health answers 200 while the
+    worker polls the pool; PREFECT_WORKER_WEBSERVER_*). Started after the deployments are
+    registered, stopped before Prefect."""
+    host, port = stack_cfg.host, stack_cfg.worker_port
     env = {
-        **client_env(stack_cfg, lineage_cfg),
-        "PYTHONPATH": repo_pythonpath(),
-        "PYTHONUNBUFFERED": "1",
-        "PREFECT_RUNNER_SERVER_ENABLE": "true",
-        "PREFECT_RUNNER_SERVER_HOST": host,
-        "PREFECT_RUNNER_SERVER_PORT": str(port),
-        # a triggered run waits up to one poll for the runner to pick it up (Prefect's default: 10 s)
-        "PREFECT_RUNNER_POLL_FREQUENCY": "2",
-        # /health turns 503 after this many missed polls; at 2 s a poll, the default (2) calls a
-        # runner dead when the Prefect server is merely slow for 4 s (a loaded machine). The cost:
-        # a runner that really hangs shows as unhealthy only after 60 s
-        "PREFECT_RUNNER_SERVER_MISSED_POLLS_TOLERANCE": "30",
-        "PREFECT_HOME": str(state_dir(stack_cfg) / "prefect-client"),
+        **flow_run_env(stack_cfg, lineage_cfg),
+        "PREFECT_WORKER_WEBSERVER_HOST": host,
+        "PREFECT_WORKER_WEBSERVER_PORT": str(port),
+        # a triggered run waits up to one poll for the worker to pick it up (Prefect's default: 10 s);
+        # /health turns 503 after 30 polls' time without one (60 s)
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
     }
     return ServiceSpec(
-        name=TRIGGERS,
-        cmd=[sys.executable, "-m", "flows.triggers", "serve", "--webserver"],
-        host=host, port=port, health_path="/health", url=prefect_ui_url(stack_cfg) + "/deployments",
-        marker=["flows.triggers", "serve"], env=env,
-        info={"deployments": [EVAL_DEPLOYMENT, DEPLOY_DEPLOYMENT], "events": [CHECKPOINT_EVENT, EVAL_EVENT]},
-    )
+        name=WORKER,
+        cmd=[_bin("prefect"), "worker", "start", "--pool", WORK_POOL, "--type", "process", "--name", f"{WORK_POOL}-worker",
+             "--limit", str(stack_cfg.worker_limit), "--with-healthcheck", "--install-policy", "never",
+             "--no-create-pool-if-not-found"],  # `up` creates the pool when it registers the deployments
+        host=host, port=port, health_path="/health", url=f"{prefect_ui_url(stack_cfg)}/work-pools/work-pool/{WORK_POOL}",
+        marker=["prefect", "worker", "start", "--pool"], env=env, info={"pool": WORK_POOL})
 
 
-def continue_spec(stack_cfg, config_path: str | Path, overrides: list[str] | None = None, lineage_cfg=None,
-                  port: int | None = None) -> ServiceSpec:
-    """The continue-pretraining deployment (cron schedule continue.schedule, one cycle at a time):
-    `python -m flows.continued serve CONFIG [KEY=VALUE ...]`, prefect's `serve`, whose runs talk to
-    this stack's Prefect and MLflow. Health: the runner's webserver, as for the triggers process."""
-    spec = triggers_spec(stack_cfg, lineage_cfg, port=port or stack_cfg.continue_port)
-    return ServiceSpec(
-        name=CONTINUE, cmd=[sys.executable, "-m", "flows.continued", "serve", str(Path(config_path).resolve()),
-                            *(overrides or [])],
-        host=spec.host, port=spec.port, health_path="/health", url=prefect_ui_url(stack_cfg) + "/deployments",
-        marker=["flows.continued", "serve"], env={**spec.env, "PREFECT_RUNNER_SERVER_PORT": str(spec.port)},
-        info={"deployments": [CONTINUE_DEPLOYMENT], "config": str(Path(config_path).resolve())})
+def deployment_pools(stack_cfg, names: tuple[str, ...] | list[str]) -> dict[str, str | None]:
+    """{deployment: its work pool} for each of `names` registered with the stack's Prefect (a
+    missing one is left out). Raises OSError when Prefect does not answer."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback
+    out = {}
+    for name in names:
+        req = urllib.request.Request(f"{prefect_api_url(stack_cfg)}/deployments/name/{name}",
+                                     headers=prefect_headers(stack_cfg))
+        try:
+            with opener.open(req, timeout=30) as resp:
+                out[name] = json.loads(resp.read()).get("work_pool_name")
+        except urllib.error.HTTPError as e:
+            if e.code != 404:
+                raise
+    return out
+
+
+def worker_runs(stack_cfg, lineage_cfg, deployments: tuple[str, ...]) -> bool:
+    """The stack's worker is healthy and each of these deployments is registered to its pool."""
+    if not service_status(stack_cfg, WORKER, prefect_worker_spec(stack_cfg, lineage_cfg))["healthy"]:
+        return False
+    pools = deployment_pools(stack_cfg, deployments)
+    return all(pools.get(name) == WORK_POOL for name in deployments)
+
+
+def register_deployments(stack_cfg, lineage_cfg=None, pipeline: tuple | None = None) -> dict:
+    """`python -m flows.deployments` against the stack's Prefect, in this process's working
+    directory (pretrain runs there), with the worker's environment: the event-triggered
+    deployments (or their removal, stack.triggers off) and, given `pipeline` = (config path,
+    overrides), pretrain and the scheduled continue-pretraining with that config. Returns its
+    {"pool", "registered", "removed"}."""
+    cmd = [sys.executable, "-m", "flows.deployments", *([] if stack_cfg.triggers else ["--no-triggers"])]
+    if pipeline is not None:
+        path, overrides = pipeline
+        cmd += ["--config", str(path), *(a for o in overrides for a in ("--set", o))]
+    env = {**os.environ, **flow_run_env(stack_cfg, lineage_cfg), **prefect_auth_env(stack_cfg)}
+    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
+                          timeout=stack_cfg.start_timeout)
+    if proc.returncode != 0:
+        raise StackError(f"registering the deployments failed ({' '.join(cmd[1:])}):\n"
+                         + "\n".join((proc.stdout + proc.stderr).splitlines()[-LOG_TAIL_LINES:]))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _up_worker(stack_cfg, lineage_cfg, pipeline: tuple | None, timeout: float | None) -> dict:
+    """The deployments, then the worker (caller holds stack_lock). They are registered when `up`
+    has a pipeline config, when the worker starts (it used to be stopped: the code may have
+    changed), or when the event-triggered ones are not as stack.triggers asks."""
+    starting = running_pid(stack_cfg, WORKER) is None
+    try:
+        pools = deployment_pools(stack_cfg, EVENT_DEPLOYMENTS)
+    except OSError:
+        pools = {}
+    events_as_asked = (all(pools.get(n) == WORK_POOL for n in EVENT_DEPLOYMENTS) if stack_cfg.triggers
+                       else not pools)
+    registered = None
+    if pipeline is not None or starting or not events_as_asked:
+        registered = register_deployments(stack_cfg, lineage_cfg, pipeline)
+    out = start_services(stack_cfg, [prefect_worker_spec(stack_cfg, lineage_cfg)], timeout)
+    if registered is not None:
+        out[WORKER]["deployments"] = registered["registered"]
+    return out
 
 
 # ------------------------------------------------------------------------------ processes
@@ -589,7 +645,7 @@ def _check_port(spec: ServiceSpec, stack_cfg) -> None:
         return
     what = "a service answering its health check" if service_healthy(spec, 1.0) else "another process"
     hint = {PREFECT: "stack.prefect_port", MLFLOW: "stack.mlflow_port", MODEL_SERVER: "deploy.port",
-            LINEAGE: "lineage.service_port", TRIGGERS: "stack.triggers_port",
+            LINEAGE: "lineage.service_port", WORKER: "stack.worker_port",
             POSTGRES: "stack.postgres_port"}.get(spec.name)
     raise StackError(
         f"cannot start {spec.name}: port {spec.host}:{spec.port} is in use by {what} that this stack "
@@ -762,15 +818,16 @@ def _database_status(stack_cfg) -> dict[str, dict]:
 
 # ------------------------------------------------------------------------------- public API
 
-def up(stack_cfg, timeout: float | None = None, lineage_cfg=None, continue_config: tuple | None = None) -> dict:
-    """Start Prefect, MLflow, the lineage service (and the last deployed model server) unless
-    already healthy. `lineage_cfg`: the config's `lineage` section (port, database); defaults if None.
+def up(stack_cfg, timeout: float | None = None, lineage_cfg=None, pipeline: tuple | None = None) -> dict:
+    """Start Prefect, MLflow, the lineage service, the worker with its deployments (and the last
+    deployed model server) unless already healthy. `lineage_cfg`: the config's `lineage` section
+    (port, database); defaults if None.
 
     Idempotent: healthy services are left alone, stale pid files are cleaned. Waits until every
     service is healthy; raises StackError with the log tail otherwise. Returns
     {service: {url, healthy, pid, started, seconds}} plus "seconds" for the whole call.
-    continue_config: (config path, overrides) of a config with continue.schedule: its scheduled
-    continue-pretraining deployment is served too.
+    pipeline: (config path, overrides) of the config the pretrain deployment runs (and, with
+    continue.schedule, the scheduled continue-pretraining deployment): registered with it now.
     """
     t0 = time.monotonic()
     root = state_dir(stack_cfg)
@@ -790,21 +847,19 @@ def up(stack_cfg, timeout: float | None = None, lineage_cfg=None, continue_confi
             else:
                 specs.append(model)
         out = {**database_started, **start_services(stack_cfg, specs, timeout), **out}
-        if stack_cfg.ray == "cluster":  # a Ray head, then its worker nodes (before the serve processes that use it)
+        if stack_cfg.ray == "cluster":  # a Ray head, then its worker nodes (before the flow runs that use it)
             out.update(up_ray(stack_cfg, timeout))
-        if stack_cfg.triggers:  # its deployments register with Prefect, so it starts once Prefect is healthy
-            out.update(start_services(stack_cfg, [triggers_spec(stack_cfg, lineage_cfg)], timeout))
-        if continue_config is not None:
-            path, overrides = continue_config
-            out.update(start_services(stack_cfg, [continue_spec(stack_cfg, path, overrides, lineage_cfg)], timeout))
+        # the deployments register with Prefect, so they and the worker come once Prefect is healthy
+        out.update(_up_worker(stack_cfg, lineage_cfg, pipeline, timeout))
     out["seconds"] = round(time.monotonic() - t0, 2)
     return out
 
 
 def down(stack_cfg, timeout: float | None = None) -> dict[str, str]:
-    """Stop the model server, then the lineage service, MLflow and Prefect (SIGTERM to each process
-    group, SIGKILL after stack.stop_timeout). The model server's deployment record is kept, so `up` serves the
-    champion again. Returns {service: "stopped" | "killed" | "not running"}."""
+    """Stop the model server, the worker (its flow runs too), then the lineage service, MLflow and
+    Prefect (SIGTERM to each process group, SIGKILL after stack.stop_timeout). The model server's
+    deployment record is kept, so `up` serves the champion again. Returns {service: "stopped" |
+    "killed" | "not running"}."""
     if not state_dir(stack_cfg).is_dir():
         return {name: "not running" for name in STOP_ORDER}
     with stack_lock(stack_cfg):
@@ -817,17 +872,14 @@ def down(stack_cfg, timeout: float | None = None) -> dict[str, str]:
 
 
 def status(stack_cfg, lineage_cfg=None) -> dict[str, dict]:
-    """{service: {url, healthy, pid}} for prefect, mlflow, lineage and, once deployed, model_server."""
+    """{service: {url, healthy, pid}} for prefect, mlflow, lineage, worker and, once deployed, model_server."""
     out = {
         PREFECT: service_status(stack_cfg, PREFECT, prefect_spec(stack_cfg)),
         MLFLOW: service_status(stack_cfg, MLFLOW, mlflow_spec(stack_cfg)),
         LINEAGE: service_status(stack_cfg, LINEAGE, lineage_spec(stack_cfg, lineage_cfg)),
+        WORKER: service_status(stack_cfg, WORKER, prefect_worker_spec(stack_cfg, lineage_cfg)),
     }
-    if stack_cfg.triggers:
-        out[TRIGGERS] = service_status(stack_cfg, TRIGGERS, triggers_spec(stack_cfg, lineage_cfg))
     out.update(_database_status(stack_cfg))
-    if read_spec(stack_cfg, CONTINUE) is not None or _read_pid(stack_cfg, CONTINUE) is not None:
-        out[CONTINUE] = service_status(stack_cfg, CONTINUE)
     if read_spec(stack_cfg, MODEL_SERVER) is not None or _read_pid(stack_cfg, MODEL_SERVER) is not None:
         out[MODEL_SERVER] = service_status(stack_cfg, MODEL_SERVER)
     out.update(ray_status(stack_cfg))  # with stack.ray: cluster, or while a cluster is recorded
@@ -1014,3 +1066,15 @@ def up_ray_on_free_ports(state: str, attempts: int = 3, **settings):
 def cluster_address(stack_cfg) -> str | None:
     """The address of the stack's Ray cluster when its head is running, else None."""
     return ray_address(stack_cfg) if running_pid(stack_cfg, RAY_HEAD) is not None else None
+
+
+def attach_cluster(cfg) -> dict[str, str]:
+    """While the stack's Ray cluster is up, a pipeline config without its own ray.address runs on it:
+    the address goes into `cfg` (so MLflow and the run's config.json record it). Returns what a
+    driver of that cluster needs in its environment ({} when none runs)."""
+    address = cluster_address(cfg.stack)
+    if address is None:
+        return {}
+    if cfg.ray.address is None:
+        cfg.ray.address = address
+    return ray_client_env(cfg.stack)

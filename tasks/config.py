@@ -60,7 +60,7 @@ class SourceConfig(Section):
         return v
 
 
-# "${NAME}": an environment variable, resolved where a source file is opened (tasks.ingest.fs)
+# "${NAME}": an environment variable, resolved where a source file is opened (tasks.core.fs)
 ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 # option names that hold credentials (s3fs key/secret/token, client_kwargs aws_*_key*, passwords,
 # HTTP Authorization headers); camelCase names are matched on their snake_case form
@@ -611,11 +611,14 @@ class StackConfig(Section):
     prefect_port: int = Field(default=4200, gt=0, lt=65536)
     mlflow_port: int = Field(default=5000, gt=0, lt=65536)
     mlflow_workers: int = Field(default=1, gt=0)  # uvicorn workers of the MLflow server
-    # the serve process of the event-triggered evaluate/deploy deployments (health webserver port);
-    # false: checkpoints are evaluated only by the pretrain flow itself
+    # the event-triggered evaluate/deploy deployments, run by the stack's worker; false: they are not
+    # registered, and checkpoints are evaluated only by the pretrain flow itself
     triggers: bool = True
-    triggers_port: int = Field(default=8610, gt=0, lt=65536)
-    continue_port: int = Field(default=8611, gt=0, lt=65536)  # health webserver of the continue-pretraining serve
+    # the Prefect worker of the stack's `process` work pool: its health webserver's port, and how many
+    # flow runs it runs at once (a pretrain or continue-pretraining run holds one for its whole run while
+    # the evaluations it waits for take others)
+    worker_port: int = Field(default=8610, gt=0, lt=65536)
+    worker_limit: int = Field(default=6, ge=2)
     # a failed event-triggered evaluation is retried this often, with exponential backoff (seconds)
     eval_retries: int = Field(default=2, ge=0)
     eval_retry_backoff: float = Field(default=10.0, gt=0)

@@ -50,9 +50,9 @@ PRETRAIN_FLOWS: list[FlowSpec] = [
     FlowSpec("train", "Subflow: price the run with the planner, then train the model with torchrun, writing "
                       "distributed checkpoints."),
     FlowSpec("evaluate", "Subflow: evaluate every checkpoint (validation loss, perplexity, task suite); with the "
-                         "stack's triggers service up, collect the event-triggered evaluate-checkpoint runs' reports."),
+                         "stack's triggered flows on, collect the event-triggered evaluate-checkpoint runs' reports."),
     FlowSpec("deploy", "Subflow: gate the best checkpoint, register it in MLflow and serve it; with the stack's "
-                       "triggers service up, collect what the event-triggered deploy-model runs did."),
+                       "triggered flows on, collect what the event-triggered deploy-model runs did."),
 ]
 # The continue-pretraining flow's own subflows (flows/continued.py); it reuses the others above.
 CONTINUE_FLOWS: list[FlowSpec] = [

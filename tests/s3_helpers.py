@@ -67,7 +67,9 @@ def moto_s3(tmp_dir: Path, buckets: list[str]) -> Iterator[S3Server]:
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     try:
-        _post(f"{endpoint}/moto-api/reset", b"")  # moto keeps its backends per process
+        # moto keeps its backends and its authentication switch per process: start from neither
+        _post(f"{endpoint}/moto-api/reset-auth", b"inf")
+        _post(f"{endpoint}/moto-api/reset", b"")
         boot = dict(endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="setup",
                     aws_secret_access_key="setup")
         iam = boto3.client("iam", **boot)

@@ -537,9 +537,10 @@ def test_a_second_cycle_waits_for_the_running_one_and_says_so(tmp_path):
     assert "the other cycle finished; starting after" in out and "no new data" in out.lower(), out[-3000:]
 
 
-def test_crucible_up_serves_the_schedule_and_crucible_schedule_changes_it(tmp_path):
-    """The user's path: `crucible up --config` starts the continue-pretraining serve process beside the
-    stack; the deployment is in Prefect with the configured cron; `crucible schedule` pauses it."""
+def test_crucible_up_registers_the_schedule_and_crucible_schedule_changes_it(tmp_path):
+    """The user's path: `crucible up --config` registers the continue-pretraining deployment (and
+    pretrain, with the same config) to the stack's work pool, whose worker runs them; the deployment
+    is in Prefect with the configured cron; `crucible schedule` pauses it."""
     import subprocess
     import sys
 
@@ -550,8 +551,8 @@ def test_crucible_up_serves_the_schedule_and_crucible_schedule_changes_it(tmp_pa
 
     repo = Path(__file__).resolve().parent.parent
     raw = config(tmp_path).model_dump(mode="json", by_alias=True)
-    raw["stack"].update(prefect_port=free_port(), mlflow_port=free_port(), triggers_port=free_port(),
-                        continue_port=free_port(), start_timeout=240, stop_timeout=15)
+    raw["stack"].update(prefect_port=free_port(), mlflow_port=free_port(), worker_port=free_port(),
+                        start_timeout=240, stop_timeout=15)
     raw["lineage"]["service_port"] = free_port()
     raw["continue"].update(schedule="15 2 * * *", timezone="Europe/Paris")
     path = tmp_path / "continue.yaml"
@@ -566,7 +567,10 @@ def test_crucible_up_serves_the_schedule_and_crucible_schedule_changes_it(tmp_pa
         up = crucible("up", "--config", str(path), "--json")
         assert up.returncode == 0, (up.stdout + up.stderr)[-3000:]
         services = json.loads(up.stdout)
-        assert services["continue"]["healthy"], services
+        assert services["worker"]["healthy"], services
+        assert set(services["worker"]["deployments"]) == {
+            "continue-pretraining/continue-pretraining", "pretrain/pretrain", "evaluate-checkpoint/evaluate-checkpoint",
+            "deploy-model/deploy-model"}, services
         api = f"http://127.0.0.1:{raw['stack']['prefect_port']}/api"
         from infra import stack
         from tasks.config import StackConfig
@@ -577,6 +581,9 @@ def test_crucible_up_serves_the_schedule_and_crucible_schedule_changes_it(tmp_pa
                           json={"deployments": {"name": {"any_": ["continue-pretraining"]}}}).json()
         assert [(s["schedule"]["cron"], s["schedule"]["timezone"]) for s in read[0]["schedules"]] == [
             ("15 2 * * *", "Europe/Paris")]
+        assert read[0]["work_pool_name"] == "crucible" and read[0]["entrypoint"] == "flows.continued.continue_pretraining"
+        assert read[0]["job_variables"]["working_dir"] == str(repo)  # where `crucible up` ran: relative paths hold
+        assert read[0]["parameters"]["config"]["continue_"]["schedule"] == "15 2 * * *"
         paused = crucible("schedule", str(path), "--pause")
         assert paused.returncode == 0 and json.loads(paused.stdout)["paused"] is True, paused.stderr[-2000:]
         # `crucible run --continue` runs one cycle now, through the stack: nothing has landed yet

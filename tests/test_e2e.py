@@ -31,7 +31,7 @@ def run(tmp_path_factory):
     overrides = [
         f"stack.state_dir={tmp / 'state'}", f"stack.prefect_port={free_port()}",
         f"stack.mlflow_port={free_port()}", f"deploy.port={free_port()}", f"run_root={tmp / 'runs'}",
-        f"lineage.service_port={free_port()}", f"stack.triggers_port={free_port()}",
+        f"lineage.service_port={free_port()}", f"stack.worker_port={free_port()}",
         "lineage.http_timeout=30",  # the lineage service answers slowly while training holds both cores
         "stack.triggered_timeout=600",  # fall back to evaluating directly well before the 1500 s limit
     ]
@@ -162,7 +162,7 @@ def test_eval_metrics_in_mlflow_and_champion_alias(run):
     train_run = client.get_run(s["stages"]["train"]["mlflow_run_id"])
     assert "val_loss" in train_run.data.metrics
     history = client.get_metric_history(train_run.info.run_id, "val_loss")
-    # Each checkpoint has val_loss at its step, once: with the stack's triggers service up, the
+    # Each checkpoint has val_loss at its step, once: with the stack's worker running them, the
     # event-triggered flows evaluate (and deploy); the pretrain flow only collects their results.
     assert sorted(m.step for m in history) == sorted(e["step"] for e in evals)
     assert all(e["evaluated_by"] == "evaluate-checkpoint (event-triggered)" for e in evals)

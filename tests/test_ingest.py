@@ -403,7 +403,7 @@ def test_http_truncated_warc_is_quarantined(web_server, tmp_path):
 
 @needs_data
 def test_uri_expansion_globs_file_urls_and_http(web_server):
-    from tasks.ingest.fs import expand_uri, file_identity
+    from tasks.core.fs import expand_uri, file_identity
     from tasks.ingest.run import resolve_source_files
 
     expected = [(WEB / f"docs-crawl-0000{i}.warc.gz").resolve() for i in (0, 1, 2)]

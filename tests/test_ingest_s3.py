@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, IngestConfig, PipelineConfig, RayConfig, SourceConfig
 from tasks.core.documents import iter_docs
 from tasks.ingest import run_ingest
-from tasks.ingest.fs import S3ExtraMissing, expand_uri, file_identity, open_source
+from tasks.core.fs import S3ExtraMissing, expand_uri, file_identity, open_source
 from tasks.ingest.readers import iter_records
 from tasks.ingest.run import resolve_source_files
 

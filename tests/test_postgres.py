@@ -22,13 +22,21 @@ from test_e2e import CRUCIBLE, REPO, _prefect_runs
 
 TINY = str(REPO / "configs" / "tiny.yaml")
 # the demo at its smallest: JSONL sources only (no HTML extraction), no quality models, a
-# 1-layer model for 4 steps, evaluated and registered by the pretrain flow itself (no triggers process)
+# 1-layer model for 4 steps, evaluated and registered by the pretrain flow itself (no triggered flows)
 LEAN = ["model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.seq_len=32", "train.max_steps=4",
         "train.nproc_per_node=1", "train.micro_batch_size=4", "train.checkpoint_every=4", "train.warmup_steps=1",
         "tokenizer.vocab_size=400", "tokenizer.reference=false", "tokenizer.probes.enabled=false",
         "curate.decontam.enabled=false", "quality.classifier.enabled=false", "quality.kenlm.enabled=false",
         "evaluate.lambada.enabled=false", "evaluate.hellaswag.enabled=false", "evaluate.calibration.enabled=false",
         "deploy.serve=false", "stack.triggers=false"]
+
+
+def lean_config(path: Path) -> Path:
+    """tiny.yaml with its JSONL sources only, written to `path` (the LEAN overrides do the rest)."""
+    raw = yaml.safe_load(Path(TINY).read_text())
+    raw["sources"] = [s for s in raw["sources"] if s["format"] == "jsonl"]
+    path.write_text(yaml.safe_dump(raw))
+    return path
 
 
 def _client_env() -> dict[str, str]:
@@ -73,10 +81,7 @@ def pg_demo():
     """The lean demo through `crucible run` with stack.database=postgres; the stack stays up for the tests."""
     tmp = Path(tempfile.mkdtemp(prefix="crucible-pg-demo-"))
     tmp.chmod(0o711)
-    config = tmp / "lean.yaml"  # tiny.yaml with its JSONL sources only
-    raw = yaml.safe_load(Path(TINY).read_text())
-    raw["sources"] = [s for s in raw["sources"] if s["format"] == "jsonl"]
-    config.write_text(yaml.safe_dump(raw))
+    config = lean_config(tmp / "lean.yaml")
     overrides = [f"stack.state_dir={tmp / 'state'}", f"stack.prefect_port={free_port()}",
                  f"stack.mlflow_port={free_port()}", f"lineage.service_port={free_port()}",
                  f"stack.postgres_port={free_port()}", f"run_root={tmp / 'runs'}", "stack.database=postgres", *LEAN]

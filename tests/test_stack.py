@@ -1,6 +1,6 @@
-"""The local stack with real processes: a Prefect server, an MLflow server and the lineage service on
-free ports in a temporary state directory (so a developer's own stack on the default ports is not
-disturbed)."""
+"""The local stack with real processes: a Prefect server, an MLflow server, the lineage service and the
+Prefect worker of the stack's work pool on free ports in a temporary state directory (so a
+developer's own stack on the default ports is not disturbed)."""
 from __future__ import annotations
 
 import json
@@ -30,7 +30,7 @@ def _dead_pid() -> int:
 @pytest.fixture
 def stack_cfg(tmp_path):
     return StackConfig(state_dir=str(tmp_path / "state"), prefect_port=free_port(), mlflow_port=free_port(),
-                       triggers_port=free_port(), start_timeout=240, stop_timeout=15)
+                       worker_port=free_port(), start_timeout=240, stop_timeout=15)
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def _no_state_dir_env(monkeypatch):
     monkeypatch.delenv(stack.STATE_DIR_ENV, raising=False)
 
 
-SERVICES = ("prefect", "mlflow", "lineage", "triggers")
+SERVICES = ("prefect", "mlflow", "lineage", "worker")
 
 
 def test_up_idempotent_status_down(stack_cfg, lineage_cfg):
@@ -96,6 +96,15 @@ def test_up_idempotent_status_down(stack_cfg, lineage_cfg):
         == "COMPLETED"
     assert (state / "lineage.db").exists()
     assert "--prefect-ui" in stack.process_cmdline(first["lineage"]["pid"])  # the page links Prefect runs
+    # the worker polls the stack's process pool, where `up` registered the event-triggered deployments
+    assert set(first["worker"]["deployments"]) == {"evaluate-checkpoint/evaluate-checkpoint", "deploy-model/deploy-model"}
+    assert stack.deployment_pools(stack_cfg, stack.EVENT_DEPLOYMENTS) == dict.fromkeys(stack.EVENT_DEPLOYMENTS, "crucible")
+    deadline = time.monotonic() + 60  # /health answers from the worker's start; READY once it has polled
+    while (pool := httpx.get(f"{stack.prefect_api_url(stack_cfg)}/work_pools/crucible", timeout=10,
+                             headers=stack.prefect_headers(stack_cfg)).json())["status"] != "READY":
+        assert time.monotonic() < deadline, pool
+        time.sleep(1)
+    assert pool["type"] == "process"
 
     # `crucible status --json` prints exactly {service: {url, healthy, pid}}
     out = subprocess.run([sys.executable, "-m", "infra.cli", "--state-dir", str(state), "status", "--json",
@@ -112,6 +121,7 @@ def test_up_idempotent_status_down(stack_cfg, lineage_cfg):
     assert time.monotonic() - t0 < 30  # nothing restarted: only health checks
     for name in SERVICES:
         assert again[name]["pid"] == first[name]["pid"] and not again[name]["started"]
+    assert "deployments" not in again["worker"]  # registered already: not again
 
     # a port clash with a different config is refused while the stack runs
     moved = stack_cfg.model_copy(update={"mlflow_port": free_port()})
@@ -125,7 +135,7 @@ def test_up_idempotent_status_down(stack_cfg, lineage_cfg):
     result = stack.down(stack_cfg)
     assert all(result[n] in ("stopped", "killed") for n in SERVICES), result
     assert result["model_server"] == "not running"
-    assert list(result) == ["model_server", "continue", "triggers", "lineage", "mlflow", "prefect"]  # stop order
+    assert list(result) == ["model_server", "worker", "lineage", "mlflow", "prefect"]  # stop order
     st = stack.status(stack_cfg, lineage_cfg)
     assert all(not s["healthy"] and s["pid"] is None for s in st.values()), st
     assert all(stack.group_pids(g) == [] for g in pgids), "processes left behind after down"
@@ -133,9 +143,8 @@ def test_up_idempotent_status_down(stack_cfg, lineage_cfg):
     assert stack.port_free("127.0.0.1", stack_cfg.prefect_port)
     assert stack.port_free("127.0.0.1", stack_cfg.mlflow_port)
     assert stack.port_free("127.0.0.1", lineage_cfg.service_port)
-    assert stack.down(stack_cfg) == {"model_server": "not running", "continue": "not running",
-                                     "triggers": "not running", "lineage": "not running",
-                                     "mlflow": "not running", "prefect": "not running"}
+    assert stack.down(stack_cfg) == {"model_server": "not running", "worker": "not running",
+                                     "lineage": "not running", "mlflow": "not running", "prefect": "not running"}
 
 
 def test_port_taken_by_another_process_is_a_clear_error(stack_cfg, lineage_cfg):

@@ -1,7 +1,7 @@
-"""Event-triggered evaluation and deployment against a real Prefect server and a real `serve`
-process (the stack's triggers service spec): checkpoint events for two tiny real checkpoints of one
-run -> evaluate-checkpoint flow runs (never overlapping) -> crucible.eval.completed -> deploy-model
-flow run -> a champion in the MLflow registry."""
+"""Event-triggered evaluation and deployment against a real Prefect server and the stack's real
+worker (its service spec) with the deployments `up` registers in its work pool: checkpoint events
+for two tiny real checkpoints of one run -> evaluate-checkpoint flow runs on the worker (never
+overlapping) -> crucible.eval.completed -> deploy-model flow run -> a champion in the MLflow registry."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,6 @@ import torch
 
 from flows.triggers import evaluate_task, retried, run_paths
 from infra import stack
-from infra.stack import triggers_spec
 from lm_helpers import tiny_cfg, tokenizer_artifact, tokens_artifact
 from tasks.config import StackConfig
 from tasks.core.hashing import sha256_file
@@ -158,18 +157,25 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
     base = tmp_path_factory.getbasetemp() / "lm"
     store = f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"  # nothing may land in the working directory
     run_dir, ckpts = _make_run(base, tmp_path, store)
+    from mlflow import MlflowClient
+
+    # the SQLite store's tables, made once here: the two evaluations start together on the worker,
+    # and two processes creating a fresh store at once collide (the stack's MLflow server makes its own)
+    MlflowClient(tracking_uri=store).search_experiments()
     stack_cfg = StackConfig(state_dir=str(tmp_path / "state"), prefect_port=free_port(),
-                            mlflow_port=free_port(), start_timeout=150, stop_timeout=10)
+                            mlflow_port=free_port(), worker_port=free_port(), start_timeout=150, stop_timeout=10)
     stack.register_run_root(stack_cfg, tmp_path / "runs")  # as `crucible run` does for its config
-    spec = triggers_spec(stack_cfg, port=free_port())
+    spec = stack.prefect_worker_spec(stack_cfg)  # its flow runs inherit its environment
     spec.env.update({"MLFLOW_TRACKING_URI": store})
     api = stack.prefect_api_url(stack_cfg)
     t0 = time.monotonic()
     try:
         with stack.stack_lock(stack_cfg):
             stack.start_services(stack_cfg, [stack.prefect_spec(stack_cfg)])
+            registered = stack.register_deployments(stack_cfg)
             stack.start_services(stack_cfg, [spec])
-        print(f"\nprefect + serve healthy after {time.monotonic() - t0:.1f}s")
+        assert set(registered["registered"]) == set(stack.EVENT_DEPLOYMENTS) and registered["pool"] == "crucible"
+        print(f"\nprefect + worker healthy, deployments registered after {time.monotonic() - t0:.1f}s")
         # the stack's Prefect has server auth on: clients send its auth string (here and in subprocesses)
         assert httpx.post(f"{api}/deployments/filter", json={}, timeout=60).status_code == 401
         monkeypatch.setenv("PREFECT_API_AUTH_STRING", stack.prefect_auth_env(stack_cfg)["PREFECT_API_AUTH_STRING"])
@@ -206,6 +212,7 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
 
         evals = _wait("two completed evaluate-checkpoint runs", lambda: finished(deps["evaluate-checkpoint"], 2), 300, 2)
         assert sorted(r["parameters"]["checkpoint"] for r in evals) == sorted(str(p) for p in ckpts)
+        assert {r["work_pool_name"] for r in evals} == {"crucible"}  # run by the stack's worker
         # one run's evaluations never overlap: the `evaluate` task runs follow each other
         trs = c.post("/task_runs/filter", json={"flow_runs": {"id": {"any_": [r["id"] for r in evals]}},
                                                 "task_runs": {"name": {"like_": "evaluate"}}}).json()
@@ -217,8 +224,6 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
         deploys = _wait("a completed deploy-model run", lambda: finished(deps["deploy-model"], 1), 180, 2)
         assert deploys[0]["parameters"]["checkpoint"] in [str(p) for p in ckpts]
         assert list((run_dir / "evaluate" / "triggered").glob("step-*.json"))
-
-        from mlflow import MlflowClient
 
         client = MlflowClient(tracking_uri=store, registry_uri=store)
         mv = client.get_model_version_by_alias("trig-model", "champion")
@@ -261,27 +266,38 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
         arts = c.post("/artifacts/filter", json={"artifacts": {"key": {"any_": [table_key("trig-run")]}}}).json()
         rows = json.loads(max(arts, key=lambda a: a["created"])["data"])
         assert [r["step"] for r in rows] == [10, 20] and all(r["gate"] for r in rows)
-        # the pretrain flow leaves the work to the triggers only when they serve its own Prefect and MLflow
+        # the pretrain flow leaves the work to the triggered flows only when the worker runs them for its
+        # own Prefect and MLflow
         from flows.triggers import triggers_active
 
         tcfg = cfg.model_copy(update={"stack": stack_cfg})
         assert not triggers_active(tcfg)  # MLflow here is a SQLite file, not the stack's server
         monkeypatch.setenv("MLFLOW_TRACKING_URI", stack.mlflow_tracking_uri(stack_cfg))
         assert triggers_active(tcfg)
+        with stack.stack_lock(stack_cfg):
+            stack.stop_service(stack_cfg, stack.WORKER)
+        assert not triggers_active(tcfg)  # no worker: the flow evaluates itself
+        with stack.stack_lock(stack_cfg):
+            stack.start_services(stack_cfg, [spec])
+        assert triggers_active(tcfg)
+        # stack.triggers off: `up` removes the deployments and their automations, the worker stays
+        off = stack.register_deployments(stack_cfg.model_copy(update={"triggers": False}))
+        assert sorted(off["removed"]) == sorted(stack.EVENT_DEPLOYMENTS) and not off["registered"]
+        assert not triggers_active(tcfg) and not c.post("/automations/filter", json={}).json()
         monkeypatch.delenv("PREFECT_API_URL")
         assert not triggers_active(tcfg)
         print(f"checkpoint events -> evaluations -> deployment in {time.monotonic() - t0:.1f}s")
         assert not list(Path.cwd().glob("mlflow.db")) and not list(Path.cwd().glob("mlruns"))
     finally:
         with stack.stack_lock(stack_cfg):
-            for name in ("triggers", stack.PREFECT):
+            for name in (stack.WORKER, stack.PREFECT):
                 stack.stop_service(stack_cfg, name)
 
 
 @pytest.mark.e2e
 def test_without_triggers_the_pretrain_subflows_evaluate_and_deploy_directly(tmp_path, tmp_path_factory,
                                                                              monkeypatch):
-    """No triggers service (plain `python -m flows.pretrain`): the pretrain flow's evaluate and
+    """No stack worker (plain `python -m flows.pretrain`): the pretrain flow's evaluate and
     deploy subflows do the work themselves, with the gate verdict and the checkpoint table too."""
     from mlflow import MlflowClient
     from prefect.settings import PREFECT_API_URL

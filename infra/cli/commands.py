@@ -10,6 +10,7 @@ from pathlib import Path
 
 from infra import stack
 from tasks.core.constants import REPO_ROOT
+from tasks.core.storage import local_run_root
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 
@@ -31,17 +32,22 @@ def _stack_configs(args):
     return _stack_sections(args)
 
 
+def _config_path(args) -> str | None:
+    """--config, else the default configs/tiny.yaml (looked up in the working directory, then in the
+    repository), else None."""
+    if args.config is not None:
+        return args.config
+    for candidate in (Path(DEFAULT_CONFIG), REPO_ROOT / DEFAULT_CONFIG):
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
 def _stack_sections(args):
-    """(stack, deploy, lineage sections) from --config (default configs/tiny.yaml, looked up in the
-    working directory, then in the repository); the defaults if no default config exists."""
+    """(stack, deploy, lineage sections) from the config (_config_path); the defaults if there is none."""
     from tasks.config import DeployConfig, LineageConfig, StackConfig, apply_overrides
 
-    path = args.config
-    if path is None:
-        for candidate in (Path(DEFAULT_CONFIG), REPO_ROOT / DEFAULT_CONFIG):
-            if candidate.is_file():
-                path = str(candidate)
-                break
+    path = _config_path(args)
     if path is not None:
         cfg = _load(path, args.overrides)
         return cfg.stack, cfg.deploy, cfg.lineage
@@ -63,20 +69,13 @@ def _print_status(st: dict) -> None:
             print(f"  {'':<13} {s['nodes']}; ray.address={s.get('address')}")
 
 
-def _continue_config(args) -> tuple | None:
-    """(config path, overrides) when --config names a config with continue.schedule: `up` serves its
-    scheduled continue-pretraining deployment."""
-    if args.config is None:
-        return None
-    return (args.config, args.overrides) if _load(args.config, args.overrides).continue_.schedule else None
-
-
 def cmd_up(args) -> int:
     stack_cfg, _, lineage_cfg = _stack_configs(args)
+    path = _config_path(args)  # the pretrain deployment's config (and continue-pretraining's, if scheduled)
     print(f"starting the local stack in {stack.state_dir(stack_cfg)} ...", file=sys.stderr)
-    res = stack.up(stack_cfg, lineage_cfg=lineage_cfg, continue_config=_continue_config(args))
-    if args.config is not None:  # its scheduled cycles' checkpoints are evaluated by the triggered flows
-        stack.register_run_root(stack_cfg, _load(args.config, args.overrides).run_root)
+    res = stack.up(stack_cfg, lineage_cfg=lineage_cfg, pipeline=None if path is None else (path, args.overrides))
+    if path is not None:  # the checkpoints of its deployments' runs are evaluated by the triggered flows
+        stack.register_run_root(stack_cfg, local_run_root(_load(path, args.overrides)))
     if args.json:
         print(json.dumps(res, indent=2))
     else:
@@ -109,20 +108,17 @@ def _stack_for(cfg) -> None:
     _print_status({k: v for k, v in res.items() if isinstance(v, dict)})
     stack.use_stack(cfg.stack, cfg.lineage)
     _attach_stack_ray(cfg)
-    stack.register_run_root(cfg.stack, cfg.run_root)  # the triggered flows load checkpoints from there only
+    stack.register_run_root(cfg.stack, local_run_root(cfg))  # the triggered flows load checkpoints from there only
 
 
 def _attach_stack_ray(cfg) -> None:
     """While the stack's Ray cluster is up (`crucible up --ray`) a run without its own ray.address
     uses it: the address goes into the config (so MLflow and the run's config.json record it),
     the cluster's token into this process's environment."""
-    address = stack.cluster_address(cfg.stack)
-    if address is None:
-        return
-    os.environ.update(stack.ray_client_env(cfg.stack))
-    if cfg.ray.address is None:
-        cfg.ray.address = address
-        print(f"using the stack's Ray cluster: ray.address={address}", file=sys.stderr)
+    own = cfg.ray.address
+    os.environ.update(stack.attach_cluster(cfg))
+    if cfg.ray.address != own:
+        print(f"using the stack's Ray cluster: ray.address={cfg.ray.address}", file=sys.stderr)
 
 
 def cmd_run(args) -> int:
@@ -134,6 +130,12 @@ def cmd_run(args) -> int:
             check_ray_address(cfg.ray)
         except RayUnreachable as e:
             return fail(f"crucible: {e}", 1)
+    from tasks.core.storage import StorageError, store_for
+
+    try:  # an object-store run_root that is missing or refuses the key: before the stack starts
+        store_for(cfg, check=True)
+    except StorageError as e:
+        return fail(f"crucible: {e}", 1)
     print(f"config {args.config} is valid; bringing up the local stack in {stack.state_dir(cfg.stack)} ...",
           file=sys.stderr)
     _stack_for(cfg)
@@ -165,9 +167,9 @@ def cmd_schedule(args) -> int:
 
     try:
         result = set_schedule(cfg, cron=args.cron, paused=True if args.pause else False if args.resume else None)
-    except Exception as e:  # noqa: BLE001 - e.g. the deployment is not served: say how to serve it
+    except Exception as e:  # noqa: BLE001 - e.g. the deployment is not registered: say how to register it
         return fail(f"crucible: could not read the continue-pretraining deployment ({type(e).__name__}: {e}); "
-                    f"serve it with `crucible up --config {args.config}` (continue.schedule set)", 1)
+                    f"register it with `crucible up --config {args.config}` (continue.schedule set)", 1)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -16,7 +16,8 @@ from infra.stack import STATE_DIR_ENV, StackError
 
 EXAMPLES = """\
 examples:
-  crucible up                                  start Prefect + MLflow + the lineage service (+ the deployed model server)
+  crucible up                                  start Prefect + MLflow + the lineage service + the worker (+ the deployed model server)
+  crucible up --config configs/continue.yaml   ... with the pretrain (and scheduled) deployments on that config
   crucible up --ray                            ... and a Ray cluster: a head and 2 worker nodes (stack.ray=cluster)
   crucible status                              URLs, health and pids of the local services
   crucible status --json                       the same as JSON: {service: {url, healthy, pid}}
@@ -29,12 +30,14 @@ examples:
   crucible plan --flops 1e22 --gpu h100 --json
   crucible filter docs.jsonl --out decisions.jsonl   why each document is kept or dropped
   crucible dedup docs.jsonl --out clusters.jsonl     exact + MinHash near-duplicate clusters
-  crucible down                                stop the model server, the lineage service, MLflow and Prefect
+  crucible down                                stop the model server, the worker, the lineage service, MLflow and Prefect
   crucible --state-dir /tmp/crucible up        keep the stack's databases, logs and pid files elsewhere
   crucible up --set stack.prefect_port=4300 --set stack.mlflow_port=5300 --set lineage.service_port=5355
 
 The stack's ports and state directory come from the config (--config, default configs/tiny.yaml;
-section `stack`, `lineage` for the lineage service and `deploy` for the model server).
+section `stack`, `lineage` for the lineage service and `deploy` for the model server). `crucible up`
+registers the config as the parameters of the `pretrain` deployment the worker runs (the Prefect
+UI's Run).
 Logs: <state dir>/logs/<service>.log.
 """
 
@@ -61,16 +64,19 @@ def _add_stack_options(sp: argparse.ArgumentParser) -> None:
 
 def _add_stack_commands(sub) -> None:
     sp = sub.add_parser("up", help="start the local stack (idempotent)",
-                        description="Start the Prefect server, the MLflow server, the lineage service and, if a "
-                                    "model has been deployed, the model server. Healthy services are left alone.")
+                        description="Start the Prefect server, the MLflow server, the lineage service, the Prefect "
+                                    "worker of the `crucible` work pool with the deployments it runs (pretrain on "
+                                    "the config, the event-triggered evaluate/deploy flows, the scheduled "
+                                    "continue-pretraining) and, if a model has been deployed, the model server. "
+                                    "Healthy services are left alone.")
     _add_stack_options(sp)
     sp.add_argument("--json", action="store_true", help="print the result as JSON")
     sp.add_argument("--ray", action="store_true",
                     help="also start a Ray cluster (stack.ray=cluster): a head and stack.ray_workers worker nodes; "
                          "runs attach to it while it is up")
     sp = sub.add_parser("down", help="stop the local stack",
-                        description="Stop the model server, then the lineage service, MLflow and Prefect "
-                                    "(SIGTERM, then SIGKILL).")
+                        description="Stop the model server, the worker and its flow runs, then the lineage "
+                                    "service, MLflow and Prefect (SIGTERM, then SIGKILL).")
     _add_stack_options(sp)
     sp = sub.add_parser("status", help="show URLs, health and pids of the local services")
     _add_stack_options(sp)

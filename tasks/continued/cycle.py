@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tasks.config import PipelineConfig
 from tasks.continued.ledger import Discovery, under_state_dir
+from tasks.core.storage import local_run_root
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def find_champion(cfg: PipelineConfig, tracking_uri: str) -> Champion | None:
     name = f"{cfg.deploy.model_name} version {version}"
     try:
         ckpt, tok, _ = registered_files(tracking_uri, cfg.deploy.model_name, found,
-                                      Path(cfg.run_root).resolve() / ".champions")
+                                      local_run_root(cfg) / ".champions")
     except UnverifiedModel as e:
         raise CycleError(f"the champion ({name}) cannot be verified: {e}; promote another version") from None
     if str(ckpt) != tags.get("checkpoint"):

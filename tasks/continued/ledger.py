@@ -7,7 +7,7 @@ transaction, or `reject(cycle, reason)`s the cycle. Only committed files count a
 cycle that fails, is rejected or is SIGKILLed at any point leaves that record as it was, so the
 next discovery offers the same files again.
 
-Identity: sources are listed through `tasks.ingest.fs` (local paths and globs, file://, s3://,
+Identity: sources are listed through `tasks.core.fs` (local paths and globs, file://, s3://,
 http(s)://) with `file_identity`'s cheap identity: size and change stamp (mtime_ns for local
 files, ETag / LastModified for remote objects). A URI whose latest consumed version has the same
 size and stamp is unchanged without being read; otherwise the file is hashed (sha256, streamed)
@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tasks.config import PipelineConfig, SourceConfig
-from tasks.ingest.fs import expand_uri, file_identity, open_source
+from tasks.core.fs import expand_uri, file_identity, open_source
 
 BUSY_TIMEOUT_S = 30.0  # a writer waits this long for another process's transaction
 

@@ -27,6 +27,12 @@ EVAL_FLOW = "evaluate-checkpoint"
 DEPLOY_FLOW = "deploy-model"
 EVAL_DEPLOYMENT = f"{EVAL_FLOW}/{EVAL_FLOW}"
 DEPLOY_DEPLOYMENT = f"{DEPLOY_FLOW}/{DEPLOY_FLOW}"
+EVENT_DEPLOYMENTS = (EVAL_DEPLOYMENT, DEPLOY_DEPLOYMENT)  # registered unless stack.triggers is off
 # scheduled continued pretraining (flows/continued.py): the flow and its deployment
 CONTINUE_FLOW = "continue-pretraining"
 CONTINUE_DEPLOYMENT = f"{CONTINUE_FLOW}/{CONTINUE_FLOW}"
+# the pretrain flow (flows/pretrain.py), also deployed under its own name: run on demand (the
+# Prefect UI's Run, the API)
+PRETRAIN_FLOW = "pretrain"
+# the local stack's `process` work pool: its worker (infra/stack.py) runs every deployment above
+WORK_POOL = "crucible"

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator
 from tasks.config import RayConfig
 from tasks.core.ray_utils import cluster_cpus, current_node_id, init_ray, tasks_per_node
 from tasks.core.resume import MANIFEST, JobStore, remove_temp_files, verify_manifest, write_manifest
+from tasks.core.storage import Staging, pull_outputs
 
 
 def start_ray(cfg: RayConfig | None) -> int:
@@ -94,27 +95,42 @@ TASK_RETRIES = 3  # Ray re-runs a task whose worker or node died (its default, s
 JOB_ATTEMPTS = 3  # runs of one job on actors before a lost actor fails the stage
 
 
-def _timed_on_node(fn: Callable, *args) -> tuple[Any, str, float]:
-    """(fn(*args), id of the node it ran on, seconds it took): what every job returns."""
+def _timed_on_node(fn: Callable, args: tuple, staging: Staging | None) -> tuple[Any, str, float, list]:
+    """(fn(*args), id of the node it ran on, seconds it took, store keys it wrote): what every job
+    returns. With a remote run_root (`staging`), a job on another node than the driver's reads its
+    inputs from the store and writes its outputs there (`tasks.core.storage.Staging`)."""
     t0 = time.perf_counter()
-    result = fn(*args)
-    return result, current_node_id(), time.perf_counter() - t0
+    node = current_node_id()
+    if staging is None:
+        return fn(*args), node, time.perf_counter() - t0, []
+    result, written = staging.run(fn, args, node)
+    return result, node, time.perf_counter() - t0, written
 
 
-def _reporting_node(fn: Callable) -> Callable:
-    """`fn` as a Ray task body that returns `_timed_on_node`'s triple."""
+def _reporting_node(fn: Callable, staging: Staging | None) -> Callable:
+    """`fn` as a Ray task body that returns `_timed_on_node`'s tuple."""
     def run(*args):
-        return _timed_on_node(fn, *args)
+        return _timed_on_node(fn, args, staging)
 
     run.__name__ = run.__qualname__ = getattr(fn, "__name__", "job")
     return run
 
 
-def _node_reporting_class(cls: type) -> type:
-    """`cls` with `run_job(method, *args)`: `_timed_on_node`'s triple for the method."""
+def _node_reporting_class(cls: type, staging: Staging | None) -> type:
+    """`cls` with `run_job(method, *args)`: `_timed_on_node`'s tuple for the method. Its init
+    arguments are staged in from the store on a node other than the driver's (model files)."""
     class NodeReporting(cls):
+        def __init__(self, *args):
+            node = current_node_id()
+            if staging is not None and node != staging.driver_node:
+                from tasks.core.storage import _node_root
+
+                root = _node_root(node)
+                args = staging.stage_in(args, root / "init", root, {})
+            super().__init__(*args)
+
         def run_job(self, method: str, *args):
-            return _timed_on_node(getattr(self, method), *args)
+            return _timed_on_node(getattr(self, method), args, staging)
 
     NodeReporting.__name__ = NodeReporting.__qualname__ = cls.__name__
     return NodeReporting
@@ -141,7 +157,7 @@ class RayTasks:
         import ray
 
         self.workers = start_ray(self.ray_cfg)
-        self._remote = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(_reporting_node(self.fn))
+        self._remote = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(_reporting_node(self.fn, Staging.for_driver()))
 
     def submit(self, args: tuple):
         """The job's object ref (a task is always accepted: Ray queues it)."""
@@ -184,7 +200,7 @@ class RayActors:
 
         self.workers = max(1, min(start_ray(self.ray_cfg), n_jobs))
         self._args = [ray.put(a.value) if isinstance(a, Shared) else a for a in self.init_args]
-        self._actor_cls = ray.remote(num_cpus=1)(_node_reporting_class(self.cls))
+        self._actor_cls = ray.remote(num_cpus=1)(_node_reporting_class(self.cls, Staging.for_driver()))
         self._actors = [self._actor_cls.remote(*self._args) for _ in range(self.workers)]
         self._idle = list(self._actors)
 
@@ -278,13 +294,15 @@ class JobRunner:
             [ref], _ = ray.wait(list(self._pending), num_returns=1)
             job = self._pending.pop(ref)
             try:
-                result, node, seconds = ray.get(ref)
+                result, node, seconds, written = ray.get(ref)
             except _lost_worker_errors() as e:
                 if not self.workers.recovers_lost_workers:
                     raise
                 self._requeue(job, ref, e)
                 continue
             self.workers.release(ref)
+            if written:  # files a job on another node put in the store: into the working copy
+                pull_outputs(written)
             self.nodes[node] += 1
             self.compute_s += seconds
             size = _result_size(ref)

@@ -8,11 +8,14 @@
         deploy/triggered/<checkpoint>.json  ablate/
 
 Everything else (flows, the triggered flows, deployment, the lineage sample) asks a RunLayout
-instead of joining path pieces by hand."""
+instead of joining path pieces by hand. A remote run_root (s3://...) is worked on in its local
+working copy (tasks.core.storage); its files reach the store when the flows push them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from tasks.core.storage import local_root_of
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENS_INDEX_FILE = "index.json"
@@ -28,7 +31,7 @@ class RunLayout:
 
     @classmethod
     def for_run(cls, run_root: str | Path, run_name: str) -> "RunLayout":
-        return cls(Path(run_root) / run_name)
+        return cls(local_root_of(run_root) / run_name)
 
     @classmethod
     def of_checkpoint(cls, checkpoint: str | Path) -> "RunLayout":

@@ -61,8 +61,8 @@ class StageContext:
     tracking_uri: str
     experiment: str
     mlflow_run_id: str | None = None  # this stage's own (nested) MLflow run
-    # the stack's triggers service evaluates and deploys checkpoints as they are saved: the
-    # evaluate/deploy stages then collect its results instead of doing the work twice
+    # the stack's event-triggered flows evaluate and deploy checkpoints as they are saved: the
+    # evaluate/deploy stages then collect their results instead of doing the work twice
     triggered: bool = False
     progress: Callable[[str], Callable | None] = lambda unit: None  # unit -> progress(done, total, note)
     # (cfg, checkpoint_dir, tokenizer_path, model_name, version, tracking_uri) -> server info: how the

@@ -15,7 +15,7 @@ class DeployStage(Stage):
     doc = ("Gate the best checkpoint on its evaluation, register it as an MLflow model version (alias challenger), "
            "serve it with the OpenAI-compatible model server and, once it answers, promote it to champion.")
     result_type = DeployResult
-    # with the stack's triggers service up, the deploy-model flow deploys and this task collects
+    # with the stack's triggered flows on, the deploy-model flow deploys and this task collects
     collect = ("await_deployment", "Collect what the event-triggered deploy-model flow runs did with this run's "
                "checkpoints (they gate, register and serve; their job is `deploy-model`): the registered model "
                "version is this task's input, not its output. If a deploy-model run failed or timed out, gate, "
@@ -31,7 +31,7 @@ class DeployStage(Stage):
         from tasks.deploy.triggered import await_deployment
         from tasks.deploy.yardstick import yardstick_rows
 
-        # with the stack's triggers service up, deploy-model runs deploy passing checkpoints as they
+        # with the stack's triggered flows on, deploy-model runs deploy passing checkpoints as they
         # are evaluated: report what they did (None: one failed, so deploy here)
         data = (await_deployment(cfg, ctx.tracking_uri, ctx.layout, inputs.evaluation,
                                  cfg.stack.triggered_timeout, ctx.model_server_status)

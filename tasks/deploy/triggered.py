@@ -1,5 +1,5 @@
 """The hand-over between the event-triggered flows (flows/triggers.py) and a pretrain run that
-leaves evaluation and deployment to them (the stack's triggers service is up).
+leaves evaluation and deployment to them (the stack's worker runs them).
 
 Files, in the run directory:
     evaluate/triggered/step-N.json   the evaluate-checkpoint flow's report, plus "gate": its verdict

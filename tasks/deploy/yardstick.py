@@ -34,6 +34,7 @@ from pathlib import Path
 from tasks.core.hashing import sha256_file
 from tasks.core.io import write_json_atomic
 from tasks.core.layout import RunLayout
+from tasks.core.storage import local_run_root
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ def gate_dir(cfg, checkpoint: str | Path) -> Path:
     """Where a checkpoint's gate files go: its run's gate/ folder, else run_root/.gate/."""
     if RunLayout.is_run_checkpoint(checkpoint):
         return RunLayout.of_checkpoint(checkpoint).run_dir / "gate"
-    return Path(cfg.run_root).resolve() / ".gate"
+    return local_run_root(cfg) / ".gate"
 
 
 def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: str | Path, champion: dict,
@@ -194,7 +195,7 @@ def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: s
     if champion_bpb is None:
         # downloaded registered copies are kept beside the runs
         c_ckpt, c_tok, copy_hash = registered_files(tracking_uri, name, champion,
-                                                  Path(cfg.run_root).resolve() / ".champions")
+                                                  local_run_root(cfg) / ".champions")
         champion_bpb = score(c_ckpt, c_tok, built["path"], batch, expected_tree_sha256=copy_hash)
         set_version_tags(tracking_uri, name, champion["version"], score_tags(built["sha256"], champion_bpb))
         scored = f"scored from {c_ckpt}"

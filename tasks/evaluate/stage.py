@@ -17,7 +17,7 @@ class EvaluateStage(Stage):
     reads = ("evaluate",)
     doc = "Evaluate one checkpoint: validation loss and perplexity, the task suite and sample generations."
     result_type = EvalResult
-    # with the stack's triggers service up, the evaluate-checkpoint flow evaluates and this task collects
+    # with the stack's triggered flows on, the evaluate-checkpoint flow evaluates and this task collects
     collect = ("await_evaluation", "Collect the event-triggered evaluate-checkpoint flow run's report of one "
                "checkpoint (that run evaluates it, as job `evaluate-checkpoint.evaluate`): the report is this task's "
                "input, not its output. If that run failed or timed out, evaluate the checkpoint here instead.")
@@ -32,7 +32,7 @@ class EvaluateStage(Stage):
         from tasks.evaluate import evaluate_checkpoint
 
         checkpoint = inputs.checkpoint
-        # with the stack's triggers service up, the evaluate-checkpoint flow already evaluates each
+        # with the stack's triggered flows on, the evaluate-checkpoint flow already evaluates each
         # checkpoint as it is saved: collect its report (None: it failed, so evaluate here)
         data = await_evaluation(ctx.layout, checkpoint, cfg.stack.triggered_timeout) if ctx.triggered else None
         if data is not None:  # collected: the triggered run wrote the report, this task read it

@@ -8,7 +8,7 @@
 * `Skipped`: a record of another type (warcinfo, request, metadata, resource...), counted
   but not a candidate.
 
-Files are opened by URI (`tasks.ingest.fs.open_source`: local paths, file://, http(s)://,
+Files are opened by URI (`tasks.core.fs.open_source`: local paths, file://, http(s)://,
 s3://) as buffered streams. Nothing loads a whole file: WARC/WET go record by record through
 warcio (gzip per record), JSONL (plain, gzip or
 zstd, detected from the first bytes) line by line
@@ -45,7 +45,7 @@ from typing import Iterator
 
 from warcio.archiveiterator import ArchiveIterator
 
-from tasks.ingest.fs import open_random, open_source
+from tasks.core.fs import open_random, open_source
 
 _CHUNK = 1 << 20
 _GZIP_MAGIC = b"\x1f\x8b\x08"

@@ -13,7 +13,7 @@ rows, plus one per unreadable span that was quarantined: an empty file, a broken
 Records of other WARC types are not candidates; they are counted in `skipped_records`.
 A document id seen before (same source and record key) is dropped as "duplicate_id".
 
-Sources are read by URI (`tasks.ingest.fs`: local paths and globs, file://, http(s)://, s3://
+Sources are read by URI (`tasks.core.fs`: local paths and globs, file://, http(s)://, s3://
 with the `s3` extra), streaming.
 
 Resumable (`tasks.core.executor` and `tasks.core.resume`, the machinery curate uses): each job's result is stored in
@@ -39,7 +39,7 @@ from tasks.core.executor import Job, JobRunner, RayTasks, ResumableOutput, start
 from tasks.core.progress import Progress
 from tasks.core.resume import digest
 from tasks.core.steps import StepStats
-from tasks.ingest.fs import expand_uri, file_identity
+from tasks.core.fs import expand_uri, file_identity
 from tasks.ingest.process import process_file_range
 
 QUARANTINE = "quarantine.jsonl"

@@ -40,6 +40,7 @@ from openlineage.client.facet_v2 import (
 )
 
 from tasks.core.hashing import sha256_tree
+from tasks.core.storage import lineage_name, uri_lineage_name
 from tasks.lineage.facets import (
     CrucibleSourceDatasetFacet,
     DataQualityMetricsDatasetFacet,
@@ -100,7 +101,9 @@ def dataset_for_path(path: str | Path, *, rows: int | None = None, n_bytes: int 
     if doc:
         facets["documentation"] = documentation(doc)
     cls = OutputDataset if output else InputDataset
-    ds = cls(namespace="file", name=str(path), facets=facets)
+    # a file of a remote run_root's working copy is named as the object it is in the store
+    namespace, name = lineage_name(path) or ("file", str(path))
+    ds = cls(namespace=namespace, name=name, facets=facets)
     if output and (rows is not None or n_bytes is not None):
         ds.outputFacets = {"outputStatistics": output_statistics_output_dataset.OutputStatisticsOutputDatasetFacet(
             rowCount=rows, size=n_bytes, fileCount=stats.get("files"))}
@@ -108,6 +111,28 @@ def dataset_for_path(path: str | Path, *, rows: int | None = None, n_bytes: int 
         ds.inputFacets = {"dataQualityMetrics": data_quality_metrics_input_dataset.DataQualityMetricsInputDatasetFacet(
             rowCount=rows, bytes=n_bytes, columnMetrics={})}
     return ds
+
+
+def dataset_for_uri(uri: str, storage_options: dict | None = None, *, source: dict | None = None,
+                    doc: str | None = None):
+    """An InputDataset for a remote file (a raw s3:// source): namespace "s3://bucket", name the key
+    (the OpenLineage naming spec), versioned by the store's change stamp (ETag), with its size and
+    the source's licence. The object is not read."""
+    from tasks.core.fs import file_identity
+
+    _, size, stamp = file_identity(uri, storage_options)
+    facets: dict[str, DatasetFacet] = {
+        "version": dataset_version_dataset.DatasetVersionDatasetFacet(datasetVersion=str(stamp or size))}
+    if source is not None:
+        facets["crucible_source"] = CrucibleSourceDatasetFacet.raw(source["name"], source["licence"],
+                                                                   source["provenance"])
+    if size is not None:
+        facets["dataQualityMetrics"] = DataQualityMetricsDatasetFacet(rowCount=None, bytes=size, fileCount=1,
+                                                                      columnMetrics={})
+    if doc:
+        facets["documentation"] = documentation(doc)
+    namespace, name = uri_lineage_name(uri)
+    return InputDataset(namespace=namespace, name=name, facets=facets)
 
 
 def model_version_dataset(tracking_uri: str, model_name: str, version: str | int, content_hash: str,

@@ -35,6 +35,7 @@ from tasks.config import PipelineConfig
 from tasks.core.documents import AtomicJsonlWriter, ShardWriter, count_docs, iter_docs
 from tasks.core.executor import clear_stale_output
 from tasks.core.hashing import sha256_file
+from tasks.core.storage import local_run_root
 from tasks.quality.overlap import overlap_counter, reference_patterns
 from tasks.quality.text import resolve
 
@@ -49,7 +50,7 @@ SCORES_SCHEMA = pa.schema([
 
 
 def model_dir(cfg: PipelineConfig) -> Path:
-    return Path(cfg.quality.model_dir or Path(cfg.run_root) / "quality-models").resolve()
+    return Path(cfg.quality.model_dir or local_run_root(cfg) / "quality-models").resolve()
 
 
 def training_files(patterns: list[str], data_root: str | Path) -> list[dict]:

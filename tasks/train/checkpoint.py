@@ -16,6 +16,17 @@ by the trainer when it saved it; a directory the manifest does not list is refus
 such as a registered export, the tree hash recorded for it. A checkpoint is written into step-XXXXXX.tmp and
 renamed once complete, so a directory named step-XXXXXX is always whole.
 
+On an object store (out_dir an fsspec URI such as s3://bucket/prefix/run/train; every function takes
+`storage_options`, the fsspec options of `storage.options`): DCP writes through its FsspecWriter. A
+"rename" there copies every object, so a checkpoint is written in place, under step-XXXXXX/, and its
+meta object (crucible_checkpoint.json), written last by rank 0 once every rank's shards and DCP's
+`.metadata` are there, publishes it: a prefix without it is absent to `list_checkpoints`,
+`latest_checkpoint` and `checkpoint_problem`, and is cleared when that step is saved again (deleting
+a checkpoint deletes its meta object first). Verifying reads the objects' bytes through fsspec and
+unpickles nothing; loading (`verified_copy`) downloads the checkpoint into a temporary directory,
+verifies that copy and hands DCP the copy, so the `.metadata` unpickled is the one verified (reading
+the store again after a check would not be). The manifest is one object (one PUT), as is each meta file.
+
 Async saving (train.async_checkpoint): `start_checkpoint(..., async_save=True)` copies the state
 to CPU memory and returns while a background thread writes it (dcp.async_save, on a gloo group of
 its own); `PendingCheckpoint.wait_and_finalize()` waits for the write and only then writes the meta
@@ -34,9 +45,12 @@ import json
 import random
 import re
 import shutil
+import tempfile
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -52,10 +66,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from tasks.core.hashing import sha256_file
+from tasks.core.fs import resolve_storage_options
 from tasks.core.io import atomic_write_text
 from tasks.core.layout import CHECKPOINTS_DIR
+from tasks.core.storage import is_remote
 from tasks.train.model import GPT, GPTConfig
+from tasks.train.remote import (download, files, is_file, join, location, name_of, parent_of, read_text, remove,
+                                remove_tree, sha256, write_text)
 
 META_FILE = "crucible_checkpoint.json"
 MANIFEST = "checkpoints.json"
@@ -64,13 +81,21 @@ FORMAT = "torch.distributed.checkpoint"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def checkpoint_dir(out_dir: str | Path, step: int) -> Path:
-    return Path(out_dir) / CHECKPOINTS_DIR / f"step-{step:06d}"
+def checkpoint_dir(out_dir: str | Path, step: int) -> Path | str:
+    return join(location(out_dir), CHECKPOINTS_DIR, f"step-{step:06d}")
 
 
-def list_checkpoints(out_dir: str | Path) -> list[Path]:
-    """Complete checkpoints under out_dir/checkpoints, oldest first."""
-    root = Path(out_dir) / CHECKPOINTS_DIR
+def list_checkpoints(out_dir: str | Path, storage_options: dict | None = None) -> list[Path | str]:
+    """Complete (published) checkpoints under out_dir/checkpoints, oldest first: local Paths, or
+    URIs for a remote out_dir."""
+    root = join(location(out_dir), CHECKPOINTS_DIR)
+    if is_remote(root):  # one listing of the prefix: the step-XXXXXX/ prefixes holding a meta object
+        found = []
+        for rel in files(root, storage_options):
+            step_dir, _, rest = rel.partition("/")
+            if rest == META_FILE and (m := _STEP_DIR.match(step_dir)):
+                found.append((int(m.group(1)), join(root, step_dir)))
+        return [p for _, p in sorted(found)]
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir()
@@ -78,8 +103,19 @@ def list_checkpoints(out_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def read_meta(ckpt_dir: str | Path) -> dict:
-    return json.loads((Path(ckpt_dir) / META_FILE).read_text())
+def read_meta(ckpt_dir: str | Path, storage_options: dict | None = None) -> dict:
+    return json.loads(read_text(join(location(ckpt_dir), META_FILE), storage_options))
+
+
+def remove_checkpoint(ckpt_dir: str | Path, storage_options: dict | None = None, ignore_errors: bool = True) -> None:
+    """Delete a checkpoint. On a store its meta object goes first, so no reader ever sees a
+    published checkpoint with missing files."""
+    ckpt_dir = location(ckpt_dir)
+    if not is_remote(ckpt_dir):
+        shutil.rmtree(ckpt_dir, ignore_errors=ignore_errors)
+        return
+    remove(join(ckpt_dir, META_FILE), storage_options)
+    remove_tree(ckpt_dir, storage_options)
 
 
 def _rank() -> int:
@@ -108,18 +144,20 @@ class PendingCheckpoint:
 
     Finalising (rank 0 writes the meta file and renames .tmp to the final name, then all ranks
     meet at a barrier) happens only after DCP has written every rank's shards, so a directory
-    named step-XXXXXX is always complete. Collective: every rank calls it at the same point.
+    named step-XXXXXX is always complete. On an object store tmp is final: the meta object, written
+    last, publishes it. Collective: every rank calls it at the same point.
     blocked_s: time the caller was blocked starting the save (for a sync save: the whole write);
     write_s: from start until this rank's write finished; total_s: from start until finalised."""
 
-    def __init__(self, step: int, tmp: Path, final: Path, meta_json: str, future=None,
-                 started: float = 0.0, blocked_s: float = 0.0):
+    def __init__(self, step: int, tmp: Path | str, final: Path | str, meta_json: str, future=None,
+                 started: float = 0.0, blocked_s: float = 0.0, storage_options: dict | None = None):
         self.step, self.tmp, self.final = step, tmp, final
+        self.storage_options = storage_options
         self._meta_json, self._future = meta_json, future
         self.started, self.blocked_s = started, blocked_s
         self.write_s: float | None = None if future is not None else blocked_s
         self.total_s: float | None = None
-        self.path: Path | None = None
+        self.path: Path | str | None = None
         if future is not None:
             future.add_done_callback(lambda _: setattr(self, "write_s", time.perf_counter() - started))
 
@@ -131,7 +169,7 @@ class PendingCheckpoint:
         """True when this rank's write has finished (finalising still has to be called)."""
         return self._future is None or self._future.done()
 
-    def wait_and_finalize(self) -> Path:
+    def wait_and_finalize(self) -> Path | str:
         """Wait for the write (re-raising its error), then publish the checkpoint. Idempotent."""
         if self.path is not None:
             return self.path
@@ -139,7 +177,9 @@ class PendingCheckpoint:
             self._future.result()  # DCP returns once the global metadata of all ranks is written
             if self.write_s is None:  # done-callbacks may run just after result() returns
                 self.write_s = time.perf_counter() - self.started
-        if _rank() == 0:
+        if _rank() == 0 and is_remote(self.final):  # written in place: this object publishes it
+            write_text(join(self.final, META_FILE), self._meta_json, self.storage_options)
+        elif _rank() == 0:
             (self.tmp / META_FILE).write_text(self._meta_json)
             if self.final.exists():  # a rerun of the same out_dir without resume
                 shutil.rmtree(self.final)
@@ -152,8 +192,8 @@ class PendingCheckpoint:
 
 def start_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
                      out_dir: str | Path, meta: dict, rng_state: dict | None = None,
-                     async_save: bool = False, process_group: "dist.ProcessGroup | None" = None
-                     ) -> PendingCheckpoint:
+                     async_save: bool = False, process_group: "dist.ProcessGroup | None" = None,
+                     storage_options: dict | None = None) -> PendingCheckpoint:
     """Collective: every rank calls it. Starts writing the checkpoint of `step`.
 
     Sync (async_save False): the DCP write is done when this returns. Async: the state is first
@@ -168,14 +208,18 @@ def start_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: i
         raise ValueError("async checkpoint saving needs its own process group (new_checkpoint_group()): "
                          "the default group also carries the training collectives")
     final = checkpoint_dir(out_dir, step)
-    tmp = final.with_name(final.name + ".tmp")
+    remote = is_remote(final)
+    # an object store has no rename (it would copy every object): written in place, published by the meta
+    tmp = final if remote else final.with_name(final.name + ".tmp")
     rank = _rank()
-    if rank == 0:
+    if rank == 0 and remote:  # an older checkpoint of this step (a rollback redoes steps) or a crash's leftovers
+        remove_checkpoint(final, storage_options)
+    elif rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / RNG_DIR).mkdir(parents=True)
     _barrier()
     if rng_state is not None:
-        (tmp / RNG_DIR / f"rank-{rank:05d}.json").write_text(json.dumps(rng_state))
+        write_text(join(tmp, RNG_DIR, f"rank-{rank:05d}.json"), json.dumps(rng_state), storage_options)
     meta_json = json.dumps({"format": FORMAT, "step": step, **meta}, indent=2) + "\n"
     osd = get_optimizer_state_dict(model, optimizer)
     consumed = int((meta.get("trainer") or {}).get("consumed_samples", 0))
@@ -186,36 +230,72 @@ def start_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: i
                   "consumed_samples": torch.tensor(consumed, dtype=torch.int64)},
     }
     future = None
+    target = _dcp_target(tmp, storage_options)
     if async_save:
-        future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=process_group)
+        future = dcp.async_save(state, process_group=process_group, **target)
     else:
-        dcp.save(state, checkpoint_id=str(tmp))  # returns on every rank once the metadata is written
+        dcp.save(state, **target)  # returns on every rank once the metadata is written
     return PendingCheckpoint(step, tmp, final, meta_json, future, started,
-                             blocked_s=time.perf_counter() - started)
+                             blocked_s=time.perf_counter() - started, storage_options=storage_options)
+
+
+def _dcp_target(ckpt_dir: Path | str, storage_options: dict | None) -> dict:
+    """dcp.save's destination: a local directory, or DCP's FsspecWriter on the store. Not fsynced
+    there (an object is durable once its PUT returns; DCP would run os.sync() per file instead)."""
+    if not is_remote(ckpt_dir):
+        return {"checkpoint_id": str(ckpt_dir)}
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # not re-exported by the package
+
+    # no checkpoint_id beside it: DCP would re-open the path without the storage options
+    return {"storage_writer": FsspecWriter(ckpt_dir, sync_files=False, **resolve_storage_options(storage_options))}
 
 
 def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                    out_dir: str | Path, meta: dict, rng_state: dict | None = None) -> Path:
+                    out_dir: str | Path, meta: dict, rng_state: dict | None = None,
+                    storage_options: dict | None = None) -> Path | str:
     """Collective: every rank calls it. Blocking save; returns the final checkpoint directory.
 
     rng_state: this rank's RNG states (see `capture_rng_state`), written to rng/rank-XXXXX.json.
     """
-    return start_checkpoint(model, optimizer, step, out_dir, meta, rng_state).wait_and_finalize()
+    return start_checkpoint(model, optimizer, step, out_dir, meta, rng_state,
+                            storage_options=storage_options).wait_and_finalize()
 
 
-def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: str | Path) -> int:
+@contextmanager
+def verified_copy(ckpt_dir: str | Path, storage_options: dict | None = None,
+                  expected_tree_sha256: str | None = None) -> Iterator[Path]:
+    """`ckpt_dir`, verified (`require_verified`), as a local directory DCP may read. One on an object
+    store is first downloaded into a temporary directory (removed afterwards) and that copy is
+    verified, against the run's manifest on the store or `expected_tree_sha256`: the bytes DCP then
+    unpickles are the bytes that were verified."""
+    ckpt_dir = location(ckpt_dir)
+    if not is_remote(ckpt_dir):
+        require_verified(ckpt_dir, expected_tree_sha256)
+        yield ckpt_dir
+        return
+    manifest = None if expected_tree_sha256 else read_manifest(parent_of(parent_of(ckpt_dir)), storage_options)
+    with tempfile.TemporaryDirectory(prefix="crucible-checkpoint-") as tmp:
+        local = download(ckpt_dir, Path(tmp) / name_of(ckpt_dir), storage_options)
+        if problem := checkpoint_problem(local, manifest, expected_tree_sha256):
+            raise UnverifiedCheckpoint("refusing to load a checkpoint that does not verify: "
+                                       + problem.replace(str(local), ckpt_dir))
+        yield local
+
+
+def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: str | Path,
+                    storage_options: dict | None = None) -> int:
     """Collective resume: load model and optimizer state in place; returns the checkpoint's step.
 
     DCP reshards on load, so the world size may differ from the one that saved. The checkpoint
     must verify against its run's manifest first."""
-    require_verified(ckpt_dir)
-    osd = get_optimizer_state_dict(model, optimizer)  # initialises moments so shapes are known
-    state = {
-        "model": get_model_state_dict(model),
-        "optim": {"state": osd["state"]},
-        "train": {"step": torch.tensor(0, dtype=torch.int64)},
-    }
-    dcp.load(state, checkpoint_id=str(ckpt_dir))
+    with verified_copy(ckpt_dir, storage_options) as local:
+        osd = get_optimizer_state_dict(model, optimizer)  # initialises moments so shapes are known
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": {"state": osd["state"]},
+            "train": {"step": torch.tensor(0, dtype=torch.int64)},
+        }
+        dcp.load(state, checkpoint_id=str(local))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer,
                              {"state": state["optim"]["state"], "param_groups": osd["param_groups"]},
@@ -231,25 +311,25 @@ def shape_mismatch(saved_model: dict, model: dict, saved: str = "checkpoint") ->
 
 
 def init_from_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: str | Path,
-                         tree_sha256: str, with_optimizer: bool = False) -> dict:
+                         tree_sha256: str, with_optimizer: bool = False, storage_options: dict | None = None) -> dict:
     """Collective: a fresh run starts from `ckpt_dir`'s model weights (and, with_optimizer, its AdamW
     moments); its step counter, data position and schedule are not taken over.
 
     The directory's tree hash must equal `tree_sha256` before DCP reads its `.metadata` (a pickle),
     and the checkpoint's model shape (its JSON meta) must equal `model`'s. Returns the meta."""
-    ckpt_dir = Path(ckpt_dir)
-    if not (ckpt_dir / META_FILE).is_file():
+    ckpt_dir = location(ckpt_dir)
+    if not is_file(join(ckpt_dir, META_FILE), storage_options):
         raise FileNotFoundError(f"{ckpt_dir} is not a complete checkpoint (no {META_FILE})")
-    require_verified(ckpt_dir, tree_sha256)
-    meta = read_meta(ckpt_dir)
-    if mismatch := shape_mismatch(meta["model"], model.cfg.to_dict()):
-        raise ValueError(f"the checkpoint {ckpt_dir} has another model shape: {'; '.join(mismatch)}")
-    state: dict = {"model": get_model_state_dict(model)}
-    osd = None
-    if with_optimizer:
-        osd = get_optimizer_state_dict(model, optimizer)
-        state["optim"] = {"state": osd["state"]}
-    dcp.load(state, checkpoint_id=str(ckpt_dir))
+    with verified_copy(ckpt_dir, storage_options, tree_sha256) as local:
+        meta = read_meta(local)
+        if mismatch := shape_mismatch(meta["model"], model.cfg.to_dict()):
+            raise ValueError(f"the checkpoint {ckpt_dir} has another model shape: {'; '.join(mismatch)}")
+        state: dict = {"model": get_model_state_dict(model)}
+        osd = None
+        if with_optimizer:
+            osd = get_optimizer_state_dict(model, optimizer)
+            state["optim"] = {"state": osd["state"]}
+        dcp.load(state, checkpoint_id=str(local))
     set_model_state_dict(model, state["model"])
     if osd is not None:
         set_optimizer_state_dict(model, optimizer, {"state": state["optim"]["state"], "param_groups": osd["param_groups"]},
@@ -299,34 +379,38 @@ def restore_rng_state(state: dict, data_rng: np.random.Generator | None = None) 
         data_rng.bit_generator.state = state["data"]
 
 
-def read_rng_state(ckpt_dir: str | Path, rank: int) -> dict | None:
+def read_rng_state(ckpt_dir: str | Path, rank: int, storage_options: dict | None = None) -> dict | None:
     """This rank's saved RNG states, or None (e.g. resuming on more ranks than saved)."""
-    path = Path(ckpt_dir) / RNG_DIR / f"rank-{rank:05d}.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    path = join(location(ckpt_dir), RNG_DIR, f"rank-{rank:05d}.json")
+    return json.loads(read_text(path, storage_options)) if is_file(path, storage_options) else None
 
 
 # ---------------------------------------------------------------- manifest and retention
 
-def read_manifest(out_dir: str | Path) -> dict:
-    path = Path(out_dir) / CHECKPOINTS_DIR / MANIFEST
-    return json.loads(path.read_text()) if path.is_file() else {"checkpoints": []}
+def read_manifest(out_dir: str | Path, storage_options: dict | None = None) -> dict:
+    path = join(location(out_dir), CHECKPOINTS_DIR, MANIFEST)
+    return json.loads(read_text(path, storage_options)) if is_file(path, storage_options) else {"checkpoints": []}
 
 
-def _write_manifest(out_dir: str | Path, manifest: dict) -> None:
-    atomic_write_text(Path(out_dir) / CHECKPOINTS_DIR / MANIFEST, json.dumps(manifest, indent=2) + "\n", fsync=False)
+def _write_manifest(out_dir: str | Path, manifest: dict, storage_options: dict | None = None) -> None:
+    path, text = join(location(out_dir), CHECKPOINTS_DIR, MANIFEST), json.dumps(manifest, indent=2) + "\n"
+    if is_remote(path):
+        write_text(path, text, storage_options)
+    else:
+        atomic_write_text(path, text, fsync=False)
 
 
-def checkpoint_entry(ckpt_dir: str | Path) -> dict:
-    ckpt_dir = Path(ckpt_dir)
-    meta = read_meta(ckpt_dir)
-    files = sorted(p for p in ckpt_dir.rglob("*") if p.is_file())
+def checkpoint_entry(ckpt_dir: str | Path, storage_options: dict | None = None) -> dict:
+    ckpt_dir = location(ckpt_dir)
+    meta = read_meta(ckpt_dir, storage_options)
+    found = files(ckpt_dir, storage_options)  # on a store: each object's bytes are read back to hash them
     return {
         "step": meta["step"],
-        "path": ckpt_dir.name,
+        "path": name_of(ckpt_dir),
         "train_loss": meta.get("train_loss"),
         "val_loss": meta.get("val_loss"),
-        "files": {str(p.relative_to(ckpt_dir)): sha256_file(p) for p in files},
-        "bytes": sum(p.stat().st_size for p in files),
+        "files": {f: sha256(join(ckpt_dir, f), storage_options) for f in found},
+        "bytes": sum(found.values()),
     }
 
 
@@ -337,19 +421,19 @@ def _score(entry: dict) -> float:
 
 
 def apply_retention(out_dir: str | Path, new_ckpt: str | Path | None, keep_last: int | None,
-                    keep_best: int = 0) -> dict:
+                    keep_best: int = 0, storage_options: dict | None = None) -> dict:
     """Rank 0 only: add new_ckpt to the manifest (with sha256 per file), then delete checkpoints
     that are neither among the keep_last newest nor the keep_best best (by val loss where every
     candidate has one, else train loss). The newest is always kept. Returns the manifest."""
-    manifest = read_manifest(out_dir)
+    manifest = read_manifest(out_dir, storage_options)
     entries = {e["step"]: e for e in manifest["checkpoints"]}
-    on_disk = {int(p.name.split("-")[1]): p for p in list_checkpoints(out_dir)}
+    on_disk = {int(name_of(p).split("-")[1]): p for p in list_checkpoints(out_dir, storage_options)}
     entries = {s: e for s, e in entries.items() if s in on_disk}
     # only the checkpoint this run just wrote joins the manifest: a directory that appeared some other
     # way (or one a crash left unlisted) is never vouched for, so it is never loaded
-    if new_ckpt is not None and Path(new_ckpt).name in {p.name for p in on_disk.values()}:
-        step = next(s for s, p in on_disk.items() if p.name == Path(new_ckpt).name)
-        entries[step] = checkpoint_entry(on_disk[step])
+    if new_ckpt is not None and name_of(new_ckpt) in {name_of(p) for p in on_disk.values()}:
+        step = next(s for s, p in on_disk.items() if name_of(p) == name_of(new_ckpt))
+        entries[step] = checkpoint_entry(on_disk[step], storage_options)
     steps = sorted(entries)
     keep = set(steps[-keep_last:]) if keep_last else set(steps)
     if steps:
@@ -363,11 +447,11 @@ def apply_retention(out_dir: str | Path, new_ckpt: str | Path | None, keep_last:
             entries[s]["best"] = s in best
     for s in steps:
         if s not in keep:
-            shutil.rmtree(on_disk[s], ignore_errors=True)
+            remove_checkpoint(on_disk[s], storage_options)
             del entries[s]
     manifest = {"checkpoints": [entries[s] for s in sorted(entries)],
                 "keep_last": keep_last, "keep_best": keep_best}
-    _write_manifest(out_dir, manifest)
+    _write_manifest(out_dir, manifest, storage_options)
     return manifest
 
 
@@ -375,52 +459,65 @@ class UnverifiedCheckpoint(ValueError):
     """A checkpoint that must not be loaded: nothing trusted vouches for its files."""
 
 
-def checkpoint_problem(ckpt_dir: str | Path, manifest: dict | None = None,
-                       expected_tree_sha256: str | None = None) -> str | None:
-    """Why `ckpt_dir` must not be loaded, or None when it verifies: with `expected_tree_sha256`,
-    its tree hash must equal it; else its run's manifest (checkpoints.json beside it) must list it
-    and every file on disk must be one it lists, with its sha256."""
+def _tree_sha256(ckpt_dir: Path | str, storage_options: dict | None) -> str:
+    """sha256_tree of the checkpoint; one on a store is hashed as a downloaded copy."""
     from tasks.core.hashing import sha256_tree
 
-    ckpt_dir = Path(ckpt_dir)
-    if not (ckpt_dir / META_FILE).is_file():
+    if not is_remote(ckpt_dir):
+        return sha256_tree(ckpt_dir)
+    with tempfile.TemporaryDirectory(prefix="crucible-checkpoint-") as tmp:
+        return sha256_tree(download(ckpt_dir, Path(tmp) / name_of(ckpt_dir), storage_options))
+
+
+def checkpoint_problem(ckpt_dir: str | Path, manifest: dict | None = None,
+                       expected_tree_sha256: str | None = None, storage_options: dict | None = None) -> str | None:
+    """Why `ckpt_dir` must not be loaded, or None when it verifies: with `expected_tree_sha256`,
+    its tree hash must equal it; else its run's manifest (checkpoints.json beside it) must list it
+    and every file on disk must be one it lists, with its sha256. On a store the objects' bytes are
+    read through fsspec (nothing is unpickled)."""
+    ckpt_dir = location(ckpt_dir)
+    if not is_file(join(ckpt_dir, META_FILE), storage_options):
         return f"{ckpt_dir} is not a complete checkpoint (no {META_FILE})"
     if expected_tree_sha256 is not None:
-        actual = sha256_tree(ckpt_dir)
+        actual = _tree_sha256(ckpt_dir, storage_options)
         return None if actual == expected_tree_sha256 else (
             f"{ckpt_dir} has content hash {actual[:16]}..., not the recorded {expected_tree_sha256[:16]}...")
-    manifest = manifest if manifest is not None else read_manifest(ckpt_dir.parent.parent)
-    entry = next((e for e in manifest["checkpoints"] if e["path"] == ckpt_dir.name), None)
+    if manifest is None:
+        manifest = read_manifest(parent_of(parent_of(ckpt_dir)), storage_options)
+    entry = next((e for e in manifest["checkpoints"] if e["path"] == name_of(ckpt_dir)), None)
     if entry is None:
         return f"{ckpt_dir} is not listed in its run's checkpoint manifest ({CHECKPOINTS_DIR}/{MANIFEST})"
-    on_disk = {str(p.relative_to(ckpt_dir)) for p in ckpt_dir.rglob("*") if p.is_file()}
-    if extra := sorted(on_disk - set(entry["files"])):
+    on_disk = files(ckpt_dir, storage_options)
+    if extra := sorted(set(on_disk) - set(entry["files"])):
         return f"{ckpt_dir} holds files its manifest does not list: {extra[:3]}"
     for f, h in entry["files"].items():
-        if not (ckpt_dir / f).is_file() or sha256_file(ckpt_dir / f) != h:
-            return f"{ckpt_dir / f} does not have the sha256 its manifest records"
+        if f not in on_disk or sha256(join(ckpt_dir, f), storage_options) != h:
+            return f"{join(ckpt_dir, f)} does not have the sha256 its manifest records"
     return None
 
 
-def verify_checkpoint(ckpt_dir: str | Path, manifest: dict | None = None) -> bool:
+def verify_checkpoint(ckpt_dir: str | Path, manifest: dict | None = None, storage_options: dict | None = None) -> bool:
     """True when the checkpoint verifies against its run's manifest (checkpoint_problem)."""
-    return checkpoint_problem(ckpt_dir, manifest) is None
+    return checkpoint_problem(ckpt_dir, manifest, storage_options=storage_options) is None
 
 
-def require_verified(ckpt_dir: str | Path, expected_tree_sha256: str | None = None) -> None:
-    """Raise UnverifiedCheckpoint unless the checkpoint verifies; call before anything reads it with DCP."""
-    if problem := checkpoint_problem(ckpt_dir, expected_tree_sha256=expected_tree_sha256):
+def require_verified(ckpt_dir: str | Path, expected_tree_sha256: str | None = None,
+                     storage_options: dict | None = None) -> None:
+    """Raise UnverifiedCheckpoint unless the checkpoint verifies; call before anything reads it with DCP
+    (on a store, load through `verified_copy`: a check of the store's objects says nothing of a later read)."""
+    if problem := checkpoint_problem(ckpt_dir, expected_tree_sha256=expected_tree_sha256,
+                                     storage_options=storage_options):
         raise UnverifiedCheckpoint(f"refusing to load a checkpoint that does not verify: {problem}")
 
 
-def latest_checkpoint(out_dir: str | Path, before_step: int | None = None, verify: bool = True
-                      ) -> Path | None:
+def latest_checkpoint(out_dir: str | Path, before_step: int | None = None, verify: bool = True,
+                      storage_options: dict | None = None) -> Path | str | None:
     """The newest complete checkpoint (older than before_step if given) whose files match the manifest."""
-    manifest = read_manifest(out_dir)
-    for p in reversed(list_checkpoints(out_dir)):
-        if before_step is not None and int(p.name.split("-")[1]) >= before_step:
+    manifest = read_manifest(out_dir, storage_options)
+    for p in reversed(list_checkpoints(out_dir, storage_options)):
+        if before_step is not None and int(name_of(p).split("-")[1]) >= before_step:
             continue
-        problem = checkpoint_problem(p, manifest) if verify else None
+        problem = checkpoint_problem(p, manifest, storage_options=storage_options) if verify else None
         if problem is None:
             return p
         print(f"[checkpoint] WARNING: skipped: {problem}", flush=True)
@@ -428,23 +525,25 @@ def latest_checkpoint(out_dir: str | Path, before_step: int | None = None, verif
 
 
 def load_model_for_inference(ckpt_dir: str | Path, device: str | torch.device = "cpu",
-                             expected_tree_sha256: str | None = None) -> tuple[GPT, dict]:
+                             expected_tree_sha256: str | None = None, storage_options: dict | None = None
+                             ) -> tuple[GPT, dict]:
     """Build the model from the checkpoint's JSON and load its weights (no process group needed),
-    once it verifies (require_verified: its run's manifest, or `expected_tree_sha256` for a copy).
+    once it verifies (require_verified: its run's manifest, or `expected_tree_sha256` for a copy;
+    one on an object store is downloaded and the copy verified, see `verified_copy`).
 
     Returns (model in eval mode, meta dict).
     """
-    ckpt_dir = Path(ckpt_dir)
-    if not (ckpt_dir / META_FILE).is_file():
+    ckpt_dir = location(ckpt_dir)
+    if not is_file(join(ckpt_dir, META_FILE), storage_options):
         raise FileNotFoundError(f"{ckpt_dir} is not a complete checkpoint (no {META_FILE})")
-    require_verified(ckpt_dir, expected_tree_sha256)
-    meta = read_meta(ckpt_dir)
-    cfg = GPTConfig(**meta["model"])
-    model = GPT(cfg)
-    state = {"model": model.state_dict()}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=True)
+    with verified_copy(ckpt_dir, storage_options, expected_tree_sha256) as local:
+        meta = read_meta(local)
+        cfg = GPTConfig(**meta["model"])
+        model = GPT(cfg)
+        state = {"model": model.state_dict()}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(local), no_dist=True)
     model.load_state_dict(state["model"], strict=True)
     model.to(device).eval()
     return model, meta

@@ -8,13 +8,17 @@ states.
 
 Rank 0 writes train_log.jsonl and the console lines, logs to MLflow when the job names an MLflow
 run, and reports each published checkpoint and spike action to the event sink (tasks/train/events.py).
+
+out_dir and tokens_index may be object-store URIs (tasks/train/remote.py): the token files are then
+read from this node's cache, checkpoints go to the store (tasks/train/checkpoint.py), and rank 0's
+logs are written in the node's working directory and copied to out_dir after each published
+checkpoint and at the end (`push_logs`), so a resume on any node continues them.
 """
 from __future__ import annotations
 
 import json
 import math
 import random
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,18 +28,22 @@ import torch
 import torch.distributed as dist
 
 from tasks.core.layout import CHECKPOINTS_DIR
+from tasks.core.storage import is_remote
 from tasks.config import PipelineConfig
 from tasks.tokens.binfile import load_index
 from tasks.train.checkpoint import (MANIFEST, apply_retention, capture_rng_state, init_from_checkpoint,
                                     latest_checkpoint, list_checkpoints, load_checkpoint, new_checkpoint_group,
-                                    read_meta, read_rng_state, restore_rng_state, start_checkpoint, weights_sha256)
+                                    read_meta, read_rng_state, remove_checkpoint, restore_rng_state,
+                                    start_checkpoint, weights_sha256)
 from tasks.train.data import GlobalWindows, global_batch
 from tasks.train.events import EventSink, NoEvents
 from tasks.train.flops import flops_per_token
-from tasks.train.metrics import SPIKE_LOG, MetricsLogger
+from tasks.train.metrics import SPIKE_LOG, TRAIN_LOG, MetricsLogger
 from tasks.train.model import GPT, GPTConfig, lm_loss
 from tasks.train.optimizer import build_optimizer
 from tasks.train.parallelize import autocast_context, describe_built, grad_sync_context, parallelize
+from tasks.train.remote import (download_file, is_file, join, name_of, remove, run_work_dir, stage_tokens, upload,
+                                write_text)
 from tasks.train.schedule import lr_at, schedule_record, set_lr
 from tasks.train.spikes import SpikeDetector
 
@@ -45,9 +53,10 @@ INIT_FILE = "init.json"  # a continued run: the checkpoint its step 0 came from,
 
 @dataclass(frozen=True)
 class TrainJob:
-    """What one worker process trains: its command line and what torchrun tells it."""
-    tokens_index: Path
-    out_dir: Path
+    """What one worker process trains: its command line and what torchrun tells it. tokens_index and
+    out_dir are local Paths or object-store URIs (strings)."""
+    tokens_index: Path | str
+    out_dir: Path | str
     run_name: str
     run_id: str | None = None  # MLflow/crucible run id, recorded in checkpoints and events
     restart: int = 0  # torchrun's restart attempt: > 0 resumes from the newest checkpoint
@@ -99,12 +108,19 @@ class Trainer:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        self.out_dir = job.out_dir.resolve()
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = job.out_dir if is_remote(job.out_dir) else Path(job.out_dir).resolve()
+        # where rank 0's logs are written: out_dir itself, or this node's working dir for a remote one
+        self.log_dir = run_work_dir(cfg.storage, self.out_dir) if self.remote else self.out_dir
+        self.log_dir.mkdir(parents=True, exist_ok=True)
 
-        self.index = load_index(job.tokens_index)
+        tokens_index = job.tokens_index
+        if is_remote(tokens_index):  # the launcher staged it once per node: found in the node's cache
+            tokens_index, fetched = stage_tokens(tokens_index, cfg.storage)
+            print(f"[tokens] rank {self.rank}: {job.tokens_index} read from {tokens_index} "
+                  f"({fetched} file(s) downloaded)", flush=True)
+        self.index = load_index(tokens_index)
         self.gcfg = GPTConfig.from_model_config(cfg.model, self.index["vocab_size"])
-        self.data = GlobalWindows(job.tokens_index, "train", self.gcfg.seq_len, tcfg.micro_batch_size,
+        self.data = GlobalWindows(tokens_index, "train", self.gcfg.seq_len, tcfg.micro_batch_size,
                                   seed=tcfg.seed, documents=tcfg.doc_mask)
         self.global_samples, self.accum = global_batch(tcfg, self.gcfg.seq_len, self.world)
         torch.manual_seed(tcfg.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
@@ -126,6 +142,15 @@ class Trainer:
         self.pending = None  # the checkpoint being written (async), published by finish_checkpoint
         self.ckpt_group = None
 
+    @property
+    def storage(self) -> dict:
+        """The fsspec options of a remote out_dir / tokens_index (storage.options)."""
+        return self.cfg.storage.options
+
+    @property
+    def remote(self) -> bool:
+        return is_remote(self.out_dir)
+
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
@@ -140,15 +165,15 @@ class Trainer:
         self.data.skip_ranges = list(self.skip_ranges)
         self.detector.load(state.get("spike") or {})
 
-    def restore(self, ckpt: Path) -> int:
+    def restore(self, ckpt: Path | str) -> int:
         """Collective: load model, optimizer, loop and RNG states from `ckpt`; returns its step."""
-        step = load_checkpoint(self.model, self.optimizer, ckpt)
-        meta = read_meta(ckpt)
+        step = load_checkpoint(self.model, self.optimizer, ckpt, self.storage)
+        meta = read_meta(ckpt, self.storage)
         state = meta.get("trainer") or {}
         self.load_state_dict(state)
         if "consumed_samples" not in state:  # a checkpoint from before the loader position was saved
             self.consumed_samples = step * self.global_samples
-        rng = read_rng_state(ckpt, self.rank) if meta.get("world_size") == self.world else None
+        rng = read_rng_state(ckpt, self.rank, self.storage) if meta.get("world_size") == self.world else None
         if rng is not None:
             restore_rng_state(rng, self.data_rng)
         else:  # another world size: the per-rank streams cannot carry over; derive fresh ones
@@ -162,22 +187,25 @@ class Trainer:
         torchrun restart), else 0, with a fresh run's leftovers removed. Collective."""
         out_dir, restart, start_step = self.out_dir, self.job.restart, 0
         resume = self.tcfg.resume or restart > 0
-        ckpt = latest_checkpoint(out_dir) if resume else None
+        ckpt = latest_checkpoint(out_dir, storage_options=self.storage) if resume else None
         if ckpt is not None:
             start_step = self.restore(ckpt)
             if self.rank == 0:
                 why = f"restart {restart} (torchrun)" if restart else "resume"
                 print(f"[train] {why}: resumed from {ckpt} at step {start_step}, "
                       f"data position {self.consumed_samples}", flush=True)
-        elif not resume and self.rank == 0 and (stale := list_checkpoints(out_dir)):
+        elif not resume and self.rank == 0 and (stale := list_checkpoints(out_dir, self.storage)):
             # a fresh run owns out_dir, as it owns train_log.jsonl: older checkpoints would be mistaken for ours
-            print(f"[train] resume is off: removing {len(stale)} old checkpoint(s) under {out_dir / 'checkpoints'}",
-                  flush=True)
+            print(f"[train] resume is off: removing {len(stale)} old checkpoint(s) under "
+                  f"{join(out_dir, CHECKPOINTS_DIR)}", flush=True)
             for p in stale:
-                shutil.rmtree(p)
+                remove_checkpoint(p, self.storage, ignore_errors=False)
         if self.rank == 0 and start_step == 0:
-            (out_dir / CHECKPOINTS_DIR / MANIFEST).unlink(missing_ok=True)
-            (out_dir / SPIKE_LOG).unlink(missing_ok=True)
+            remove(join(out_dir, CHECKPOINTS_DIR, MANIFEST), self.storage)
+            remove(join(out_dir, SPIKE_LOG), self.storage)
+            (self.log_dir / SPIKE_LOG).unlink(missing_ok=True)  # the same file unless out_dir is remote
+        elif self.rank == 0 and self.remote:
+            self.pull_logs()
         dist.barrier()
         if start_step == 0 and self.tcfg.init_from:
             self.init_from_champion()
@@ -189,13 +217,14 @@ class Trainer:
         what was loaded and the sha256 of the resulting weights."""
         tcfg = self.tcfg
         meta = init_from_checkpoint(self.model, self.optimizer, tcfg.init_from, tcfg.init_sha256,
-                                    with_optimizer=tcfg.init_optimizer)
+                                    with_optimizer=tcfg.init_optimizer, storage_options=self.storage)
         digest = weights_sha256(self.model)
         if self.rank == 0:
-            record = {"init_from": str(Path(tcfg.init_from).resolve()), "tree_sha256": tcfg.init_sha256,
+            source = tcfg.init_from if is_remote(tcfg.init_from) else str(Path(tcfg.init_from).resolve())
+            record = {"init_from": source, "tree_sha256": tcfg.init_sha256,
                       "from_step": meta["step"], "from_run": meta.get("run_name"),
                       "optimizer_moments": tcfg.init_optimizer, "weights_sha256": digest}
-            (self.out_dir / INIT_FILE).write_text(json.dumps(record, indent=2) + "\n")
+            write_text(join(self.out_dir, INIT_FILE), json.dumps(record, indent=2) + "\n", self.storage)
             print(f"[train] initialised from {tcfg.init_from} (step {meta['step']} of {meta.get('run_name')}"
                   f"{', with its AdamW moments' if tcfg.init_optimizer else ''}); weights sha256 {digest[:16]}",
                   flush=True)
@@ -222,6 +251,9 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.close()
             self.events.drain()
+        if self.remote:  # every node's launcher reads the run's final log from the store once torchrun exits
+            self.push_logs()
+            dist.barrier()
         return 0
 
     def train_step(self, step: int) -> StepResult:
@@ -302,7 +334,7 @@ class Trainer:
             return None
         first_step = self.detector.streak_first_step
         self.finish_checkpoint()  # a checkpoint still being written may be the rollback target
-        target = latest_checkpoint(self.out_dir, before_step=first_step)
+        target = latest_checkpoint(self.out_dir, before_step=first_step, storage_options=self.storage)
         if target is not None and self.rollbacks < self.tcfg.spike_max_rollbacks:
             return self.roll_back(target, step, end)
         why = "no checkpoint before the spike" if target is None else "spike_max_rollbacks reached"
@@ -310,7 +342,7 @@ class Trainer:
         self.report_spike(step, "rebaseline", reason=why, spike_steps=[first_step, step], **baseline)
         return None
 
-    def roll_back(self, target: Path, step: int, end: int) -> int:
+    def roll_back(self, target: Path | str, step: int, end: int) -> int:
         """Restore checkpoint `target` and skip the data of the current spike streak (which ends
         at `step`, loader position `end`) from now on. Returns the step restored."""
         first_step, bad_start = self.detector.streak_first_step, self.detector.streak_start
@@ -321,7 +353,7 @@ class Trainer:
         self.data.skip_ranges = list(ranges)
         if self.metrics is not None:
             self.metrics.rewind(to_step)
-        self.report_spike(to_step, "rollback", to_checkpoint=target.name, to_step=to_step,
+        self.report_spike(to_step, "rollback", to_checkpoint=name_of(target), to_step=to_step,
                           skipped_data=[bad_start, end], spike_steps=[first_step, step], rollbacks=rollbacks)
         return to_step
 
@@ -344,7 +376,8 @@ class Trainer:
         self.pending = start_checkpoint(self.model, self.optimizer, step, self.out_dir,
                                         {**self.checkpoint_meta(), "train_loss": train_loss, "trainer": state},
                                         rng_state=capture_rng_state(self.data_rng),
-                                        async_save=tcfg.async_checkpoint, process_group=self.ckpt_group)
+                                        async_save=tcfg.async_checkpoint, process_group=self.ckpt_group,
+                                        storage_options=self.storage)
         if not tcfg.async_checkpoint:
             self.finish_checkpoint()
 
@@ -356,7 +389,9 @@ class Trainer:
         done, self.pending = self.pending, None
         path = done.wait_and_finalize()
         if self.rank == 0:
-            apply_retention(self.out_dir, path, self.tcfg.keep_last_checkpoints, self.tcfg.keep_best_checkpoints)
+            apply_retention(self.out_dir, path, self.tcfg.keep_last_checkpoints, self.tcfg.keep_best_checkpoints,
+                            storage_options=self.storage)
+            self.push_logs()
             how = (f" (async: blocked {done.blocked_s:.2f}s, written in {done.write_s:.2f}s)"
                    if done.is_async else "")
             print(f"[checkpoint] step {done.step} -> {path}{how}", flush=True)
@@ -370,7 +405,8 @@ class Trainer:
             "vocab_size": self.gcfg.vocab_size,
             "eos_id": self.index["eos_id"],
             "tokenizer_sha256": self.index.get("tokenizer_sha256"),
-            "tokens_index": str(Path(self.job.tokens_index).resolve()),
+            "tokens_index": (self.job.tokens_index if is_remote(self.job.tokens_index)
+                             else str(Path(self.job.tokens_index).resolve())),
             "run_name": self.job.run_name,
             "run_id": self.job.run_id,
             "world_size": self.world,
@@ -381,11 +417,26 @@ class Trainer:
 
     # ------------------------------------------------------------------ metrics (rank 0)
 
+    def push_logs(self) -> None:
+        """Rank 0 of a run with a remote out_dir: copy train_log.jsonl and spikes.jsonl to it."""
+        if not self.remote or self.rank != 0:
+            return
+        for name in (TRAIN_LOG, SPIKE_LOG):
+            if (self.log_dir / name).is_file():
+                upload(self.log_dir / name, join(self.out_dir, name), self.storage)
+
+    def pull_logs(self) -> None:
+        """Rank 0 resuming a remote run: its logs as the store has them (this node may never have run it)."""
+        for name in (TRAIN_LOG, SPIKE_LOG):
+            (self.log_dir / name).unlink(missing_ok=True)
+            if is_file(join(self.out_dir, name), self.storage):
+                download_file(join(self.out_dir, name), self.log_dir / name, self.storage)
+
     def open_metrics(self) -> None:
         """Rank 0: the metrics logger (train_log.jsonl kept up to the start step), the run's
         params, and the start-up lines."""
         tcfg, gcfg, G, train_tokens = self.tcfg, self.gcfg, self.global_samples, self.index["splits"]["train"]["tokens"]
-        self.metrics = MetricsLogger(self.out_dir, tcfg.max_steps, tcfg.log_every,
+        self.metrics = MetricsLogger(self.log_dir, tcfg.max_steps, tcfg.log_every,
                                      tracking_uri=self.job.mlflow_tracking_uri, run_id=self.job.mlflow_run_id,
                                      resume_step=self.start_step)
         self.metrics.log_params({**flat_params(self.cfg), "n_params": self.n_params, "world_size": self.world,

@@ -14,6 +14,7 @@ with gloo), dtype fp32 | bf16 (DDP: autocast over fp32 weights; FSDP2: bf16 comp
 fp32 sharded master weights and fp32 gradient reduction), compile (torch.compile per block),
 doc_mask (document-aware attention from the token index's document starts), z_loss,
 async_checkpoint (checkpoints written in the background; published only once complete).
+--tokens-index and --out-dir may be object-store URIs (s3://...), with the config's storage.options.
 """
 from __future__ import annotations
 
@@ -28,14 +29,16 @@ import torch.distributed as dist
 
 from tasks.config import PipelineConfig
 from tasks.train.events import EventSink
+from tasks.train.remote import location
 from tasks.train.trainer import TrainJob, Trainer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="tasks.train.worker", description=__doc__.split("\n")[0])
     p.add_argument("--config-json", required=True, type=Path, help="PipelineConfig as JSON")
-    p.add_argument("--tokens-index", required=True, type=Path, help="index.json of the tokens stage")
-    p.add_argument("--out-dir", required=True, type=Path)
+    # a path, or an object-store URI (s3://...: Path would fold its "//")
+    p.add_argument("--tokens-index", required=True, type=location, help="index.json of the tokens stage")
+    p.add_argument("--out-dir", required=True, type=location)
     p.add_argument("--run-name", required=True)
     p.add_argument("--run-id", default=os.environ.get("MLFLOW_RUN_ID") or None,
                    help="MLflow/crucible run id for events (default: $MLFLOW_RUN_ID)")

@@ -1,0 +1,430 @@
+"""The object store behind a remote run_root (`run_root: s3://bucket/prefix`, any fsspec URL).
+
+The store is the run's record; every artifact under run_root (runs, their stage outputs, the dedup
+index, quality models, gate files, ...) ends up there under the same relative key. The stages keep
+working on files: the driver works in a local working copy of run_root under `storage.cache_dir`
+(never under the repository's runs/), and:
+
+* `RunStore.check()` proves the bucket exists and the credentials may write to it, before anything
+  is written (a missing bucket or a wrong key fails here, naming the setting, in seconds);
+* `RunStore.push()` uploads what changed in the working copy since the last push (commit files such
+  as manifest.json, index.json and summary.json last, so a reader of the store never sees a manifest
+  before its shards) and deletes the store's copies of files removed locally. The flows push after
+  every stage and at the end of a run;
+* `RunStore.pull(rel)` brings a run back from the store (resume on another machine).
+
+Ray workers on other nodes never read the driver's disk: `Staging` maps a job's arguments that lie
+in the working copy to the node's own cache, downloading each input file from the store (once per
+node and ETag), runs the job in a job directory of its own, uploads what the job wrote to the store,
+and hands the driver the keys, which the driver pulls into its working copy before merging. A job on
+the driver's own node (local Ray) uses the working copy directly.
+
+Credentials are never stored: `storage.options` holds "${ENV_VAR}" references, resolved where the
+file system is made (`tasks.core.fs.filesystem`); workers resolve them in their own environment.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from tasks.core.fs import filesystem, protocol
+
+# written last in their directory: a reader that sees one may trust the files it names
+COMMIT_FILES = ("manifest.json", "index.json", "summary.json", "meta.json", ".complete")
+_STATE = ".crucible-store.json"  # per working copy: what was pushed (size, mtime_ns) by relative path
+_LOCK = ".crucible-store.lock"
+
+
+class StorageError(RuntimeError):
+    """The object store cannot be used: names the URI, the setting and what to check (never a secret)."""
+
+
+def is_remote(uri: str | Path) -> bool:
+    return isinstance(uri, str) and protocol(uri) != "file"
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "crucible" / "store"
+
+
+@dataclass(frozen=True)
+class RunStore:
+    """A remote run_root: its URI, the fsspec options (env references unresolved) and the local
+    working copy's root."""
+    root: str
+    options: dict = field(default_factory=dict, hash=False, compare=False)
+    cache_dir: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", self.root.rstrip("/"))
+        if not self.cache_dir:
+            object.__setattr__(self, "cache_dir", str(default_cache_dir()))
+
+    @property
+    def protocol(self) -> str:
+        return protocol(self.root)
+
+    @property
+    def bucket(self) -> str:
+        return self.root.split("://", 1)[1].split("/", 1)[0]
+
+    @property
+    def local_root(self) -> Path:
+        return Path(self.cache_dir).resolve() / self.protocol / self.root.split("://", 1)[1]
+
+    def fs(self):
+        return filesystem(self.protocol, self.options)
+
+    def rel(self, local: str | Path) -> str | None:
+        """`local`'s key relative to run_root, or None when it is not in the working copy."""
+        try:
+            return Path(local).resolve().relative_to(self.local_root).as_posix()
+        except ValueError:
+            return None
+
+    def uri(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel and rel != "." else self.root
+
+    def lineage_name(self, local: str | Path) -> tuple[str, str] | None:
+        """(namespace, name) per the OpenLineage naming spec: ("s3://bucket", key)."""
+        rel = self.rel(local)
+        if rel is None:
+            return None
+        key = self.uri(rel).split("://", 1)[1].split("/", 1)
+        return f"{self.protocol}://{key[0]}", (key[1] if len(key) > 1 else "")
+
+    # ---- the bucket check -------------------------------------------------------------------
+    def check(self, timeout: float = 20.0) -> None:
+        """Write, read back and delete a probe object under run_root, within `timeout` seconds."""
+        outcome: dict[str, BaseException | None] = {}
+
+        def probe() -> None:
+            try:
+                fs = self.fs()
+                key = self.uri(f".crucible-probe-{uuid.uuid4().hex}")
+                fs.pipe_file(key, b"probe")
+                fs.rm_file(key)
+                outcome["error"] = None
+            except BaseException as e:  # noqa: BLE001 - reported below
+                outcome["error"] = e
+
+        t = threading.Thread(target=probe, daemon=True)
+        t.start()
+        t.join(timeout)
+        where = f"run_root {self.root}"
+        if "error" not in outcome:
+            raise StorageError(f"{where}: the object store did not answer within {timeout:.0f} s; check "
+                               "storage.options.endpoint_url")
+        e = outcome["error"]
+        if e is None:
+            return
+        if isinstance(e, FileNotFoundError):
+            raise StorageError(f"{where}: the bucket {self.bucket!r} does not exist ({e}); create it or fix "
+                               "run_root") from None
+        if isinstance(e, PermissionError):
+            raise StorageError(f"{where}: access denied ({e}); check the credentials (storage.options key/secret "
+                               "as ${ENV_VAR} references, or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_PROFILE)"
+                               ) from None
+        raise StorageError(f"{where}: the object store failed ({type(e).__name__}: {e}); check "
+                           "storage.options") from None
+
+    # ---- working copy <-> store ---------------------------------------------------------------
+    @contextmanager
+    def _state(self) -> Iterator[dict]:
+        """The push record of the working copy, under an exclusive lock (flows of other processes
+        share the working copy)."""
+        self.local_root.mkdir(parents=True, exist_ok=True)
+        with open(self.local_root / _LOCK, "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            path = self.local_root / _STATE
+            state = json.loads(path.read_text()) if path.exists() else {}
+            yield state
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, path)
+
+    def _local_files(self, under: Path) -> dict[str, os.stat_result]:
+        out = {}
+        for dirpath, _dirs, files in os.walk(under):
+            for name in files:
+                if name.startswith(".crucible-store") or name.startswith(".tmp") or name.endswith(".tmp"):
+                    continue
+                p = Path(dirpath) / name
+                try:
+                    out[p.relative_to(self.local_root).as_posix()] = p.stat()
+                except FileNotFoundError:  # removed while walking (a temp file renamed)
+                    continue
+        return out
+
+    def push(self, under: str | Path | None = None) -> dict:
+        """Upload new and changed files of the working copy (under `under`, default all of it),
+        commit files last; delete the store's copies of files this working copy pushed and has
+        since removed. Returns {uploaded, deleted, bytes}."""
+        base = Path(under).resolve() if under else self.local_root
+        prefix = self.rel(base)
+        if prefix is None:
+            raise StorageError(f"{base} is not in the working copy of {self.root}")
+        fs = self.fs()
+        with self._state() as state:
+            if base.is_file():
+                files = {prefix: base.stat()}
+            else:
+                files = self._local_files(base) if base.exists() else {}
+            changed = [rel for rel, st in files.items() if state.get(rel) != [st.st_size, st.st_mtime_ns]]
+            changed.sort(key=lambda rel: (Path(rel).name in COMMIT_FILES, rel))
+            for rel in changed:
+                fs.put_file(str(self.local_root / rel), self.uri(rel))
+                st = files[rel]
+                state[rel] = [st.st_size, st.st_mtime_ns]
+            inside = "" if prefix == "." else prefix + "/"
+            gone = [rel for rel in state if (rel == prefix or rel.startswith(inside)) and rel not in files]
+            for rel in sorted(gone, key=lambda r: Path(r).name not in COMMIT_FILES):  # commit files first
+                try:
+                    fs.rm_file(self.uri(rel))
+                except FileNotFoundError:
+                    pass
+                del state[rel]
+        return {"uploaded": len(changed), "deleted": len(gone), "bytes": sum(files[r].st_size for r in changed)}
+
+    def pull(self, rel: str, keys: list[str] | None = None) -> int:
+        """Download `keys` (relative to run_root; default every object under `rel`) into the working
+        copy, recorded as pushed. Returns the number of files."""
+        fs = self.fs()
+        if keys is None:
+            base = self.uri(rel)
+            root_path = self.root.split("://", 1)[1]
+            try:
+                found = fs.find(base)
+            except FileNotFoundError:
+                found = []
+            keys = [p.split("://", 1)[-1][len(root_path) + 1:] for p in found]
+        with self._state() as state:
+            for key in keys:
+                dest = self.local_root / key
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                tmp = dest.with_name(f".tmp-{uuid.uuid4().hex}-{dest.name}")
+                fs.get_file(self.uri(key), str(tmp))
+                os.replace(tmp, dest)
+                st = dest.stat()
+                state[key] = [st.st_size, st.st_mtime_ns]
+        return len(keys)
+
+    def exists(self, rel: str) -> bool:
+        return self.fs().exists(self.uri(rel))
+
+
+# ---- the stores of this process ------------------------------------------------------------------
+_STORES: dict[str, RunStore] = {}
+
+
+def open_store(run_root: str, options: dict | None = None, cache_dir: str | None = None,
+               check_timeout: float | None = None) -> RunStore:
+    """The store of a remote run_root, registered for this process (checked first when
+    `check_timeout` is given)."""
+    store = RunStore(run_root, dict(options or {}), cache_dir or "")
+    if check_timeout is not None:
+        store.check(check_timeout)
+    _STORES[store.root] = store
+    return store
+
+
+def store_for(cfg, check: bool = False) -> RunStore | None:
+    """The store of `cfg.run_root` (None for a local run_root), registered for this process."""
+    if not is_remote(cfg.run_root):
+        return None
+    known = _STORES.get(cfg.run_root.rstrip("/"))
+    if known is not None and not check:
+        return known
+    s = cfg.storage
+    return open_store(cfg.run_root, s.options, s.cache_dir, s.check_timeout if check else None)
+
+
+def local_run_root(cfg) -> Path:
+    """Where the stages read and write `cfg.run_root`: itself when local, else its working copy."""
+    store = store_for(cfg)
+    return store.local_root if store is not None else Path(cfg.run_root).expanduser().resolve()
+
+
+def local_root_of(run_root: str | Path) -> Path:
+    """`local_run_root` for a run_root given as a string (a remote one must be registered)."""
+    if not is_remote(run_root):
+        return Path(run_root).expanduser().resolve()
+    store = _STORES.get(str(run_root).rstrip("/"))
+    if store is None:
+        raise StorageError(f"run_root {run_root}: its store is not open in this process (tasks.core.storage.store_for)")
+    return store.local_root
+
+
+def store_of_path(path: str | Path) -> RunStore | None:
+    """The registered store whose working copy holds `path`."""
+    for store in _STORES.values():
+        if store.rel(path) is not None:
+            return store
+    return None
+
+
+def lineage_name(path: str | Path) -> tuple[str, str] | None:
+    """(namespace, name) of a working-copy path as the OpenLineage naming spec names its object
+    ("s3://bucket", key); None for a path of no store."""
+    store = store_of_path(path)
+    return store.lineage_name(path) if store is not None else None
+
+
+def uri_lineage_name(uri: str) -> tuple[str, str]:
+    """(namespace, name) of an object-store URI: ("s3://bucket", key)."""
+    proto, rest = uri.split("://", 1)
+    bucket, _, key = rest.partition("/")
+    return f"{proto}://{bucket}", key
+
+
+def run_uri(path: str | Path) -> str | None:
+    """The store URI of a working-copy path (None for a local run_root)."""
+    store = store_of_path(path)
+    return store.uri(store.rel(path)) if store is not None else None
+
+
+def push_path(path: str | Path) -> dict | None:
+    """Push the working copy under `path` when it belongs to a store (no-op for local run roots)."""
+    store = store_of_path(path)
+    return store.push(path) if store is not None else None
+
+
+# ---- Ray jobs on other nodes ---------------------------------------------------------------------
+def _node_root(node_id: str) -> Path:
+    return Path(tempfile.gettempdir()) / "crucible-stage" / node_id[:16]
+
+
+@dataclass(frozen=True)
+class Staging:
+    """What a Ray job needs to stage its files through the stores: the stores, and the driver's node
+    (whose jobs use the working copy directly)."""
+    stores: tuple[RunStore, ...]
+    driver_node: str
+
+    @classmethod
+    def for_driver(cls) -> "Staging | None":
+        if not _STORES:
+            return None
+        from tasks.core.ray_utils import current_node_id
+
+        return cls(tuple(_STORES.values()), current_node_id())
+
+    def _owner(self, path: str) -> tuple[RunStore, str] | None:
+        for store in self.stores:
+            root = str(store.local_root)
+            if path == root or path.startswith(root + "/"):
+                return store, path[len(root) + 1:]
+        return None
+
+    def stage_in(self, obj: Any, job_dir: Path, node_root: Path, back: dict[str, str]) -> Any:
+        """`obj` (nested tuples/lists/dicts of values) with each working-copy path replaced by the
+        node's: an object in the store is downloaded to the node's input cache; any other path is an
+        output location inside `job_dir`. `back` collects node path -> driver path."""
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.stage_in(o, job_dir, node_root, back) for o in obj)
+        if isinstance(obj, dict):
+            return {k: self.stage_in(v, job_dir, node_root, back) for k, v in obj.items()}
+        if not isinstance(obj, (str, Path)):
+            return obj
+        owned = self._owner(str(obj))
+        if owned is None:
+            return obj
+        store, rel = owned
+        fs = store.fs()
+        uri = store.uri(rel)
+        info = _info(fs, uri)
+        if info is not None and info.get("type") == "file":
+            node_path = _fetch_cached(fs, uri, info, node_root / "in" / _store_key(store) / rel)
+        else:
+            node_path = job_dir / _store_key(store) / rel
+            node_path.parent.mkdir(parents=True, exist_ok=True)
+        back[str(node_path)] = str(obj)
+        return type(obj)(node_path) if isinstance(obj, Path) else str(node_path)
+
+    def stage_out(self, job_dir: Path) -> list[tuple[str, str]]:
+        """Upload every file the job wrote under `job_dir`; [(store root, key)]."""
+        out = []
+        by_key = {_store_key(s): s for s in self.stores}
+        for p in sorted(job_dir.rglob("*"), key=lambda q: (q.name in COMMIT_FILES, str(q))):
+            if not p.is_file() or p.name.startswith(".tmp") or p.name.endswith(".tmp"):
+                continue
+            skey, rel = p.relative_to(job_dir).as_posix().split("/", 1)
+            store = by_key[skey]
+            store.fs().put_file(str(p), store.uri(rel))
+            out.append((store.root, rel))
+        return out
+
+    def run(self, fn, args: tuple, node_id: str) -> tuple[Any, list[tuple[str, str]]]:
+        """fn(*args) on this node with its files staged; (result with driver paths, keys written)."""
+        if node_id == self.driver_node:
+            return fn(*args), []
+        node_root = _node_root(node_id)
+        job_dir = node_root / "jobs" / uuid.uuid4().hex
+        back: dict[str, str] = {}
+        try:
+            staged = self.stage_in(args, job_dir, node_root, back)
+            result = fn(*staged)
+            written = self.stage_out(job_dir) if job_dir.exists() else []
+        finally:
+            shutil.rmtree(job_dir, ignore_errors=True)
+        return _replace_paths(result, back), written
+
+
+def pull_outputs(written: list[tuple[str, str]]) -> None:
+    """On the driver: bring the files a job on another node wrote into the working copy."""
+    by_root: dict[str, list[str]] = {}
+    for root, key in written:
+        by_root.setdefault(root, []).append(key)
+    for root, keys in by_root.items():
+        _STORES[root].pull("", keys=keys)
+
+
+def _store_key(store: RunStore) -> str:
+    return hashlib.sha256(store.root.encode()).hexdigest()[:12]
+
+
+def _info(fs, uri: str) -> dict | None:
+    try:
+        return fs.info(uri)
+    except FileNotFoundError:
+        return None
+
+
+def _fetch_cached(fs, uri: str, info: dict, dest: Path) -> Path:
+    """`uri` at `dest`, downloaded unless the node already holds this version (size and ETag)."""
+    stamp = json.dumps([info.get("size"), str(info.get("ETag") or info.get("etag") or info.get("LastModified"))])
+    mark = dest.with_name(dest.name + ".crucible-store-version")
+    if dest.exists() and mark.exists() and mark.read_text() == stamp:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".tmp-{uuid.uuid4().hex}-{dest.name}")
+    fs.get_file(uri, str(tmp))
+    os.replace(tmp, dest)
+    mark.write_text(stamp)
+    return dest
+
+
+def _replace_paths(obj: Any, back: dict[str, str]) -> Any:
+    """`obj` with every string that starts with a node path rewritten to its driver path."""
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_replace_paths(o, back) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _replace_paths(v, back) for k, v in obj.items()}
+    if isinstance(obj, (str, Path)):
+        s = str(obj)
+        for node, driver in back.items():
+            if s == node or s.startswith(node + "/") or s.startswith(node + "."):
+                s = driver + s[len(node):]
+                return type(obj)(s) if isinstance(obj, Path) else s
+    return obj
