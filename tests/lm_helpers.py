@@ -177,3 +177,28 @@ def random_checkpoint(out_dir: Path, tokenizer: Path, step: int, seed: int, run_
     ckpt = save_checkpoint(model, opt, step, out_dir, meta)
     apply_retention(out_dir, ckpt, None)  # the run's manifest vouches for it, as the trainer's does
     return ckpt
+
+
+def train_on_nodes(cfg_for_rank, tokens_index, out_dir, run_name: str, nodes: int = 2) -> dict:
+    """`run_training` of each node rank in a thread of its own (the nodes of a c10d rendezvous on this
+    machine): {rank: result}; raises if a node failed or is still running after 300 s."""
+    import threading
+
+    from tasks.train import run_training
+
+    results, errors = {}, []
+
+    def node(rank: int) -> None:
+        try:
+            results[rank] = run_training(cfg_for_rank(rank), tokens_index, out_dir, None, None, run_name)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in range(nodes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a node is still running after 300 s"
+    assert not errors, errors
+    return results

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from lm_helpers import tiny_cfg, tokens_artifact
+from lm_helpers import tiny_cfg, tokens_artifact, train_on_nodes
 from tasks.core.net import free_port
 from tasks.train import list_checkpoints, load_model_for_inference, run_training
 from tasks.core.hashing import sha256_file
@@ -290,23 +289,9 @@ def test_loss_spike_skip_and_rollback(work, index, monkeypatch):
 def test_two_nodes_c10d_rendezvous(work, index):
     out = work / "multinode"
     endpoint = f"127.0.0.1:{free_port()}"
-    results, errors = {}, []
-
-    def node(rank: int) -> None:
-        c = tiny_cfg(train={"nnodes": 2, "node_rank": rank, "nproc_per_node": 1, "rdzv_endpoint": endpoint,
-                            "rdzv_id": "mn-test", "max_steps": 4, "checkpoint_every": 2, "log_every": 2})
-        try:
-            results[rank] = run_training(c, index, out, None, None, "multinode")
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not any(t.is_alive() for t in threads), "a node is still running after 300 s"
-    assert not errors, errors
+    results = train_on_nodes(lambda rank: tiny_cfg(train={
+        "nnodes": 2, "node_rank": rank, "nproc_per_node": 1, "rdzv_endpoint": endpoint, "rdzv_id": "mn-test",
+        "max_steps": 4, "checkpoint_every": 2, "log_every": 2}), index, out, "multinode")
     assert results[0]["steps"] == 4 and results[1]["steps"] == 4
     assert (out / "torchrun-node0.log").is_file() and (out / "torchrun-node1.log").is_file()
     meta = json.loads((list_checkpoints(out)[-1] / META_FILE).read_text())

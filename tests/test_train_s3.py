@@ -13,13 +13,12 @@ import json
 import os
 import pickle
 import re
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from lm_helpers import tiny_cfg, tokens_artifact
+from lm_helpers import tiny_cfg, tokens_artifact, train_on_nodes
 from s3_helpers import moto_s3
 from tasks.core.net import free_port
 from tasks.train import load_model_for_inference, run_training
@@ -72,23 +71,9 @@ def two_nodes(s3, index, tmp_path_factory) -> dict:
     tokens = _upload_tokens(s3, index, f"{PREFIX}/tokens")
     local = tmp_path_factory.mktemp("nodes")  # each node's cache_dir: local/node0, local/node1
     endpoint = f"127.0.0.1:{free_port()}"
-    results, errors = {}, []
-
-    def node(rank: int) -> None:
-        c = _cfg(s3, local / f"node{rank}", stop_at_step=4, nnodes=2, node_rank=rank, nproc_per_node=1,
-                 rdzv_endpoint=endpoint, rdzv_id="s3-test")
-        try:
-            results[rank] = run_training(c, tokens, OUT, None, None, "s3run")
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not any(t.is_alive() for t in threads), "a node is still running after 300 s"
-    assert not errors, errors
+    results = train_on_nodes(lambda rank: _cfg(s3, local / f"node{rank}", stop_at_step=4, nnodes=2, node_rank=rank,
+                                               nproc_per_node=1, rdzv_endpoint=endpoint, rdzv_id="s3-test"),
+                             tokens, OUT, "s3run")
     return {"tokens": tokens, "local": local, "results": results, "log": _log(s3)}
 
 
