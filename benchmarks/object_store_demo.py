@@ -119,7 +119,7 @@ def main() -> int:
                 "AWS_DEFAULT_REGION": "us-east-1"})
     ports = [f"stack.state_dir={tmp / 'state'}", f"stack.prefect_port={free_port()}",
              f"stack.mlflow_port={free_port()}", f"lineage.service_port={free_port()}",
-             f"deploy.port={free_port()}"]
+             f"stack.worker_port={free_port()}", f"deploy.port={free_port()}"]
     sets = [a for o in ports for a in ("--set", o)]
     runs: dict[str, list[dict]] = {"local": [], "s3": []}
     try:

@@ -61,7 +61,8 @@ def s3_demo():
         overrides = [f"stack.prefect_port={free_port()}", f"stack.mlflow_port={free_port()}",
                      f"lineage.service_port={free_port()}", "run_root=s3://runs/crucible", "stack.ray=cluster",
                      f"stack.ray_port={ray_cfg.ray_port}", f"stack.ray_client_port={ray_cfg.ray_client_port}",
-                     f"stack.ray_agent_port={ray_cfg.ray_agent_port}", "stack.ray_worker_cpus=1", *LEAN]
+                     f"stack.ray_agent_port={ray_cfg.ray_agent_port}", "stack.ray_worker_cpus=1",
+                     f"stack.worker_port={free_port()}", *LEAN]
         sets = [a for o in overrides for a in ("--set", o)]
         cfg = load_config(config, overrides + [f"stack.state_dir={tmp / 'state'}"])
         workdir = tmp / "cwd"

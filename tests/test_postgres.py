@@ -84,7 +84,8 @@ def pg_demo():
     config = lean_config(tmp / "lean.yaml")
     overrides = [f"stack.state_dir={tmp / 'state'}", f"stack.prefect_port={free_port()}",
                  f"stack.mlflow_port={free_port()}", f"lineage.service_port={free_port()}",
-                 f"stack.postgres_port={free_port()}", f"run_root={tmp / 'runs'}", "stack.database=postgres", *LEAN]
+                 f"stack.postgres_port={free_port()}", f"stack.worker_port={free_port()}", f"run_root={tmp / 'runs'}",
+                 "stack.database=postgres", *LEAN]
     sets = [a for o in overrides for a in ("--set", o)]
     cfg = load_config(config, overrides)
     summary_path = tmp / "summary.json"
