@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 from tasks.config import RayConfig
 from tasks.core.ray_utils import cluster_cpus, current_node_id, init_ray, tasks_per_node
 from tasks.core.resume import MANIFEST, JobStore, remove_temp_files, verify_manifest, write_manifest
-from tasks.core.storage import Staging, pull_outputs
+from tasks.core.storage import Staging, node_root, pull_outputs
 
 
 def start_ray(cfg: RayConfig | None) -> int:
@@ -123,9 +123,7 @@ def _node_reporting_class(cls: type, staging: Staging | None) -> type:
         def __init__(self, *args):
             node = current_node_id()
             if staging is not None and node != staging.driver_node:
-                from tasks.core.storage import _node_root
-
-                root = _node_root(node)
+                root = node_root(node)
                 args = staging.stage_in(args, root / "init", root, {})
             super().__init__(*args)
 

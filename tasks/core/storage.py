@@ -220,9 +220,6 @@ class RunStore:
                 state[key] = [st.st_size, st.st_mtime_ns]
         return len(keys)
 
-    def exists(self, rel: str) -> bool:
-        return self.fs().exists(self.uri(rel))
-
 
 # ---- the stores of this process ------------------------------------------------------------------
 _STORES: dict[str, RunStore] = {}
@@ -301,7 +298,8 @@ def push_path(path: str | Path) -> dict | None:
 
 
 # ---- Ray jobs on other nodes ---------------------------------------------------------------------
-def _node_root(node_id: str) -> Path:
+def node_root(node_id: str) -> Path:
+    """The cache of a Ray node's staged files (inputs by ETag, job folders)."""
     return Path(tempfile.gettempdir()) / "crucible-stage" / node_id[:16]
 
 
@@ -327,14 +325,14 @@ class Staging:
                 return store, path[len(root) + 1:]
         return None
 
-    def stage_in(self, obj: Any, job_dir: Path, node_root: Path, back: dict[str, str]) -> Any:
+    def stage_in(self, obj: Any, job_dir: Path, cache: Path, back: dict[str, str]) -> Any:
         """`obj` (nested tuples/lists/dicts of values) with each working-copy path replaced by the
         node's: an object in the store is downloaded to the node's input cache; any other path is an
         output location inside `job_dir`. `back` collects node path -> driver path."""
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self.stage_in(o, job_dir, node_root, back) for o in obj)
+            return type(obj)(self.stage_in(o, job_dir, cache, back) for o in obj)
         if isinstance(obj, dict):
-            return {k: self.stage_in(v, job_dir, node_root, back) for k, v in obj.items()}
+            return {k: self.stage_in(v, job_dir, cache, back) for k, v in obj.items()}
         if not isinstance(obj, (str, Path)):
             return obj
         owned = self._owner(str(obj))
@@ -345,7 +343,7 @@ class Staging:
         uri = store.uri(rel)
         info = _info(fs, uri)
         if info is not None and info.get("type") == "file":
-            node_path = _fetch_cached(fs, uri, info, node_root / "in" / _store_key(store) / rel)
+            node_path = _fetch_cached(fs, uri, info, cache / "in" / _store_key(store) / rel)
         else:
             node_path = job_dir / _store_key(store) / rel
             node_path.parent.mkdir(parents=True, exist_ok=True)
@@ -369,11 +367,11 @@ class Staging:
         """fn(*args) on this node with its files staged; (result with driver paths, keys written)."""
         if node_id == self.driver_node:
             return fn(*args), []
-        node_root = _node_root(node_id)
-        job_dir = node_root / "jobs" / uuid.uuid4().hex
+        cache = node_root(node_id)
+        job_dir = cache / "jobs" / uuid.uuid4().hex
         back: dict[str, str] = {}
         try:
-            staged = self.stage_in(args, job_dir, node_root, back)
+            staged = self.stage_in(args, job_dir, cache, back)
             result = fn(*staged)
             written = self.stage_out(job_dir) if job_dir.exists() else []
         finally:
