@@ -59,7 +59,8 @@ from prefect.tasks import exponential_backoff
 from flows.artifacts import publish_eval_table
 from tasks.core.constants import (CHECKPOINT_EVENT, DEPLOY_FLOW, DEPLOYED_EVENT, EVAL_EVENT, EVAL_FLOW,
                                   EVENT_DEPLOYMENTS)
-from tasks.core.layout import RunLayout
+from tasks.core.layout import CHECKPOINTS_DIR, RunLayout
+from tasks.core.storage import is_remote, open_store, push_path, store_of_path
 from tasks.lineage.emitter import ActiveRun, JobRef, dataset_for_path
 from tasks.lineage.outputs import DATASET_DOCS
 
@@ -98,13 +99,36 @@ def trusted_run_paths(checkpoint: str | Path) -> dict:
     from tasks.config import StackConfig
     from tasks.deploy.triggered import ForgedClaim
 
+    stack_cfg = StackConfig()  # the state dir: $CRUCIBLE_STATE_DIR, set for the stack's processes
+    stores = [open_store(s["root"], s["options"], s["cache_dir"]) for s in stack.run_stores(stack_cfg)]
+    if is_remote(str(checkpoint)):  # an object on a store: its place in that store's working copy
+        owner = next((s for s in stores if str(checkpoint).startswith(s.root + "/")), None)
+        if owner is None:
+            raise ForgedClaim(f"{checkpoint} is not in a run store of this stack "
+                              f"({', '.join(s.root for s in stores) or 'none'})")
+        checkpoint = owner.local_root / str(checkpoint)[len(owner.root) + 1:]
     paths = run_paths(checkpoint)
-    roots = stack.run_roots(StackConfig())  # the state dir: $CRUCIBLE_STATE_DIR, set for the stack's processes
+    roots = stack.run_roots(stack_cfg)
     ckpt = Path(paths["checkpoint"])
     if not any(ckpt.is_relative_to(root) for root in roots):
         raise ForgedClaim(f"{ckpt} is not under a run root of this stack ({', '.join(map(str, roots)) or 'none'}; "
                           "`crucible run` registers its config's run_root)")
+    if (store := store_of_path(ckpt)) is not None:
+        _sync_run(store, paths)
     return paths
+
+
+def _sync_run(store, paths: dict) -> None:
+    """What the triggered flows read of a run on an object store, as the store has it, into the
+    working copy: training writes its checkpoints (and their manifest) to the store only, and this
+    worker may not be on the machine that ran the stages. The checkpoint is then verified against
+    that manifest before anything loads it, as for a local run."""
+    from tasks.train.checkpoint import MANIFEST
+
+    run = store.rel(paths["run_dir"])
+    store.sync_down([store.rel(paths["checkpoint"]), f"{run}/train/{CHECKPOINTS_DIR}/{MANIFEST}",
+                     f"{run}/config.json", f"{run}/lineage.jsonl", f"{run}/tokenizer", f"{run}/tokens",
+                     f"{run}/evaluate/triggered"])
 
 
 def _load_cfg(path: str):
@@ -282,6 +306,7 @@ def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run
                                                        dataset_for_path(paths["tokenizer"]),
                                                        dataset_for_path(report["report_path"])], paths, training))
         write_gate(report, decision, yardstick)  # the report's version with the gate's verdict
+        push_path(report["report_path"])  # an object-store run: the record is the store's
         doc = DATASET_DOCS["eval_report"].format(checkpoint=Path(paths["checkpoint"]).name)
         active.outputs.append(dataset_for_path(report["report_path"], output=True, doc=doc))
         if not decision["passed"]:  # no deploy-model run follows: the verdict is recorded here
@@ -329,7 +354,9 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
         result = deploy_if_better(cfg, _tracking_uri(cfg), evaluation, Path(paths["tokenizer"]), run_id,
                                   serve_model=serve_model, verify_model=verify_model,
                                   server_status=model_server_status(cfg))
-        write_json_atomic(RunLayout(paths["run_dir"]).triggered_deploy_record(paths["checkpoint"]), result)
+        record = RunLayout(paths["run_dir"]).triggered_deploy_record(paths["checkpoint"])
+        write_json_atomic(record, result)
+        push_path(record)
         active.outputs.extend(deploy_outputs(_tracking_uri(cfg), result))
     if result.get("version") is not None:
         _emit(DEPLOYED_EVENT, {"prefect.resource.id": f"crucible.model.{result['model_name']}.{result['version']}"},

@@ -218,6 +218,30 @@ def register_run_root(stack_cfg, run_root: str | Path) -> None:
         atomic_write_text(path, json.dumps(sorted(str(r) for r in roots + [root]), indent=2) + "\n", fsync=False)
 
 
+RUN_STORES_FILE = "run-stores.json"
+
+
+def register_run_store(stack_cfg, store) -> None:
+    """Record a remote run_root's store (its URI, option references and cache dir; never a secret:
+    storage.options holds ${ENV} references only): the triggered flows open it to take an event's
+    checkpoint object (training writes checkpoints to the store) into the working copy."""
+    path = state_dir(stack_cfg) / RUN_STORES_FILE
+    stores = {s["root"]: s for s in run_stores(stack_cfg)}
+    entry = {"root": store.root, "options": store.options, "cache_dir": store.cache_dir}
+    if stores.get(store.root) != entry:
+        stores[store.root] = entry
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(sorted(stores.values(), key=lambda s: s["root"]), indent=2) + "\n",
+                          fsync=False)
+
+
+def run_stores(stack_cfg) -> list[dict]:
+    try:
+        return list(json.loads((state_dir(stack_cfg) / RUN_STORES_FILE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return []
+
+
 def run_roots(stack_cfg) -> list[Path]:
     try:
         return [Path(p) for p in json.loads((state_dir(stack_cfg) / RUN_ROOTS_FILE).read_text())]

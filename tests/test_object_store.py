@@ -62,7 +62,8 @@ def s3_demo():
                      f"lineage.service_port={free_port()}", "run_root=s3://runs/crucible", "stack.ray=cluster",
                      f"stack.ray_port={ray_cfg.ray_port}", f"stack.ray_client_port={ray_cfg.ray_client_port}",
                      f"stack.ray_agent_port={ray_cfg.ray_agent_port}", "stack.ray_worker_cpus=1",
-                     f"stack.worker_port={free_port()}", *LEAN]
+                     f"stack.worker_port={free_port()}", *LEAN,
+                     "stack.triggers=true"]  # the checkpoint events name s3:// objects: the worker's flows take them
         sets = [a for o in overrides for a in ("--set", o)]
         cfg = load_config(config, overrides + [f"stack.state_dir={tmp / 'state'}"])
         workdir = tmp / "cwd"
@@ -123,6 +124,25 @@ def test_the_cluster_workers_ran_the_stages_from_the_store(s3_demo):
     finally:
         for p in staged:
             shutil.rmtree(p.parents[1], ignore_errors=True)
+
+
+def test_training_read_its_tokens_from_the_store_and_wrote_checkpoints_there(s3_demo):
+    """The train stage's ranks stage the token files from the store (not the working copy) and DCP's
+    fsspec writer puts each checkpoint in the bucket; the triggered evaluation took the checkpoint
+    the event named (an s3:// object) from the store and pushed its report."""
+    s3, summary = s3_demo["s3"], s3_demo["summary"]
+    run, train = summary["run_name"], summary["stages"]["train"]
+    prefix = f"s3://runs/crucible/{run}/train/checkpoints/step-"
+    assert train["checkpoint_uris"] and all(u.startswith(prefix) for u in train["checkpoint_uris"]), train
+    log = s3.client.get_object(Bucket="runs", Key=f"crucible/{run}/train/torchrun.log")["Body"].read().decode()
+    assert f"[tokens] s3://runs/crucible/{run}/tokens/index.json: staged in" in log, log[:2000]
+    index = json.loads(s3.client.get_object(Bucket="runs", Key=f"crucible/{run}/tokens/index.json")["Body"].read())
+    cached = {p.name for p in (s3_demo["tmp"] / "cache" / "node" / "tokens").glob("*.bin")}
+    assert f"{index['splits']['train']['sha256']}-{Path(index['splits']['train']['path']).name}" in cached, cached
+    rel = {k.split("/", 2)[2] for k in s3.keys("runs", f"crucible/{run}/")}
+    last = Path(train["checkpoint_uris"][-1]).name
+    assert f"train/checkpoints/{last}/.metadata" in rel and "train/checkpoints/checkpoints.json" in rel
+    assert f"evaluate/triggered/{last}.json" in rel, sorted(r for r in rel if r.startswith("evaluate"))
 
 
 def test_lineage_names_objects_by_the_naming_spec_and_raw_sources_keep_their_licence(s3_demo):

@@ -61,6 +61,20 @@ def test_triggered_flows_load_checkpoints_only_under_registered_run_roots(tmp_pa
     assert trusted_run_paths(ours)["run_dir"] == str((tmp_path / "runs" / "r1").resolve())
     with pytest.raises(ForgedClaim, match="not under a run root"):
         trusted_run_paths(elsewhere)
+    # an object-store run: the event names the checkpoint's object; only a registered store's are taken
+    from tasks.core.storage import RunStore
+
+    store = RunStore("s3://runs/crucible", {"key": "${AWS_ACCESS_KEY_ID}"}, str(tmp_path / "cache"))
+    claim = "s3://runs/crucible/r1/train/checkpoints/step-000010"
+    with pytest.raises(ForgedClaim, match="not in a run store of this stack"):
+        trusted_run_paths(claim)
+    stack.register_run_store(stack_cfg, store)
+    stack.register_run_root(stack_cfg, store.local_root)
+    assert stack.run_stores(stack_cfg) == [{"root": store.root, "options": store.options, "cache_dir": store.cache_dir}]
+    for forged in ("s3://other/crucible/r1/train/checkpoints/step-000010",
+                   "s3://runs/crucible/../../x/r1/train/checkpoints/step-000010"):
+        with pytest.raises(ForgedClaim):
+            trusted_run_paths(forged)
 
 
 def test_checkpoint_table_and_triggered_handover_files(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from infra import stack
 from tasks.core.constants import REPO_ROOT
-from tasks.core.storage import local_run_root
+from tasks.core.storage import local_run_root, store_for
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 
@@ -75,7 +75,7 @@ def cmd_up(args) -> int:
     print(f"starting the local stack in {stack.state_dir(stack_cfg)} ...", file=sys.stderr)
     res = stack.up(stack_cfg, lineage_cfg=lineage_cfg, pipeline=None if path is None else (path, args.overrides))
     if path is not None:  # the checkpoints of its deployments' runs are evaluated by the triggered flows
-        stack.register_run_root(stack_cfg, local_run_root(_load(path, args.overrides)))
+        _register_run_root(stack_cfg, _load(path, args.overrides))
     if args.json:
         print(json.dumps(res, indent=2))
     else:
@@ -108,7 +108,15 @@ def _stack_for(cfg) -> None:
     _print_status({k: v for k, v in res.items() if isinstance(v, dict)})
     stack.use_stack(cfg.stack, cfg.lineage)
     _attach_stack_ray(cfg)
-    stack.register_run_root(cfg.stack, local_run_root(cfg))  # the triggered flows load checkpoints from there only
+    _register_run_root(cfg.stack, cfg)
+
+
+def _register_run_root(stack_cfg, cfg) -> None:
+    """The triggered flows load checkpoints from the registered run roots only (and, for an
+    object-store run_root, from its store)."""
+    stack.register_run_root(stack_cfg, local_run_root(cfg))
+    if (store := store_for(cfg)) is not None:
+        stack.register_run_store(stack_cfg, store)
 
 
 def _attach_stack_ray(cfg) -> None:
@@ -130,7 +138,7 @@ def cmd_run(args) -> int:
             check_ray_address(cfg.ray)
         except RayUnreachable as e:
             return fail(f"crucible: {e}", 1)
-    from tasks.core.storage import StorageError, store_for
+    from tasks.core.storage import StorageError
 
     try:  # an object-store run_root that is missing or refuses the key: before the stack starts
         store_for(cfg, check=True)

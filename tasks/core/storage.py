@@ -181,7 +181,8 @@ class RunStore:
                 files = {prefix: base.stat()}
             else:
                 files = self._local_files(base) if base.exists() else {}
-            changed = [rel for rel, st in files.items() if state.get(rel) != [st.st_size, st.st_mtime_ns]]
+            # an entry is [size, mtime_ns], with the store's ETag third for a file pulled by sync_down
+            changed = [rel for rel, st in files.items() if state.get(rel, [])[:2] != [st.st_size, st.st_mtime_ns]]
             changed.sort(key=lambda rel: (Path(rel).name in COMMIT_FILES, rel))
             for rel in changed:
                 fs.put_file(str(self.local_root / rel), self.uri(rel))
@@ -219,6 +220,63 @@ class RunStore:
                 st = dest.stat()
                 state[key] = [st.st_size, st.st_mtime_ns]
         return len(keys)
+
+
+    def sync_down(self, rels: list[str]) -> dict:
+        """Make the working copy's files under each of `rels` (keys or prefixes relative to run_root)
+        what the store holds: download an object unless the working copy already has this version
+        (its recorded ETag, or for a file this copy pushed itself, its size), and remove files this
+        copy pushed or pulled that the store no longer has (e.g. a checkpoint retention dropped).
+        For files other processes write to the store directly (training's checkpoints).
+        Returns {downloaded, removed}."""
+        fs = self.fs()
+        fs.invalidate_cache()  # other processes and nodes write here
+        root_path = self.root.split("://", 1)[1]
+        downloaded = removed = 0
+        with self._state() as state:
+            for rel in rels:
+                try:
+                    found = fs.find(self.uri(rel), detail=True)
+                except FileNotFoundError:
+                    found = {}
+                remote = {k[len(root_path) + 1:]: info for k, info in found.items()
+                          if info.get("type", "file") == "file" and not k.endswith("/")}
+                for key, info in remote.items():
+                    etag = str(info.get("ETag") or info.get("etag") or "")
+                    dest = self.local_root / key
+                    if self._keep(state.get(key), dest, int(info.get("size") or 0), etag):
+                        continue
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = dest.with_name(f".tmp-{uuid.uuid4().hex}-{dest.name}")
+                    fs.get_file(self.uri(key), str(tmp))
+                    os.replace(tmp, dest)
+                    st = dest.stat()
+                    state[key] = [st.st_size, st.st_mtime_ns, etag]
+                    downloaded += 1
+                inside = rel.rstrip("/") + "/"
+                for key in [k for k in state if (k == rel or k.startswith(inside)) and k not in remote]:
+                    dest = self.local_root / key
+                    if dest.is_file() and state[key][:2] != _stat(dest):
+                        continue  # changed here since: not this copy's to drop
+                    dest.unlink(missing_ok=True)
+                    del state[key]
+                    removed += 1
+        return {"downloaded": downloaded, "removed": removed}
+
+    @staticmethod
+    def _keep(entry: list | None, dest: Path, size: int, etag: str) -> bool:
+        """sync_down leaves the working copy's `dest` as it is: it is the store's version, or it was
+        written here since the last push (this process's newer file wins, e.g. a growing log)."""
+        if not dest.is_file():
+            return False
+        if entry is None or entry[:2] != _stat(dest):
+            return True
+        return entry[2] == etag if len(entry) > 2 else entry[0] == size
+
+
+def _stat(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
 
 
 # ---- the stores of this process ------------------------------------------------------------------

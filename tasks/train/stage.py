@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tasks.core.layout import CHECKPOINTS_DIR
 from tasks.core.stage import Stage, StageInputs, TrainResult
+from tasks.core.storage import run_uri, store_of_path
 from tasks.lineage import dataset_for_path
 from tasks.lineage.artifacts import token_split_paths
 from tasks.lineage.emitter import file_node
@@ -26,16 +28,53 @@ class TrainStage(Stage):
     def run(self, cfg, inputs, ctx) -> TrainResult:
         from tasks.train import run_training
 
-        torchrun = None
-        if ctx.lineage is not None:  # the torchrun job is a lineage run of its own, child of this stage's run
+        out_dir, tokens_index = ctx.stage_dir(self.name), Path(inputs.tokens_index)
+        out_uri = run_uri(out_dir)
+        kwargs = {"worker_module": ctx.worker_module} if ctx.worker_module else {}
+
+        def train() -> dict:
+            if out_uri is None:
+                return run_training(cfg, tokens_index, out_dir, ctx.tracking_uri, ctx.mlflow_run_id, ctx.run_name,
+                                    **kwargs)
+            # an object-store run_root: the ranks read the token files from the store and DCP writes the
+            # checkpoints there; the working copy then takes them back for the stages after this one
+            data = run_training(_reading_the_store(cfg), run_uri(tokens_index), out_uri, ctx.tracking_uri,
+                                ctx.mlflow_run_id, ctx.run_name, **kwargs)
+            return _from_store(data, out_dir)
+
+        if ctx.lineage is None:
+            data = train()
+        else:  # the torchrun job is a lineage run of its own, child of this stage's run
             torchrun = TorchrunLineage(ctx.lineage.emitter, parent=ctx.lineage.job, root=ctx.lineage.root,
                                        run_facets={"crucible_links": ctx.lineage.links},
                                        tokenizer=Path(inputs.tokenizer) if inputs.tokenizer else None)
-        kwargs = {"worker_module": ctx.worker_module} if ctx.worker_module else {}
-        data = run_training(cfg, Path(inputs.tokens_index), ctx.stage_dir(self.name), ctx.tracking_uri,
-                            ctx.mlflow_run_id, ctx.run_name, lineage=torchrun, **kwargs)
-        if torchrun is not None:
+            with torchrun.run(cfg, tokens_index) as job:
+                data = train()
+                job.outputs += torchrun.outputs(data)
             data["lineage_run_id"] = torchrun.run_id
         checkpoints = data["checkpoints"]
         return TrainResult(data, outputs=[checkpoint_output(c) for c in checkpoints],
                            primary=file_node(checkpoints[-1]) if checkpoints else None)
+
+
+def _reading_the_store(cfg):
+    """`cfg` with a checkpoint to start from given by its object: a node without this working copy
+    reads it there (verified against train.init_sha256 after download)."""
+    init_uri = run_uri(cfg.train.init_from) if cfg.train.init_from else None
+    if init_uri is None:
+        return cfg
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": init_uri})})
+
+
+def _from_store(data: dict, out_dir: Path) -> dict:
+    """run_training's result for a store out_dir, with the checkpoints, the training log and the
+    torchrun log synced into the working copy's out_dir and named there (their objects as `*_uris`)."""
+    from tasks.train.remote import name_of
+
+    store = store_of_path(out_dir)
+    store.sync_down([store.rel(out_dir)])
+    local = {**data, "checkpoint_uris": data["checkpoints"], "train_log_uri": data["train_log"]}
+    local["checkpoints"] = [str(out_dir / CHECKPOINTS_DIR / name_of(c)) for c in data["checkpoints"]]
+    local["train_log"] = str(out_dir / name_of(data["train_log"]))
+    local["log"] = str(out_dir / Path(data["log"]).name)
+    return local
