@@ -22,8 +22,9 @@ from lm_helpers import tiny_cfg, tokens_artifact, train_on_nodes
 from s3_helpers import moto_s3
 from tasks.core.net import free_port
 from tasks.train import load_model_for_inference, run_training
-from tasks.train.checkpoint import (META_FILE, UnverifiedCheckpoint, checkpoint_problem, latest_checkpoint,
-                                    list_checkpoints, read_manifest, verify_checkpoint)
+from tasks.train.checkpoint import (META_FILE, UnverifiedCheckpoint, _tree_sha256, checkpoint_problem,
+                                    latest_checkpoint, list_checkpoints, read_manifest, verify_checkpoint,
+                                    weights_sha256)
 from tasks.train.data import GlobalWindows
 from tasks.train.model import lm_loss
 from tasks.train.remote import stage_tokens
@@ -170,6 +171,20 @@ def test_tampered_metadata_on_s3_is_refused_before_unpickling(two_nodes, s3, tmp
     assert latest_checkpoint(out, storage_options=s3.options) is None
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         load_model_for_inference(before, storage_options=s3.options)
+
+
+def test_a_continued_run_starts_from_a_checkpoint_on_the_store(two_nodes, s3, tmp_path):
+    """train.init_from as an s3:// object (what the train stage passes for a champion in a store's
+    working copy): downloaded, verified by its tree hash, and its weights are the run's step 0."""
+    ckpt = f"{OUT}/checkpoints/step-000004"
+    out = f"s3://{BUCKET}/exp/continued/train"
+    res = run_training(_cfg(s3, tmp_path / "node", max_steps=1, checkpoint_every=1, init_from=ckpt,
+                            init_sha256=_tree_sha256(ckpt, s3.options)), two_nodes["tokens"], out, None, None, "cont")
+    assert res["steps"] == 1 and res["checkpoints"] == [f"{out}/checkpoints/step-000001"]
+    record = json.loads(_get(s3, "exp/continued/train/init.json"))
+    model, _ = load_model_for_inference(ckpt, storage_options=s3.options)
+    assert record["init_from"] == ckpt and record["from_step"] == 4
+    assert record["weights_sha256"] == weights_sha256(model)
 
 
 def test_a_token_object_that_is_not_the_indexed_one_is_refused(s3, index, tmp_path):
