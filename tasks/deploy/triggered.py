@@ -23,6 +23,7 @@ from typing import Callable
 from tasks.core.constants import DEPLOY_FLOW, EVAL_FLOW
 from tasks.core.io import write_json_atomic
 from tasks.core.layout import RunLayout
+from tasks.core.storage import is_remote, run_uri, store_of_path
 
 log = logging.getLogger(__name__)
 
@@ -114,19 +115,34 @@ def flow_run_failed(deployment: str, checkpoint: str | Path) -> str | None:
             "limit": 200}).json()
     except (httpx.HTTPError, ValueError):
         return None
-    want = str(Path(checkpoint).resolve())
+    # the event named the checkpoint by its path, or (object-store run_root) by its object
+    want = {str(Path(checkpoint).resolve()), run_uri(checkpoint)}
     mine = [r for r in runs if isinstance(r, dict) and
-            str(Path(str((r.get("parameters") or {}).get("checkpoint", ""))).resolve()) == want]
+            _checkpoint_param(str((r.get("parameters") or {}).get("checkpoint", ""))) in want]
     if mine and mine[0].get("state_type") in ("FAILED", "CRASHED"):
         return f"{deployment} flow run {mine[0].get('name')} {mine[0]['state_type']}"
     return None
+
+
+def _checkpoint_param(value: str) -> str:
+    return value if is_remote(value) else str(Path(value).resolve())
+
+
+def _synced(path: Path, always: bool = False) -> Path:
+    """`path` of an object-store run as the store has it, when this working copy lacks it (`always`:
+    also when it has it, e.g. a directory others add to): the triggered flows may run on another
+    machine, and they push what they write."""
+    store = store_of_path(path)
+    if store is not None and (always or not path.exists()):
+        store.sync_down([store.rel(path)])
+    return path
 
 
 def _await(path: Path, key: str, deployment: str, checkpoint: str | Path, timeout: float) -> dict | None:
     deadline = time.monotonic() + timeout
     checked = 0.0
     while True:
-        data = _read(path, key)
+        data = _read(_synced(path), key)
         if data is not None:
             return data
         if time.monotonic() - checked > 10:  # the Prefect API is asked every 10 s, the file every second
@@ -159,6 +175,7 @@ def await_deployment(cfg, tracking_uri: str, layout: RunLayout, best: dict,
     from tasks.deploy.registry import get_champion
 
     records = []
+    _synced(layout.triggered_eval_dir, always=True)
     for report_file in sorted(layout.triggered_eval_dir.glob("*.json")):
         report = _read(report_file, "gate")
         if report is None or not report["gate"].get("passed"):
