@@ -504,3 +504,26 @@ def test_served_model_is_a_dataset_with_endpoint_and_model_version(tmp_path):
     # not served (deploy.serve false, or the gate kept the champion): the registry's version alone, or nothing
     assert [o.name for o in deploy_outputs("http://127.0.0.1:5000", {**served, "endpoint": None})] == ["models/m/3"]
     assert deploy_outputs("http://127.0.0.1:5000", {**served, "version": None}) == []
+
+
+def test_training_run_of_finds_the_producer_of_a_store_checkpoint_by_its_key(tmp_path):
+    """On an object-store run_root a checkpoint is named in lineage by its key, not the working-copy
+    path the triggered flows hold: the torchrun run whose COMPLETE lists it is still found (not just
+    the newest torchrun run, which may be a later one)."""
+    from tasks.core import storage
+    from tasks.lineage.runs import training_run_of
+
+    store = storage.open_store("s3://bucket/crucible", {}, str(tmp_path / "cache"))
+    try:
+        ckpt = store.local_root / "r1" / "train" / "checkpoints" / "step-000004"
+        job = {"name": "pretrain.torchrun_train.torchrun",
+               "facets": {"jobType": {"integration": "TORCH", "jobType": "JOB", "processingType": "BATCH"}}}
+        events = [{"eventType": "START", "run": {"runId": "first"}, "job": job},
+                  {"eventType": "COMPLETE", "run": {"runId": "first"}, "job": job,
+                   "outputs": [{"namespace": "s3://bucket", "name": "crucible/r1/train/checkpoints/step-000004"}]},
+                  {"eventType": "START", "run": {"runId": "second"}, "job": job}]
+        log = tmp_path / "lineage.jsonl"
+        log.write_text("".join(json.dumps(e) + "\n" for e in events))
+        assert training_run_of(log, ckpt).run.run_id == "first"
+    finally:
+        storage._STORES.pop(store.root, None)

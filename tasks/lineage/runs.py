@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.core.storage import lineage_name
 from tasks.lineage.emitter import JobRef
 from tasks.lineage.facets import CrucibleSourceDatasetFacet, source_entries
 
@@ -48,6 +49,8 @@ def training_run_of(log_path: str | Path, checkpoint: str | Path) -> TrainingRun
     """The training run that wrote `checkpoint`: the torchrun run whose COMPLETE lists it, else the
     newest torchrun run started (training still running). An empty TrainingRun when the log has none."""
     ckpt = str(Path(checkpoint).resolve())
+    named = lineage_name(ckpt)  # an object-store run's checkpoint is named by its key
+    names = {ckpt} if named is None else {ckpt, named[1]}
     starts: dict[str, dict] = {}
     producer = None
     for event in _events(Path(log_path)):
@@ -56,7 +59,7 @@ def training_run_of(log_path: str | Path, checkpoint: str | Path) -> TrainingRun
         run_id = event["run"]["runId"]
         if event.get("eventType") == "START":
             starts[run_id] = event
-        elif any(o.get("name") == ckpt for o in event.get("outputs") or []):
+        elif any(o.get("name") in names for o in event.get("outputs") or []):
             producer = run_id
     if not starts:
         return TrainingRun()
