@@ -21,6 +21,7 @@ from tasks.config import PipelineConfig
 from tasks.core.constants import LINEAGE_URL_ENV
 from tasks.core.layout import RunLayout
 from tasks.core.storage import local_run_root, push_path, run_uri, store_for
+from tasks.curate.stage import check_index_store
 from tasks.lineage import JobRef, LineageEmitter
 from tasks.lineage.emitter import lineage_page, model_version_node
 from tasks.lineage.facets import CrucibleLinksRunFacet
@@ -140,6 +141,7 @@ def open_run(cfg: PipelineConfig, run_name: str | None = None) -> RunContext:
     check_ray_address(cfg.ray)  # a cluster nobody answers on fails here, before the run directory exists
     # likewise a missing bucket or a refused key, before anything is written
     store = store_for(cfg, check=True)
+    check_index_store(cfg)
     run_name = run_name or new_run_name(cfg)
     layout = RunLayout.for_run(cfg.run_root, run_name)
     run_dir = layout.run_dir

@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from infra import database  # stdlib only at import: PostgreSQL for stack.database=postgres
+from infra import artifact_store, database  # stdlib only at import: MLflow's object store, PostgreSQL
 from tasks.core.constants import (EVENT_DEPLOYMENTS, LINEAGE_TOKEN_FILE_ENV, LINEAGE_URL_ENV, REPO_ROOT,
                                   WORK_POOL)
 from tasks.core.io import atomic_write_text
@@ -268,6 +268,7 @@ def client_env(stack_cfg, lineage_cfg=None) -> dict[str, str]:
         "MLFLOW_TRACKING_URI": mlflow_tracking_uri(stack_cfg),
         "MLFLOW_DISABLE_TELEMETRY": "true",
         STATE_DIR_ENV: str(state_dir(stack_cfg)),
+        **artifact_store.client_env(),  # artifacts through the MLflow server, never straight from its store
         **(ray_client_env(stack_cfg) if stack_cfg.ray == "cluster" else {}),
     }
 
@@ -316,7 +317,8 @@ def mlflow_spec(stack_cfg) -> ServiceSpec:
         cmd=[_bin("mlflow"), "server",
              "--backend-store-uri", database.mlflow_backend_uri(stack_cfg, root),
              # artifacts are proxied by the server (--serve-artifacts is the default), so clients
-             # log to mlflow-artifacts:/ over HTTP and never need the path below
+             # log to mlflow-artifacts:/ over HTTP and never need the path or bucket below (an object
+             # store's endpoint and credentials reach the server's environment at launch: _launch)
              "--artifacts-destination", database.mlflow_artifacts_root(stack_cfg, root),
              "--host", stack_cfg.host, "--port", str(stack_cfg.mlflow_port),
              "--workers", str(stack_cfg.mlflow_workers)],
@@ -615,9 +617,12 @@ def _launch(stack_cfg, spec: ServiceSpec) -> int:
     log = log_path(stack_cfg, spec.name)
     log.parent.mkdir(parents=True, exist_ok=True)
     cwd = state_dir(stack_cfg)
-    env = {**os.environ, **spec.env}
+    # every service may be an MLflow client (the model server downloads registered models)
+    env = {**os.environ, **artifact_store.client_env(), **spec.env}
     if spec.name == PREFECT or "PREFECT_API_URL" in spec.env:  # the server and its clients share its auth
         env.update(prefect_auth_env(stack_cfg))
+    if spec.name == MLFLOW:  # stack.artifacts_options resolved: secrets stay out of the spec and the log
+        env.update(artifact_store.server_env(stack_cfg))
     with open(log, "ab") as logf:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         logf.write(f"\n=== crucible: starting {spec.name} at {stamp}: {' '.join(spec.cmd)}\n".encode())
@@ -858,6 +863,12 @@ def up(stack_cfg, timeout: float | None = None, lineage_cfg=None, pipeline: tupl
     for sub in ("prefect", "mlflow/artifacts", "run", "logs"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     with stack_lock(stack_cfg):
+        # an object-store artifacts_root is checked before anything starts, not at MLflow's first upload
+        if running_pid(stack_cfg, MLFLOW) is None:
+            try:
+                artifact_store.check(stack_cfg)
+            except artifact_store.ArtifactStoreError as e:  # the CLI reports a StackError in one line
+                raise StackError(str(e)) from None
         # stack.database=postgres: the database answers (and has its databases) before its clients start
         database_started = _start_database(stack_cfg, timeout)
         specs = [prefect_spec(stack_cfg), mlflow_spec(stack_cfg), lineage_spec(stack_cfg, lineage_cfg)]

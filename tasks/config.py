@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator,
@@ -189,7 +189,9 @@ class MinHashConfig(Section):
     quality_field: str = "quality_score"
     # incremental index (tasks.dedup.index): documents sharing a band key with one indexed by an
     # earlier run are dropped as "minhash_index"; the kept ones are added and the index saved when
-    # the stage completes. None: off. A path, absolute or relative to the working directory.
+    # the stage completes. None: off. A path, absolute or relative to the working directory, or an
+    # object-store URI (s3://bucket/prefix): read and saved through a local working copy, with
+    # run_root's storage.options (tasks.dedup.index)
     index_dir: str | None = None
 
 
@@ -649,8 +651,18 @@ class StackConfig(Section):
     # ... or an existing server, postgresql://user@host:port (its password from PGPASSWORD or PGPASSFILE)
     postgres_url: str | None = Field(default=None, pattern=r"^postgres(ql)?://")
     database_timeout: float = Field(default=10.0, gt=0)  # seconds to reach PostgreSQL before `up` fails
-    # MLflow's artifact store (a local path or a URI such as s3://bucket/mlflow); None: <state_dir>/mlflow/artifacts
+    # MLflow's artifact store (a local path or a URI such as s3://bucket/mlflow); None: <state_dir>/mlflow/artifacts.
+    # The tracking server alone reads and writes it; clients go through the server (infra/artifact_store.py)
     artifacts_root: str | None = None
+    # an s3:// artifacts_root's options, in storage.options' form: endpoint_url, credentials only as
+    # "${ENV_VAR}" references (resolved into the server's environment when it starts, never stored);
+    # {}: the server's own environment (AWS_ACCESS_KEY_ID, MLFLOW_S3_ENDPOINT_URL, AWS_PROFILE, ...)
+    artifacts_options: dict[str, Any] = {}
+    artifacts_check_timeout: float = Field(default=20.0, gt=0)  # the bucket check before MLflow starts
+    # each option an s3:// artifacts_root takes and the server's environment variable it becomes
+    ARTIFACT_OPTION_ENV: ClassVar[dict[str, str]] = {
+        "endpoint_url": "MLFLOW_S3_ENDPOINT_URL", "key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY",
+        "token": "AWS_SESSION_TOKEN", "client_kwargs.region_name": "AWS_DEFAULT_REGION"}
 
     @field_validator("postgres_url")
     @classmethod
@@ -660,6 +672,32 @@ class StackConfig(Section):
         if url and urlsplit(url).password is not None:  # the URL goes into service specs, logs and MLflow params
             raise ValueError("holds a password: give it in PGPASSWORD or a PGPASSFILE instead")
         return url
+
+    @staticmethod
+    def flat_options(options: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        """{"client_kwargs": {"region_name": r}} -> {"client_kwargs.region_name": r} (ARTIFACT_OPTION_ENV's keys)."""
+        out: dict[str, Any] = {}
+        for name, value in options.items():
+            is_dict = isinstance(value, dict)
+            out.update(StackConfig.flat_options(value, f"{prefix}{name}.") if is_dict else {prefix + name: value})
+        return out
+
+    @field_validator("artifacts_options")
+    @classmethod
+    def _artifact_options(cls, v: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(cls.flat_options(v)) - set(cls.ARTIFACT_OPTION_ENV))
+        if unknown:  # each option becomes an environment variable of the server: no others have one
+            raise ValueError(f"unsupported {unknown}; the options are {sorted(cls.ARTIFACT_OPTION_ENV)}")
+        bad = literal_secret_options(v)
+        if bad:
+            raise ValueError(f"credentials must be \"${{ENV_VAR}}\" references, not literals: {bad}")
+        return v
+
+    @model_validator(mode="after")
+    def _options_need_s3(self) -> "StackConfig":
+        if self.artifacts_options and not (self.artifacts_root or "").startswith("s3://"):
+            raise ValueError("stack.artifacts_options apply to an s3:// stack.artifacts_root only")
+        return self
 
 
 class LineageConfig(Section):

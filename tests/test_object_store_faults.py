@@ -58,3 +58,12 @@ def test_crucible_run_on_a_missing_bucket_stops_before_the_stack_starts(tmp_path
         assert err.startswith("crucible: run_root s3://no-such-bucket/crucible: the bucket 'no-such-bucket' does not exist")
         assert not any((state / "run").glob("*.pid")) and not (tmp_path / "runs").exists()
         assert not (tmp_path / "cache").exists() and s3.keys("runs") == []
+        # likewise the MinHash index's bucket (checked before the stack starts, not when curate opens it)
+        proc = subprocess.run(CRUCIBLE + ["--state-dir", str(state), "run", str(config), "--set",
+                                          "run_root=s3://runs/crucible", "--set",
+                                          "curate.dedup.minhash.index_dir=s3://no-such-bucket/index"],
+                              cwd=tmp_path, env=_client_env(), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and time.monotonic() - t0 < 60, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith(
+            "crucible: curate.dedup.minhash.index_dir s3://no-such-bucket/index: the bucket 'no-such-bucket' does not")
+        assert not any((state / "run").glob("*.pid")) and s3.keys("runs") == []

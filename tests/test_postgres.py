@@ -1,6 +1,8 @@
 """stack.database=postgres: Prefect's server and MLflow's tracking store on a real PostgreSQL cluster
 that `crucible up` creates and runs (infra/database.py), read back through their APIs and straight
-from PostgreSQL; and a PostgreSQL that is down stops `up` / `run` quickly, naming it."""
+from PostgreSQL, with MLflow's artifacts on an S3 bucket (moto's server, IAM authentication on) that
+only the tracking server holds credentials for (infra/artifact_store.py); and a PostgreSQL that is
+down, or an artifact bucket that is missing or refuses the key, stops `up` / `run` quickly, naming it."""
 from __future__ import annotations
 
 import json
@@ -16,7 +18,8 @@ import pytest
 import yaml
 
 from infra import database, stack
-from tasks.config import ConfigError, load_config
+from s3_helpers import KEY_VAR, SECRET_VAR, moto_s3
+from tasks.config import ConfigError, StackConfig, load_config
 from tasks.core.net import free_port
 from test_e2e import CRUCIBLE, REPO, _prefect_runs
 
@@ -39,8 +42,25 @@ def lean_config(path: Path) -> Path:
     return path
 
 
+ARTIFACTS = "mlflow-artifacts"  # the bucket of stack.artifacts_root
+
+
 def _client_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "PG"))}
+    """This environment without the stack's, PostgreSQL's and the standard AWS credentials: the S3
+    key reaches MLflow's server only through stack.artifacts_options' ${ENV} references."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("PREFECT_", "MLFLOW_", "PG", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"))}
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """One moto S3 server for the module (the demo's artifact store and the bucket checks)."""
+    tmp = Path(tempfile.mkdtemp(prefix="crucible-pg-s3-"))
+    try:
+        with moto_s3(tmp, buckets=[ARTIFACTS]) as server:
+            yield server
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_postgres_url_with_a_password_is_refused():
@@ -74,14 +94,38 @@ def test_postgres_down_fails_up_and_run_within_30s_naming_the_setting(tmp_path):
     assert not list(state.rglob("*.db")) or {p.name for p in state.rglob("*.db")} <= {"lineage.db"}
 
 
+def test_artifact_bucket_missing_or_key_refused_fails_up_within_30s(s3, tmp_path, monkeypatch):
+    """stack.artifacts_root's bucket is checked with the server's options before anything starts:
+    a missing bucket or a wrong key fails `up` in seconds naming the setting, never the secret."""
+    monkeypatch.setenv("WRONG_KEY", "AKIAWRONGWRONGWRONG0")
+    monkeypatch.setenv("WRONG_SECRET", "not-the-secret-at-all")
+    wrong_key = {**s3.options, "key": "${WRONG_KEY}", "secret": "${WRONG_SECRET}"}
+    for root, options, says in (("s3://no-such-bucket/mlflow", s3.options, "bucket 'no-such-bucket' does not exist"),
+                                (f"s3://{ARTIFACTS}/mlflow", wrong_key, "access denied")):
+        cfg = StackConfig(state_dir=str(tmp_path / "state"), prefect_port=free_port(), mlflow_port=free_port(),
+                          worker_port=free_port(), artifacts_root=root, artifacts_options=options)
+        t0 = time.monotonic()
+        with pytest.raises(stack.StackError) as err:
+            stack.up(cfg)
+        assert time.monotonic() - t0 < 30
+        msg = str(err.value)
+        assert msg.startswith(f"stack.artifacts_root {root}: ") and says in msg, msg
+        assert "run_root" not in msg and "not-the-secret" not in msg and os.environ[SECRET_VAR] not in msg
+        assert not any((tmp_path / "state" / "run").glob("*.pid")), "a service started before the check"
+
+
 # ------------------------------------------------------------------------ the demo on PostgreSQL
 
 @pytest.fixture(scope="module")
-def pg_demo():
-    """The lean demo through `crucible run` with stack.database=postgres; the stack stays up for the tests."""
+def pg_demo(s3):
+    """The lean demo through `crucible run` with stack.database=postgres and MLflow's artifacts in the
+    S3 bucket; the stack stays up for the tests."""
     tmp = Path(tempfile.mkdtemp(prefix="crucible-pg-demo-"))
     tmp.chmod(0o711)
     config = lean_config(tmp / "lean.yaml")
+    raw = yaml.safe_load(config.read_text())
+    raw["stack"] = {"artifacts_root": f"s3://{ARTIFACTS}/mlflow", "artifacts_options": s3.options}
+    config.write_text(yaml.safe_dump(raw))
     overrides = [f"stack.state_dir={tmp / 'state'}", f"stack.prefect_port={free_port()}",
                  f"stack.mlflow_port={free_port()}", f"lineage.service_port={free_port()}",
                  f"stack.postgres_port={free_port()}", f"stack.worker_port={free_port()}", f"run_root={tmp / 'runs'}",
@@ -98,7 +142,7 @@ def pg_demo():
         print(f"\nlean demo on PostgreSQL: {time.monotonic() - t0:.0f}s, stages {summary['timings_s']}")
         status = json.loads(subprocess.run(CRUCIBLE + ["status", "--json", "--config", str(config), *sets], cwd=REPO,
                                            env=_client_env(), capture_output=True, text=True, timeout=60).stdout)
-        yield {"summary": summary, "status": status, "stack": cfg.stack,
+        yield {"summary": summary, "status": status, "stack": cfg.stack, "s3": s3,
                "headers": stack.prefect_headers(cfg.stack)}
     finally:
         stack.down(cfg.stack)
@@ -151,6 +195,55 @@ def test_demo_state_lives_in_postgres(pg_demo):
     assert db_states == api_states
     db_tasks = {task_id for (task_id,) in _rows(stack_cfg, "prefect", "SELECT id::text FROM task_run")}
     assert db_tasks == {r["id"] for r in task_runs}
+
+
+@pytest.mark.e2e
+def test_demo_artifacts_live_in_the_bucket(pg_demo, tmp_path, monkeypatch):
+    """The runs' logged artifacts and the registered model are objects in stack.artifacts_root's
+    bucket (none in the state directory), behind mlflow-artifacts:/ URIs; the registered version
+    downloads through the tracking server into a process without any S3 credential or endpoint."""
+    import mlflow.artifacts
+    from mlflow.tracking import MlflowClient
+
+    from tasks.core.hashing import sha256_tree
+
+    s, s3, uri = pg_demo["summary"], pg_demo["s3"], pg_demo["summary"]["mlflow"]["tracking_uri"]
+    client = MlflowClient(tracking_uri=uri)
+    dep = s["stages"]["deploy"]
+    mv = client.get_model_version(dep["model_name"], str(dep["version"]))
+    assert mv.source.startswith("mlflow-artifacts:/"), mv.source  # proxied: no client ever sees the bucket
+    model_prefix = "mlflow/" + mv.source.removeprefix("mlflow-artifacts:").strip("/") + "/"
+    model_keys = s3.keys(ARTIFACTS, model_prefix)
+    assert model_prefix + "MLmodel" in model_keys and any("/artifacts/checkpoint/" in k for k in model_keys), model_keys
+    # the pipeline loaded it back from the registry (verify_registered) before making it champion
+    assert mv.tags["deployment.verified"] == "loaded from the registry and generated"
+    # a run's logged artifacts (the train stage's train.json, the model's copy), listed through the
+    # server, are the bucket's objects under the run
+    train = client.get_run(s["stages"]["train"]["mlflow_run_id"]).info
+    assert train.artifact_uri == f"mlflow-artifacts:/{train.experiment_id}/{train.run_id}/artifacts"
+    prefix = f"mlflow/{train.experiment_id}/{train.run_id}/artifacts/"
+    run_keys = s3.keys(ARTIFACTS, prefix)
+    assert prefix + "train.json" in run_keys, run_keys
+    assert {f.path for f in client.list_artifacts(train.run_id)} == {k[len(prefix):].split("/")[0] for k in run_keys}
+    state = stack.state_dir(pg_demo["stack"])
+    assert not [p for p in (state / "mlflow").rglob("*") if p.is_file()], "MLflow wrote artifacts to the state dir"
+    # the server got the key from stack.artifacts_options' references at launch: not in its spec or log
+    for written in (state / "run" / "mlflow.json", stack.log_path(pg_demo["stack"], "mlflow")):
+        assert s3.secret not in written.read_text() and s3.key not in written.read_text(), written
+
+    # a client with the stack's environment and no S3 credential or endpoint downloads the version
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MLFLOW_S3_ENDPOINT_URL", KEY_VAR, SECRET_VAR):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in stack.client_env(pg_demo["stack"]).items():
+        monkeypatch.setenv(name, value)
+    t0 = time.monotonic()
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{dep['model_name']}/{dep['version']}",
+                                                     dst_path=str(tmp_path), tracking_uri=uri))
+    took = time.monotonic() - t0
+    assert took < 30, f"downloading the registered model took {took:.0f}s"
+    got = {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()}
+    assert got - {"registered_model_meta"} == {k[len(model_prefix):] for k in model_keys}  # (that one: MLflow's note)
+    assert sha256_tree(local / "artifacts" / "checkpoint") == mv.tags["export_sha256"]
 
 
 @pytest.mark.e2e

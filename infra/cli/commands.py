@@ -139,9 +139,11 @@ def cmd_run(args) -> int:
         except RayUnreachable as e:
             return fail(f"crucible: {e}", 1)
     from tasks.core.storage import StorageError
+    from tasks.curate.stage import check_index_store
 
     try:  # an object-store run_root that is missing or refuses the key: before the stack starts
         store_for(cfg, check=True)
+        check_index_store(cfg)
     except StorageError as e:
         return fail(f"crucible: {e}", 1)
     print(f"config {args.config} is valid; bringing up the local stack in {stack.state_dir(cfg.stack)} ...",

@@ -20,6 +20,10 @@ comes back with the id of the node that ran it and the seconds its body took the
 `JobRunner.nodes` counts jobs per node, what the stage summaries report as `nodes`
 (`JobRunner.node_report`), and `JobRunner.job_report` says where a stage's time on Ray went
 (compute in the jobs vs the map's wall time on its workers, and the bytes of results moved).
+
+Ray tasks outside a JobRunner (the dedup shuffles, `tasks.dedup.cluster` and `tasks.dedup.lines`)
+are made by `staged_remote`: with a remote run_root their files go through the store like a job's;
+`shuffle_staging` prepares a shuffle's spill folder and inputs.
 """
 from __future__ import annotations
 
@@ -132,6 +136,37 @@ def _node_reporting_class(cls: type, staging: Staging | None) -> type:
 
     NodeReporting.__name__ = NodeReporting.__qualname__ = cls.__name__
     return NodeReporting
+
+
+def staged_remote(fn: Callable, staging: Staging | None, shuffle: bool = False, **options):
+    """`fn` as a Ray remote function (`options`: ray.remote's) returning fn's own result; for jobs
+    outside a JobRunner, whose writes are not pulled into the working copy. With `staging` (a
+    remote run_root) its files go through the store (`Staging.run`; a `shuffle`'s jobs on the
+    driver's node too). Without, it is `ray.remote(fn)` itself."""
+    import ray
+
+    if staging is None:
+        return ray.remote(**options)(fn)
+
+    def run(*args):
+        return staging.run(fn, args, current_node_id(), shuffle)[0]
+
+    run.__name__ = run.__qualname__ = getattr(fn, "__name__", "job")
+    return ray.remote(**options)(run)
+
+
+def shuffle_staging(spill_dir: Path, inputs: Any) -> Staging | None:
+    """The staging of a shuffle whose jobs read `inputs` (`tasks.core.storage.map_paths`' values)
+    and spill under `spill_dir`: None when `spill_dir` is in no store's working copy (the jobs use
+    the paths themselves). Else the spill files go from job to job through the store (never the
+    driver's working copy; read back as `InputDir`s, deleted with `Staging.discard`), so the
+    store's leftovers of a shuffle that died there are deleted first, and the input files this
+    driver's node wrote are pushed."""
+    staging = Staging.for_driver(str(spill_dir))
+    if staging is not None:
+        staging.discard(spill_dir)
+        staging.push_inputs(inputs)
+    return staging
 
 
 def _lost_worker_errors() -> tuple[type, ...]:

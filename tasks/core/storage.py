@@ -105,8 +105,10 @@ class RunStore:
         return f"{self.protocol}://{key[0]}", (key[1] if len(key) > 1 else "")
 
     # ---- the bucket check -------------------------------------------------------------------
-    def check(self, timeout: float = 20.0) -> None:
-        """Write, read back and delete a probe object under run_root, within `timeout` seconds."""
+    def check(self, timeout: float = 20.0, setting: str = "run_root", options_setting: str = "storage.options"
+              ) -> None:
+        """Write, read back and delete a probe object under the root, within `timeout` seconds; a
+        StorageError names `setting` (the URI's setting) and `options_setting` (its options') otherwise."""
         outcome: dict[str, BaseException | None] = {}
 
         def probe() -> None:
@@ -122,22 +124,22 @@ class RunStore:
         t = threading.Thread(target=probe, daemon=True)
         t.start()
         t.join(timeout)
-        where = f"run_root {self.root}"
+        where = f"{setting} {self.root}"
         if "error" not in outcome:
             raise StorageError(f"{where}: the object store did not answer within {timeout:.0f} s; check "
-                               "storage.options.endpoint_url")
+                               f"{options_setting}.endpoint_url")
         e = outcome["error"]
         if e is None:
             return
         if isinstance(e, FileNotFoundError):
             raise StorageError(f"{where}: the bucket {self.bucket!r} does not exist ({e}); create it or fix "
-                               "run_root") from None
+                               f"{setting}") from None
         if isinstance(e, PermissionError):
-            raise StorageError(f"{where}: access denied ({e}); check the credentials (storage.options key/secret "
+            raise StorageError(f"{where}: access denied ({e}); check the credentials ({options_setting} key/secret "
                                "as ${ENV_VAR} references, or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_PROFILE)"
                                ) from None
         raise StorageError(f"{where}: the object store failed ({type(e).__name__}: {e}); check "
-                           "storage.options") from None
+                           f"{options_setting}") from None
 
     # ---- working copy <-> store ---------------------------------------------------------------
     @contextmanager
@@ -361,6 +363,29 @@ def node_root(node_id: str) -> Path:
     return Path(tempfile.gettempdir()) / "crucible-stage" / node_id[:16]
 
 
+class InputDir(str):
+    """A job argument naming a folder the job reads whole (a partition of a shuffle): staged, every
+    object under its prefix in the store is downloaded into the job's own input folder first (read
+    once, so not kept in the node's cache). Unstaged it is the path itself. (A plain path is an
+    input only when the store holds a file of that name; any other is an output location.)"""
+    __slots__ = ()
+
+
+def map_paths(obj: Any, fn) -> Any:
+    """`obj` with `fn` applied to every path (str or Path) in it, through lists, tuples, dicts and
+    objects that name files themselves: `obj.stage_paths(f)` gives a copy with its paths mapped
+    by `f` (a text verifier reading Parquet files)."""
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_paths(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: map_paths(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (str, Path)):
+        return fn(obj)
+    if hasattr(obj, "stage_paths"):
+        return obj.stage_paths(lambda v: map_paths(v, fn))
+    return obj
+
+
 @dataclass(frozen=True)
 class Staging:
     """What a Ray job needs to stage its files through the stores: the stores, and the driver's node
@@ -369,8 +394,10 @@ class Staging:
     driver_node: str
 
     @classmethod
-    def for_driver(cls) -> "Staging | None":
-        if not _STORES:
+    def for_driver(cls, *within: Any) -> "Staging | None":
+        """The staging of this driver's jobs: None without a store, or, given `within` (values as
+        `map_paths` walks them), when none of its paths lies in a working copy."""
+        if not _STORES or (within and not any(s is not None for s in _owners(within))):
             return None
         from tasks.core.ray_utils import current_node_id
 
@@ -383,30 +410,38 @@ class Staging:
                 return store, path[len(root) + 1:]
         return None
 
-    def stage_in(self, obj: Any, job_dir: Path, cache: Path, back: dict[str, str]) -> Any:
-        """`obj` (nested tuples/lists/dicts of values) with each working-copy path replaced by the
-        node's: an object in the store is downloaded to the node's input cache; any other path is an
-        output location inside `job_dir`. `back` collects node path -> driver path."""
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self.stage_in(o, job_dir, cache, back) for o in obj)
-        if isinstance(obj, dict):
-            return {k: self.stage_in(v, job_dir, cache, back) for k, v in obj.items()}
-        if not isinstance(obj, (str, Path)):
-            return obj
-        owned = self._owner(str(obj))
-        if owned is None:
-            return obj
+    def stage_in(self, obj: Any, job_dir: Path, cache: Path, back: dict[str, str], local: bool = False) -> Any:
+        """`obj` (`map_paths`' values) with each working-copy path replaced by the node's: an object
+        in the store is downloaded to the node's input cache, an `InputDir` into the job's input
+        folder (`_inputs_of`); any other path is an output location inside `job_dir`. `local`: the
+        job runs on the driver's node and reads the working copy's files in place. `back` collects
+        node path -> driver path."""
+        done: dict[str, Any] = {}  # a path named many times (a shard per row group) is looked up once
+
+        def stage(p: str | Path) -> Any:
+            if str(p) not in done:
+                done[str(p)] = self._stage_path(p, job_dir, cache, back, local)
+            return done[str(p)]
+
+        return map_paths(obj, stage)
+
+    def _stage_path(self, p: str | Path, job_dir: Path, cache: Path, back: dict[str, str], local: bool) -> Any:
+        owned = self._owner(str(p))
+        if owned is None or (local and not isinstance(p, InputDir) and os.path.isfile(p)):
+            return p
         store, rel = owned
         fs = store.fs()
         uri = store.uri(rel)
+        if isinstance(p, InputDir):
+            return str(_fetch_dir(fs, uri, _inputs_of(job_dir) / _store_key(store) / rel))
         info = _info(fs, uri)
         if info is not None and info.get("type") == "file":
             node_path = _fetch_cached(fs, uri, info, cache / "in" / _store_key(store) / rel)
         else:
             node_path = job_dir / _store_key(store) / rel
             node_path.parent.mkdir(parents=True, exist_ok=True)
-        back[str(node_path)] = str(obj)
-        return type(obj)(node_path) if isinstance(obj, Path) else str(node_path)
+        back[str(node_path)] = str(p)
+        return type(p)(node_path) if isinstance(p, Path) else str(node_path)
 
     def stage_out(self, job_dir: Path) -> list[tuple[str, str]]:
         """Upload every file the job wrote under `job_dir`; [(store root, key)]."""
@@ -421,20 +456,55 @@ class Staging:
             out.append((store.root, rel))
         return out
 
-    def run(self, fn, args: tuple, node_id: str) -> tuple[Any, list[tuple[str, str]]]:
-        """fn(*args) on this node with its files staged; (result with driver paths, keys written)."""
-        if node_id == self.driver_node:
+    def run(self, fn, args: tuple, node_id: str, shuffle: bool = False) -> tuple[Any, list[tuple[str, str]]]:
+        """fn(*args) on this node with its files staged; (result with driver paths, keys written).
+        On the driver's node a job uses the working copy directly, unless it is part of a `shuffle`:
+        what it writes then goes to the store as well (the next phase's jobs may run on any node,
+        reading it through `InputDir`s), while it reads the working copy's files in place."""
+        local = node_id == self.driver_node
+        if local and not shuffle:
             return fn(*args), []
         cache = node_root(node_id)
         job_dir = cache / "jobs" / uuid.uuid4().hex
         back: dict[str, str] = {}
         try:
-            staged = self.stage_in(args, job_dir, cache, back)
+            staged = self.stage_in(args, job_dir, cache, back, local)
             result = fn(*staged)
             written = self.stage_out(job_dir) if job_dir.exists() else []
         finally:
             shutil.rmtree(job_dir, ignore_errors=True)
+            shutil.rmtree(_inputs_of(job_dir), ignore_errors=True)
         return _replace_paths(result, back), written
+
+    def push_inputs(self, obj: Any) -> None:
+        """On the driver, before jobs that may run on other nodes: push the folders of the
+        working-copy files `obj` names (`map_paths`' values), so that the store has what jobs on
+        the driver's node wrote there without uploading. A folder at a time: one push each."""
+        folders: dict[str, RunStore] = {}
+
+        def visit(p: str | Path) -> str | Path:
+            owned = self._owner(str(p))
+            if owned is not None and os.path.isfile(p):
+                folders.setdefault(str(Path(p).parent), owned[0])
+            return p
+
+        map_paths(obj, visit)
+        for folder, store in folders.items():
+            store.push(folder)
+
+    def discard(self, path: str | Path) -> None:
+        """Delete the store's objects under a working-copy path (a shuffle's spill files, which
+        never enter the working copy)."""
+        owned = self._owner(str(path))
+        if owned is None:
+            return
+        store, rel = owned
+        fs, uri = store.fs(), store.uri(rel)
+        fs.invalidate_cache(uri)
+        try:
+            fs.rm(uri, recursive=True)
+        except FileNotFoundError:
+            pass
 
 
 def pull_outputs(written: list[tuple[str, str]]) -> None:
@@ -446,8 +516,20 @@ def pull_outputs(written: list[tuple[str, str]]) -> None:
         _STORES[root].pull("", keys=keys)
 
 
+def _owners(within: Any) -> list[RunStore | None]:
+    """The registered store of each path in `within` (None: in no working copy)."""
+    found: list[RunStore | None] = []
+    map_paths(within, lambda p: found.append(store_of_path(p)) or p)
+    return found
+
+
 def _store_key(store: RunStore) -> str:
     return hashlib.sha256(store.root.encode()).hexdigest()[:12]
+
+
+def _inputs_of(job_dir: Path) -> Path:
+    """A job's input folders (`InputDir`): beside its job folder, whose files are all uploaded."""
+    return job_dir.with_name(job_dir.name + ".in")
 
 
 def _info(fs, uri: str) -> dict | None:
@@ -471,6 +553,24 @@ def _fetch_cached(fs, uri: str, info: dict, dest: Path) -> Path:
     return dest
 
 
+def _fetch_dir(fs, uri: str, dest: Path) -> Path:
+    """Every object under the prefix `uri` at its relative path under `dest`, downloaded
+    concurrently (an empty folder when there is none)."""
+    fs.invalidate_cache(uri)  # a fresh listing: the worker's file system instance outlives its jobs
+    try:
+        found = fs.find(uri)
+    except FileNotFoundError:
+        found = []
+    dest.mkdir(parents=True, exist_ok=True)
+    base = uri.split("://", 1)[-1].rstrip("/") + "/"
+    targets = [dest / p.split("://", 1)[-1][len(base):] for p in found]
+    for t in targets:
+        t.parent.mkdir(parents=True, exist_ok=True)
+    if found:
+        fs.get(list(found), [str(t) for t in targets])
+    return dest
+
+
 def _replace_paths(obj: Any, back: dict[str, str]) -> Any:
     """`obj` with every string that starts with a node path rewritten to its driver path."""
     if isinstance(obj, (list, tuple)):
@@ -484,3 +584,21 @@ def _replace_paths(obj: Any, back: dict[str, str]) -> Any:
                 s = driver + s[len(node):]
                 return type(obj)(s) if isinstance(obj, Path) else s
     return obj
+
+
+# ---- other locations on a store -------------------------------------------------------------------
+def store_for_uri(uri: str, setting: str, check_timeout: float = 20.0) -> tuple[RunStore, str]:
+    """(store, key relative to its root) of an object-store URI named by a setting other than
+    run_root (the MinHash index): the registered store whose root holds it (run_root's: one working
+    copy, checked by the flow), else a new store rooted at the URI with the options and cache of a
+    registered store of the same protocol (none: the AWS chain), checked first; a store that cannot
+    be used raises StorageError naming `setting`."""
+    uri = uri.rstrip("/")
+    for store in _STORES.values():
+        if uri == store.root or uri.startswith(store.root + "/"):
+            return store, uri[len(store.root) + 1:] or "."
+    like = next((s for s in _STORES.values() if s.protocol == protocol(uri)), None)
+    store = RunStore(uri, dict(like.options) if like else {}, like.cache_dir if like else "")
+    store.check(check_timeout, setting=setting)
+    _STORES[store.root] = store
+    return store, "."

@@ -39,9 +39,24 @@ class CurateStage(Stage):
 
 
 def minhash_index_dir(cfg) -> str | None:
-    """The persistent MinHash index this run reads and writes (None: no index in use)."""
+    """The persistent MinHash index this run reads and writes, as a local folder (one on an object
+    store: its working copy, at the store's generation, named in lineage as the store's objects);
+    None: no index in use."""
+    from tasks.dedup.index import local_index_dir
+
     mh = cfg.curate.dedup.minhash
-    return mh.index_dir if mh.enabled and mh.index_dir else None
+    return str(local_index_dir(mh.index_dir)) if mh.enabled and mh.index_dir else None
+
+
+def check_index_store(cfg) -> None:
+    """An object-store MinHash index's bucket, checked before a run writes anything (StorageError
+    naming curate.dedup.minhash.index_dir): not first found when curate opens the index."""
+    from tasks.core.storage import is_remote, store_for_uri
+    from tasks.dedup.index import SETTING
+
+    mh = cfg.curate.dedup.minhash
+    if mh.enabled and mh.index_dir and is_remote(mh.index_dir):
+        store_for_uri(mh.index_dir, SETTING, cfg.storage.check_timeout)
 
 
 def curation_reports(data: dict) -> list:

@@ -37,6 +37,12 @@ e.g. the exact shingle Jaccard, reading the texts itself) each partition's pairs
 inside its step-2 Ray task, before the reduction to a forest — the verifier is put into the
 object store once and never runs in the driver (as the in-process path joins only verified
 pairs, its components are those of the verified pairs too).
+With an object-store run_root (`work_dir` in its working copy) the spill files of step 1 are
+uploaded to the store by the tasks that write them and each step-2 task downloads its partition
+from there (`tasks.core.storage.Staging`, `InputDir`), on the driver's node too, so the tasks of
+the two steps may run on different machines; the driver's working copy never holds them, and
+their prefix is deleted from the store when step 2 is done. A text verifier's part files are
+staged into each node's cache the same way (pushed by the driver first).
 `memory_estimate` gives the bytes of each part; `cluster_signatures` prints it before running.
 """
 from __future__ import annotations
@@ -306,6 +312,13 @@ def _verified_forest_task(part_dir: str, partitions: int, verifier):
     return (len(pairs), int(ok.sum()), *_pairs_to_forest(pairs[ok], partitions))
 
 
+def drop_spill(spill: Path, staging) -> None:
+    """Remove the spill files: the local folder, and with a store (`staging`) its prefix there."""
+    shutil.rmtree(spill, ignore_errors=True)
+    if staging is not None:
+        staging.discard(spill)
+
+
 # ------------------------------------------------------------------ driver
 
 @dataclass
@@ -327,12 +340,16 @@ def cluster_ray(shards: Sequence[tuple[int, object]], n_docs: int, bands: int, r
                 log: Callable[[str], None] | None = None, max_rounds: int = 200) -> ClusterResult:
     """Cluster the signatures given as `shards`: (first doc index, signatures (n, num_perm)
     ndarray, .npy path, or a picklable callable returning one). Ray must be initialised (or is
-    started locally). Spill files live under `work_dir/_lsh` and are removed at the end.
-    `verify`: a picklable batch verifier (`mask(pairs)`) or `verify(a, b) -> bool` callable,
-    run in the per-partition Ray tasks."""
+    started locally). Spill files live under `work_dir/_lsh` and are removed at the end; when
+    `work_dir` is in the working copy of a remote run_root they live in the store instead, under
+    the same key (`tasks.core.executor.shuffle_staging`), and every task reads its inputs from
+    there, wherever it runs. `verify`: a picklable batch verifier (`mask(pairs)`) or
+    `verify(a, b) -> bool` callable, run in the per-partition Ray tasks."""
     import ray
 
+    from tasks.core.executor import shuffle_staging, staged_remote
     from tasks.core.ray_utils import init_ray
+    from tasks.core.storage import InputDir
     from tasks.dedup.verify import batch_verifier
 
     verifier = batch_verifier(verify)
@@ -346,29 +363,31 @@ def cluster_ray(shards: Sequence[tuple[int, object]], n_docs: int, bands: int, r
     spill.mkdir(parents=True)
     stats: dict = {"partitions": partitions, "docs": n_docs}
     t0 = time.perf_counter()
+    # with a remote run_root the spill files go from task to task through the store
+    staging = shuffle_staging(spill, ([src for _, src in shards], verifier))
     try:
-        spill_task = ray.remote(num_cpus=1)(spill_shard)
+        spill_task = staged_remote(spill_shard, staging, True, num_cpus=1)
         refs = [spill_task.remote(src if not isinstance(src, np.ndarray) else ray.put(src), off, bands, rows,
                                   partitions, str(spill), k) for k, (off, src) in enumerate(shards)]
         stats["band_key_rows"] = int(sum(ray.get(refs)))
         t1 = time.perf_counter()
         stats["spill_s"] = round(t1 - t0, 3)
-        part_dirs = [str(spill / f"p-{p:05d}") for p in range(partitions)]
+        part_dirs = [InputDir(spill / f"p-{p:05d}") for p in range(partitions)]
         if verifier is None:
-            task = ray.remote(num_cpus=1, num_returns=partitions + 1)(_forest_task)
+            task = staged_remote(_forest_task, staging, True, num_cpus=1, num_returns=partitions + 1)
             outs = [task.remote(d, partitions) for d in part_dirs]
             stats["candidate_pairs"] = int(sum(ray.get([o[0] for o in outs])))
             forest = [o[1:] for o in outs]
         else:  # each partition's pairs are verified in its own task; the verifier is shipped once
             verifier_ref = ray.put(verifier)
-            task = ray.remote(num_cpus=1, num_returns=partitions + 2)(_verified_forest_task)
+            task = staged_remote(_verified_forest_task, staging, True, num_cpus=1, num_returns=partitions + 2)
             outs = [task.remote(d, partitions, verifier_ref) for d in part_dirs]
             stats["candidate_pairs"] = int(sum(ray.get([o[0] for o in outs])))
             stats["verified_pairs"] = int(sum(ray.get([o[1] for o in outs])))
             forest = [o[2:] for o in outs]
         t2 = time.perf_counter()
         stats["pairs_s"] = round(t2 - t1, 3)
-        shutil.rmtree(spill, ignore_errors=True)
+        drop_spill(spill, staging)
 
         ls = ray.remote(num_cpus=1, num_returns=partitions + 2)(large_star)
         ss = ray.remote(num_cpus=1, num_returns=partitions)(small_star)
@@ -389,7 +408,7 @@ def cluster_ray(shards: Sequence[tuple[int, object]], n_docs: int, bands: int, r
         stats["cc_rounds"] = rounds
         stats["cc_s"] = round(time.perf_counter() - t2, 3)
     finally:
-        shutil.rmtree(spill, ignore_errors=True)
+        drop_spill(spill, staging)
     e = np.concatenate(final) if final else np.empty((0, 2), np.int64)
     leaves, roots = e[:, 0], e[:, 1]
     centers = np.unique(roots)
@@ -435,7 +454,13 @@ def _pair_checker(verifier, on_ray: bool) -> Callable[[np.ndarray], np.ndarray]:
         return lambda pairs: np.concatenate([np.asarray(verifier.mask(c), bool) for c in chunks(pairs)])
     import ray
 
-    ref, task = ray.put(verifier), ray.remote(num_cpus=1)(_mask_task)
+    from tasks.core.executor import staged_remote
+    from tasks.core.storage import Staging
+
+    staging = Staging.for_driver(verifier)  # texts in a store's working copy: read from the store on other nodes
+    if staging is not None:
+        staging.push_inputs(verifier)
+    ref, task = ray.put(verifier), staged_remote(_mask_task, staging, num_cpus=1)
     return lambda pairs: np.concatenate(ray.get([task.remote(ref, c) for c in chunks(pairs)]))
 
 

@@ -22,6 +22,14 @@ before it) and returns, per document, the id of the earlier document it shares a
 whose own id is already indexed is not its own duplicate (a re-run of the same corpus). Unverified:
 a shared band key is the LSH candidate test (p ≈ 0.92 at Jaccard 0.8 with 14×8).
 
+`index_dir` may be an object-store URI (`s3://bucket/prefix`): the index is read from a local
+working copy (`tasks.core.storage.store_for_uri`: run_root's when the URI lies under it, else one
+of its own with run_root's storage options), brought to the store's current generation when it is
+opened (`RunStore.sync_down`: only files this copy does not hold yet are downloaded), and a save
+writes the new generation there and pushes it, `meta.json` last, deleting the old one from the
+store. The generation check then compares with the store's `meta.json` (another machine may have
+saved since). An unusable store fails naming `curate.dedup.minhash.index_dir`.
+
 A run with other LSH parameters or another shingle hash ("fast" / "sha1": their signatures are not
 comparable) is refused. An index written by the previous format (2: Parquet tables, loaded whole)
 is read and rewritten in this format by the next save.
@@ -40,12 +48,49 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tasks.core.io import atomic_write_text
+from tasks.core.storage import RunStore, is_remote, store_for_uri
 from tasks.dedup.cluster import band_hashes
 from tasks.dedup.minhash import fmix64
 
 FORMAT = 3
 MERGE_CHUNK = 1 << 22  # index entries merged per step by save (~80 MB of working memory)
 _ARRAYS = ("keys", "docs", "id_hashes", "id_docs")
+SETTING = "curate.dedup.minhash.index_dir"
+
+
+def _on_store(directory: str | Path) -> tuple[RunStore, str] | None:
+    """(store, key of the index under its root) for an object-store `directory`, else None."""
+    return store_for_uri(str(directory), SETTING) if is_remote(str(directory)) else None
+
+
+def _key(rel: str, name: str) -> str:
+    return name if rel == "." else f"{rel}/{name}"
+
+
+def _sync_meta(store: RunStore, rel: str) -> Path:
+    """The working copy of the index's `meta.json` made the store's (none if the store has none);
+    the copy is dropped first, since a file this copy pushed is otherwise kept when its size
+    matches, and another machine's save may have replaced it. Returns the index's folder."""
+    local = store.local_root / rel
+    (local / "meta.json").unlink(missing_ok=True)
+    store.sync_down([_key(rel, "meta.json")])
+    return local
+
+
+def local_index_dir(directory: str | Path) -> Path:
+    """Where the index in `directory` is read: the path itself, or for an object-store URI its
+    working copy, brought to the store's current generation."""
+    on_store = _on_store(directory)
+    if on_store is None:
+        return Path(directory)
+    store, rel = on_store
+    local = _sync_meta(store, rel)
+    if (local / "meta.json").is_file():
+        meta = json.loads((local / "meta.json").read_text())
+        names = [f"gen-{meta.get('generation', 0):06d}"] if meta.get("format") == FORMAT else \
+            ["index.parquet", "ids.parquet"]
+        store.sync_down([_key(rel, n) for n in names])
+    return local
 
 
 def index_keys(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
@@ -206,8 +251,17 @@ class MinHashIndex:
         return out
 
     def save(self, directory: str | Path) -> Path:
-        """Write base + additions as a new generation, switch meta.json to it, drop older ones."""
-        d = Path(directory)
+        """Write base + additions as a new generation, switch meta.json to it, drop older ones; for
+        an object-store `directory`, in its working copy, then pushed (meta.json last)."""
+        on_store = _on_store(directory)
+        if on_store is None:
+            return self._save(Path(directory))
+        store, rel = on_store
+        d = self._save(_sync_meta(store, rel))  # checked against the store's generation
+        store.push(d)
+        return d
+
+    def _save(self, d: Path) -> Path:
         d.mkdir(parents=True, exist_ok=True)
         on_disk = json.loads((d / "meta.json").read_text()).get("generation", 0) if (d / "meta.json").is_file() else 0
         if on_disk != self.generation:  # another writer saved since this index was opened
@@ -274,7 +328,7 @@ class MinHashIndex:
     @classmethod
     def load(cls, directory: str | Path, bands: int | None = None, rows: int | None = None,
              seed: int | None = None, scheme: str | None = None, hash: str | None = None) -> "MinHashIndex":
-        d = Path(directory)
+        d = local_index_dir(directory)
         meta = json.loads((d / "meta.json").read_text())
         if meta.get("format") not in (2, FORMAT):
             raise ValueError(f"index {d} has format {meta.get('format', 1)}, this version reads 2 and {FORMAT}: "
@@ -294,7 +348,9 @@ class MinHashIndex:
 
     @classmethod
     def open(cls, directory: str | Path, bands: int, rows: int, seed: int, scheme: str, hash: str) -> "MinHashIndex":
-        """The index in `directory`, or a new empty one with these parameters."""
-        if (Path(directory) / "meta.json").is_file():
-            return cls.load(directory, bands, rows, seed, scheme, hash)
+        """The index in `directory` (a path or an object-store URI), or a new empty one with these
+        parameters."""
+        d = local_index_dir(directory)
+        if (d / "meta.json").is_file():
+            return cls.load(d, bands, rows, seed, scheme, hash)
         return cls(bands, rows, seed, scheme, hash)

@@ -24,7 +24,10 @@ row groups (at most 100,000 documents or 256 MiB of text) spills its (line hash,
 rows into `partitions` Parquet directories chosen by the hash (`cluster.spill_partitioned`; by
 default about 4 M rows each, estimated from the documents and their text bytes), then a task per
 partition counts its hashes and returns the frequent ones; no process holds more than one
-row-group group or one partition.
+row-group group or one partition. With an object-store run_root (`work_dir` in its working copy)
+the input shards and the spill files are read from the store on every node (the spill files
+never enter the driver's working copy and are deleted from the store at the end), as in
+`tasks.dedup.cluster`.
 Both paths return the same sorted uint64 array of frequent hashes (8 bytes per frequent line:
 what the driver holds and ships to the workers through the object store once).
 """
@@ -184,8 +187,8 @@ def count_frequent_lines(shards: Sequence[str | Path], cfg: LineDedupConfig, wor
                          spill_task_docs: int = _SPILL_TASK_DOCS) -> FrequentLines:
     """The frequent lines of the documents in the Parquet `shards` (see the module docstring),
     in process or on Ray (`method`, default from `cfg.counting`; a spill task per
-    `spill_task_docs` input documents at most); spill files live under `work_dir/_lines` and are
-    removed at the end."""
+    `spill_task_docs` input documents at most); spill files live under `work_dir/_lines` (in the
+    store for a remote run_root's working copy) and are removed at the end."""
     t0 = time.perf_counter()
     chunks, n_docs, text_bytes = _chunks([str(s) for s in shards], spill_task_docs)
     method = method or counting_method(cfg, n_docs)
@@ -207,22 +210,26 @@ def _count_on_ray(chunks: list[Chunk], partitions: int, max_docs: int, spill: Pa
                   stats: dict) -> np.ndarray:
     import ray
 
+    from tasks.core.executor import shuffle_staging, staged_remote
     from tasks.core.ray_utils import init_ray
+    from tasks.core.storage import InputDir
+    from tasks.dedup.cluster import drop_spill
 
     init_ray(ray_cfg)
     shutil.rmtree(spill, ignore_errors=True)
     spill.mkdir(parents=True)
     stats["partitions"] = partitions
+    staging = shuffle_staging(spill, chunks)  # a remote run_root: the spill files go through the store
     try:
-        spill_task = ray.remote(num_cpus=1)(spill_chunk)
+        spill_task = staged_remote(spill_chunk, staging, True, num_cpus=1)
         stats["line_rows"] = int(sum(ray.get([spill_task.remote(c, partitions, str(spill), k)
                                               for k, c in enumerate(chunks)])))
-        count_task = ray.remote(num_cpus=1, num_returns=2)(count_partition)
-        outs = [count_task.remote(str(spill / f"p-{p:05d}"), max_docs) for p in range(partitions)]
+        count_task = staged_remote(count_partition, staging, True, num_cpus=1, num_returns=2)
+        outs = [count_task.remote(InputDir(spill / f"p-{p:05d}"), max_docs) for p in range(partitions)]
         parts = ray.get([o[0] for o in outs])
         stats["distinct_lines"] = int(sum(ray.get([o[1] for o in outs])))
     finally:
-        shutil.rmtree(spill, ignore_errors=True)
+        drop_spill(spill, staging)
     return np.sort(np.concatenate(parts)) if parts else np.empty(0, np.uint64)
 
 

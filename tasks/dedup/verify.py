@@ -14,7 +14,8 @@ The texts come from a `TextSource`:
   `cluster_ray` puts the verifier into the Ray object store once for all tasks;
 - `ParquetTexts`: the `text` column of Parquet part files (the curate stage, whose driver holds
   no texts): document k is row k of the files laid end to end, and a task reads only the row
-  groups holding the rows it needs, one file at a time.
+  groups holding the rows it needs, one file at a time. With an object-store run_root a task on
+  another node reads the node's copies of the files, staged from the store (`stage_paths`).
 
 `SignatureVerifier` checks pairs by their signatures alone (estimated Jaccard); the clustering
 uses it, when there is no text verifier, to check each member against its cluster's kept
@@ -61,6 +62,13 @@ class ParquetTexts:
 
     def __len__(self) -> int:
         return int(self.starts[-1])
+
+    def stage_paths(self, fn: Callable) -> "ParquetTexts":
+        """A copy reading `fn(files)` (`tasks.core.storage.map_paths`: on another Ray node, the
+        node's copies of a remote run_root's files)."""
+        out = copy.copy(self)
+        out.files = [str(f) for f in fn(self.files)]
+        return out
 
     def read(self, rows: np.ndarray) -> list[str]:
         import pyarrow.parquet as pq
@@ -109,6 +117,14 @@ class JaccardVerifier:
     def reindexed(self, sub: Sequence[int] | np.ndarray) -> "JaccardVerifier":
         """The verifier whose document k is this one's document `sub[k]`."""
         return _reindexed(self, sub)
+
+    def stage_paths(self, fn: Callable) -> "JaccardVerifier":
+        """A copy whose texts are read from `fn`'s paths (`ParquetTexts.stage_paths`)."""
+        if not hasattr(self.texts, "stage_paths"):
+            return self
+        out = copy.copy(self)
+        out.texts = self.texts.stage_paths(fn)
+        return out
 
     def similarities(self, pairs: np.ndarray) -> np.ndarray:
         """Exact shingle Jaccard of each pair (k, 2); each document's text read and shingled once."""

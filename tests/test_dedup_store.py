@@ -1,0 +1,251 @@
+"""The dedup shuffles and the MinHash index with an object-store run_root (moto's S3 server, IAM
+auth on) and the stack's 2-node Ray cluster (a 0-CPU head, where this driver runs, and two 1-CPU
+workers): the MinHash clustering (with the exact-Jaccard verifier reading the part files) and the
+line counting take their Ray path and give the in-process result, while their spill files go from
+task to task through the bucket (never the driver's working copy; deleted at the end) and the
+worker nodes read their inputs from the store into caches of their own; a shuffle's job on the
+driver's node writes through the store too. `index_dir` as an s3://
+URI: the index is written to the bucket, and a second run on another machine (a fresh working
+copy) reads it back and drops the duplicates; a bucket that does not exist fails naming the
+setting. The bucket keeps versions, so the spill objects written and deleted stay visible."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infra import stack
+from s3_helpers import moto_s3
+from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, LineDedupConfig, RayConfig
+from tasks.core import storage
+from tasks.core.documents import write_docs
+from tasks.dedup.minhash import MinHasher
+
+DATA = Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
+CC_MAIN = DATA / "web" / "cc-main-2019-30-sample.jsonl.gz"
+pytestmark = pytest.mark.skipif(not CC_MAIN.exists(), reason=f"no data under {DATA}")
+RUN_ROOT = "s3://runs/crucible"
+
+
+def _texts(n: int) -> list[str]:
+    with gzip.open(CC_MAIN, "rt", encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line in f]
+    return [t for t in texts if len(t.split()) > 200][:n]
+
+
+def _near_copies(texts: list[str], k: int, seed: int) -> list[str]:
+    """`texts` and a near copy (2 % of the words replaced) of every third of its first `k`."""
+    rng = random.Random(seed)
+    out = list(texts)
+    for t in texts[:k:3]:
+        words = t.split()
+        for i in rng.sample(range(len(words)), len(words) // 50):
+            words[i] = f"w{rng.randrange(10**6)}"
+        out.append(" ".join(words))
+    return out
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dedup-store")
+    with moto_s3(tmp, buckets=["runs", "index"]) as server:
+        # versions keep what was written and deleted: the spill objects stay visible to the test
+        server.client.put_bucket_versioning(Bucket="runs", VersioningConfiguration={"Status": "Enabled"})
+        yield server
+
+
+@pytest.fixture
+def run_store(s3, tmp_path, monkeypatch):
+    """run_root on the bucket, registered in this process only for the test, its working copy in
+    `tmp_path/cache`."""
+    monkeypatch.setattr(storage, "_STORES", {})
+    return storage.open_store(RUN_ROOT, s3.options, str(tmp_path / "cache"), check_timeout=20)
+
+
+@pytest.fixture(scope="module")
+def cluster(s3, tmp_path_factory):
+    """The stack's cluster, started after the server so that its nodes have the credentials in
+    their environment (as on a real cluster); this process attached as its driver."""
+    import ray
+
+    from tasks.core.ray_utils import init_ray
+
+    ray.shutdown()
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
+    cfg = stack.up_ray_on_free_ports(str(tmp_path_factory.mktemp("state")), ray_workers=2, ray_head_cpus=0,
+                                     ray_worker_cpus=1, ray_object_store_mb=128, start_timeout=120, stop_timeout=15)
+    try:
+        os.environ.update(stack.ray_client_env(cfg))
+        init_ray(RayConfig(address=stack.cluster_address(cfg)))
+        yield cfg
+    finally:
+        ray.shutdown()
+        stack.down_ray(cfg)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _written_and_deleted(s3, prefix: str) -> set[str]:
+    """Keys under `prefix` (relative to it) that were written to the bucket and are deleted now."""
+    versions = s3.client.list_object_versions(Bucket="runs", Prefix=prefix)
+    written = {v["Key"][len(prefix):] for v in versions.get("Versions", [])}
+    assert not s3.keys("runs", prefix), "spill objects left in the store"
+    return written
+
+
+def _staged_on_workers(rel: str) -> dict[str, list[Path]]:
+    """Per node (cache folder) other than this driver's: the files it staged in under the run_root
+    key `rel`; the caches are removed."""
+    from tasks.core.ray_utils import current_node_id
+
+    base = Path(tempfile.gettempdir()) / "crucible-stage"
+    driver = storage.node_root(current_node_id()).name
+    found = {}
+    for node in base.glob("*"):
+        files = [p for p in node.glob(f"in/*/{rel}/*") if not p.name.endswith(".crucible-store-version")]
+        if files:
+            found[node.name] = files
+            shutil.rmtree(node, ignore_errors=True)
+    assert driver not in found, "a task ran staged on the driver's node, whose head has no CPUs"
+    return found
+
+
+def test_minhash_clustering_on_two_nodes_spills_through_the_store(s3, run_store, cluster):
+    from tasks.dedup.cluster import cluster_signatures
+    from tasks.dedup.verify import JaccardVerifier, ListTexts, ParquetTexts
+
+    t0 = time.monotonic()
+    corpus = _near_copies(_texts(30), 30, seed=1)
+    sigs = MinHasher(seed=1).signatures(corpus)
+    local, _ = cluster_signatures(sigs, 14, 8, method="local", verify=JaccardVerifier(ListTexts(corpus), 0.8),
+                                  representative_threshold=0.7)
+    assert sum(r != i for i, r in enumerate(local)) >= 5  # the copies were found
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    parts_dir = run_store.local_root / run / "curate" / "_parts"
+    # the part files the verifier reads: written on this node, in the working copy only
+    files = write_docs([{"id": str(i), "text": t} for i, t in enumerate(corpus)], parts_dir, shard_docs=15, prefix="part")
+    texts = ParquetTexts(files, [15, 15, len(corpus) - 30])
+    got, stats = cluster_signatures(sigs, 14, 8, method="ray", work_dir=parts_dir, partitions=3,
+                                    verify=JaccardVerifier(texts, 0.8), representative_threshold=0.7)
+    assert got == local
+    assert stats["candidate_pairs"] > 0 and stats["representative_check"]["pairs_checked"] > 0
+    # every partition's spill files went through the bucket and were deleted there; none were in
+    # the working copy (nor is their folder)
+    spilled = _written_and_deleted(s3, f"crucible/{run}/curate/_parts/_lsh/")
+    assert {k.split("/")[0] for k in spilled} == {"p-00000", "p-00001", "p-00002"}, spilled
+    assert not (parts_dir / "_lsh").exists()
+    state = json.loads((run_store.local_root / ".crucible-store.json").read_text())
+    assert not [k for k in state if "/_lsh/" in k]
+    # the worker nodes read the part files from the store (the driver pushed them first)
+    assert {f"crucible/{run}/curate/_parts/{f.name}" for f in files} <= set(s3.keys("runs", f"crucible/{run}/"))
+    staged = _staged_on_workers(f"{run}/curate/_parts")
+    assert staged and all({p.name for p in fs} <= {f.name for f in files} for fs in staged.values()), staged
+    print(f"\nMinHash clustering through the store: {time.monotonic() - t0:.1f}s, {stats}")
+
+
+def test_line_counts_on_two_nodes_spill_through_the_store(s3, run_store, cluster):
+    from tasks.dedup.lines import count_frequent_lines
+
+    t0 = time.monotonic()
+    footer = "Copyright 2019 Example Corp. All rights reserved.\nHome | About | Contact"
+    docs = [{"id": str(i), "text": f"{t}\n{footer}" if i % 2 else t} for i, t in enumerate(_texts(60))]
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    shards = write_docs(docs, run_store.local_root / run / "ingest", shard_docs=20)
+    cfg = LineDedupConfig(max_docs=5, partitions=3)
+    local = count_frequent_lines(shards, cfg, run_store.local_root / run / "local", method="local")
+    work = run_store.local_root / run / "curate" / "_parts"
+    on_ray = count_frequent_lines(shards, cfg, work, method="ray", spill_task_docs=20)
+    assert len(local.hashes) >= 2 and np.array_equal(on_ray.hashes, local.hashes)
+    assert on_ray.stats["line_rows"] == local.stats["line_rows"] and on_ray.stats["spill_tasks"] == 3
+    spilled = _written_and_deleted(s3, f"crucible/{run}/curate/_parts/_lines/")
+    assert {k.split("/")[0] for k in spilled} == {"p-00000", "p-00001", "p-00002"}, spilled
+    assert not (work / "_lines").exists()
+    staged = _staged_on_workers(f"{run}/ingest")  # the input shards, read from the store
+    assert sorted({p.name for fs in staged.values() for p in fs}) == sorted(p.name for p in shards)
+    print(f"\nline counts through the store: {time.monotonic() - t0:.1f}s")
+
+
+def test_a_shuffle_job_on_the_driver_node_goes_through_the_store_too(s3, run_store, tmp_path):
+    """On the driver's node a shuffle's job reads its working-copy inputs in place but writes its
+    spill files to the store (a job of the next phase may run on another node), and a partition
+    is read back from the store; the same pairs as without a store."""
+    from tasks.core.storage import InputDir, Staging, node_root
+    from tasks.dedup.cluster import partition_pairs, spill_shard
+
+    corpus = _near_copies(_texts(20), 20, seed=3)
+    sigs = np.stack(MinHasher(seed=1).signatures(corpus))
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    source = run_store.local_root / run / "sigs.npy"
+    source.parent.mkdir(parents=True)
+    np.save(source, sigs)
+    staging, node = Staging((run_store,), "driver"), "driver"
+    spill = run_store.local_root / run / "_lsh"
+    try:
+        rows, written = staging.run(spill_shard, (str(source), 0, 14, 8, 2, str(spill), 0), node, shuffle=True)
+        assert rows == 14 * len(corpus) and not spill.exists()
+        assert sorted(k for _, k in written) == [f"{run}/_lsh/p-0000{p}/s-000000.parquet" for p in (0, 1)]
+        assert not list(node_root(node).rglob("sigs.npy"))  # the input was read in place, not staged
+        on_store = [staging.run(partition_pairs, (InputDir(spill / f"p-{p:05d}"),), node, shuffle=True)[0]
+                    for p in (0, 1)]
+    finally:
+        shutil.rmtree(node_root(node), ignore_errors=True)
+    spill_shard(str(source), 0, 14, 8, 2, str(tmp_path / "lsh"), 0)
+    local = [partition_pairs(str(tmp_path / "lsh" / f"p-{p:05d}")) for p in (0, 1)]
+    assert sum(len(p) for p in local) > 0
+    assert all(np.array_equal(a, b) for a, b in zip(on_store, local))
+    staging.discard(spill)
+    assert not s3.keys("runs", f"crucible/{run}/_lsh/")
+
+
+@pytest.mark.parametrize("index_dir", [f"{RUN_ROOT}/dedup-index", "s3://index/minhash"],
+                         ids=["under run_root", "own bucket"])
+def test_index_dir_on_the_store_is_read_back_by_the_next_run(s3, run_store, tmp_path, monkeypatch, index_dir):
+    from tasks.dedup.index import MinHashIndex
+
+    params = (14, 8, 1, "affine32", "fast")
+    texts = _texts(30)  # without the sample's own near duplicates
+    unique = MinHashIndex(*params).add([str(i) for i in range(len(texts))], MinHasher(seed=1).signatures(texts))
+    corpus = [t for t, dup in zip(texts, unique) if dup is None][:24]
+    sigs = MinHasher(seed=1).signatures(corpus)
+    first = MinHashIndex.open(index_dir, *params)
+    assert first.add([f"a{i}" for i in range(len(corpus))], sigs) == [None] * len(corpus)
+    first.save(index_dir)
+    bucket, prefix = index_dir[len("s3://"):].split("/", 1)
+    keys = {k[len(prefix) + 1:] for k in s3.keys(bucket, prefix + "/")}
+    assert {"meta.json", "gen-000001/keys.npy", "gen-000001/ids.arrow"} <= keys, keys
+    assert not Path("s3:").exists()
+
+    # the next run, on another machine: nothing of the first working copy
+    monkeypatch.setattr(storage, "_STORES", {})
+    storage.open_store(RUN_ROOT, s3.options, str(tmp_path / "cache-2"), check_timeout=20)
+    second = MinHashIndex.open(index_dir, *params)
+    assert second.docs == len(corpus) and second.generation == 1
+    copies = _near_copies(corpus, 24, seed=2)[len(corpus):]
+    found = second.add([f"b{i}" for i in range(len(copies))], MinHasher(seed=1).signatures(copies))
+    assert found == [f"a{i}" for i in range(0, 24, 3)]  # each near copy is dropped for its original
+    second.save(index_dir)
+    keys = {k[len(prefix) + 1:] for k in s3.keys(bucket, prefix + "/")}
+    assert "gen-000002/keys.npy" in keys and not [k for k in keys if k.startswith("gen-000001/")]
+    meta = json.loads(s3.client.get_object(Bucket=bucket, Key=f"{prefix}/meta.json")["Body"].read())
+    assert meta["generation"] == 2 and meta["docs"] == len(corpus)
+
+
+def test_index_dir_in_a_missing_bucket_fails_naming_the_setting(s3, run_store):
+    from tasks.core.storage import StorageError
+    from tasks.dedup.index import MinHashIndex
+
+    with pytest.raises(StorageError, match=r"^curate\.dedup\.minhash\.index_dir s3://no-such-bucket/idx: .*"
+                                           r"'no-such-bucket' does not exist"):
+        MinHashIndex.open("s3://no-such-bucket/idx", 14, 8, 1, "affine32", "fast")
