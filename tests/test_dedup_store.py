@@ -249,3 +249,25 @@ def test_index_dir_in_a_missing_bucket_fails_naming_the_setting(s3, run_store):
     with pytest.raises(StorageError, match=r"^curate\.dedup\.minhash\.index_dir s3://no-such-bucket/idx: .*"
                                            r"'no-such-bucket' does not exist"):
         MinHashIndex.open("s3://no-such-bucket/idx", 14, 8, 1, "affine32", "fast")
+
+
+def test_index_dir_on_the_store_with_a_local_run_root_uses_the_storage_options(s3, tmp_path, monkeypatch):
+    """A run whose run_root is local and whose index is on a store: the index's store is opened with
+    the config's storage.options (the endpoint, the credential references) before the run starts,
+    and curate's index then reads and saves through it."""
+    from tasks.config import PipelineConfig
+    from tasks.curate.stage import check_index_store
+    from tasks.dedup.index import MinHashIndex
+
+    monkeypatch.setattr(storage, "_STORES", {})
+    cfg = PipelineConfig.model_validate({"name": "t", "sources": [
+        {"name": "s", "uri": "text/x", "format": "text", "licence": "test", "provenance": "test"}],
+        "run_root": str(tmp_path / "runs"), "storage": {
+        "options": s3.options, "cache_dir": str(tmp_path / "cache")},
+        "curate": {"dedup": {"minhash": {"index_dir": "s3://index/local-run"}}}})
+    check_index_store(cfg)
+    index = MinHashIndex.open("s3://index/local-run", 14, 8, 1, "affine32", "fast")
+    index.add(["x"], MinHasher(seed=1).signatures(_texts(1)))
+    index.save("s3://index/local-run")
+    assert "local-run/meta.json" in s3.keys("index", "local-run/")
+    assert (tmp_path / "cache").is_dir()

@@ -587,18 +587,19 @@ def _replace_paths(obj: Any, back: dict[str, str]) -> Any:
 
 
 # ---- other locations on a store -------------------------------------------------------------------
-def store_for_uri(uri: str, setting: str, check_timeout: float = 20.0) -> tuple[RunStore, str]:
+def store_for_uri(uri: str, setting: str, check_timeout: float = 20.0, storage=None) -> tuple[RunStore, str]:
     """(store, key relative to its root) of an object-store URI named by a setting other than
     run_root (the MinHash index): the registered store whose root holds it (run_root's: one working
     copy, checked by the flow), else a new store rooted at the URI with the options and cache of a
     registered store of the same protocol (none: the AWS chain), checked first; a store that cannot
-    be used raises StorageError naming `setting`."""
+    be used raises StorageError naming `setting`. `storage` (a StorageConfig): its options and cache
+    instead, for a run whose run_root is local."""
     uri = uri.rstrip("/")
     for store in _STORES.values():
         if uri == store.root or uri.startswith(store.root + "/"):
             return store, uri[len(store.root) + 1:] or "."
-    like = next((s for s in _STORES.values() if s.protocol == protocol(uri)), None)
-    store = RunStore(uri, dict(like.options) if like else {}, like.cache_dir if like else "")
+    like = storage or next((s for s in _STORES.values() if s.protocol == protocol(uri)), None)
+    store = RunStore(uri, dict(like.options) if like else {}, (like.cache_dir or "") if like else "")
     store.check(check_timeout, setting=setting)
     _STORES[store.root] = store
     return store, "."

@@ -56,7 +56,7 @@ def check_index_store(cfg) -> None:
 
     mh = cfg.curate.dedup.minhash
     if mh.enabled and mh.index_dir and is_remote(mh.index_dir):
-        store_for_uri(mh.index_dir, SETTING, cfg.storage.check_timeout)
+        store_for_uri(mh.index_dir, SETTING, cfg.storage.check_timeout, cfg.storage)
 
 
 def curation_reports(data: dict) -> list:
