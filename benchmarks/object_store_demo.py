@@ -31,18 +31,13 @@ from pathlib import Path
 import yaml
 
 from _common import data_root, write_result
+from tasks.core.net import free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 TARGET_RATIO = 1.3
 CRUCIBLE = [sys.executable, "-m", "infra.cli"]
 KEY_VAR, SECRET_VAR = "CRUCIBLE_BENCH_S3_KEY", "CRUCIBLE_BENCH_S3_SECRET"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_moto(tmp: Path) -> tuple[subprocess.Popen, str]:
