@@ -271,3 +271,55 @@ def test_index_dir_on_the_store_with_a_local_run_root_uses_the_storage_options(s
     index.save("s3://index/local-run")
     assert "local-run/meta.json" in s3.keys("index", "local-run/")
     assert (tmp_path / "cache").is_dir()
+
+
+def test_a_save_on_a_stale_generation_of_the_store_is_refused(s3, run_store, tmp_path, monkeypatch):
+    """Two machines open the same store index at one generation; once the first saved, the second's
+    save is refused (the store's meta.json is the arbiter, not the second's stale working copy)."""
+    from tasks.dedup.index import MinHashIndex
+
+    index_dir, params = f"{RUN_ROOT}/stale-index-{uuid.uuid4().hex[:6]}", (14, 8, 1, "affine32", "fast")
+    sigs = MinHasher(seed=1).signatures(_texts(4))
+    first = MinHashIndex.open(index_dir, *params)
+    first.add(["a0", "a1"], sigs[:2])
+    first.save(index_dir)  # generation 1
+    a = MinHashIndex.open(index_dir, *params)
+    monkeypatch.setattr(storage, "_STORES", {})  # another machine: a working copy of its own
+    storage.open_store(RUN_ROOT, s3.options, str(tmp_path / "cache-b"), check_timeout=20)
+    b = MinHashIndex.open(index_dir, *params)
+    assert a.generation == b.generation == 1
+    b.add(["b0"], sigs[2:3])
+    b.save(index_dir)  # generation 2 on the store
+    monkeypatch.setattr(storage, "_STORES", {})
+    storage.open_store(RUN_ROOT, s3.options, run_store.cache_dir, check_timeout=20)
+    a.add(["a2"], sigs[3:4])
+    with pytest.raises(RuntimeError, match="at generation 2, this one was opened at 1"):
+        a.save(index_dir)
+    bucket, prefix = index_dir[len("s3://"):].split("/", 1)
+    meta = json.loads(s3.client.get_object(Bucket=bucket, Key=f"{prefix}/meta.json")["Body"].read())
+    assert meta["generation"] == 2 and meta["docs"] == 3
+
+
+def test_on_a_one_node_ray_the_shuffle_spills_on_the_driver_disk_not_the_store(s3, run_store):
+    """A local Ray shares the driver's disk: the line counts' spill files stay there (the same
+    counts), and nothing of the shuffle goes to the bucket. Runs last: it leaves the cluster."""
+    import ray
+
+    from tasks.core.ray_utils import init_ray
+    from tasks.dedup.lines import count_frequent_lines
+
+    ray.shutdown()
+    init_ray(RayConfig(num_cpus=1))
+    try:
+        docs = [{"id": str(i), "text": f"{t}\nHome | About | Contact"} for i, t in enumerate(_texts(20))]
+        run = f"run-{uuid.uuid4().hex[:8]}"
+        shards = write_docs(docs, run_store.local_root / run / "ingest", shard_docs=10)
+        cfg = LineDedupConfig(max_docs=5, partitions=2)
+        local = count_frequent_lines(shards, cfg, run_store.local_root / run / "local", method="local")
+        work = run_store.local_root / run / "curate" / "_parts"
+        on_ray = count_frequent_lines(shards, cfg, work, method="ray", spill_task_docs=10)
+        assert np.array_equal(on_ray.hashes, local.hashes) and on_ray.stats["spill_tasks"] == 2
+        assert not s3.client.list_object_versions(Bucket="runs", Prefix=f"crucible/{run}/").get("Versions")
+        assert not (work / "_lines").exists()
+    finally:
+        ray.shutdown()

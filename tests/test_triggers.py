@@ -77,6 +77,21 @@ def test_triggered_flows_load_checkpoints_only_under_registered_run_roots(tmp_pa
             trusted_run_paths(forged)
 
 
+def test_a_store_working_copy_is_the_same_folder_from_any_working_directory(tmp_path, monkeypatch):
+    """`storage.cache_dir` given relative or with ~ is fixed when the store is opened: the stack's
+    worker, started elsewhere, maps the event's object into the same working copy as the run."""
+    from tasks.core.storage import RunStore
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    relative = RunStore("s3://runs/crucible", {}, "cache")
+    home = RunStore("s3://runs/crucible", {}, "~/cache")
+    monkeypatch.chdir("/")
+    registered = RunStore(relative.root, relative.options, relative.cache_dir)  # as the worker opens it
+    assert registered.local_root == tmp_path / "cache" / "s3" / "runs" / "crucible"
+    assert home.local_root == tmp_path / "home" / "cache" / "s3" / "runs" / "crucible"
+
+
 def test_checkpoint_table_and_triggered_handover_files(tmp_path):
     """The run's checkpoint table (newest report per step, triggered or direct) and the pretrain
     flow's wait for triggered results: a report without its gate verdict is not taken; a missing

@@ -191,3 +191,28 @@ def test_a_forged_evaluation_event_is_refused(tmp_path, tmp_path_factory):
     assert "did not pass" in evaluation_claim_problem(step20, reports[step20]["report_path"], None, store)[1]
     (step10 / "extra.bin").write_bytes(b"x")
     assert "changed since" in evaluation_claim_problem(step10, reports[step10]["report_path"], None, store)[1]
+
+
+def test_a_checkpoint_in_a_store_working_copy_is_loaded_from_the_copy_that_was_verified(tmp_path, monkeypatch):
+    """An object-store run's working copy is synced into by other processes: a .metadata replaced
+    there right after the check (a sync landing) must not be what DCP unpickles."""
+    from lm_helpers import random_checkpoint, sample_tokenizer
+    from tasks.core import storage
+    from tasks.train import checkpoint
+
+    monkeypatch.setattr(storage, "_STORES", {})
+    store = storage.open_store("s3://runs/crucible", {}, str(tmp_path / "cache"))  # registered, not contacted
+    run_dir = store.local_root / "run-1"
+    run_dir.mkdir(parents=True)
+    ckpt = random_checkpoint(run_dir / "train", sample_tokenizer(tmp_path / "tok.json"), step=5, seed=0)
+    marker = tmp_path / "PWNED"
+    real_check = checkpoint.checkpoint_problem
+
+    def check_then_sync_lands(*args, **kwargs):
+        problem = real_check(*args, **kwargs)
+        (ckpt / ".metadata").write_bytes(pickle.dumps(_WritesMarker(str(marker))))
+        return problem
+
+    monkeypatch.setattr(checkpoint, "checkpoint_problem", check_then_sync_lands)
+    model, meta = checkpoint.load_model_for_inference(ckpt)
+    assert meta["step"] == 5 and not marker.exists(), "the bytes unpickled were not the bytes verified"

@@ -110,6 +110,13 @@ def cluster_cpus() -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
+def single_node() -> bool:
+    """Whether the Ray this driver is attached to has one alive node (a local Ray)."""
+    import ray
+
+    return sum(1 for n in ray.nodes() if n.get("Alive")) <= 1
+
+
 def current_node_id() -> str:
     """The Ray node this task or actor runs on (hex id)."""
     import ray

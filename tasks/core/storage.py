@@ -68,8 +68,8 @@ class RunStore:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", self.root.rstrip("/"))
-        if not self.cache_dir:
-            object.__setattr__(self, "cache_dir", str(default_cache_dir()))
+        # absolute: the stack's worker opens the registered store from another working directory
+        object.__setattr__(self, "cache_dir", str(Path(self.cache_dir or default_cache_dir()).expanduser().resolve()))
 
     @property
     def protocol(self) -> str:
@@ -81,7 +81,7 @@ class RunStore:
 
     @property
     def local_root(self) -> Path:
-        return Path(self.cache_dir).resolve() / self.protocol / self.root.split("://", 1)[1]
+        return Path(self.cache_dir) / self.protocol / self.root.split("://", 1)[1]
 
     def fs(self):
         return filesystem(self.protocol, self.options)

@@ -259,6 +259,9 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
     if cfg.curate.resume and (done := output.completed(t0)) is not None:
         return done
     init_ray(cfg.ray)  # first: an unreachable ray.address fails before the old output is touched
+    from tasks.curate.stage import check_index_store
+
+    check_index_store(cfg)  # an object-store index with cfg.storage's options, also when called as a library
     store = output.start(cfg.curate.resume)
     t_lines = time.perf_counter()
     lines = _frequent_lines(cfg, shards, output.parts_dir)

@@ -69,7 +69,7 @@ from torch.distributed.checkpoint.state_dict import (
 from tasks.core.fs import resolve_storage_options
 from tasks.core.io import atomic_write_text
 from tasks.core.layout import CHECKPOINTS_DIR
-from tasks.core.storage import is_remote
+from tasks.core.storage import is_remote, store_of_path
 from tasks.train.model import GPT, GPTConfig
 from tasks.train.remote import (download, files, is_file, join, location, name_of, parent_of, read_text, remove,
                                 remove_tree, sha256, write_text)
@@ -270,8 +270,21 @@ def verified_copy(ckpt_dir: str | Path, storage_options: dict | None = None,
     unpickles are the bytes that were verified."""
     ckpt_dir = location(ckpt_dir)
     if not is_remote(ckpt_dir):
-        require_verified(ckpt_dir, expected_tree_sha256)
-        yield ckpt_dir
+        if store_of_path(ckpt_dir) is None:
+            require_verified(ckpt_dir, expected_tree_sha256)
+            yield ckpt_dir
+            return
+        # an object-store run's working copy is synced into by other processes (the train stage,
+        # other triggered flows): verify and load a private copy, so the files cannot change between
+        # the check and DCP's unpickling
+        manifest = None if expected_tree_sha256 else read_manifest(Path(ckpt_dir).parent.parent)
+        with tempfile.TemporaryDirectory(prefix="crucible-checkpoint-") as tmp:
+            local = Path(tmp) / Path(ckpt_dir).name
+            shutil.copytree(ckpt_dir, local, ignore=shutil.ignore_patterns(".tmp-*"))  # a sync's partial download
+            if problem := checkpoint_problem(local, manifest, expected_tree_sha256):
+                raise UnverifiedCheckpoint("refusing to load a checkpoint that does not verify: "
+                                           + problem.replace(str(local), str(ckpt_dir)))
+            yield local
         return
     manifest = None if expected_tree_sha256 else read_manifest(parent_of(parent_of(ckpt_dir)), storage_options)
     with tempfile.TemporaryDirectory(prefix="crucible-checkpoint-") as tmp:
