@@ -127,8 +127,22 @@ def _sync_run(store, paths: dict) -> None:
 
     run = store.rel(paths["run_dir"])
     store.sync_down([store.rel(paths["checkpoint"]), f"{run}/train/{CHECKPOINTS_DIR}/{MANIFEST}",
-                     f"{run}/config.json", f"{run}/lineage.jsonl", f"{run}/tokenizer", f"{run}/tokens",
+                     f"{run}/config.json", f"{run}/lineage.jsonl", f"{run}/tokenizer", f"{run}/tokens/index.json",
                      f"{run}/evaluate/triggered"])
+    store.sync_down(_val_split_keys(store, Path(paths["tokens_index"])))
+
+
+def _val_split_keys(store, tokens_index: Path) -> list[str]:
+    """The store keys of the val split's files (evaluation and the gate's yardstick read no other
+    split: the train tokens, the bulk of a run, stay on the store)."""
+    from tasks.tokens.binfile import load_index
+    from tasks.train.remote import SPLIT_FILES
+
+    if not tokens_index.is_file():
+        return []
+    val = load_index(tokens_index)["splits"].get("val") or {}
+    keys = [store.rel(val[key]) for key, _ in SPLIT_FILES if val.get(key)]
+    return [k for k in keys if k is not None]
 
 
 def _load_cfg(path: str):

@@ -92,6 +92,33 @@ def test_a_store_working_copy_is_the_same_folder_from_any_working_directory(tmp_
     assert home.local_root == tmp_path / "home" / "cache" / "s3" / "runs" / "crucible"
 
 
+def test_a_worker_syncs_the_checkpoint_and_the_val_split_but_not_the_train_tokens(tmp_path, monkeypatch):
+    """What a triggered flow on another machine downloads of an object-store run: the checkpoint,
+    its manifest, config, tokenizer, the token index and the val split's files; never the train split."""
+    from flows.triggers import _sync_run, run_paths
+    from s3_helpers import moto_s3
+    from tasks.core import storage
+
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        monkeypatch.setattr(storage, "_STORES", {})
+        run = "crucible/r1"
+        index = {"dtype": "uint16", "splits": {
+            "train": {"path": "train.bin", "doc_starts": "train.doc_starts.npy", "tokens": 4},
+            "val": {"path": "val.bin", "doc_starts": "val.doc_starts.npy", "tokens": 2}}}
+        objects = {"config.json": "{}", "tokenizer/tokenizer.json": "{}", "tokens/index.json": json.dumps(index),
+                   "tokens/train.bin": "tttt", "tokens/train.doc_starts.npy": "t", "tokens/val.bin": "vv",
+                   "tokens/val.doc_starts.npy": "v", "train/checkpoints/checkpoints.json": "{}",
+                   "train/checkpoints/step-000010/crucible_checkpoint.json": "{}"}
+        for key, body in objects.items():
+            s3.client.put_object(Bucket="runs", Key=f"{run}/{key}", Body=body.encode())
+        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "worker-cache"))
+        paths = run_paths(store.local_root / "r1" / "train" / "checkpoints" / "step-000010")
+        _sync_run(store, paths)
+        got = {p.relative_to(store.local_root / "r1").as_posix() for p in (store.local_root / "r1").rglob("*")
+               if p.is_file()}
+        assert got == set(objects) - {"tokens/train.bin", "tokens/train.doc_starts.npy"}, got
+
+
 def test_checkpoint_table_and_triggered_handover_files(tmp_path):
     """The run's checkpoint table (newest report per step, triggered or direct) and the pretrain
     flow's wait for triggered results: a report without its gate verdict is not taken; a missing
