@@ -33,10 +33,6 @@ class ArtifactStoreError(RuntimeError):
     """stack.artifacts_root cannot be used: names the setting and what to check (never a secret)."""
 
 
-def is_remote(stack_cfg) -> bool:
-    return (stack_cfg.artifacts_root or "").startswith("s3://")
-
-
 def client_env() -> dict[str, str]:
     """What every client of the stack's MLflow server gets: artifact transfers through the server."""
     return {name: os.environ.get(name, "false") for name in PROXY_SWITCHES}
@@ -45,7 +41,7 @@ def client_env() -> dict[str, str]:
 def server_env(stack_cfg) -> dict[str, str]:
     """The MLflow server's store settings, resolved in this process's environment (secrets included:
     for the server's process only)."""
-    if not is_remote(stack_cfg):
+    if not stack_cfg.artifacts_on_s3:
         return {}
     from tasks.core.fs import resolve_storage_options
 
@@ -56,7 +52,7 @@ def server_env(stack_cfg) -> dict[str, str]:
 def check(stack_cfg) -> None:
     """Write and delete a probe object under stack.artifacts_root (an object store) within
     stack.artifacts_check_timeout; ArtifactStoreError naming the setting otherwise."""
-    if not is_remote(stack_cfg):
+    if not stack_cfg.artifacts_on_s3:
         return
     from tasks.core.storage import RunStore, StorageError
 

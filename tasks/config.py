@@ -693,9 +693,14 @@ class StackConfig(Section):
             raise ValueError(f"credentials must be \"${{ENV_VAR}}\" references, not literals: {bad}")
         return v
 
+    @property
+    def artifacts_on_s3(self) -> bool:
+        """MLflow's artifacts on an object store (infra/artifact_store.py)."""
+        return (self.artifacts_root or "").startswith("s3://")
+
     @model_validator(mode="after")
     def _options_need_s3(self) -> "StackConfig":
-        if self.artifacts_options and not (self.artifacts_root or "").startswith("s3://"):
+        if self.artifacts_options and not self.artifacts_on_s3:
             raise ValueError("stack.artifacts_options apply to an s3:// stack.artifacts_root only")
         return self
 
