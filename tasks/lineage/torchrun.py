@@ -16,7 +16,7 @@ import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from tasks.core.hashing import sha256_file
 from tasks.lineage.artifacts import token_split_paths
@@ -96,3 +96,10 @@ class TorchrunLineage:
                               job_type="JOB", integration="TORCH", engine=("torch", package_version("torch")),
                               run_facets=facets, job_doc=JOB_DOC, code_path=WORKER_CODE) as active:
             yield active
+
+    def around(self, cfg, tokens_index: str | Path, train: Callable[[], dict]) -> dict:
+        """`train()` (a run_training result) as this job's run, its checkpoints and log the outputs."""
+        with self.run(cfg, tokens_index) as job:
+            result = train()
+            job.outputs += self.outputs(result)
+        return result

@@ -91,11 +91,8 @@ def run_training(cfg: PipelineConfig, tokens_index: Path | str, out_dir: Path | 
     Prefect checkpoint events), a test module for fault injection; importable from the repository root.
     """
     if lineage is not None:
-        with lineage.run(cfg, tokens_index) as job:
-            result = run_training(cfg, tokens_index, out_dir, mlflow_tracking_uri, mlflow_run_id, run_name,
-                                  worker_module=worker_module)
-            job.outputs += lineage.outputs(result)
-        return result
+        return lineage.around(cfg, tokens_index, lambda: run_training(
+            cfg, tokens_index, out_dir, mlflow_tracking_uri, mlflow_run_id, run_name, worker_module=worker_module))
     out_dir, work_dir, tokens_index, staged = _locations(cfg, tokens_index, out_dir)
     storage = cfg.storage.options
     # several "nodes" sharing one out_dir (e.g. on one machine) each keep their own config and log

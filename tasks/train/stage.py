@@ -48,9 +48,7 @@ class TrainStage(Stage):
             torchrun = TorchrunLineage(ctx.lineage.emitter, parent=ctx.lineage.job, root=ctx.lineage.root,
                                        run_facets={"crucible_links": ctx.lineage.links},
                                        tokenizer=Path(inputs.tokenizer) if inputs.tokenizer else None)
-            with torchrun.run(cfg, tokens_index) as job:
-                data = train()
-                job.outputs += torchrun.outputs(data)
+            data = torchrun.around(cfg, tokens_index, train)
             data["lineage_run_id"] = torchrun.run_id
         checkpoints = data["checkpoints"]
         return TrainResult(data, outputs=[checkpoint_output(c) for c in checkpoints],
