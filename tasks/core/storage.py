@@ -214,15 +214,10 @@ class RunStore:
             keys = [p.split("://", 1)[-1][len(root_path) + 1:] for p in found]
         with self._state() as state:
             for key in keys:
-                dest = self.local_root / key
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                tmp = dest.with_name(f".tmp-{uuid.uuid4().hex}-{dest.name}")
-                fs.get_file(self.uri(key), str(tmp))
-                os.replace(tmp, dest)
+                dest = _download(fs, self.uri(key), self.local_root / key)
                 st = dest.stat()
                 state[key] = [st.st_size, st.st_mtime_ns]
         return len(keys)
-
 
     def sync_down(self, rels: list[str]) -> dict:
         """Make the working copy's files under each of `rels` (keys or prefixes relative to run_root)
@@ -248,10 +243,7 @@ class RunStore:
                     dest = self.local_root / key
                     if self._keep(state.get(key), dest, int(info.get("size") or 0), etag):
                         continue
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = dest.with_name(f".tmp-{uuid.uuid4().hex}-{dest.name}")
-                    fs.get_file(self.uri(key), str(tmp))
-                    os.replace(tmp, dest)
+                    _download(fs, self.uri(key), dest)
                     st = dest.stat()
                     state[key] = [st.st_size, st.st_mtime_ns, etag]
                     downloaded += 1
@@ -545,11 +537,20 @@ def _fetch_cached(fs, uri: str, info: dict, dest: Path) -> Path:
     mark = dest.with_name(dest.name + ".crucible-store-version")
     if dest.exists() and mark.exists() and mark.read_text() == stamp:
         return dest
+    _download(fs, uri, dest)
+    mark.write_text(stamp)
+    return dest
+
+
+def _download(fs, uri: str, dest: Path) -> Path:
+    """`uri` at `dest`, whole or not at all (a temporary file beside it, renamed)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".tmp-{uuid.uuid4().hex}-{dest.name}")
-    fs.get_file(uri, str(tmp))
-    os.replace(tmp, dest)
-    mark.write_text(stamp)
+    try:
+        fs.get_file(uri, str(tmp))
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
     return dest
 
 
