@@ -183,7 +183,7 @@ class RunStore:
                 files = {prefix: base.stat()}
             else:
                 files = self._local_files(base) if base.exists() else {}
-            # an entry is [size, mtime_ns], with the store's ETag third for a file pulled by sync_down
+            # an entry is [size, mtime_ns], with the store's ETag third for a file pulled (pull, sync_down)
             changed = [rel for rel, st in files.items() if state.get(rel, [])[:2] != [st.st_size, st.st_mtime_ns]]
             changed.sort(key=lambda rel: (Path(rel).name in COMMIT_FILES, rel))
             for rel in changed:
@@ -204,19 +204,22 @@ class RunStore:
         """Download `keys` (relative to run_root; default every object under `rel`) into the working
         copy, recorded as pushed. Returns the number of files."""
         fs = self.fs()
+        etags: dict[str, str] = {}
         if keys is None:
             base = self.uri(rel)
             root_path = self.root.split("://", 1)[1]
             try:
-                found = fs.find(base)
+                found = fs.find(base, detail=True)
             except FileNotFoundError:
-                found = []
-            keys = [p.split("://", 1)[-1][len(root_path) + 1:] for p in found]
+                found = {}
+            etags = {p.split("://", 1)[-1][len(root_path) + 1:]: _etag(info) for p, info in found.items()}
+            keys = list(etags)
         with self._state() as state:
             for key in keys:
                 dest = _download(fs, self.uri(key), self.local_root / key)
                 st = dest.stat()
-                state[key] = [st.st_size, st.st_mtime_ns]
+                # with its ETag, a later sync_down tells a replaced object of the same size
+                state[key] = [st.st_size, st.st_mtime_ns, *([etags[key]] if etags.get(key) else [])]
         return len(keys)
 
     def sync_down(self, rels: list[str]) -> dict:
@@ -239,7 +242,7 @@ class RunStore:
                 remote = {k[len(root_path) + 1:]: info for k, info in found.items()
                           if info.get("type", "file") == "file" and not k.endswith("/")}
                 for key, info in remote.items():
-                    etag = str(info.get("ETag") or info.get("etag") or "")
+                    etag = _etag(info)
                     dest = self.local_root / key
                     if self._keep(state.get(key), dest, int(info.get("size") or 0), etag):
                         continue
@@ -266,6 +269,10 @@ class RunStore:
         if entry is None or entry[:2] != _stat(dest):
             return True
         return entry[2] == etag if len(entry) > 2 else entry[0] == size
+
+
+def _etag(info: dict) -> str:
+    return str(info.get("ETag") or info.get("etag") or "")
 
 
 def _stat(path: Path) -> list[int]:
