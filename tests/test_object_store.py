@@ -52,6 +52,8 @@ def _config(tmp: Path, s3) -> Path:
 def s3_demo():
     tmp = Path(tempfile.mkdtemp(prefix="crucible-s3-demo-"))
     with moto_s3(tmp, buckets=["runs", "crawl"]) as s3:
+        # versions keep every push of a file: what the store held while training ran stays visible
+        s3.client.put_bucket_versioning(Bucket="runs", VersioningConfiguration={"Status": "Enabled"})
         for key, name in RAW.items():
             s3.client.upload_file(str(DATA / name), "crawl", key)
         # the cluster's nodes start with the credentials in their environment, as on a real cluster
@@ -143,6 +145,19 @@ def test_training_read_its_tokens_from_the_store_and_wrote_checkpoints_there(s3_
     last = Path(train["checkpoint_uris"][-1]).name
     assert f"train/checkpoints/{last}/.metadata" in rel and "train/checkpoints/checkpoints.json" in rel
     assert f"evaluate/triggered/{last}.json" in rel, sorted(r for r in rel if r.startswith("evaluate"))
+
+
+def test_the_store_had_the_torchrun_start_while_training_ran(s3_demo):
+    """The train stage pushes the lineage log before torchrun starts: a triggered flow on another
+    machine finds there the training run that wrote the checkpoint it was sent."""
+    s3, run = s3_demo["s3"], s3_demo["summary"]["run_name"]
+    key = f"crucible/{run}/lineage.jsonl"
+    states = []
+    for version in s3.client.list_object_versions(Bucket="runs", Prefix=key)["Versions"]:
+        body = s3.client.get_object(Bucket="runs", Key=key, VersionId=version["VersionId"])["Body"].read()
+        events = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
+        states.append({e["eventType"] for e in events if e["job"]["name"].endswith(".torchrun")})
+    assert {"START"} in states, states  # a version with the torchrun job started and not yet complete
 
 
 def test_lineage_names_objects_by_the_naming_spec_and_raw_sources_keep_their_licence(s3_demo):

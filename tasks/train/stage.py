@@ -5,7 +5,7 @@ from pathlib import Path
 
 from tasks.core.layout import CHECKPOINTS_DIR
 from tasks.core.stage import Stage, StageInputs, TrainResult
-from tasks.core.storage import run_uri, store_of_path
+from tasks.core.storage import push_path, run_uri, store_of_path
 from tasks.lineage import dataset_for_path
 from tasks.lineage.artifacts import token_split_paths
 from tasks.lineage.emitter import file_node
@@ -37,7 +37,11 @@ class TrainStage(Stage):
                 return run_training(cfg, tokens_index, out_dir, ctx.tracking_uri, ctx.mlflow_run_id, ctx.run_name,
                                     **kwargs)
             # an object-store run_root: the ranks read the token files from the store and DCP writes the
-            # checkpoints there; the working copy then takes them back for the stages after this one
+            # checkpoints there; the working copy then takes them back for the stages after this one.
+            # The lineage log (with the torchrun job's START) goes first: a triggered flow on another
+            # machine finds the training run that wrote a checkpoint there
+            if ctx.layout.lineage_log.is_file():
+                push_path(ctx.layout.lineage_log)
             data = run_training(_reading_the_store(cfg), run_uri(tokens_index), out_uri, ctx.tracking_uri,
                                 ctx.mlflow_run_id, ctx.run_name, **kwargs)
             return _from_store(data, out_dir)
