@@ -21,3 +21,61 @@ def test_an_object_replaced_by_one_of_the_same_size_is_synced_after_a_pull(tmp_p
         assert (store.local_root / "r1" / "report.json").read_bytes() == b'{"v": 2}'
         assert store.sync_down(["r1"]) == {"downloaded": 0, "removed": 0}
         assert store.push()["uploaded"] == 0  # what was synced is the store's: nothing to push back
+
+
+def test_prune_cache_drops_the_least_recently_used_files_beyond_the_bound(tmp_path):
+    import os
+    import time
+
+    bound = storage.CacheBound(max_bytes=1000, min_age_s=600)
+    now = time.time()
+    ages = {"a": 5000, "b": 4000, "c": 3000, "d": 2000, "recent": 10}  # seconds since last use
+    for name, age in ages.items():
+        (tmp_path / name).write_bytes(b"x" * 300)
+        os.utime(tmp_path / name, (now - age, now - age))
+    stats = storage.prune_cache(tmp_path, bound, force=True)
+    # 1,500 bytes > 1,000: the oldest go until at most 800 remain
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "recent"], stats
+    assert stats["removed"] == 3 and stats["removed_bytes"] == 900
+    assert storage.prune_cache(tmp_path, bound, force=True)["removed"] == 0  # within the bound now
+    assert storage.prune_cache(tmp_path, storage.CacheBound(max_bytes=1, min_age_s=600)) == {}  # once a minute
+    # files used within min_age_s stay, whatever the size
+    assert storage.prune_cache(tmp_path, storage.CacheBound(max_bytes=1, min_age_s=1000), force=True)["removed"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["recent"]
+
+
+def test_a_node_cache_keeps_to_its_bound_as_jobs_stage_inputs(tmp_path, monkeypatch):
+    """Inputs staged from the store on a node other than the driver's: once the node's cache is over
+    storage.node_cache_gb, the least recently used inputs make room; a cache hit counts as a use."""
+    import os
+    import time
+
+    from tasks.config import StorageConfig
+
+    monkeypatch.setattr(storage, "_STORES", {})
+    monkeypatch.setattr(storage, "_PRUNED", {})
+    monkeypatch.setattr(storage, "PRUNE_EVERY_S", 0.0)
+    monkeypatch.setattr(storage.tempfile, "tempdir", str(tmp_path / "tmp"))  # node_root's $TMPDIR
+    bound = storage.CacheBound.of(StorageConfig(node_cache_gb=2900 / (1 << 30), cache_min_age_s=0))
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"), node_cache=bound)
+        staging = storage.Staging((store,), "driver")
+        for name in ("a", "b", "c"):
+            s3.client.put_object(Bucket="runs", Key=f"crucible/r1/{name}.bin", Body=name.encode() * 1000)
+        cached = storage.node_root("other") / "in"
+
+        def read(path):
+            return open(path, "rb").read(1)
+
+        def stage(name: str) -> None:
+            assert staging.run(read, (str(store.local_root / "r1" / f"{name}.bin"),), "other")[0] == name.encode()
+
+        def age_all() -> None:  # everything cached so far last used an hour ago
+            for p in cached.rglob("*"):
+                if p.is_file():
+                    os.utime(p, (time.time() - 3600, time.time() - 3600))
+
+        stage("a"), age_all(), stage("b"), age_all(), stage("a")  # a: a cache hit, used again now
+        stage("c")  # 3,000 bytes exceed 2,900: b, the least recently used, goes (to 80 %)
+        names = {p.name for p in cached.rglob("*.bin")}
+        assert names == {"a.bin", "c.bin"}, names

@@ -31,6 +31,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class RunStore:
     root: str
     options: dict = field(default_factory=dict, hash=False, compare=False)
     cache_dir: str = ""
+    node_cache: "CacheBound | None" = field(default=None, hash=False, compare=False)  # None: the default
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", self.root.rstrip("/"))
@@ -285,10 +287,10 @@ _STORES: dict[str, RunStore] = {}
 
 
 def open_store(run_root: str, options: dict | None = None, cache_dir: str | None = None,
-               check_timeout: float | None = None) -> RunStore:
+               check_timeout: float | None = None, node_cache: "CacheBound | None" = None) -> RunStore:
     """The store of a remote run_root, registered for this process (checked first when
     `check_timeout` is given)."""
-    store = RunStore(run_root, dict(options or {}), cache_dir or "")
+    store = RunStore(run_root, dict(options or {}), cache_dir or "", node_cache)
     if check_timeout is not None:
         store.check(check_timeout)
     _STORES[store.root] = store
@@ -303,7 +305,8 @@ def store_for(cfg, check: bool = False) -> RunStore | None:
     if known is not None and not check:
         return known
     s = cfg.storage
-    return open_store(cfg.run_root, s.options, s.cache_dir, s.check_timeout if check else None)
+    return open_store(cfg.run_root, s.options, s.cache_dir, s.check_timeout if check else None,
+                      CacheBound.of(s))
 
 
 def local_run_root(cfg) -> Path:
@@ -357,6 +360,63 @@ def push_path(path: str | Path) -> dict | None:
 
 
 # ---- Ray jobs on other nodes ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class CacheBound:
+    """How large a node's cache may grow (StorageConfig.node_cache_gb) and how long a file is safe
+    from pruning after its last use (StorageConfig.cache_min_age_s)."""
+    max_bytes: int = 50 << 30
+    min_age_s: float = 3600.0
+
+    @classmethod
+    def of(cls, storage) -> "CacheBound":
+        return cls(int(storage.node_cache_gb * (1 << 30)), storage.cache_min_age_s)
+
+
+_PRUNED: dict[str, float] = {}  # cache folder -> when this process last pruned it
+PRUNE_EVERY_S = 60.0
+
+
+def prune_cache(folder: Path, bound: CacheBound, force: bool = False) -> dict:
+    """Delete the least recently used files under `folder` (by mtime: a cache hit touches its file)
+    until it holds at most 80 % of bound.max_bytes, once it holds more than bound.max_bytes; files
+    used within bound.min_age_s stay whatever the size. At most once a minute per folder and process
+    unless `force`. Returns {files, bytes, removed, removed_bytes}."""
+    now = time.time()
+    if not force and now - _PRUNED.get(str(folder), 0.0) < PRUNE_EVERY_S:
+        return {}
+    _PRUNED[str(folder)] = now
+    entries = []
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            p = Path(dirpath) / name
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            entries.append((st.st_mtime, st.st_size, p))
+    total = sum(e[1] for e in entries)
+    stats = {"files": len(entries), "bytes": total, "removed": 0, "removed_bytes": 0}
+    if total <= bound.max_bytes:
+        return stats
+    target = int(bound.max_bytes * 0.8)
+    for mtime, size, p in sorted(entries):
+        if total <= target or now - mtime < bound.min_age_s:
+            break
+        p.unlink(missing_ok=True)
+        total -= size
+        stats["removed"] += 1
+        stats["removed_bytes"] += size
+    return stats
+
+
+def touch(path: Path) -> None:
+    """Mark a cached file used now (what prune_cache orders by)."""
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        pass
+
+
 def node_root(node_id: str) -> Path:
     """The cache of a Ray node's staged files (inputs by ETag, job folders)."""
     return Path(tempfile.gettempdir()) / "crucible-stage" / node_id[:16]
@@ -436,6 +496,7 @@ class Staging:
         info = _info(fs, uri)
         if info is not None and info.get("type") == "file":
             node_path = _fetch_cached(fs, uri, info, cache / "in" / _store_key(store) / rel)
+            prune_cache(cache / "in", store.node_cache or CacheBound())  # what it held before this job
         else:
             node_path = job_dir / _store_key(store) / rel
             node_path.parent.mkdir(parents=True, exist_ok=True)
@@ -543,6 +604,8 @@ def _fetch_cached(fs, uri: str, info: dict, dest: Path) -> Path:
     stamp = json.dumps([info.get("size"), str(info.get("ETag") or info.get("etag") or info.get("LastModified"))])
     mark = dest.with_name(dest.name + ".crucible-store-version")
     if dest.exists() and mark.exists() and mark.read_text() == stamp:
+        touch(dest)
+        touch(mark)
         return dest
     _download(fs, uri, dest)
     mark.write_text(stamp)

@@ -33,7 +33,7 @@ import numpy as np
 
 from tasks.core.fs import file_identity, filesystem, local_path, protocol
 from tasks.core.hashing import sha256_file, sha256_text
-from tasks.core.storage import default_cache_dir, is_remote
+from tasks.core.storage import CacheBound, default_cache_dir, is_remote, prune_cache, touch
 
 _CHUNK = 1 << 20
 _BLOCK = 8 * _CHUNK  # ranged reads of 8 MiB (s3fs's own default is 50 MiB)
@@ -190,6 +190,7 @@ def stage_tokens(index_uri: str, storage) -> tuple[Path, int]:
             local, fetched = _cached_file(src, split.get(sha_key), size, cache, storage.options)
             split[key] = str(local)
             downloaded += fetched
+    prune_cache(cache, CacheBound.of(storage))  # earlier runs' token files, least recently used first
     local_index = cache / f"index-{hashlib.sha256(raw).hexdigest()[:32]}.json"
     tmp = cache / f".tmp-{uuid.uuid4().hex}-{local_index.name}"
     tmp.write_text(json.dumps(index, indent=2) + "\n")
@@ -207,6 +208,7 @@ def _cached_file(src: str, sha: str | None, size: int | None, cache: Path, optio
         dest = cache / f"id-{sha256_text(json.dumps(identity))[:32]}-{name_of(src)}"
         size = identity[1] if size is None else size
     if dest.is_file() and (size is None or dest.stat().st_size == size):
+        touch(dest)
         return dest, 0  # only checked files are ever renamed into place
     tmp = cache / f".tmp-{uuid.uuid4().hex}-{dest.name}"
     h, n = hashlib.sha256(), 0
