@@ -21,7 +21,7 @@ from tasks.config import PipelineConfig
 from tasks.core.constants import LINEAGE_URL_ENV
 from tasks.core.layout import RunLayout
 from tasks.core.storage import local_run_root, push_path, run_uri, store_for
-from tasks.curate.stage import check_index_store
+from tasks.dedup.index import check_index_store
 from tasks.lineage import JobRef, LineageEmitter
 from tasks.lineage.emitter import lineage_page, model_version_node
 from tasks.lineage.facets import CrucibleLinksRunFacet

@@ -256,7 +256,7 @@ def test_index_dir_on_the_store_with_a_local_run_root_uses_the_storage_options(s
     the config's storage.options (the endpoint, the credential references) before the run starts,
     and curate's index then reads and saves through it."""
     from tasks.config import PipelineConfig
-    from tasks.curate.stage import check_index_store
+    from tasks.dedup.index import check_index_store
     from tasks.dedup.index import MinHashIndex
 
     monkeypatch.setattr(storage, "_STORES", {})

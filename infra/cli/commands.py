@@ -139,7 +139,7 @@ def cmd_run(args) -> int:
         except RayUnreachable as e:
             return fail(f"crucible: {e}", 1)
     from tasks.core.storage import StorageError
-    from tasks.curate.stage import check_index_store
+    from tasks.dedup.index import check_index_store
 
     try:  # an object-store run_root that is missing or refuses the key: before the stack starts
         store_for(cfg, check=True)

@@ -86,7 +86,7 @@ from tasks.core.resume import JobStore, digest, file_identity
 from tasks.core.steps import StepStats, run_filters
 from tasks.curate.filters import filter_names
 from tasks.dedup.exact import exact_key
-from tasks.dedup.index import MinHashIndex
+from tasks.dedup.index import MinHashIndex, check_index_store
 from tasks.dedup.lines import FrequentLines, LineDedupFilter, count_frequent_lines, line_dedup_summary
 from tasks.dedup.minhash import MinHasher
 from tasks.dedup.report import add_text_jaccard, dedup_report, example_ids
@@ -259,8 +259,6 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
     if cfg.curate.resume and (done := output.completed(t0)) is not None:
         return done
     init_ray(cfg.ray)  # first: an unreachable ray.address fails before the old output is touched
-    from tasks.curate.stage import check_index_store
-
     check_index_store(cfg)  # an object-store index with cfg.storage's options, also when called as a library
     store = output.start(cfg.curate.resume)
     t_lines = time.perf_counter()

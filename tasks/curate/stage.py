@@ -48,17 +48,6 @@ def minhash_index_dir(cfg) -> str | None:
     return str(local_index_dir(mh.index_dir)) if mh.enabled and mh.index_dir else None
 
 
-def check_index_store(cfg) -> None:
-    """An object-store MinHash index's bucket, checked before a run writes anything (StorageError
-    naming curate.dedup.minhash.index_dir): not first found when curate opens the index."""
-    from tasks.core.storage import is_remote, store_for_uri
-    from tasks.dedup.index import SETTING
-
-    mh = cfg.curate.dedup.minhash
-    if mh.enabled and mh.index_dir and is_remote(mh.index_dir):
-        store_for_uri(mh.index_dir, SETTING, cfg.storage.check_timeout, cfg.storage)
-
-
 def curation_reports(data: dict) -> list:
     """Per-step counts, drop reasons, the dataset card and the dedup report: what a user checks first."""
     rows = [{"step": s["name"], "docs_in": s["docs_in"], "docs_out": s["docs_out"],

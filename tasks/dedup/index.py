@@ -67,6 +67,14 @@ def _key(rel: str, name: str) -> str:
     return name if rel == "." else f"{rel}/{name}"
 
 
+def check_index_store(cfg) -> None:
+    """An object-store MinHash index's bucket, checked before a run writes anything (StorageError
+    naming curate.dedup.minhash.index_dir): not first found when curate opens the index."""
+    mh = cfg.curate.dedup.minhash
+    if mh.enabled and mh.index_dir and is_remote(mh.index_dir):
+        store_for_uri(mh.index_dir, SETTING, cfg.storage.check_timeout, cfg.storage)
+
+
 def _sync_meta(store: RunStore, rel: str) -> Path:
     """The working copy of the index's `meta.json` made the store's (none if the store has none);
     the copy is dropped first, since a file this copy pushed is otherwise kept when its size
