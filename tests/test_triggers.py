@@ -93,9 +93,10 @@ def test_a_store_working_copy_is_the_same_folder_from_any_working_directory(tmp_
 
 
 def test_a_worker_syncs_the_checkpoint_and_the_val_split_but_not_the_train_tokens(tmp_path, monkeypatch):
-    """What a triggered flow on another machine downloads of an object-store run: the checkpoint,
-    its manifest, config, tokenizer, the token index and the val split's files; never the train split."""
-    from flows.triggers import _sync_run, run_paths
+    """A genuine claim: an event naming a checkpoint object of a store `crucible run` registered. What
+    a triggered flow on another machine then downloads of the run: the checkpoint, its manifest,
+    config, tokenizer, the token index and the val split's files; never the train split."""
+    from flows.triggers import trusted_run_paths
     from s3_helpers import moto_s3
     from tasks.core import storage
 
@@ -111,9 +112,14 @@ def test_a_worker_syncs_the_checkpoint_and_the_val_split_but_not_the_train_token
                    "train/checkpoints/step-000010/crucible_checkpoint.json": "{}"}
         for key, body in objects.items():
             s3.client.put_object(Bucket="runs", Key=f"{run}/{key}", Body=body.encode())
-        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "worker-cache"))
-        paths = run_paths(store.local_root / "r1" / "train" / "checkpoints" / "step-000010")
-        _sync_run(store, paths)
+        # what `crucible run` registers on the stack; the worker opens the store from that record
+        store = storage.RunStore("s3://runs/crucible", s3.options, str(tmp_path / "worker-cache"))
+        stack_cfg = StackConfig(state_dir=str(tmp_path / "state"))
+        monkeypatch.setenv(stack.STATE_DIR_ENV, str(tmp_path / "state"))
+        stack.register_run_store(stack_cfg, store)
+        stack.register_run_root(stack_cfg, store.local_root)
+        paths = trusted_run_paths("s3://runs/crucible/r1/train/checkpoints/step-000010")
+        assert paths["checkpoint"] == str(store.local_root / "r1" / "train" / "checkpoints" / "step-000010")
         got = {p.relative_to(store.local_root / "r1").as_posix() for p in (store.local_root / "r1").rglob("*")
                if p.is_file()}
         assert got == set(objects) - {"tokens/train.bin", "tokens/train.doc_starts.npy"}, got
