@@ -3,6 +3,7 @@ later sync downloads again."""
 from __future__ import annotations
 
 import json
+import shutil
 
 from s3_helpers import moto_s3
 from tasks.core import storage
@@ -14,7 +15,7 @@ def test_an_object_replaced_by_one_of_the_same_size_is_synced_after_a_pull(tmp_p
         s3.client.put_object(Bucket="runs", Key="crucible/r1/report.json", Body=b'{"v": 1}')
         store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
         assert store.pull("r1") == 1
-        entry = json.loads((store.local_root / ".crucible-store.json").read_text())["r1/report.json"]
+        entry = store.recorded("r1/report.json")
         assert len(entry) == 3 and entry[2], entry  # the ETag of what was pulled
         s3.client.put_object(Bucket="runs", Key="crucible/r1/report.json", Body=b'{"v": 2}')  # same size
         assert store.sync_down(["r1"]) == {"downloaded": 1, "removed": 0}
@@ -79,3 +80,33 @@ def test_a_node_cache_keeps_to_its_bound_as_jobs_stage_inputs(tmp_path, monkeypa
         stage("c")  # 3,000 bytes exceed 2,900: b, the least recently used, goes (to 80 %)
         names = {p.name for p in cached.rglob("*.bin")}
         assert names == {"a.bin", "c.bin"}, names
+
+
+def test_the_record_is_kept_per_run_and_a_run_s_updates_leave_the_others_alone(tmp_path, monkeypatch):
+    """A job's outputs pulled into one run rewrite that run's record only; a working copy recorded
+    in the single file of before is split on first use, nothing lost."""
+    monkeypatch.setattr(storage, "_STORES", {})
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        for run in ("r1", "r2"):
+            (store.local_root / run / "curate").mkdir(parents=True)
+            (store.local_root / run / "curate" / "part-0.parquet").write_bytes(run.encode())
+        (store.local_root / ".continue").mkdir()
+        (store.local_root / ".continue" / "ledger.sqlite").write_bytes(b"ledger")
+        assert store.push()["uploaded"] == 3
+        records = store.local_root / ".crucible-store"
+        assert sorted(p.name for p in records.glob("*.json")) == [".continue.json", "r1.json", "r2.json"]
+        assert not [k for k in s3.keys("runs", "crucible/") if ".crucible-store" in k]  # never pushed
+        before = (records / "r1.json").stat().st_mtime_ns
+        s3.client.put_object(Bucket="runs", Key="crucible/r2/curate/part-1.parquet", Body=b"job")
+        storage.pull_outputs([(store.root, "r2/curate/part-1.parquet")])  # a job on another node wrote it
+        assert (records / "r1.json").stat().st_mtime_ns == before
+        assert store.recorded("r2/curate/part-1.parquet") and store.recorded("r1/curate/part-0.parquet")
+
+        # the single file of before: split, and what it recorded still counts (nothing pushed again)
+        merged = {k: v for p in records.glob("*.json") for k, v in json.loads(p.read_text()).items()}
+        shutil.rmtree(records)
+        (store.local_root / ".crucible-store.json").write_text(json.dumps(merged))
+        assert store.push()["uploaded"] == 0
+        assert not (store.local_root / ".crucible-store.json").exists()
+        assert sorted(p.name for p in records.glob("*.json")) == [".continue.json", "r1.json", "r2.json"]

@@ -110,12 +110,12 @@ def test_two_nodes_train_on_s3_and_one_node_resumes(two_nodes, s3, index):
 
     # resume on one node, one process, from the 2-node checkpoint on s3 (saving step 6 asynchronously)
     cached = local / "node0" / "node" / "tokens" / f"{sha}-train.bin"
-    stamp = cached.stat().st_mtime_ns
+    stamp = cached.stat().st_ino  # a download would rename a new file into place (a use only touches it)
     res = run_training(_cfg(s3, local / "node0", resume=True, nproc_per_node=1, async_checkpoint=True,
                             keep_last_checkpoints=2), two_nodes["tokens"], OUT, None, None, "s3run")
     text = Path(res["log"]).read_text()
     assert f"resumed from {ckpts[-1]} at step 4, data position 32" in text and "(async: blocked" in text
-    assert res["steps"] == 6 and cached.stat().st_mtime_ns == stamp  # the node's token cache was reused
+    assert res["steps"] == 6 and cached.stat().st_ino == stamp  # the node's token cache was reused
     log = _log(s3)
     assert [r["step"] for r in log] == list(range(1, 7)) and log[:4] == two_nodes["log"]
     assert [r["data_start"] for r in log] == [8 * i for i in range(6)]

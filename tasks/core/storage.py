@@ -37,12 +37,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import quote, unquote
 
 from tasks.core.fs import filesystem, protocol
 
 # written last in their directory: a reader that sees one may trust the files it names
 COMMIT_FILES = ("manifest.json", "index.json", "summary.json", "meta.json", ".complete")
-_STATE = ".crucible-store.json"  # per working copy: what was pushed (size, mtime_ns) by relative path
+# per working copy: what was pushed or pulled ([size, mtime_ns] or [size, mtime_ns, ETag]) by relative
+# key, one file per top-level folder (a run), so that a run's many small updates never rewrite the
+# records of every run under run_root
+_STATE_DIR = ".crucible-store"
+_OLD_STATE = ".crucible-store.json"  # one file for the whole working copy (before the split)
 _LOCK = ".crucible-store.lock"
 
 
@@ -145,22 +150,44 @@ class RunStore:
 
     # ---- working copy <-> store ---------------------------------------------------------------
     @contextmanager
-    def _state(self) -> Iterator[dict]:
+    def _state(self, keys: list[str] | None = None) -> Iterator[dict]:
         """The push record of the working copy, under an exclusive lock (flows of other processes
-        share the working copy)."""
+        share the working copy): of the top-level folders of `keys` (keys or prefixes relative to
+        run_root; None or ".": all). The caller adds and removes entries under those folders only."""
         self.local_root.mkdir(parents=True, exist_ok=True)
+        folder = self.local_root / _STATE_DIR
         with open(self.local_root / _LOCK, "a+") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            path = self.local_root / _STATE
-            state = json.loads(path.read_text()) if path.exists() else {}
+            self._split_old_state(folder)
+            if keys is None or any(k in ("", ".") for k in keys):
+                tops = {unquote(p.stem) for p in folder.glob("*.json")}
+            else:
+                tops = {_top(k) for k in keys}
+            state: dict = {}
+            for top in tops:
+                path = folder / f"{quote(top, safe='')}.json"
+                if path.exists():
+                    state.update(json.loads(path.read_text()))
             yield state
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(state))
-            os.replace(tmp, path)
+            _write_records(folder, state, tops)
+
+    def _split_old_state(self, folder: Path) -> None:
+        """A working copy recorded in one file: split into a file per top-level folder."""
+        old = self.local_root / _OLD_STATE
+        if old.exists():
+            state = json.loads(old.read_text())
+            _write_records(folder, state, {_top(k) for k in state})
+            old.unlink()
+
+    def recorded(self, key: str) -> list | None:
+        """What the record says of `key` (relative to run_root): [size, mtime_ns(, ETag)] or None."""
+        with self._state([key]) as state:
+            return state.get(key)
 
     def _local_files(self, under: Path) -> dict[str, os.stat_result]:
         out = {}
-        for dirpath, _dirs, files in os.walk(under):
+        for dirpath, dirs, files in os.walk(under):
+            dirs[:] = [d for d in dirs if d != _STATE_DIR]
             for name in files:
                 if name.startswith(".crucible-store") or name.startswith(".tmp") or name.endswith(".tmp"):
                     continue
@@ -180,7 +207,7 @@ class RunStore:
         if prefix is None:
             raise StorageError(f"{base} is not in the working copy of {self.root}")
         fs = self.fs()
-        with self._state() as state:
+        with self._state([prefix]) as state:
             if base.is_file():
                 files = {prefix: base.stat()}
             else:
@@ -216,7 +243,7 @@ class RunStore:
                 found = {}
             etags = {p.split("://", 1)[-1][len(root_path) + 1:]: _etag(info) for p, info in found.items()}
             keys = list(etags)
-        with self._state() as state:
+        with self._state(keys or [rel]) as state:
             for key in keys:
                 dest = _download(fs, self.uri(key), self.local_root / key)
                 st = dest.stat()
@@ -235,7 +262,7 @@ class RunStore:
         fs.invalidate_cache()  # other processes and nodes write here
         root_path = self.root.split("://", 1)[1]
         downloaded = removed = 0
-        with self._state() as state:
+        with self._state(rels) as state:
             for rel in rels:
                 try:
                     found = fs.find(self.uri(rel), detail=True)
@@ -271,6 +298,26 @@ class RunStore:
         if entry is None or entry[:2] != _stat(dest):
             return True
         return entry[2] == etag if len(entry) > 2 else entry[0] == size
+
+
+def _top(key: str) -> str:
+    return key.split("/", 1)[0]
+
+
+def _write_records(folder: Path, state: dict, tops: set[str]) -> None:
+    """`state`'s entries, a file per top-level folder of `tops` and of its keys (none left: removed)."""
+    by_top: dict[str, dict] = {}
+    for key, entry in state.items():
+        by_top.setdefault(_top(key), {})[key] = entry
+    folder.mkdir(exist_ok=True)
+    for top in tops | set(by_top):
+        path = folder / f"{quote(top, safe='')}.json"
+        if top not in by_top:
+            path.unlink(missing_ok=True)
+            continue
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(by_top[top]))
+        os.replace(tmp, path)
 
 
 def _etag(info: dict) -> str:
