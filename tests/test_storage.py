@@ -81,6 +81,16 @@ def test_a_node_cache_keeps_to_its_bound_as_jobs_stage_inputs(tmp_path, monkeypa
         names = {p.name for p in cached.rglob("*.bin")}
         assert names == {"a.bin", "c.bin"}, names
 
+        # a job holds its inputs as hard links: a prune while it runs takes nothing from it
+        def prune_then_read(path):
+            storage.prune_cache(cached, storage.CacheBound(max_bytes=1, min_age_s=0), force=True)
+            assert not list(cached.rglob("*.bin"))  # the cache's names are gone ...
+            return open(path, "rb").read()  # ... the job's input is not
+
+        key = str(store.local_root / "r1" / "a.bin")
+        assert staging.run(prune_then_read, (key,), "other")[0] == b"a" * 1000
+        assert not list(storage.node_root("other").glob("jobs*/*"))  # the job's folders are removed
+
 
 def test_the_record_is_kept_per_run_and_a_run_s_updates_leave_the_others_alone(tmp_path, monkeypatch):
     """A job's outputs pulled into one run rewrite that run's record only; a working copy recorded
@@ -97,10 +107,10 @@ def test_the_record_is_kept_per_run_and_a_run_s_updates_leave_the_others_alone(t
         records = store.local_root / ".crucible-store"
         assert sorted(p.name for p in records.glob("*.json")) == [".continue.json", "r1.json", "r2.json"]
         assert not [k for k in s3.keys("runs", "crucible/") if ".crucible-store" in k]  # never pushed
-        before = (records / "r1.json").stat().st_mtime_ns
+        before = (records / "r1.json").stat().st_ino  # a rewrite renames a new file into place
         s3.client.put_object(Bucket="runs", Key="crucible/r2/curate/part-1.parquet", Body=b"job")
         storage.pull_outputs([(store.root, "r2/curate/part-1.parquet")])  # a job on another node wrote it
-        assert (records / "r1.json").stat().st_mtime_ns == before
+        assert (records / "r1.json").stat().st_ino == before
         assert store.recorded("r2/curate/part-1.parquet") and store.recorded("r1/curate/part-0.parquet")
 
         # the single file of before: split, and what it recorded still counts (nothing pushed again)
@@ -110,3 +120,8 @@ def test_the_record_is_kept_per_run_and_a_run_s_updates_leave_the_others_alone(t
         assert store.push()["uploaded"] == 0
         assert not (store.local_root / ".crucible-store.json").exists()
         assert sorted(p.name for p in records.glob("*.json")) == [".continue.json", "r1.json", "r2.json"]
+        # an old file written again (a process of before) beside the split records: merged, the
+        # split records' entries winning, none lost
+        (store.local_root / ".crucible-store.json").write_text(json.dumps({"r1/curate/part-0.parquet": [1, 2]}))
+        assert store.recorded("r1/curate/part-0.parquet") == merged["r1/curate/part-0.parquet"]
+        assert store.recorded("r2/curate/part-1.parquet") == merged["r2/curate/part-1.parquet"]

@@ -7,6 +7,7 @@ marker must never be written."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -195,7 +196,8 @@ def test_a_forged_evaluation_event_is_refused(tmp_path, tmp_path_factory):
 
 def test_a_checkpoint_in_a_store_working_copy_is_loaded_from_the_copy_that_was_verified(tmp_path, monkeypatch):
     """An object-store run's working copy is synced into by other processes: a .metadata replaced
-    there right after the check (a sync landing) must not be what DCP unpickles."""
+    there right after the check (a sync landing: a new file renamed into place, as RunStore's
+    downloads do) must not be what DCP unpickles."""
     from lm_helpers import random_checkpoint, sample_tokenizer
     from tasks.core import storage
     from tasks.train import checkpoint
@@ -210,7 +212,9 @@ def test_a_checkpoint_in_a_store_working_copy_is_loaded_from_the_copy_that_was_v
 
     def check_then_sync_lands(*args, **kwargs):
         problem = real_check(*args, **kwargs)
-        (ckpt / ".metadata").write_bytes(pickle.dumps(_WritesMarker(str(marker))))
+        landed = ckpt / ".tmp-sync-.metadata"
+        landed.write_bytes(pickle.dumps(_WritesMarker(str(marker))))
+        os.replace(landed, ckpt / ".metadata")
         return problem
 
     monkeypatch.setattr(checkpoint, "checkpoint_problem", check_then_sync_lands)

@@ -161,12 +161,13 @@ def shuffle_staging(spill_dir: Path, inputs: Any) -> Staging | None:
     the paths themselves). Else the spill files go from job to job through the store (never the
     driver's working copy; read back as `InputDir`s, deleted with `Staging.discard`), so the
     store's leftovers of a shuffle that died there are deleted first, and the input files this
-    driver's node wrote are pushed. On a one-node Ray every job shares the driver's disk, so the
-    spill stays there (deleted by the shuffle, never pushed)."""
-    from tasks.core.ray_utils import single_node
+    driver's node wrote are pushed. On a Ray of the driver's node alone every job shares its disk,
+    so the spill stays there (deleted by the shuffle, never pushed); the nodes are counted when the
+    shuffle starts."""
+    from tasks.core.ray_utils import only_this_node
 
     staging = Staging.for_driver(str(spill_dir))
-    if staging is not None and single_node():
+    if staging is not None and only_this_node():
         return None
     if staging is not None:
         staging.discard(spill_dir)

@@ -110,11 +110,12 @@ def cluster_cpus() -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
-def single_node() -> bool:
-    """Whether the Ray this driver is attached to has one alive node (a local Ray)."""
+def only_this_node() -> bool:
+    """Whether the Ray this driver is attached to has no alive node but the driver's own (a local
+    Ray): every task shares the driver's disk."""
     import ray
 
-    return sum(1 for n in ray.nodes() if n.get("Alive")) <= 1
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")} <= {current_node_id()}
 
 
 def current_node_id() -> str:

@@ -176,7 +176,12 @@ class RunStore:
         old = self.local_root / _OLD_STATE
         if old.exists():
             state = json.loads(old.read_text())
-            _write_records(folder, state, {_top(k) for k in state})
+            tops = {_top(k) for k in state}
+            for top in tops:  # entries already in the split records are newer: they win
+                path = folder / f"{quote(top, safe='')}.json"
+                if path.exists():
+                    state.update(json.loads(path.read_text()))
+            _write_records(folder, state, tops)
             old.unlink()
 
     def recorded(self, key: str) -> list | None:
@@ -423,11 +428,13 @@ _PRUNED: dict[str, float] = {}  # cache folder -> when this process last pruned 
 PRUNE_EVERY_S = 60.0
 
 
-def prune_cache(folder: Path, bound: CacheBound, force: bool = False) -> dict:
+def prune_cache(folder: Path, bound: CacheBound, force: bool = False, keep: Path | None = None) -> dict:
     """Delete the least recently used files under `folder` (by mtime: a cache hit touches its file)
     until it holds at most 80 % of bound.max_bytes, once it holds more than bound.max_bytes; files
-    used within bound.min_age_s stay whatever the size. At most once a minute per folder and process
-    unless `force`. Returns {files, bytes, removed, removed_bytes}."""
+    used within bound.min_age_s, and `keep`, stay whatever the size. At most once a minute per folder
+    and process unless `force`. Returns {files, bytes, removed, removed_bytes}. A job's staged
+    inputs are hard links of the cache's files (`Staging`): deleting the cache's name frees nothing
+    a running job holds."""
     now = time.time()
     if not force and now - _PRUNED.get(str(folder), 0.0) < PRUNE_EVERY_S:
         return {}
@@ -449,6 +456,8 @@ def prune_cache(folder: Path, bound: CacheBound, force: bool = False) -> dict:
     for mtime, size, p in sorted(entries):
         if total <= target or now - mtime < bound.min_age_s:
             break
+        if keep is not None and p == keep:
+            continue
         p.unlink(missing_ok=True)
         total -= size
         stats["removed"] += 1
@@ -542,8 +551,9 @@ class Staging:
             return str(_fetch_dir(fs, uri, _inputs_of(job_dir) / _store_key(store) / rel))
         info = _info(fs, uri)
         if info is not None and info.get("type") == "file":
-            node_path = _fetch_cached(fs, uri, info, cache / "in" / _store_key(store) / rel)
-            prune_cache(cache / "in", store.node_cache or CacheBound())  # what it held before this job
+            cached = _fetch_cached(fs, uri, info, cache / "in" / _store_key(store) / rel)
+            prune_cache(cache / "in", store.node_cache or CacheBound(), keep=cached)
+            node_path = _pinned(cached, _inputs_of(job_dir) / "files" / _store_key(store) / rel)
         else:
             node_path = job_dir / _store_key(store) / rel
             node_path.parent.mkdir(parents=True, exist_ok=True)
@@ -671,6 +681,18 @@ def _download(fs, uri: str, dest: Path) -> Path:
     return dest
 
 
+def _pinned(cached: Path, link: Path) -> Path:
+    """A hard link of a cached input in the job's input folder (removed with it): the job keeps its
+    bytes whatever a prune or a newer version does to the cache's name. The cached path itself
+    where the file system has no hard links."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(cached, link)
+    except OSError:
+        return cached
+    return link
+
+
 def _fetch_dir(fs, uri: str, dest: Path) -> Path:
     """Every object under the prefix `uri` at its relative path under `dest`, downloaded
     concurrently (an empty folder when there is none)."""
@@ -717,7 +739,8 @@ def store_for_uri(uri: str, setting: str, check_timeout: float = 20.0, storage=N
         if uri == store.root or uri.startswith(store.root + "/"):
             return store, uri[len(store.root) + 1:] or "."
     like = storage or next((s for s in _STORES.values() if s.protocol == protocol(uri)), None)
-    store = RunStore(uri, dict(like.options) if like else {}, (like.cache_dir or "") if like else "")
+    bound = CacheBound.of(storage) if storage is not None else (like.node_cache if like else None)
+    store = RunStore(uri, dict(like.options) if like else {}, (like.cache_dir or "") if like else "", bound)
     store.check(check_timeout, setting=setting)
     _STORES[store.root] = store
     return store, "."

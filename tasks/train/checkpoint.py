@@ -42,6 +42,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import random
 import re
 import shutil
@@ -276,11 +277,14 @@ def verified_copy(ckpt_dir: str | Path, storage_options: dict | None = None,
             return
         # an object-store run's working copy is synced into by other processes (the train stage,
         # other triggered flows): verify and load a private copy, so the files cannot change between
-        # the check and DCP's unpickling
+        # the check and DCP's unpickling. Hard links, beside the working copy: a sync replaces a file
+        # by renaming a new one into place, which leaves the linked bytes as they were
+        store = store_of_path(ckpt_dir)
         manifest = None if expected_tree_sha256 else read_manifest(Path(ckpt_dir).parent.parent)
-        with tempfile.TemporaryDirectory(prefix="crucible-checkpoint-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="crucible-checkpoint-", dir=store.cache_dir) as tmp:
             local = Path(tmp) / Path(ckpt_dir).name
-            shutil.copytree(ckpt_dir, local, ignore=shutil.ignore_patterns(".tmp-*"))  # a sync's partial download
+            shutil.copytree(ckpt_dir, local, ignore=shutil.ignore_patterns(".tmp-*"),  # a sync's partial download
+                            copy_function=_link_or_copy)
             if problem := checkpoint_problem(local, manifest, expected_tree_sha256):
                 raise UnverifiedCheckpoint("refusing to load a checkpoint that does not verify: "
                                            + problem.replace(str(local), str(ckpt_dir)))
@@ -293,6 +297,13 @@ def verified_copy(ckpt_dir: str | Path, storage_options: dict | None = None,
             raise UnverifiedCheckpoint("refusing to load a checkpoint that does not verify: "
                                        + problem.replace(str(local), ckpt_dir))
         yield local
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: str | Path,
