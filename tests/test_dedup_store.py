@@ -155,18 +155,25 @@ def test_minhash_clustering_on_two_nodes_spills_through_the_store(s3, run_store,
     print(f"\nMinHash clustering through the store: {time.monotonic() - t0:.1f}s, {stats}")
 
 
-def test_line_counts_on_two_nodes_spill_through_the_store(s3, run_store, cluster):
+def _line_counts_locally_and_on_ray(run_store, n_texts: int, shard_docs: int, partitions: int):
+    """A run's ingest shards in the working copy (every other document with a shared footer), and
+    their frequent lines counted in process and on Ray: (run, shards, local, on_ray)."""
     from tasks.dedup.lines import count_frequent_lines
 
-    t0 = time.monotonic()
     footer = "Copyright 2019 Example Corp. All rights reserved.\nHome | About | Contact"
-    docs = [{"id": str(i), "text": f"{t}\n{footer}" if i % 2 else t} for i, t in enumerate(_texts(60))]
+    docs = [{"id": str(i), "text": f"{t}\n{footer}" if i % 2 else t} for i, t in enumerate(_texts(n_texts))]
     run = f"run-{uuid.uuid4().hex[:8]}"
-    shards = write_docs(docs, run_store.local_root / run / "ingest", shard_docs=20)
-    cfg = LineDedupConfig(max_docs=5, partitions=3)
+    shards = write_docs(docs, run_store.local_root / run / "ingest", shard_docs=shard_docs)
+    cfg = LineDedupConfig(max_docs=5, partitions=partitions)
     local = count_frequent_lines(shards, cfg, run_store.local_root / run / "local", method="local")
     work = run_store.local_root / run / "curate" / "_parts"
-    on_ray = count_frequent_lines(shards, cfg, work, method="ray", spill_task_docs=20)
+    return run, shards, local, count_frequent_lines(shards, cfg, work, method="ray", spill_task_docs=shard_docs)
+
+
+def test_line_counts_on_two_nodes_spill_through_the_store(s3, run_store, cluster):
+    t0 = time.monotonic()
+    run, shards, local, on_ray = _line_counts_locally_and_on_ray(run_store, 60, 20, 3)
+    work = run_store.local_root / run / "curate" / "_parts"
     assert len(local.hashes) >= 2 and np.array_equal(on_ray.hashes, local.hashes)
     assert on_ray.stats["line_rows"] == local.stats["line_rows"] and on_ray.stats["spill_tasks"] == 3
     spilled = _written_and_deleted(s3, f"crucible/{run}/curate/_parts/_lines/")
@@ -306,18 +313,12 @@ def test_on_a_one_node_ray_the_shuffle_spills_on_the_driver_disk_not_the_store(s
     import ray
 
     from tasks.core.ray_utils import init_ray
-    from tasks.dedup.lines import count_frequent_lines
 
     ray.shutdown()
     init_ray(RayConfig(num_cpus=1))
     try:
-        docs = [{"id": str(i), "text": f"{t}\nHome | About | Contact"} for i, t in enumerate(_texts(20))]
-        run = f"run-{uuid.uuid4().hex[:8]}"
-        shards = write_docs(docs, run_store.local_root / run / "ingest", shard_docs=10)
-        cfg = LineDedupConfig(max_docs=5, partitions=2)
-        local = count_frequent_lines(shards, cfg, run_store.local_root / run / "local", method="local")
+        run, _, local, on_ray = _line_counts_locally_and_on_ray(run_store, 20, 10, 2)
         work = run_store.local_root / run / "curate" / "_parts"
-        on_ray = count_frequent_lines(shards, cfg, work, method="ray", spill_task_docs=10)
         assert np.array_equal(on_ray.hashes, local.hashes) and on_ray.stats["spill_tasks"] == 2
         assert not s3.client.list_object_versions(Bucket="runs", Prefix=f"crucible/{run}/").get("Versions")
         assert not (work / "_lines").exists()
