@@ -324,3 +324,43 @@ def test_on_a_one_node_ray_the_shuffle_spills_on_the_driver_disk_not_the_store(s
         assert not (work / "_lines").exists()
     finally:
         ray.shutdown()
+
+
+def test_an_index_save_on_the_store_holds_its_lock_and_waits_for_another_writer(s3, run_store, monkeypatch):
+    """A save takes the index's lock object (a conditional write) around the generation check and
+    the upload: another writer's fresh lock makes it wait, then fail naming the setting and the
+    holder; a lock left by a holder that died an hour ago is taken over; none is left behind."""
+    from tasks.core.storage import StorageError
+    from tasks.dedup import index as index_module
+    from tasks.dedup.index import MinHashIndex
+
+    index_dir, params = f"{RUN_ROOT}/locked-{uuid.uuid4().hex[:6]}", (14, 8, 1, "affine32", "fast")
+    lock_key = f"{index_dir[len('s3://runs/'):]}/.save.lock"
+    sigs = MinHasher(seed=1).signatures(_texts(2))
+    index = MinHashIndex.open(index_dir, *params)
+    index.add(["a0"], sigs[:1])
+    held_during_push = []
+    push = storage.RunStore.push
+
+    def push_seeing_the_lock(self, under=None):
+        held_during_push.append(lock_key in s3.keys("runs", lock_key))
+        return push(self, under)
+
+    monkeypatch.setattr(storage.RunStore, "push", push_seeing_the_lock)
+    index.save(index_dir)
+    assert held_during_push == [True] and lock_key not in s3.keys("runs", lock_key)
+
+    monkeypatch.setattr(index_module, "LOCK_TIMEOUT_S", 2.0)
+    other = {"host": "node-b", "pid": 4242, "since": time.time()}
+    s3.client.put_object(Bucket="runs", Key=lock_key, Body=json.dumps(other).encode())
+    again = MinHashIndex.open(index_dir, *params)
+    again.add(["a1"], sigs[1:])
+    t0 = time.monotonic()
+    with pytest.raises(StorageError, match=r"^curate\.dedup\.minhash\.index_dir .*held since .* by pid 4242 on node-b"):
+        again.save(index_dir)
+    assert 2.0 <= time.monotonic() - t0 < 10
+    assert json.loads(s3.client.get_object(Bucket="runs", Key=lock_key)["Body"].read()) == other  # not taken
+
+    s3.client.put_object(Bucket="runs", Key=lock_key, Body=json.dumps({**other, "since": time.time() - 7200}).encode())
+    again.save(index_dir)  # the dead holder's lock is taken over
+    assert MinHashIndex.open(index_dir, *params).generation == 2 and lock_key not in s3.keys("runs", lock_key)

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -183,6 +184,41 @@ class RunStore:
                     state.update(json.loads(path.read_text()))
             _write_records(folder, state, tops)
             old.unlink()
+
+    @contextmanager
+    def exclusive(self, rel: str, setting: str, timeout: float, stale_after: float = 3600.0) -> Iterator[None]:
+        """Hold the store-wide lock object `rel` for the body: created only where none exists (S3's
+        conditional write, If-None-Match), deleted afterwards. One found waits (StorageError naming
+        `setting` and the holder after `timeout` s); one older than `stale_after` s, left by a holder
+        that died, is taken over. Writers on any machine that go through it never interleave."""
+        fs, uri = self.fs(), self.uri(rel)
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fs.pipe_file(uri, json.dumps(me).encode(), mode="create")
+                break
+            except FileExistsError:
+                try:
+                    holder = json.loads(fs.cat_file(uri))
+                except (FileNotFoundError, ValueError):
+                    continue  # released (or half-written) meanwhile: try again
+                if time.time() - float(holder.get("since", 0)) > stale_after:
+                    fs.rm_file(uri)  # its holder died holding it
+                    continue
+                if time.monotonic() > deadline:
+                    raise StorageError(f"{setting} {uri}: held since "
+                                       f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(holder.get('since', 0)))} "
+                                       f"UTC by pid {holder.get('pid')} on {holder.get('host')}; waited "
+                                       f"{timeout:.0f} s (a lock older than {stale_after:.0f} s is taken over)") from None
+                time.sleep(1.0)
+        try:
+            yield
+        finally:
+            try:
+                fs.rm_file(uri)
+            except FileNotFoundError:
+                pass
 
     def recorded(self, key: str) -> list | None:
         """What the record says of `key` (relative to run_root): [size, mtime_ns(, ETag)] or None."""

@@ -56,6 +56,8 @@ FORMAT = 3
 MERGE_CHUNK = 1 << 22  # index entries merged per step by save (~80 MB of working memory)
 _ARRAYS = ("keys", "docs", "id_hashes", "id_docs")
 SETTING = "curate.dedup.minhash.index_dir"
+LOCK = ".save.lock"  # an object-store index's save lock (RunStore.exclusive), beside meta.json
+LOCK_TIMEOUT_S = 600.0
 
 
 def _on_store(directory: str | Path) -> tuple[RunStore, str] | None:
@@ -265,8 +267,10 @@ class MinHashIndex:
         if on_store is None:
             return self._save(Path(directory))
         store, rel = on_store
-        d = self._save(_sync_meta(store, rel))  # checked against the store's generation
-        store.push(d)
+        # one save at a time on any machine: the generation check and the upload are one step
+        with store.exclusive(_key(rel, LOCK), SETTING, timeout=LOCK_TIMEOUT_S):
+            d = self._save(_sync_meta(store, rel))  # checked against the store's generation
+            store.push(d)
         return d
 
     def _save(self, d: Path) -> Path:
