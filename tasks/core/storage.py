@@ -34,10 +34,11 @@ import tempfile
 import threading
 import time
 import uuid
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 from urllib.parse import quote, unquote
 
 from tasks.core.fs import filesystem, protocol
@@ -193,10 +194,14 @@ class RunStore:
         that died, is taken over. Writers on any machine that go through it never interleave."""
         fs, uri = self.fs(), self.uri(rel)
         me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+        unlocked = False
         deadline = time.monotonic() + timeout
         while True:
             try:
                 fs.pipe_file(uri, json.dumps(me).encode(), mode="create")
+                break
+            except TypeError:  # a file system without conditional writes (only s3fs has `mode`)
+                unlocked = True
                 break
             except FileExistsError:
                 try:
@@ -212,6 +217,11 @@ class RunStore:
                                        f"UTC by pid {holder.get('pid')} on {holder.get('host')}; waited "
                                        f"{timeout:.0f} s (a lock older than {stale_after:.0f} s is taken over)") from None
                 time.sleep(1.0)
+        if unlocked:
+            warnings.warn(f"{setting} {uri}: {self.protocol}:// has no conditional write; writers on several "
+                          "machines are not kept apart", stacklevel=3)
+            yield
+            return
         try:
             yield
         finally:
@@ -464,7 +474,7 @@ _PRUNED: dict[str, float] = {}  # cache folder -> when this process last pruned 
 PRUNE_EVERY_S = 60.0
 
 
-def prune_cache(folder: Path, bound: CacheBound, force: bool = False, keep: Path | None = None) -> dict:
+def prune_cache(folder: Path, bound: CacheBound, force: bool = False, keep: Iterable[Path] = ()) -> dict:
     """Delete the least recently used files under `folder` (by mtime: a cache hit touches its file)
     until it holds at most 80 % of bound.max_bytes, once it holds more than bound.max_bytes; files
     used within bound.min_age_s, and `keep`, stay whatever the size. At most once a minute per folder
@@ -474,6 +484,7 @@ def prune_cache(folder: Path, bound: CacheBound, force: bool = False, keep: Path
     now = time.time()
     if not force and now - _PRUNED.get(str(folder), 0.0) < PRUNE_EVERY_S:
         return {}
+    keep = set(keep)
     _PRUNED[str(folder)] = now
     entries = []
     for dirpath, _, names in os.walk(folder):
@@ -492,7 +503,7 @@ def prune_cache(folder: Path, bound: CacheBound, force: bool = False, keep: Path
     for mtime, size, p in sorted(entries):
         if total <= target or now - mtime < bound.min_age_s:
             break
-        if keep is not None and p == keep:
+        if p in keep:
             continue
         p.unlink(missing_ok=True)
         total -= size
@@ -588,7 +599,7 @@ class Staging:
         info = _info(fs, uri)
         if info is not None and info.get("type") == "file":
             cached = _fetch_cached(fs, uri, info, cache / "in" / _store_key(store) / rel)
-            prune_cache(cache / "in", store.node_cache or CacheBound(), keep=cached)
+            prune_cache(cache / "in", store.node_cache or CacheBound(), keep=[cached])
             node_path = _pinned(cached, _inputs_of(job_dir) / "files" / _store_key(store) / rel)
         else:
             node_path = job_dir / _store_key(store) / rel

@@ -271,7 +271,8 @@ def verified_copy(ckpt_dir: str | Path, storage_options: dict | None = None,
     unpickles are the bytes that were verified."""
     ckpt_dir = location(ckpt_dir)
     if not is_remote(ckpt_dir):
-        if store_of_path(ckpt_dir) is None:
+        store = store_of_path(ckpt_dir)
+        if store is None:
             require_verified(ckpt_dir, expected_tree_sha256)
             yield ckpt_dir
             return
@@ -279,7 +280,6 @@ def verified_copy(ckpt_dir: str | Path, storage_options: dict | None = None,
         # other triggered flows): verify and load a private copy, so the files cannot change between
         # the check and DCP's unpickling. Hard links, beside the working copy: a sync replaces a file
         # by renaming a new one into place, which leaves the linked bytes as they were
-        store = store_of_path(ckpt_dir)
         manifest = None if expected_tree_sha256 else read_manifest(Path(ckpt_dir).parent.parent)
         with tempfile.TemporaryDirectory(prefix="crucible-checkpoint-", dir=store.cache_dir) as tmp:
             local = Path(tmp) / Path(ckpt_dir).name

@@ -178,7 +178,7 @@ def stage_tokens(index_uri: str, storage) -> tuple[Path, int]:
     cache = cache_root(storage) / "node" / "tokens"
     cache.mkdir(parents=True, exist_ok=True)
     itemsize = np.dtype(index["dtype"]).itemsize
-    downloaded = 0
+    downloaded, staged = 0, []
     for split in index["splits"].values():
         for key in ("llmc_path", "llmc_sha256"):  # llm.c's copies of the ids: training never reads them
             split.pop(key, None)
@@ -189,8 +189,9 @@ def stage_tokens(index_uri: str, storage) -> tuple[Path, int]:
             size = split["tokens"] * itemsize if key == "path" else None
             local, fetched = _cached_file(src, split.get(sha_key), size, cache, storage.options)
             split[key] = str(local)
+            staged.append(local)
             downloaded += fetched
-    prune_cache(cache, CacheBound.of(storage))  # earlier runs' token files, least recently used first
+    prune_cache(cache, CacheBound.of(storage), keep=staged)  # earlier runs' token files, least recently used first
     local_index = cache / f"index-{hashlib.sha256(raw).hexdigest()[:32]}.json"
     tmp = cache / f".tmp-{uuid.uuid4().hex}-{local_index.name}"
     tmp.write_text(json.dumps(index, indent=2) + "\n")
