@@ -61,6 +61,7 @@ from infra import artifact_store, database  # stdlib only at import: MLflow's ob
 from tasks.core.constants import (EVENT_DEPLOYMENTS, LINEAGE_TOKEN_FILE_ENV, LINEAGE_URL_ENV, REPO_ROOT,
                                   WORK_POOL)
 from tasks.core.io import atomic_write_text
+from tasks.core.signing import SIGNING_KEY_FILE_ENV, SIGNING_KEY_NAME, ensure_key_file
 
 STATE_DIR_ENV = "CRUCIBLE_STATE_DIR"
 PREFECT = "prefect"
@@ -190,6 +191,16 @@ def secret(stack_cfg, name: str) -> str:
     return f"crucible:{value}" if name == PREFECT_AUTH else value
 
 
+def signing_key_file(stack_cfg) -> Path:
+    """The stack's signing key (tasks/core/signing.py): the file $CRUCIBLE_SIGNING_KEY_FILE names when
+    this process already has one (a stack started from a process that signs keeps its key), else
+    <state>/secrets/signing.key. Its path, never the key, goes to the stack's processes."""
+    explicit = os.environ.get(SIGNING_KEY_FILE_ENV)
+    if explicit:
+        return ensure_key_file(Path(explicit).expanduser().resolve())
+    return secret_file(stack_cfg, SIGNING_KEY_NAME)
+
+
 def prefect_auth_env(stack_cfg) -> dict[str, str]:
     """Prefect's auth settings for the stack's server (server.api.auth_string) and its clients
     (api.auth_string). Put into a process's environment when it starts, never into a spec or log."""
@@ -268,6 +279,7 @@ def client_env(stack_cfg, lineage_cfg=None) -> dict[str, str]:
         "MLFLOW_TRACKING_URI": mlflow_tracking_uri(stack_cfg),
         "MLFLOW_DISABLE_TELEMETRY": "true",
         STATE_DIR_ENV: str(state_dir(stack_cfg)),
+        SIGNING_KEY_FILE_ENV: str(signing_key_file(stack_cfg)),
         **artifact_store.client_env(),  # artifacts through the MLflow server, never straight from its store
         **(ray_client_env(stack_cfg) if stack_cfg.ray == "cluster" else {}),
     }

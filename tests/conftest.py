@@ -2,9 +2,17 @@
 (tokenizer, tokens, training run) that tests/lm_helpers.py builds once per session under one folder."""
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# One signing key for the whole test session (tasks/core/signing.py), outside the repository: the
+# records a test signs in process and those the stacks it starts sign agree (infra/stack.py
+# signing_key_file keeps a key the starting process already has). A test of a forged record signs
+# it with another key, or none.
+os.environ.setdefault("CRUCIBLE_SIGNING_KEY_FILE", os.path.join(tempfile.mkdtemp(prefix="crucible-key-"), "signing.key"))
 
 
 @pytest.fixture(scope="module")
