@@ -68,3 +68,36 @@ def test_bad_html_dropped_or_quarantined_with_reasons(extractor, tmp_path):
         deep = next(q for q in res["quarantine"] if q["reason"] == "extraction_error")
         assert deep["url"] == "https://site.test/deep" and "HTMLTooDeep" in deep["detail"]
         assert res["docs_out"] == 1 and res["dropped"] == {"empty_extraction": 2}
+
+
+def _within(seconds: int, fn, *args):
+    """`fn(*args)`, or TimeoutError after `seconds` (a guard against a hang, not a benchmark)."""
+    import signal
+
+    def expired(signum, frame):
+        raise TimeoutError(f"{fn.__name__} ran over {seconds} s: super-linear")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        return fn(*args)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_title_tag_is_found_in_linear_time_on_hostile_pages():
+    """The <title> finder (the fallback of both extractors' titles) on 200,000-character pages built to make
+    a backtracking regex quadratic: an unclosed title full of "<title>" openings, "<title" with no ">",
+    and "</title" without its ">" before the real end tag. Each answers correctly well within the guard."""
+    from tasks.ingest.extract import _title_tag
+
+    n = 190_000  # the finder looks at a page's first 200,000 characters
+    assert _within(10, _title_tag, "<html><head><title>" + "<title>x" * (200_000 // 8)) is None
+    assert _within(10, _title_tag, "<TITLE" * (200_000 // 6)) is None
+    nested = "<title>A " + "<title>b " * (n // 9) + "</title >"
+    assert _within(10, _title_tag, nested) == "A " + "<title>b " * (n // 9 - 1) + "<title>b"
+    near_misses = "<html><head><Title lang=en>Real &amp; long" + "</title" * (n // 7) + "</TITLE\n></head>"
+    assert _within(10, _title_tag, near_misses) == "Real & long" + "</title" * (n // 7)
+    assert _title_tag("<html><head><title>  Two\n words </title></head></html>") == "Two words"
+    assert _title_tag("<title>beyond the scanned prefix" + " " * 200_000 + "</title>") is None
