@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     stack.use_stack(cfg.stack, cfg.lineage)  # before Prefect is imported anywhere (with the stack's auth)
     layout = _layout_run(cfg, tmp / "lm")
     stack.register_run_root(cfg.stack, cfg.run_root)  # as `crucible run` does: the triggered flows load from there
+    stack.register_run_config(cfg.stack, layout.run_dir, cfg.model_dump(mode="json"))  # as its pretrain flow does
     ckpts = _train_checkpoints(cfg, layout, (10, 40))
     t0 = time.perf_counter()
     results: list[dict] = []

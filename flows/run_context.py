@@ -153,11 +153,24 @@ def open_run(cfg: PipelineConfig, run_name: str | None = None) -> RunContext:
     parent = tracker.start_run(run_name, tags={"crucible.prefect_flow_run_id": flow_run.id})
     tracker.log_params(parent, cfg.model_dump(mode="json"))
     layout.config_file.write_text(cfg.model_dump_json(indent=2))
+    register_config(cfg, run_dir)
     target, service = lineage_targets(cfg)
     return RunContext(run_name=run_name, run_dir=str(run_dir), lineage_log=str(layout.lineage_log),
                       tracking_uri=tracking_uri, experiment=cfg.name, mlflow_parent_run_id=parent,
                       root_run_id=flow_run.id, prefect_ui_url=prefect_ui_url(flow_run.id),
                       mlflow_experiment_id=tracker.experiment_id, lineage_url=target, lineage_service_url=service)
+
+
+def register_config(cfg: PipelineConfig, run_dir: str | Path) -> Path | None:
+    """With a stack ($CRUCIBLE_STATE_DIR: `crucible run` and the stack's flow runs have it), its signed
+    copy of this run's config, the only one its triggered flows use (the run directory's config.json
+    is for people; anyone who can write the run directory can change it). None without a stack:
+    then no triggered flow runs for this run."""
+    from infra import stack
+
+    if not os.environ.get(stack.STATE_DIR_ENV):
+        return None
+    return stack.register_run_config(cfg.stack, run_dir, cfg.model_dump(mode="json"))
 
 
 class Summary:

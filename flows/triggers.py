@@ -15,9 +15,9 @@ pool (flows/deployments.py), each flow run a process of the stack's worker (infr
         alias champion, swap into the running model server). Deployment concurrency limit 1.
 
 The run's other artifacts are derived from the checkpoint path, which the pipeline lays out as
-run_dir/train/checkpoints/step-N: run_dir/config.json (the resolved pipeline config),
-run_dir/tokenizer/tokenizer.json, run_dir/tokens/index.json. Payload keys tokenizer / tokens_index /
-config_path, if the training worker ever sends them, take precedence.
+run_dir/train/checkpoints/step-N: run_dir/tokenizer/tokenizer.json, run_dir/tokens/index.json. The
+run's config is the stack's signed copy that the pretrain flow registered when it opened the run
+(<state_dir>/run-configs/), never run_dir/config.json.
 
 Evaluations of one run never run two at a time: each holds a slot of the Prefect global
 concurrency limit `crucible-eval-<run_name>` (limit 1, created on first use). A failed evaluation
@@ -60,7 +60,7 @@ from flows.artifacts import publish_eval_table
 from tasks.core.constants import (CHECKPOINT_EVENT, DEPLOY_FLOW, DEPLOYED_EVENT, EVAL_EVENT, EVAL_FLOW,
                                   EVENT_DEPLOYMENTS)
 from tasks.core.layout import CHECKPOINTS_DIR, RunLayout
-from tasks.core.storage import is_remote, open_store, push_path, store_of_path
+from tasks.core.storage import PathEscape, is_remote, open_store, push_path, safe_join, store_of_path
 from tasks.lineage.emitter import ActiveRun, JobRef, dataset_for_path
 from tasks.lineage.outputs import DATASET_DOCS
 
@@ -106,7 +106,10 @@ def trusted_run_paths(checkpoint: str | Path) -> dict:
         if owner is None:
             raise ForgedClaim(f"{checkpoint} is not in a run store of this stack "
                               f"({', '.join(s.root for s in stores) or 'none'})")
-        checkpoint = owner.local_root / str(checkpoint)[len(owner.root) + 1:]
+        try:  # `..` in the key would climb into another registered store's working copy
+            checkpoint = safe_join(owner.local_root, str(checkpoint)[len(owner.root) + 1:])
+        except PathEscape as e:
+            raise ForgedClaim(f"{checkpoint}: {e}") from None
     paths = run_paths(checkpoint)
     roots = stack.run_roots(stack_cfg)
     ckpt = Path(paths["checkpoint"])
@@ -145,13 +148,24 @@ def _val_split_keys(store, tokens_index: Path) -> list[str]:
     return [k for k in keys if k is not None]
 
 
-def _load_cfg(path: str):
-    """The run's config; an object-store run_root's store is opened, so this flow's files are
-    named in lineage as the objects they become (the pretrain flow pushes them)."""
-    from tasks.config import PipelineConfig
+def _load_cfg(paths: dict):
+    """The run's config: the stack's registered, signed copy (flows/run_context.register_config),
+    never the run directory's config.json, which a writer of that directory could point elsewhere
+    (lineage.http_url at itself for the write token, evaluate.wikitext.path at any file, a looser
+    gate); a missing, unsigned, altered or other run's copy is refused (ForgedClaim). An object-store
+    run_root's store is opened, so this flow's files are named in lineage as the objects they become."""
+    from infra import stack
+    from tasks.config import PipelineConfig, StackConfig
+    from tasks.core.signing import SignatureError
     from tasks.core.storage import store_for
+    from tasks.deploy.triggered import ForgedClaim
 
-    cfg = PipelineConfig.model_validate_json(Path(path).read_text())
+    try:
+        config = stack.registered_run_config(StackConfig(), paths["run_dir"])
+    except SignatureError as e:
+        log.warning("refused: the run's config for %s: %s", paths["checkpoint"], e)
+        raise ForgedClaim(f"refused: no trusted config of the run {paths['run_dir']}: {e}") from None
+    cfg = PipelineConfig.model_validate(config)
     store_for(cfg)
     return cfg
 
@@ -269,7 +283,7 @@ def evaluate_task(paths: dict, run_id: str | None) -> dict:
     from tasks.evaluate.stage import report_datasets
     from tasks.registry import STAGES
 
-    cfg = _load_cfg(paths["config"])
+    cfg = _load_cfg(paths)
     stage = STAGES["evaluate"]
     missing = [f"{key} {paths[key]} does not exist" for key in ("checkpoint", "tokenizer", "tokens_index")
                if not Path(paths[key]).exists()]
@@ -308,7 +322,7 @@ def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run
     run_id, run_name = _none(run_id), _none(run_name)
     paths = trusted_run_paths(checkpoint)  # nothing, lineage included, is written for an untrusted claim
     run_name = run_name or Path(paths["run_dir"]).name
-    cfg = _load_cfg(paths["config"])
+    cfg = _load_cfg(paths)
     with triggered_lineage(cfg, paths, run_id) as (active, training):
         limit = eval_limit_name(run_name)
         ensure_limit(limit)
@@ -351,7 +365,7 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
 
     run_id, run_name = _none(run_id), _none(run_name)
     paths = trusted_run_paths(checkpoint)  # nothing, lineage included, is written for an untrusted claim
-    cfg = _load_cfg(paths["config"])
+    cfg = _load_cfg(paths)
     recorded = RunLayout(paths["run_dir"]).triggered_eval_report(paths["checkpoint"])  # not the event's path
 
     def read(training) -> list:

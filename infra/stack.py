@@ -229,6 +229,45 @@ def register_run_root(stack_cfg, run_root: str | Path) -> None:
         atomic_write_text(path, json.dumps(sorted(str(r) for r in roots + [root]), indent=2) + "\n", fsync=False)
 
 
+RUN_CONFIGS_DIR = "run-configs"
+RUN_CONFIG_PURPOSE = "run-config"
+
+
+def run_config_file(stack_cfg, run_dir: str | Path) -> Path:
+    run_dir = Path(run_dir).expanduser().resolve()
+    tag = hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]
+    return state_dir(stack_cfg) / RUN_CONFIGS_DIR / f"{run_dir.name}-{tag}.json"
+
+
+def register_run_config(stack_cfg, run_dir: str | Path, config: dict) -> Path:
+    """The stack's signed copy of a run's resolved config (the pretrain flow registers it when it opens
+    the run). The triggered flows take the run's config from it only, never from the run directory's
+    config.json, which any writer of that directory could point elsewhere (lineage.http_url at itself
+    to receive the write token, evaluate.wikitext.path at any file, a looser gate)."""
+    from tasks.core.signing import write_signed
+
+    path = run_config_file(stack_cfg, run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    record = {"run_dir": str(Path(run_dir).expanduser().resolve()), "config": config}
+    return write_signed(path, record, RUN_CONFIG_PURPOSE)
+
+
+def registered_run_config(stack_cfg, run_dir: str | Path) -> dict:
+    """The registered config of the run in `run_dir`; SignatureError (logged as refused) when there is
+    none, or it is unsigned, altered or another run's."""
+    from tasks.core.signing import SignatureError, read_signed
+
+    path, run_dir = run_config_file(stack_cfg, run_dir), str(Path(run_dir).expanduser().resolve())
+    try:
+        record = read_signed(path, RUN_CONFIG_PURPOSE)
+    except FileNotFoundError:
+        raise SignatureError(f"refused: the stack has no registered config of the run {run_dir} "
+                             f"({path}; the pretrain flow registers it when it opens the run)") from None
+    if record.get("run_dir") != run_dir or not isinstance(record.get("config"), dict):
+        raise SignatureError(f"refused: {path} is the registered config of {record.get('run_dir')}, not of {run_dir}")
+    return record["config"]
+
+
 RUN_STORES_FILE = "run-stores.json"
 
 

@@ -512,6 +512,7 @@ def test_training_run_of_finds_the_producer_of_a_store_checkpoint_by_its_key(tmp
     the newest torchrun run, which may be a later one)."""
     from tasks.core import storage
     from tasks.lineage.runs import training_run_of
+    from tasks.lineage.signed import sign_event
 
     store = storage.open_store("s3://bucket/crucible", {}, str(tmp_path / "cache"))
     try:
@@ -522,8 +523,100 @@ def test_training_run_of_finds_the_producer_of_a_store_checkpoint_by_its_key(tmp
                   {"eventType": "COMPLETE", "run": {"runId": "first"}, "job": job,
                    "outputs": [{"namespace": "s3://bucket", "name": "crucible/r1/train/checkpoints/step-000004"}]},
                   {"eventType": "START", "run": {"runId": "second"}, "job": job}]
+        # ... and one a writer of the run directory appended, naming its own run as the producer: refused
+        forged = [{"eventType": "START", "run": {"runId": "forged"}, "job": job},
+                  {**events[1], "run": {"runId": "forged"}}]
         log = tmp_path / "lineage.jsonl"
-        log.write_text("".join(json.dumps(e) + "\n" for e in events))
+        log.write_text("".join(json.dumps(sign_event(e)) + "\n" for e in events) +
+                       "".join(json.dumps(e) + "\n" for e in forged))
         assert training_run_of(log, ckpt).run.run_id == "first"
     finally:
         storage._STORES.pop(store.root, None)
+
+
+# ------------------------------------------------- the log as a record nobody else can write (issue 24)
+
+def test_a_forged_or_altered_line_is_never_replayed_nor_trusted(tmp_path, caplog):
+    """Lines a writer of the run directory appends to lineage.jsonl (a valid event of its own, a
+    genuine line with its content changed, a made-up signature) are refused by every reader: never
+    sent to the lineage service with the write token, never a licence the emitter propagates, never
+    a parent the triggered flows take (test above)."""
+    from fastapi.testclient import TestClient
+
+    from infra.services.lineage import create_app
+    from tasks.lineage.replay import iter_events, replay
+
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text('{"text": "a"}\n')
+    log = tmp_path / "lineage.jsonl"
+    em = LineageEmitter(log, "crucible", PRODUCER)
+    with em.run(_ref("pretrain"), job_type="FLOW"):
+        pass
+    genuine = read_events(log)
+    assert all(event_errors(e) == [] for e in genuine)
+    # a valid OpenLineage event (the service would store it) claiming a licence for the raw file
+    from tasks.lineage.facets import custom_schema_url
+
+    forged = {**genuine[0], "run": {"runId": str(uuid.uuid4())}, "inputs": [
+        {"namespace": "file", "name": str(raw.resolve()),
+         "facets": {"crucible_source": {"_producer": PRODUCER,
+                                        "_schemaURL": custom_schema_url("CrucibleSourceDatasetFacet"),
+                                        "source": "x", "licence": "Public-Domain", "provenance": "trust me",
+                                        "derived": False, "licences": ["Public-Domain"], "sources": []}}}]}
+    assert event_errors(forged) == []
+    altered = json.loads(json.dumps(genuine[1]))  # the genuine line's signature kept, its content changed
+    altered["run"]["runId"], altered["job"]["name"] = str(uuid.uuid4()), "deploy.gate_register_serve"
+    with log.open("a") as f:
+        for e in (forged, altered):
+            f.write(json.dumps(e) + "\n")
+    token = "w-t0ken"
+    with TestClient(create_app(tmp_path / "l.db", write_token=token),
+                    headers={"Authorization": f"Bearer {token}"}) as c:
+        got = replay(log, "http://testserver", client=c, token=token)
+        assert c.get("/api/v1/crucible/stats").json()["events"] == 2  # the genuine ones only
+        assert (got["events"], got["ingested"], got["refused"]) == (2, 2, 2), got
+        assert "refused" in caplog.text and "forged, or altered" in caplog.text
+        made_up = json.loads(json.dumps(genuine[1]))  # a signature of the right form, made up
+        made_up["run"]["runId"] = str(uuid.uuid4())
+        made_up["run"]["facets"]["crucible_signature"]["signature"] = "hmac-sha256:" + "0" * 64
+        with log.open("a") as f:
+            f.write(json.dumps(made_up) + "\nnot json\n")
+        got = replay(log, "http://testserver", client=c, token=token)
+        assert (got["events"], got["duplicates"], got["refused"]) == (2, 2, 4), got
+        assert c.get("/api/v1/crucible/stats").json()["events"] == 2
+    refused: list = []
+    assert [e["run"]["runId"] for e in iter_events(log, refused)] == [e["run"]["runId"] for e in genuine]
+    assert refused == [3, 4, 5, 6]
+    # the emitter's licence propagation reads the same log: the forged licence is not taken
+    with em.run(_ref("curate.ingest_sources"), inputs=[dataset_for_path(raw)]) as run:
+        run.outputs.append(dataset_for_path(tmp_path / "out.parquet", output=True, inspect=False))
+    last = json.loads(log.read_text().splitlines()[-1])
+    assert "crucible_source" not in last["inputs"][0]["facets"]
+    assert "crucible_source" not in last["outputs"][0]["facets"]
+
+
+def test_a_symlinked_log_never_makes_the_pipeline_write_to_its_target(tmp_path):
+    """lineage.jsonl replaced by a link (or the run directory by one) makes the emit fail: the
+    pipeline's events are never appended to the file the link names."""
+    from tasks.lineage.replay import replay
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "lineage.jsonl").symlink_to(victim)
+    em = LineageEmitter(run / "lineage.jsonl", "crucible", PRODUCER)
+    with pytest.raises(Exception, match="symbolic link"):
+        em.emit(RunState.START, _ref("pretrain"))
+    assert victim.read_text() == "precious\n"
+    with pytest.raises(OSError, match="symbolic link"):  # nor is a linked file read and replayed
+        replay(run / "lineage.jsonl", "http://127.0.0.1:9")
+    # the run directory itself a link to a folder outside the run root
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "r1").symlink_to(elsewhere, target_is_directory=True)
+    em = LineageEmitter(tmp_path / "runs" / "r1" / "lineage.jsonl", "crucible", PRODUCER)
+    with pytest.raises(Exception, match="symbolic link"):
+        em.emit(RunState.START, _ref("pretrain"))
+    assert list(elsewhere.iterdir()) == []

@@ -227,6 +227,8 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
     stack_cfg = StackConfig(state_dir=str(tmp_path / "state"), prefect_port=free_port(),
                             mlflow_port=free_port(), worker_port=free_port(), start_timeout=150, stop_timeout=10)
     stack.register_run_root(stack_cfg, tmp_path / "runs")  # as `crucible run` does for its config
+    # and as its pretrain flow does when it opens the run: the flows' config is this signed copy
+    stack.register_run_config(stack_cfg, run_dir, json.loads((run_dir / "config.json").read_text()))
     spec = stack.prefect_worker_spec(stack_cfg)  # its flow runs inherit its environment
     spec.env.update({"MLFLOW_TRACKING_URI": store})
     api = stack.prefect_api_url(stack_cfg)
@@ -428,6 +430,8 @@ def test_triggered_flow_runs_emit_lineage_parented_to_the_training_run(tmp_path,
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     run_dir, ckpts = _make_run(tmp_path_factory.getbasetemp() / "lm", tmp_path, store)
     stack.register_run_root(StackConfig(state_dir=str(tmp_path / "state")), tmp_path / "runs")
+    stack.register_run_config(StackConfig(state_dir=str(tmp_path / "state")), run_dir,
+                              json.loads((run_dir / "config.json").read_text()))
     cfg = PipelineConfig.model_validate_json((run_dir / "config.json").read_text())
     # the pretrain run's lineage so far: its root run and the torchrun job still training
     log = RunLayout(run_dir).lineage_log

@@ -27,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -37,11 +38,13 @@ import uuid
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Iterator
 from urllib.parse import quote, unquote
 
 from tasks.core.fs import filesystem, protocol
+
+log = logging.getLogger("crucible.storage")
 
 # written last in their directory: a reader that sees one may trust the files it names
 COMMIT_FILES = ("manifest.json", "index.json", "summary.json", "meta.json", ".complete")
@@ -55,6 +58,41 @@ _LOCK = ".crucible-store.lock"
 
 class StorageError(RuntimeError):
     """The object store cannot be used: names the URI, the setting and what to check (never a secret)."""
+
+
+class PathEscape(ValueError):
+    """A key or relative path from outside (an object-store listing, an index, an event) that would
+    leave the folder it belongs under: refused, never written or read."""
+
+
+def safe_join(root: str | Path, relative: str | PurePosixPath) -> Path:
+    """`root / relative` for a store key or run-relative path that came from outside; PathEscape for
+    one that is absolute, has a `..` part or a NUL, or whose place (symbolic links followed) is not
+    under `root`. An object key may hold `../` (S3 stores it as given): used as a path unchecked, it
+    writes outside the working copy before anything is verified."""
+    rel = str(relative)
+    if "\0" in rel:
+        raise PathEscape(f"refused: {rel!r} holds a NUL byte")
+    parts = PurePosixPath(rel).parts
+    if rel.startswith(("/", "\\")) or PurePosixPath(rel).is_absolute() or ".." in parts:
+        raise PathEscape(f"refused: {rel!r} is not a path inside {root} (absolute, or with a '..' part)")
+    base = Path(root)
+    joined = base.joinpath(*[p for p in parts if p != "."])
+    if not joined.resolve().is_relative_to(base.resolve()):  # a symbolic link on the way leads out
+        raise PathEscape(f"refused: {rel!r} leads outside {root} (through a symbolic link)")
+    return joined
+
+
+def _listed(root: Path, keys: Iterable[str]) -> dict[str, Path]:
+    """The local place under `root` of each key an object-store listing gave; a key that would leave
+    `root` is refused and logged, and never downloaded."""
+    out = {}
+    for key in keys:
+        try:
+            out[key] = safe_join(root, key)
+        except PathEscape as e:
+            log.warning("%s: the object is not downloaded", e)
+    return out
 
 
 def is_remote(uri: str | Path) -> bool:
@@ -293,10 +331,13 @@ class RunStore:
             except FileNotFoundError:
                 found = {}
             etags = {p.split("://", 1)[-1][len(root_path) + 1:]: _etag(info) for p, info in found.items()}
-            keys = list(etags)
+            places = _listed(self.local_root, etags)
+        else:  # named by a job's result: one that escapes is an error, not a listing's stray object
+            places = {key: safe_join(self.local_root, key) for key in keys}
+        keys = list(places)
         with self._state(keys or [rel]) as state:
             for key in keys:
-                dest = _download(fs, self.uri(key), self.local_root / key)
+                dest = _download(fs, self.uri(key), places[key])
                 st = dest.stat()
                 # with its ETag, a later sync_down tells a replaced object of the same size
                 state[key] = [st.st_size, st.st_mtime_ns, *([etags[key]] if etags.get(key) else [])]
@@ -321,9 +362,10 @@ class RunStore:
                     found = {}
                 remote = {k[len(root_path) + 1:]: info for k, info in found.items()
                           if info.get("type", "file") == "file" and not k.endswith("/")}
-                for key, info in remote.items():
+                places = _listed(self.local_root, remote)
+                for key, dest in places.items():
+                    info = remote[key]
                     etag = _etag(info)
-                    dest = self.local_root / key
                     if self._keep(state.get(key), dest, int(info.get("size") or 0), etag):
                         continue
                     _download(fs, self.uri(key), dest)
@@ -592,6 +634,7 @@ class Staging:
         if owned is None or (local and not isinstance(p, InputDir) and os.path.isfile(p)):
             return p
         store, rel = owned
+        safe_join(store.local_root, rel)  # a working-copy path with '..' names no object of the store
         fs = store.fs()
         uri = store.uri(rel)
         if isinstance(p, InputDir):
@@ -750,11 +793,12 @@ def _fetch_dir(fs, uri: str, dest: Path) -> Path:
         found = []
     dest.mkdir(parents=True, exist_ok=True)
     base = uri.split("://", 1)[-1].rstrip("/") + "/"
-    targets = [dest / p.split("://", 1)[-1][len(base):] for p in found]
-    for t in targets:
+    sources = {p.split("://", 1)[-1][len(base):]: p for p in found}
+    places = _listed(dest, sources)
+    for t in places.values():
         t.parent.mkdir(parents=True, exist_ok=True)
-    if found:
-        fs.get(list(found), [str(t) for t in targets])
+    if places:
+        fs.get([sources[k] for k in places], [str(t) for t in places.values()])
     return dest
 
 

@@ -4,8 +4,9 @@ Datasets follow the spec's naming: namespace `file` + absolute path for local fi
 model version is `mlflow://<tracking host>` + `models/<name>/<version>`. Each dataset's version facet
 is a content hash, so an auditor can tell two artifacts with the same name apart.
 
-Events go to an append-only JSONL file in the run directory (one event per line), the record; with
-`http_url` also, best effort, to a lineage endpoint (tasks/lineage/transport.py).
+Events go to an append-only JSONL file in the run directory (one event per line, each signed:
+tasks/lineage/signed.py), the record; with `http_url` also, best effort, to a lineage endpoint
+(tasks/lineage/transport.py).
 
 Licences propagate: an input without a `crucible_source` facet gets the one its producer recorded
 in the same log, and an output without one gets the union of its inputs' raw sources. So every
@@ -14,7 +15,6 @@ reports, the model version) lists the licences of the raw files it came from.
 """
 from __future__ import annotations
 
-import json
 import threading
 import traceback
 import uuid
@@ -53,6 +53,7 @@ from tasks.lineage.facets import (
     source_code_location,
     source_entries,
 )
+from tasks.lineage.signed import open_log, verified_line
 from tasks.lineage.transport import make_transport
 
 
@@ -204,17 +205,18 @@ class _SourceIndex:
     def refresh(self) -> None:
         with self.lock:
             try:
-                with open(self.log_path, "rb") as f:
+                with open_log(self.log_path) as f:
                     f.seek(self.offset)
                     data = f.read()
             except FileNotFoundError:
                 return
             end = data.rfind(b"\n") + 1  # a line still being written is read next time
-            self.offset += end
+            start, self.offset = self.offset, self.offset + end
             for line in data[:end].splitlines():
-                try:
-                    event = json.loads(line)
-                except ValueError:
+                # a licence is taken from a signed line only: an appended one could claim any
+                event = verified_line(line, f"{self.log_path} (at byte {start})") if line.strip() else None
+                start += len(line) + 1
+                if event is None:
                     continue
                 for ds in (event.get("inputs") or []) + (event.get("outputs") or []):
                     facet = (ds.get("facets") or {}).get("crucible_source")

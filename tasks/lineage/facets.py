@@ -167,6 +167,14 @@ class CrucibleEvalRunFacet(CustomSchema, RunFacet):
     step: int
 
 
+@attr.define
+class CrucibleSignatureRunFacet(CustomSchema, RunFacet):
+    """The stack's HMAC of the event without this facet (tasks/lineage/signed.py): a line of a run's
+    lineage log that does not carry a valid one is refused by every reader and never replayed."""
+
+    signature: str
+
+
 # An id, name or URL of the run in another tool; None where that tool had no part in it.
 Link = str | None
 

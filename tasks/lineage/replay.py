@@ -8,7 +8,10 @@ keep-alive connection.
     python -m tasks.lineage.replay runs/<run>/lineage.jsonl http://127.0.0.1:5055
 
 The service's write token is sent as a bearer token: $CRUCIBLE_LINEAGE_TOKEN, or the file
-$CRUCIBLE_LINEAGE_TOKEN_FILE names (`crucible lineage replay` uses the stack's).
+$CRUCIBLE_LINEAGE_TOKEN_FILE names (`crucible lineage replay` uses the stack's). Only lines that
+carry the stack's signature are sent (tasks/lineage/signed.py): an unsigned, forged or altered line,
+e.g. one a writer of the run directory appended, is refused, logged and counted ("refused"), never
+sent with the token.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from typing import Iterator
 from urllib.parse import urlsplit
 
 import httpx
+
+from tasks.lineage.signed import signed_lines
 
 LINEAGE_PATH = "/api/v1/lineage"
 
@@ -34,23 +39,16 @@ def lineage_url(url: str) -> str:
     return url.rstrip("/") + LINEAGE_PATH if path in ("", "/") else url
 
 
-def iter_events(jsonl_path: str | Path) -> Iterator[dict]:
-    with open(jsonl_path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except ValueError as e:
-                    raise ValueError(f"{jsonl_path}:{n}: not JSON: {e}") from None
+def iter_events(jsonl_path: str | Path, refused: list | None = None) -> Iterator[dict]:
+    """The log's signed events (each other line is logged as refused, its number added to `refused`)."""
+    for _, event in signed_lines(jsonl_path, refused):
+        yield event
 
 
-def _lines(jsonl_path: str | Path) -> Iterator[bytes]:
-    """The log's non-blank lines as they are: the events are sent without decoding them here."""
-    with open(jsonl_path, "rb") as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                yield line
+def _lines(jsonl_path: str | Path, refused: list) -> Iterator[bytes]:
+    """The log's signed lines as they are (verified, then sent as written)."""
+    for line, _ in signed_lines(jsonl_path, refused):
+        yield line
 
 
 def _batches(lines: Iterator[bytes], size: int) -> Iterator[list[bytes]]:
@@ -66,9 +64,9 @@ def _batches(lines: Iterator[bytes], size: int) -> Iterator[list[bytes]]:
 
 def replay(jsonl_path: str | Path, url: str, *, batch_size: int = 500, timeout: float = 60.0,
            client: httpx.Client | None = None, single: bool = False, token: str | None = None) -> dict:
-    """POST every event of `jsonl_path` to `url`; returns counts (ingested/duplicates when the
-    server reports them). Lines are sent as they are (the server checks them); a refused batch
-    raises ReplayError with the server's answer. `client`: an httpx.Client to use (e.g. FastAPI's
+    """POST every signed event of `jsonl_path` to `url`; returns counts (ingested/duplicates when the
+    server reports them; refused: lines without a valid signature, never sent). Signed lines are
+    sent as they are (the server checks them); a refused batch raises ReplayError with the server's answer. `client`: an httpx.Client to use (e.g. FastAPI's
     TestClient). `token`: the service's write token (default: lineage_token(), from the environment)."""
     from tasks.lineage.transport import lineage_token
 
@@ -77,8 +75,9 @@ def replay(jsonl_path: str | Path, url: str, *, batch_size: int = 500, timeout: 
     endpoint = lineage_url(url)
     own = client is None
     client = client or httpx.Client(timeout=timeout)
-    summary = {"url": endpoint, "events": 0, "requests": 0, "ingested": 0, "duplicates": 0,
+    summary = {"url": endpoint, "events": 0, "requests": 0, "ingested": 0, "duplicates": 0, "refused": 0,
                "mode": "single" if single else "batch"}
+    refused: list[int] = []
     token = token or lineage_token()
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
 
@@ -106,7 +105,7 @@ def replay(jsonl_path: str | Path, url: str, *, batch_size: int = 500, timeout: 
             count(resp, 1)
 
     try:
-        for batch in _batches(_lines(jsonl_path), batch_size):
+        for batch in _batches(_lines(jsonl_path, refused), batch_size):
             if summary["mode"] == "single":
                 send_single(batch)
                 continue
@@ -121,6 +120,7 @@ def replay(jsonl_path: str | Path, url: str, *, batch_size: int = 500, timeout: 
                 continue
             raise ReplayError(f"{endpoint} answered {resp.status_code}: {resp.text[:500]}")
     finally:
+        summary["refused"] = len(refused)
         if own:
             client.close()
     return summary

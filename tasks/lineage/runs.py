@@ -8,13 +8,13 @@ theirs, so the graph ties them to the training run and the pipeline run.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.core.storage import lineage_name
 from tasks.lineage.emitter import JobRef
 from tasks.lineage.facets import CrucibleSourceDatasetFacet, source_entries
+from tasks.lineage.signed import signed_lines
 
 
 @dataclass(frozen=True)
@@ -29,13 +29,11 @@ class TrainingRun:
 
 
 def _events(log_path: Path):
+    """The log's signed events: a line a writer of the run directory appended (naming any run as the
+    checkpoint's parent, or any licence) is refused."""
     try:
-        with open(log_path, "rb") as f:
-            for line in f:
-                try:
-                    yield json.loads(line)
-                except ValueError:  # a line still being written by another process
-                    continue
+        for _, event in signed_lines(log_path):
+            yield event
     except FileNotFoundError:
         return
 

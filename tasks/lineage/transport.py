@@ -1,8 +1,10 @@
 """How lineage events leave the process: the JSONL log first (the record), then HTTP, best effort.
 
-`make_transport` returns openlineage-python's FileTransport alone, or a CompositeTransport of
-[FileTransport, BestEffortHttpTransport] when an HTTP endpoint is configured (the stack's lineage
-service, or Marquez via `lineage.http_url`). The composite stops at the first failure
+`make_transport` returns a CompositeTransport of [LogFileTransport] or, when an HTTP endpoint is
+configured (the stack's lineage service, or Marquez via `lineage.http_url`), [LogFileTransport,
+BestEffortHttpTransport]. The composite signs each event first (its `crucible_signature` facet,
+tasks/lineage/signed.py), so the line written and the event sent are the same signed event; the
+file is appended to without following a symbolic link. The composite stops at the first failure
 (`continue_on_failure=False`), and only the file can fail: an error writing the JSONL fails the
 run, because that file is the ground truth. The HTTP transport never raises: a refused connection,
 a timeout or an error status is logged once per outage, counted, and the endpoint is skipped for
@@ -20,10 +22,12 @@ from functools import cached_property
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from openlineage.client.serde import Serde
 from openlineage.client.transport.composite import CompositeConfig, CompositeTransport
-from openlineage.client.transport.file import FileConfig, FileTransport
 from openlineage.client.transport.http import HttpConfig, HttpTransport
 from openlineage.client.transport.transport import Transport
+
+from tasks.lineage.signed import append_line, sign_run_event
 
 log = logging.getLogger("crucible.lineage")
 
@@ -125,8 +129,23 @@ class BestEffortHttpTransport(HttpTransport):
         return resp
 
 
+class LogFileTransport(Transport):
+    """Appends each event as one JSON line to the run's lineage log, never through a symbolic link
+    (openlineage's FileTransport opens the path as given: a link planted in its place would make
+    the pipeline append to any file it may write)."""
+
+    kind = "crucible_log_file"
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def emit(self, event):  # noqa: ANN001 - openlineage's Event union
+        append_line(self.path, Serde.to_json(event) + "\n")
+
+
 class RecordFirstTransport(CompositeTransport):
-    """CompositeTransport over ready-made transports: the JSONL file first, then HTTP."""
+    """CompositeTransport over ready-made transports: the JSONL file first, then HTTP; each event is
+    signed before any of them sees it."""
 
     def __init__(self, children: list[Transport]) -> None:
         self._children = list(children)
@@ -136,6 +155,10 @@ class RecordFirstTransport(CompositeTransport):
     @cached_property
     def transports(self) -> list[Transport]:
         return self._children
+
+    def emit(self, event):  # noqa: ANN001 - openlineage's Event union
+        sign_run_event(event)
+        return super().emit(event)
 
 
 def lineage_token() -> str | None:
@@ -158,10 +181,10 @@ def lineage_token() -> str | None:
 
 def make_transport(log_path: str | Path, http_url: str | None = None, timeout: float = 5.0) -> Transport:
     """The JSONL file (append) alone, or file + best-effort HTTP to `http_url` (with the write token,
-    lineage_token(), as a bearer token when there is one)."""
-    file_transport = FileTransport(FileConfig(log_file_path=str(log_path), append=True))
+    lineage_token(), as a bearer token when there is one); events signed first."""
+    file_transport = LogFileTransport(log_path)
     if not http_url:
-        return file_transport
+        return RecordFirstTransport([file_transport])
     base, endpoint = split_lineage_url(http_url)
     settings = {"url": base, "endpoint": endpoint, "timeout": timeout, "retry": HTTP_RETRY}
     if token := lineage_token():

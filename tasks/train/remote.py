@@ -33,7 +33,7 @@ import numpy as np
 
 from tasks.core.fs import file_identity, filesystem, local_path, protocol
 from tasks.core.hashing import sha256_file, sha256_text
-from tasks.core.storage import CacheBound, default_cache_dir, is_remote, prune_cache, touch
+from tasks.core.storage import CacheBound, default_cache_dir, is_remote, prune_cache, safe_join, touch
 
 _CHUNK = 1 << 20
 _BLOCK = 8 * _CHUNK  # ranged reads of 8 MiB (s3fs's own default is 50 MiB)
@@ -139,11 +139,13 @@ def remove_tree(uri: str, options: dict | None = None) -> None:
 
 
 def download(uri: str, dest: Path, options: dict | None = None) -> Path:
-    """Every object under the prefix `uri` into the local directory `dest` (created); returns dest."""
+    """Every object under the prefix `uri` into the local directory `dest` (created); returns dest.
+    A key that would leave `dest` (`../` in it) is refused (PathEscape) before anything is written."""
     dest.mkdir(parents=True, exist_ok=True)
     fs = store_fs(uri, options)
-    for rel in files(uri, options):
-        target = dest / rel
+    found = files(uri, options)
+    targets = {rel: safe_join(dest, rel) for rel in found}
+    for rel, target in targets.items():
         target.parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(join(uri, rel), str(target))
     return dest
@@ -202,11 +204,11 @@ def stage_tokens(index_uri: str, storage) -> tuple[Path, int]:
 def _cached_file(src: str, sha: str | None, size: int | None, cache: Path, options: dict | None
                  ) -> tuple[Path, int]:
     """`src` in `cache`, named by its recorded sha256 (else by its size and ETag); (path, 1 if downloaded)."""
-    if sha:
-        dest = cache / f"{sha}-{name_of(src)}"
+    if sha:  # the index's value is a name here: one with a '/' or '..' would lead out of the cache
+        dest = safe_join(cache, f"{sha}-{name_of(src)}")
     else:
         identity = file_identity(src, options)
-        dest = cache / f"id-{sha256_text(json.dumps(identity))[:32]}-{name_of(src)}"
+        dest = safe_join(cache, f"id-{sha256_text(json.dumps(identity))[:32]}-{name_of(src)}")
         size = identity[1] if size is None else size
     if dest.is_file() and (size is None or dest.stat().st_size == size):
         touch(dest)

@@ -1,0 +1,158 @@
+"""A run's lineage log as a record nobody else can write to (issue 24).
+
+Each line is one OpenLineage event that carries the stack's signature in its `crucible_signature`
+run facet (tasks/core/signing.py, purpose "lineage-line", over the event's canonical JSON without
+that facet), so the line stays a valid event for the lineage service and Marquez. Every reader
+(replay to the lineage service with its write token, the emitter's licence propagation, the
+triggered flows' search for a checkpoint's training run) takes verified lines only: an unsigned,
+forged or altered line is refused, logged and skipped.
+
+The log is opened without following symbolic links, neither the file (O_NOFOLLOW) nor its folder
+(opened O_NOFOLLOW and the file opened relative to it): a writer of the run directory who replaces
+lineage.jsonl, or the run directory itself, with a link gets the append refused, never made to
+another file.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+
+from tasks.core.signing import SignatureError, canonical, sign_bytes, verify_bytes
+
+PURPOSE = "lineage-line"
+SIGNATURE_FACET = "crucible_signature"
+
+log = logging.getLogger("crucible.lineage")
+
+
+class LogRefused(OSError):
+    """The lineage log (or its folder) is a symbolic link: not opened."""
+
+
+def _split(event: dict) -> tuple[dict, Any]:
+    """(the event as it is signed: without the signature facet, and without an empty run.facets,
+    the signature)."""
+    run = event.get("run")
+    if not isinstance(run, dict) or not isinstance(run.get("facets"), dict):
+        return event, None
+    facets = dict(run["facets"])
+    facet = facets.pop(SIGNATURE_FACET, None)
+    signature = facet.get("signature") if isinstance(facet, dict) else None
+    run = {k: v for k, v in run.items() if k != "facets"}
+    if facets:
+        run["facets"] = facets
+    return {**event, "run": run}, signature
+
+
+def event_signature(event: dict) -> str:
+    return sign_bytes(canonical(_split(event)[0]), PURPOSE)
+
+
+def sign_event(event: dict) -> dict:
+    """A copy of the event (a JSON object) carrying its signature facet."""
+    from tasks.lineage.facets import custom_schema_url
+
+    body, _ = _split(event)
+    run = dict(body.get("run") or {})
+    run["facets"] = {**(run.get("facets") or {}), SIGNATURE_FACET: {
+        "_producer": str(event.get("producer", "")), "_schemaURL": custom_schema_url("CrucibleSignatureRunFacet"),
+        "signature": event_signature(body)}}
+    return {**body, "run": run}
+
+
+def sign_run_event(event) -> None:
+    """Add the signature facet to an openlineage event object (what the transports then send and
+    write), computed over the event exactly as it is serialized."""
+    from openlineage.client.serde import Serde
+
+    from tasks.lineage.facets import CrucibleSignatureRunFacet
+
+    facets = dict(event.run.facets or {})
+    facets.pop(SIGNATURE_FACET, None)
+    event.run.facets = facets
+    facet = CrucibleSignatureRunFacet(signature=event_signature(json.loads(Serde.to_json(event))))
+    facet._producer = event.producer
+    event.run.facets = {**facets, SIGNATURE_FACET: facet}
+
+
+def verify_event(event: Any, what: str = "lineage line") -> dict:
+    """The event, once its signature verifies; SignatureError (logged as refused) otherwise."""
+    if not isinstance(event, dict):
+        log.warning("refused: %s is not a JSON object", what)
+        raise SignatureError(f"{what} is not a JSON object")
+    body, signature = _split(event)
+    verify_bytes(canonical(body), signature, PURPOSE, what)
+    return event
+
+
+def verified_line(line: bytes, what: str) -> dict | None:
+    """The event of one log line if it is signed; None (logged) if it is not JSON or not signed."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        log.warning("refused: %s is not JSON", what)
+        return None
+    try:
+        return verify_event(event, what)
+    except SignatureError:
+        return None
+
+
+def _open(path: str | Path, flags: int) -> int:
+    path = Path(path)
+    try:
+        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and path.parent.is_symlink():
+            log.warning("refused: the folder of the lineage log %s is a symbolic link", path)
+            raise LogRefused(e.errno, f"refused: the folder of the lineage log {path} is a symbolic link") from None
+        raise
+    try:
+        return os.open(path.name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            log.warning("refused: the lineage log %s is a symbolic link", path)
+            raise LogRefused(e.errno, f"refused: the lineage log {path} is a symbolic link") from None
+        raise
+    finally:
+        os.close(folder)
+
+
+def append_line(path: str | Path, line: str) -> None:
+    """Append one line (one write, O_APPEND: lines of concurrent writers never interleave)."""
+    data = line.encode("utf-8")
+    fd = _open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def open_log(path: str | Path) -> BinaryIO:
+    """The log, for reading (FileNotFoundError when there is none; LogRefused for a link)."""
+    return os.fdopen(_open(path, os.O_RDONLY), "rb")
+
+
+def signed_lines(path: str | Path, refused: list | None = None) -> Iterator[tuple[bytes, dict]]:
+    """(line, event) of every signed line of the log, in order; each other line is logged as
+    refused (and its number appended to `refused`). A last line without its newline is one still
+    being written: skipped silently."""
+    with open_log(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                break
+            line = line.strip()
+            if not line:
+                continue
+            event = verified_line(line, f"{path}:{n}")
+            if event is None:
+                if refused is not None:
+                    refused.append(n)
+                continue
+            yield line, event
