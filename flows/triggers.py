@@ -358,10 +358,9 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
     (on the yardstick), register, alias champion, serve (swap in place). A claim that does not match
     the records is refused and logged as forged; nothing is deployed."""
     from flows.stage_task import model_server_status, serve_model, verify_model
-    from tasks.core.io import write_json_atomic
     from tasks.deploy import deploy_if_better
     from tasks.deploy.stage import deploy_outputs
-    from tasks.deploy.triggered import ForgedClaim, evaluation_claim_problem
+    from tasks.deploy.triggered import ForgedClaim, evaluation_claim_problem, write_deploy_record
 
     run_id, run_name = _none(run_id), _none(run_name)
     paths = trusted_run_paths(checkpoint)  # nothing, lineage included, is written for an untrusted claim
@@ -383,7 +382,7 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
                                   serve_model=serve_model, verify_model=verify_model,
                                   server_status=model_server_status(cfg))
         record = RunLayout(paths["run_dir"]).triggered_deploy_record(paths["checkpoint"])
-        write_json_atomic(record, result)
+        write_deploy_record(record, result)  # signed: the pretrain flow's await_deployment verifies it
         push_path(record)
         active.outputs.extend(deploy_outputs(_tracking_uri(cfg), result))
     if result.get("version") is not None:

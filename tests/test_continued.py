@@ -279,6 +279,10 @@ def test_gate_scores_both_models_on_one_yardstick(cycles):
     assert set(y["challenger"]["bits_per_byte"]) == set(y["champion"]["bits_per_byte"]) == {"old", "new", "wikitext"}
     assert all(0 < v < 20 for who in ("challenger", "champion") for v in y[who]["bits_per_byte"].values())
     assert deployed["passed"] == y["decision"]["passed"] and deployed["reason"] == y["decision"]["reason"]
+    from tasks.deploy.gate import read_gate_record
+
+    # the stage's gate record is signed: verified as read (a rewritten one is refused, tests/test_signed_records.py)
+    assert read_gate_record(Path(y["set"]["path"]).parent / "gate.json")["decision"] == y["decision"]
     ch, champ = y["challenger"]["bits_per_byte"], y["champion"]["bits_per_byte"]
     # the rule itself: a challenger worse on the new data is refused; one that forgets is refused
     assert not decide(cfg.deploy, {**ch, "new": champ["new"] + 0.1}, champ, {}, {})["passed"]

@@ -22,6 +22,7 @@ from lm_helpers import random_checkpoint, sample_tokenizer
 from tasks.config import DeployConfig, PipelineConfig, StackConfig
 from tasks.core.net import free_port
 from tasks.deploy import deploy_if_better, gate
+from tasks.deploy.gate import read_gate_record
 from tasks.deploy.generation import TextGenerator
 
 
@@ -209,7 +210,7 @@ def test_gate_compares_with_the_champion_on_the_yardstick_not_val_loss(trained, 
     champ_tags = client.get_model_version(name, "1").tags
     assert float(champ_tags[f"yardstick.{y['sha256'][:16]}.new"]) == pytest.approx(y["champion_bpb"]["new"], abs=1e-6)
     again = deploy_if_better(cfg, uri, claims_better, tok, train_run, **_supervised(cfg))
-    record = json.loads((Path(y["path"]).parent / "gate-step-10.json").read_text())
+    record = read_gate_record(Path(y["path"]).parent / "gate-step-10.json")  # signed (tests/test_signed_records.py)
     assert not again["passed"] and record["champion"]["scores"] == "reused from its registry tags"
     # The champion's own checkpoint again (as when the triggered deploy-model flow got there first):
     # reported as deployed, no new version.
@@ -255,7 +256,7 @@ def test_gate_scores_a_champion_whose_files_are_gone_from_its_verified_registere
         find_champion(with_moments, uri)
     res = deploy_if_better(cfg, uri, {"val_loss": 5.0, "step": 20, "checkpoint": trained[20]}, trained["tokenizer"],
                            None, **_supervised(cfg))
-    record = json.loads((Path(res["yardstick"]["path"]).parent / "gate-step-20.json").read_text())
+    record = read_gate_record(Path(res["yardstick"]["path"]).parent / "gate-step-20.json")
     assert record["champion"]["scores"].startswith("scored from ") and "artifacts" in record["champion"]["scores"]
     assert res["passed"] and res["version"] == 2, res["reason"]
     # a registered copy that no longer matches its recorded hashes is not scored (on a new set, so

@@ -232,7 +232,9 @@ def test_evaluate_checkpoint_runs_suite_and_logs_to_mlflow(base, run, tmp_path, 
     assert t["hellaswag"]["n"] == 12 and 0 <= t["hellaswag"]["acc"] <= 1 and 0 <= t["hellaswag"]["acc_norm"] <= 1
     ece = t["calibration"]["hellaswag"]["ece"]
     assert 0 <= ece <= 1 and sum(b["count"] for b in t["calibration"]["hellaswag"]["reliability"]) == 12
-    assert json.loads(Path(rep["report_path"]).read_text()) == {k: v for k, v in rep.items() if k != "seconds"}
+    from tasks.evaluate.evaluate import read_report
+
+    assert read_report(rep["report_path"]) == {k: v for k, v in rep.items() if k != "seconds"}  # signed
     for name, value in [("wikitext_word_perplexity", t["wikitext"]["word_perplexity"]),
                         ("lambada_acc", t["lambada"]["acc"]), ("hellaswag_acc_norm", t["hellaswag"]["acc_norm"]),
                         ("hellaswag_ece", ece), ("val_loss", rep["val_loss"])]:

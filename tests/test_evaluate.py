@@ -10,6 +10,7 @@ import pytest
 
 from lm_helpers import tiny_cfg, tokenizer_artifact, tokens_artifact
 from tasks.evaluate import evaluate_checkpoint, val_window_starts
+from tasks.evaluate.evaluate import read_report
 
 
 def _eval(base, run, ckpt, out, **kw):
@@ -27,8 +28,9 @@ def test_report(base, run, tmp_path):
     assert rep["val_tokens"] == cfg.evaluate.max_val_batches * cfg.evaluate.batch_size * cfg.model.seq_len
     assert [s["prompt"] for s in rep["samples"]] == cfg.evaluate.prompts
     assert all(isinstance(s["completion"], str) and s["completion"] for s in rep["samples"])
-    on_disk = json.loads(Path(rep["report_path"]).read_text())
-    assert on_disk == {k: v for k, v in rep.items() if k != "seconds"}
+    on_disk = json.loads(Path(rep["report_path"]).read_text())  # readable JSON; the signature is one more field
+    assert on_disk["signature"].startswith("hmac-sha256:")
+    assert read_report(rep["report_path"]) == {k: v for k, v in rep.items() if k != "seconds"}
 
 
 def test_deterministic_and_improves_with_training(base, run, tmp_path):

@@ -178,9 +178,9 @@ def test_the_pretrain_flow_takes_results_a_worker_on_another_machine_pushed(s3_d
     """The triggered flows push what they write; the pretrain flow waiting for a checkpoint's
     evaluation finds it in the store when the worker ran on another machine (another working copy)."""
     from tasks.core import storage
-    from tasks.core.io import write_json_atomic
     from tasks.core.layout import RunLayout
     from tasks.deploy.triggered import await_evaluation
+    from tasks.evaluate.evaluate import write_report
 
     s3 = s3_demo["s3"]
     driver = storage.open_store("s3://runs/elsewhere", s3.options, str(tmp_path / "driver"))
@@ -188,7 +188,7 @@ def test_the_pretrain_flow_takes_results_a_worker_on_another_machine_pushed(s3_d
     try:
         ckpt = RunLayout(driver.local_root / "r1").checkpoints_dir / "step-000004"
         report = RunLayout(worker.local_root / "r1").triggered_eval_report(ckpt)
-        write_json_atomic(report, {"gate": {"passed": True, "reason": "first"}, "checkpoint": str(ckpt)})
+        write_report({"gate": {"passed": True, "reason": "first"}, "checkpoint": str(ckpt), "report_path": str(report)})
         worker.push(report)
         got = await_evaluation(RunLayout(driver.local_root / "r1"), ckpt, timeout=5)
         assert got is not None and got["gate"]["reason"] == "first"

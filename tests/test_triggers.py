@@ -128,20 +128,20 @@ def test_a_worker_syncs_the_checkpoint_and_the_val_split_but_not_the_train_token
 def test_checkpoint_table_and_triggered_handover_files(tmp_path):
     """The run's checkpoint table (newest report per step, triggered or direct) and the pretrain
     flow's wait for triggered results: a report without its gate verdict is not taken; a missing
-    one times out (-> the flow evaluates itself)."""
-    from tasks.core.io import write_json_atomic
+    one times out (-> the flow evaluates itself). Reports are signed (tests/test_signed_records.py)."""
     from tasks.deploy.triggered import await_evaluation, write_gate
     from tasks.evaluate.compare import checkpoint_rows, table_key
+    from tasks.evaluate.evaluate import write_report
 
     run_dir = tmp_path / "run"
     ckpt = run_dir / "train" / "checkpoints" / "step-000010"
     direct = {"step": 10, "val_loss": 6.0, "perplexity": 403.4, "checkpoint": str(ckpt),
               "task_metrics": {"lambada_acc": 0.1}, "report_path": str(run_dir / "evaluate" / "step-000010.json")}
-    write_json_atomic(Path(direct["report_path"]), direct)
+    write_report(direct)
     path = RunLayout(run_dir).triggered_eval_report(ckpt)
     trig = {**direct, "step": 20, "val_loss": 5.0, "task_metrics": {"hellaswag_acc": 0.3},
             "checkpoint": str(ckpt.with_name("step-000020")), "report_path": str(path.with_name("step-000020.json"))}
-    write_json_atomic(Path(trig["report_path"]), trig)
+    write_report(trig)
     (run_dir / "evaluate" / "notes.json").write_text("[1, 2]")  # not a report: ignored
     rows = checkpoint_rows(run_dir)
     assert [r["step"] for r in rows] == [10, 20] and [r["best"] for r in rows] == [False, True]
@@ -152,7 +152,7 @@ def test_checkpoint_table_and_triggered_handover_files(tmp_path):
 
     assert await_evaluation(RunLayout(run_dir), ckpt, 0.5) is None  # nothing there yet
     report = {**direct, "report_path": str(path)}
-    write_json_atomic(path, report)
+    write_report(report)
     assert await_evaluation(RunLayout(run_dir), ckpt, 0.5) is None  # not gated yet: still being written
     write_gate(report, {"passed": False, "reason": "val_loss too high"})
     got = await_evaluation(RunLayout(run_dir), ckpt, 0.5)

@@ -159,6 +159,7 @@ def test_a_forged_evaluation_event_is_refused(tmp_path, tmp_path_factory):
     from tasks.core.layout import RunLayout
     from tasks.deploy.triggered import evaluation_claim_problem, write_gate
     from tasks.evaluate import evaluate_checkpoint
+    from tasks.evaluate.evaluate import write_report
     from test_triggers import _make_run
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -179,16 +180,18 @@ def test_a_forged_evaluation_event_is_refused(tmp_path, tmp_path_factory):
     forged = {**reports[step20], "val_loss": 0.01, "report_path": str(tmp_path / "forged.json")}
     write_json_atomic(tmp_path / "forged.json", forged)
     assert "recorded at" in evaluation_claim_problem(step20, tmp_path / "forged.json", run_id, store)[1]
-    # the recorded report edited in place: its val_loss is not the one logged on the training run
+    # the recorded report edited in place: refused, its signature does not verify (tests/test_signed_records.py)
     edited = {**reports[step20], "val_loss": 0.01}
     write_json_atomic(Path(reports[step20]["report_path"]), edited)
+    assert "refused" in evaluation_claim_problem(step20, edited["report_path"], run_id, store)[1]
+    # even signed (by a holder of the key), its val_loss is not the one logged on the training run
+    write_report(edited)
     assert "not the one logged" in evaluation_claim_problem(step20, edited["report_path"], run_id, store)[1]
     # a run id that never evaluated this checkpoint
     other = client.create_run(client.get_run(run_id).info.experiment_id).info.run_id
     assert "records no evaluation" in evaluation_claim_problem(step10, reports[step10]["report_path"], other, store)[1]
     # a report whose gate failed, and a checkpoint that changed since it was evaluated
-    write_json_atomic(Path(reports[step20]["report_path"]), {**reports[step20], "gate": {"passed": False,
-                                                                                          "reason": "worse"}})
+    write_report({**reports[step20], "gate": {"passed": False, "reason": "worse"}})
     assert "did not pass" in evaluation_claim_problem(step20, reports[step20]["report_path"], None, store)[1]
     (step10 / "extra.bin").write_bytes(b"x")
     assert "changed since" in evaluation_claim_problem(step10, reports[step10]["report_path"], None, store)[1]

@@ -3,7 +3,6 @@ replayed documents of earlier cycles, tasks/continued/mix.py) and the fixed yard
 champion and the challenger are scored on (tasks/deploy/yardstick.py), as a stage of its own."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tasks.core.stage import Markdown, Stage, StageInputs, StageResult, Table, TokensResult
@@ -68,6 +67,7 @@ class YardstickStage(Stage):
 
     def run(self, cfg, inputs, ctx) -> StageResult:
         from tasks.continued.cycle import CycleError
+        from tasks.deploy.gate import write_gate_record
         from tasks.deploy.registry import get_champion
         from tasks.deploy.yardstick import against_champion, yardstick_rows
 
@@ -77,7 +77,7 @@ class YardstickStage(Stage):
         out = ctx.stage_dir(self.name)
         data = against_champion(cfg, ctx.tracking_uri, inputs.evaluation, inputs.tokenizer, champion, out,
                                 new_index=inputs.tokens_index, pool=inputs.replay)
-        (out / "gate.json").write_text(json.dumps(data, indent=2) + "\n")
+        write_gate_record(out / "gate.json", data)
         built, decision = data["set"], data["decision"]
         return StageResult(data, outputs=[dataset_for_path(built["path"], output=True, doc=DATASET_DOCS["yardstick"]),
                                           dataset_for_path(str(out / "gate.json"), output=True)],

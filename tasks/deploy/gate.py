@@ -5,6 +5,25 @@ different splits with different tokenizers and are not comparable."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
+
+# A gate record (the yardstick stage's gate.json, gate/gate-step-N.json: both models' scores and the
+# decision) is signed when written (tasks/core/signing.py), so a rewritten one is refused as forged
+GATE_RECORD = "gate-record"
+
+
+def write_gate_record(path: str | Path, record: dict) -> Path:
+    """Write a gate record, signed (readable JSON; the signature is one more field)."""
+    from tasks.core.signing import write_signed
+
+    return write_signed(path, record, GATE_RECORD)
+
+
+def read_gate_record(path: str | Path) -> dict:
+    """A signed gate record; SignatureError (logged as refused) if it is unsigned or was rewritten."""
+    from tasks.core.signing import read_signed
+
+    return read_signed(path, GATE_RECORD)
 
 
 def gate(deploy_cfg, eval_result: dict) -> dict:

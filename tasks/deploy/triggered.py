@@ -10,10 +10,14 @@ The pretrain flow waits for these instead of evaluating / deploying itself. It s
 checkpoint as soon as the Prefect flow run that should produce the file has FAILED or CRASHED (or
 after stack.triggered_timeout seconds, default 1800) and then does the work directly, so a broken
 trigger costs time, never the run's result.
+
+Both files are signed (tasks/core/signing.py: purposes "eval-report", "deploy-record") and verified
+when read: the deploy-model flow acts on a report's gate verdict and yardstick, the pretrain flow on
+both, so a file that a run-directory writer planted or edited is refused (logged as refused), never
+trusted: deploy-model refuses the claim, the pretrain flow evaluates / deploys directly instead.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -21,25 +25,33 @@ from pathlib import Path
 from typing import Callable
 
 from tasks.core.constants import DEPLOY_FLOW, EVAL_FLOW
-from tasks.core.io import write_json_atomic
 from tasks.core.layout import RunLayout
+from tasks.core.signing import SignatureError, loads_signed, write_signed
 from tasks.core.storage import is_remote, run_uri, store_of_path
 
 log = logging.getLogger(__name__)
 
 POLL = 1.0
+DEPLOY_RECORD = "deploy-record"  # the signing purpose of deploy/triggered/step-N.json
 
 
 def write_gate(report: dict, decision: dict, yardstick: dict | None = None) -> dict:
     """Add the gate's verdict (and the yardstick it was decided on, which deploy-model reuses while
-    the champion is the same) to an evaluation report, in memory and in its file."""
+    the champion is the same) to an evaluation report, in memory and in its file (signed)."""
+    from tasks.evaluate.evaluate import write_report
+
     report["gate"] = {"passed": bool(decision["passed"]), "reason": decision["reason"]}
     if yardstick:
         report["gate"] |= {"yardstick_sha256": yardstick["set"]["sha256"],
                            "champion_version": yardstick["champion"]["version"]}
         report["yardstick"] = yardstick
-    write_json_atomic(Path(report["report_path"]), report)
+    write_report(report)
     return report
+
+
+def write_deploy_record(path: str | Path, result: dict) -> Path:
+    """The deploy-model flow's deploy_if_better result for a checkpoint, signed."""
+    return write_signed(path, result, DEPLOY_RECORD)
 
 
 class ForgedClaim(RuntimeError):
@@ -53,9 +65,10 @@ def evaluation_claim_problem(checkpoint: str | Path, report_path: str | Path, ru
     evaluate-checkpoint flow wrote for that checkpoint (in the run directory, not a path the event
     chose), name that checkpoint, carry a passing gate verdict and the tree hash of the checkpoint
     as it is now; with a training run id, the hash and val_loss logged on that MLflow run at the
-    checkpoint's step must match too."""
+    checkpoint's step must match too. An unsigned or forged report is refused (its signature is
+    checked before anything it says is used)."""
     from tasks.core.hashing import sha256_tree
-    from tasks.evaluate.evaluate import eval_hash_tag
+    from tasks.evaluate.evaluate import REPORT_PURPOSE, eval_hash_tag
 
     ckpt = Path(checkpoint).resolve()
     if not RunLayout.is_run_checkpoint(ckpt):
@@ -63,7 +76,10 @@ def evaluation_claim_problem(checkpoint: str | Path, report_path: str | Path, ru
     recorded = RunLayout.of_checkpoint(ckpt).triggered_eval_report(ckpt)
     if Path(report_path).resolve() != recorded.resolve():
         return None, f"the event names report {report_path}, but this checkpoint's evaluation is recorded at {recorded}"
-    report = _read(recorded, "gate")
+    try:
+        report = _read(recorded, REPORT_PURPOSE, "gate")
+    except SignatureError as e:
+        return None, f"refused: {e}"
     if report is None:
         return None, f"there is no gated evaluation report at {recorded}"
     if Path(str(report.get("checkpoint", ""))).resolve() != ckpt:
@@ -90,12 +106,16 @@ def evaluation_claim_problem(checkpoint: str | Path, report_path: str | Path, ru
     return report, None
 
 
-def _read(path: Path, key: str | None = None) -> dict | None:
+def _read(path: Path, purpose: str, key: str | None = None) -> dict | None:
+    """The verified record at `path`; None while there is none, or it lacks `key` (its writer has more
+    to add). SignatureError (logged as refused) if it is unsigned or forged: files are written
+    atomically, so a file that does not verify was never the pipeline's."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        text = path.read_bytes()
+    except OSError:
         return None
-    return data if isinstance(data, dict) and (key is None or key in data) else None
+    data = loads_signed(text, purpose, what=str(path))
+    return data if key is None or key in data else None
 
 
 def flow_run_failed(deployment: str, checkpoint: str | Path) -> str | None:
@@ -138,11 +158,16 @@ def _synced(path: Path, always: bool = False) -> Path:
     return path
 
 
-def _await(path: Path, key: str, deployment: str, checkpoint: str | Path, timeout: float) -> dict | None:
+def _await(path: Path, purpose: str, key: str, deployment: str, checkpoint: str | Path,
+           timeout: float) -> dict | None:
     deadline = time.monotonic() + timeout
     checked = 0.0
     while True:
-        data = _read(_synced(path), key)
+        try:
+            data = _read(_synced(path), purpose, key)
+        except SignatureError as e:  # never trusted: the caller does the work itself
+            log.warning("triggered: %s; falling back to doing it directly", e)
+            return None
         if data is not None:
             return data
         if time.monotonic() - checked > 10:  # the Prefect API is asked every 10 s, the file every second
@@ -159,7 +184,9 @@ def _await(path: Path, key: str, deployment: str, checkpoint: str | Path, timeou
 
 def await_evaluation(layout: RunLayout, checkpoint: str | Path, timeout: float) -> dict | None:
     """The triggered evaluation report of `checkpoint` (with its gate verdict), or None."""
-    report = _await(layout.triggered_eval_report(checkpoint), "gate", EVAL_FLOW, checkpoint, timeout)
+    from tasks.evaluate.evaluate import REPORT_PURPOSE
+
+    report = _await(layout.triggered_eval_report(checkpoint), REPORT_PURPOSE, "gate", EVAL_FLOW, checkpoint, timeout)
     if report is not None:
         report["evaluated_by"] = "evaluate-checkpoint (event-triggered)"
     return report
@@ -171,16 +198,22 @@ def await_deployment(cfg, tracking_uri: str, layout: RunLayout, best: dict,
     for the deploy record of every checkpoint whose triggered evaluation passed the gate; returns
     the record of the run's checkpoint that is champion now, else a not-deployed result for
     `best` with its gate reason. None if a record did not come (the caller deploys directly).
-    `server_status()`: the model server's {url, pid, healthy} (None: not running)."""
+    `server_status()`: the model server's {url, pid, healthy} (None: not running). A report or
+    record that does not verify is refused: None, the caller deploys directly."""
     from tasks.deploy.registry import get_champion
+    from tasks.evaluate.evaluate import REPORT_PURPOSE
 
     records = []
     _synced(layout.triggered_eval_dir, always=True)
     for report_file in sorted(layout.triggered_eval_dir.glob("*.json")):
-        report = _read(report_file, "gate")
+        try:
+            report = _read(report_file, REPORT_PURPOSE, "gate")
+        except SignatureError as e:
+            log.warning("triggered: %s; falling back to deploying directly", e)
+            return None
         if report is None or not report["gate"].get("passed"):
             continue
-        rec = _await(layout.triggered_deploy_record(report["checkpoint"]), "reason", DEPLOY_FLOW,
+        rec = _await(layout.triggered_deploy_record(report["checkpoint"]), DEPLOY_RECORD, "reason", DEPLOY_FLOW,
                      report["checkpoint"], timeout)
         if rec is None:
             return None

@@ -32,7 +32,6 @@ import uuid
 from pathlib import Path
 
 from tasks.core.hashing import sha256_file
-from tasks.core.io import write_json_atomic
 from tasks.core.layout import RunLayout
 from tasks.core.storage import local_run_root
 
@@ -208,7 +207,9 @@ def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: s
                          "scores": scored},
             "decision": decision}
     step = evaluation.get("step")
-    write_json_atomic(out_dir / f"gate-step-{int(step) if step is not None else 'unknown'}.json", data)
+    from tasks.deploy.gate import write_gate_record
+
+    write_gate_record(out_dir / f"gate-step-{int(step) if step is not None else 'unknown'}.json", data)  # signed
     return data
 
 

@@ -1,6 +1,6 @@
 """All checkpoints of a run side by side: one row per evaluated checkpoint, from the evaluation
 reports under run_dir/evaluate (direct: evaluate/step-N.json; event-triggered:
-evaluate/triggered/step-N.json; the newest report of a step wins).
+evaluate/triggered/step-N.json; the newest report of a step wins; only signed reports count).
 
 Each row: step, checkpoint, val_loss, perplexity, every task-suite metric, the deployment gate's
 verdict at evaluation time (report["gate"], written by whoever gated it; its reason holds both
@@ -9,7 +9,6 @@ run's best. Publishing it (a Prefect table artifact keyed per run) is the Prefec
 (flows/artifacts.publish_eval_table)."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -23,12 +22,14 @@ def table_key(run_name: str) -> str:
 
 
 def _reports(layout: RunLayout) -> dict[int, tuple[float, Path, dict]]:
+    from tasks.evaluate.evaluate import read_report
+
     newest: dict[int, tuple[float, Path, dict]] = {}
     for path in sorted(layout.stage_dir("evaluate", create=False).rglob("*.json")):
         try:
-            report = json.loads(path.read_text())
+            report = read_report(path)  # signed: a planted or edited report is not shown (logged as refused)
         except (OSError, ValueError):
-            continue  # being written, or not a report
+            continue  # gone, or not a report the pipeline wrote (SignatureError is a ValueError)
         if not isinstance(report, dict) or not isinstance(report.get("step"), int) or "val_loss" not in report:
             continue
         mtime = path.stat().st_mtime

@@ -12,7 +12,6 @@ same LAMBADA / HellaSwag subsets are scored through an OpenAI-compatible endpoin
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -151,7 +150,7 @@ def _evaluate(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Path, tokens_
     out_path = Path(out_path).resolve()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     report["report_path"] = str(out_path)
-    out_path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    write_report(report)
 
     if run_id:
         from mlflow import MlflowClient
@@ -167,6 +166,26 @@ def _evaluate(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Path, tokens_
             Metric(name, float(v), ts, report["step"]) for name, v in values.items() if v is not None],
             tags=[RunTag(eval_hash_tag(report["step"]), report["checkpoint_sha256"])])
     return report
+
+
+# Reports are signed (tasks/core/signing.py): the deploy flow acts on the gate verdict and yardstick a
+# report carries, so one that a run-directory writer forged or edited must be refused, never trusted
+REPORT_PURPOSE = "eval-report"
+
+
+def write_report(report: dict) -> Path:
+    """Write an evaluation report, signed, to report["report_path"] (readable JSON; the signature is
+    one more field)."""
+    from tasks.core.signing import write_signed
+
+    return write_signed(report["report_path"], report, REPORT_PURPOSE)
+
+
+def read_report(path: str | Path) -> dict:
+    """A signed evaluation report; SignatureError (logged as refused) if it is unsigned or forged."""
+    from tasks.core.signing import read_signed
+
+    return read_signed(path, REPORT_PURPOSE)
 
 
 def eval_hash_tag(step: int) -> str:
