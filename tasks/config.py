@@ -598,13 +598,16 @@ class DeployConfig(Section):
     max_tokens_limit: int = Field(default=1024, gt=0)  # largest max_tokens a request may ask for
     max_n: int = Field(default=16, gt=0)  # largest n (completions per prompt) a request may ask for
     max_batch: int = Field(default=32, gt=0)  # sequences the server decodes together (continuous batching)
-    # name of the environment variable holding the bearer token clients must send (None: no auth)
+    # name of the environment variable holding the bearer token clients must send (None: the stack
+    # generates the key into <state>/secrets/model-server.api-key; clients always need one)
     api_key_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     reload_in_place: bool = True  # a new champion is swapped into the running server (POST /v1/admin/reload)
     # a challenger is verified by a temporary server of its own on this port (0: any free port)
     verify_port: int = Field(default=0, ge=0, lt=65536)
     max_body_bytes: int = Field(default=1 << 20, gt=0)  # largest request body the server reads (413 above)
     max_streams: int = Field(default=64, gt=0)  # concurrent streamed completions (429 above)
+    max_requests: int = Field(default=32, gt=0)  # concurrent non-streamed completions (429 above)
+    request_timeout: float = Field(default=300.0, gt=0)  # seconds a non-streamed completion may take (503 after)
 
 
 class StackConfig(Section):

@@ -416,7 +416,7 @@ def test_model_server_process_start_refresh_status_down(tiny, tmp_path, monkeypa
     import stat
 
     from tasks.deploy.registry import register
-    from infra.services.model_server.supervisor import admin_key_file
+    from infra.services.model_server.supervisor import admin_key_file, client_headers
 
     monkeypatch.delenv(stack.STATE_DIR_ENV, raising=False)
     stack_cfg = StackConfig(state_dir=str(tmp_path / "state"), prefect_port=free_port(),
@@ -434,11 +434,13 @@ def test_model_server_process_start_refresh_status_down(tiny, tmp_path, monkeypa
     st = stack.status(stack_cfg)["model_server"]
     assert st == {"url": first["endpoint"], "healthy": True, "pid": first["pid"]}
 
+    keyed = client_headers(stack_cfg, deploy_cfg)  # the stack's server always needs the clients' key
     r = httpx.post(f"{first['endpoint']}/completions", json={"prompt": "The Linux kernel", "max_tokens": 4},
-                   timeout=30)
+                   timeout=30, headers=keyed)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
-    assert httpx.post(f"{first['endpoint']}/completions", json={"max_tokens": "x"}, timeout=30).status_code == 400
-    assert httpx.get(f"{first['endpoint']}/models", timeout=10).json()["data"][0]["id"] == "crucible-test"
+    assert httpx.post(f"{first['endpoint']}/completions", json={"max_tokens": "x"}, timeout=30,
+                      headers=keyed).status_code == 400
+    assert httpx.get(f"{first['endpoint']}/models", timeout=10, headers=keyed).json()["data"][0]["id"] == "crucible-test"
 
     # refresh with a new registered version: resolved in MLflow by the running process and swapped
     # in (POST /v1/admin/reload with the admin token, a 0600 file in the state directory)

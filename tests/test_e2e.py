@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from infra import stack
-from tasks.config import StackConfig
+from tasks.config import DeployConfig, StackConfig
 from tasks.core.net import free_port
 from tasks.lineage.validate import event_errors, read_events
 
@@ -215,12 +215,19 @@ def test_served_model_answers_completions(run):
     endpoint = run["summary"]["stages"]["deploy"]["endpoint"]
     assert endpoint.startswith("http://127.0.0.1:") and endpoint.endswith("/v1")
     assert run["status"]["model_server"]["healthy"]
-    r = httpx.post(f"{endpoint}/completions", json={"prompt": "The Linux kernel", "max_tokens": 8}, timeout=60)
+    body = {"prompt": "The Linux kernel", "max_tokens": 8}
+    assert httpx.post(f"{endpoint}/completions", json=body, timeout=60).status_code == 401  # never open
+    # the clients' key the stack generated into its secrets folder, as the README's curl lines send it
+    from infra.services.model_server.supervisor import client_headers
+
+    state = next(s.split("=", 1)[1] for s in run["sets"] if s.startswith("stack.state_dir="))
+    keyed = client_headers(StackConfig(state_dir=state), DeployConfig())
+    r = httpx.post(f"{endpoint}/completions", json=body, timeout=60, headers=keyed)
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["choices"] and isinstance(body["choices"][0]["text"], str)
     assert body["usage"]["completion_tokens"] > 0
-    models = httpx.get(f"{endpoint}/models", timeout=10).json()
+    models = httpx.get(f"{endpoint}/models", timeout=10, headers=keyed).json()
     assert any(m["id"] == run["summary"]["stages"]["deploy"]["model_name"] for m in models["data"])
 
 

@@ -83,11 +83,12 @@ def yardstick_tags(yardstick: dict) -> dict:
     return tags
 
 
-def check_served(deploy_cfg, endpoint: str, step) -> str:
-    """The server answers /health with the new checkpoint's step and completes a prompt."""
+def check_served(deploy_cfg, endpoint: str, step, headers: dict | None = None) -> str:
+    """The server answers /health with the new checkpoint's step and completes a prompt (sending
+    `headers`, default api_headers: the stack passes its generated clients' key)."""
     import httpx
 
-    headers = api_headers(deploy_cfg)
+    headers = api_headers(deploy_cfg) if headers is None else headers
     health = httpx.get(f"{endpoint.removesuffix('/v1')}/health", timeout=30, trust_env=False).json()
     if step is not None and health.get("step") not in (None, step):
         raise RuntimeError(f"the server reports step {health.get('step')}, not the challenger's {step}")

@@ -1,5 +1,6 @@
 """python -m infra.services.model_server --checkpoint DIR --tokenizer tokenizer.json --model-name NAME
-[--host 127.0.0.1] [--port 8600]: serve a checkpoint (see server.py for the API)."""
+[--host 127.0.0.1] [--port 8600] [--api-key-file F] [--admin-key-file F]: serve a checkpoint (see
+server.py for the API; keys are passed as file paths, never as values)."""
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="sequences decoded together (continuous batching); 1 = one at a time")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 above)")
     ap.add_argument("--max-streams", type=int, default=64, help="concurrent streamed completions (429 above)")
-    ap.add_argument("--api-key-env", default=None,
-                    help="name of the environment variable holding the bearer token clients must send")
+    ap.add_argument("--max-requests", type=int, default=32,
+                    help="concurrent non-streamed completions (429 above, at once)")
+    ap.add_argument("--request-timeout", type=float, default=300.0,
+                    help="seconds a non-streamed completion may take (503 after; its choices are cancelled)")
+    key = ap.add_mutually_exclusive_group()
+    key.add_argument("--api-key-file", default=None,
+                     help="file holding the bearer token clients must send (the stack's: secrets/model-server.api-key)")
+    key.add_argument("--api-key-env", default=None,
+                     help="name of the environment variable holding the bearer token clients must send")
     ap.add_argument("--admin-key-file", default=None,
                     help="file holding the admin API's bearer token (never the clients' key); none: admin API off")
     ap.add_argument("--tracking-uri", default=None, help="MLflow registry that /v1/admin/reload resolves versions in")
@@ -72,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    api_key = read_secret(args.api_key_env, None, "the API key")
+    api_key = read_secret(args.api_key_env, args.api_key_file, "the API key")
     admin_key = read_secret(None, args.admin_key_file, "admin key")
 
     import torch
@@ -88,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     resolve = version_resolver(args.tracking_uri, args.model_name, cache) if args.tracking_uri else None
     app = create_app(generator, args.model_name, args.max_tokens_limit, args.max_n, api_key=api_key,
                      max_batch=args.max_batch, admin_key=admin_key, resolve_version=resolve, version=args.version,
-                     max_body_bytes=args.max_body_bytes, max_streams=args.max_streams)
+                     max_body_bytes=args.max_body_bytes, max_streams=args.max_streams,
+                     max_requests=args.max_requests, request_timeout=args.request_timeout)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0
 

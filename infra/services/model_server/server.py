@@ -18,19 +18,28 @@ Endpoints:
                            of the model, resolved through the MLflow registry and verified (never a
                            path); requests already admitted finish on the old one. Needs the admin
                            token (--admin-key-file), which is never the clients' key.
-    GET  /health           {"status": "ok", model, version, step, batching stats, ...}: no paths
+    GET  /health           {"status": "ok", model, version, step, batching stats, ...}: no paths;
+                           ?challenge=NONCE adds "identity": HMAC(admin key, purpose | port | NONCE), the
+                           proof the supervisor asks for before it trusts the answer (identity.py)
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: malformed or
-unsupported requests get 400, a body over the size limit 413, too many concurrent streams 429, an
-unknown model 404, a missing/wrong bearer token 401 (when the server has an API key: --api-key-env
-NAME names the environment variable holding it; a named variable that is empty or unset stops the
-server from starting); nothing a client sends stops the server.
+unsupported requests get 400, a body over the size limit 413, too many concurrent streams or
+non-streamed requests 429 (at once), a non-streamed request unfinished after the request timeout 503
+(its choices are cancelled, as are an abandoned request's), an unknown model 404, a missing/wrong bearer token 401 (when the server has an API key: --api-key-file
+PATH holds it, or --api-key-env NAME names the environment variable holding it; a named source that is
+empty or unset stops the server from starting); nothing a client sends stops the server.
+
+Nothing a client does starves /health or the admin API: a non-streamed request waits for its
+completion without holding a thread (it is admitted up to --max-requests at once), /health and the
+auth checks run on the event loop, and a reload runs on a thread of its own.
 
 Generation is continuously batched (scheduler.py): one thread steps all active
 sequences together with a KV cache and admits new requests between steps.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -42,12 +51,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator, Union
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from infra.services.model_server import identity
 from infra.services.model_server.scheduler import BatchScheduler
 from tasks.deploy.generation import Sequence, TextGenerator, choice_seed
 
@@ -83,7 +94,8 @@ class ErrorResponse(BaseModel):
 ERRORS = {status: {"model": ErrorResponse, "description": what} for status, what in (
     (400, "malformed or unsupported request, or over a limit the message names"),
     (401, "missing or wrong bearer token"), (403, "the admin API is disabled"), (404, "unknown model or path"),
-    (413, "request body over the size limit"), (429, "too many concurrent streams"))}
+    (413, "request body over the size limit"), (429, "too many concurrent streams or requests"),
+    (503, "the completion did not finish within the server's request timeout"))}
 
 
 # a completion answers JSON, or server-sent events with stream=true
@@ -149,7 +161,8 @@ def _loc_param(loc: tuple) -> str | None:
 class ServerState:
     """The generator being served (swapped by /v1/admin/reload) and the batching scheduler."""
 
-    def __init__(self, generator: TextGenerator, max_batch: int, version: int | None, max_streams: int):
+    def __init__(self, generator: TextGenerator, max_batch: int, version: int | None, max_streams: int,
+                 max_requests: int, request_timeout: float):
         self.generator = generator
         self.version = version
         self.scheduler = BatchScheduler(max_batch)
@@ -157,6 +170,11 @@ class ServerState:
         self.reloads = 0
         self.max_streams = max_streams
         self.streams = threading.BoundedSemaphore(max_streams)
+        # non-streamed completions being answered: admission limit (429 above) and deadline (503 after)
+        self.max_requests, self.request_timeout = max_requests, request_timeout
+        self.requests = threading.BoundedSemaphore(max_requests)
+        # reloads run here, never on the request threads a crowd of clients can exhaust
+        self.admin_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="crucible-admin")
 
 
 class BodyLimit:
@@ -222,13 +240,16 @@ class SlotStream(StreamingResponse):
 def create_app(generator: TextGenerator, model_name: str, max_tokens_limit: int = 1024, max_n: int = 16,
                api_key: str | None = None, max_batch: int = 32, admin_key: str | None = None,
                resolve_version: ResolveVersion | None = None, version: int | None = None,
-               max_body_bytes: int = 1 << 20, max_streams: int = 64) -> FastAPI:
+               max_body_bytes: int = 1 << 20, max_streams: int = 64, max_requests: int = 32,
+               request_timeout: float = 300.0) -> FastAPI:
     """The app serving `generator` as `model_name` (registered `version`, when known). api_key: the
     clients' bearer token (None: open); admin_key: the admin API's, which must differ (None: the
-    admin API answers 403); resolve_version: how /v1/admin/reload finds a registered version."""
+    admin API answers 403, and /health proves no identity); resolve_version: how /v1/admin/reload
+    finds a registered version; max_requests / request_timeout: concurrent non-streamed completions
+    (429 above) and the seconds one may take (503 after)."""
     if admin_key and api_key and hmac.compare_digest(admin_key.encode(), api_key.encode()):
         raise ValueError("the admin key must not be the clients' API key")
-    state = ServerState(generator, max_batch, version, max_streams)
+    state = ServerState(generator, max_batch, version, max_streams, max_requests, request_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -241,7 +262,7 @@ def create_app(generator: TextGenerator, model_name: str, max_tokens_limit: int 
     app.state.crucible = state
     _add_error_handlers(app)
     auth = [Depends(_key_check(api_key))]
-    app.include_router(_models_router(state, model_name, auth, api_key))
+    app.include_router(_models_router(state, model_name, auth, api_key, admin_key))
     app.include_router(_admin_router(state, [Depends(_key_check(admin_key, admin=True))], resolve_version))
     app.include_router(_completions_router(state, model_name, auth, max_tokens_limit, max_n))
     app.add_middleware(BodyLimit, limit=max_body_bytes)
@@ -250,8 +271,8 @@ def create_app(generator: TextGenerator, model_name: str, max_tokens_limit: int 
 
 def _key_check(api_key: str | None, admin: bool = False):
     """A dependency refusing requests without the server's bearer token (none: all pass; for the
-    admin API, none: it is disabled)."""
-    def require_key(request: Request) -> None:
+    admin API, none: it is disabled). Async: it runs on the event loop, never waiting for a thread."""
+    async def require_key(request: Request) -> None:
         if not api_key:
             if admin:
                 raise APIError(403, "the admin API is disabled: the server was started without an admin key",
@@ -300,7 +321,8 @@ def _add_error_handlers(app: FastAPI) -> None:
                             status_code=500)
 
 
-def _models_router(state: ServerState, model_name: str, auth: list, api_key: str | None) -> APIRouter:
+def _models_router(state: ServerState, model_name: str, auth: list, api_key: str | None,
+                   admin_key: str | None) -> APIRouter:
     """GET /health and the model listing."""
     router = APIRouter(responses=ERRORS)
     created = int(state.generator.loaded_at)
@@ -311,12 +333,20 @@ def _models_router(state: ServerState, model_name: str, auth: list, api_key: str
                 "root": model_name, "version": state.version, "max_model_len": state.generator.seq_len}
 
     @router.get("/health")
-    def health() -> dict:  # no paths: anyone who can reach the port can read it
+    async def health(request: Request, challenge: str | None = Query(default=None, pattern=identity.NONCE_PATTERN)
+                     ) -> dict:
+        """No paths: anyone who can reach the port can read it. On the event loop, so no crowd of
+        requests holding threads delays it. With a challenge, the proof that this process holds the
+        admin key, bound to the port it was reached on (identity.py)."""
         g = state.generator
-        return {"status": "ok", "model": model_name, "version": state.version,
-                "step": g.meta.get("step"), "seq_len": g.seq_len, "vocab_size": g.vocab_size,
-                "uptime_s": round(time.time() - started, 1), "reloads": state.reloads,
-                "batching": state.scheduler.stats(), "auth": bool(api_key)}
+        out = {"status": "ok", "model": model_name, "version": state.version,
+               "step": g.meta.get("step"), "seq_len": g.seq_len, "vocab_size": g.vocab_size,
+               "uptime_s": round(time.time() - started, 1), "reloads": state.reloads,
+               "batching": state.scheduler.stats(), "auth": bool(api_key)}
+        if challenge is not None:
+            port = (request.scope.get("server") or (None, 0))[1] or 0
+            out["identity"] = identity.proof(admin_key, port, challenge) if admin_key else None
+        return out
 
     @router.get("/v1/models", dependencies=auth)
     def list_models() -> dict:
@@ -336,9 +366,13 @@ def _admin_router(state: ServerState, auth: list, resolve_version: ResolveVersio
     router = APIRouter(responses=ERRORS)
 
     @router.post("/v1/admin/reload", dependencies=auth)
-    def reload(req: ReloadRequest) -> dict:
+    async def reload(req: ReloadRequest) -> dict:
         """Resolve the version in the registry, verify its files, load it and make it the served
-        model. Sequences already admitted keep the generator they were encoded with and finish on it."""
+        model (on the admin thread). Sequences already admitted keep the generator they were encoded
+        with and finish on it."""
+        return await asyncio.get_running_loop().run_in_executor(state.admin_pool, swap, req)
+
+    def swap(req: ReloadRequest) -> dict:
         if (req.version is None) == (req.alias is None):
             raise APIError(400, "send exactly one of 'version' (a number) and 'alias' (e.g. \"champion\")",
                            "version", "invalid_value")
@@ -369,16 +403,27 @@ def _completions_router(state: ServerState, model_name: str, auth: list, max_tok
     router = APIRouter(responses=ERRORS)
 
     @router.post("/v1/completions", dependencies=auth, responses=STREAMED)
-    def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         gen = state.generator  # one generator for the whole request, even if a reload happens meanwhile
-        settings = _sampling_settings(req, gen, model_name, max_tokens_limit, max_n)
-        return answer(CompletionJob(model_name, settings), gen, bool(req.stream))
+        return await answer(lambda: CompletionJob(model_name, _sampling_settings(req, gen, model_name,
+                                                                                 max_tokens_limit, max_n)),
+                            gen, bool(req.stream), request)
 
-    def answer(job: CompletionJob, gen: TextGenerator, streamed: bool):
-        """One answer, or server-sent events within the concurrent-streams limit."""
+    async def answer(make_job, gen: TextGenerator, streamed: bool, request: Request):
+        """One answer (admitted up to max_requests at once, awaited on the event loop without a
+        thread, within the request timeout), or server-sent events within the concurrent-streams
+        limit. The settings are validated and the prompts encoded on a worker thread."""
         if not streamed:
-            job.submit(gen, state.scheduler)
-            return job.response()
+            if not state.requests.acquire(blocking=False):
+                raise APIError(429, f"this server answers at most {state.max_requests} non-streamed completions "
+                               "at once; retry later", None, "too_many_requests")
+            try:
+                job = await run_in_threadpool(make_job)
+                await run_in_threadpool(job.submit, gen, state.scheduler)
+                return await job.finish(state.request_timeout, request.is_disconnected)
+            finally:
+                state.requests.release()
+        job = await run_in_threadpool(make_job)
         if not state.streams.acquire(blocking=False):
             raise APIError(429, f"this server allows at most {state.max_streams} concurrent streams; retry later",
                            "stream", "too_many_streams")
@@ -390,10 +435,10 @@ def _completions_router(state: ServerState, model_name: str, auth: list, max_tok
         return SlotStream(job, state.streams)
 
     @router.post("/v1/chat/completions", dependencies=auth, responses=STREAMED)
-    def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
         gen = state.generator
-        return answer(ChatJob(model_name, _chat_settings(req, gen, model_name, max_tokens_limit, max_n)),
-                      gen, bool(req.stream))
+        return await answer(lambda: ChatJob(model_name, _chat_settings(req, gen, model_name, max_tokens_limit, max_n)),
+                            gen, bool(req.stream), request)
 
     return router
 
@@ -456,9 +501,18 @@ class CompletionJob:
         self.seqs: list[Sequence] = []
         self.prompt_tokens = 0
         self.cid, self.created = f"{self.id_prefix}{uuid.uuid4().hex}", 0  # created: when the choices are submitted
+        self._lock = threading.Lock()
+        self._finished = 0
+        self._waker = None  # finish(): wakes the awaiting request when the last choice is done
 
     def _on_event(self, seq: Sequence, delta: str, finished: bool) -> None:
         self.events.put((seq.index, delta, finished))
+        if finished:
+            with self._lock:
+                self._finished += 1
+                waker = self._waker if self._finished == len(self.seqs) else None
+            if waker is not None:
+                waker()
 
     def submit(self, gen: TextGenerator, scheduler: BatchScheduler) -> None:
         """n sequences per prompt; choice j of a seeded prompt i draws from choice_seed(seed + i, j)."""
@@ -478,6 +532,37 @@ class CompletionJob:
         done = sum(s.counted for s in self.seqs)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
                 "total_tokens": self.prompt_tokens + done}
+
+    async def finish(self, timeout: float, disconnected) -> dict:
+        """Await every choice on the event loop (no thread waits), for at most `timeout` seconds;
+        the whole completion object. Past the timeout (503), or once the client is gone
+        (`disconnected()`, checked twice a second), the choices are cancelled, freeing the batch."""
+        loop = asyncio.get_running_loop()
+        done = asyncio.Event()
+        def wake() -> None:  # called on the scheduler thread, which must never fail for it
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits any more
+                loop.call_soon_threadsafe(done.set)
+
+        with self._lock:
+            self._waker = wake
+            if self._finished == len(self.seqs):
+                done.set()
+        deadline = loop.time() + timeout
+        try:
+            while not done.is_set():
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise APIError(503, f"the completion did not finish within this server's request timeout "
+                                   f"of {timeout:g}s; ask for fewer tokens or choices", None, "timeout",
+                                   "server_error")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(done.wait(), min(left, 0.5))
+                if not done.is_set() and await disconnected():
+                    raise APIError(499, "the client closed the request", None, "client_closed")
+        except BaseException:
+            self.cancel()
+            raise
+        return self.response()
 
     def response(self) -> dict:
         """Wait for every choice; the whole completion object."""
