@@ -58,8 +58,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from infra import artifact_store, database  # stdlib only at import: MLflow's object store, PostgreSQL
-from tasks.core.constants import (EVENT_DEPLOYMENTS, LINEAGE_TOKEN_FILE_ENV, LINEAGE_URL_ENV, REPO_ROOT,
-                                  WORK_POOL)
+from tasks.core.constants import (EVENT_DEPLOYMENTS, LINEAGE_TOKEN_FILE_ENV, LINEAGE_URL_ENV, MLFLOW_AUTH_PROVIDER,
+                                  MLFLOW_PASSWORD_FILE_ENV, MLFLOW_USERNAME, REPO_ROOT, WORK_POOL)
 from tasks.core.io import atomic_write_text
 from tasks.core.signing import SIGNING_KEY_FILE_ENV, SIGNING_KEY_NAME, ensure_key_file
 
@@ -201,6 +201,50 @@ def signing_key_file(stack_cfg) -> Path:
     return secret_file(stack_cfg, SIGNING_KEY_NAME)
 
 
+MLFLOW_PASSWORD = "mlflow-password"  # the stack's MLflow login (user MLFLOW_USERNAME, an admin of MLflow's auth app)
+MLFLOW_FLASK_KEY = "mlflow-flask.key"  # MLflow's basic-auth app signs its CSRF tokens with it (same in every worker)
+MLFLOW_AUTH_CONFIG = "mlflow-auth.ini"  # MLFLOW_AUTH_CONFIG_PATH of the server: who may do what
+
+
+def mlflow_password_file(stack_cfg) -> Path:
+    """The stack's MLflow password: the file $CRUCIBLE_MLFLOW_PASSWORD_FILE names when this process
+    already has one (as for the signing key: a stack started from a client keeps its login), else
+    <state>/secrets/mlflow-password. Its path, never the password, goes to the stack's clients."""
+    explicit = os.environ.get(MLFLOW_PASSWORD_FILE_ENV)
+    if explicit:
+        return ensure_key_file(Path(explicit).expanduser().resolve())
+    return secret_file(stack_cfg, MLFLOW_PASSWORD)
+
+
+def mlflow_client_env(stack_cfg) -> dict[str, str]:
+    """What an MLflow client of the stack needs: the request-auth plugin that sends the stack's login
+    (tasks/tracking/auth.py) and the password file's path."""
+    return {"MLFLOW_TRACKING_AUTH": MLFLOW_AUTH_PROVIDER, MLFLOW_PASSWORD_FILE_ENV: str(mlflow_password_file(stack_cfg))}
+
+
+def mlflow_auth_config(stack_cfg) -> Path:
+    return state_dir(stack_cfg) / "secrets" / MLFLOW_AUTH_CONFIG
+
+
+def _mlflow_server_auth_env(stack_cfg) -> dict[str, str]:
+    """At the MLflow server's launch: write its basic-auth config and return its secrets, for its
+    environment only (never its spec or log). Every request but /health and static files needs the
+    login; a user an admin adds later gets no permission until granted one (NO_PERMISSIONS). The
+    user store is SQLite in the state directory in PostgreSQL mode too: it checks the password kept
+    beside it in secrets/, so the two cannot disagree (MLflow sets the admin's password only when it
+    creates the user, and a PostgreSQL server may outlive, or be shared by, state directories)."""
+    config = mlflow_auth_config(stack_cfg)
+    config.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    atomic_write_text(config, "[mlflow]\n"
+                      "default_permission = NO_PERMISSIONS\n"
+                      f"database_uri = sqlite:///{state_dir(stack_cfg) / 'mlflow' / 'auth.db'}\n"
+                      f"admin_username = {MLFLOW_USERNAME}\n"
+                      "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+                      "grant_default_workspace_access = false\n", fsync=False)
+    return {"MLFLOW_AUTH_ADMIN_PASSWORD": mlflow_password_file(stack_cfg).read_text().strip(),
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": secret(stack_cfg, MLFLOW_FLASK_KEY)}
+
+
 def prefect_auth_env(stack_cfg) -> dict[str, str]:
     """Prefect's auth settings for the stack's server (server.api.auth_string) and its clients
     (api.auth_string). Put into a process's environment when it starts, never into a spec or log."""
@@ -317,6 +361,7 @@ def client_env(stack_cfg, lineage_cfg=None) -> dict[str, str]:
         "DO_NOT_TRACK": "true",
         "MLFLOW_TRACKING_URI": mlflow_tracking_uri(stack_cfg),
         "MLFLOW_DISABLE_TELEMETRY": "true",
+        **mlflow_client_env(stack_cfg),  # the login by the password file's path
         STATE_DIR_ENV: str(state_dir(stack_cfg)),
         SIGNING_KEY_FILE_ENV: str(signing_key_file(stack_cfg)),
         **artifact_store.client_env(),  # artifacts through the MLflow server, never straight from its store
@@ -372,7 +417,10 @@ def mlflow_spec(stack_cfg) -> ServiceSpec:
              # store's endpoint and credentials reach the server's environment at launch: _launch)
              "--artifacts-destination", database.mlflow_artifacts_root(stack_cfg, root),
              "--host", stack_cfg.host, "--port", str(stack_cfg.mlflow_port),
-             "--workers", str(stack_cfg.mlflow_workers)],
+             "--workers", str(stack_cfg.mlflow_workers),
+             # MLflow's auth app: the registry's tags and aliases decide what is served (_launch gives
+             # it its config and secrets; /health stays open for the health check)
+             "--app-name", "basic-auth"],
         host=stack_cfg.host, port=stack_cfg.mlflow_port, health_path="/health",
         url=mlflow_tracking_uri(stack_cfg), marker=["mlflow", "server"],
         env={
@@ -380,6 +428,7 @@ def mlflow_spec(stack_cfg) -> ServiceSpec:
             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
             "MLFLOW_DISABLE_TELEMETRY": "true",
             "DO_NOT_TRACK": "true",
+            "MLFLOW_AUTH_CONFIG_PATH": str(mlflow_auth_config(stack_cfg)),
             **database.server_env(stack_cfg, root),
         },
     )
@@ -669,11 +718,12 @@ def _launch(stack_cfg, spec: ServiceSpec) -> int:
     log.parent.mkdir(parents=True, exist_ok=True)
     cwd = state_dir(stack_cfg)
     # every service may be an MLflow client (the model server downloads registered models)
-    env = {**os.environ, **artifact_store.client_env(), **spec.env}
+    env = {**os.environ, **artifact_store.client_env(), **mlflow_client_env(stack_cfg), **spec.env}
     if spec.name == PREFECT or "PREFECT_API_URL" in spec.env:  # the server and its clients share its auth
         env.update(prefect_auth_env(stack_cfg))
     if spec.name == MLFLOW:  # stack.artifacts_options resolved: secrets stay out of the spec and the log
         env.update(artifact_store.server_env(stack_cfg))
+        env.update(_mlflow_server_auth_env(stack_cfg))
     with open(log, "ab") as logf:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         logf.write(f"\n=== crucible: starting {spec.name} at {stamp}: {' '.join(spec.cmd)}\n".encode())

@@ -14,6 +14,12 @@ LINEAGE_URL_ENV = "CRUCIBLE_LINEAGE_URL"
 # the secret never sits in an environment listing or spec file) the path of a 0600 file holding it
 LINEAGE_TOKEN_ENV = "CRUCIBLE_LINEAGE_TOKEN"
 LINEAGE_TOKEN_FILE_ENV = "CRUCIBLE_LINEAGE_TOKEN_FILE"
+# the stack's MLflow login (user MLFLOW_USERNAME): the path of a 0600 file holding its password, read
+# by the request-auth plugin MLFLOW_TRACKING_AUTH=crucible names (tasks/tracking/auth.py), so no
+# password sits in an environment
+MLFLOW_PASSWORD_FILE_ENV = "CRUCIBLE_MLFLOW_PASSWORD_FILE"
+MLFLOW_USERNAME = "crucible"
+MLFLOW_AUTH_PROVIDER = "crucible"
 
 # Prefect events (resource ids: crucible.checkpoint.<run>.<step>, crucible.eval.<run>.<step>, ...)
 CHECKPOINT_EVENT = "crucible.checkpoint.saved"
