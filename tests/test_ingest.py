@@ -130,6 +130,38 @@ def test_jsonl_zstd_multi_frame_and_truncation(tmp_path):
     assert 3000 <= len(recs) - 1 < 6000 and [r.key for r in recs[:-1]] == [f"z{i}" for i in range(len(recs) - 1)]
 
 
+@pytest.mark.parametrize("codec", ["gzip", "zstd"])
+def test_damaged_members_are_skipped_to_the_next_with_their_bytes_counted(codec, tmp_path):
+    """good, a decompression bomb, good, garbage, good, a member that does not decode, good: every good
+    member's lines are read; each damaged span is one quarantine record with the file bytes it left unread."""
+    import zstandard
+
+    def member(data: bytes) -> bytes:
+        return gzip.compress(data, mtime=0) if codec == "gzip" else zstandard.ZstdCompressor().compress(data)
+
+    def lines(part: int) -> bytes:
+        return b"".join(json.dumps({"id": f"{part}-{i}", "text": f"part {part} line {i}"}).encode() + b"\n"
+                        for i in range(10))
+
+    broken = bytearray(member(lines(9)))
+    broken[10 if codec == "gzip" else 4] |= 0b110 if codec == "gzip" else 0x08  # invalid block type / frame flag
+    parts = [member(lines(0)), member(json.dumps({"id": "bomb", "text": "x" * (20 << 20)}).encode() + b"\n"),
+             member(lines(1)), b"not a member " * 20, member(lines(2)), bytes(broken), member(lines(3))]
+    starts = [sum(len(p) for p in parts[:i]) for i in range(len(parts) + 1)]
+    path = tmp_path / f"damaged.jsonl.{'gz' if codec == 'gzip' else 'zst'}"
+    path.write_bytes(b"".join(parts))
+
+    recs, _ = split(list(iter_records(path, "jsonl", max_record_bytes=10_000, max_compression_ratio=100)))
+    assert [r.text for r in recs if not r.error] == [f"part {p} line {i}" for p in range(4) for i in range(10)]
+    bomb, garbage, bad = [r for r in recs if r.error]
+    assert bomb.error == "decompression_bomb" and "max_compression_ratio 100" in bomb.detail
+    assert starts[1] < bomb.extra["unread_range"][0] < starts[2] == bomb.extra["unread_range"][1]
+    assert (garbage.error, garbage.extra["unread_range"]) == ("bad_gzip", [starts[3], starts[4]])
+    assert (bad.error, bad.extra["unread_range"], bad.extra["unread_bytes"]) == \
+           ("bad_gzip", [starts[5], starts[6]], starts[6] - starts[5])
+    assert all("not read; reading resumed at the next" in r.detail for r in (bomb, garbage, bad))
+
+
 def test_text_and_parquet_sources(tmp_path):
     (tmp_path / "book.txt").write_text("Chapter one.\n\nIt was a dark night.", encoding="utf-8")
     (tmp_path / "bad.txt").write_bytes(b"caf\xe9")

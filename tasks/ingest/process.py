@@ -143,6 +143,9 @@ def record_to_doc(rec: RawRecord, source: SourceConfig, ingest: IngestConfig, pa
     return "kept", None, doc, ""
 
 
+_ENTRY_EXTRAS = ("line", "byte_range", "bytes", "unread_range", "unread_bytes")
+
+
 def process_file_range(source: SourceConfig, path: str, ingest: IngestConfig, start: int = 0,
                        stop: int | None = None, part_dir: str | None = None,
                        part_name: str = "part") -> dict:
@@ -150,14 +153,15 @@ def process_file_range(source: SourceConfig, path: str, ingest: IngestConfig, st
 
     Kept documents go to `<part_dir>/<part_name>-00000.parquet` (when `part_dir` is given,
     else they are returned under "docs"). Returns counts, the quarantine entries, `consumed`
-    (candidate records handled) and `eof` (the file ended before `stop`).
+    (candidate records handled), `eof` (the file ended before `stop`) and `bytes_unread` (bytes of
+    the file the reader skipped over damage, each span in its quarantine entry's `unread_range`).
     """
     t0 = time.perf_counter()
     res = {
         "source": source.name, "file": path, "start": start, "stop": stop,
         "docs_in": 0, "docs_out": 0, "bytes_in": 0, "bytes_out": 0,
         "dropped": Counter(), "quarantined": Counter(), "skipped": Counter(),
-        "quarantine": [], "parts": [], "docs": [], "eof": True,
+        "quarantine": [], "parts": [], "docs": [], "eof": True, "bytes_unread": 0,
     }
     writer = ShardWriter(part_dir, prefix=part_name, shard_docs=1 << 40) if part_dir else None
     idx = 0
@@ -191,8 +195,9 @@ def process_file_range(source: SourceConfig, path: str, ingest: IngestConfig, st
                 entry = {"source": source.name, "file": path, "offset": rec.offset, "record_index": i,
                          "reason": reason, "detail": detail, "url": rec.url,
                          "warc_record_id": rec.warc_record_id}
-                if "line" in rec.extra:
-                    entry["line"] = rec.extra["line"]
+                # the line, the record's byte range in the (decompressed) stream, the file bytes not read
+                entry.update({k: rec.extra[k] for k in _ENTRY_EXTRAS if k in rec.extra})
+                res["bytes_unread"] += rec.extra.get("unread_bytes", 0)
                 res["quarantine"].append(entry)
         if writer is not None:
             res["parts"] = [str(p) for p in writer.close()]

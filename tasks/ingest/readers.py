@@ -34,7 +34,6 @@ Bad input never raises out of a reader:
 """
 from __future__ import annotations
 
-import gzip
 import io
 import json
 import posixpath
@@ -80,58 +79,163 @@ class Skipped:
 
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_GZIP_IN = 1 << 16  # compressed bytes fed to zlib per call (a failing call loses at most this much)
+_ZSTD_IN = 256  # compressed bytes fed to zstd per call: at most 64 blocks of 128 KiB come out of it
+_PROBE = 1 << 16  # compressed bytes (and output) decoded to accept a candidate member start
 
 
-def _decompressed(fh: io.BufferedReader):
-    """Binary stream of the decompressed bytes of `fh`: gzip (multi-member), zstd or plain,
-    detected from the first bytes (peeked, so nothing is read twice)."""
-    head = fh.peek(4)[:4]
-    if head[:2] == b"\x1f\x8b":
-        return gzip.GzipFile(fileobj=fh, mode="rb")
-    if head == _ZSTD_MAGIC:
-        return io.BufferedReader(_ZstdRaw(fh), _CHUNK)
-    return fh
+@dataclass
+class _Gap:
+    """Damage in a compressed file: its bytes [start, end) were not read (start == end: none were
+    skipped, e.g. the file ends inside a member), with the quarantine reason and what happened."""
+
+    reason: str
+    detail: str
+    start: int
+    end: int
 
 
-class _ZstdRaw(io.RawIOBase):
-    """Streaming zstd decompression over concatenated frames that raises EOFError when the file
-    ends inside a frame (zstandard's own stream reader just stops)."""
+class _Members:
+    """The decompressed bytes of a gzip (concatenated members) or zstd (concatenated frames) file read
+    front to back from `raw`, in pieces of about a MiB, with `_Gap`s where it is damaged.
 
-    def __init__(self, fh):
-        import zstandard
+    Each member is inflated on its own with zlib/zstd, so the file offset where each starts and how far
+    decoding got are known. A member that fails to decode, bytes that start no member and a member
+    inflating past the ratio limit (a decompression bomb: more than `max_ratio` inflated bytes per
+    compressed byte read, beyond an allowance of `max_ratio * max_record_bytes` so that one oversized
+    record can be skipped) end in a gap: the bytes from where decoding stopped to the next member start
+    that decodes (scanned for, then `_PROBE` bytes of it decoded) are not read, and reading resumes
+    there; without one, the rest of the file is the gap. Memory stays bounded whatever the ratio:
+    zlib's output is capped per call, and zstd is fed `_ZSTD_IN` bytes at a time."""
 
-        self._zstd = zstandard.ZstdDecompressor()
-        self._f = fh
-        self._d = self._zstd.decompressobj()
-        self._in_frame = False
-        self._buf = b""
+    def __init__(self, raw, kind: str, max_record_bytes: int, max_ratio: float):
+        self.raw, self.kind, self.max_ratio = raw, kind, max_ratio
+        self.allowance = max_ratio * max_record_bytes
+        self.magic = _GZIP_MAGIC if kind == "gzip" else _ZSTD_MAGIC
+        self.buf, self.base, self.eof = b"", 0, False  # unread input, its file offset, raw exhausted
+        self.inflated = 0
+        if kind == "zstd":
+            import zstandard
 
-    def readable(self) -> bool:
+            self._zstd, self._errors = zstandard.ZstdDecompressor(), (zstandard.ZstdError,)
+        else:
+            self._errors = (zlib.error,)
+
+    def _fill(self, n: int) -> bool:
+        """Read until `buf` holds `n` bytes or the file ends; whether it holds them."""
+        while len(self.buf) < n and not self.eof:
+            chunk = self.raw.read(_CHUNK)
+            if chunk:
+                self.buf += chunk
+            else:
+                self.eof = True
+        return len(self.buf) >= n
+
+    def _advance(self, n: int) -> None:
+        self.buf, self.base = self.buf[n:], self.base + n
+
+    def _decompressor(self):
+        return zlib.decompressobj(31) if self.kind == "gzip" else self._zstd.decompressobj()
+
+    def _starts_member(self) -> bool:
+        head = self.buf[:4]
+        if self.kind == "gzip":
+            return head[:3] == _GZIP_MAGIC
+        # a zstd frame, or a skippable frame (magic 0x184D2A5?, little-endian)
+        return head == _ZSTD_MAGIC or (len(head) == 4 and head[1:] == b"\x2a\x4d\x18" and head[0] & 0xF0 == 0x50)
+
+    def _step(self, d, data: bytes, limit: int = _CHUNK) -> tuple[bytes, int, bool]:
+        """Decode from the start of `data` until about `limit` bytes came out, `data` is used up or the
+        member ends: (output, input bytes used, member ended). Raises the codec's error."""
+        out, n_out, used = [], 0, 0
+        while True:
+            if self.kind == "gzip":
+                piece = data[used:used + _GZIP_IN]
+                got = d.decompress(piece, limit - n_out)
+                rest = d.unused_data if d.eof else d.unconsumed_tail
+            else:
+                piece = data[used:used + _ZSTD_IN]
+                got = d.decompress(piece)
+                rest = d.unused_data if d.eof else b""
+            used += len(piece) - len(rest)
+            out.append(got)
+            n_out += len(got)
+            if d.eof or n_out >= limit or used >= len(data):
+                return b"".join(out), used, d.eof
+
+    def chunks(self) -> Iterator[bytes | _Gap]:
+        while self._fill(1):
+            if self.kind == "gzip" and self.buf[0] == 0:  # zero padding after a member, as gzip allows
+                self._advance(len(self.buf) - len(self.buf.lstrip(b"\0")))
+                continue
+            self._fill(4)
+            if self._starts_member():
+                yield from self._member()
+            else:
+                yield self._resync("bad_gzip", f"the bytes at {self.base} start no {self.kind} member", self.base)
+
+    def _member(self) -> Iterator[bytes | _Gap]:
+        start, d = self.base, self._decompressor()
+        while True:
+            self._fill(1)
+            try:
+                out, used, done = self._step(d, self.buf)
+            except self._errors as e:
+                # the next member starts after this one's start (a member that fails at once is skipped)
+                yield self._resync("bad_gzip", f"the {self.kind} member at byte {start} does not decode "
+                                               f"({type(e).__name__}: {str(e)[:200]})", max(self.base, start + 1))
+                return
+            self._advance(used)
+            if out:
+                self.inflated += len(out)
+                yield out
+            if done:
+                return
+            if self.inflated > self.max_ratio * self.base + self.allowance:
+                ratio = self.inflated / max(1, self.base)
+                yield self._resync("decompression_bomb", (
+                    f"{self.inflated} bytes inflated from {self.base} ({ratio:.0f}x > max_compression_ratio "
+                    f"{self.max_ratio:g}, beyond an allowance of {self.allowance:.0f} bytes)"), self.base)
+                return
+            if not out and not self.buf and self.eof:
+                yield _Gap("truncated", f"the file ends inside the {self.kind} member that starts at byte {start}",
+                           self.base, self.base)
+                return
+
+    def _decodes(self, i: int) -> bool:
+        """Whether a member that starts at buf[i] decodes for its first `_PROBE` bytes."""
+        self._fill(i + _PROBE)
+        try:
+            self._step(self._decompressor(), self.buf[i:i + _PROBE], _PROBE)
+        except self._errors:
+            return False
         return True
 
-    def readinto(self, b) -> int:
-        while not self._buf:
-            chunk = self._f.read(_CHUNK)
-            if not chunk:
-                if self._in_frame:
-                    raise EOFError("zstd stream ends inside a frame")
-                return 0
-            out = []
-            while chunk:
-                out.append(self._d.decompress(chunk))
-                self._in_frame = not self._d.eof
-                chunk = self._d.unused_data if self._d.eof else b""
-                if self._d.eof:
-                    self._d = self._zstd.decompressobj()
-            self._buf = b"".join(out)
-        n = min(len(b), len(self._buf))
-        b[:n] = self._buf[:n]
-        self._buf = self._buf[n:]
-        return n
-
-    def close(self) -> None:
-        self._f.close()
-        super().close()
+    def _resync(self, reason: str, detail: str, search_from: int) -> _Gap:
+        """Skip to the first member start at or after file offset `search_from` that decodes: the gap
+        from where decoding stopped (`base`) to there, or to the end of the file."""
+        start, i = self.base, search_from - self.base
+        while True:
+            self._fill(i + len(self.magic))
+            j = self.buf.find(self.magic, i)
+            if j >= 0 and self._decodes(j):
+                break
+            if j >= 0:
+                i = j + 1
+            elif self.eof:
+                j = len(self.buf)
+                break
+            else:  # keep the tail a magic number may straddle
+                keep = max(0, len(self.buf) - len(self.magic) + 1)
+                self._advance(keep)
+                i -= keep
+                i = max(i, 0)
+        self._advance(j)
+        end = self.base
+        what = (f"reading resumed at the next {self.kind} member (byte {end})" if self.buf or not self.eof
+                else "the rest of the file was not read")
+        return _Gap(reason, f"{detail}; file bytes {start}-{end} ({end - start} bytes) not read; {what}",
+                    start, end)
 
 
 def iter_records(uri: str | Path, fmt: str, max_record_bytes: int = 10_000_000,
@@ -352,75 +456,115 @@ def _jsonl_record(obj: dict, offset: int, line_no: int, name: str) -> RawRecord:
     return out
 
 
-def _bomb(raw, inflated: int, min_inflated: int, max_ratio: float) -> str | None:
-    """Why a compressed stream is a decompression bomb (None while it is not): more than
-    `max_ratio` inflated bytes per compressed byte once `min_inflated` bytes are inflated."""
-    if inflated <= min_inflated:
+class _Lines:
+    """Splits a byte stream into lines in bounded memory: a line longer than `max_bytes` is not held,
+    only its extent is counted. Offsets are of the (decompressed) stream."""
+
+    def __init__(self, max_bytes: int):
+        self.max = max_bytes
+        self.offset = self.start = 0  # the next byte; where the current line starts
+        self.parts: list[bytes] = []
+        self.size, self.over, self.line_no = 0, False, 0
+
+    def feed(self, chunk: bytes) -> Iterator[tuple[int, int, int, bytes | None]]:
+        """The lines `chunk` completes: (line number, start, size without the newline, the line's bytes or
+        None when it is over `max_bytes`)."""
+        pos, n = 0, len(chunk)
+        while pos < n:
+            nl = chunk.find(b"\n", pos)
+            end = n if nl < 0 else nl
+            if not self.over:
+                if self.size + end - pos > self.max:
+                    self.over, self.parts = True, []
+                else:
+                    self.parts.append(chunk[pos:end])
+            self.size += end - pos
+            if nl < 0:
+                self.offset += n - pos
+                return
+            self.offset += end - pos + 1
+            pos = end + 1
+            yield self._take()
+
+    def finish(self) -> tuple[int, int, int, bytes | None] | None:
+        """The last line when the stream does not end with a newline."""
+        return self._take() if self.size or self.over else None
+
+    def cut(self) -> tuple[int, int, int] | None:
+        """Damage ended the stream inside a line: drop it; its (line number, start, size) or None."""
+        lost = (self.line_no + 1, self.start, self.size) if self.size or self.over else None
+        if lost:
+            self.line_no += 1
+        self.start, self.parts, self.size, self.over = self.offset, [], 0, False
+        return lost
+
+    def _take(self) -> tuple[int, int, int, bytes | None]:
+        self.line_no += 1
+        line = (self.line_no, self.start, self.size, None if self.over else b"".join(self.parts))
+        self.start, self.parts, self.size, self.over = self.offset, [], 0, False
+        return line
+
+
+def _line_record(line_no: int, start: int, size: int, data: bytes | None, name: str, max_line_bytes: int
+                 ) -> RawRecord | None:
+    """The record of one JSONL line (None for a blank line)."""
+    extra = {"line": line_no}
+    if data is None:
+        return RawRecord(offset=start, error="oversized_record",
+                         detail=f"line {line_no}: {size} bytes > max_record_bytes {max_line_bytes} (bytes "
+                                f"{start}-{start + size} of the stream); skipped, reading went on with the next line",
+                         extra={**extra, "byte_range": [start, start + size], "bytes": size})
+    if not data.strip():
         return None
     try:
-        compressed = max(1, raw.tell())
-    except (OSError, ValueError):  # a stream that cannot tell: judged by the record caps only
-        return None
-    ratio = inflated / compressed
-    return (f"{inflated} bytes inflated from {compressed} ({ratio:.0f}x > max_compression_ratio {max_ratio:g}); "
-            "the rest of the file was not read") if ratio > max_ratio else None
+        s = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return RawRecord(offset=start, error="invalid_utf8", detail=f"line {line_no}: {e}"[:300], extra=extra)
+    try:
+        obj = json.loads(s)
+    except (ValueError, RecursionError) as e:
+        return RawRecord(offset=start, error="bad_json", detail=f"line {line_no}: {e}"[:300], extra=extra)
+    if not isinstance(obj, dict):
+        return RawRecord(offset=start, error="bad_json", detail=f"line {line_no}: not an object", extra=extra)
+    return _jsonl_record(obj, start, line_no, name)
+
+
+def _gap_record(gap: _Gap, lines: _Lines) -> RawRecord:
+    """The quarantine record of a damaged span: the file bytes not read, and the line it cut short."""
+    detail, extra = gap.detail, {}
+    lost = lines.cut()
+    if lost:
+        line_no, start, size = lost
+        detail += f"; line {line_no} (stream bytes {start}-{start + size}, unfinished) went with it"
+        extra["line"] = line_no
+    if gap.end > gap.start:
+        extra["unread_range"], extra["unread_bytes"] = [gap.start, gap.end], gap.end - gap.start
+    return RawRecord(offset=lost[1] if lost else lines.offset, error=gap.reason, detail=detail, extra=extra)
 
 
 def _iter_jsonl(raw: io.BufferedReader, name: str, max_line_bytes: int,
                 max_ratio: float = 100.0) -> Iterator[RawRecord]:
-    offset = line_no = n_lines = 0
-    with _decompressed(raw) as fh:
-        compressed = fh is not raw
-        while True:
-            try:
-                line = fh.readline(max_line_bytes + 1)
-                oversized = len(line) > max_line_bytes and not line.endswith(b"\n")
-                skipped = 0
-                while oversized and line and not line.endswith(b"\n"):
-                    skipped += len(line)
-                    if compressed and (bomb := _bomb(raw, offset + skipped, max_line_bytes, max_ratio)):
-                        yield RawRecord(offset=offset, error="decompression_bomb", detail=bomb)
-                        return
-                    line = fh.readline(_CHUNK)
-            except EOFError as e:
-                yield RawRecord(offset=offset, error="truncated", detail=f"line {line_no + 1}: {e}"[:300])
-                return
-            except Exception as e:  # gzip.BadGzipFile, zlib.error, zstd errors, OSError
-                yield RawRecord(offset=offset, error="bad_gzip", detail=f"line {line_no + 1}: {e}"[:300])
-                return
-            if not line and not oversized:
-                break
-            line_no += 1
-            start = offset
-            offset += len(line) + (skipped if oversized else 0)
-            if compressed and (bomb := _bomb(raw, offset, max_line_bytes, max_ratio)):
-                yield RawRecord(offset=start, error="decompression_bomb", detail=bomb, extra={"line": line_no})
-                return
-            if oversized:
-                yield RawRecord(offset=start, error="oversized_record",
-                                detail=f"line {line_no}: over {max_line_bytes} bytes", extra={"line": line_no})
-                continue
-            if not line.strip():
-                continue
-            n_lines += 1
-            try:
-                s = line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield RawRecord(offset=start, error="invalid_utf8", detail=f"line {line_no}: {e}"[:300],
-                                extra={"line": line_no})
-                continue
-            try:
-                obj = json.loads(s)
-            except (ValueError, RecursionError) as e:
-                yield RawRecord(offset=start, error="bad_json", detail=f"line {line_no}: {e}"[:300],
-                                extra={"line": line_no})
-                continue
-            if not isinstance(obj, dict):
-                yield RawRecord(offset=start, error="bad_json", detail=f"line {line_no}: not an object",
-                                extra={"line": line_no})
-                continue
-            yield _jsonl_record(obj, start, line_no, name)
-    if n_lines == 0:
+    head = raw.peek(4)[:4]
+    if head[:2] == b"\x1f\x8b":
+        pieces = _Members(raw, "gzip", max_line_bytes, max_ratio).chunks()
+    elif head == _ZSTD_MAGIC:
+        pieces = _Members(raw, "zstd", max_line_bytes, max_ratio).chunks()
+    else:
+        pieces = iter(lambda: raw.read(_CHUNK), b"")
+    lines, any_record = _Lines(max_line_bytes), False
+    for piece in pieces:
+        if isinstance(piece, _Gap):
+            any_record = True
+            yield _gap_record(piece, lines)
+            continue
+        for line in lines.feed(piece):
+            if (rec := _line_record(*line, name, max_line_bytes)) is not None:
+                any_record = True
+                yield rec
+    if (last := lines.finish()) is not None and (rec := _line_record(*last, name, max_line_bytes)) is not None:
+        any_record = True
+        yield rec
+    if not any_record:
         yield RawRecord(offset=0, error="empty_file", detail="no non-blank lines")
 
 

@@ -9,8 +9,12 @@ The output is therefore the same whatever the number of workers.
 
 Counting (`docs_in == docs_out + sum(dropped) + sum(quarantined)`): `docs_in` is the number of
 candidate records read (WARC responses, WET conversions, JSONL lines, text files, Parquet
-rows, plus one per unreadable span that was quarantined: an empty file, a broken gzip tail).
+rows, plus one per unreadable span that was quarantined: an empty file, a broken gzip member).
 Records of other WARC types are not candidates; they are counted in `skipped_records`.
+Bytes that could not be read at all (a corrupt gzip/zstd member skipped up to the next one that
+decodes, the rest of a decompression bomb) are counted too: `bytes_unread` (total), `files_unread`
+and each source's `bytes_unread` ({file: bytes}); each span's file offsets are in its quarantine
+entry's `unread_range`.
 A document id seen before (same source and record key) is dropped as "duplicate_id".
 
 Sources are read by URI (`tasks.core.fs`: local paths and globs, file://, http(s)://, s3://
@@ -203,6 +207,7 @@ class _IngestJobs:
 def _merge(cfg: PipelineConfig, plan: _Plan, results: dict, out_dir: Path) -> dict:
     total = StepStats("ingest")
     skipped: Counter = Counter()
+    files_unread: Counter = Counter()
     per_source: dict[str, dict] = {}
     seen_ids: set[bytes] = set()
     quarantine_path = out_dir / QUARANTINE
@@ -211,6 +216,7 @@ def _merge(cfg: PipelineConfig, plan: _Plan, results: dict, out_dir: Path) -> di
         for si, (source, files) in enumerate(plan.sources):
             st = StepStats(source.name)
             src_skipped: Counter = Counter()
+            unread: Counter = Counter()  # file -> bytes skipped over damage (see readers)
             read_files: list[str] = []
             for key in sorted(k for k in results if k[0] == si):
                 r = results[key]
@@ -222,6 +228,8 @@ def _merge(cfg: PipelineConfig, plan: _Plan, results: dict, out_dir: Path) -> di
                 st.dropped.update(r["dropped"])
                 st.quarantined.update(r["quarantined"])
                 src_skipped.update(r["skipped"])
+                if r.get("bytes_unread"):
+                    unread[r["file"]] += r["bytes_unread"]
                 for entry in r["quarantine"]:
                     qwriter.write(entry)
                 for doc in iter_docs(r["parts"]):
@@ -239,13 +247,17 @@ def _merge(cfg: PipelineConfig, plan: _Plan, results: dict, out_dir: Path) -> di
                 "dropped": dict(sorted(st.dropped.items())),
                 "quarantined": dict(sorted(st.quarantined.items())),
                 "skipped_records": dict(sorted(src_skipped.items())),
+                "bytes_unread": dict(sorted(unread.items())),
             }
             total.merge(st)
             skipped.update(src_skipped)
+            files_unread.update(unread)
     assert total.balanced(), total.to_dict()
     return {
         **total.counts(),
         "skipped_records": dict(sorted(skipped.items())),
+        "bytes_unread": sum(files_unread.values()),
+        "files_unread": dict(sorted(files_unread.items())),
         "shards": [str(p) for p in writer.paths],
         "quarantine_file": str(quarantine_path),
         "sources": per_source,

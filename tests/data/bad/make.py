@@ -37,6 +37,13 @@ def warc_record(uri: str, html: bytes, declared: int | None = None) -> bytes:
     return buf.getvalue()
 
 
+def corrupt_member(data: bytes) -> bytes:
+    """A gzip member of `data` whose first deflate block header says block type 3 (reserved: invalid)."""
+    member = bytearray(gzip.compress(data, mtime=0))
+    member[10] |= 0b110  # gzip.compress writes a 10-byte header (no name): byte 10 starts the deflate data
+    return bytes(member)
+
+
 def main() -> None:
     page = lambda i: (f"<html><head><title>Page {i}</title></head><body><article><h1>Page {i}</h1>"  # noqa: E731
                       + "".join(f"<p>This is paragraph {j} of page {i}, a plain sentence for extraction.</p>"
@@ -53,6 +60,18 @@ def main() -> None:
     (HERE / "empty.jsonl").write_bytes(b"")
     bomb = b'{"id": "bomb", "text": "' + b"0" * (20 << 20) + b'"}\n'
     (HERE / "bomb.jsonl.gz").write_bytes(gzip.compress(bomb, compresslevel=9, mtime=0))
+    # one oversized but highly compressible line (2 MB in ~2 kB) in front of 1,000 good records: the line is
+    # quarantined and every record behind it read (gzip and zstd)
+    hidden = lambda prefix: b"\n".join([json.dumps({"id": "big", "text": "x" * (2 << 20)}).encode(),  # noqa: E731
+                                         *good_lines(prefix, 1000)]) + b"\n"
+    (HERE / "big-first-line.jsonl.gz").write_bytes(gzip.compress(hidden("hidden"), compresslevel=9, mtime=0))
+    import zstandard
+
+    (HERE / "big-first-line.jsonl.zst").write_bytes(zstandard.ZstdCompressor(level=3).compress(hidden("hidden-zst")))
+    # a first gzip member whose deflate data is damaged (invalid block type), then three good members
+    (HERE / "corrupt-first-member.jsonl.gz").write_bytes(
+        corrupt_member(b"\n".join(good_lines("lost", 10)) + b"\n")
+        + b"".join(gzip.compress(b"\n".join(good_lines(f"member{m}", 10)) + b"\n", mtime=0) for m in range(3)))
     pq.write_table(pa.table({"id": ["p-0", "p-1"], "body": ["no text column here", "nor here"]}),
                    HERE / "wrong-schema.parquet")
     (HERE / "wrong-content-length.warc.gz").write_bytes(
