@@ -111,13 +111,18 @@ def test_plan_subcommand_prints_the_plan_as_json():
     assert r.returncode == 2 and "params" in r.stderr
 
 
-def test_lineage_replay_to_a_stopped_service_fails_with_a_hint(tmp_path):
+def test_lineage_replay_to_a_stopped_service_fails_with_a_hint(tmp_path, monkeypatch):
     log = tmp_path / "lineage.jsonl"
     log.write_text("")
     r = _crucible("--state-dir", str(tmp_path / "state"), "lineage", "replay", str(log), "--config", TINY,
                   "--set", f"lineage.service_port={free_port()}")
     assert r.returncode == 0 and json.loads(r.stdout)["events"] == 0  # nothing to send: nothing to fail
-    log.write_text('{"eventType": "START"}\n')
+    from tasks.core.signing import SIGNING_KEY_FILE_ENV
+    from tasks.lineage.signed import sign_event
+
+    # signed with the key of that state dir, which the CLI uses (an unsigned line is never sent)
+    monkeypatch.setenv(SIGNING_KEY_FILE_ENV, str(tmp_path / "state" / "secrets" / "signing.key"))
+    log.write_text(json.dumps(sign_event({"eventType": "START"})) + "\n")
     r = _crucible("--state-dir", str(tmp_path / "state"), "lineage", "replay", str(log), "--config", TINY,
                   "--set", f"lineage.service_port={free_port()}")
     assert r.returncode == 1 and "crucible up" in r.stderr and "Traceback" not in r.stderr

@@ -34,18 +34,24 @@ class LogRefused(OSError):
 
 
 def _split(event: dict) -> tuple[dict, Any]:
-    """(the event as it is signed: without the signature facet, and without an empty run.facets,
-    the signature)."""
+    """(the event as it is signed: without the signature facet, and without a run.facets or a run
+    left empty, the signature)."""
     run = event.get("run")
-    if not isinstance(run, dict) or not isinstance(run.get("facets"), dict):
+    if not isinstance(run, dict):
         return event, None
-    facets = dict(run["facets"])
-    facet = facets.pop(SIGNATURE_FACET, None)
-    signature = facet.get("signature") if isinstance(facet, dict) else None
-    run = {k: v for k, v in run.items() if k != "facets"}
+    run, body = dict(run), dict(event)
+    facets, signature = run.pop("facets", None), None
+    if isinstance(facets, dict):
+        facets = dict(facets)
+        facet = facets.pop(SIGNATURE_FACET, None)
+        signature = facet.get("signature") if isinstance(facet, dict) else None
     if facets:
         run["facets"] = facets
-    return {**event, "run": run}, signature
+    if run:
+        body["run"] = run
+    else:
+        del body["run"]
+    return body, signature
 
 
 def event_signature(event: dict) -> str:
