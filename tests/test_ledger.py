@@ -150,13 +150,76 @@ def test_rewritten_content_is_new_and_a_touched_file_is_not(landing, tmp_path, m
     found = ledger.discover(cfg)
     assert new_uris(found) == {"whirlwind.warc.gz": "changed", "cc-net-head-sample.jsonl.gz": "changed"}
     assert {f.sha256 for f in found.files} == {sha256(regrown), sha256(same_size)}
-    assert sorted(hashed) == sorted(FIRST_FILES)  # every cheap identity changed: each file was hashed
+    assert sorted(hashed) == sorted(FIRST_FILES)  # local files are always hashed: content decides
     assert run_cycle(ledger, cfg, "cycle-2") == 2
     # the record keeps both versions; the latest one is current
     assert [c.cycle for c in ledger.consumed() if c.uri == str(regrown.resolve())] == ["cycle-1", "cycle-2"]
     hashed.clear()
-    assert ledger.discover(cfg).empty
-    assert hashed == [str(touched.name)]  # unchanged size and stamp: not read; the touched file re-checked
+    assert ledger.discover(cfg).empty  # the touched file's bytes are those consumed: not new
+    assert sorted(hashed) == sorted(FIRST_FILES)
+
+
+def test_a_swapped_file_of_equal_size_and_mtime_is_changed(landing, tmp_path):
+    """Other bytes under the same name, the same size and the modification time set back: the content
+    hash, not size and mtime, says whether a local file was consumed."""
+    cfg = config(landing)
+    ledger = Ledger(tmp_path / "ledger.db")
+    run_cycle(ledger, cfg, "cycle-1")
+    swapped = landing / "cc-net-head-sample.jsonl.gz"
+    st = swapped.stat()
+    data = bytearray(swapped.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    swapped.write_bytes(bytes(data))
+    os.utime(swapped, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (swapped.stat().st_size, swapped.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    found = ledger.discover(cfg)
+    assert new_uris(found) == {"cc-net-head-sample.jsonl.gz": "changed"}
+    assert found.files[0].sha256 == sha256(swapped)
+
+
+def test_a_forged_or_unsigned_ledger_is_refused(landing, tmp_path, caplog):
+    """The ledger is signed with the stack's key (purpose "ledger"): a row an outsider writes to hide a
+    newly landed file, a deleted cycle, a planted trigger or a ledger nobody signed is refused, never trusted."""
+    from tasks.core.signing import SignatureError
+
+    cfg = config(landing)
+    path = tmp_path / "ledger.db"
+    run_cycle(Ledger(path), cfg, "cycle-1")
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the whole ledger in its main file
+    shutil.copyfile(WEB / "docs-crawl-00000.warc.gz", landing / "docs-crawl-00000.warc.gz")
+    planted = landing / "docs-crawl-00000.warc.gz"
+
+    def copy(name: str, *statements: str, args=()) -> Path:
+        """A copy of the genuine ledger, edited by someone without the key."""
+        forged = tmp_path / name
+        shutil.copyfile(path, forged)
+        with sqlite3.connect(forged) as conn:
+            for sql in statements:
+                conn.execute(sql, args if "?" in sql else ())
+        return forged
+
+    assert new_uris(Ledger(copy("control.db")).discover(cfg)) == {"docs-crawl-00000.warc.gz": "unseen"}
+    hide = ("INSERT INTO consumed (uri, source, size, stamp, sha256, licence, cycle, consumed_at)"
+            " VALUES (?, 'web', ?, ?, ?, 'CC-BY-4.0', 'cycle-1', '2024-01-01')")
+    forgeries = {
+        "hidden.db": [(hide,), (str(planted.resolve()), planted.stat().st_size, str(planted.stat().st_mtime_ns),
+                                sha256(planted))],  # a consumed row hiding the new file
+        "deleted.db": [("DELETE FROM consumed", "DELETE FROM cycles"), ()],  # a cycle erased
+        "trigger.db": [("CREATE TRIGGER t AFTER INSERT ON pending_files BEGIN DELETE FROM pending_files; END",), ()],
+    }
+    for name, (statements, args) in forgeries.items():
+        forged = copy(name, *statements, args=args)
+        caplog.clear()
+        with pytest.raises(SignatureError, match="data ledger .*does not verify"):
+            Ledger(forged).discover(cfg)
+        assert "refused: data ledger" in caplog.text, name
+
+    unsigned = tmp_path / "unsigned.db"  # the schema and rows as an unsigned writer leaves them
+    with sqlite3.connect(unsigned) as conn:
+        conn.executescript(ledger_mod._SCHEMA)
+    with pytest.raises(SignatureError, match="data ledger .*unsigned"):
+        Ledger(unsigned)
 
 
 _KILLED_CYCLE = """
@@ -192,19 +255,20 @@ def test_a_sigkilled_cycle_leaves_the_ledger_unchanged(landing, tmp_path):
     assert ledger.discover(cfg).empty
 
 
-def test_commit_is_one_transaction(landing, tmp_path):
+def test_commit_is_one_transaction(landing, tmp_path, monkeypatch):
     cfg = config(landing)
     ledger = Ledger(tmp_path / "ledger.db")
     ledger.pending("cycle-1", ledger.discover(cfg).files)
-    with sqlite3.connect(ledger.path) as conn:  # the commit fails at its last statement
-        conn.execute("CREATE TRIGGER fail_commit BEFORE UPDATE OF status ON cycles WHEN NEW.status = 'committed'"
-                     " BEGIN SELECT RAISE(ABORT, 'injected failure'); END")
-    with pytest.raises(sqlite3.DatabaseError, match="injected failure"):
-        ledger.commit("cycle-1")
+
+    def fail(conn):  # the commit fails at its last step, after every statement: signing the new content
+        raise sqlite3.DatabaseError("injected failure")
+
+    with monkeypatch.context() as m:
+        m.setattr(Ledger, "_sign", staticmethod(fail))
+        with pytest.raises(sqlite3.DatabaseError, match="injected failure"):
+            ledger.commit("cycle-1")
     assert ledger.consumed() == [] and ledger.cycle("cycle-1").status == "pending"
     assert len(ledger.pending_files("cycle-1")) == 3 and len(ledger.discover(cfg).files) == 3
-    with sqlite3.connect(ledger.path) as conn:
-        conn.execute("DROP TRIGGER fail_commit")
     assert ledger.commit("cycle-1") == 3
 
 

@@ -7,13 +7,21 @@ transaction, or `reject(cycle, reason)`s the cycle. Only committed files count a
 cycle that fails, is rejected or is SIGKILLed at any point leaves that record as it was, so the
 next discovery offers the same files again.
 
-Identity: sources are listed through `tasks.core.fs` (local paths and globs, file://, s3://,
-http(s)://) with `file_identity`'s cheap identity: size and change stamp (mtime_ns for local
-files, ETag / LastModified for remote objects). A URI whose latest consumed version has the same
-size and stamp is unchanged without being read; otherwise the file is hashed (sha256, streamed)
-and is new when the URI was never consumed ("unseen") or its bytes differ ("changed"). A file
-merely touched keeps its consumed state (it is re-hashed on each discovery, never re-trained).
+Identity is content: sources are listed through `tasks.core.fs` (local paths and globs, file://,
+s3://, http(s)://) and each file is hashed (sha256, streamed); it is new when the URI was never
+consumed ("unseen") or its bytes differ from the latest version consumed ("changed"). Size and
+modification time are recorded but decide nothing: anyone who can write a file can set its mtime
+back, so a swapped file of the same size and mtime would pass as consumed. The one shortcut is an
+object store's ETag (S3/GCS/Azure: `_ETAG_STORES`), which the store derives from the object's bytes
+(S3: their MD5) or renews on every write, so an object whose size and ETag equal the consumed
+version's is unchanged without being downloaded. A file merely touched keeps its consumed state.
 A file that is still being written may be discovered half-written: land files by rename.
+
+Signed: the ledger decides which raw data a cycle trains on, so its content (every row of its tables
+and the schema, triggers included) is signed with the stack's key (`tasks.core.signing`, purpose
+"ledger") in each write transaction, and verified before any read or write: a ledger that is
+unsigned, or that anyone without the key edited (a row hiding a new file, a deleted cycle, a planted
+trigger), is refused (`SignatureError`, logged "refused: ..."), never trusted.
 
 Schema (one file, WAL journal, busy timeout, every write one BEGIN IMMEDIATE transaction, so
 several processes may share it; a connection per call, so threads may too):
@@ -24,6 +32,7 @@ several processes may share it; a connection per call, so threads may too):
                  took; removed when it commits, kept as the record of a rejected cycle
   consumed       id PK, uri, source, size, stamp, sha256, licence, cycle, consumed_at; a URI's
                  current state is its latest row, earlier rows are the versions consumed before
+  ledger_signature  the one row holding the HMAC of the rest (see "Signed")
 """
 from __future__ import annotations
 
@@ -36,9 +45,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tasks.config import PipelineConfig, SourceConfig
-from tasks.core.fs import expand_uri, file_identity, open_source
+from tasks.core.fs import expand_uri, file_identity, filesystem, open_source, protocol
+from tasks.core.signing import canonical, sign_bytes, verify_bytes
 
 BUSY_TIMEOUT_S = 30.0  # a writer waits this long for another process's transaction
+SIGNING_PURPOSE = "ledger"
+# object stores whose ETag changes whenever the object's bytes do (a content tag, not a timestamp)
+_ETAG_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS cycles (
@@ -71,7 +84,12 @@ CREATE TABLE IF NOT EXISTS consumed (
     consumed_at TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS consumed_by_uri ON consumed (uri, id);
+CREATE TABLE IF NOT EXISTS ledger_signature (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    signature TEXT NOT NULL
+);
 """
+_SIGNED_TABLES = ("cycles", "pending_files", "consumed")
 _FILE_COLUMNS = "uri, source, size, stamp, sha256, licence"
 
 
@@ -86,7 +104,7 @@ class RawFile:
     uri: str
     source: str
     size: int | None
-    stamp: str | None  # mtime_ns (local) or ETag / LastModified (remote), as text
+    stamp: str | None  # mtime_ns (local) or ETag / LastModified (remote), as text: recorded, not trusted
     sha256: str
     licence: str
     change: str = "unseen"  # why it is new: "unseen" URI or "changed" content
@@ -187,13 +205,28 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
+def _identity(uri: str, storage_options: dict | None) -> tuple[int | None, str | None, bool]:
+    """(size, change stamp, whether the stamp is a content tag): an object store's ETag is one; a
+    local mtime, an HTTP validator or a LastModified is not."""
+    proto = protocol(uri)
+    if proto in _ETAG_STORES:
+        try:
+            info = filesystem(proto, storage_options).info(uri)
+        except PermissionError:
+            info = {}  # file_identity below raises the clear "access denied" error
+        etag = info.get("ETag") or info.get("etag")
+        if etag:
+            return info.get("size"), str(etag), True
+    _, size, stamp = file_identity(uri, storage_options)
+    return size, None if stamp is None else str(stamp), False
+
+
 def _identify(source: SourceConfig, uri: str, consumed: sqlite3.Row | None) -> RawFile | None:
-    """`uri` as a new file of `source`, or None when its consumed version is still current
-    (same size and stamp, or else the same sha256) or it vanished since it was listed."""
+    """`uri` as a new file of `source`, or None when its consumed version is still current (the same
+    sha256, or the same size and object-store ETag) or it vanished since it was listed."""
     try:
-        _, size, stamp = file_identity(uri, source.storage_options)
-        stamp = None if stamp is None else str(stamp)
-        if consumed is not None and stamp is not None and (consumed["size"], consumed["stamp"]) == (size, stamp):
+        size, stamp, content_tag = _identity(uri, source.storage_options)
+        if content_tag and consumed is not None and (consumed["size"], consumed["stamp"]) == (size, stamp):
             return None
         digest = sha256_uri(uri, source.storage_options)
     except FileNotFoundError:
@@ -212,7 +245,19 @@ class Ledger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._connect() as conn:
             conn.execute("PRAGMA journal_mode=WAL")  # persistent: readers never block the committing writer
-            conn.executescript(_SCHEMA)
+        with self._connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                if conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0] == 0:
+                    for statement in filter(str.strip, _SCHEMA.split(";")):  # a new ledger, signed at birth
+                        conn.execute(statement)
+                    self._sign(conn)
+                else:
+                    self._verify(conn)
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
 
     @classmethod
     def for_config(cls, cfg: PipelineConfig, state_dir: str | Path) -> "Ledger":
@@ -234,15 +279,54 @@ class Ledger:
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         """One write transaction, all or nothing; IMMEDIATE takes the write lock up front, so two
-        processes queue (busy timeout) instead of failing half-way through."""
+        processes queue (busy timeout) instead of failing half-way through. The ledger is verified
+        first and signed last, inside the transaction."""
         with self._connect() as conn:
             conn.execute("BEGIN IMMEDIATE")
             try:
+                self._verify(conn)
                 yield conn
+                self._sign(conn)
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
             conn.execute("COMMIT")
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """One read transaction (a consistent snapshot) of a ledger whose signature verifies."""
+        with self._connect() as conn:
+            conn.execute("BEGIN")
+            try:
+                self._verify(conn)
+                yield conn
+            finally:
+                conn.execute("COMMIT")
+
+    # -- signature -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _digest(conn: sqlite3.Connection) -> bytes:
+        """sha256 of the schema (tables, indexes, triggers, views) and every row of the signed tables."""
+        h = hashlib.sha256()
+        for row in conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master ORDER BY type, name"):
+            h.update(canonical(["schema", *row]) + b"\n")
+        for table in _SIGNED_TABLES:
+            for row in conn.execute(f"SELECT * FROM {table} ORDER BY rowid"):
+                h.update(canonical([table, *row]) + b"\n")
+        return h.hexdigest().encode()
+
+    def _sign(self, conn: sqlite3.Connection) -> None:
+        conn.execute("INSERT OR REPLACE INTO ledger_signature (id, signature) VALUES (1, ?)",
+                     (sign_bytes(self._digest(conn), SIGNING_PURPOSE),))
+
+    def _verify(self, conn: sqlite3.Connection) -> None:
+        """SignatureError unless the ledger's content carries the stack's signature."""
+        try:
+            row = conn.execute("SELECT signature FROM ledger_signature WHERE id = 1").fetchone()
+        except sqlite3.OperationalError:  # no signature table: written without signing
+            row = None
+        verify_bytes(self._digest(conn), row[0] if row else None, SIGNING_PURPOSE, what=f"data ledger {self.path}")
 
     @staticmethod
     def _status(conn: sqlite3.Connection, cycle: str) -> str | None:
@@ -254,7 +338,7 @@ class Ledger:
     def discover(self, cfg: PipelineConfig) -> Discovery:
         """For each of `cfg.sources`, the listed files that no committed cycle consumed in their
         present content. Reads only; a source that matches no files is reported in the message."""
-        with self._connect() as conn:
+        with self._read() as conn:
             latest = {row["uri"]: row for row in conn.execute(
                 "SELECT uri, size, stamp, sha256 FROM consumed"
                 " WHERE id IN (SELECT MAX(id) FROM consumed GROUP BY uri)")}
@@ -316,19 +400,19 @@ class Ledger:
     # -- queries -------------------------------------------------------------------------------
 
     def cycle(self, cycle: str) -> CycleRecord | None:
-        with self._connect() as conn:
+        with self._read() as conn:
             row = conn.execute("SELECT * FROM cycles WHERE cycle = ?", (cycle,)).fetchone()
         return CycleRecord(**dict(row)) if row else None
 
     def cycles(self) -> list[CycleRecord]:
         """Every cycle the ledger heard of, oldest first."""
-        with self._connect() as conn:
+        with self._read() as conn:
             rows = conn.execute("SELECT * FROM cycles ORDER BY started_at, cycle").fetchall()
         return [CycleRecord(**dict(r)) for r in rows]
 
     def pending_files(self, cycle: str) -> list[RawFile]:
         """The files `cycle` took and has not committed (a rejected cycle's, too)."""
-        with self._connect() as conn:
+        with self._read() as conn:
             rows = conn.execute(f"SELECT {_FILE_COLUMNS}, change FROM pending_files WHERE cycle = ? ORDER BY uri",
                                 (cycle,)).fetchall()
         return [RawFile(**dict(r)) for r in rows]
@@ -337,7 +421,7 @@ class Ledger:
         """Every file version consumed (by `cycle` only, when given), in the order consumed:
         the raw inputs, with their licences, that lineage walks back to."""
         where, args = ("WHERE cycle = ?", (cycle,)) if cycle is not None else ("", ())
-        with self._connect() as conn:
+        with self._read() as conn:
             rows = conn.execute(f"SELECT {_FILE_COLUMNS}, cycle, consumed_at FROM consumed {where} ORDER BY id",
                                 args).fetchall()
         return [ConsumedFile(**dict(r)) for r in rows]
