@@ -97,8 +97,9 @@ class IngestConfig(Section):
     normalise_whitespace: bool = True  # collapse runs of spaces, strip lines, at most one blank line
     extract_metadata: bool = True  # page date via htmldate (+ trafilatura's title); off: <title> and WARC-Date
     max_record_bytes: int = Field(default=10_000_000, gt=0)  # raw payload/line cap, quarantined above
-    # a compressed JSONL file that inflates more than this (decompressed / compressed bytes, judged
-    # once max_record_bytes have been inflated) is a decompression bomb: quarantined, not read on.
+    # a compressed JSONL file that inflates more than this (decompressed / compressed bytes, beyond an
+    # allowance of this times max_record_bytes, so one oversized line is skipped) is a decompression
+    # bomb: quarantined with the bytes not read, reading resumes at the next gzip member / zstd frame.
     # Text compresses 3-10x; a page of zeros 1000x
     max_compression_ratio: float = Field(default=100.0, gt=1)
     resume: bool = True  # reuse finished per-file jobs (sha256-verified parts) and a complete output

@@ -10,10 +10,10 @@
 
 Files are opened by URI (`tasks.core.fs.open_source`: local paths, file://, http(s)://,
 s3://) as buffered streams. Nothing loads a whole file: WARC/WET go record by record through
-warcio (gzip per record), JSONL (plain, gzip or
-zstd, detected from the first bytes) line by line
-(lines longer than `max_record_bytes` are skipped in chunks and quarantined), Parquet by
-batches (through a seekable fsspec file). A text file is one document and is read only up to
+warcio (gzip per record), JSONL (plain, gzip or zstd, detected from the first bytes; a
+compressed file is inflated member by member, see `_Members`) line by line (a line longer than
+`max_record_bytes` is skipped without being held, quarantined with its byte range, and reading
+goes on with the next line), Parquet by batches (through a seekable fsspec file). A text file is one document and is read only up to
 `max_record_bytes`. An HTTP stream cannot seek: a damaged WARC record there ends the file
 (quarantined as "malformed_warc", detail saying the rest was not read) instead of resynchronising.
 
@@ -26,10 +26,16 @@ Bad input never raises out of a reader:
   shorter than its Content-Length (truncated file) → "truncated"; digest mismatch →
   "digest_mismatch"; undecodable Content-Encoding → "bad_content_encoding"; payload over
   `max_record_bytes` → "oversized_record"; a response without an HTTP header → "malformed_warc"
-* JSONL: truncated gzip → "truncated"; other gzip/zstd damage → "bad_gzip"; invalid UTF-8 →
-  "invalid_utf8"; unparsable line or not an object → "bad_json"; no string `text` → "missing_text";
-  a gzip/zstd file inflating more than `max_compression_ratio` times (once `max_record_bytes` are
-  inflated) → "decompression_bomb", and the rest of the file is not read
+* JSONL: a line over `max_record_bytes` → "oversized_record" (`extra`: `byte_range`, `bytes`, of
+  the decompressed stream); a file that ends inside a gzip member / zstd frame → "truncated";
+  a member that does not decode, or bytes that start none → "bad_gzip"; more than
+  `max_compression_ratio` bytes inflated per compressed byte (beyond an allowance of
+  `max_compression_ratio * max_record_bytes`, so one oversized line is skipped, not judged a bomb)
+  → "decompression_bomb". After "bad_gzip" and "decompression_bomb" reading resumes at the next
+  member that decodes (or the rest of the file is the damage); the record's `extra` has the file
+  bytes not read (`unread_range` [start, end), `unread_bytes`), which the run summary adds up per
+  file. Invalid UTF-8 → "invalid_utf8"; unparsable line or not an object → "bad_json"; no string
+  `text` → "missing_text"
 * WET payloads and text files must be UTF-8 → "invalid_utf8"
 """
 from __future__ import annotations
