@@ -13,6 +13,12 @@ import pytest
 # signing_key_file keeps a key the starting process already has). A test of a forged record signs
 # it with another key, or none.
 os.environ.setdefault("CRUCIBLE_SIGNING_KEY_FILE", os.path.join(tempfile.mkdtemp(prefix="crucible-key-"), "signing.key"))
+# Likewise one MLflow login (infra/stack.py mlflow_password_file keeps the starting process's): the
+# stacks the tests start ask for it, and this process's own MLflow clients (reading a stack's runs and
+# registry after a `crucible run`) send it through the request-auth plugin (tasks/tracking/auth.py).
+os.environ.setdefault("CRUCIBLE_MLFLOW_PASSWORD_FILE", os.path.join(os.path.dirname(os.environ["CRUCIBLE_SIGNING_KEY_FILE"]),
+                                                                    "mlflow-password"))
+os.environ.setdefault("MLFLOW_TRACKING_AUTH", "crucible")
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,10 @@ credentials by file path), does the same writes."""
 from __future__ import annotations
 
 import base64
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,6 +20,7 @@ from tasks.core.constants import MLFLOW_PASSWORD_FILE_ENV, MLFLOW_USERNAME
 from tasks.core.net import free_port
 
 MODEL = "auth-target"
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +50,21 @@ def _stack_client(cfg, monkeypatch):
 
 
 def _login(cfg) -> tuple[str, str]:
-    """The stack's MLflow login, as `crucible login` reads it from the secrets folder."""
-    return MLFLOW_USERNAME, stack.mlflow_password_file(cfg).read_text().strip()
+    """The stack's MLflow login, as `crucible login` prints it from the secrets folder."""
+    out = subprocess.run([sys.executable, "-m", "infra.cli", "--state-dir", str(stack.state_dir(cfg)), "login", "--json",
+                          "--set", f"stack.mlflow_port={cfg.mlflow_port}"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    login = json.loads(out.stdout)
+    assert login["mlflow"]["url"] == stack.mlflow_tracking_uri(cfg) and login["mlflow"]["user"] == MLFLOW_USERNAME
+    assert login["prefect"]["auth_string"] == stack.secret(cfg, stack.PREFECT_AUTH)
+    return login["mlflow"]["user"], login["mlflow"]["password"]
+
+
+def test_login_without_a_stack_says_so(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "infra.cli", "--state-dir", str(tmp_path / "none"), "login"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "no stack has been started" in out.stderr and "crucible up" in out.stderr
 
 
 def _writes(uri: str, run_id: str, experiment_id: str) -> list[tuple[str, str, dict]]:

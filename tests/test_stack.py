@@ -16,6 +16,7 @@ import pytest
 
 from infra import stack
 from tasks.config import LineageConfig, StackConfig
+from tasks.core.constants import MLFLOW_USERNAME
 from tasks.core.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -74,9 +75,15 @@ def test_up_idempotent_status_down(stack_cfg, lineage_cfg):
     # the services really are what they claim: Prefect's API and MLflow's REST API on those ports,
     # with their databases under the state directory
     assert httpx.get(f"{stack.prefect_api_url(stack_cfg)}/health", timeout=10).json() is True
-    r = httpx.get(f"{stack.mlflow_tracking_uri(stack_cfg)}/api/2.0/mlflow/experiments/get-by-name",
-                  params={"experiment_name": "Default"}, timeout=10)
+    # (MLflow's only with the stack's login: its password file is 0600, and in no spec)
+    get_default = dict(url=f"{stack.mlflow_tracking_uri(stack_cfg)}/api/2.0/mlflow/experiments/get-by-name",
+                       params={"experiment_name": "Default"}, timeout=10)
+    assert httpx.get(**get_default).status_code == 401
+    password = stack.mlflow_password_file(stack_cfg).read_text().strip()
+    r = httpx.get(**get_default, auth=(MLFLOW_USERNAME, password))
     assert r.status_code == 200 and r.json()["experiment"]["name"] == "Default"
+    assert oct(stack.mlflow_password_file(stack_cfg).stat().st_mode & 0o777) == "0o600"
+    assert not any(password in p.read_text() for p in (state / "run").glob("*.json"))
     assert (state / "prefect" / "prefect.db").exists() and (state / "mlflow" / "mlflow.db").exists()
     # the lineage service takes events and answers the Marquez-shaped API, its SQLite store in the state dir
     lineage = stack.lineage_url(lineage_cfg)

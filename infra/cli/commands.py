@@ -1,4 +1,4 @@
-"""The commands of `crucible` that drive the local stack and the pipeline: up, down, status, run,
+"""The commands of `crucible` that drive the local stack and the pipeline: up, down, status, login, run,
 ablate and lineage replay. Each takes the parsed arguments and returns the exit status."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from infra import stack
-from tasks.core.constants import REPO_ROOT
+from tasks.core.constants import MLFLOW_USERNAME, REPO_ROOT
 from tasks.core.storage import local_run_root, store_for
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
@@ -100,6 +100,26 @@ def cmd_status(args) -> int:
         print(f"state dir: {stack.state_dir(stack_cfg)}")
         _print_status(st)
     return 0 if all(s["healthy"] for s in st.values()) else 1
+
+
+def cmd_login(args) -> int:
+    """The URL and login of each UI of the stack, read from its secrets folder: for the local user's
+    browser (the secrets are 0600 files of whoever started the stack; nothing is logged)."""
+    stack_cfg, _, _ = _stack_configs(args)
+    if not (stack.state_dir(stack_cfg) / "secrets").is_dir():
+        return fail(f"crucible: no stack has been started in {stack.state_dir(stack_cfg)} (crucible up)", 1)
+    logins = {
+        "mlflow": {"url": stack.mlflow_tracking_uri(stack_cfg), "user": MLFLOW_USERNAME,
+                   "password": stack.mlflow_password_file(stack_cfg).read_text().strip()},
+        # Prefect's UI asks for the whole auth string (server.api.auth_string)
+        "prefect": {"url": stack.prefect_ui_url(stack_cfg), "auth_string": stack.secret(stack_cfg, stack.PREFECT_AUTH)},
+    }
+    if args.json:
+        print(json.dumps(logins, indent=2))
+    else:
+        for name, login in logins.items():
+            print(f"  {name:<8} {login['url']}  " + "  ".join(f"{k} {v}" for k, v in login.items() if k != "url"))
+    return 0
 
 
 def _stack_for(cfg) -> None:

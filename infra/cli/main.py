@@ -21,6 +21,7 @@ examples:
   crucible up --ray                            ... and a Ray cluster: a head and 2 worker nodes (stack.ray=cluster)
   crucible status                              URLs, health and pids of the local services
   crucible status --json                       the same as JSON: {service: {url, healthy, pid}}
+  crucible login                               the MLflow and Prefect UIs' URLs and logins (from the secrets folder)
   crucible run configs/tiny.yaml               the whole pipeline: curate → tokenizer → train → evaluate → deploy
   crucible run configs/tiny.yaml --set train.max_steps=50 --summary runs/summary.json
   crucible ablate configs/tiny.yaml            does curation help? langid-only vs curated corpus, same budget
@@ -81,6 +82,11 @@ def _add_stack_commands(sub) -> None:
     sp = sub.add_parser("status", help="show URLs, health and pids of the local services")
     _add_stack_options(sp)
     sp.add_argument("--json", action="store_true", help="print {service: {url, healthy, pid}} as JSON")
+    sp = sub.add_parser("login", help="print the URL and login of each UI of the local stack (MLflow, Prefect)",
+                        description="Print, for the local user, the URL and login of the stack's MLflow UI (user, "
+                                    "password) and Prefect UI (auth string), read from its secrets folder.")
+    _add_stack_options(sp)
+    sp.add_argument("--json", action="store_true", help="print {ui: {url, ...login}} as JSON")
 
 
 def _config_command(sub, name: str, summary: str, description: str, example: str, override_example: str):
@@ -195,7 +201,7 @@ def cmd_plan(args) -> int:
     return plan_cli.run(args)
 
 
-COMMANDS = {"up": commands.cmd_up, "down": commands.cmd_down, "status": commands.cmd_status,
+COMMANDS = {"up": commands.cmd_up, "down": commands.cmd_down, "status": commands.cmd_status, "login": commands.cmd_login,
             "run": commands.cmd_run, "schedule": commands.cmd_schedule, "ablate": commands.cmd_ablate, "lineage": commands.cmd_lineage,
             "plan": cmd_plan, "filter": cmd_tool, "dedup": cmd_tool}
 
