@@ -323,6 +323,13 @@ def test_corrupted_inputs_quarantined_with_reasons(corrupted, ray_session, tmp_p
                and isinstance(e["offset"], int) for e in q)
     malformed = next(e for e in q if e["reason"] == "malformed_warc")
     assert malformed["file"].endswith("a.warc.gz") and malformed["offset"] > 0
+    # the garbage member it resynchronised over is counted as bytes not read, in the summary too
+    garbage = len(gzip.compress(b"NOT-A-WARC header line\r\n\r\nnonsense\r\n\r\n"))
+    assert malformed["unread_range"] == [malformed["offset"], malformed["offset"] + garbage]
+    cut = next(e for e in q if e["file"].endswith("b.warc.gz") and "unread_range" in e)  # the half member at its end
+    assert cut["reason"] == "truncated" and cut["unread_range"][1] == (root / "warc" / "b.warc.gz").stat().st_size
+    assert s["files_unread"] == {malformed["file"]: garbage, cut["file"]: cut["unread_bytes"]}
+    assert s["bytes_unread"] == garbage + cut["unread_bytes"]
     bad_json = [e for e in q if e["reason"] == "bad_json"]
     assert sorted(e["line"] for e in bad_json) == [2, 7, 11]
     assert next(d for d in docs if d["text"].startswith("Really"))["title"] == "bad \ufffd title"

@@ -22,7 +22,8 @@ Bad input never raises out of a reader:
 * empty file → "empty_file"
 * WARC: a record warcio cannot parse (bad header, corrupt gzip member) → "malformed_warc",
   then the reader resynchronises on the next gzip member (or "WARC/1." line when the file is
-  not gzipped) that parses, so one broken record does not lose the rest of the file; a record
+  not gzipped) that parses, so one broken record does not lose the rest of the file (the bytes
+  skipped are in the record's `extra`: `unread_range`, `unread_bytes`, as for JSONL below); a record
   shorter than its Content-Length (truncated file) → "truncated"; digest mismatch →
   "digest_mismatch"; undecodable Content-Encoding → "bad_content_encoding"; payload over
   `max_record_bytes` → "oversized_record"; a response without an HTTP header → "malformed_warc"
@@ -381,28 +382,45 @@ def _iter_warc(fh: io.BufferedReader, want: str, max_record_bytes: int) -> Itera
     size = fh.seek(0, io.SEEK_END)
     fh.seek(0)
     pos, probing = 0, False
+    held = None  # (record, start): damage held back until reading resumes, to carry the bytes skipped
+
+    def release(end: int) -> RawRecord:
+        rec, start = held
+        if end > start:
+            rec.detail += f"; file bytes {start}-{end} ({end - start} bytes) not read"
+            rec.extra["unread_range"], rec.extra["unread_bytes"] = [start, end], end - start
+        return rec
+
     while pos is not None and pos < size:
         fh.seek(pos)
         warc = _WarcPass(fh, want, max_record_bytes, start=pos)
         try:
-            yield from warc
+            for out in warc:
+                if held:  # reading resumed at `pos`: the damaged span ends there
+                    yield release(pos)
+                    held = None
+                yield out
             probing = probing and warc.count == 0
             end, last, last_error = warc.end, warc.last, warc.last_error
             if end >= size and last_error != "truncated":
-                return
+                break
             if end < size and not probing and last_error is None:
-                yield RawRecord(offset=end, error="truncated",
-                                detail=f"archive stream ends at byte {end} of {size}")
+                held = (RawRecord(offset=end, error="truncated", detail=f"archive stream ends at byte {end} of {size}"),
+                        end)
             # a cut-short member may be followed by intact ones: look for them
             resume = (last if last_error == "truncated" else max(end, last, pos)) + 1
         except Exception as e:  # warcio/zlib/parse errors: quarantine, then resynchronise
             fail = warc.failed_at
             if not (probing and warc.count == 0):
-                yield RawRecord(offset=fail, error="malformed_warc",
-                                detail=f"{type(e).__name__}: {e}".strip()[:300])
+                if held:
+                    yield release(fail)
+                held = (RawRecord(offset=fail, error="malformed_warc", detail=f"{type(e).__name__}: {e}".strip()[:300]),
+                        fail)
             resume = max(fail, pos) + 1
         probing = True
         pos = _scan_for(fh, resume, magic)
+    if held:
+        yield release(size if pos is None else min(pos, size))
 
 
 def _iter_warc_sequential(fh, want: str, max_record_bytes: int) -> Iterator[RawRecord | Skipped]:
