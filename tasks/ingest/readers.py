@@ -232,11 +232,10 @@ class _Members:
             elif self.eof:
                 j = len(self.buf)
                 break
-            else:  # keep the tail a magic number may straddle
-                keep = max(0, len(self.buf) - len(self.magic) + 1)
-                self._advance(keep)
-                i -= keep
-                i = max(i, 0)
+            else:  # drop what was searched, keeping the tail a magic number may straddle
+                drop = max(0, len(self.buf) - len(self.magic) + 1)
+                self._advance(drop)
+                i = max(i - drop, 0)
         self._advance(j)
         end = self.base
         what = (f"reading resumed at the next {self.kind} member (byte {end})" if self.buf or not self.eof
