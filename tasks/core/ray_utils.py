@@ -5,7 +5,12 @@ and tokens stages) and the Ray MinHash clustering call it.
 runner, a test fixture), otherwise calls `ray.init` with the config's address and CPU count.
 With no address (and no RAY_ADDRESS in the environment) a local Ray is started with
 `ray.num_cpus` (address "local": never a cluster some `ray start` on this machine recorded in
-/tmp/ray); `RAY_AUTH_MODE=disabled` is set for it unless the environment says otherwise.
+/tmp/ray). That Ray is the run's alone: its node address is 127.0.0.1, so its GCS, raylet, object
+manager, workers and agents listen on loopback only, and it requires Ray's token authentication
+with a token drawn fresh for this start. The token reaches Ray's processes through their
+environment at start-up and is then removed from this process's environment again (the pipeline's
+other subprocesses never inherit it); it is never written to disk or logged. Without it a job
+submitted to the dashboard agent's API, or a driver attaching to the GCS, is refused.
 With an address ("auto", "host:6380", "ray://host:10001") Ray attaches and the CPU count comes
 from the cluster, so `num_cpus` is not passed. An address nobody answers on fails at once
 (`RayUnreachable`, naming `ray.address`), before a stage writes anything: `ray.init` itself
@@ -18,12 +23,19 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 from collections import Counter
+from contextlib import contextmanager
 
 from tasks.config import RayConfig
 
 CONNECT_TIMEOUT_S = 5.0  # a cluster's GCS answers a TCP connect at once; this only bounds a silent host
+LOOPBACK = "127.0.0.1"
+# Ray's switch for a machine that runs no multi-node cluster (its default on macOS and Windows). Off,
+# Ray keeps a node address of 127.0.0.1 instead of swapping in the host's network address, and its
+# servers then bind loopback only (they bind every interface for any other node address).
+SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 class RayUnreachable(ConnectionError):
@@ -73,12 +85,9 @@ def init_ray(cfg: RayConfig | None = None) -> bool:
                     "logging_level": logging.WARNING}
     address = cfg.address
     if address is None and not os.environ.get("RAY_ADDRESS"):
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        kwargs["num_cpus"] = cfg.num_cpus
-        # "local": always a new local Ray, never the last `ray start` cluster recorded in /tmp/ray
-        address = "local"
-    else:
-        check_ray_address(cfg)
+        _start_local_ray(cfg.num_cpus, kwargs)
+        return True
+    check_ray_address(cfg)
     _reload_auth_settings()
     try:
         ray.init(address=address, **kwargs)
@@ -89,6 +98,67 @@ def init_ray(cfg: RayConfig | None = None) -> bool:
                              "stack's cluster needs RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH, which "
                              "`crucible run` sets)") from e
     return True
+
+
+def _start_local_ray(num_cpus: int | None, kwargs: dict) -> None:
+    """A new local Ray ("local": never a cluster some `ray start` recorded in /tmp/ray) on
+    127.0.0.1 with token authentication and a token of its own (see the module's docstring)."""
+    import ray
+    from ray._private import ray_constants
+
+    # Ray's processes copy the environment when they start (the raylet passes its copy on to every
+    # worker it spawns later), so the token and the switch are needed only while ray.init runs
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), SINGLE_NODE_ENV: "0"}
+    with _environment(env), _single_node(ray_constants), _any_free_agent_port():
+        _reload_auth_settings()
+        ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **kwargs)
+
+
+@contextmanager
+def _environment(values: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextmanager
+def _single_node(ray_constants):
+    """Ray reads SINGLE_NODE_ENV once, when it is imported: this process's copy of the setting,
+    which decides whether ray.init swaps 127.0.0.1 for the host's address."""
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+@contextmanager
+def _any_free_agent_port():
+    """The dashboard agent on a port the OS picks, not Ray's fixed 52365 (which ray.init has no
+    setting for): on 127.0.0.1 only, a second Ray on this machine (another run, another user) would
+    find 52365 taken and start its agent without its HTTP server."""
+    from ray._private import parameter
+
+    base = parameter.RayParams
+
+    class Params(base):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("dashboard_agent_listen_port", 0)
+            super().__init__(*args, **kwargs)
+
+    parameter.RayParams = Params
+    try:
+        yield
+    finally:
+        parameter.RayParams = base
 
 
 def _reload_auth_settings() -> None:

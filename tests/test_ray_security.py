@@ -1,0 +1,221 @@
+"""The per-run local Ray a stage starts (`tasks.core.executor.start_ray` -> `init_ray`) as an
+outsider finds it: every socket any of its processes listens on is a loopback one; a job
+submitted to the dashboard agent's job API without the run's token is refused and never runs;
+a driver that attaches without the token (or with a wrong one) is refused and runs nothing; the
+token is fresh per run, kept out of the driver's environment and out of Ray's session files."""
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tasks.config import RayConfig
+
+TCP_LISTEN = "0A"  # /proc/net/tcp state of a listening socket
+
+
+def _listening_sockets() -> dict[int, tuple[str, int]]:
+    """{socket inode: (address, port)} of every TCP socket listening on this machine."""
+    found = {}
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] != TCP_LISTEN:
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)  # the kernel writes each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found[int(fields[9])] = (socket.inet_ntop(family, raw), int(port, 16))
+    return found
+
+
+def _descendants(root: int) -> set[int]:
+    """`root` and every process below it (Ray's GCS, raylet and agents are the driver's children,
+    its workers the raylet's)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    pids, grew = {root}, True
+    while grew:
+        children = {pid for pid, ppid in parents.items() if ppid in pids} - pids
+        pids |= children
+        grew = bool(children)
+    return pids
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[len("socket:["):-1]))
+    return inodes
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def _ray_listeners() -> list[tuple[int, str, str, int]]:
+    """(pid, command, address, port) of each listening socket held by this process or any process
+    below it."""
+    listening = _listening_sockets()
+    return [(pid, _cmdline(pid), *listening[inode])
+            for pid in sorted(_descendants(os.getpid())) for inode in _socket_inodes(pid) if inode in listening]
+
+
+def _raylet_pid() -> int:
+    pids = [p for p in _descendants(os.getpid()) if "raylet/raylet" in _cmdline(p)]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def _environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
+@pytest.fixture(scope="module")
+def stage_ray():
+    """A local Ray started as every Ray stage starts it, with a task run so worker processes exist
+    too: its node's address_info."""
+    import ray
+
+    from tasks.core.executor import start_ray
+
+    ray.shutdown()  # another module's session: this module starts its own, as a stage of a run does
+    assert start_ray(RayConfig(num_cpus=1)) >= 1
+
+    @ray.remote
+    def pid() -> int:
+        return os.getpid()
+
+    assert ray.get(pid.remote(), timeout=120) != os.getpid()
+    yield dict(ray._private.worker._global_node.address_info)
+    ray.shutdown()
+
+
+def test_every_ray_process_listens_on_loopback_only(stage_ray):
+    listeners = _ray_listeners()
+    gcs_port = int(stage_ray["gcs_address"].rsplit(":", 1)[1])
+    ports = {port for *_, port in listeners}
+    # the GCS and the dashboard agent are among them: the scan sees Ray's servers at all
+    assert gcs_port in ports and stage_ray["dashboard_agent_listen_port"] in ports, listeners
+    exposed = [(pid, cmd[:120], address, port) for pid, cmd, address, port in listeners if not _is_loopback(address)]
+    assert not exposed, "Ray listens beyond loopback:\n" + "\n".join(map(str, exposed))
+    assert stage_ray["node_ip_address"] == "127.0.0.1"
+    assert stage_ray["gcs_address"].startswith("127.0.0.1:")
+
+
+def _post(url: str, body: dict, token: str | None = None) -> int:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_job_submitted_without_the_token_is_refused_and_never_runs(stage_ray, tmp_path):
+    marker = tmp_path / "job-ran"
+    entrypoint = f"{sys.executable} -c \"open({str(marker)!r}, 'w').write('ran')\""
+    urls = [f"http://127.0.0.1:{stage_ray['dashboard_agent_listen_port']}/api/job_agent/jobs/"]
+    if stage_ray.get("webui_url"):  # the dashboard's own job API, where a dashboard runs
+        urls.append(f"http://{stage_ray['webui_url']}/api/jobs/")
+    for url in urls:
+        for token in (None, "not-the-token-" + "x" * 32):
+            status = _post(url, {"entrypoint": entrypoint}, token)
+            assert status in (401, 403), f"{url} answered {status} to a job without the run's token"
+    time.sleep(3)  # an accepted job's entrypoint starts within a second or two
+    assert not marker.exists(), "the unauthenticated job's entrypoint ran"
+    # the refusals were the token's doing: with the run's token the same API reads the request
+    # (and turns down a body without an entrypoint, so nothing runs)
+    token = _environ_of(_raylet_pid())["RAY_AUTH_TOKEN"]
+    assert _post(urls[0], {"submission_id": "no-entrypoint"}, token) not in (401, 403)
+
+
+ATTACH = textwrap.dedent("""
+    import pathlib, sys
+    import ray
+    ray.init(address=sys.argv[1], logging_level="ERROR")
+
+    @ray.remote
+    def touch(path):
+        pathlib.Path(path).write_text("ran")
+
+    ray.get(touch.remote(sys.argv[2]), timeout=60)
+""")
+
+
+@pytest.mark.parametrize("auth", [{"RAY_AUTH_MODE": "disabled"},
+                                  {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "a-guessed-token-" + "0" * 32}],
+                         ids=["no-token", "wrong-token"])
+def test_driver_attaching_without_the_token_is_refused(stage_ray, tmp_path, auth):
+    marker = tmp_path / "driver-ran"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    # the attacker's own settings: dial the recorded address as it is (a driver swaps 127.0.0.1 for
+    # the host's address unless told it is on a single-node machine), and give up after 2 tries
+    env.update(auth, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_NUM_REDIS_GET_RETRIES="2")
+    proc = subprocess.run([sys.executable, "-c", ATTACH, stage_ray["gcs_address"], str(marker)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert not marker.exists(), "a driver without the run's token ran a task"
+    # refused by the GCS for want of the token (not merely unreachable)
+    assert proc.returncode != 0 and "InvalidAuthToken" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_token_is_fresh_per_run_and_never_written_or_inherited(stage_ray):
+    import ray
+
+    from tasks.core.executor import start_ray
+
+    token = _environ_of(_raylet_pid()).get("RAY_AUTH_TOKEN", "")
+    assert len(token) >= 32 and _environ_of(_raylet_pid()).get("RAY_AUTH_MODE") == "token"
+    # the driver's environment (which the pipeline's own subprocesses inherit) never holds it
+    assert token not in os.environ.values() and "RAY_AUTH_TOKEN" not in os.environ
+    session = Path(stage_ray["session_dir"])
+    leaked = [p for p in session.rglob("*") if p.is_file() and not p.is_socket() and token.encode() in p.read_bytes()]
+    assert not leaked, f"the token is written in {leaked}"
+    ray.shutdown()
+    try:
+        start_ray(RayConfig(num_cpus=1))
+        assert _environ_of(_raylet_pid()).get("RAY_AUTH_TOKEN") not in ("", None, token)
+    finally:
+        ray.shutdown()
