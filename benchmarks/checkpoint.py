@@ -18,7 +18,8 @@ the async writer uses its own group, see tasks.train.checkpoint.new_checkpoint_g
   load_model_for_inference (what evaluation and serving do).
 - manifest: apply_retention's sha256 of every file (rank 0, after each save in the worker).
 - reference_nanogpt: torch.save({"model", "optimizer"}) to one file, torch.load(weights_only=True)
-  + load_state_dict.
+  + load_state_dict (the reference only: it loads the file it wrote a moment before into its own
+  temporary directory; Crucible's checkpoints are safetensors and JSON and are never unpickled).
 Rounds alternate sync and async so load from other processes falls on both alike.
 """
 from __future__ import annotations
@@ -197,7 +198,7 @@ def reference_save_load(b: Bench) -> dict[str, float]:
     save_s = time.perf_counter() - t0
     fresh, fresh_opt = b.fresh()
     t0 = time.perf_counter()
-    ck = torch.load(ref_path, map_location="cpu", weights_only=True)
+    ck = torch.load(ref_path, map_location="cpu", weights_only=True)  # nanoGPT's way; our own file, just written
     fresh.load_state_dict(ck["model"])
     fresh_opt.load_state_dict(ck["optimizer"])
     return {"save_s": save_s, "load_s": time.perf_counter() - t0}

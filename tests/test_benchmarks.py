@@ -26,7 +26,8 @@ def test_checkpoint_benchmark(tmp_path):
     res = r["results"]
     # weights plus AdamW's two moments per parameter
     assert res["size"]["checkpoint_bytes"] >= 3 * res["size"]["weights_fp32_bytes"] > 0
-    assert any(f.endswith(".distcp") for f in res["size"]["files"])
+    assert any(f.endswith(".safetensors") for f in res["size"]["files"])  # no pickled .metadata (issue 24)
+    assert not any(f.endswith((".metadata", ".distcp")) for f in res["size"]["files"])
     for key in ("sync", "async"):
         assert res[key]["blocked_s"] > 0
     assert res["resume"]["load_checkpoint_s"] > 0 and res["reference_nanogpt_torch_save"]["bytes"] > 0

@@ -143,7 +143,8 @@ def test_training_read_its_tokens_from_the_store_and_wrote_checkpoints_there(s3_
     assert f"{index['splits']['train']['sha256']}-{Path(index['splits']['train']['path']).name}" in cached, cached
     rel = {k.split("/", 2)[2] for k in s3.keys("runs", f"crucible/{run}/")}
     last = Path(train["checkpoint_uris"][-1]).name
-    assert f"train/checkpoints/{last}/.metadata" in rel and "train/checkpoints/checkpoints.json" in rel
+    assert f"train/checkpoints/{last}/crucible_checkpoint.json" in rel and "train/checkpoints/checkpoints.json" in rel
+    assert f"train/checkpoints/{last}/shard-00001-model-00001-of-00001.safetensors" in rel  # safetensors, no pickle
     assert f"evaluate/triggered/{last}.json" in rel, sorted(r for r in rel if r.startswith("evaluate"))
 
 

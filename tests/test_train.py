@@ -69,7 +69,8 @@ def test_checkpoints_written(run, base):
     ckpts = run["checkpoints"]
     assert [Path(c).name for c in ckpts] == ["step-000010", "step-000020"]
     for c in ckpts:
-        assert Path(c).is_absolute() and (Path(c) / ".metadata").is_file()
+        assert Path(c).is_absolute() and len(list(Path(c).glob("*.safetensors"))) == 2  # one per rank
+        assert not list(Path(c).glob(".metadata")) and not list(Path(c).glob("*.distcp"))  # no pickle
         meta = json.loads((Path(c) / META_FILE).read_text())
         assert meta["step"] == int(Path(c).name.split("-")[1])
         assert meta["vocab_size"] == 512 and meta["model"]["d_model"] == 64
@@ -79,17 +80,16 @@ def test_checkpoints_written(run, base):
 
 
 def test_checkpoint_reloads_same_weights(run, base, tmp_path):
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from tasks.train.checkpoint import checkpoint_tensors
 
     model, meta = load_model_for_inference(run["checkpoints"][-1])
     assert meta["step"] == 20 and not model.training
-    # an independent read of the DCP files: convert to a torch.save file and load it safely
-    dcp_to_torch_save(run["checkpoints"][-1], tmp_path / "full.pt")
-    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    # an independent read of the files: the safetensors shards themselves, not DCP's loader
+    full = checkpoint_tensors(run["checkpoints"][-1])
     for name in ("tok_emb.weight", "blocks.1.mlp.w2.weight", "norm.weight"):
-        assert torch.equal(model.state_dict()[name], full["model"][name]), name
-    assert int(full["train"]["step"]) == 20
-    assert "optim" in full and full["optim"]["state"]["tok_emb.weight"]["exp_avg"].shape == (512, 64)
+        assert torch.equal(model.state_dict()[name], full[f"model.{name}"]), name
+    assert int(full["train.step"]) == 20
+    assert full["optim.state.tok_emb.weight.exp_avg"].shape == (512, 64)
     # trained, not freshly initialised: step 10 and step 20 differ, and the loss on training
     # windows is well below the uniform ln(512) = 6.24
     earlier, _ = load_model_for_inference(run["checkpoints"][0])
@@ -341,10 +341,10 @@ def test_fsdp2_matches_ddp_and_resumes_with_bf16_doc_mask_z_loss(run, base, tmp_
     assert re.search(r"built FSDPGPT: (\d+)/\1 parameters sharded", text), text[-2000:]
     assert re.search(r"built DistributedDataParallel: 0/\d+ parameters sharded", Path(run["log"]).read_text())
     # ... and a checkpoint of shards: each rank wrote half of the embedding's rows (DDP: one whole chunk)
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    def emb_chunks(ckpt):
-        meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata["model.tok_emb.weight"]
+    def emb_chunks(ckpt):  # from the safetensors headers (no pickled .metadata)
+        meta = HuggingFaceStorageReader(str(ckpt)).read_metadata().state_dict_metadata["model.tok_emb.weight"]
         return sorted(tuple(c.offsets) for c in meta.chunks)
 
     assert emb_chunks(res["checkpoints"][-1]) == [(0, 0), (512 // 2, 0)]  # 512-token vocabulary

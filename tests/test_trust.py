@@ -1,9 +1,12 @@
-"""Trust boundaries (issue 16): nothing found in run storage is unpickled before it is verified.
+"""Trust boundaries (issues 16 and 24): nothing found in run storage is unpickled, and nothing is
+loaded before it is verified against a record only the stack's signing key can write.
 
-DCP reads a checkpoint's `.metadata` with pickle. A checkpoint whose `.metadata` was replaced by a
-pickle that writes a marker file, either in place of a real checkpoint's or as a copy placed beside
-a run's real checkpoints, must be refused by every entry point that loads checkpoints, and the
-marker must never be written."""
+A checkpoint whose files were replaced by a pickle that writes a marker file, either in place of a
+real checkpoint's or as a copy placed beside a run's real checkpoints, must be refused by every entry
+point that loads checkpoints, and the marker must never be written. Checkpoints are safetensors and
+JSON (issue 24): even a planted file that some record vouched for can at worst fail to parse. The
+run's checkpoint manifest and each meta file are signed: rewriting a hash in the manifest (the
+issue's attack) or dropping its signature gets the whole run's checkpoints refused."""
 from __future__ import annotations
 
 import json
@@ -15,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from fastapi.testclient import TestClient
+
+from tasks.core.hashing import sha256_file
 
 
 class _WritesMarker:
@@ -29,7 +34,7 @@ class _WritesMarker:
 
 @pytest.fixture(scope="module")
 def poisoned(run, base, tmp_path_factory):
-    """A copy of the session's training run in which step 20's .metadata is a marker-writing pickle
+    """A copy of the session's training run in which step 20's tensor files are marker-writing pickles
     (`tampered`), plus a poisoned copy of step 20 placed beside the run's checkpoints (`planted`)."""
     from lm_helpers import tokenizer_artifact, tokens_artifact
 
@@ -43,7 +48,8 @@ def poisoned(run, base, tmp_path_factory):
     planted = ckpts / "step-000099"
     shutil.copytree(tampered, planted)
     for d in (tampered, planted):
-        (d / ".metadata").write_bytes(payload)
+        for shard in d.glob("*.safetensors"):
+            shard.write_bytes(payload)
     return {"tampered": tampered, "planted": planted, "good": ckpts / "step-000010", "marker": marker,
             "train": train, "tokenizer": Path(tokenizer_artifact(base)["path"]),
             "tokens_index": Path(tokens_artifact(base)["index_path"]), "root": root}
@@ -125,7 +131,7 @@ def test_a_registered_copy_is_verified_before_it_is_loaded(poisoned, tmp_path):
     local = Path(mlflow.artifacts.download_artifacts(artifact_uri=reg["source"], dst_path=str(tmp_path / "dl"),
                                                      tracking_uri=uri))
     assert mlflow.pyfunc.load_model(str(local)).predict(["The"], params={"max_tokens": 1}) is not None
-    (next(local.rglob("checkpoint")) / ".metadata").write_bytes(pickle.dumps(_WritesMarker(str(p["marker"]))))
+    (next(next(local.rglob("checkpoint")).glob("*.safetensors"))).write_bytes(pickle.dumps(_WritesMarker(str(p["marker"]))))
     with pytest.raises(Exception, match="does not verify"):
         mlflow.pyfunc.load_model(str(local))
     assert not p["marker"].exists()
@@ -223,3 +229,199 @@ def test_a_checkpoint_in_a_store_working_copy_is_loaded_from_the_copy_that_was_v
     monkeypatch.setattr(checkpoint, "checkpoint_problem", check_then_sync_lands)
     model, meta = checkpoint.load_model_for_inference(ckpt)
     assert meta["step"] == 5 and not marker.exists(), "the bytes unpickled were not the bytes verified"
+
+
+# ---------------------------------------------------------------- issue 24: no pickle, signed manifests
+
+def _payload(marker: Path) -> bytes:
+    payload = pickle.dumps(_WritesMarker(str(marker)))
+    probe = marker.with_name(marker.name + "-probe")
+    pickle.loads(pickle.dumps(_WritesMarker(str(probe))))  # the payload is live: unpickling runs it
+    assert probe.exists()
+    probe.unlink()
+    return payload
+
+
+def _revouch(train: Path, ckpt: Path) -> None:
+    """Sign a manifest that vouches for `ckpt`'s files as they are now, with the stack's key: as if every
+    check were passed (a key holder fooled). The loaders must then at worst fail to parse a planted file."""
+    from tasks.core.signing import read_signed, write_signed
+    from tasks.train.checkpoint import MANIFEST, MANIFEST_PURPOSE
+
+    path = train / "checkpoints" / MANIFEST
+    manifest = read_signed(path, MANIFEST_PURPOSE)
+    for e in manifest["checkpoints"]:
+        if e["path"] == ckpt.name:
+            e["files"] = {str(f.relative_to(ckpt)): sha256_file(f) for f in sorted(ckpt.rglob("*")) if f.is_file()}
+    write_signed(path, manifest, MANIFEST_PURPOSE)
+
+
+def _never_runs(fn, marker: Path, refused: bool = False) -> None:
+    """Call a loader: it may succeed or fail (a planted file at worst fails to parse), but the pickle
+    never runs; with `refused`, it must refuse the checkpoint as unverified."""
+    from tasks.train.checkpoint import UnverifiedCheckpoint
+
+    try:
+        fn()
+    except UnverifiedCheckpoint:
+        pass
+    except Exception:  # noqa: BLE001 - a parse error is a fine outcome, the pickle's running is not
+        assert not refused, "expected UnverifiedCheckpoint"
+    else:
+        assert not refused, "expected UnverifiedCheckpoint"
+    assert not marker.exists(), "the pickle ran"
+
+
+def test_a_pickle_planted_in_any_checkpoint_file_never_runs_on_any_entry_point(run, base, tmp_path):
+    """Every file a checkpoint loader reads (each rank's safetensors shard, the meta file, each rank's
+    RNG JSON, the manifest, and an old-format `.metadata`) replaced by a marker-writing pickle: every
+    entry point (resume's latest_checkpoint and restore, rollback's load_checkpoint, continued
+    pretraining's init_from_checkpoint, load_model_for_inference, the model server's TextGenerator and
+    the HF export) refuses it while it does not verify, and never runs it even once a signed manifest
+    or a tree hash vouches for it."""
+    import torch
+
+    from lm_helpers import tokenizer_artifact
+    from tasks.core.hashing import sha256_tree
+    from tasks.deploy.export import export_hf
+    from tasks.deploy.generation import TextGenerator
+    from tasks.train.checkpoint import (MANIFEST, init_from_checkpoint, latest_checkpoint, load_checkpoint,
+                                        load_model_for_inference, read_meta, restore_checkpoint)
+    from tasks.train.model import GPT, GPTConfig
+
+    marker = tmp_path / "PWNED"
+    payload = _payload(marker)
+    src = Path(run["checkpoints"][-1]).parent.parent
+    tok = Path(tokenizer_artifact(base)["path"])
+    shape = GPTConfig(**read_meta(run["checkpoints"][0])["model"])
+    names = sorted(str(f.relative_to(run["checkpoints"][0])) for f in Path(run["checkpoints"][0]).rglob("*")
+                   if f.is_file())
+    assert len([n for n in names if n.endswith(".safetensors")]) == 2 and "rng/rank-00001.json" in names  # 2 ranks
+    assert not [n for n in names if n.endswith((".metadata", ".distcp", ".pt", ".pkl"))], names
+
+    def entry_points(train: Path, ckpt: Path, refused: bool) -> None:
+        def fresh():
+            model = GPT(shape)
+            return model, torch.optim.AdamW(model.parameters())
+
+        _never_runs(lambda: load_model_for_inference(ckpt), marker, refused)
+        _never_runs(lambda: TextGenerator.from_files(ckpt, tok), marker, refused)
+        _never_runs(lambda: load_checkpoint(*fresh(), ckpt), marker, refused)
+        for rank in (0, 1):
+            _never_runs(lambda: restore_checkpoint(*fresh(), ckpt, rank=rank), marker, refused)
+        _never_runs(lambda: export_hf(ckpt, tok, tmp_path / "hf-out"), marker, refused)
+        _never_runs(lambda: latest_checkpoint(train), marker)
+        # a tree hash that matches the planted directory (a forged registry tag): verified, still only parsed
+        _never_runs(lambda: init_from_checkpoint(*fresh(), ckpt, sha256_tree(ckpt), with_optimizer=True), marker)
+
+    for i, name in enumerate([*names, ".metadata", MANIFEST]):
+        train = tmp_path / f"run-{i}" / "train"
+        shutil.copytree(src, train)
+        ckpt = train / "checkpoints" / "step-000010"
+        planted = train / "checkpoints" / MANIFEST if name == MANIFEST else ckpt / name
+        planted.write_bytes(payload)
+        entry_points(train, ckpt, refused=True)  # its hash, or the manifest's signature, does not verify
+        if name != MANIFEST:
+            _revouch(train, ckpt)
+            entry_points(train, ckpt, refused=name == "crucible_checkpoint.json")  # the meta's own signature
+        shutil.rmtree(train.parent)
+    assert not marker.exists()
+
+
+def test_a_pickle_planted_in_an_hf_export_never_runs(run, base, tmp_path):
+    """The HF export's loader (load_exported) reads JSON and safetensors only."""
+    from lm_helpers import tokenizer_artifact
+    from tasks.deploy.export import export_hf, load_exported
+
+    marker = tmp_path / "PWNED"
+    payload = _payload(marker)
+    good = tmp_path / "hf"
+    export_hf(run["checkpoints"][-1], Path(tokenizer_artifact(base)["path"]), good)
+    load_exported(good)
+    for f in sorted(p.name for p in good.iterdir()):
+        copy = tmp_path / f"hf-{f}"
+        shutil.copytree(good, copy)
+        (copy / f).write_bytes(payload)
+        _never_runs(lambda: load_exported(copy), marker)
+    assert not marker.exists()
+
+
+def _attack_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
+    """A run (train dir) with one checkpoint: (train dir, checkpoint)."""
+    from lm_helpers import random_checkpoint, sample_tokenizer
+
+    train = tmp_path / "run" / "train"
+    return train, random_checkpoint(train, sample_tokenizer(tmp_path / "tok.json"), step=5, seed=0)
+
+
+def test_a_manifest_whose_hash_was_rewritten_is_refused(tmp_path):
+    """The issue's attack: a writer of the run directory replaces the checkpoint's files with a pickle
+    (in `.metadata`, which DCP used to unpickle, and in every tensor file) and rewrites their sha256s
+    in checkpoints.json. The manifest's signature no longer verifies: every entry point refuses the
+    run's checkpoints and the pickle never runs."""
+    import torch
+
+    from tasks.train.checkpoint import (MANIFEST, UnverifiedCheckpoint, latest_checkpoint, load_checkpoint,
+                                        load_model_for_inference, read_meta, verify_checkpoint)
+    from tasks.train.model import GPT, GPTConfig
+
+    train, ckpt = _attack_checkpoint(tmp_path)
+    marker = tmp_path / "PWNED"
+    payload = _payload(marker)
+    model = GPT(GPTConfig(**json.loads((ckpt / "crucible_checkpoint.json").read_text())["model"]))
+    manifest_path = train / "checkpoints" / MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    entry = next(e for e in manifest["checkpoints"] if e["path"] == ckpt.name)
+    for name in [".metadata", *(f for f in entry["files"] if f.endswith((".safetensors", ".distcp")))]:
+        (ckpt / name).write_bytes(payload)
+        entry["files"][name] = sha256_file(ckpt / name)  # the hash rewritten to match the planted file
+    manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+
+    with pytest.raises(UnverifiedCheckpoint, match="checkpoint manifest .* signature that does not verify"):
+        load_model_for_inference(ckpt)
+    assert not marker.exists(), "the pickle ran"
+    with pytest.raises(UnverifiedCheckpoint, match="signature that does not verify"):
+        load_checkpoint(model, torch.optim.AdamW(model.parameters()), ckpt)
+    with pytest.raises(UnverifiedCheckpoint, match="signature that does not verify"):
+        latest_checkpoint(train)  # a resume stops with the reason instead of starting over
+    assert not verify_checkpoint(ckpt)
+    assert read_meta(ckpt)["step"] == 5  # the meta file itself is untouched and still verifies
+    assert not marker.exists(), "the pickle ran"
+
+
+def test_an_unsigned_or_forged_manifest_or_meta_file_is_refused(tmp_path):
+    """A manifest without its signature (e.g. written by hand, or by an older version), or with a
+    signature made with another key, is refused with the reason; so is a meta file that was edited
+    (a model shape or tokenizer hash a loader trusts) or unsigned."""
+    from tasks.train.checkpoint import (MANIFEST, UnverifiedCheckpoint, checkpoint_problem, load_model_for_inference,
+                                        read_meta)
+
+    train, ckpt = _attack_checkpoint(tmp_path)
+    load_model_for_inference(ckpt)  # genuine: loads
+    manifest_path = train / "checkpoints" / MANIFEST
+    genuine = json.loads(manifest_path.read_text())
+    assert genuine["signature"].startswith("hmac-sha256:")
+
+    unsigned = {k: v for k, v in genuine.items() if k != "signature"}
+    manifest_path.write_text(json.dumps(unsigned))
+    with pytest.raises(UnverifiedCheckpoint, match="checkpoint manifest .* is unsigned"):
+        load_model_for_inference(ckpt)
+    assert "is unsigned" in checkpoint_problem(ckpt)
+    manifest_path.write_text(json.dumps({**genuine, "signature": "hmac-sha256:" + "0" * 64}))
+    with pytest.raises(UnverifiedCheckpoint, match="does not verify"):
+        load_model_for_inference(ckpt)
+    manifest_path.write_text(json.dumps(genuine))
+    load_model_for_inference(ckpt)
+
+    meta_path = ckpt / "crucible_checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    for forged in ({**meta, "tokenizer_sha256": "0" * 64}, {k: v for k, v in meta.items() if k != "signature"}):
+        meta_path.write_text(json.dumps(forged))
+        with pytest.raises(UnverifiedCheckpoint, match="checkpoint meta file"):
+            read_meta(ckpt)
+        # the manifest's hash of the meta file no longer matches either; a copy loaded by its tree hash
+        # (a registered model, a champion) is refused for the meta's signature alone
+        from tasks.core.hashing import sha256_tree
+
+        with pytest.raises(UnverifiedCheckpoint, match="checkpoint meta file"):
+            load_model_for_inference(ckpt, expected_tree_sha256=sha256_tree(ckpt))

@@ -18,6 +18,10 @@ SwiGLU MLP, no biases, tied embeddings), so the export is a `LlamaForCausalLM` c
 Weight names: tok_emb -> model.embed_tokens; blocks.i.attn.qkv (rows q|k|v) -> self_attn.{q,k,v}_proj;
 attn.proj -> o_proj; mlp.w1/w3/w2 -> mlp.gate_proj/up_proj/down_proj; attn_norm / mlp_norm ->
 input_layernorm / post_attention_layernorm; norm -> model.norm. `load_exported` maps them back.
+
+Nothing is unpickled on either side (issue 24): the checkpoint is read by
+`load_model_for_inference` (verified against its run's signed manifest, safetensors and signed JSON),
+and `load_exported` reads config.json and model.safetensors only, so a planted file fails to parse.
 """
 from __future__ import annotations
 

@@ -1,41 +1,52 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP), as torchtitan does.
+"""Checkpoints with torch.distributed.checkpoint (DCP) in safetensors, as torchtitan does: nothing
+in a checkpoint is ever unpickled.
 
-Layout: out_dir/checkpoints/step-000100/ holds the DCP files (.metadata, __*_*.distcp) with
+Layout: out_dir/checkpoints/step-000100/ holds
 
-    {"model": model state (FQNs without the DDP "module." prefix),
-     "optim": {"state": AdamW moments per parameter FQN},
-     "train": {"step": tensor}}
+    shard-XXXXX-model-00001-of-00001.safetensors   one per rank that wrote tensors (DCP's
+        HuggingFaceStorageWriter, save_distributed): the tensors, or the shards of them, this rank
+        saved, with each shard's offsets in the safetensors header (DCP_SHARDING_INFO, JSON);
+    crucible_checkpoint.json   step, model config, vocab size, eos id, run ids and the trainer state
+        (data loader position in global samples, skipped data ranges, the loss-spike windows),
+        signed with the stack's key (purpose "checkpoint-meta", tasks/core/signing.py);
+    rng/rank-XXXXX.json        per rank: torch, numpy, python and data-generator RNG states (JSON).
 
-and, beside them, crucible_checkpoint.json: step, model config, vocab size, eos id, run ids and
-the trainer state (data loader position in global samples, skipped data ranges, the loss-spike
-windows), and rng/rank-XXXXX.json per rank (torch, numpy, python and data-generator RNG states).
-Only tensors go into DCP (the optimizer's param groups are rebuilt from the config), and the rest
-is JSON. DCP itself reads `.metadata` with pickle, so no checkpoint is handed to DCP before it is
-verified (`require_verified`): every file must have the sha256 its run's manifest records (written
-by the trainer when it saved it; a directory the manifest does not list is refused), or, for a copy
-such as a registered export, the tree hash recorded for it. A checkpoint is written into step-XXXXXX.tmp and
-renamed once complete, so a directory named step-XXXXXX is always whole.
+The tensors are {"model": model state (FQNs without the DDP "module." prefix), "optim": {"state":
+AdamW moments per parameter FQN}, "train": {"step", "consumed_samples"}}, flattened by DCP to names
+such as "model.tok_emb.weight" (the optimizer's param groups are rebuilt from the config). There is no
+`.metadata` pickle: DCP's HuggingFaceStorageReader builds the load plan from the safetensors headers,
+so DCP still reshards on load (a 2-rank FSDP2 save resumes on 1 rank) and a planted file can at worst
+fail to parse. Everything else is JSON.
+
+Every file is still checked before it is read (`require_verified`): it must have the sha256 that its
+run's manifest records (a directory the manifest does not list, or a file it does not list, is refused),
+or, for a copy such as a registered export or a champion a continued run starts from, the tree hash
+recorded for it. out_dir/checkpoints/checkpoints.json (the manifest, written by rank 0) lists every kept
+checkpoint with its step, losses and the sha256 of each file, and is signed (purpose
+"checkpoint-manifest"): only a process holding the stack's signing key can write a manifest that
+verifies, so a writer of the run directory cannot vouch for a file by rewriting its hash (the manifest
+and the meta file are refused as unsigned or forged, `UnverifiedCheckpoint`). `apply_retention` keeps
+the last N and the best K. A checkpoint is written into step-XXXXXX.tmp and renamed once complete, so
+a directory named step-XXXXXX is always whole.
 
 On an object store (out_dir an fsspec URI such as s3://bucket/prefix/run/train; every function takes
-`storage_options`, the fsspec options of `storage.options`): DCP writes through its FsspecWriter. A
-"rename" there copies every object, so a checkpoint is written in place, under step-XXXXXX/, and its
-meta object (crucible_checkpoint.json), written last by rank 0 once every rank's shards and DCP's
-`.metadata` are there, publishes it: a prefix without it is absent to `list_checkpoints`,
+`storage_options`, the fsspec options of `storage.options`): DCP writes the same safetensors files
+through fsspec. A "rename" there copies every object, so a checkpoint is written in place, under
+step-XXXXXX/, and its meta object (crucible_checkpoint.json), written last by rank 0 once every rank's
+shards are there, publishes it: a prefix without it is absent to `list_checkpoints`,
 `latest_checkpoint` and `checkpoint_problem`, and is cleared when that step is saved again (deleting
-a checkpoint deletes its meta object first). Verifying reads the objects' bytes through fsspec and
-unpickles nothing; loading (`verified_copy`) downloads the checkpoint into a temporary directory,
-verifies that copy and hands DCP the copy, so the `.metadata` unpickled is the one verified (reading
-the store again after a check would not be). The manifest is one object (one PUT), as is each meta file.
+a checkpoint deletes its meta object first). Verifying reads the objects' bytes through fsspec;
+loading (`verified_copy`) downloads the checkpoint into a temporary directory, verifies that copy and
+hands DCP the copy, so the bytes read are the bytes verified (reading the store again after a check
+would not be). The manifest is one object (one PUT), as is each meta file.
 
 Async saving (train.async_checkpoint): `start_checkpoint(..., async_save=True)` copies the state
 to CPU memory and returns while a background thread writes it (dcp.async_save, on a gloo group of
 its own); `PendingCheckpoint.wait_and_finalize()` waits for the write and only then writes the meta
 file and renames, so the rename stays the moment a checkpoint becomes visible.
 
-out_dir/checkpoints/checkpoints.json (the manifest, written by rank 0) lists every kept checkpoint
-with its step, losses and the sha256 of each file; `apply_retention` keeps the last N and the best K.
-
-`load_model_for_inference` works in a plain process without a process group.
+`load_model_for_inference` works in a plain process without a process group; `save_model_copy`
+writes a model-only copy (a registered model's files) in the same format.
 """
 from __future__ import annotations
 
@@ -70,6 +81,7 @@ from torch.distributed.checkpoint.state_dict import (
 from tasks.core.fs import resolve_storage_options
 from tasks.core.io import atomic_write_text
 from tasks.core.layout import CHECKPOINTS_DIR
+from tasks.core.signing import SignatureError, dumps_signed, loads_signed
 from tasks.core.storage import is_remote, store_of_path
 from tasks.train.model import GPT, GPTConfig
 from tasks.train.remote import (download, files, is_file, join, location, name_of, parent_of, read_text, remove,
@@ -78,8 +90,15 @@ from tasks.train.remote import (download, files, is_file, join, location, name_o
 META_FILE = "crucible_checkpoint.json"
 MANIFEST = "checkpoints.json"
 RNG_DIR = "rng"
-FORMAT = "torch.distributed.checkpoint"
+FORMAT = "dcp-safetensors"  # DCP's HuggingFaceStorageWriter files; before issue 24: a pickled .metadata
+META_PURPOSE = "checkpoint-meta"  # signing purposes (tasks/core/signing.py)
+MANIFEST_PURPOSE = "checkpoint-manifest"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class UnverifiedCheckpoint(ValueError):
+    """A checkpoint that must not be loaded: nothing trusted vouches for its files (a file differs
+    from its manifest's hash, or the manifest or meta file is unsigned or forged)."""
 
 
 def checkpoint_dir(out_dir: str | Path, step: int) -> Path | str:
@@ -105,7 +124,13 @@ def list_checkpoints(out_dir: str | Path, storage_options: dict | None = None) -
 
 
 def read_meta(ckpt_dir: str | Path, storage_options: dict | None = None) -> dict:
-    return json.loads(read_text(join(location(ckpt_dir), META_FILE), storage_options))
+    """The checkpoint's meta file, once its signature verifies (UnverifiedCheckpoint otherwise: a
+    meta file is trusted for the model's shape, the loop's state and the tokenizer's hash)."""
+    path = join(location(ckpt_dir), META_FILE)
+    try:
+        return loads_signed(read_text(path, storage_options), META_PURPOSE, what=f"checkpoint meta file {path}")
+    except (SignatureError, UnicodeDecodeError) as e:  # not even text: refused like any unsigned record
+        raise UnverifiedCheckpoint(f"refusing the checkpoint {location(ckpt_dir)}: {e}") from e
 
 
 def remove_checkpoint(ckpt_dir: str | Path, storage_options: dict | None = None, ignore_errors: bool = True) -> None:
@@ -221,7 +246,7 @@ def start_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: i
     _barrier()
     if rng_state is not None:
         write_text(join(tmp, RNG_DIR, f"rank-{rank:05d}.json"), json.dumps(rng_state), storage_options)
-    meta_json = json.dumps({"format": FORMAT, "step": step, **meta}, indent=2) + "\n"
+    meta_json = dumps_signed({**meta, "format": FORMAT, "step": step}, META_PURPOSE)
     osd = get_optimizer_state_dict(model, optimizer)
     consumed = int((meta.get("trainer") or {}).get("consumed_samples", 0))
     state = {
@@ -241,14 +266,38 @@ def start_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: i
 
 
 def _dcp_target(ckpt_dir: Path | str, storage_options: dict | None) -> dict:
-    """dcp.save's destination: a local directory, or DCP's FsspecWriter on the store. Not fsynced
-    there (an object is durable once its PUT returns; DCP would run os.sync() per file instead)."""
-    if not is_remote(ckpt_dir):
-        return {"checkpoint_id": str(ckpt_dir)}
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # not re-exported by the package
+    """dcp.save's destination: DCP's HuggingFaceStorageWriter (safetensors, no pickled .metadata) into a
+    local directory or, through fsspec, onto the store. save_distributed: every rank writes the tensors
+    (or DTensor shards) it owns into a file of its own, the shards' offsets in the file's JSON header, so
+    the reader can reshard; nothing is consolidated (the weights' names are not Hugging Face's anyway:
+    tasks/deploy/export.py maps them). No checkpoint_id beside it: DCP would re-open the path without
+    the storage options."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    # no checkpoint_id beside it: DCP would re-open the path without the storage options
-    return {"storage_writer": FsspecWriter(ckpt_dir, sync_files=False, **resolve_storage_options(storage_options))}
+    if not is_remote(ckpt_dir):
+        return {"storage_writer": HuggingFaceStorageWriter(str(ckpt_dir), save_distributed=True)}
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem  # not re-exported by the package
+
+    writer = HuggingFaceStorageWriter(ckpt_dir, save_distributed=True)
+    writer.fs = FileSystem()  # as DCP's FsspecWriter does for its torch.save files
+    writer.path = writer.fs.init_path(ckpt_dir, **resolve_storage_options(storage_options))
+    # not fsynced there: an object is durable once its PUT returns (DCP would run os.sync() per file)
+    writer.sync_files = False
+    return {"storage_writer": writer}
+
+
+def _dcp_load(state: dict, local: Path, ckpt_dir: str | Path, no_dist: bool = False) -> None:
+    """dcp.load of a verified local copy with DCP's HuggingFaceStorageReader: the load plan comes from
+    the safetensors files' JSON headers, never from a pickle. A file that does not parse raises
+    ValueError (DCP's CheckpointException is a BaseException, which callers that handle a bad
+    checkpoint, such as the model server's reload, would not catch)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(local)), no_dist=no_dist)
+    except CheckpointException as e:
+        raise ValueError(f"the checkpoint {ckpt_dir} could not be read: {e}") from None
 
 
 def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
@@ -267,8 +316,8 @@ def verified_copy(ckpt_dir: str | Path, storage_options: dict | None = None,
                   expected_tree_sha256: str | None = None) -> Iterator[Path]:
     """`ckpt_dir`, verified (`require_verified`), as a local directory DCP may read. One on an object
     store is first downloaded into a temporary directory (removed afterwards) and that copy is
-    verified, against the run's manifest on the store or `expected_tree_sha256`: the bytes DCP then
-    unpickles are the bytes that were verified."""
+    verified, against the run's (signed) manifest on the store or `expected_tree_sha256`: the bytes DCP
+    then reads are the bytes that were verified."""
     ckpt_dir = location(ckpt_dir)
     if not is_remote(ckpt_dir):
         store = store_of_path(ckpt_dir)
@@ -278,7 +327,7 @@ def verified_copy(ckpt_dir: str | Path, storage_options: dict | None = None,
             return
         # an object-store run's working copy is synced into by other processes (the train stage,
         # other triggered flows): verify and load a private copy, so the files cannot change between
-        # the check and DCP's unpickling. Hard links, beside the working copy: a sync replaces a file
+        # the check and DCP's read. Hard links, beside the working copy: a sync replaces a file
         # by renaming a new one into place, which leaves the linked bytes as they were
         manifest = None if expected_tree_sha256 else read_manifest(Path(ckpt_dir).parent.parent)
         with tempfile.TemporaryDirectory(prefix="crucible-checkpoint-", dir=store.cache_dir) as tmp:
@@ -312,19 +361,30 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir
 
     DCP reshards on load, so the world size may differ from the one that saved. The checkpoint
     must verify against its run's manifest first."""
+    return restore_checkpoint(model, optimizer, ckpt_dir, storage_options=storage_options)[0]
+
+
+def restore_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: str | Path,
+                       rank: int | None = None, storage_options: dict | None = None
+                       ) -> tuple[int, dict, dict | None]:
+    """`load_checkpoint`, also returning the meta and (with `rank`) that rank's RNG states, read from
+    the same verified copy as the tensors (a file read again afterwards might no longer be the one
+    verified): (step, meta, rng or None)."""
     with verified_copy(ckpt_dir, storage_options) as local:
+        meta = read_meta(local)
+        rng = read_rng_state(local, rank) if rank is not None else None
         osd = get_optimizer_state_dict(model, optimizer)  # initialises moments so shapes are known
         state = {
             "model": get_model_state_dict(model),
             "optim": {"state": osd["state"]},
             "train": {"step": torch.tensor(0, dtype=torch.int64)},
         }
-        dcp.load(state, checkpoint_id=str(local))
+        _dcp_load(state, local, ckpt_dir)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer,
                              {"state": state["optim"]["state"], "param_groups": osd["param_groups"]},
                              options=StateDictOptions(strict=True))
-    return int(state["train"]["step"])
+    return int(state["train"]["step"]), meta, rng
 
 
 def shape_mismatch(saved_model: dict, model: dict, saved: str = "checkpoint") -> list[str]:
@@ -339,8 +399,8 @@ def init_from_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckp
     """Collective: a fresh run starts from `ckpt_dir`'s model weights (and, with_optimizer, its AdamW
     moments); its step counter, data position and schedule are not taken over.
 
-    The directory's tree hash must equal `tree_sha256` before DCP reads its `.metadata` (a pickle),
-    and the checkpoint's model shape (its JSON meta) must equal `model`'s. Returns the meta."""
+    The directory's tree hash must equal `tree_sha256` before DCP reads it, its meta file must be
+    signed, and the checkpoint's model shape (in that meta) must equal `model`'s. Returns the meta."""
     ckpt_dir = location(ckpt_dir)
     if not is_file(join(ckpt_dir, META_FILE), storage_options):
         raise FileNotFoundError(f"{ckpt_dir} is not a complete checkpoint (no {META_FILE})")
@@ -353,12 +413,36 @@ def init_from_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckp
         if with_optimizer:
             osd = get_optimizer_state_dict(model, optimizer)
             state["optim"] = {"state": osd["state"]}
-        dcp.load(state, checkpoint_id=str(local))
+        _dcp_load(state, local, ckpt_dir)
     set_model_state_dict(model, state["model"])
     if osd is not None:
         set_optimizer_state_dict(model, optimizer, {"state": state["optim"]["state"], "param_groups": osd["param_groups"]},
                                  options=StateDictOptions(strict=True))
     return meta
+
+
+def checkpoint_tensors(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a local checkpoint, whole, by DCP's flattened name ("model.tok_emb.weight",
+    "optim.state.tok_emb.weight.exp_avg", "train.step"): the safetensors files read directly (not
+    through DCP's loader), each rank's shards placed at the offsets in their header. For inspection and
+    tests; it verifies nothing (safetensors and JSON only, so a bad file can at worst fail to parse)."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint._hf_utils import CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY
+
+    parts: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
+    for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            sharding = json.loads((st.metadata() or {}).get(CUSTOM_METADATA_KEY) or "{}")
+            for key in st.keys():
+                t = st.get_tensor(key)
+                parts.setdefault(key, []).append(((sharding.get(key) or {}).get(SAVED_OFFSETS_KEY) or [0] * t.dim(), t))
+    out = {}
+    for key, shards in parts.items():
+        size = [max(o[i] + t.shape[i] for o, t in shards) for i in range(shards[0][1].dim())]
+        out[key] = full = torch.empty(size, dtype=shards[0][1].dtype)
+        for o, t in shards:
+            full[tuple(slice(a, a + n) for a, n in zip(o, t.shape))] = t
+    return out
 
 
 def weights_sha256(model: nn.Module) -> str:
@@ -412,12 +496,19 @@ def read_rng_state(ckpt_dir: str | Path, rank: int, storage_options: dict | None
 # ---------------------------------------------------------------- manifest and retention
 
 def read_manifest(out_dir: str | Path, storage_options: dict | None = None) -> dict:
+    """The run's checkpoint manifest ({"checkpoints": []} when there is none yet), once its signature
+    verifies; UnverifiedCheckpoint when it is unsigned or forged (then nothing it lists is loaded)."""
     path = join(location(out_dir), CHECKPOINTS_DIR, MANIFEST)
-    return json.loads(read_text(path, storage_options)) if is_file(path, storage_options) else {"checkpoints": []}
+    if not is_file(path, storage_options):
+        return {"checkpoints": []}
+    try:
+        return loads_signed(read_text(path, storage_options), MANIFEST_PURPOSE, what=f"checkpoint manifest {path}")
+    except (SignatureError, UnicodeDecodeError) as e:
+        raise UnverifiedCheckpoint(f"refusing every checkpoint of {location(out_dir)}: {e}") from e
 
 
 def _write_manifest(out_dir: str | Path, manifest: dict, storage_options: dict | None = None) -> None:
-    path, text = join(location(out_dir), CHECKPOINTS_DIR, MANIFEST), json.dumps(manifest, indent=2) + "\n"
+    path, text = join(location(out_dir), CHECKPOINTS_DIR, MANIFEST), dumps_signed(manifest, MANIFEST_PURPOSE)
     if is_remote(path):
         write_text(path, text, storage_options)
     else:
@@ -479,10 +570,6 @@ def apply_retention(out_dir: str | Path, new_ckpt: str | Path | None, keep_last:
     return manifest
 
 
-class UnverifiedCheckpoint(ValueError):
-    """A checkpoint that must not be loaded: nothing trusted vouches for its files."""
-
-
 def _tree_sha256(ckpt_dir: Path | str, storage_options: dict | None) -> str:
     """sha256_tree of the checkpoint; one on a store is hashed as a downloaded copy."""
     from tasks.core.hashing import sha256_tree
@@ -497,8 +584,8 @@ def checkpoint_problem(ckpt_dir: str | Path, manifest: dict | None = None,
                        expected_tree_sha256: str | None = None, storage_options: dict | None = None) -> str | None:
     """Why `ckpt_dir` must not be loaded, or None when it verifies: with `expected_tree_sha256`,
     its tree hash must equal it; else its run's manifest (checkpoints.json beside it) must list it
-    and every file on disk must be one it lists, with its sha256. On a store the objects' bytes are
-    read through fsspec (nothing is unpickled)."""
+    and every file on disk must be one it lists, with its sha256; the manifest must be signed. On a
+    store the objects' bytes are read through fsspec."""
     ckpt_dir = location(ckpt_dir)
     if not is_file(join(ckpt_dir, META_FILE), storage_options):
         return f"{ckpt_dir} is not a complete checkpoint (no {META_FILE})"
@@ -507,7 +594,10 @@ def checkpoint_problem(ckpt_dir: str | Path, manifest: dict | None = None,
         return None if actual == expected_tree_sha256 else (
             f"{ckpt_dir} has content hash {actual[:16]}..., not the recorded {expected_tree_sha256[:16]}...")
     if manifest is None:
-        manifest = read_manifest(parent_of(parent_of(ckpt_dir)), storage_options)
+        try:
+            manifest = read_manifest(parent_of(parent_of(ckpt_dir)), storage_options)
+        except UnverifiedCheckpoint as e:
+            return str(e)
     entry = next((e for e in manifest["checkpoints"] if e["path"] == name_of(ckpt_dir)), None)
     if entry is None:
         return f"{ckpt_dir} is not listed in its run's checkpoint manifest ({CHECKPOINTS_DIR}/{MANIFEST})"
@@ -536,7 +626,8 @@ def require_verified(ckpt_dir: str | Path, expected_tree_sha256: str | None = No
 
 def latest_checkpoint(out_dir: str | Path, before_step: int | None = None, verify: bool = True,
                       storage_options: dict | None = None) -> Path | str | None:
-    """The newest complete checkpoint (older than before_step if given) whose files match the manifest."""
+    """The newest complete checkpoint (older than before_step if given) whose files match the manifest.
+    UnverifiedCheckpoint when the manifest is unsigned or forged: a resume must not silently start over."""
     manifest = read_manifest(out_dir, storage_options)
     for p in reversed(list_checkpoints(out_dir, storage_options)):
         if before_step is not None and int(name_of(p).split("-")[1]) >= before_step:
@@ -555,7 +646,7 @@ def load_model_for_inference(ckpt_dir: str | Path, device: str | torch.device = 
     once it verifies (require_verified: its run's manifest, or `expected_tree_sha256` for a copy;
     one on an object store is downloaded and the copy verified, see `verified_copy`).
 
-    Returns (model in eval mode, meta dict).
+    Returns (model in eval mode, its verified meta dict).
     """
     ckpt_dir = location(ckpt_dir)
     if not is_file(join(ckpt_dir, META_FILE), storage_options):
@@ -567,7 +658,20 @@ def load_model_for_inference(ckpt_dir: str | Path, device: str | torch.device = 
         state = {"model": model.state_dict()}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(local), no_dist=True)
+            _dcp_load(state, local, ckpt_dir, no_dist=True)
     model.load_state_dict(state["model"], strict=True)
     model.to(device).eval()
     return model, meta
+
+
+def save_model_copy(model: nn.Module, meta: dict, out_dir: str | Path) -> Path:
+    """Write `model`'s weights (no optimizer state) with its signed meta file into the local directory
+    `out_dir`, in the checkpoint format: what a registered model holds. `load_model_for_inference`
+    reads it like a checkpoint (given its tree hash, since no manifest lists it)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model.state_dict()}, no_dist=True, **_dcp_target(out, None))
+    atomic_write_text(out / META_FILE, dumps_signed({**meta, "format": FORMAT}, META_PURPOSE))
+    return out

@@ -32,9 +32,8 @@ from tasks.core.storage import is_remote
 from tasks.config import PipelineConfig
 from tasks.tokens.binfile import load_index
 from tasks.train.checkpoint import (MANIFEST, apply_retention, capture_rng_state, init_from_checkpoint,
-                                    latest_checkpoint, list_checkpoints, load_checkpoint, new_checkpoint_group,
-                                    read_meta, read_rng_state, remove_checkpoint, restore_rng_state,
-                                    start_checkpoint, weights_sha256)
+                                    latest_checkpoint, list_checkpoints, new_checkpoint_group, remove_checkpoint,
+                                    restore_checkpoint, restore_rng_state, start_checkpoint, weights_sha256)
 from tasks.train.data import GlobalWindows, global_batch
 from tasks.train.events import EventSink, NoEvents
 from tasks.train.flops import flops_per_token
@@ -167,13 +166,13 @@ class Trainer:
 
     def restore(self, ckpt: Path | str) -> int:
         """Collective: load model, optimizer, loop and RNG states from `ckpt`; returns its step."""
-        step = load_checkpoint(self.model, self.optimizer, ckpt, self.storage)
-        meta = read_meta(ckpt, self.storage)
+        # meta and RNG states from the copy whose files were verified with the tensors
+        step, meta, rng = restore_checkpoint(self.model, self.optimizer, ckpt, self.rank, self.storage)
         state = meta.get("trainer") or {}
         self.load_state_dict(state)
         if "consumed_samples" not in state:  # a checkpoint from before the loader position was saved
             self.consumed_samples = step * self.global_samples
-        rng = read_rng_state(ckpt, self.rank, self.storage) if meta.get("world_size") == self.world else None
+        rng = rng if meta.get("world_size") == self.world else None
         if rng is not None:
             restore_rng_state(rng, self.data_rng)
         else:  # another world size: the per-rank streams cannot carry over; derive fresh ones
