@@ -224,3 +224,22 @@ def test_an_impostor_on_the_port_is_not_trusted_and_receives_no_key(tiny, stack_
         with stack.stack_lock(stack_cfg):
             for name in (stack.MODEL_SERVER, f"{supervisor.VERIFY_SERVER}-{deploy_cfg.verify_port}"):
                 stack.stop_service(stack_cfg, name, forget=True)
+
+
+def test_a_reload_in_place_sends_the_admin_key_to_no_impostor(tiny, stack_cfg, monkeypatch):
+    """The recorded server's process is alive but not (yet) on its port (e.g. still loading after
+    `crucible up`) and a local process holds the port: the supervisor's reload in place must not
+    hand it the admin key; it restarts the server instead (returns None)."""
+    deploy_cfg = DeployConfig(model_name="m", port=free_port(), threads=1)
+    old = supervisor.server_spec(deploy_cfg, tiny["ckpt"], tiny["tokenizer"], "m", stack_cfg, version=1)
+    stack.write_spec(stack_cfg, old)
+    monkeypatch.setattr(stack, "running_pid", lambda cfg, name: os.getpid())
+    impostor = _Impostor(deploy_cfg.port)
+    try:
+        new = supervisor.server_spec(deploy_cfg, tiny["ckpt"], tiny["tokenizer"], "m", stack_cfg, version=2)
+        assert supervisor._reload_in_place(stack_cfg, deploy_cfg, new) is None
+        admin = supervisor.admin_key_file(stack_cfg).read_text().strip()
+        assert impostor.seen and impostor.leaked(admin) == []
+        assert all(m == "GET" for m, *_ in impostor.seen), impostor.seen
+    finally:
+        impostor.close()

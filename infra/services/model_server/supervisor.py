@@ -78,14 +78,18 @@ def endpoint_url(deploy_cfg) -> str:
 
 
 def server_spec(deploy_cfg, ckpt_dir: str | Path, tokenizer_path: str | Path, model_name: str,
-                stack_cfg=None, version: int | None = None, tracking_uri: str | None = None) -> stack.ServiceSpec:
+                stack_cfg=None, version: int | None = None, tracking_uri: str | None = None,
+                client_key: Path | None = None) -> stack.ServiceSpec:
     """The live model server's spec; with `stack_cfg`, its admin API takes the stack's admin token
     (with which it proves its identity to the health probe), clients need the stack's key (or the
-    one deploy.api_key_env names) and, with `tracking_uri`, reloads resolve in that registry."""
+    one deploy.api_key_env names, or the file `client_key`) and, with `tracking_uri`, reloads
+    resolve in that registry."""
     ckpt_dir, tokenizer_path = str(Path(ckpt_dir).resolve()), str(Path(tokenizer_path).resolve())
     admin = (["--admin-key-file", str(admin_key_file(stack_cfg)),
               "--cache-dir", str(stack.state_dir(stack_cfg) / "registered-copies")] if stack_cfg is not None else [])
-    if deploy_cfg.api_key_env:
+    if client_key is not None:
+        client = ["--api-key-file", str(client_key)]
+    elif deploy_cfg.api_key_env:
         client = ["--api-key-env", deploy_cfg.api_key_env]
     else:  # the stack's server is never open: a generated key, passed as a path
         client = ["--api-key-file", str(client_key_file(stack_cfg))] if stack_cfg is not None else []
@@ -127,20 +131,25 @@ def verify_model(cfg, checkpoint_dir: str | Path, tokenizer_path: str | Path, mo
 
     dcfg = cfg.deploy
     port = dcfg.verify_port or free_port()
-    # the stack's keys: clients need one, and it proves its identity before it gets anything
-    live = server_spec(dcfg.model_copy(update={"port": port}), checkpoint_dir, tokenizer_path, model_name,
-                       cfg.stack, version=version)
     # one service name per verification: two deploys verifying at once never stop each other's server
     name = f"{VERIFY_SERVER}-{port}"
+    # a clients' key of its own, used once and removed: never the live server's, even if the check's
+    # request were to reach another process; the server proves its identity (admin key) before it
+    key = stack.state_dir(cfg.stack) / "secrets" / f"{name}.api-key"
+    key.unlink(missing_ok=True)
+    key = stack.secret_file(cfg.stack, key.name)
+    live = server_spec(dcfg.model_copy(update={"port": port}), checkpoint_dir, tokenizer_path, model_name,
+                       cfg.stack, version=version, client_key=key)
     spec = replace(live, name=name, url=f"http://{stack.connect_host(dcfg.host)}:{port}/v1")
     try:
         with stack.stack_lock(cfg.stack):
             stack.start_services(cfg.stack, [spec], restart=True)
         checked = check_served(dcfg, spec.url, read_meta(checkpoint_dir).get("step"),
-                               headers=client_headers(cfg.stack, dcfg))
+                               headers={"Authorization": f"Bearer {key.read_text().strip()}"})
     finally:
         with stack.stack_lock(cfg.stack):
             stack.stop_service(cfg.stack, name, forget=True)
+        key.unlink(missing_ok=True)
     return f"{checked.replace('served at', 'served by a verification server at')}; then stopped"
 
 
