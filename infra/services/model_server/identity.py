@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--admin-key-file", required=True)
-    ap.add_argument("--timeout", type=float, default=5.0)
+    ap.add_argument("--timeout", type=float, default=10.0)
     args = ap.parse_args(argv)
     return 0 if proven(args.host, args.port, args.admin_key_file, args.timeout) else 1
 
