@@ -137,3 +137,19 @@ def test_a_rewritten_gate_record_is_refused(evaluated, tmp_path):
         read_gate_record(record)
     with pytest.raises(SignatureError):  # a signed report does not pass as a gate record either
         read_gate_record(evaluated["path"])
+
+
+def test_a_yardstick_swapped_after_it_was_built_is_refused(evaluated):
+    """gate/yardstick.jsonl sits in the writable run directory: swapped between its build and the
+    scoring (the champion's scores are reused from tags keyed by the built hash), the challenger would
+    be scored on text of the outsider's choosing. score() holds the file to the built hash."""
+    from tasks.deploy.yardstick import YardstickChanged, build_yardstick, score
+
+    layout, ckpt = evaluated["layout"], evaluated["checkpoint"]
+    built = build_yardstick(evaluated["cfg"], layout.run_dir / "gate" / "yardstick.jsonl", layout.tokens_index,
+                            layout.tokenizer_file, [], None)
+    honest = score(ckpt, layout.tokenizer_file, built["path"], 4, yardstick_sha256=built["sha256"])
+    assert set(honest) == {"new"}
+    Path(built["path"]).write_text(json.dumps({"part": "new", "text": "the the the the the the"}) + "\n")
+    with pytest.raises(YardstickChanged, match="refused"):
+        score(ckpt, layout.tokenizer_file, built["path"], 4, yardstick_sha256=built["sha256"])

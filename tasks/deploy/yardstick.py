@@ -24,6 +24,7 @@ against the hashes recorded at registration (`export_sha256`, `tokenizer_sha256`
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -31,7 +32,6 @@ import os
 import uuid
 from pathlib import Path
 
-from tasks.core.hashing import sha256_file
 from tasks.core.layout import RunLayout
 from tasks.core.storage import local_run_root
 
@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 
 PARTS = ("old", "new", "wikitext")
 ACCURACY = ("lambada_acc", "hellaswag_acc")
+
+
+class YardstickChanged(ValueError):
+    """The set file is not the one that was built (score's yardstick_sha256): it is refused."""
 
 
 def _held_out(index_path: str | Path, tokenizer, limit: int, max_chars: int) -> list[str]:
@@ -80,23 +84,32 @@ def build_yardstick(cfg, out_path: str | Path, new_index: str | Path | None, new
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for part, texts in parts.items():
-            for text in texts:
-                f.write(json.dumps({"part": part, "text": text}, ensure_ascii=False) + "\n")
+    data = "".join(json.dumps({"part": part, "text": text}, ensure_ascii=False) + "\n"
+                   for part, texts in parts.items() for text in texts).encode("utf-8")
+    tmp.write_bytes(data)
     tmp.replace(out_path)  # two gates of one run may build the same set at once
-    return {"path": str(out_path), "sha256": sha256_file(out_path),
+    # the hash of what was built, not of the file read back: score() holds the file to it
+    return {"path": str(out_path), "sha256": hashlib.sha256(data).hexdigest(),
             "parts": {k: len(v) for k, v in parts.items() if v}}
 
 
 def score(checkpoint: str | Path, tokenizer_path: str | Path, yardstick: str | Path, batch_size: int = 16,
-          expected_tree_sha256: str | None = None) -> dict:
-    """{part: bits per byte} of one model on the set (`expected_tree_sha256`: a verified copy's hash)."""
+          expected_tree_sha256: str | None = None, yardstick_sha256: str | None = None) -> dict:
+    """{part: bits per byte} of one model on the set (`expected_tree_sha256`: a verified copy's hash).
+    With `yardstick_sha256` (the gate's: build_yardstick's hash), a set file that no longer has it is
+    refused: the run directory's gate/ folder is writable, and a set swapped after it was built
+    would score the challenger on other text than the champion's scores kept for that hash."""
     from tasks.evaluate.scoring import LMScorer
 
+    data = Path(yardstick).read_bytes()  # read once: what is checked is what is scored
+    if yardstick_sha256 is not None and hashlib.sha256(data).hexdigest() != yardstick_sha256:
+        log.warning("refused: the yardstick %s is not the set that was built (sha256 %s)", yardstick,
+                    yardstick_sha256[:12])
+        raise YardstickChanged(f"refused: the yardstick {yardstick} changed since it was built (its sha256 is not "
+                               f"{yardstick_sha256})")
     scorer = LMScorer.from_files(checkpoint, tokenizer_path, batch_size=batch_size,
                                  expected_tree_sha256=expected_tree_sha256)
-    rows = [json.loads(line) for line in Path(yardstick).read_text(encoding="utf-8").splitlines()]
+    rows = [json.loads(line) for line in data.decode("utf-8").splitlines()]
     out = {}
     for part in dict.fromkeys(r["part"] for r in rows):
         texts = [r["text"] for r in rows if r["part"] == part]
@@ -188,14 +201,15 @@ def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: s
     built = build_yardstick(cfg, out_dir / "yardstick.jsonl", new_index, tokenizer_path, pool,
                             champ_tok if champ_tok and Path(champ_tok).is_file() else None)
     batch = cfg.evaluate.task_batch_size
-    challenger_bpb = score(ckpt, tokenizer_path, built["path"], batch)
+    challenger_bpb = score(ckpt, tokenizer_path, built["path"], batch, yardstick_sha256=built["sha256"])
     champion_bpb = scores_from_tags(champion["tags"], built)
     scored = "reused from its registry tags"
     if champion_bpb is None:
         # downloaded registered copies are kept beside the runs
         c_ckpt, c_tok, copy_hash = registered_files(tracking_uri, name, champion,
                                                   local_run_root(cfg) / ".champions")
-        champion_bpb = score(c_ckpt, c_tok, built["path"], batch, expected_tree_sha256=copy_hash)
+        champion_bpb = score(c_ckpt, c_tok, built["path"], batch, expected_tree_sha256=copy_hash,
+                             yardstick_sha256=built["sha256"])
         set_version_tags(tracking_uri, name, champion["version"], score_tags(built["sha256"], champion_bpb))
         scored = f"scored from {c_ckpt}"
     challenger_acc = {m: (evaluation.get("task_metrics") or {}).get(m) for m in ACCURACY}
@@ -234,6 +248,8 @@ def gate_evaluation(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: st
         except (UnverifiedModel, UnverifiedCheckpoint) as e:
             return {"passed": False, "reason": f"the champion (version {champion['version']}) cannot be scored on "
                                                f"the yardstick: {e}"}, None
+        except YardstickChanged as e:  # never scored on a set someone else wrote
+            return {"passed": False, "reason": str(e)}, None
     return yardstick["decision"], yardstick
 
 
