@@ -246,11 +246,11 @@ def test_secrets_only_by_reference_and_documented(rendered):
     for obj in [*rendered, template]:
         for container in containers(obj):
             for env in container.get("env", []):
-                secretish = re.search(r"KEY|SECRET|PASSWORD|TOKEN|DATABASE", env["name"])
+                secretish = re.search(r"KEY|SECRET|PASSWORD|TOKEN|DATABASE|AUTH_STRING", env["name"])
                 assert not (secretish and "value" in env), f"{env['name']} is given a literal value"
     refs = secret_references(rendered) | secret_references(template)
     assert {name for name, _ in refs} == {"crucible-s3", "crucible-postgres", "crucible-lineage",
-                                          "crucible-model-server"}
+                                          "crucible-model-server", "crucible-prefect", "crucible-ray"}
     readme = (K8S / "README.md").read_text()
     for name, key in refs:
         assert f"`{name}`" in readme and (key is None or f"`{key}`" in readme), f"{name}/{key} undocumented"
@@ -324,15 +324,20 @@ def test_training_job_is_the_train_stage_torchrun_on_every_node(rendered):
 
 # ------------------------------------------------------------------------------ the Prefect work pool
 
+WORKER_AUTH_STRING = "crucible:the-workers-own-auth-string"  # what the worker's environment holds
+
+
 def prefect_job_manifest(template: dict) -> dict:
-    """The Job the prefect-kubernetes worker would create for a flow run, built by its own code."""
+    """The Job the prefect-kubernetes worker would create for a flow run, built by its own code,
+    by a worker that has Prefect's auth string (as prefect-worker.yaml gives it)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import FlowRun
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
     from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
 
     # no server is contacted: the template has no block or variable references to resolve
-    with temporary_settings({PREFECT_API_URL: "http://prefect-server:4200/api"}):
+    with temporary_settings({PREFECT_API_URL: "http://prefect-server:4200/api",
+                             PREFECT_API_AUTH_STRING: WORKER_AUTH_STRING}):
         config = asyncio.run(KubernetesWorkerJobConfiguration.from_template_and_values(
             template, {}, client=get_client()))
         config.prepare_for_flow_run(FlowRun(id=uuid.uuid4(), name="brave-otter", flow_id=uuid.uuid4()))
@@ -375,3 +380,140 @@ def test_prefect_job_with_a_misspelt_field_is_refused():
     pod["containers"][0]["volumeMount"] = pod["containers"][0].pop("volumeMounts")
     error = core_errors(prefect_job_manifest(template))
     assert error and "volumeMount" in error
+
+
+# ------------------------------------------------------------------------------ authentication
+
+PREFECT_AUTH = ("crucible-prefect", "auth-string")
+RAY_AUTH = ("crucible-ray", "auth_token")
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def from_secret(env: dict, name: str) -> tuple[str, str] | None:
+    """(Secret, key) an environment variable is taken from; None when it is absent or a literal."""
+    ref = env.get(name, {}).get("valueFrom", {}).get("secretKeyRef")
+    return (ref["name"], ref["key"]) if ref and "value" not in env[name] else None
+
+
+def test_prefect_server_requires_its_auth_string_and_every_client_sends_it(rendered):
+    server = find(rendered, "Deployment", "prefect-server")["spec"]["template"]["spec"]["containers"][0]
+    assert from_secret(env_of(server), "PREFECT_SERVER_API_AUTH_STRING") == PREFECT_AUTH
+    # the probes stay on the paths Prefect leaves open under auth
+    assert server["readinessProbe"]["httpGet"]["path"] == server["livenessProbe"]["httpGet"]["path"] == "/api/health"
+    template = json.loads(BASE_JOB_TEMPLATE.read_text())
+    job = find(rendered, "TrainJob", "crucible-train")["spec"]["trainer"]
+    clients = [c for o in rendered for c in containers(o) if "PREFECT_API_URL" in env_of(c)]
+    assert len(clients) == 2  # the worker and its init container
+    for container in [*clients, job, *containers(template)]:
+        assert from_secret(env_of(container), "PREFECT_API_AUTH_STRING") == PREFECT_AUTH, container.get("name")
+    # the worker's own auth string is not copied into the Jobs it creates: they take the Secret
+    manifest = prefect_job_manifest(template)
+    env = env_of(manifest["spec"]["template"]["spec"]["containers"][0])
+    assert from_secret(env, "PREFECT_API_AUTH_STRING") == PREFECT_AUTH
+    assert WORKER_AUTH_STRING not in json.dumps(manifest)
+
+
+def test_ray_cluster_and_its_drivers_use_token_auth_and_the_dashboard_stays_in_the_pod(rendered):
+    ray = find(rendered, "RayCluster", "crucible-ray")["spec"]
+    assert ray["authOptions"] == {"mode": "token", "secretName": RAY_AUTH[0]}
+    head = ray["headGroupSpec"]
+    nodes = [head, *ray["workerGroupSpecs"]]
+    for group in nodes:
+        for container in group["template"]["spec"]["containers"]:
+            env = env_of(container)
+            assert env["RAY_AUTH_MODE"]["value"] == "token" and from_secret(env, "RAY_AUTH_TOKEN") == RAY_AUTH
+    # the dashboard (job API, logs, state) listens on the head pod's loopback; nothing publishes it
+    assert head["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    for group in nodes:
+        assert "dashboard-host" not in group["rayStartParams"] or group is head
+        for container in group["template"]["spec"]["containers"]:
+            assert not [p for p in container.get("ports", []) if p["containerPort"] == 8265 or p["name"] == "dashboard"]
+    # the drivers: each flow-run Job attaches with the same token
+    job = prefect_job_manifest(json.loads(BASE_JOB_TEMPLATE.read_text()))
+    env = env_of(job["spec"]["template"]["spec"]["containers"][0])
+    assert env["RAY_AUTH_MODE"]["value"] == "token" and from_secret(env, "RAY_AUTH_TOKEN") == RAY_AUTH
+
+
+# ------------------------------------------------------------------------------ network policies
+
+NAMESPACE = {"kubernetes.io/metadata.name": "crucible"}
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, f"selector kinds this test does not evaluate: {selector}"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def admits(policies: list[dict], source: tuple[dict, dict], target: dict, port: int) -> bool:
+    """Whether the rendered NetworkPolicies let a pod (namespace labels, pod labels) connect to a
+    pod of this namespace with `target` labels on TCP `port`, by the Kubernetes rules: a pod no
+    Ingress policy selects admits everything; a selected one what the union of their rules admits."""
+    namespace_labels, pod_labels = source
+    selecting = [p["spec"] for p in policies if "Ingress" in p["spec"]["policyTypes"]
+                 and selects(p["spec"]["podSelector"], target)]
+    if not selecting:
+        return True
+    for spec in selecting:
+        for rule in spec.get("ingress", []):
+            ports = rule.get("ports")
+            if ports is not None and not any(p.get("protocol", "TCP") == "TCP" and p["port"] == port for p in ports):
+                continue
+            peers = rule.get("from")
+            if peers is None:
+                return True
+            for peer in peers:
+                assert "ipBlock" not in peer
+                in_namespace = (selects(peer["namespaceSelector"], namespace_labels) if "namespaceSelector" in peer
+                                else namespace_labels == NAMESPACE)
+                if in_namespace and selects(peer.get("podSelector", {}), pod_labels):
+                    return True
+    return False
+
+
+def test_network_policies_deny_by_default_and_admit_only_what_each_service_needs(rendered):
+    policies = [o for o in rendered if o["kind"] == "NetworkPolicy"]
+    deny = find(rendered, "NetworkPolicy", "default-deny-ingress")["spec"]
+    assert deny == {"podSelector": {}, "policyTypes": ["Ingress"]}
+    # pod labels as the manifests give them (KubeRay adds ray.io/node-type; the worker builds the Job)
+    pods = {name: pod_labels(rendered, name) for name in ("prefect-server", "prefect-worker", "mlflow", "lineage",
+                                                             "model-server")}
+    ray = find(rendered, "RayCluster", "crucible-ray")["spec"]
+    pods["ray-head"] = {**ray["headGroupSpec"]["template"]["metadata"]["labels"], "ray.io/node-type": "head"}
+    pods["ray-worker"] = {**ray["workerGroupSpecs"][0]["template"]["metadata"]["labels"], "ray.io/node-type": "worker"}
+    (node,) = find(rendered, "TrainingRuntime", "crucible-torch")["spec"]["template"]["spec"]["replicatedJobs"]
+    pods["trainer"] = node["template"]["spec"]["template"]["metadata"]["labels"]
+    job = prefect_job_manifest(json.loads(BASE_JOB_TEMPLATE.read_text()))
+    pods["flow-run"] = job["spec"]["template"]["metadata"]["labels"]
+    here = {name: (NAMESPACE, labels) for name, labels in pods.items()}
+    clients = ({"kubernetes.io/metadata.name": "apps", "crucible.io/model-clients": "true"}, {"app": "chat"})
+    stranger = ({"kubernetes.io/metadata.name": "elsewhere"}, {"app": "anything"})
+
+    allowed = {  # (from, to, port); besides these, Ray's nodes among themselves and training's pods
+        ("prefect-worker", "prefect-server", 4200), ("flow-run", "prefect-server", 4200),
+        ("trainer", "prefect-server", 4200),
+        ("flow-run", "mlflow", 5000), ("trainer", "mlflow", 5000), ("model-server", "mlflow", 5000),
+        ("flow-run", "lineage", 5055), ("flow-run", "model-server", 8600),
+        ("flow-run", "ray-head", 10001),
+    }
+    nodes = {"ray-head", "ray-worker"}
+    needed = lambda src, dst, port: ((src, dst, port) in allowed or {src, dst} <= nodes  # noqa: E731
+                                     or src == dst == "trainer")
+    ports = {"prefect-server": [4200], "mlflow": [5000], "lineage": [5055], "model-server": [8600],
+             "ray-head": [6379, 8265, 10001, 52365], "ray-worker": [52365, 12345], "trainer": [29400, 41000],
+             "prefect-worker": [8080], "flow-run": [8600, 4200]}
+    wrong = []
+    for src in here:
+        for dst, dst_ports in ports.items():
+            for port in dst_ports:
+                if admits(policies, here[src], pods[dst], port) != needed(src, dst, port):
+                    wrong.append((src, dst, port))
+    assert not wrong, f"admitted but not needed, or needed but refused: {wrong}"
+    assert admits(policies, clients, pods["model-server"], 8600)
+    for source in (clients, stranger):
+        for dst, dst_ports in ports.items():
+            for port in dst_ports:
+                assert admits(policies, source, pods[dst], port) == (source is clients and dst == "model-server"), (
+                    source, dst, port)
