@@ -17,8 +17,9 @@ from lm_helpers import tiny_cfg, tokens_artifact, train_on_nodes
 from tasks.core.net import free_port
 from tasks.train import list_checkpoints, load_model_for_inference, run_training
 from tasks.core.hashing import sha256_file
-from tasks.train.checkpoint import (MANIFEST, META_FILE, apply_retention, latest_checkpoint,
-                                    read_manifest)
+from tasks.core.signing import dumps_signed
+from tasks.train.checkpoint import (MANIFEST, META_FILE, META_PURPOSE, apply_retention, checkpoint_tensors,
+                                    latest_checkpoint, read_manifest)
 from tasks.train.metrics import SPIKE_LOG
 from train_faults import FAULTS_ENV, WORKER_MODULE
 
@@ -51,19 +52,6 @@ def _params(ckpt) -> dict:
     return model.state_dict()
 
 
-def _full_state(ckpt, tmp: Path) -> dict:
-    """Everything a checkpoint holds (model, optimizer moments, trainer position) as plain tensors."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(str(ckpt), str(tmp))
-    return torch.load(tmp, weights_only=True)
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +132,8 @@ def test_retention_manifest_and_metrics(reference):
     manifest = read_manifest(reference)
     assert [e["step"] for e in manifest["checkpoints"]] == [9, 12]
     for entry, path in zip(manifest["checkpoints"], ckpts):
-        assert ".metadata" in entry["files"] and META_FILE in entry["files"]
-        assert any(f.endswith(".distcp") for f in entry["files"])
+        assert META_FILE in entry["files"] and not any(f.endswith((".metadata", ".distcp")) for f in entry["files"])
+        assert sum(f.endswith(".safetensors") for f in entry["files"]) == 2  # one per rank
         assert all(sha256_file(path / f) == h for f, h in entry["files"].items())
     log = _log(reference)
     # FLOPs per token counted here from the trained model itself: 6 N (the tied embedding counted
@@ -161,7 +149,7 @@ def test_retention_manifest_and_metrics(reference):
     assert latest_checkpoint(reference) == ckpts[-1]
     copy = reference.parent / "reference-corrupted"
     shutil.copytree(reference, copy)
-    shard = sorted((copy / "checkpoints" / ckpts[-1].name).glob("*.distcp"))[0]
+    shard = sorted((copy / "checkpoints" / ckpts[-1].name).glob("*.safetensors"))[0]
     data = bytearray(shard.read_bytes())
     data[-1] ^= 1  # one bit flipped
     shard.write_bytes(bytes(data))
@@ -174,13 +162,13 @@ def test_keep_best_and_verification(tmp_path):
     for step, loss in losses.items():
         d = root / f"step-{step:06d}"
         d.mkdir(parents=True)
-        (d / "data.distcp").write_bytes(bytes([step]) * 10)
-        (d / META_FILE).write_text(json.dumps({"step": step, "train_loss": loss}))
+        (d / "data.safetensors").write_bytes(bytes([step]) * 10)
+        (d / META_FILE).write_text(dumps_signed({"step": step, "train_loss": loss}, META_PURPOSE))
         manifest = apply_retention(tmp_path, d, keep_last=2, keep_best=1)
     assert [e["step"] for e in manifest["checkpoints"]] == [2, 4, 5]  # best (3.0) + last two
     assert [e["best"] for e in manifest["checkpoints"]] == [True, False, False]
-    assert json.loads((root / MANIFEST).read_text()) == manifest
-    (root / "step-000005" / "data.distcp").write_bytes(b"corrupt")
+    assert {k: v for k, v in json.loads((root / MANIFEST).read_text()).items() if k != "signature"} == manifest
+    (root / "step-000005" / "data.safetensors").write_bytes(b"corrupt")
     assert latest_checkpoint(tmp_path).name == "step-000004"
     assert latest_checkpoint(tmp_path, before_step=4).name == "step-000002"
 
@@ -200,21 +188,6 @@ def test_sigkilled_worker_heals_and_matches(reference, work, index, monkeypatch)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _all_tensors(ckpt: Path, tmp: Path) -> dict:
-    """Every tensor of a DCP checkpoint (model, optimizer moments, step, loader position)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(ckpt, tmp / f"{ckpt.parent.parent.name}-{ckpt.name}.pt")
-    return torch.load(tmp / f"{ckpt.parent.parent.name}-{ckpt.name}.pt", weights_only=True)
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 def test_async_checkpoints_equal_sync_ones_and_resume(reference, stopped, work, index, tmp_path):
     """train.async_checkpoint: the run trains on while each checkpoint is written; the checkpoints
     hold exactly what the synchronous run saves, and resuming from them is still bitwise exact."""
@@ -226,7 +199,7 @@ def test_async_checkpoints_equal_sync_ones_and_resume(reference, stopped, work, 
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.endswith(".tmp")]
     assert [e["step"] for e in read_manifest(out)["checkpoints"]] == [3, 6]
     for a_dir, s_dir in zip(list_checkpoints(out), list_checkpoints(stopped)):
-        a, s = _flatten(_all_tensors(a_dir, tmp_path)), _flatten(_all_tensors(s_dir, tmp_path))
+        a, s = checkpoint_tensors(a_dir), checkpoint_tensors(s_dir)  # model, optimizer moments, step, position
         assert a.keys() == s.keys() and any(k.startswith("optim.") for k in a)
         assert all(torch.equal(a[k], s[k]) for k in a), a_dir.name
         a_meta, s_meta = (json.loads((d / META_FILE).read_text()) for d in (a_dir, s_dir))
@@ -265,14 +238,13 @@ def test_loss_spike_skip_and_rollback(work, index, monkeypatch):
     assert [r["data_start"] for r in log] == [8 * i for i in range(8)] + [8 * i for i in range(10, 18)]
     assert [r["step"] for r in log if r.get("skipped")] == [11]
     # a skipped batch changes nothing: weights and optimizer moments after step 11 are those after step 10
-    before, after = (_flat(_full_state(out / "checkpoints" / f"step-{n:06d}", work / f"spike-{n}.pt"))
-                     for n in (10, 11))
+    before, after = (checkpoint_tensors(out / "checkpoints" / f"step-{n:06d}") for n in (10, 11))
     tensors = [k for k, v in before.items() if torch.is_tensor(v) and (k.startswith("model.") or ".exp_avg" in k)]
     assert len(tensors) > 16 and any(".exp_avg_sq" in k for k in tensors)
     assert all(torch.equal(before[k], after[k]) for k in tensors)
     assert after["train.step"] == 11 and after["train.consumed_samples"] == before["train.consumed_samples"] + 8
     # while a step that trains does change them
-    step9 = _flat(_full_state(out / "checkpoints" / "step-000009", work / "spike-9.pt"))
+    step9 = checkpoint_tensors(out / "checkpoints" / "step-000009")
     assert not torch.equal(step9["model.tok_emb.weight"], before["model.tok_emb.weight"])
     assert actions[3]["data_range"] == [96, 104] and actions[3]["loss"] > 100
     meta = json.loads((list_checkpoints(out)[-1] / META_FILE).read_text())

@@ -2,9 +2,10 @@
 
 Two torchrun "nodes" (threads, as test_resume_training.test_two_nodes_c10d_rendezvous) read their
 token shards from s3:// (staged once per node into the node's cache, checked against the index's
-sha256) and write their checkpoints to s3:// through DCP's FsspecWriter; one node then resumes the
-2-node checkpoint from s3:// on one process. A tampered `.metadata` object (a pickle that would run
-code) is refused before anything unpickles it, and a checkpoint whose meta object is missing is absent.
+sha256) and write their checkpoints to s3:// (DCP's HuggingFaceStorageWriter through fsspec: safetensors,
+no pickle); one node then resumes the 2-node checkpoint from s3:// on one process. A tampered shard
+object (a pickle that would run code) is refused, a manifest whose hash was rewritten to match it is
+refused for its signature, and a checkpoint whose meta object is missing is absent.
 """
 from __future__ import annotations
 
@@ -84,10 +85,11 @@ def test_two_nodes_train_on_s3_and_one_node_resumes(two_nodes, s3, index):
     assert [results[r]["steps"] for r in (0, 1)] == [4, 4]
     assert results[0]["checkpoints"] == results[1]["checkpoints"] == ckpts
     keys = s3.keys(BUCKET, f"{PREFIX}/train/")
-    for ckpt in ckpts:  # both ranks' shards and RNG states, DCP's metadata and the publishing meta object
+    for ckpt in ckpts:  # both ranks' safetensors shards and RNG states and the publishing meta object
         key = ckpt.split(f"{BUCKET}/", 1)[1]
         assert sorted(k[len(key) + 1:] for k in keys if k.startswith(key + "/")) == sorted(
-            [".metadata", "__0_0.distcp", "__1_0.distcp", META_FILE, "rng/rank-00000.json", "rng/rank-00001.json"])
+            ["shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors",
+             META_FILE, "rng/rank-00000.json", "rng/rank-00001.json"])
     assert not [k for k in keys if ".tmp" in k]
     assert {f"{PREFIX}/train/{n}" for n in ("train_log.jsonl", "torchrun-node0.log", "torchrun-node1.log",
                                              "train_config-node0.json", "checkpoints/checkpoints.json")} <= set(keys)
@@ -106,7 +108,7 @@ def test_two_nodes_train_on_s3_and_one_node_resumes(two_nodes, s3, index):
         text = Path(results[r]["log"]).read_text()  # (c10d rendezvous: global rank 0 may be on either node)
         assert int(re.search(r"staged in \S+ \((\d+) file\(s\) downloaded\)", text).group(1)) >= 3
         assert re.search(r"\[tokens\] rank \d: s3://\S+ read from \S+ \(0 file\(s\) downloaded\)", text)
-    assert not list(local.rglob("*.distcp")) and not list(local.rglob("checkpoints*"))
+    assert not list(local.rglob("*.safetensors")) and not list(local.rglob("checkpoints*"))
 
     # resume on one node, one process, from the 2-node checkpoint on s3 (saving step 6 asynchronously)
     cached = local / "node0" / "node" / "tokens" / f"{sha}-train.bin"
@@ -135,9 +137,11 @@ def test_two_nodes_train_on_s3_and_one_node_resumes(two_nodes, s3, index):
     assert verify_checkpoint(res["checkpoints"][-1], storage_options=s3.options)
 
 
-def test_tampered_metadata_on_s3_is_refused_before_unpickling(two_nodes, s3, tmp_path):
-    """A copy of the run's checkpoints whose newest `.metadata` is replaced by a pickle that creates a
-    directory when unpickled: loading refuses it unread, resuming falls back to the checkpoint before."""
+def test_tampered_shard_on_s3_is_refused_and_never_unpickled(two_nodes, s3, tmp_path):
+    """A copy of the run's checkpoints whose newest shard object is replaced by a pickle that creates a
+    directory when unpickled: loading refuses it, resuming falls back to the checkpoint before; once
+    the manifest's hash is rewritten to match (unsigned by the stack's key), every checkpoint of the
+    run is refused; the pickle never runs."""
     src, dst = f"{PREFIX}/train/checkpoints/", "exp/tampered/train/checkpoints/"
     for key in s3.keys(BUCKET, src):
         s3.client.copy_object(Bucket=BUCKET, Key=dst + key[len(src):], CopySource={"Bucket": BUCKET, "Key": key})
@@ -156,15 +160,30 @@ def test_tampered_metadata_on_s3_is_refused_before_unpickling(two_nodes, s3, tmp
     pickle.loads(pickle.dumps(Payload(tmp_path / "proof")))  # the payload is live: unpickling runs it
     assert (tmp_path / "proof").is_dir()
     sentinel = tmp_path / "unpickled"
+    shard = "shard-00001-model-00001-of-00001.safetensors"
     for ckpt in ckpts[1:]:
-        s3.client.put_object(Bucket=BUCKET, Key=f"{ckpt.split(BUCKET + '/', 1)[1]}/.metadata",
+        s3.client.put_object(Bucket=BUCKET, Key=f"{ckpt.split(BUCKET + '/', 1)[1]}/{shard}",
                              Body=pickle.dumps(Payload(sentinel)))
-    with pytest.raises(UnverifiedCheckpoint, match=re.escape(f"{newest}/.metadata does not have the sha256")):
+    with pytest.raises(UnverifiedCheckpoint, match=re.escape(f"{newest}/{shard} does not have the sha256")):
         load_model_for_inference(newest, storage_options=s3.options)
     assert not verify_checkpoint(newest, storage_options=s3.options)
-    assert ".metadata" in checkpoint_problem(newest, storage_options=s3.options)
+    assert shard in checkpoint_problem(newest, storage_options=s3.options)
     assert latest_checkpoint(out, storage_options=s3.options) == before  # resume skips the tampered ones
     assert not sentinel.exists()
+    # the hash rewritten in the manifest object: its signature no longer verifies
+    manifest_key = "exp/tampered/train/checkpoints/checkpoints.json"
+    genuine = _get(s3, manifest_key)
+    forged = json.loads(genuine)
+    for e in forged["checkpoints"]:
+        if e["path"] == newest.rsplit("/", 1)[1]:
+            e["files"][shard] = hashlib.sha256(pickle.dumps(Payload(sentinel))).hexdigest()
+    s3.client.put_object(Bucket=BUCKET, Key=manifest_key, Body=json.dumps(forged).encode())
+    with pytest.raises(UnverifiedCheckpoint, match="signature that does not verify"):
+        load_model_for_inference(newest, storage_options=s3.options)
+    with pytest.raises(UnverifiedCheckpoint, match="signature that does not verify"):
+        latest_checkpoint(out, storage_options=s3.options)
+    assert not sentinel.exists()
+    s3.client.put_object(Bucket=BUCKET, Key=manifest_key, Body=genuine)
     # a checkpoint without its meta object (never published, or being deleted) does not exist
     s3.client.delete_object(Bucket=BUCKET, Key=f"{before.split(BUCKET + '/', 1)[1]}/{META_FILE}")
     assert before not in list_checkpoints(out, s3.options)
