@@ -14,8 +14,10 @@ directory. With PostgreSQL they use the databases `prefect` and `mlflow` of eith
 
 - or an existing server named by stack.postgres_url (no password in it: PGPASSWORD / PGPASSFILE).
 
-Either way `up` checks the server answers and creates the databases before Prefect and MLflow
-start, and fails within stack.database_timeout naming PostgreSQL and the setting when it does not.
+MLflow's user store (its basic-auth app) stays SQLite in the state directory, beside the password it
+checks (infra/stack.py `_mlflow_server_auth_env`). Either way `up` checks the server answers and
+creates the databases before Prefect and MLflow start, and fails within stack.database_timeout
+naming PostgreSQL and the setting when it does not.
 The stack (infra/stack.py) supervises the server and passes its state directory (`state`) in.
 Only the standard library is imported at module level (psycopg2 when the databases are checked).
 """

@@ -6,6 +6,9 @@ background processes under one state directory.
     ├── prefect/            PREFECT_HOME of the server (SQLite database prefect.db)
     ├── mlflow/mlflow.db    MLflow backend store (runs, registry)
     ├── mlflow/artifacts/   MLflow artifact store, served by the tracking server (mlflow-artifacts:/)
+    ├── mlflow/auth.db      MLflow's users and permissions (its basic-auth app; SQLite with PostgreSQL too)
+    ├── secrets/            0600 secrets, generated on first use (mlflow-password: the login every MLflow
+                            client sends, by file path; `crucible login` prints the UIs' logins)
     ├── postgres/data/      stack.database=postgres: the PostgreSQL cluster holding both instead
                             of prefect.db and mlflow.db (infra/database.py)
     ├── lineage.db          the lineage service's SQLite store (lineage.service_db)
@@ -243,6 +246,28 @@ def _mlflow_server_auth_env(stack_cfg) -> dict[str, str]:
                       "grant_default_workspace_access = false\n", fsync=False)
     return {"MLFLOW_AUTH_ADMIN_PASSWORD": mlflow_password_file(stack_cfg).read_text().strip(),
             "MLFLOW_FLASK_SERVER_SECRET_KEY": secret(stack_cfg, MLFLOW_FLASK_KEY)}
+
+
+def check_mlflow_login(stack_cfg, timeout: float = 30.0) -> None:
+    """StackError unless the running MLflow server takes the stack's login. MLflow sets the user's
+    password only when it creates the user, so a password file replaced after the first start (or
+    another one named by $CRUCIBLE_MLFLOW_PASSWORD_FILE) would otherwise fail every client later."""
+    import base64
+
+    login = base64.b64encode(f"{MLFLOW_USERNAME}:{mlflow_password_file(stack_cfg).read_text().strip()}".encode())
+    req = urllib.request.Request(f"{mlflow_tracking_uri(stack_cfg)}/api/2.0/mlflow/users/current",
+                                 headers={"Authorization": f"Basic {login.decode()}"})
+    try:
+        urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=timeout).close()
+    except urllib.error.HTTPError as e:
+        if e.code not in (401, 403):
+            raise StackError(f"MLflow's login check answered HTTP {e.code}") from None
+        db = state_dir(stack_cfg) / "mlflow" / "auth.db"
+        raise StackError(f"MLflow refuses the stack's login: its user store {db} holds another password for user "
+                         f"{MLFLOW_USERNAME!r} than {mlflow_password_file(stack_cfg)}. Put back the password file it "
+                         f"was created with, or stop the stack and delete {db} (users added since are lost).") from None
+    except OSError as e:
+        raise StackError(f"MLflow's login check failed: {e}") from None
 
 
 def prefect_auth_env(stack_cfg) -> dict[str, str]:
@@ -983,6 +1008,7 @@ def up(stack_cfg, timeout: float | None = None, lineage_cfg=None, pipeline: tupl
             else:
                 specs.append(model)
         out = {**database_started, **start_services(stack_cfg, specs, timeout), **out}
+        check_mlflow_login(stack_cfg)  # every MLflow client of the stack sends it
         if stack_cfg.ray == "cluster":  # a Ray head, then its worker nodes (before the flow runs that use it)
             out.update(up_ray(stack_cfg, timeout))
         # the deployments register with Prefect, so they and the worker come once Prefect is healthy

@@ -153,3 +153,19 @@ def test_anonymous_writes_to_the_stacks_mlflow_are_refused(mlflow_only, monkeypa
     basic = base64.b64encode(f"{user}:{password}".encode()).decode()
     for text in (spec_text, str(stack.client_env(cfg)), stack.log_path(cfg, stack.MLFLOW).read_text()):
         assert password not in text and basic not in text
+
+
+def test_up_says_when_the_password_file_no_longer_matches_mlflows_user_store(mlflow_only):
+    """MLflow sets the admin's password only when it creates the user: a password file replaced later
+    would fail every client mid-run, so `up` checks the login and names both files."""
+    cfg = mlflow_only
+    stack.check_mlflow_login(cfg)  # the stack's own file: taken
+    path = stack.mlflow_password_file(cfg)
+    kept = path.read_text()
+    try:
+        path.write_text("another-password-entirely\n")
+        with pytest.raises(stack.StackError, match="MLflow refuses the stack's login") as err:
+            stack.check_mlflow_login(cfg)
+        assert str(path) in str(err.value) and "auth.db" in str(err.value) and "another-password" not in str(err.value)
+    finally:
+        path.write_text(kept)
