@@ -61,13 +61,19 @@ def ensure_key_file(path: str | Path) -> Path:
     except OSError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    # O_EXCL: two processes creating the key at once agree on the first one's
+    # written whole under a private name, then linked into place: two processes creating the key at
+    # once (the ranks of a torchrun job) agree on the first one's, and none ever reads it half-written
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return path
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
