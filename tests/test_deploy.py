@@ -122,12 +122,15 @@ def test_registry_champion_alias_and_gate(tiny, mlflow_store):
     assert not list(Path.cwd().glob("mlruns")) and not list(Path.cwd().glob("mlflow.db")), \
         "nothing may land in the working directory"
 
-    # the registered version is a usable pyfunc: weights-only export + tokenizer, same greedy text
-    import mlflow.pyfunc
+    # the registered version's copy (weights-only export + tokenizer + signed manifest, no MLmodel, no
+    # loader code) loads with the project's loader: same greedy text
+    from tasks.deploy.mlflow_model import load_registered
 
-    v1 = client.get_model_version("crucible-test", "1")
-    lm = mlflow.pyfunc.load_model(v1.source)
-    out = lm.predict(["The Linux kernel"], params={"max_tokens": 6, "temperature": 0.0})
+    assert sorted(f.path.rsplit("/", 1)[-1] for f in client.list_artifacts(
+        reg["run_id"], reg["source"].rsplit("/artifacts/", 1)[1])) == ["checkpoint", "crucible-model.json",
+                                                                       "tokenizer.json"]
+    lm = load_registered(uri, "crucible-test", 1, registered_copy=True)
+    out = lm.predict(["The Linux kernel"], {"max_tokens": 6, "temperature": 0.0})
     gen = TextGenerator.from_files(tiny["ckpt"], tiny["tokenizer"])
     want = gen.complete(gen.encode("The Linux kernel"), max_tokens=6, temperature=0.0)[0].text
     assert list(out) == [want]
@@ -234,6 +237,8 @@ def test_gate_scores_a_champion_whose_files_are_gone_from_its_verified_registere
 
     from mlflow import MlflowClient
 
+    from tasks.core.hashing import sha256_tree
+
     uri = mlflow_store["uri"]
     copy = tmp_path / "gone" / "train" / "checkpoints" / "step-000010"
     shutil.copytree(trained[10], copy)
@@ -257,16 +262,24 @@ def test_gate_scores_a_champion_whose_files_are_gone_from_its_verified_registere
     res = deploy_if_better(cfg, uri, {"val_loss": 5.0, "step": 20, "checkpoint": trained[20]}, trained["tokenizer"],
                            None, **_supervised(cfg))
     record = read_gate_record(Path(res["yardstick"]["path"]).parent / "gate-step-20.json")
-    assert record["champion"]["scores"].startswith("scored from ") and "artifacts" in record["champion"]["scores"]
+    assert record["champion"]["scores"].startswith("scored from ") and ".champions" in record["champion"]["scores"]
     assert res["passed"] and res["version"] == 2, res["reason"]
-    # a registered copy that no longer matches its recorded hashes is not scored (on a new set, so
-    # no score kept on the version applies): the challenger is refused
-    MlflowClient(tracking_uri=uri).set_model_version_tag("crucible-gone", "2", "export_sha256", "0" * 64)
+    # a registered copy that no longer matches its signed manifest is not scored (on a new set, so no
+    # score kept on the version applies): the challenger is refused. Forged tags are no way round it:
+    # a rewritten checkpoint tag is dropped (so the copy is the only way), a rewritten hash too
+    from urllib.parse import urlparse
+
+    v2 = MlflowClient(tracking_uri=uri).get_model_version("crucible-gone", "2")
+    weights = next(p for p in (Path(urlparse(v2.source).path) / "checkpoint").iterdir() if p.suffix == ".safetensors")
+    weights.write_bytes(weights.read_bytes()[:-8] + bytes(8))
     MlflowClient(tracking_uri=uri).set_model_version_tag("crucible-gone", "2", "checkpoint", str(tmp_path / "gone"))
+    MlflowClient(tracking_uri=uri).set_model_version_tag("crucible-gone", "2", "export_sha256", sha256_tree(
+        weights.parent))
     other_set = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={"yardstick_docs": 8})})
     refused = deploy_if_better(other_set, uri, {"val_loss": 5.0, "step": 10, "checkpoint": trained[10]},
                                trained["tokenizer"], None, **_supervised(other_set))
     assert not refused["passed"] and "cannot be scored" in refused["reason"], refused["reason"]
+    assert "no signed hashes" in refused["reason"] or "signed manifest" in refused["reason"], refused["reason"]
 
 
 def test_challenger_that_cannot_be_served_is_rejected_and_champion_stays(trained, tmp_path, mlflow_store):

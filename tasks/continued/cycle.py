@@ -45,10 +45,13 @@ class Champion:
 
 def find_champion(cfg: PipelineConfig, tracking_uri: str) -> Champion | None:
     """The champion of deploy.model_name, or None when there is none yet (the cycle bootstraps).
-    Its checkpoint and tokenizer must hash to the registered content hash; when its checkpoint is
+    Only its verified (signed) registry tags are used: a forged checkpoint, hash or token index tag
+    is refused (tasks/deploy/registry.py), and its token index must hash to the signed value. Its
+    checkpoint and tokenizer must hash to the registered content hash; when its checkpoint is
     gone (checkpoint retention, a cleaned run directory), the registered copy (weights only) is
     downloaded and verified against the hashes recorded at registration. Nothing unverified is
     loaded; a champion that cannot be verified refuses the cycle."""
+    from tasks.continued.mix import verified_index
     from tasks.deploy.registry import UnverifiedModel, get_champion, registered_files
     from tasks.core.hashing import sha256_file, sha256_tree
     from tasks.train.checkpoint import read_meta
@@ -70,11 +73,11 @@ def find_champion(cfg: PipelineConfig, tracking_uri: str) -> Champion | None:
             raise CycleError(f"continue.init_optimizer is true, but the champion's ({name}) own checkpoint "
                              f"{tags.get('checkpoint')} is gone and its registered copy holds the weights only: set "
                              "continue.init_optimizer=false")
-    index = tags.get("data.tokens_index")
+    # tags are the verified ones (get_champion); the index itself must still hash to the signed value
+    index = verified_index(tags.get("data.tokens_index"), tags.get("data.tokens_index_sha256"))
     meta = read_meta(ckpt)
     return Champion(cfg.deploy.model_name, version, ckpt, sha256_tree(ckpt), tok, sha256_file(tok),
-                    Path(index) if index and Path(index).is_file() else None, meta["model"],
-                    tags.get("run_name"), found.get("run_id"), tags)
+                    index, meta["model"], tags.get("run_name"), found.get("run_id"), tags)
 
 
 def check_continuation(cfg: PipelineConfig, champion: Champion) -> None:

@@ -14,6 +14,7 @@ measures which share of the tokens it trained on came from the replay part.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -23,18 +24,40 @@ from tasks.core.hashing import sha256_file
 from tasks.core.layout import TOKENS_INDEX_FILE
 from tasks.tokens.binfile import doc_source_names, load_index, open_doc_starts, open_split
 
+log = logging.getLogger(__name__)
+
 
 class MixError(ValueError):
     """A replay pool that cannot be mixed with the new tokens (another tokenizer, no documents)."""
 
 
-def replay_pool(tokens_index: str | Path | None) -> list[Path]:
+def verified_index(tokens_index: str | Path | None, sha256: str | None) -> Path | None:
+    """`tokens_index` if it hashes to `sha256` (a signed record's, e.g. the champion's
+    data.tokens_index_sha256 tag); None otherwise, logged as refused: a writer of the run directory
+    could have swapped the file, and whatever it lists would be replayed."""
+    if not tokens_index or not Path(tokens_index).is_file():
+        return None
+    if not sha256 or sha256_file(tokens_index) != sha256:
+        log.warning("refused: the token index %s does not hash to the signed %s", tokens_index,
+                    f"sha256 {sha256[:16]}..." if sha256 else "sha256 (none recorded)")
+        return None
+    return Path(tokens_index)
+
+
+def replay_pool(tokens_index: str | Path | None, sha256: str | None = None) -> list[Path]:
     """The per-cycle token indexes behind a model trained on `tokens_index`: its mix's pool, or the
-    index itself when it was not a mix (a model pretrained from scratch)."""
+    index itself when it was not a mix (a model pretrained from scratch). `sha256`: the signed hash
+    the index must have (verified_index; None: the caller verified it). A mix's pool members must
+    hash to what the mix recorded when it was built; one that does not is refused (left out)."""
+    if sha256 is not None:
+        tokens_index = verified_index(tokens_index, sha256)
     if not tokens_index or not Path(tokens_index).is_file():
         return []
     mix = json.loads(Path(tokens_index).read_text()).get("mix")
-    return [Path(p) for p in mix["pool"]] if mix else [Path(tokens_index).resolve()]
+    if not mix:
+        return [Path(tokens_index).resolve()]
+    recorded = mix.get("pool_sha256") or {}
+    return [Path(p) for p in mix["pool"] if verified_index(p, recorded.get(p)) or not Path(p).is_file()]
 
 
 def _zero() -> dict:
@@ -132,7 +155,10 @@ def build_mix(new_index: str | Path, pool: list[Path], fraction: float, seed: in
         "val": {k: val[k] for k in ("path", "tokens", "docs", "bytes", "sha256", "doc_starts", "doc_starts_sha256",
                                     "doc_sources", "doc_sources_sha256") if k in val},
     }
-    mixed["mix"] = {"new_index": str(new_index), "pool": [str(p) for p in pool] + [str(new_index)],
+    members = [str(p) for p in pool] + [str(new_index)]
+    mixed["mix"] = {"new_index": str(new_index), "pool": members,
+                    # what the next cycle's replay_pool checks each member against
+                    "pool_sha256": {p: sha256_file(p) for p in members},
                     "replay_fraction": fraction, "seed": seed, "new_tokens": new_tokens,
                     "replay_tokens": replay_tokens, "replay_target": target, "replay_start": new_tokens,
                     "replay_share": replay_tokens / offset if offset else 0.0, "replay_docs": len(drawn),

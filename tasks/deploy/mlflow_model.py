@@ -1,45 +1,131 @@
-"""The registered model as an MLflow pyfunc ("models from code": MLflow runs this file on load).
+"""A registered version's files, and the project's own loader for them (no code runs on load).
 
-    import mlflow
-    lm = mlflow.pyfunc.load_model("models:/crucible-tiny@champion")
-    lm.predict(["The Linux kernel"], params={"max_tokens": 16, "temperature": 0})  # -> [completion]
+A version's artifacts are plain files: `checkpoint/` (the weights-only export that
+tasks.train.checkpoint.load_model_for_inference reads), `tokenizer.json` and `crucible-model.json`, a
+manifest of every other file's sha256 signed with the stack's key (purpose "registered-model"). There
+is no MLmodel and no python_model or loader_module: MLflow's "models from code" pyfunc ran a code file
+taken from the artifact store on load, and a planted MLmodel `loader_module` ran in any pyfunc
+consumer before the model's own hash check. Here a copy is verified (the manifest's signature, the
+set of files, each file's hash, and the manifest against the version's signed tags) before anything
+in it is read; a planted file can at worst make the copy be refused.
 
-Artifacts: "checkpoint" (the tasks.train.checkpoint directory) and "tokenizer" (tokenizer.json).
-Loading needs the crucible package (tasks.train, tasks.deploy) importable.
+    from tasks.deploy.mlflow_model import load_registered
+    lm = load_registered("http://127.0.0.1:5000", "crucible-tiny", alias="champion")
+    lm.predict(["The Linux kernel"], {"max_tokens": 16, "temperature": 0})  # -> [completion]
 """
 from __future__ import annotations
 
-import mlflow
-from mlflow.pyfunc import PythonModel
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 
-from tasks.deploy.generation import PYFUNC_PARAMS as PARAMS
+from tasks.core.hashing import sha256_file
+from tasks.core.signing import SignatureError, read_signed, write_signed
+
+MANIFEST_NAME = "crucible-model.json"
+MANIFEST_PURPOSE = "registered-model"
+CHECKPOINT_DIR = "checkpoint"
+TOKENIZER_NAME = "tokenizer.json"
+FORMAT = "crucible-registered-model/1"
 
 
-class CrucibleLM(PythonModel):
-    def load_context(self, context):
-        from tasks.deploy.generation import TextGenerator
+def _files(root: Path) -> dict[str, Path]:
+    """Every file under root but the manifest, links too (a planted link is a file the manifest must
+    list), by relative path."""
+    out = {}
+    for p in root.rglob("*"):
+        rel = p.relative_to(root).as_posix()
+        if (p.is_symlink() or p.is_file()) and rel != MANIFEST_NAME:
+            out[rel] = p
+    return out
 
-        # the export's tree hash recorded at registration: checked before the weights are read
-        expected = (context.model_config or {}).get("export_sha256")
-        if not expected:
-            raise ValueError("the registered model records no export_sha256 to verify its checkpoint against")
-        self.gen = TextGenerator.from_files(context.artifacts["checkpoint"], context.artifacts["tokenizer"],
-                                            expected_tree_sha256=expected)
 
-    # No type hints on purpose: MLflow would infer a signature from them that drops the params
-    # schema; the signature (string in, string out, PARAMS) is given at registration instead.
-    def predict(self, context, model_input, params=None):
-        p = {**PARAMS, **(params or {})}
-        if hasattr(model_input, "columns"):  # a DataFrame: the first column holds the prompts
-            prompts = [str(x) for x in model_input[model_input.columns[0]]]
-        elif isinstance(model_input, str):
-            prompts = [model_input]
-        else:
-            prompts = [str(x) for x in model_input]
+def write_model_dir(model_dir: str | Path, export: str | Path, tokenizer_path: str | Path, content_hash: str,
+                    source_checkpoint: str | Path) -> dict:
+    """Lay out a version's files in model_dir (the export is moved in) and sign their manifest."""
+    from tasks.core.hashing import sha256_tree
+
+    root = Path(model_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(export), root / CHECKPOINT_DIR)
+    shutil.copyfile(tokenizer_path, root / TOKENIZER_NAME)
+    manifest = {"format": FORMAT, "content_hash": content_hash, "source_checkpoint": str(source_checkpoint),
+                "export_sha256": sha256_tree(root / CHECKPOINT_DIR),
+                "tokenizer_sha256": sha256_file(root / TOKENIZER_NAME),
+                "files": {rel: sha256_file(p) for rel, p in sorted(_files(root).items())}}
+    write_signed(root / MANIFEST_NAME, manifest, MANIFEST_PURPOSE)
+    return manifest
+
+
+def verify_model_dir(root: str | Path, tags: dict, what: str) -> tuple[Path, Path, str]:
+    """(checkpoint, tokenizer, export tree hash) of a downloaded copy, once it verifies: its manifest
+    is signed, it holds exactly the files the manifest lists with their hashes, and the manifest names
+    the content, export and tokenizer hashes of the version's verified tags. UnverifiedModel otherwise;
+    nothing in the copy is parsed before (the manifest is JSON)."""
+    from tasks.deploy.registry import UnverifiedModel
+
+    root = Path(root)
+    try:
+        manifest = read_signed(root / MANIFEST_NAME, MANIFEST_PURPOSE)
+    except (OSError, SignatureError) as e:
+        raise UnverifiedModel(f"{what}: no signed manifest that verifies ({e})") from None
+    for key in ("export_sha256", "tokenizer_sha256"):
+        if not tags.get(key):
+            raise UnverifiedModel(f"{what}: the version has no signed {key} to verify it against")
+        if manifest.get(key) != tags[key]:
+            raise UnverifiedModel(f"{what}: its manifest's {key} is not the one in the version's signed tags")
+    if tags.get("content_hash") and manifest.get("content_hash") != tags["content_hash"]:
+        raise UnverifiedModel(f"{what}: its manifest's content_hash is not the one in the version's signed tags")
+    listed, on_disk = manifest.get("files") or {}, _files(root)
+    if extra := sorted(set(on_disk) - set(listed)):
+        raise UnverifiedModel(f"{what} holds files its signed manifest does not list: {extra[:3]}")
+    for rel, digest in listed.items():
+        if rel not in on_disk or on_disk[rel].is_symlink() or sha256_file(on_disk[rel]) != digest:
+            raise UnverifiedModel(f"{what}: {rel} is missing or not the file its signed manifest records")
+    return root / CHECKPOINT_DIR, root / TOKENIZER_NAME, manifest["export_sha256"]
+
+
+def download_verified(tracking_uri: str, version: dict, dst: str | Path, what: str) -> tuple[Path, Path, str]:
+    """Download a version's registered copy into dst (a folder of its own) and verify it."""
+    import mlflow.artifacts
+
+    local = mlflow.artifacts.download_artifacts(artifact_uri=version["source"], dst_path=str(dst),
+                                                tracking_uri=tracking_uri)
+    return verify_model_dir(local, version["tags"], what)
+
+
+@dataclass
+class RegisteredModel:
+    """A verified registered version, loaded: predict(prompts, params) -> completions."""
+    generator: object
+    version: int | None = None
+
+    def predict(self, prompts, params: dict | None = None) -> list[str]:
+        from tasks.deploy.generation import PYFUNC_PARAMS
+
+        p = {**PYFUNC_PARAMS, **(params or {})}
+        gen = self.generator
+        prompts = [prompts] if isinstance(prompts, str) else [str(x) for x in prompts]
         seed = None if p["seed"] is None or int(p["seed"]) < 0 else int(p["seed"])
-        return [self.gen.complete(self.gen.encode(text), max_tokens=int(p["max_tokens"]),
-                                  temperature=float(p["temperature"]), top_p=float(p["top_p"]),
-                                  seed=seed)[0].text for text in prompts]
+        return [gen.complete(gen.encode(text), max_tokens=int(p["max_tokens"]), temperature=float(p["temperature"]),
+                             top_p=float(p["top_p"]), seed=seed)[0].text for text in prompts]
 
 
-mlflow.models.set_model(CrucibleLM())
+def load_registered(tracking_uri: str, model_name: str, version: int | None = None, alias: str | None = None,
+                    cache_dir: str | Path | None = None, registered_copy: bool = False) -> RegisteredModel:
+    """Load a registered version (by number or alias) with the project's loader: verified tags only
+    (tasks.deploy.registry.get_version), its own checkpoint if it still hashes to the signed content
+    hash, else (or with registered_copy) its registered copy, verified before it is read."""
+    from tasks.deploy.generation import TextGenerator
+    from tasks.deploy.registry import get_version, registered_files
+
+    found = get_version(tracking_uri, model_name, version, alias)
+    with tempfile.TemporaryDirectory(prefix="crucible-registered-") as tmp:
+        if registered_copy:
+            ckpt, tok, copy_hash = download_verified(tracking_uri, found, tmp,
+                                                     f"the registered copy of {model_name} version {found['version']}")
+        else:
+            ckpt, tok, copy_hash = registered_files(tracking_uri, model_name, found, cache_dir or tmp)
+        gen = TextGenerator.from_files(ckpt, tok, expected_tree_sha256=copy_hash)  # weights are in memory now
+    return RegisteredModel(gen, found["version"])

@@ -1,10 +1,21 @@
 """The MLflow model registry side of deployment: who is champion, and registering a new one.
 
-A registered version is an MLflow pyfunc model (tasks/deploy/mlflow_model.py, "models from code")
-whose artifacts are an inference-only export of the checkpoint (model weights, no optimizer state)
-and the tokenizer. Evaluation results, the training run id and the data lineage (sources and
-licences, tokenizer / val-split hashes, the run's lineage log) are model-version tags, so the gate
-can read the champion's val_loss back without touching runs.
+A registered version's files are plain artifacts: an inference-only export of the checkpoint (model
+weights, no optimizer state), the tokenizer and a signed manifest of every file's sha256
+(tasks/deploy/mlflow_model.py). There is no MLmodel and no loader code: nothing in the artifact store
+runs when a version is loaded; `tasks.deploy.mlflow_model.load_registered` verifies the manifest's
+signature and every hash before it reads a byte of the weights. Evaluation results, the training run
+id and the data lineage (sources and licences, tokenizer / val-split hashes, the token index) are
+model-version tags, so the gate can read the champion back without touching runs.
+
+The registry is not a trust anchor by itself (anyone who can reach MLflow can write a tag or move an
+alias), so every tag the pipeline writes is signed with the stack's key (tasks/core/signing.py): its
+signature is the companion tag `sig.<name>`, binding the tag's name and value to the model name and
+version, so a signed tag cannot be moved to another tag or version. `get_version` / `get_champion`
+return only the tags that verify (`tags`); the others are refused, logged and named in
+`untrusted_tags`. An alias counts only if the version's signed `deployment.status` names it: an
+alias moved by someone else is refused, and the champion is the version whose signed status says so.
+Tags the gate writes on the training run (`record_gate`) are signed the same way (bound to the run).
 
 Aliases: a version that passed the gate is registered as `challenger`; only once it is verified
 (served, or loaded and run) does `promote` move `champion` to it (and drop `challenger`). A
@@ -13,29 +24,28 @@ Only MlflowClient with an explicit tracking URI is used (no global state).
 """
 from __future__ import annotations
 
-import json
 import logging
-import re
+import shutil
 import tempfile
-import warnings
 from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from tasks.core.hashing import sha256_file, sha256_text, sha256_tree
+from tasks.core.signing import SignatureError, sign_value, verify_value
 
 log = logging.getLogger(__name__)
 
 ALIAS = "champion"
 CHALLENGER = "challenger"
 REGISTRY_EXPERIMENT = "crucible-registry"
-MODEL_CODE = Path(__file__).with_name("mlflow_model.py")
-# What loading the pyfunc needs besides the crucible package itself (pinned as in pyproject.toml).
-PIP_REQUIREMENTS = ["torch==2.13.0", "tokenizers==0.23.3", "mlflow==3.17.2", "numpy>=2,<3"]
-_EXPECTED_WARNINGS = re.compile(r"type hints|input example|assuming the intent is to (save|load) in a single process")
+SIG = "sig."  # a signed tag's signature is the tag sig.<name>
+TAG_PURPOSE = "registry-tag"
+RUN_TAG_PURPOSE = "run-tag"
 EVAL_TAGS = ("val_loss", "perplexity", "step", "val_tokens", "report_path", "run_name",
              "tokenizer_sha256", "val_sha256")
+MAX_TAG = 5000  # MLflow's limit on a tag's value: what is signed is what is stored
 
 
 def _client(tracking_uri: str) -> MlflowClient:
@@ -53,34 +63,134 @@ class UnverifiedModel(RuntimeError):
     """A registered version whose files cannot be verified (gone, changed, or a copy that does not match)."""
 
 
-def get_version(tracking_uri: str, model_name: str, version: int | None = None, alias: str | None = None) -> dict:
-    """A registered version by number or alias, in get_champion's shape; raises LookupError if there is none."""
-    client = _client(tracking_uri)
-    try:
-        mv = (client.get_model_version(model_name, str(version)) if version is not None
-              else client.get_model_version_by_alias(model_name, alias))
-    except MlflowException as e:
-        if _missing(e):
-            raise LookupError(f"{model_name} has no version {version if version is not None else repr(alias)}") from None
-        raise
-    return {"version": int(mv.version), "run_id": mv.run_id, "source": mv.source, "tags": dict(mv.tags)}
+def _tag_purpose(model_name: str, version: int | str) -> str:
+    return f"{TAG_PURPOSE} {model_name} v{int(version)}"
 
 
-def get_champion(tracking_uri: str, model_name: str) -> dict | None:
-    """The version with alias `champion`: {version, val_loss, run_id, source, tags}; None if the
-    model or the alias does not exist. val_loss is None if the version has no val_loss tag."""
+def _tag_values(tags: dict) -> dict:
+    """Tags as MLflow stores them (strings of at most MAX_TAG characters; None left out)."""
+    return {str(k): str(v)[:MAX_TAG] for k, v in tags.items() if v is not None}
+
+
+def _signatures(tags: dict, purpose: str) -> dict:
+    """sig.<name> -> signature of each tag's stored value."""
+    return {SIG + k: sign_value(k, v, purpose) for k, v in _tag_values(tags).items()}
+
+
+def _verified(raw: dict, purpose: str, what: str) -> tuple[dict, list[str]]:
+    """(tags whose signature verifies, names of the others): unsigned or forged tags are refused."""
+    trusted, unsigned, forged = {}, [], []
+    for k, v in raw.items():
+        if k.startswith(SIG):
+            continue
+        if raw.get(SIG + k) is None:
+            unsigned.append(k)
+            continue
+        try:
+            trusted[k] = verify_value(k, v, raw[SIG + k], purpose)  # logs a forged one as refused
+        except SignatureError:
+            forged.append(k)
+    if unsigned:
+        log.warning("refused: %s has unsigned tags, not used: %s", what, ", ".join(sorted(unsigned)))
+    return trusted, sorted(unsigned + forged)
+
+
+def signed_version_tags(model_name: str, version: int | str, tags: dict) -> dict:
+    """The tags with their signatures (sig.<name>), bound to this model name and version."""
+    return {**_tag_values(tags), **_signatures(tags, _tag_purpose(model_name, version))}
+
+
+def verified_version_tags(model_name: str, version: int | str, raw: dict) -> tuple[dict, list[str]]:
+    """(the version's tags that verify, names of the refused ones)."""
+    return _verified(raw, _tag_purpose(model_name, version), f"{model_name} version {version}")
+
+
+def signed_run_tags(run_id: str, tags: dict) -> dict:
+    """Run tags with their signatures (sig.<name>), bound to the run."""
+    return {**_tag_values(tags), **_signatures(tags, f"{RUN_TAG_PURPOSE} {run_id}")}
+
+
+def verified_run_tags(tracking_uri: str, run_id: str) -> tuple[dict, list[str]]:
+    """(the run's tags that verify, names of the refused ones): what the pipeline may read back."""
+    raw = _client(tracking_uri).get_run(run_id).data.tags
+    # MLflow's own system tags (mlflow.*) are not the pipeline's records: not reported as refused
+    raw = {k: v for k, v in raw.items() if not k.startswith("mlflow.")}
+    return _verified(raw, f"{RUN_TAG_PURPOSE} {run_id}", f"run {run_id}")
+
+
+def _version(model_name: str, mv) -> dict:
+    """get_version's shape of an MLflow ModelVersion: only verified tags."""
+    tags, refused = verified_version_tags(model_name, mv.version, dict(mv.tags))
     try:
-        mv = _client(tracking_uri).get_model_version_by_alias(model_name, ALIAS)
+        val_loss = float(tags["val_loss"])
+    except (KeyError, TypeError, ValueError):
+        val_loss = None
+    return {"version": int(mv.version), "val_loss": val_loss, "run_id": mv.run_id, "source": mv.source,
+            "tags": tags, "untrusted_tags": refused}
+
+
+def _by_alias(client: MlflowClient, model_name: str, alias: str) -> dict | None:
+    """The version `alias` points at, if its signed deployment.status names the alias; else None
+    (logged as refused: someone else moved the alias, or it points at an unsigned version)."""
+    try:
+        mv = client.get_model_version_by_alias(model_name, alias)
     except MlflowException as e:
         if _missing(e):
             return None
         raise
+    found = _version(model_name, mv)
+    if found["tags"].get("deployment.status") == alias:
+        return found
+    log.warning("refused: alias %r of %s points at version %s, whose signed deployment.status is %r, not %r",
+                alias, model_name, found["version"], found["tags"].get("deployment.status"), alias)
+    return None
+
+
+def get_version(tracking_uri: str, model_name: str, version: int | None = None, alias: str | None = None) -> dict:
+    """A registered version by number or alias, in get_champion's shape (verified tags only, the
+    refused ones named in `untrusted_tags`); raises LookupError if there is none. An alias counts
+    only if the version's signed deployment.status names it (`champion`: see get_champion)."""
+    client = _client(tracking_uri)
+    if version is None and alias == ALIAS:
+        found = get_champion(tracking_uri, model_name)
+    elif version is None:
+        found = _by_alias(client, model_name, alias)
+    else:
+        try:
+            found = _version(model_name, client.get_model_version(model_name, str(version)))
+        except MlflowException as e:
+            if not _missing(e):
+                raise
+            found = None
+    if found is None:
+        raise LookupError(f"{model_name} has no version {version if version is not None else repr(alias)} "
+                          "that verifies")
+    return found
+
+
+def get_champion(tracking_uri: str, model_name: str) -> dict | None:
+    """The champion: {version, val_loss, run_id, source, tags, untrusted_tags}, tags verified; None
+    if there is none. The alias `champion` counts only if its version's signed deployment.status is
+    champion; otherwise (moved by someone else, deleted) the champion is the version whose signed
+    status says so (the newest, should an old signed status have been put back). val_loss is None if
+    the version has no verified val_loss tag."""
+    client = _client(tracking_uri)
+    found = _by_alias(client, model_name, ALIAS)
+    if found is not None:
+        return found
     try:
-        val_loss = float(mv.tags["val_loss"])
-    except (KeyError, TypeError, ValueError):
-        val_loss = None
-    return {"version": int(mv.version), "val_loss": val_loss, "run_id": mv.run_id, "source": mv.source,
-            "tags": dict(mv.tags)}
+        versions = client.search_model_versions(f"name = '{model_name}'")
+    except MlflowException as e:
+        if _missing(e):
+            return None
+        raise
+    signed = [v for v in (_version(model_name, mv) for mv in versions) if v["tags"].get("deployment.status") == ALIAS]
+    if not signed:
+        return None
+    best = max(signed, key=lambda v: v["version"])
+    log.warning("%s: the alias %r is not on a verified champion; the champion is version %s (its signed "
+                "deployment.status)", model_name, ALIAS, best["version"])
+    return best
 
 
 def model_content_hash(ckpt_dir: str | Path, tokenizer_path: str | Path) -> str:
@@ -95,24 +205,14 @@ def content_hash_of(checkpoint_tree_sha256: str, tokenizer_sha256: str) -> str:
 
 
 def export_for_inference(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write the checkpoint's model weights only (DCP, key "model") plus its metadata JSON;
+    """Write the checkpoint's model weights only, in the checkpoint format (safetensors, signed meta
+    file: tasks.train.checkpoint.save_model_copy), once the checkpoint verifies;
     `tasks.train.checkpoint.load_model_for_inference` reads the export like the original."""
-    import torch.distributed.checkpoint as dcp
+    from tasks.train.checkpoint import load_model_for_inference, save_model_copy
 
-    from tasks.train.checkpoint import META_FILE, load_model_for_inference
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings(record=True) as caught:  # DCP warns that there is no process group
-        warnings.simplefilter("always")
-        model, meta = load_model_for_inference(ckpt_dir)
-        dcp.save({"model": model.state_dict()}, checkpoint_id=str(out), no_dist=True)
-    for w in caught:
-        if not _EXPECTED_WARNINGS.search(str(w.message)):
-            log.warning("while exporting %s: %s", ckpt_dir, w.message)
+    model, meta = load_model_for_inference(ckpt_dir)
     meta = {**meta, "exported_from": str(Path(ckpt_dir).resolve()), "contents": "model weights only"}
-    (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    return out
+    return save_model_copy(model, meta, out_dir)
 
 
 def _artifact_run(client: MlflowClient, tracking_uri: str, model_name: str) -> str:
@@ -132,18 +232,16 @@ def _artifact_run(client: MlflowClient, tracking_uri: str, model_name: str) -> s
 def register(tracking_uri: str, model_name: str, ckpt_dir: str | Path, tokenizer_path: str | Path,
              eval_result: dict, run_id: str | None, extra_tags: dict | None = None,
              content_hash: str | None = None) -> dict:
-    """Log the checkpoint + tokenizer as a pyfunc model, register it as a new version of
-    `model_name`, tag it with the evaluation results (val_loss, perplexity, step, eval.<metric> for
-    every task metric), the training run id and `extra_tags` (data lineage), and point the alias
-    `challenger` at it (`promote` makes it champion). The files are logged under the training run
-    (`run_id`); without one, under a run of the experiment "crucible-registry".
+    """Log the checkpoint's weights-only export + tokenizer + signed manifest as plain artifacts
+    (tasks/deploy/mlflow_model.py), register them as a new version of `model_name`, tag it (signed)
+    with the evaluation results (val_loss, perplexity, step, eval.<metric> for every task metric),
+    the training run id and `extra_tags` (data lineage), and point the alias `challenger` at it
+    (`promote` makes it champion). The files are logged under the training run (`run_id`); without
+    one, under a run of the experiment "crucible-registry".
 
     Returns {"model_name", "version", "alias", "content_hash", "source", "run_id"}.
     """
-    import mlflow.pyfunc
-    from mlflow.models import infer_signature
-
-    from tasks.deploy.generation import PYFUNC_PARAMS
+    from tasks.deploy.mlflow_model import write_model_dir
 
     ckpt_dir, tokenizer_path = Path(ckpt_dir).resolve(), Path(tokenizer_path).resolve()
     client = _client(tracking_uri)
@@ -154,24 +252,11 @@ def register(tracking_uri: str, model_name: str, ckpt_dir: str | Path, tokenizer
     status = "FAILED"
     try:
         with tempfile.TemporaryDirectory(prefix="crucible-register-") as tmp:
-            export = export_for_inference(ckpt_dir, Path(tmp) / "checkpoint")
-            # what a download of the registered copy is verified against (tasks/deploy/yardstick.py)
-            copy_hashes = {"export_sha256": sha256_tree(export), "tokenizer_sha256": sha256_file(tokenizer_path)}
             model_dir = Path(tmp) / "model"
-            # MLflow resets warning filters inside save_model, so its advice to add type hints and an
-            # input example (the signature is given explicitly, see mlflow_model.py) is caught here
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                mlflow.pyfunc.save_model(
-                    path=str(model_dir), python_model=str(MODEL_CODE),
-                    artifacts={"checkpoint": str(export), "tokenizer": str(tokenizer_path)},
-                    pip_requirements=PIP_REQUIREMENTS, model_config={"export_sha256": copy_hashes["export_sha256"]},
-                    signature=infer_signature(["The Linux kernel"], ["is a free"], params=PYFUNC_PARAMS),
-                    metadata={"crucible_content_hash": content_hash, "source_checkpoint": str(ckpt_dir),
-                              "requires": "the crucible package (tasks.train, tasks.deploy) importable"})
-            for w in caught:
-                if not _EXPECTED_WARNINGS.search(str(w.message)):
-                    log.warning("while saving the model: %s", w.message)
+            manifest = write_model_dir(model_dir, export_for_inference(ckpt_dir, Path(tmp) / "export"),
+                                       tokenizer_path, content_hash, ckpt_dir)
+            # what a download of the registered copy is verified against (tasks/deploy/yardstick.py)
+            copy_hashes = {k: manifest[k] for k in ("export_sha256", "tokenizer_sha256")}
             client.log_artifacts(target_run, str(model_dir), artifact_path)
         status = "FINISHED"
     finally:
@@ -188,12 +273,16 @@ def register(tracking_uri: str, model_name: str, ckpt_dir: str | Path, tokenizer
     tags = {f"eval.{k}" if k not in ("val_loss", "perplexity", "step") else k: str(eval_result[k])
             for k in EVAL_TAGS if eval_result.get(k) is not None}
     tags.update({f"eval.{k}": str(v) for k, v in (eval_result.get("task_metrics") or {}).items() if v is not None})
-    tags.update({k: str(v)[:5000] for k, v in (extra_tags or {}).items() if v is not None})
+    tags.update(extra_tags or {})
     tags.update(copy_hashes)
     tags.update({"train_run_id": str(run_id or ""), "content_hash": content_hash,
                  "checkpoint": str(ckpt_dir), "tokenizer": str(tokenizer_path), "deployment.status": CHALLENGER})
+    tags = _tag_values(tags)
     mv = client.create_model_version(model_name, source=source, run_id=target_run, tags=tags,
                                      description=f"checkpoint {ckpt_dir.name}, val_loss {eval_result.get('val_loss')}")
+    # the version number binds the signatures, so they follow once MLflow has given it
+    for key, sig in _signatures(tags, _tag_purpose(model_name, mv.version)).items():
+        client.set_model_version_tag(model_name, str(mv.version), key, sig)
     client.set_registered_model_alias(model_name, CHALLENGER, mv.version)
     return {"model_name": model_name, "version": int(mv.version), "alias": CHALLENGER, "content_hash": content_hash,
             "source": source, "run_id": target_run}
@@ -215,69 +304,66 @@ def promote(tracking_uri: str, model_name: str, version: int, verified: str) -> 
     """Move `champion` to a verified challenger; `verified` says how (tag deployment.verified)."""
     client = _client(tracking_uri)
     previous = get_champion(tracking_uri, model_name)
-    client.set_model_version_tag(model_name, str(version), "deployment.verified", verified)
     # status tag first: whoever finds the version by the alias already sees it as champion
-    client.set_model_version_tag(model_name, str(version), "deployment.status", ALIAS)
+    set_version_tags(tracking_uri, model_name, version, {"deployment.verified": verified, "deployment.status": ALIAS})
     client.set_registered_model_alias(model_name, ALIAS, str(version))
     if previous is not None and previous["version"] != int(version):  # one version tagged champion
-        client.set_model_version_tag(model_name, str(previous["version"]), "deployment.status", "superseded")
+        set_version_tags(tracking_uri, model_name, previous["version"], {"deployment.status": "superseded"})
     _drop_challenger(client, model_name, version)
 
 
 def reject(tracking_uri: str, model_name: str, version: int, reason: str) -> None:
     """A challenger that failed verification: tagged rejected with the reason; champion unchanged."""
-    client = _client(tracking_uri)
-    client.set_model_version_tag(model_name, str(version), "deployment.status", "rejected")
-    client.set_model_version_tag(model_name, str(version), "deployment.reason", reason[:5000])
-    _drop_challenger(client, model_name, version)
+    set_version_tags(tracking_uri, model_name, version, {"deployment.status": "rejected", "deployment.reason": reason})
+    _drop_challenger(_client(tracking_uri), model_name, version)
 
 
 def set_version_tags(tracking_uri: str, model_name: str, version: int, tags: dict) -> None:
+    """Set model-version tags, each signed (sig.<name>, bound to the model name and version)."""
     client = _client(tracking_uri)
-    for key, value in tags.items():
-        client.set_model_version_tag(model_name, str(version), key, str(value)[:5000])
+    for key, value in signed_version_tags(model_name, version, tags).items():
+        client.set_model_version_tag(model_name, str(version), key, value)
 
 
 def registered_files(tracking_uri: str, model_name: str, version: dict, cache_dir: str | Path
-                   ) -> tuple[Path, Path, str | None]:
+                     ) -> tuple[Path, Path, str | None]:
     """(checkpoint, tokenizer, copy hash) of a registered version (a get_champion / get_version
-    dict), verified: its own files if they still hash to the registered content hash (copy hash
-    None: its run's manifest vouches for it), else its registered copy from MLflow, verified against the hashes recorded when it was
-    registered (copy hash: export_sha256, for loading it). Raises UnverifiedModel when neither
-    verifies."""
-    tags = version["tags"]
-    ckpt, tok = Path(tags.get("checkpoint", "")), Path(tags.get("tokenizer", ""))
-    if tags.get("checkpoint") and ckpt.is_dir() and tok.is_file():
-        if content_hash_of(sha256_tree(ckpt), sha256_file(tok)) == tags.get("content_hash"):
-            return ckpt, tok, None
-        log.warning("version %s's files %s / %s no longer match its content hash", version["version"], ckpt, tok)
-    if not (tags.get("export_sha256") and tags.get("tokenizer_sha256")):
-        raise UnverifiedModel(f"version {version['version']}'s files ({ckpt}, {tok}) are gone or changed and "
-                              "it was registered without the hashes that would verify its registered copy")
-    local = Path(cache_dir) / f"{model_name}-v{version['version']}"
-    if not (local / "verified").is_file():
-        import mlflow.artifacts
+    dict: verified tags only), verified: its own files if they still hash to the signed content hash
+    (copy hash None: its run's manifest vouches for it), else its registered copy from MLflow,
+    verified against its signed manifest and the signed hashes recorded at registration (copy hash:
+    export_sha256, for loading it). Raises UnverifiedModel when neither verifies."""
+    from tasks.deploy.mlflow_model import download_verified, verify_model_dir
 
-        local.mkdir(parents=True, exist_ok=True)
-        mlflow.artifacts.download_artifacts(artifact_uri=version["source"], dst_path=str(local),
-                                            tracking_uri=tracking_uri)
-    arts = next(local.rglob("artifacts"), None)
-    ckpt = arts / "checkpoint" if arts else local / "missing"
-    toks = [p for p in arts.iterdir() if p.is_file()] if arts else []
-    if (not ckpt.is_dir() or len(toks) != 1 or sha256_tree(ckpt) != tags["export_sha256"]
-            or sha256_file(toks[0]) != tags["tokenizer_sha256"]):
-        raise UnverifiedModel(f"the registered copy of version {version['version']} ({version['source']}) "
-                              "does not match the hashes recorded at registration")
-    (local / "verified").write_text("checked against export_sha256 and tokenizer_sha256\n")
-    return ckpt, toks[0], tags["export_sha256"]
+    tags, number = version["tags"], version["version"]
+    ckpt, tok = Path(tags.get("checkpoint", "")), Path(tags.get("tokenizer", ""))
+    if tags.get("checkpoint") and tags.get("content_hash") and ckpt.is_dir() and tok.is_file():
+        if content_hash_of(sha256_tree(ckpt), sha256_file(tok)) == tags["content_hash"]:
+            return ckpt, tok, None
+        log.warning("version %s's files %s / %s no longer match its content hash", number, ckpt, tok)
+    if not all(tags.get(k) for k in ("export_sha256", "tokenizer_sha256")):
+        refused = f" (refused, unsigned or forged: {', '.join(version['untrusted_tags'])})" \
+            if version.get("untrusted_tags") else ""
+        raise UnverifiedModel(f"version {number}'s files ({ckpt}, {tok}) are gone or changed and it has no "
+                              f"signed hashes that would verify its registered copy{refused}")
+    what = f"the registered copy of {model_name} version {number} ({version['source']})"
+    local = Path(cache_dir) / f"{model_name}-v{number}"
+    cached = local / version["source"].rstrip("/").rsplit("/", 1)[-1]
+    if cached.is_dir():  # downloaded before: verified again, as anyone may have written the cache
+        try:
+            return verify_model_dir(cached, tags, what)
+        except UnverifiedModel as e:
+            log.warning("%s; downloading it again", e)
+    shutil.rmtree(local, ignore_errors=True)
+    local.mkdir(parents=True, exist_ok=True)
+    return download_verified(tracking_uri, version, local, what)
 
 
 def record_gate(tracking_uri: str, run_id: str | None, step: int | None, decision: dict,
                 yardstick: dict | None = None) -> None:
     """The gate's verdict on the training run: tags gate.step-N.passed / .reason and the metric
     gate_passed (1/0) at the checkpoint's step; gated on the yardstick, also the set's hash, the
-    champion's version and both models' bits per byte (metrics gate_<who>_bpb_<part>). Nothing
-    without a run id."""
+    champion's version and both models' bits per byte (metrics gate_<who>_bpb_<part>). The tags are
+    signed (sig.<name>, bound to the run: verified_run_tags reads them back). Nothing without a run id."""
     if not run_id:
         return
     import time
@@ -287,27 +373,25 @@ def record_gate(tracking_uri: str, run_id: str | None, step: int | None, decisio
     key = f"gate.step-{int(step) if step is not None else 'unknown'}"
     now, at = int(time.time() * 1000), int(step or 0)
     metrics = [Metric("gate_passed", float(bool(decision["passed"])), now, at)]
-    tags = [RunTag(f"{key}.passed", str(bool(decision["passed"])).lower()),
-            RunTag(f"{key}.reason", str(decision["reason"])[:5000])]
+    tags = {f"{key}.passed": str(bool(decision["passed"])).lower(), f"{key}.reason": decision["reason"]}
     if yardstick:
-        tags += [RunTag(f"{key}.yardstick_sha256", yardstick["set"]["sha256"]),
-                 RunTag(f"{key}.champion_version", str(yardstick["champion"]["version"]))]
+        tags |= {f"{key}.yardstick_sha256": yardstick["set"]["sha256"],
+                 f"{key}.champion_version": yardstick["champion"]["version"]}
         metrics += [Metric(f"gate_{who}_bpb_{part}", float(v), now, at)
                     for who in ("challenger", "champion") for part, v in yardstick[who]["bits_per_byte"].items()]
-    _client(tracking_uri).log_batch(run_id, metrics=metrics, tags=tags)
+    _client(tracking_uri).log_batch(run_id, metrics=metrics,
+                                    tags=[RunTag(k, v) for k, v in signed_run_tags(run_id, tags).items()])
 
 
 def verify_registered(tracking_uri: str, model_name: str, version: int) -> str:
-    """Load version `version` back from the registry as a pyfunc and generate one token; returns
-    what was checked. Raises if the model cannot be loaded or does not answer."""
-    import mlflow.artifacts
-    import mlflow.pyfunc
+    """Load version `version`'s registered copy back from the registry with the project's loader
+    (signed manifest and hashes verified before anything is read; no code from the artifact store
+    runs) and generate one token; returns what was checked. Raises if it does not verify, cannot
+    be loaded or does not answer."""
+    from tasks.deploy.mlflow_model import load_registered
 
-    source = _client(tracking_uri).get_model_version(model_name, str(version)).source
-    with tempfile.TemporaryDirectory(prefix="crucible-verify-") as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=tmp, tracking_uri=tracking_uri)
-        out = mlflow.pyfunc.load_model(local).predict(["The"], params={"max_tokens": 1, "temperature": 0.0})
+    out = load_registered(tracking_uri, model_name, version, registered_copy=True).predict(
+        ["The"], {"max_tokens": 1, "temperature": 0.0})
     if len(out) != 1 or not isinstance(out[0], str):
         raise RuntimeError(f"the registered model answered {out!r}")
     return "loaded from the registry and generated"

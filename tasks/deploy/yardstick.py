@@ -16,8 +16,9 @@ on `old` and `wikitext` by at most deploy.max_forgetting (bits per byte), and on
 LAMBADA / HellaSwag accuracy (from both evaluation reports) by at most deploy.max_forgetting_acc:
 the forgetting guard. The absolute threshold deploy.max_val_loss applies to every challenger.
 
-Scores are kept on the registered versions as tags `yardstick.<sha256[:16]>.<part>`, so the
-champion is scored once per set (every checkpoint of a run is gated on the same set). The
+Scores are kept on the registered versions as signed tags `yardstick.<sha256[:16]>.<part>`, so the
+champion is scored once per set (every checkpoint of a run is gated on the same set); a score tag
+that is unsigned or forged is not among the champion's verified tags, so it is scored again. The
 champion's files are its registered checkpoint and tokenizer, verified against the registered
 content hash; when they are gone, its registered copy is downloaded from MLflow and verified
 against the hashes recorded at registration (`export_sha256`, `tokenizer_sha256`).
@@ -196,7 +197,10 @@ def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: s
     ckpt = evaluation["checkpoint"]
     out_dir = Path(out_dir or gate_dir(cfg, ckpt))
     new_index = new_index if new_index is not None else trained_on(ckpt)
-    pool = pool if pool is not None else replay_pool(champion["tags"].get("data.tokens_index"))
+    # the champion's tags are verified ones (get_champion); its token index must still hash to the signed value
+    tags = champion["tags"]
+    pool = pool if pool is not None else replay_pool(tags.get("data.tokens_index"),
+                                                     tags.get("data.tokens_index_sha256") or "")
     champ_tok = champion["tags"].get("tokenizer")
     built = build_yardstick(cfg, out_dir / "yardstick.jsonl", new_index, tokenizer_path, pool,
                             champ_tok if champ_tok and Path(champ_tok).is_file() else None)
@@ -215,6 +219,12 @@ def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: s
     challenger_acc = {m: (evaluation.get("task_metrics") or {}).get(m) for m in ACCURACY}
     champion_acc = {m: float(champion["tags"][f"eval.{m}"]) for m in ACCURACY if f"eval.{m}" in champion["tags"]}
     decision = decide(d, challenger_bpb, champion_bpb, challenger_acc, champion_acc)
+    # an accuracy is not re-measured here: a forged or unsigned one (left out of the verified tags)
+    # would silently drop its forgetting check, so the gate refuses instead
+    if forged := [f"eval.{m}" for m in ACCURACY if f"eval.{m}" in champion.get("untrusted_tags", ())]:
+        decision = {**decision, "passed": False,
+                    "reason": f"yardstick refuses: the champion's {', '.join(forged)} tags are unsigned or forged, "
+                              "so its accuracy cannot be compared (re-register or re-evaluate the champion)"}
     data = {"set": built, "challenger": {"checkpoint": str(ckpt), "bits_per_byte": challenger_bpb},
             "champion": {"version": champion["version"], "content_hash": champion["tags"].get("content_hash"),
                          "checkpoint": champion["tags"].get("checkpoint"), "bits_per_byte": champion_bpb,
