@@ -98,6 +98,25 @@ def test_status_shows_every_node_alive(cluster):
     assert {k for k in stack.status(cluster) if k.startswith("ray_")} == set(st)
 
 
+def test_driver_or_job_without_the_clusters_token_is_refused(cluster, tmp_path):
+    """The cluster's GCS and agents listen on every interface (Ray binds them for a multi-node
+    cluster): a driver without the stack's token, or with another, is refused and runs nothing, and
+    so is a job posted to a node agent's job API."""
+    import sys
+
+    from test_ray_security import WITHOUT_TOKEN, _post, assert_attach_refused
+
+    for name, auth in WITHOUT_TOKEN.items():
+        assert_attach_refused(stack.cluster_address(cluster), tmp_path / f"{name}-ran", auth)
+    marker = tmp_path / "job-ran"
+    entrypoint = f"{sys.executable} -c \"open({str(marker)!r}, 'w').write('ran')\""
+    for port in (cluster.ray_agent_port, cluster.ray_agent_port + 1):  # the head's agent, worker-1's
+        url = f"http://127.0.0.1:{port}/api/job_agent/jobs/"
+        assert _post(url, {"entrypoint": entrypoint}) in (401, 403), url
+    time.sleep(3)
+    assert not marker.exists()
+
+
 def test_curate_on_two_nodes_equals_local_ray(cluster, local_run, tmp_path):
     """Every curate job ran on a worker node (the head has no CPUs), both nodes took some, and the
     curated documents (ids and texts) and drops are those of the local run."""

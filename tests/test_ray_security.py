@@ -185,20 +185,27 @@ ATTACH = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("auth", [{"RAY_AUTH_MODE": "disabled"},
-                                  {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "a-guessed-token-" + "0" * 32}],
-                         ids=["no-token", "wrong-token"])
-def test_driver_attaching_without_the_token_is_refused(stage_ray, tmp_path, auth):
-    marker = tmp_path / "driver-ran"
+WITHOUT_TOKEN = {"no-token": {"RAY_AUTH_MODE": "disabled"},
+                 "wrong-token": {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "a-guessed-token-" + "0" * 32}}
+
+
+def assert_attach_refused(address: str, marker: Path, auth: dict) -> None:
+    """A driver in a fresh process, with `auth` for its Ray settings, attaches to the GCS at
+    `address` and runs a task that writes `marker`: it must be refused by the GCS for want of the
+    token (not merely fail to reach it), and nothing may run."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     # the attacker's own settings: dial the recorded address as it is (a driver swaps 127.0.0.1 for
     # the host's address unless told it is on a single-node machine), and give up after 2 tries
     env.update(auth, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_NUM_REDIS_GET_RETRIES="2")
-    proc = subprocess.run([sys.executable, "-c", ATTACH, stage_ray["gcs_address"], str(marker)], env=env,
+    proc = subprocess.run([sys.executable, "-c", ATTACH, address, str(marker)], env=env,
                           capture_output=True, text=True, timeout=120)
-    assert not marker.exists(), "a driver without the run's token ran a task"
-    # refused by the GCS for want of the token (not merely unreachable)
+    assert not marker.exists(), "a driver without the token ran a task"
     assert proc.returncode != 0 and "InvalidAuthToken" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("auth", WITHOUT_TOKEN.values(), ids=WITHOUT_TOKEN.keys())
+def test_driver_attaching_without_the_token_is_refused(stage_ray, tmp_path, auth):
+    assert_attach_refused(stage_ray["gcs_address"], tmp_path / "driver-ran", auth)
 
 
 def test_token_is_fresh_per_run_and_never_written_or_inherited(stage_ray):
