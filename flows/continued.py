@@ -206,12 +206,10 @@ def _close_cycle(cfg: PipelineConfig, ledger, run_name: str, number: int, summar
                  "crucible.previous_cycle_run": str(champion.run_name)}
     Tracker(tracking_uri, cfg.name).set_tags(run_id, tags)
     if version is not None and deployed.get("model_name"):
-        from mlflow.tracking import MlflowClient
+        from tasks.deploy.registry import set_version_tags  # signed, like every tag the pipeline writes
 
-        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-        client.set_model_version_tag(deployed["model_name"], str(version), CYCLE_TAG, str(number))
-        if champion is not None:
-            client.set_model_version_tag(deployed["model_name"], str(version), "continued_from", str(champion.version))
+        set_version_tags(tracking_uri, deployed["model_name"], version, {
+            CYCLE_TAG: str(number), **({"continued_from": str(champion.version)} if champion is not None else {})})
     summary["cycle"]["ledger"] = note
     path = Path(summary["run_dir"]) / "summary.json"
     path.write_text(json.dumps(summary, indent=2, default=str))

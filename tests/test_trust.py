@@ -117,23 +117,28 @@ def test_the_model_server_reload_refuses_a_poisoned_checkpoint(poisoned):
 
 
 def test_a_registered_copy_is_verified_before_it_is_loaded(poisoned, tmp_path):
-    """The registered pyfunc checks its checkpoint's tree hash (recorded at registration) first."""
-    import mlflow.pyfunc
+    """A registered copy is checked against its signed manifest (and the version's signed hashes)
+    before the project's loader reads it; it holds no loader code (tasks/deploy/mlflow_model.py)."""
     from mlflow import MlflowClient
 
-    from tasks.deploy.registry import register
+    from tasks.deploy.generation import TextGenerator
+    from tasks.deploy.mlflow_model import RegisteredModel, download_verified, verify_model_dir
+    from tasks.deploy.registry import UnverifiedModel, get_version, register
 
     p = poisoned
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     exp = MlflowClient(tracking_uri=uri).create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
     run_id = MlflowClient(tracking_uri=uri).create_run(exp).info.run_id
-    reg = register(uri, "trust", p["good"], p["tokenizer"], {"val_loss": 5.0, "step": 10}, run_id)
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=reg["source"], dst_path=str(tmp_path / "dl"),
-                                                     tracking_uri=uri))
-    assert mlflow.pyfunc.load_model(str(local)).predict(["The"], params={"max_tokens": 1}) is not None
-    (next(next(local.rglob("checkpoint")).glob("*.safetensors"))).write_bytes(pickle.dumps(_WritesMarker(str(p["marker"]))))
-    with pytest.raises(Exception, match="does not verify"):
-        mlflow.pyfunc.load_model(str(local))
+    register(uri, "trust", p["good"], p["tokenizer"], {"val_loss": 5.0, "step": 10}, run_id)
+    version = get_version(uri, "trust", 1)
+    ckpt, tok, copy_hash = download_verified(uri, version, tmp_path / "dl", "the registered copy")
+    gen = TextGenerator.from_files(ckpt, tok, expected_tree_sha256=copy_hash)
+    assert RegisteredModel(gen).predict(["The"], {"max_tokens": 1}) is not None
+    (next(ckpt.glob("*.safetensors"))).write_bytes(pickle.dumps(_WritesMarker(str(p["marker"]))))
+    with pytest.raises(UnverifiedModel, match="not the file its signed manifest records"):
+        verify_model_dir(ckpt.parent, version["tags"], "the registered copy")
+    with pytest.raises(Exception, match="does not verify|content hash"):  # the loader's own check too
+        TextGenerator.from_files(ckpt, tok, expected_tree_sha256=copy_hash)
     assert not p["marker"].exists()
 
 

@@ -48,7 +48,9 @@ class DeployStage(Stage):
                                  f"Champion (version {yardstick['champion_version']}) vs challenger on the yardstick "
                                  f"{yardstick['sha256'][:12]}: {data['reason']}"[:500]))
         result = DeployResult(data, inputs=read, reports=reports)  # read: collecting, it deployed after all
-        if yardstick and cfg.train.init_from:  # continued from the champion it was gated against: an input
+        # continued from the champion it was gated against: an input (named by its signed content hash;
+        # with that tag refused, the gate scored its verified registered copy and no version is claimed)
+        if yardstick and cfg.train.init_from and yardstick.get("champion_content_hash"):
             version = yardstick["champion_version"]
             result.inputs.append(model_version_dataset(
                 ctx.tracking_uri, cfg.deploy.model_name, version, content_hash=yardstick["champion_content_hash"],
