@@ -137,8 +137,7 @@ def _run_in_process(kind: str, files: int, max_docs: int | None, address: str | 
 
 
 def _local_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    return {**env, "RAY_AUTH_MODE": "disabled"}
+    return {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # init_ray starts its own Ray
 
 
 START_ATTEMPTS = 3  # Ray's own processes take random ports: one may take a node's health port first

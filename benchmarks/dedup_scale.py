@@ -212,6 +212,8 @@ def check_against_in_process(n: int, dup_fraction: float, work_dir: Path) -> dic
 def main(argv=None) -> dict:
     import ray
 
+    from tasks.core.ray_utils import start_local_ray
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--docs", type=int, nargs="+", default=[1_000_000, 10_000_000])
     p.add_argument("--dup-fraction", type=float, default=0.1)
@@ -226,9 +228,8 @@ def main(argv=None) -> dict:
                    help="keep the runs of other sizes already in --out (each run records its own load and time)")
     args = p.parse_args(argv)
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=args.cpus, include_dashboard=False, object_store_memory=args.object_store_mb * 2**20,
-             logging_level="WARNING")
+    start_local_ray(args.cpus, include_dashboard=False, object_store_memory=args.object_store_mb * 2**20,
+                    logging_level="WARNING")  # the pipeline's local Ray: loopback, token auth
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="dedup-scale-"))
     res: dict = {"cpus": args.cpus, "dup_fraction": args.dup_fraction, "num_perm": NUM_PERM,
                  "bands": BANDS, "rows": ROWS, "shard_docs": args.shard_docs, "runs": [],

@@ -288,7 +288,6 @@ def curate_end_to_end(work: Path, extractor: str | None = None) -> dict:
     cfg.curate.resume = False
     if extractor:
         cfg.ingest.extractor = extractor
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     t0 = time.perf_counter()
     ing = run_ingest(cfg, work / "ingest")
     t1 = time.perf_counter()

@@ -85,7 +85,7 @@ def init_ray(cfg: RayConfig | None = None) -> bool:
                     "logging_level": logging.WARNING}
     address = cfg.address
     if address is None and not os.environ.get("RAY_ADDRESS"):
-        _start_local_ray(cfg.num_cpus, kwargs)
+        start_local_ray(cfg.num_cpus, **kwargs)
         return True
     check_ray_address(cfg)
     _reload_auth_settings()
@@ -100,9 +100,10 @@ def init_ray(cfg: RayConfig | None = None) -> bool:
     return True
 
 
-def _start_local_ray(num_cpus: int | None, kwargs: dict) -> None:
+def start_local_ray(num_cpus: int | None = None, **init_kwargs) -> None:
     """A new local Ray ("local": never a cluster some `ray start` recorded in /tmp/ray) on
-    127.0.0.1 with token authentication and a token of its own (see the module's docstring)."""
+    127.0.0.1 with token authentication and a token of its own (see the module's docstring);
+    `init_kwargs` go to ray.init (init_ray's, or a benchmark's object store size)."""
     import ray
     from ray._private import ray_constants
 
@@ -111,7 +112,7 @@ def _start_local_ray(num_cpus: int | None, kwargs: dict) -> None:
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), SINGLE_NODE_ENV: "0"}
     with _environment(env), _single_node(ray_constants), _any_free_agent_port():
         _reload_auth_settings()
-        ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **kwargs)
+        ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **init_kwargs)
 
 
 @contextmanager
