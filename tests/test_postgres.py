@@ -214,7 +214,9 @@ def test_demo_artifacts_live_in_the_bucket(pg_demo, tmp_path, monkeypatch):
     assert mv.source.startswith("mlflow-artifacts:/"), mv.source  # proxied: no client ever sees the bucket
     model_prefix = "mlflow/" + mv.source.removeprefix("mlflow-artifacts:").strip("/") + "/"
     model_keys = s3.keys(ARTIFACTS, model_prefix)
-    assert model_prefix + "MLmodel" in model_keys and any("/artifacts/checkpoint/" in k for k in model_keys), model_keys
+    # plain files and a signed manifest, no MLmodel (no loader code: tasks/deploy/mlflow_model.py)
+    assert model_prefix + "crucible-model.json" in model_keys and model_prefix + "MLmodel" not in model_keys
+    assert any(k.startswith(model_prefix + "checkpoint/") for k in model_keys), model_keys
     # the pipeline loaded it back from the registry (verify_registered) before making it champion
     assert mv.tags["deployment.verified"] == "loaded from the registry and generated"
     # a run's logged artifacts (the train stage's train.json, the model's copy), listed through the
@@ -243,7 +245,7 @@ def test_demo_artifacts_live_in_the_bucket(pg_demo, tmp_path, monkeypatch):
     assert took < 30, f"downloading the registered model took {took:.0f}s"
     got = {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()}
     assert got - {"registered_model_meta"} == {k[len(model_prefix):] for k in model_keys}  # (that one: MLflow's note)
-    assert sha256_tree(local / "artifacts" / "checkpoint") == mv.tags["export_sha256"]
+    assert sha256_tree(local / "checkpoint") == mv.tags["export_sha256"]
 
 
 @pytest.mark.e2e
