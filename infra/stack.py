@@ -1058,7 +1058,9 @@ def status(stack_cfg, lineage_cfg=None) -> dict[str, dict]:
 #     ...
 #
 # Every node advertises `connect_host(stack.host)` (127.0.0.1 by default). Ray's GCS and raylets
-# listen on every interface whatever that address is, so the cluster requires Ray's token
+# listen on every interface whatever that address is (`ray start` swaps 127.0.0.1 for the host's
+# address; the single-node switch that keeps loopback, which a run's own local Ray uses, refuses
+# worker nodes), so the cluster requires Ray's token
 # authentication: the token is a 0600 secret of the stack (secrets/ray-auth.token), and a driver
 # needs RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH (`ray_client_env`; `crucible run` sets them).
 #
