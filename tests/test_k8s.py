@@ -25,8 +25,9 @@ import pytest
 import yaml
 
 from tasks.config import load_config
-from tasks.core.constants import REPO_ROOT
+from tasks.core.constants import MLFLOW_AUTH_PROVIDER, MLFLOW_PASSWORD_FILE_ENV, MLFLOW_USERNAME, REPO_ROOT
 from tasks.core.layout import TOKENS_INDEX_FILE, RunLayout
+from tasks.core.signing import SIGNING_KEY_FILE_ENV
 from tasks.train.launcher import torchrun_command
 
 K8S = REPO_ROOT / "infra" / "k8s"
@@ -240,20 +241,111 @@ def secret_references(obj) -> set[tuple[str, str | None]]:
     return refs
 
 
+def pod_specs_of(obj) -> list[dict]:
+    """Every pod spec (a mapping with a `containers` list) anywhere in an object."""
+    if isinstance(obj, dict):
+        if isinstance(obj.get("containers"), list):
+            return [obj]
+        return [pod for value in obj.values() for pod in pod_specs_of(value)]
+    if isinstance(obj, list):
+        return [pod for value in obj for pod in pod_specs_of(value)]
+    return []
+
+
+def mounted_secret(pod: dict, container: dict, path: str) -> tuple[str, str] | None:
+    """(Secret, key) of the file at `path` in this container, when a Secret volume's item is mounted there."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        prefix = mount["mountPath"].rstrip("/") + "/"
+        secret = volumes.get(mount["name"], {}).get("secret")
+        if secret and path.startswith(prefix):
+            for item in secret.get("items", []):
+                if item["path"] == path[len(prefix):]:
+                    return secret["secretName"], item["key"]
+    return None
+
+
+SECRETISH_ENV = re.compile(r"KEY|SECRET|PASSWORD|TOKEN|DATABASE|AUTH_STRING")
+# what a secret looks like wherever it is written: a login in a URL, an ini's password/secret/URI line
+SECRETISH_TEXT = [re.compile(r"://[^/\s:@]+:[^@\s/]+@"),
+                  re.compile(r"^\s*\w*(password|secret|token|database_uri)\w*\s*[=:]", re.I | re.M)]
+UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def random_strings(text: str) -> list[str]:
+    """Long random-looking words (hex, base64, token_urlsafe: 24+ characters mixing 5+ digits and 5+
+    letters) in a string, flow-run UUIDs aside."""
+    words = re.findall(r"[A-Za-z0-9+_=-]{24,}", UUID.sub("", text))
+    return [w for w in words if sum(c.isdigit() for c in w) >= 5 and sum(c.isalpha() for c in w) >= 5]
+
+
+def plain_secrets(objects: list[dict]) -> list[str]:
+    """Where a secret value would be written in plain text in these objects (manifests, the rendered
+    Job): a Secret object, an environment variable named like a secret with a literal value (a `_FILE`
+    variable may name a file of a mounted Secret: the path, not the value), a ConfigMap entry or any
+    string that looks like a secret."""
+    found = [f"Secret/{o['metadata']['name']}" for o in objects if o.get("kind") == "Secret"]
+    for obj in objects:
+        for pod in pod_specs_of(obj):
+            for container in pod.get("containers", []) + pod.get("initContainers", []):
+                for env in container.get("env", []):
+                    if not (SECRETISH_ENV.search(env["name"]) and "value" in env):
+                        continue
+                    if not (env["name"].endswith("_FILE") and mounted_secret(pod, container, env["value"])):
+                        found.append(f"{obj['metadata'].get('name')}: {env['name']} is given a literal value")
+
+        def strings(node, where):
+            if isinstance(node, dict):
+                for k, v in node.items():
+                    yield from strings(v, f"{where}.{k}")
+            elif isinstance(node, list):
+                for i, v in enumerate(node):
+                    yield from strings(v, f"{where}[{i}]")
+            elif isinstance(node, str):
+                yield where, node
+
+        for where, text in strings(obj, obj.get("kind", "?") + "/" + str(obj.get("metadata", {}).get("name"))):
+            found += [f"{where}: {pattern.pattern!r} matches" for pattern in SECRETISH_TEXT if pattern.search(text)]
+            found += [f"{where}: {word[:4]}... looks random" for word in random_strings(text)]
+    return found
+
+
 def test_secrets_only_by_reference_and_documented(rendered):
-    assert not [o for o in rendered if o["kind"] == "Secret"], "a Secret object is in the manifests"
     template = json.loads(BASE_JOB_TEMPLATE.read_text())
-    for obj in [*rendered, template]:
-        for container in containers(obj):
-            for env in container.get("env", []):
-                secretish = re.search(r"KEY|SECRET|PASSWORD|TOKEN|DATABASE|AUTH_STRING", env["name"])
-                assert not (secretish and "value" in env), f"{env['name']} is given a literal value"
+    job = prefect_job_manifest(template)
+    assert not plain_secrets([*rendered, template, job]), plain_secrets([*rendered, template, job])
     refs = secret_references(rendered) | secret_references(template)
     assert {name for name, _ in refs} == {"crucible-s3", "crucible-postgres", "crucible-lineage",
-                                          "crucible-model-server", "crucible-prefect", "crucible-ray"}
+                                          "crucible-model-server", "crucible-prefect", "crucible-ray",
+                                          "crucible-mlflow", "crucible-signing"}
     readme = (K8S / "README.md").read_text()
     for name, key in refs:
         assert f"`{name}`" in readme and (key is None or f"`{key}`" in readme), f"{name}/{key} undocumented"
+        assert re.search(rf"create secret generic {name}\b", readme), f"no command creating {name} in the README"
+
+
+@pytest.mark.parametrize("plant", ["literal-env", "file-env-not-a-secret", "configmap-password", "url-login",
+                                   "random-arg", "secret-object"])
+def test_a_secret_written_in_plain_text_is_found(rendered, plant):
+    """plain_secrets is the check above: each way of writing a secret into a manifest is caught."""
+    objects = copy.deepcopy(rendered)
+    mlflow = find(objects, "Deployment", "mlflow")["spec"]["template"]["spec"]
+    server = mlflow["containers"][0]
+    if plant == "literal-env":
+        env_of(server)["MLFLOW_AUTH_ADMIN_PASSWORD"].update(value="hunter2hunter2")
+        env_of(server)["MLFLOW_AUTH_ADMIN_PASSWORD"].pop("valueFrom")
+    elif plant == "file-env-not-a-secret":  # a _FILE variable naming a file no Secret is mounted at
+        server["env"].append({"name": "CRUCIBLE_SIGNING_KEY_FILE", "value": "/run/mlflow-auth/signing.key"})
+    elif plant == "configmap-password":
+        configmap = find(objects, "ConfigMap", "mlflow-auth")["data"]
+        configmap["basic_auth.ini"] += "admin_password = hunter2hunter2\n"
+    elif plant == "url-login":
+        server["command"] += ["--backend-store-uri", "postgresql://mlflow:hunter2@db:5432/mlflow"]
+    elif plant == "random-arg":
+        server["command"] += ["--flask-key", "3f7c1e9a0b4d4e2f8a6c5b1d9e0f7a3c"]
+    else:
+        objects.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "crucible-mlflow"}})
+    assert plain_secrets(objects)
 
 
 def test_model_server_is_ready_on_health(rendered):
@@ -282,7 +374,8 @@ def test_services_select_their_pods_and_probe_the_health_paths(rendered):
     mlflow = find(rendered, "Deployment", "mlflow")["spec"]["template"]["spec"]["containers"][0]
     destination = mlflow["command"][mlflow["command"].index("--artifacts-destination") + 1]
     assert destination.startswith("s3://")
-    assert {e["name"] for e in mlflow["env"] if "valueFrom" in e} == {"MLFLOW_BACKEND_STORE_URI"}
+    assert {e["name"] for e in mlflow["env"] if "valueFrom" in e} == {
+        "MLFLOW_BACKEND_STORE_URI", "MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY"}
 
 
 def test_ray_cluster_runs_the_pinned_ray(rendered):
@@ -517,3 +610,124 @@ def test_network_policies_deny_by_default_and_admit_only_what_each_service_needs
             for port in dst_ports:
                 assert admits(policies, source, pods[dst], port) == (source is clients and dst == "model-server"), (
                     source, dst, port)
+
+
+# ------------------------------------------------------------------------------ MLflow's login and the signing key
+
+MLFLOW_LOGIN = ("crucible-mlflow", "admin-password")
+SIGNING_KEY = ("crucible-signing", "signing-key")
+
+
+def crucible_pods(rendered: list[dict]) -> dict[str, dict]:
+    """The pod spec of each kind of pod the manifests make, as it runs: the training pods are the
+    TrainingRuntime's `node` pod with the TrainJob's trainer env added to that container (what Kubeflow
+    Trainer does); the flow runs are the Job the Prefect worker builds from the base job template."""
+    pods = {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in rendered if o["kind"] == "Deployment"}
+    ray = find(rendered, "RayCluster", "crucible-ray")["spec"]
+    pods["ray-head"] = ray["headGroupSpec"]["template"]["spec"]
+    for group in ray["workerGroupSpecs"]:
+        pods[f"ray-{group['groupName']}"] = group["template"]["spec"]
+    (node,) = find(rendered, "TrainingRuntime", "crucible-torch")["spec"]["template"]["spec"]["replicatedJobs"]
+    trainer = copy.deepcopy(node["template"]["spec"]["template"]["spec"])
+    container = next(c for c in trainer["containers"] if c["name"] == "node")
+    container["env"] = container.get("env", []) + find(rendered, "TrainJob", "crucible-train")["spec"]["trainer"]["env"]
+    pods["trainer"] = trainer
+    job = prefect_job_manifest(json.loads(BASE_JOB_TEMPLATE.read_text()))
+    pods["flow-run"] = job["spec"]["template"]["spec"]
+    return pods
+
+
+def all_containers(pod: dict) -> list[dict]:
+    return pod["containers"] + pod.get("initContainers", [])
+
+
+def is_mlflow_client(container: dict) -> bool:
+    return "MLFLOW_TRACKING_URI" in env_of(container) or "--tracking-uri" in container.get("command", [])
+
+
+def test_mlflow_runs_basic_auth_with_no_default_permission_and_its_secrets_from_a_secret(rendered, tmp_path):
+    """The auth app, configured by the ini its init container writes: that script is run here on the
+    ConfigMap's template (mount paths moved under tmp_path) and MLflow's own reader reads the result."""
+    from mlflow.server.auth.config import read_auth_config
+
+    pod = find(rendered, "Deployment", "mlflow")["spec"]["template"]["spec"]
+    server = pod["containers"][0]
+    cmd = server["command"]
+    assert cmd[:2] == ["mlflow", "server"] and cmd[cmd.index("--app-name") + 1] == "basic-auth"
+    env = env_of(server)
+    assert from_secret(env, "MLFLOW_AUTH_ADMIN_PASSWORD") == MLFLOW_LOGIN
+    assert from_secret(env, "MLFLOW_FLASK_SERVER_SECRET_KEY") == ("crucible-mlflow", "flask-secret-key")
+    assert "MLFLOW_AUTH_ADMIN_USERNAME" not in env  # the ini's admin_username, checked below
+    config_path = env["MLFLOW_AUTH_CONFIG_PATH"]["value"]
+
+    (init,) = pod["initContainers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    moved = {}
+    for mount in init["volumeMounts"]:
+        local = tmp_path / mount["name"]
+        local.mkdir()
+        if "configMap" in volumes[mount["name"]]:
+            for key, text in find(rendered, "ConfigMap", volumes[mount["name"]]["configMap"]["name"])["data"].items():
+                (local / key).write_text(text)
+        else:  # the ini is written to a memory volume, mounted by the server where it reads it
+            assert volumes[mount["name"]] == {"name": mount["name"], "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}
+            server_mount = next(m for m in server["volumeMounts"] if m["name"] == mount["name"])
+            assert config_path.startswith(server_mount["mountPath"] + "/") and server_mount["readOnly"]
+            written = local / config_path[len(server_mount["mountPath"]) + 1:]
+        moved[mount["mountPath"]] = str(local)
+    script = init["command"][-1]
+    for mount_path, local in moved.items():
+        script = script.replace(mount_path, local)
+    assert from_secret(env_of(init), "MLFLOW_AUTH_DATABASE_URI") == ("crucible-postgres", "mlflow-auth-database-url")
+    database = "postgresql://mlflow:p%40ss%25word@postgres:5432/mlflow_auth"  # URL-quoted: `%` survives
+    subprocess.run([sys.executable, *init["command"][1:-1], script], check=True, timeout=60,
+                   env={"MLFLOW_AUTH_DATABASE_URI": database, "PATH": "/usr/bin:/bin"})
+    assert init["command"][0] == "python" and (written.stat().st_mode & 0o777) == 0o600
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_AUTH_CONFIG_PATH", str(written))
+        mp.delenv("MLFLOW_AUTH_ADMIN_PASSWORD", raising=False)
+        mp.delenv("MLFLOW_AUTH_ADMIN_USERNAME", raising=False)
+        config = read_auth_config()
+    assert config.default_permission == "NO_PERMISSIONS"
+    assert config.database_uri == database
+    assert config.admin_username == MLFLOW_USERNAME  # the user the clients' plugin logs in as
+    assert config.admin_password is None  # it comes from the Secret, never the ini
+    assert config.authorization_function == "mlflow.server.auth:authenticate_request_basic_auth"
+    assert not config.grant_default_workspace_access
+
+
+def test_every_mlflow_client_pod_sends_the_stack_login_from_a_mounted_secret(rendered):
+    pods = crucible_pods(rendered)
+    clients = {name for name, pod in pods.items() if any(map(is_mlflow_client, all_containers(pod)))}
+    assert clients == {"flow-run", "trainer", "model-server"}
+    for name in clients:
+        for container in filter(is_mlflow_client, all_containers(pods[name])):
+            env = env_of(container)
+            assert env["MLFLOW_TRACKING_AUTH"] == {"name": "MLFLOW_TRACKING_AUTH", "value": MLFLOW_AUTH_PROVIDER}, name
+            password_file = env[MLFLOW_PASSWORD_FILE_ENV]["value"]
+            assert mounted_secret(pods[name], container, password_file) == MLFLOW_LOGIN, (name, password_file)
+
+
+def test_every_signer_mounts_the_signing_key_and_nothing_else_does(rendered):
+    """Flow runs sign and verify (reports, gate records, registry tags, lineage, run configs), the
+    training pods sign checkpoint manifests, the model server verifies registry tags on reload. No
+    other pod gets the key: a Ray worker, MLflow or the lineage service holding it could forge them."""
+    pods = crucible_pods(rendered)
+    signers = {"flow-run", "trainer", "model-server"}
+    holders = {name for name, pod in pods.items() if SIGNING_KEY[0] in {n for n, _ in secret_references(pod)}}
+    assert holders == signers
+    for name in signers:
+        (container,) = [c for c in pods[name]["containers"] if SIGNING_KEY_FILE_ENV in env_of(c)]
+        key_file = env_of(container)[SIGNING_KEY_FILE_ENV]["value"]
+        assert mounted_secret(pods[name], container, key_file) == SIGNING_KEY, (name, key_file)
+    # the flow runs keep the stack's state (signed run configs, run-roots.json) on the shared volume,
+    # where the run that registers a config and the triggered runs that read it both find it
+    flow_run = pods["flow-run"]
+    (container,) = flow_run["containers"]
+    state = env_of(container)["CRUCIBLE_STATE_DIR"]["value"]
+    volumes = {v["name"]: v for v in flow_run["volumes"]}
+    (mount,) = [m for m in container["volumeMounts"] if state.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert volumes[mount["name"]]["persistentVolumeClaim"]["claimName"] == "crucible-shared"
+    assert not mount.get("readOnly")
+    assert find(rendered, "PersistentVolumeClaim", "crucible-shared")["spec"]["accessModes"] == ["ReadWriteMany"]
