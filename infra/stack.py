@@ -285,17 +285,40 @@ def prefect_headers(stack_cfg) -> dict[str, str]:
 
 
 RUN_ROOTS_FILE = "run-roots.json"
+# run-roots.json and run-stores.json decide where an event's checkpoint may come from: signed, so a
+# root or store written there by anyone but the stack is refused (tasks/core/signing.py)
+RUN_ROOTS_PURPOSE = "run-roots"
+RUN_STORES_PURPOSE = "run-stores"
+
+
+def _read_signed_list(stack_cfg, name: str, purpose: str, field: str) -> list:
+    """The list under `field` of a signed state file: [] when there is none, or when it is unsigned or
+    forged (logged as refused; the stack's next registration rewrites it)."""
+    from tasks.core.signing import SignatureError, read_signed
+
+    try:
+        value = read_signed(state_dir(stack_cfg) / name, purpose).get(field)
+    except (OSError, SignatureError):
+        return []
+    return list(value) if isinstance(value, list) else []
+
+
+def _write_signed_list(stack_cfg, name: str, purpose: str, field: str, items: list) -> None:
+    from tasks.core.signing import write_signed
+
+    path = state_dir(stack_cfg) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_signed(path, {field: items}, purpose)
 
 
 def register_run_root(stack_cfg, run_root: str | Path) -> None:
     """Record a run root the stack's event-triggered flows may load checkpoints from (what
     `crucible run` does for its config): an event naming a checkpoint anywhere else is refused."""
-    path = state_dir(stack_cfg) / RUN_ROOTS_FILE
     roots = run_roots(stack_cfg)
     root = Path(run_root).expanduser().resolve()
     if root not in roots:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(sorted(str(r) for r in roots + [root]), indent=2) + "\n", fsync=False)
+        _write_signed_list(stack_cfg, RUN_ROOTS_FILE, RUN_ROOTS_PURPOSE, "roots",
+                           sorted(str(r) for r in roots + [root]))
 
 
 RUN_CONFIGS_DIR = "run-configs"
@@ -344,28 +367,21 @@ def register_run_store(stack_cfg, store) -> None:
     """Record a remote run_root's store (its URI, option references and cache dir; never a secret:
     storage.options holds ${ENV} references only): the triggered flows open it to take an event's
     checkpoint object (training writes checkpoints to the store) into the working copy."""
-    path = state_dir(stack_cfg) / RUN_STORES_FILE
     stores = {s["root"]: s for s in run_stores(stack_cfg)}
     entry = {"root": store.root, "options": store.options, "cache_dir": store.cache_dir}
     if stores.get(store.root) != entry:
         stores[store.root] = entry
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(sorted(stores.values(), key=lambda s: s["root"]), indent=2) + "\n",
-                          fsync=False)
+        _write_signed_list(stack_cfg, RUN_STORES_FILE, RUN_STORES_PURPOSE, "stores",
+                           sorted(stores.values(), key=lambda s: s["root"]))
 
 
 def run_stores(stack_cfg) -> list[dict]:
-    try:
-        return list(json.loads((state_dir(stack_cfg) / RUN_STORES_FILE).read_text()))
-    except (OSError, ValueError, TypeError):
-        return []
+    return [s for s in _read_signed_list(stack_cfg, RUN_STORES_FILE, RUN_STORES_PURPOSE, "stores")
+            if isinstance(s, dict)]
 
 
 def run_roots(stack_cfg) -> list[Path]:
-    try:
-        return [Path(p) for p in json.loads((state_dir(stack_cfg) / RUN_ROOTS_FILE).read_text())]
-    except (OSError, ValueError, TypeError):
-        return []
+    return [Path(p) for p in _read_signed_list(stack_cfg, RUN_ROOTS_FILE, RUN_ROOTS_PURPOSE, "roots")]
 
 
 def use_stack(stack_cfg, lineage_cfg=None) -> None:

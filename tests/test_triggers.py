@@ -77,6 +77,36 @@ def test_triggered_flows_load_checkpoints_only_under_registered_run_roots(tmp_pa
             trusted_run_paths(forged)
 
 
+def test_a_run_root_or_store_planted_in_the_state_dir_is_not_trusted(tmp_path, monkeypatch):
+    """run-roots.json and run-stores.json decide where an event's checkpoint may come from: a root or
+    store written there by anyone but the stack (unsigned, or with a signature of another key) is
+    refused, and the genuine registrations still count."""
+    from flows.triggers import trusted_run_paths
+    from tasks.core.signing import SIGNING_KEY_FILE_ENV, dumps_signed
+    from tasks.deploy.triggered import ForgedClaim
+
+    state = tmp_path / "state"
+    stack_cfg = StackConfig(state_dir=str(state))
+    monkeypatch.setenv(stack.STATE_DIR_ENV, str(state))
+    planted = tmp_path / "planted" / "r1" / "train" / "checkpoints" / "step-000010"
+    state.mkdir(parents=True)
+    (state / stack.RUN_ROOTS_FILE).write_text(json.dumps([str(tmp_path / "planted")]))
+    (state / stack.RUN_STORES_FILE).write_text(json.dumps([{"root": "s3://evil/x", "options": {}, "cache_dir": "/tmp"}]))
+    assert stack.run_roots(stack_cfg) == [] and stack.run_stores(stack_cfg) == []
+    with pytest.raises(ForgedClaim):
+        trusted_run_paths(planted)
+    # signed with another key: refused the same
+    own_key = os.environ[SIGNING_KEY_FILE_ENV]
+    monkeypatch.setenv(SIGNING_KEY_FILE_ENV, str(tmp_path / "other.key"))
+    forged = dumps_signed({"roots": [str(tmp_path / "planted")]}, stack.RUN_ROOTS_PURPOSE)
+    monkeypatch.setenv(SIGNING_KEY_FILE_ENV, own_key)
+    (state / stack.RUN_ROOTS_FILE).write_text(forged)
+    assert stack.run_roots(stack_cfg) == []
+    # the stack's own registration replaces what it refused
+    stack.register_run_root(stack_cfg, tmp_path / "runs")
+    assert stack.run_roots(stack_cfg) == [(tmp_path / "runs").resolve()]
+
+
 def test_a_store_working_copy_is_the_same_folder_from_any_working_directory(tmp_path, monkeypatch):
     """`storage.cache_dir` given relative or with ~ is fixed when the store is opened: the stack's
     worker, started elsewhere, maps the event's object into the same working copy as the run."""
