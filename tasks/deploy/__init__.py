@@ -4,7 +4,7 @@ then `champion` once verified) and serve it behind an OpenAI-compatible API.
     gate.py          gate(deploy_cfg, eval_result) -> {passed, reason}: the absolute threshold
     yardstick.py     the gate against the champion: both scored on one pinned set in bits per byte
     registry.py      get_champion / register / promote / reject / record_gate (MLflow model registry)
-    generation.py    KV-cached sampling shared by the model server and the registered pyfunc
+    generation.py    KV-cached sampling shared by the model server and load_registered
     export.py        Hugging Face-compatible export (Llama layout) + model card
     triggered.py     hand-over files between the event-triggered flows and a waiting pretrain flow
     stage.py         the deploy stage of the pretrain flow

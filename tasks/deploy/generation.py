@@ -28,7 +28,7 @@ from tasks.core.hashing import sha256_file
 from tasks.tokenizer.bpe import load_tokenizer  # a literal "<|endoftext|>" in user text stays text
 
 DEFAULT_EOS_TOKEN = "<|endoftext|>"
-# Inference parameters of the registered pyfunc and their defaults (seed -1: unseeded).
+# Inference parameters of a registered version's predict (tasks/deploy/mlflow_model.py) and their defaults (seed -1: unseeded).
 PYFUNC_PARAMS = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "seed": -1}
 
 

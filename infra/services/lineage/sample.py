@@ -231,8 +231,8 @@ def _train(s: _SampleRun, flow: JobRef, stage: Stage) -> None:
     with s.run(job, flow, stage, inputs=inputs) as run:
         for step in range(1, s.n_checkpoints + 1):
             ckpt = s.layout.checkpoints_dir / f"step-{step * 100:06d}"
-            _write(ckpt / "__0_0.distcp", f"{s.p.run_name} weights {step}\n")
-            _write(ckpt / ".metadata", f"{s.p.run_name} metadata {step}\n")
+            _write(ckpt / "shard-00000-model-00001-of-00001.safetensors", f"{s.p.run_name} weights {step}\n")
+            _write(ckpt / "crucible_checkpoint.json", f"{s.p.run_name} meta {step}\n")
             s.p.checkpoints.append(ckpt)
         run.outputs += [dataset_for_path(c, output=True) for c in s.p.checkpoints]
         s.facets(job, crucible_config=CrucibleConfigRunFacet(config={
