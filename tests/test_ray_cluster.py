@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from attack_helpers import descendant_pids
 from infra import stack
 from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, IngestConfig, PipelineConfig, RayConfig, SourceConfig
 from tasks.core.documents import iter_docs
@@ -146,20 +147,7 @@ def _raylet_pid(stack_cfg, service: str) -> int:
 def _node_pids(stack_cfg, service: str) -> set[int]:
     """Every process of a node: its `ray start` group and all their descendants (Ray's worker
     processes, the actors among them)."""
-    pids = set(stack.group_pids(stack.running_pid(stack_cfg, service)))
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    grew = True
-    while grew:
-        children = {pid for pid, ppid in parents.items() if ppid in pids} - pids
-        pids |= children
-        grew = bool(children)
-    return pids
+    return descendant_pids(set(stack.group_pids(stack.running_pid(stack_cfg, service))))
 
 
 def test_worker_node_killed_mid_stage_curate_completes_identically(cluster, local_run, tmp_path):

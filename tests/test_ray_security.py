@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from attack_helpers import descendant_pids
 from tasks.config import RayConfig
 
 TCP_LISTEN = "0A"  # /proc/net/tcp state of a listening socket
@@ -41,24 +42,6 @@ def _listening_sockets() -> dict[int, tuple[str, int]]:
             raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
             found[int(fields[9])] = (socket.inet_ntop(family, raw), int(port, 16))
     return found
-
-
-def _descendants(root: int) -> set[int]:
-    """`root` and every process below it (Ray's GCS, raylet and agents are the driver's children,
-    its workers the raylet's)."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    pids, grew = {root}, True
-    while grew:
-        children = {pid for pid, ppid in parents.items() if ppid in pids} - pids
-        pids |= children
-        grew = bool(children)
-    return pids
 
 
 def _socket_inodes(pid: int) -> set[int]:
@@ -96,11 +79,11 @@ def _ray_listeners() -> list[tuple[int, str, str, int]]:
     below it."""
     listening = _listening_sockets()
     return [(pid, _cmdline(pid), *listening[inode])
-            for pid in sorted(_descendants(os.getpid())) for inode in _socket_inodes(pid) if inode in listening]
+            for pid in sorted(descendant_pids({os.getpid()})) for inode in _socket_inodes(pid) if inode in listening]
 
 
 def _raylet_pid() -> int:
-    pids = [p for p in _descendants(os.getpid()) if "raylet/raylet" in _cmdline(p)]
+    pids = [p for p in descendant_pids({os.getpid()}) if "raylet/raylet" in _cmdline(p)]
     assert len(pids) == 1, pids
     return pids[0]
 

@@ -16,17 +16,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from attack_helpers import WritesMarker
 from tasks.config import PipelineConfig
-
-
-class _WritesMarker:
-    """Unpickling this creates the file `path`: what an attacker's planted pickle would do."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __reduce__(self):
-        return (Path.touch, (Path(self.path),))
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +76,7 @@ def test_forged_tags_pointing_at_a_planted_checkpoint_are_refused(trained, store
     uri, marker = store["uri"], tmp_path / "PWNED"
     planted = tmp_path / "evil" / "train" / "checkpoints" / "step-000020"
     shutil.copytree(trained[20], planted)
-    (planted / ".metadata").write_bytes(pickle.dumps(_WritesMarker(str(marker))))  # what DCP unpickled
+    (planted / ".metadata").write_bytes(pickle.dumps(WritesMarker(str(marker))))  # what DCP unpickled
     files = {str(p.relative_to(planted)): sha256_file(p) for p in planted.rglob("*") if p.is_file()}
     (planted.parent / "checkpoints.json").write_text(json.dumps(
         {"checkpoints": [{"step": 20, "path": planted.name, "files": files, "train_loss": None, "val_loss": None,
@@ -222,7 +213,7 @@ def test_planted_loader_code_in_the_registered_artifacts_never_runs(trained, sto
     (plant / "MLmodel").write_text(f"flavors:\n  python_function:\n    loader_module: {module}\n    code: code\n"
                                    "    python_version: 3.11.0\nmlflow_version: 3.17.2\n")
     (plant / "checkpoint").mkdir()
-    (plant / "checkpoint" / ".metadata").write_bytes(pickle.dumps(_WritesMarker(str(marker))))
+    (plant / "checkpoint" / ".metadata").write_bytes(pickle.dumps(WritesMarker(str(marker))))
     outsider.log_artifacts(mv.run_id, str(plant), mv.source.rsplit("/artifacts/", 1)[1])
 
     with pytest.raises(Exception, match="does not list|not the file"):

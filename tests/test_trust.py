@@ -19,17 +19,8 @@ import pytest
 
 from fastapi.testclient import TestClient
 
+from attack_helpers import WritesMarker
 from tasks.core.hashing import sha256_file
-
-
-class _WritesMarker:
-    """Unpickling this creates the file `path`: what an attacker's .metadata would do."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __reduce__(self):
-        return (Path.touch, (Path(self.path),))
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +33,7 @@ def poisoned(run, base, tmp_path_factory):
     train = root / "run" / "train"
     shutil.copytree(Path(run["checkpoints"][-1]).parent.parent, train)
     marker = root / "PWNED"
-    payload = pickle.dumps(_WritesMarker(str(marker)))
+    payload = pickle.dumps(WritesMarker(str(marker)))
     ckpts = train / "checkpoints"
     tampered = ckpts / "step-000020"
     planted = ckpts / "step-000099"
@@ -134,7 +125,7 @@ def test_a_registered_copy_is_verified_before_it_is_loaded(poisoned, tmp_path):
     ckpt, tok, copy_hash = download_verified(uri, version, tmp_path / "dl", "the registered copy")
     gen = TextGenerator.from_files(ckpt, tok, expected_tree_sha256=copy_hash)
     assert RegisteredModel(gen).predict(["The"], {"max_tokens": 1}) is not None
-    (next(ckpt.glob("*.safetensors"))).write_bytes(pickle.dumps(_WritesMarker(str(p["marker"]))))
+    (next(ckpt.glob("*.safetensors"))).write_bytes(pickle.dumps(WritesMarker(str(p["marker"]))))
     with pytest.raises(UnverifiedModel, match="not the file its signed manifest records"):
         verify_model_dir(ckpt.parent, version["tags"], "the registered copy")
     with pytest.raises(Exception, match="does not verify|content hash"):  # the loader's own check too
@@ -153,8 +144,8 @@ def test_stored_job_results_are_json_and_a_pickle_is_never_loaded(tmp_path):
     assert json.loads((tmp_path / f"job-0{JOB_SUFFIX}").read_text())["result"]["docs"] == 3
     assert store.load("job-0", "key") == {"parts": [str(part)], "docs": 3}
     marker = tmp_path / "PWNED"
-    (tmp_path / f"job-1{JOB_SUFFIX}").write_bytes(pickle.dumps(_WritesMarker(str(marker))))
-    (tmp_path / "job-1.pkl").write_bytes(pickle.dumps(_WritesMarker(str(marker))))  # the old format
+    (tmp_path / f"job-1{JOB_SUFFIX}").write_bytes(pickle.dumps(WritesMarker(str(marker))))
+    (tmp_path / "job-1.pkl").write_bytes(pickle.dumps(WritesMarker(str(marker))))  # the old format
     assert store.load("job-1", "key") is None and not marker.exists()
 
 
@@ -227,7 +218,7 @@ def test_a_checkpoint_in_a_store_working_copy_is_loaded_from_the_copy_that_was_v
     def check_then_sync_lands(*args, **kwargs):
         problem = real_check(*args, **kwargs)
         landed = ckpt / ".tmp-sync-.metadata"
-        landed.write_bytes(pickle.dumps(_WritesMarker(str(marker))))
+        landed.write_bytes(pickle.dumps(WritesMarker(str(marker))))
         os.replace(landed, ckpt / ".metadata")
         return problem
 
@@ -239,9 +230,9 @@ def test_a_checkpoint_in_a_store_working_copy_is_loaded_from_the_copy_that_was_v
 # ---------------------------------------------------------------- issue 24: no pickle, signed manifests
 
 def _payload(marker: Path) -> bytes:
-    payload = pickle.dumps(_WritesMarker(str(marker)))
+    payload = pickle.dumps(WritesMarker(str(marker)))
     probe = marker.with_name(marker.name + "-probe")
-    pickle.loads(pickle.dumps(_WritesMarker(str(probe))))  # the payload is live: unpickling runs it
+    pickle.loads(pickle.dumps(WritesMarker(str(probe))))  # the payload is live: unpickling runs it
     assert probe.exists()
     probe.unlink()
     return payload
