@@ -149,6 +149,34 @@ def test_stored_job_results_are_json_and_a_pickle_is_never_loaded(tmp_path):
     assert store.load("job-1", "key") is None and not marker.exists()
 
 
+def test_a_planted_job_result_or_stage_manifest_is_not_reused(tmp_path):
+    """A resumable stage reuses a finished job's result, or a whole finished output, on a re-run.
+    Its key is derived from the config and inputs, which a writer of the run directory can read: a
+    job result or manifest.json written by them (their parts, their hashes, the right key) would
+    make the stage take their documents and counts as its own. Both are signed by the stage, and a
+    planted one is redone, never reused."""
+    from tasks.core.resume import JOB_SUFFIX, MANIFEST, JobStore, verify_manifest
+
+    store = JobStore(tmp_path / "_parts")
+    store.dir.mkdir()
+    part = tmp_path / "_parts" / "part-0.parquet"
+    part.write_bytes(b"genuine rows")
+    store.save("job-0", "key", {"parts": [str(part)], "docs": 3})
+    assert store.load("job-0", "key") == {"parts": [str(part)], "docs": 3}
+    # the attacker swaps the part and writes the result file as the stage would, hashes and all
+    part.write_bytes(b"their rows")
+    (store.dir / f"job-0{JOB_SUFFIX}").write_text(json.dumps(
+        {"key": "key", "part_sha256": {str(part): sha256_file(part)}, "result": {"parts": [str(part)], "docs": 999}}))
+    assert store.load("job-0", "key") is None
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "shard-0.parquet").write_bytes(b"their shard")
+    (out / MANIFEST).write_text(json.dumps({"key": "run-key", "summary": {"docs_out": 999}, "files": [
+        {"path": "shard-0.parquet", "sha256": sha256_file(out / "shard-0.parquet"), "docs": 999}]}))
+    assert verify_manifest(out, "run-key") is None
+
+
 def test_a_forged_evaluation_event_is_refused(tmp_path, tmp_path_factory):
     """deploy-model treats crucible.eval.completed as a claim: the report must be the one the
     evaluate flow recorded for that checkpoint, the checkpoint unchanged since, and (with a run id)

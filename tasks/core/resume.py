@@ -6,11 +6,17 @@ input row group), run by `tasks.core.executor`. Each job writes its part files a
 `JobStore.save` (atomically), together with a key (everything the
 job's output depends on) and the sha256 of each part, as JSON (`<job>.json`: nothing found in a
 run folder is ever unpickled). On a re-run `JobStore.load` returns the stored result only when
-the key matches and every part still has its sha256, so a job is either reused whole or redone.
+its signature verifies, the key matches and every part still has its sha256, so a job is either
+reused whole or redone.
 
 The merged output is written file by file atomically, then `manifest.json` last (sha256 per
-output file, the run key, the summary); `verify_manifest` accepts it on a re-run only when the
-key matches and every file verifies. A stage killed at any point (even SIGKILL) leaves hidden
+output file, the run key, the summary); `verify_manifest` accepts it on a re-run only when its
+signature verifies, the key matches and every file verifies.
+
+Both records are signed with the stack's key (tasks/core/signing.py): a key is derived from the
+config and inputs, which a writer of the run folder can read, so an unsigned result or manifest
+written with their own parts and hashes would otherwise pass as the stage's own work. A record that
+does not verify is logged as refused and the work redone. A stage killed at any point (even SIGKILL) leaves hidden
 temp files (removed by `remove_temp_files`), complete parts and maybe complete shards without a
 manifest, so the re-run produces byte-identical output.
 """
@@ -23,9 +29,12 @@ from pathlib import Path
 
 from tasks.core.hashing import sha256_file
 from tasks.core.io import atomic_write_bytes
+from tasks.core.signing import SignatureError, sign_record, verify_record
 
 MANIFEST = "manifest.json"
 JOB_SUFFIX = ".job.json"  # a finished job's stored result
+JOB_PURPOSE = "job-result"
+MANIFEST_PURPOSE = "stage-manifest"
 
 
 def digest(obj) -> str:
@@ -82,6 +91,15 @@ def _decode(d: dict):
     return d
 
 
+def _decode_tree(obj):
+    """`_decode` applied bottom-up to a parsed JSON value (what json's object_hook does while parsing)."""
+    if isinstance(obj, dict):
+        return _decode({k: _decode_tree(v) for k, v in obj.items()})
+    if isinstance(obj, list):
+        return [_decode_tree(v) for v in obj]
+    return obj
+
+
 class JobStore:
     """Finished jobs' results in `parts_dir`, each verified by key and part sha256 on load."""
 
@@ -93,9 +111,9 @@ class JobStore:
         path = self.dir / f"{name}{JOB_SUFFIX}"
         if not path.is_file():
             return None
-        try:
-            stored = json.loads(path.read_bytes(), object_hook=_decode)
-        except (ValueError, TypeError, KeyError):  # a damaged (or foreign) result file just means: redo the job
+        try:  # the signature is checked on the plain JSON, before anything is decoded
+            stored = _decode_tree(verify_record(json.loads(path.read_bytes()), JOB_PURPOSE, what=str(path)))
+        except (ValueError, TypeError, KeyError):  # damaged, foreign or unsigned (SignatureError): redo the job
             return None
         if not isinstance(stored, dict) or stored.get("key") != key or not isinstance(stored.get("part_sha256"), dict):
             return None
@@ -106,8 +124,9 @@ class JobStore:
 
     def save(self, name: str, key: str, result: dict) -> None:
         shas = {p: sha256_file(p) for p in result.get("parts", [])}
-        atomic_write_bytes(self.dir / f"{name}{JOB_SUFFIX}",
-                           json.dumps({"key": key, "part_sha256": shas, "result": result}, default=_encode).encode())
+        # signed as the plain JSON it is stored as (bytes and arrays already tagged)
+        body = json.loads(json.dumps({"key": key, "part_sha256": shas, "result": result}, default=_encode))
+        atomic_write_bytes(self.dir / f"{name}{JOB_SUFFIX}", json.dumps(sign_record(body, JOB_PURPOSE)).encode())
 
     def prune(self, keep: set[str]) -> None:
         """Drop stored results of jobs that are no longer part of the run."""
@@ -122,8 +141,8 @@ def verify_manifest(out_dir: Path, run_key: str) -> dict | None:
     if not path.is_file():
         return None
     try:
-        m = json.loads(path.read_text())
-    except ValueError:
+        m = verify_record(json.loads(path.read_text()), MANIFEST_PURPOSE, what=str(path))
+    except (ValueError, SignatureError):  # damaged or not the stage's own: redo the stage
         return None
     if m.get("key") != run_key:
         return None
@@ -147,6 +166,6 @@ def write_manifest(out_dir: Path, run_key: str, summary: dict, shards: list, sid
         if (out_dir / name).is_file():
             files.append({"path": name, "sha256": sha256_file(out_dir / name)})
     path = out_dir / MANIFEST
-    body = {"key": run_key, "files": files, "summary": summary}
+    body = sign_record(json.loads(json.dumps({"key": run_key, "files": files, "summary": summary})), MANIFEST_PURPOSE)
     atomic_write_bytes(path, (json.dumps(body, indent=1, sort_keys=True) + "\n").encode())
     return path
