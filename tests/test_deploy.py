@@ -124,7 +124,7 @@ def test_registry_champion_alias_and_gate(tiny, mlflow_store):
 
     # the registered version's copy (weights-only export + tokenizer + signed manifest, no MLmodel, no
     # loader code) loads with the project's loader: same greedy text
-    from tasks.deploy.mlflow_model import load_registered
+    from tasks.deploy.registry import load_registered
 
     assert sorted(f.path.rsplit("/", 1)[-1] for f in client.list_artifacts(
         reg["run_id"], reg["source"].rsplit("/artifacts/", 1)[1])) == ["checkpoint", "crucible-model.json",

@@ -219,7 +219,7 @@ def test_planted_loader_code_in_the_registered_artifacts_never_runs(trained, sto
     with pytest.raises(Exception, match="does not list|not the file"):
         verify_registered(uri, name, 1)
     assert not marker.exists(), "planted code ran while the registered copy was verified"
-    from tasks.deploy.mlflow_model import load_registered
+    from tasks.deploy.registry import load_registered
 
     with pytest.raises(UnverifiedModel):
         load_registered(uri, name, 1, registered_copy=True)

@@ -113,8 +113,8 @@ def test_a_registered_copy_is_verified_before_it_is_loaded(poisoned, tmp_path):
     from mlflow import MlflowClient
 
     from tasks.deploy.generation import TextGenerator
-    from tasks.deploy.mlflow_model import RegisteredModel, download_verified, verify_model_dir
-    from tasks.deploy.registry import UnverifiedModel, get_version, register
+    from tasks.deploy.mlflow_model import download_verified, verify_model_dir
+    from tasks.deploy.registry import RegisteredModel, UnverifiedModel, get_version, register
 
     p = poisoned
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

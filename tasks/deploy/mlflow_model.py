@@ -1,4 +1,5 @@
-"""A registered version's files, and the project's own loader for them (no code runs on load).
+"""A registered version's files, verified before anything reads them (no code runs on load; the loader
+is tasks.deploy.registry.load_registered).
 
 A version's artifacts are plain files: `checkpoint/` (the weights-only export that
 tasks.train.checkpoint.load_model_for_inference reads), `tokenizer.json` and `crucible-model.json`, a
@@ -9,15 +10,13 @@ consumer before the model's own hash check. Here a copy is verified (the manifes
 set of files, each file's hash, and the manifest against the version's signed tags) before anything
 in it is read; a planted file can at worst make the copy be refused.
 
-    from tasks.deploy.mlflow_model import load_registered
+    from tasks.deploy.registry import load_registered
     lm = load_registered("http://127.0.0.1:5000", "crucible-tiny", alias="champion")
     lm.predict(["The Linux kernel"], {"max_tokens": 16, "temperature": 0})  # -> [completion]
 """
 from __future__ import annotations
 
 import shutil
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.core.hashing import sha256_file
@@ -28,6 +27,10 @@ MANIFEST_PURPOSE = "registered-model"
 CHECKPOINT_DIR = "checkpoint"
 TOKENIZER_NAME = "tokenizer.json"
 FORMAT = "crucible-registered-model/1"
+
+
+class UnverifiedModel(RuntimeError):
+    """A registered version whose files cannot be verified (gone, changed, or a copy that does not match)."""
 
 
 def _files(root: Path) -> dict[str, Path]:
@@ -63,8 +66,6 @@ def verify_model_dir(root: str | Path, tags: dict, what: str) -> tuple[Path, Pat
     is signed, it holds exactly the files the manifest lists with their hashes, and the manifest names
     the content, export and tokenizer hashes of the version's verified tags. UnverifiedModel otherwise;
     nothing in the copy is parsed before (the manifest is JSON)."""
-    from tasks.deploy.registry import UnverifiedModel
-
     root = Path(root)
     try:
         manifest = read_signed(root / MANIFEST_NAME, MANIFEST_PURPOSE)
@@ -93,39 +94,3 @@ def download_verified(tracking_uri: str, version: dict, dst: str | Path, what: s
     local = mlflow.artifacts.download_artifacts(artifact_uri=version["source"], dst_path=str(dst),
                                                 tracking_uri=tracking_uri)
     return verify_model_dir(local, version["tags"], what)
-
-
-@dataclass
-class RegisteredModel:
-    """A verified registered version, loaded: predict(prompts, params) -> completions."""
-    generator: object
-    version: int | None = None
-
-    def predict(self, prompts, params: dict | None = None) -> list[str]:
-        from tasks.deploy.generation import PYFUNC_PARAMS
-
-        p = {**PYFUNC_PARAMS, **(params or {})}
-        gen = self.generator
-        prompts = [prompts] if isinstance(prompts, str) else [str(x) for x in prompts]
-        seed = None if p["seed"] is None or int(p["seed"]) < 0 else int(p["seed"])
-        return [gen.complete(gen.encode(text), max_tokens=int(p["max_tokens"]), temperature=float(p["temperature"]),
-                             top_p=float(p["top_p"]), seed=seed)[0].text for text in prompts]
-
-
-def load_registered(tracking_uri: str, model_name: str, version: int | None = None, alias: str | None = None,
-                    cache_dir: str | Path | None = None, registered_copy: bool = False) -> RegisteredModel:
-    """Load a registered version (by number or alias) with the project's loader: verified tags only
-    (tasks.deploy.registry.get_version), its own checkpoint if it still hashes to the signed content
-    hash, else (or with registered_copy) its registered copy, verified before it is read."""
-    from tasks.deploy.generation import TextGenerator
-    from tasks.deploy.registry import get_version, registered_files
-
-    found = get_version(tracking_uri, model_name, version, alias)
-    with tempfile.TemporaryDirectory(prefix="crucible-registered-") as tmp:
-        if registered_copy:
-            ckpt, tok, copy_hash = download_verified(tracking_uri, found, tmp,
-                                                     f"the registered copy of {model_name} version {found['version']}")
-        else:
-            ckpt, tok, copy_hash = registered_files(tracking_uri, model_name, found, cache_dir or tmp)
-        gen = TextGenerator.from_files(ckpt, tok, expected_tree_sha256=copy_hash)  # weights are in memory now
-    return RegisteredModel(gen, found["version"])

@@ -3,7 +3,7 @@
 A registered version's files are plain artifacts: an inference-only export of the checkpoint (model
 weights, no optimizer state), the tokenizer and a signed manifest of every file's sha256
 (tasks/deploy/mlflow_model.py). There is no MLmodel and no loader code: nothing in the artifact store
-runs when a version is loaded; `tasks.deploy.mlflow_model.load_registered` verifies the manifest's
+runs when a version is loaded; `load_registered` (below) verifies the manifest's
 signature and every hash before it reads a byte of the weights. Evaluation results, the training run
 id and the data lineage (sources and licences, tokenizer / val-split hashes, the token index) are
 model-version tags, so the gate can read the champion back without touching runs.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlflow.exceptions import MlflowException
@@ -34,6 +35,8 @@ from mlflow.tracking import MlflowClient
 
 from tasks.core.hashing import sha256_file, sha256_text, sha256_tree
 from tasks.core.signing import SignatureError, sign_value, verify_value
+# UnverifiedModel is raised here too (callers import it from this module)
+from tasks.deploy.mlflow_model import UnverifiedModel, download_verified, verify_model_dir, write_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +60,6 @@ def _missing(e: MlflowException) -> bool:
         return True
     # a registered model without the alias: MLflow answers INVALID_PARAMETER_VALUE "alias ... not found"
     return e.error_code == "INVALID_PARAMETER_VALUE" and "alias" in e.message and "not found" in e.message
-
-
-class UnverifiedModel(RuntimeError):
-    """A registered version whose files cannot be verified (gone, changed, or a copy that does not match)."""
 
 
 def _tag_purpose(model_name: str, version: int | str) -> str:
@@ -241,7 +240,6 @@ def register(tracking_uri: str, model_name: str, ckpt_dir: str | Path, tokenizer
 
     Returns {"model_name", "version", "alias", "content_hash", "source", "run_id"}.
     """
-    from tasks.deploy.mlflow_model import write_model_dir
 
     ckpt_dir, tokenizer_path = Path(ckpt_dir).resolve(), Path(tokenizer_path).resolve()
     client = _client(tracking_uri)
@@ -332,7 +330,6 @@ def registered_files(tracking_uri: str, model_name: str, version: dict, cache_di
     (copy hash None: its run's manifest vouches for it), else its registered copy from MLflow,
     verified against its signed manifest and the signed hashes recorded at registration (copy hash:
     export_sha256, for loading it). Raises UnverifiedModel when neither verifies."""
-    from tasks.deploy.mlflow_model import download_verified, verify_model_dir
 
     tags, number = version["tags"], version["version"]
     ckpt, tok = Path(tags.get("checkpoint", "")), Path(tags.get("tokenizer", ""))
@@ -388,10 +385,43 @@ def verify_registered(tracking_uri: str, model_name: str, version: int) -> str:
     (signed manifest and hashes verified before anything is read; no code from the artifact store
     runs) and generate one token; returns what was checked. Raises if it does not verify, cannot
     be loaded or does not answer."""
-    from tasks.deploy.mlflow_model import load_registered
-
     out = load_registered(tracking_uri, model_name, version, registered_copy=True).predict(
         ["The"], {"max_tokens": 1, "temperature": 0.0})
     if len(out) != 1 or not isinstance(out[0], str):
         raise RuntimeError(f"the registered model answered {out!r}")
     return "loaded from the registry and generated"
+
+
+@dataclass
+class RegisteredModel:
+    """A verified registered version, loaded: predict(prompts, params) -> completions."""
+    generator: object
+    version: int | None = None
+
+    def predict(self, prompts, params: dict | None = None) -> list[str]:
+        from tasks.deploy.generation import PYFUNC_PARAMS
+
+        p = {**PYFUNC_PARAMS, **(params or {})}
+        gen = self.generator
+        prompts = [prompts] if isinstance(prompts, str) else [str(x) for x in prompts]
+        seed = None if p["seed"] is None or int(p["seed"]) < 0 else int(p["seed"])
+        return [gen.complete(gen.encode(text), max_tokens=int(p["max_tokens"]), temperature=float(p["temperature"]),
+                             top_p=float(p["top_p"]), seed=seed)[0].text for text in prompts]
+
+
+def load_registered(tracking_uri: str, model_name: str, version: int | None = None, alias: str | None = None,
+                    cache_dir: str | Path | None = None, registered_copy: bool = False) -> RegisteredModel:
+    """Load a registered version (by number or alias) with the project's loader: verified tags only
+    (tasks.deploy.registry.get_version), its own checkpoint if it still hashes to the signed content
+    hash, else (or with registered_copy) its registered copy, verified before it is read."""
+    from tasks.deploy.generation import TextGenerator
+
+    found = get_version(tracking_uri, model_name, version, alias)
+    with tempfile.TemporaryDirectory(prefix="crucible-registered-") as tmp:
+        if registered_copy:
+            ckpt, tok, copy_hash = download_verified(tracking_uri, found, tmp,
+                                                     f"the registered copy of {model_name} version {found['version']}")
+        else:
+            ckpt, tok, copy_hash = registered_files(tracking_uri, model_name, found, cache_dir or tmp)
+        gen = TextGenerator.from_files(ckpt, tok, expected_tree_sha256=copy_hash)  # weights are in memory now
+    return RegisteredModel(gen, found["version"])
