@@ -137,6 +137,7 @@ def open_run(cfg: PipelineConfig, run_name: str | None = None) -> RunContext:
     from prefect.runtime import flow_run
 
     from tasks.core.ray_utils import check_ray_address
+    from tasks.train.launcher import write_train_config
 
     check_ray_address(cfg.ray)  # a cluster nobody answers on fails here, before the run directory exists
     # likewise a missing bucket or a refused key, before anything is written
@@ -152,7 +153,7 @@ def open_run(cfg: PipelineConfig, run_name: str | None = None) -> RunContext:
     tracker = Tracker(tracking_uri, experiment=cfg.name)
     parent = tracker.start_run(run_name, tags={"crucible.prefect_flow_run_id": flow_run.id})
     tracker.log_params(parent, cfg.model_dump(mode="json"))
-    layout.config_file.write_text(cfg.model_dump_json(indent=2))
+    write_train_config(cfg, layout.config_file)  # signed beside it: the Kubernetes TrainJob trains on it
     register_config(cfg, run_dir)
     target, service = lineage_targets(cfg)
     return RunContext(run_name=run_name, run_dir=str(run_dir), lineage_log=str(layout.lineage_log),

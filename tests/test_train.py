@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -196,6 +197,36 @@ def test_list_checkpoints_ignores_incomplete(tmp_path):
         (tmp_path / "checkpoints" / name / META_FILE).write_text("{}")
     (tmp_path / "checkpoints" / "step-000005" / META_FILE).unlink()
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000010", "step-000020"]
+
+
+def test_the_worker_trains_only_on_a_config_signed_by_the_stack(tmp_path, monkeypatch):
+    """A torchrun worker (and each of its elastic restarts) reads its config from the run directory,
+    which anyone who can write there could edit between the launch and a restart. The launcher (and
+    the pretrain flow, for the run's config.json the Kubernetes TrainJob names) writes it with a
+    signature beside it; an unsigned, edited or foreign-signed config stops the worker before it
+    joins the process group."""
+    from tasks.core.signing import SIGNING_KEY_FILE_ENV, SignatureError
+    from tasks.train.launcher import write_train_config
+    from tasks.train.worker import main
+
+    def launch(path):
+        with pytest.raises(SignatureError):
+            main(["--config-json", str(path), "--tokens-index", str(tmp_path / "i.json"),
+                  "--out-dir", str(tmp_path / "train"), "--run-name", "r1"])
+
+    cfg = tiny_cfg()
+    unsigned = tmp_path / "unsigned.json"
+    unsigned.write_text(cfg.model_dump_json(indent=2))
+    launch(unsigned)
+    signed = write_train_config(cfg, tmp_path / "config.json")
+    assert json.loads(signed.read_text()) == json.loads(cfg.model_dump_json())  # plain config for people
+    signed.write_text(signed.read_text().replace('"lr": ', '"lr": 1'))  # edited after signing
+    launch(signed)
+    own = os.environ[SIGNING_KEY_FILE_ENV]
+    monkeypatch.setenv(SIGNING_KEY_FILE_ENV, str(tmp_path / "other.key"))
+    foreign = write_train_config(cfg, tmp_path / "foreign.json")
+    monkeypatch.setenv(SIGNING_KEY_FILE_ENV, own)
+    launch(foreign)
 
 
 def test_torchrun_command(tmp_path):

@@ -153,6 +153,29 @@ def write_signed(path: str | Path, record: Mapping[str, Any], purpose: str) -> P
     return atomic_write_text(path, dumps_signed(record, purpose))
 
 
+SIDECAR_SUFFIX = ".sig"  # a file whose bytes must stay as they are (a config a program parses) is signed beside it
+
+
+def write_with_signature(path: str | Path, data: bytes, purpose: str) -> Path:
+    """Write `data` to `path` and its signature to `<path>.sig` (both atomically; the signature last)."""
+    from tasks.core.io import atomic_write_bytes, atomic_write_text
+
+    atomic_write_bytes(path, data)
+    atomic_write_text(f"{path}{SIDECAR_SUFFIX}", sign_bytes(data, purpose) + "\n")
+    return Path(path)
+
+
+def read_with_signature(path: str | Path, purpose: str) -> bytes:
+    """The bytes of `path` once `<path>.sig` verifies them; SignatureError when it is missing or does not."""
+    data = Path(path).read_bytes()
+    try:
+        signature = Path(f"{path}{SIDECAR_SUFFIX}").read_text().strip()
+    except OSError:
+        signature = None
+    verify_bytes(data, signature, purpose, what=str(path))
+    return data
+
+
 def sign_value(name: str, value: str, purpose: str = "tag") -> str:
     """The signature of one named string (e.g. a registry tag: its name is bound too, so a signed value
     cannot be moved to another tag)."""

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from tasks.config import PipelineConfig
 from tasks.core.constants import REPO_ROOT
+from tasks.core.signing import SIDECAR_SUFFIX
 from tasks.core.storage import is_remote
 from tasks.train.checkpoint import list_checkpoints
 from tasks.train.metrics import TRAIN_LOG
@@ -37,6 +38,24 @@ if TYPE_CHECKING:
 TORCHRUN_LOG = "torchrun.log"
 CONFIG_JSON = "train_config.json"
 WORKER_MODULE = "tasks.train.worker"  # the plain torchrun entry; the pipeline's is flows.train_worker
+
+
+PIPELINE_CONFIG_PURPOSE = "pipeline-config"  # the config a torchrun worker trains on (tasks/core/signing.py)
+
+
+def write_train_config(cfg: PipelineConfig, path: str | Path) -> Path:
+    """The config as JSON, signed beside it (`<path>.sig`): the worker and each of its elastic restarts
+    read it from the run directory, and take it only if the stack signed these bytes."""
+    from tasks.core.signing import write_with_signature
+
+    return write_with_signature(path, cfg.model_dump_json(indent=2).encode(), PIPELINE_CONFIG_PURPOSE)
+
+
+def read_train_config(path: str | Path) -> PipelineConfig:
+    """The config `write_train_config` wrote; SignatureError (logged as refused) for any other."""
+    from tasks.core.signing import read_with_signature
+
+    return PipelineConfig.model_validate_json(read_with_signature(path, PIPELINE_CONFIG_PURPOSE))
 
 
 class TrainingError(RuntimeError):
@@ -98,9 +117,10 @@ def run_training(cfg: PipelineConfig, tokens_index: Path | str, out_dir: Path | 
     # several "nodes" sharing one out_dir (e.g. on one machine) each keep their own config and log
     suffix = f"-node{cfg.train.node_rank}" if cfg.train.nnodes > 1 and cfg.train.node_rank is not None else ""
     config_json = work_dir / (Path(CONFIG_JSON).stem + suffix + ".json")
-    config_json.write_text(cfg.model_dump_json(indent=2))
+    write_train_config(cfg, config_json)
     if is_remote(out_dir):
-        upload(config_json, join(out_dir, config_json.name), storage)
+        for name in (config_json.name, config_json.name + SIDECAR_SUFFIX):
+            upload(work_dir / name, join(out_dir, name), storage)
 
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"

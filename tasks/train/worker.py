@@ -27,8 +27,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from tasks.config import PipelineConfig
 from tasks.train.events import EventSink
+from tasks.train.launcher import read_train_config
 from tasks.train.remote import location
 from tasks.train.trainer import TrainJob, Trainer
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None, events: EventSink | None = None,
     """Train one rank. `events` receives checkpoint and spike reports (default: none);
     `make_trainer` builds the Trainer from (cfg, job, events)."""
     args = parse_args(argv)
-    cfg = PipelineConfig.model_validate_json(args.config_json.read_text())
+    cfg = read_train_config(args.config_json)  # signed by the stack, else refused before anything runs
     torch.set_num_threads(cfg.train.threads_per_proc)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     init_process_group(cfg.train.backend, restart)
