@@ -113,6 +113,7 @@ def measure(cfg, api: str, mlflow_uri: str, run_id: str, ckpt: Path, step: int, 
     from mlflow import MlflowClient
 
     from flows.train_worker import PrefectEvents
+    from infra.services.model_server.supervisor import client_headers
 
     client = MlflowClient(tracking_uri=mlflow_uri, registry_uri=mlflow_uri)
     base = f"http://127.0.0.1:{cfg.deploy.port}"
@@ -137,7 +138,8 @@ def measure(cfg, api: str, mlflow_uri: str, run_id: str, ckpt: Path, step: int, 
         if "served_s" not in got:
             try:
                 health = httpx.get(f"{base}/health", timeout=2, trust_env=False).json()
-                models = httpx.get(f"{base}/v1/models", timeout=2, trust_env=False).json()
+                models = httpx.get(f"{base}/v1/models", timeout=2, trust_env=False,
+                                   headers=client_headers(cfg.stack, cfg.deploy)).json()  # the stack's server wants its key
                 if health.get("step") == step and any(m["id"] == cfg.deploy.model_name for m in models["data"]):
                     got["served_s"] = now
             except (httpx.HTTPError, ValueError, KeyError):

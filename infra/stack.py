@@ -673,16 +673,26 @@ def _read_pid(stack_cfg, name: str) -> int | None:
         return None
 
 
+SPEC_PURPOSE = "service-spec"
+
+
 def read_spec(stack_cfg, name: str) -> ServiceSpec | None:
+    """The stack's record of how the service runs; None when there is none, or (logged as refused) when
+    it is unsigned or forged: a spec is a command line `up` runs, a probe `status` runs and the marker
+    that decides which pid is the service's, so only one the stack signed is taken."""
+    from tasks.core.signing import SignatureError, read_signed
+
     try:
-        return ServiceSpec.from_dict(json.loads(_spec_path(stack_cfg, name).read_text()))
-    except (FileNotFoundError, ValueError, TypeError):
+        return ServiceSpec.from_dict(read_signed(_spec_path(stack_cfg, name), SPEC_PURPOSE))
+    except (FileNotFoundError, ValueError, TypeError, SignatureError):
         return None
 
 
 def write_spec(stack_cfg, spec: ServiceSpec) -> None:
-    """Record how the service is run (run/<name>.json): what `up`, `status` and pid checks read."""
-    atomic_write_text(_spec_path(stack_cfg, spec.name), json.dumps(asdict(spec), indent=2) + "\n", fsync=False)
+    """Record how the service is run (run/<name>.json, signed): what `up`, `status` and pid checks read."""
+    from tasks.core.signing import write_signed
+
+    write_signed(_spec_path(stack_cfg, spec.name), asdict(spec), SPEC_PURPOSE)
 
 
 def running_pid(stack_cfg, name: str) -> int | None:
@@ -691,8 +701,9 @@ def running_pid(stack_cfg, name: str) -> int | None:
     if pid is None:
         return None
     spec = read_spec(stack_cfg, name)
-    marker = spec.marker if spec else []
-    return pid if _owned(pid, marker) else None
+    if spec is None or not spec.marker:  # only the stack's signed record says which pid is the service
+        return None
+    return pid if _owned(pid, spec.marker) else None
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:
@@ -753,18 +764,26 @@ def stack_lock(stack_cfg) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _launch(stack_cfg, spec: ServiceSpec) -> int:
-    """Start the service in its own session; write its spec and pid file. Returns the pid."""
-    log = log_path(stack_cfg, spec.name)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    cwd = state_dir(stack_cfg)
-    # every service may be an MLflow client (the model server downloads registered models)
-    env = {**os.environ, **artifact_store.client_env(), **mlflow_client_env(stack_cfg), **spec.env}
+def service_env(stack_cfg, spec: ServiceSpec) -> dict[str, str]:
+    """The environment a service starts with (secrets added here, never recorded in its spec)."""
+    # every service may be an MLflow client (the model server downloads registered models) and may sign
+    # or verify records: the stack's key by path, whatever the environment of the process starting it
+    env = {**os.environ, STATE_DIR_ENV: str(state_dir(stack_cfg)), SIGNING_KEY_FILE_ENV: str(signing_key_file(stack_cfg)),
+           **artifact_store.client_env(), **mlflow_client_env(stack_cfg), **spec.env}
     if spec.name == PREFECT or "PREFECT_API_URL" in spec.env:  # the server and its clients share its auth
         env.update(prefect_auth_env(stack_cfg))
     if spec.name == MLFLOW:  # stack.artifacts_options resolved: secrets stay out of the spec and the log
         env.update(artifact_store.server_env(stack_cfg))
         env.update(_mlflow_server_auth_env(stack_cfg))
+    return env
+
+
+def _launch(stack_cfg, spec: ServiceSpec) -> int:
+    """Start the service in its own session; write its spec and pid file. Returns the pid."""
+    log = log_path(stack_cfg, spec.name)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cwd = state_dir(stack_cfg)
+    env = service_env(stack_cfg, spec)
     with open(log, "ab") as logf:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         logf.write(f"\n=== crucible: starting {spec.name} at {stamp}: {' '.join(spec.cmd)}\n".encode())

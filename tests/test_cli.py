@@ -100,6 +100,24 @@ def test_state_dir_from_env_overrides_config(tmp_path, monkeypatch):
     assert stack.client_env(cfg, LineageConfig(service_port=5999))[stack.LINEAGE_URL_ENV] == "http://127.0.0.1:5999"
 
 
+def test_cli_commands_sign_with_the_key_of_the_stacks_state_dir(tmp_path, monkeypatch):
+    """`crucible up --config` registers run roots and `crucible lineage replay` verifies lines in the
+    CLI's own process: with the key of the stack's state dir (stack.state_dir, from the config), not
+    one under the working directory the triggered flows would never accept."""
+    import argparse
+
+    from infra.cli.commands import _stack_configs
+    from tasks.core.signing import SIGNING_KEY_FILE_ENV, key_path
+
+    monkeypatch.delenv(SIGNING_KEY_FILE_ENV)
+    monkeypatch.delenv("CRUCIBLE_STATE_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(config=None, overrides=[f"stack.state_dir={tmp_path / 'state'}"])
+    _stack_configs(args)
+    assert key_path() == (tmp_path / "state" / "secrets" / "signing.key").resolve()
+    assert not (tmp_path / ".crucible").exists()
+
+
 def test_plan_subcommand_prints_the_plan_as_json():
     r = _crucible("plan", "--params", "7e9", "--json")
     assert r.returncode == 0, r.stderr

@@ -197,6 +197,40 @@ def test_service_that_never_gets_healthy_times_out_and_is_killed(stack_cfg):
                 and "SIG_IGN" in stack.process_cmdline(int(p))]
 
 
+def test_a_service_spec_planted_in_the_state_dir_is_never_run(stack_cfg, tmp_path):
+    """run/<svc>.json says how a service is started and probed; `status` runs its probe and `up`
+    restarts a recorded model server from it. A spec written there by anyone but the stack (a probe
+    that runs their command, an empty marker that claims any pid) is refused: never run, never
+    trusted to own a pid."""
+    marker = tmp_path / "PWNED"
+    run = stack.state_dir(stack_cfg) / "run"
+    run.mkdir(parents=True)
+    planted = {"name": "prefect", "cmd": ["true"], "host": "127.0.0.1", "port": free_port(), "health_path": "/",
+               "url": "http://127.0.0.1/", "marker": [], "env": {},
+               "probe": [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]}
+    (run / "prefect.json").write_text(json.dumps(planted))
+    (run / "prefect.pid").write_text(f"{os.getpid()}\n")  # a live process that is no service
+    assert stack.read_spec(stack_cfg, "prefect") is None
+    assert stack.running_pid(stack_cfg, "prefect") is None
+    stack.status(stack_cfg)
+    assert not marker.exists(), "the planted probe ran"
+    # the stack's own record still counts
+    genuine = stack.ServiceSpec(**{**planted, "probe": []})
+    stack.write_spec(stack_cfg, genuine)
+    assert stack.read_spec(stack_cfg, "prefect") == genuine
+
+
+def test_launched_services_sign_with_the_stacks_key(stack_cfg, monkeypatch):
+    """A service the stack starts (a model server restarted by `crucible up`, whatever shell runs it)
+    signs and verifies with the stack's key, not one found relative to its working directory."""
+    from tasks.core.signing import SIGNING_KEY_FILE_ENV
+
+    monkeypatch.delenv(SIGNING_KEY_FILE_ENV)
+    env = stack.service_env(stack_cfg, _spec(stack_cfg, "probe", "pass", free_port()))
+    assert env[SIGNING_KEY_FILE_ENV] == str(stack.state_dir(stack_cfg) / "secrets" / "signing.key")
+    assert env[stack.STATE_DIR_ENV] == str(stack.state_dir(stack_cfg))
+
+
 def test_marquez_compose_file_binds_loopback_and_uses_official_images():
     import yaml
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from infra import stack
 from tasks.core.constants import MLFLOW_USERNAME, REPO_ROOT
+from tasks.core.signing import SIGNING_KEY_FILE_ENV
 from tasks.core.storage import local_run_root, store_for
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
@@ -50,10 +51,15 @@ def _stack_sections(args):
     path = _config_path(args)
     if path is not None:
         cfg = _load(path, args.overrides)
-        return cfg.stack, cfg.deploy, cfg.lineage
-    raw = apply_overrides({}, args.overrides)
-    return (StackConfig.model_validate(raw.get("stack", {})), DeployConfig.model_validate(raw.get("deploy", {})),
-            LineageConfig.model_validate(raw.get("lineage", {})))
+        sections = cfg.stack, cfg.deploy, cfg.lineage
+    else:
+        raw = apply_overrides({}, args.overrides)
+        sections = (StackConfig.model_validate(raw.get("stack", {})), DeployConfig.model_validate(raw.get("deploy", {})),
+                    LineageConfig.model_validate(raw.get("lineage", {})))
+    # what a command signs or verifies in this process (run roots, a replayed lineage log) uses the
+    # stack's key, wherever its state dir is, not one found relative to the working directory
+    os.environ[SIGNING_KEY_FILE_ENV] = str(stack.signing_key_file(sections[0]))
+    return sections
 
 
 def _print_status(st: dict) -> None:
