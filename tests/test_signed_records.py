@@ -153,3 +153,31 @@ def test_a_yardstick_swapped_after_it_was_built_is_refused(evaluated):
     Path(built["path"]).write_text(json.dumps({"part": "new", "text": "the the the the the the"}) + "\n")
     with pytest.raises(YardstickChanged, match="refused"):
         score(ckpt, layout.tokenizer_file, built["path"], 4, yardstick_sha256=built["sha256"])
+
+
+def test_a_genuine_record_copied_to_another_checkpoint_is_refused(evaluated):
+    """Signed records of one kind are interchangeable unless each is held to what it is about: a
+    genuine passing report (or deploy record) of another checkpoint copied into this checkpoint's
+    place would become this checkpoint's evaluation (or deployment). Each is refused unless it names
+    the checkpoint whose place it is in, as it is now."""
+    import shutil
+
+    from tasks.deploy.triggered import write_deploy_record
+
+    _restore(evaluated)
+    path, ckpt, layout = evaluated["path"], evaluated["checkpoint"], evaluated["layout"]
+    other = ckpt.parent / "step-000020"
+    passing = json.loads(path.read_text())
+    write_gate(passing, {"passed": True, "reason": "no champion yet"})  # step 10's own, genuine and passing
+    assert await_evaluation(layout, ckpt, timeout=5)["checkpoint"] == passing["checkpoint"]
+    # step 10's report (and a deploy record naming it) put in step 20's place
+    copied = layout.triggered_eval_report(other)
+    shutil.copy(path, copied)
+    write_deploy_record(layout.triggered_deploy_record(ckpt), {"passed": True, "reason": "promoted", "version": 3,
+                                                              "checkpoint": str(other)})
+    try:
+        assert await_evaluation(layout, other, timeout=5) is None
+        assert await_deployment(evaluated["cfg"], evaluated["store"], layout, {}, timeout=5) is None
+    finally:
+        copied.unlink()
+        layout.triggered_deploy_record(ckpt).unlink()

@@ -182,13 +182,32 @@ def _await(path: Path, purpose: str, key: str, deployment: str, checkpoint: str 
         time.sleep(POLL)
 
 
+def _not_about(record: dict, checkpoint: str | Path, what: str) -> str | None:
+    """Why a verified record is not about `checkpoint` (None when it is). A signature says the stack
+    wrote the record, not where it belongs: a genuine record of another checkpoint copied into this
+    one's place verifies too."""
+    named = str(record.get("checkpoint") or "")
+    if not named or Path(named).resolve() != Path(checkpoint).resolve():
+        return f"refused: {what} is about {named or 'no checkpoint'}, not {checkpoint}"
+    return None
+
+
 def await_evaluation(layout: RunLayout, checkpoint: str | Path, timeout: float) -> dict | None:
     """The triggered evaluation report of `checkpoint` (with its gate verdict), or None."""
+    from tasks.core.hashing import sha256_tree
     from tasks.evaluate.evaluate import REPORT_PURPOSE
 
-    report = _await(layout.triggered_eval_report(checkpoint), REPORT_PURPOSE, "gate", EVAL_FLOW, checkpoint, timeout)
-    if report is not None:
-        report["evaluated_by"] = "evaluate-checkpoint (event-triggered)"
+    path = layout.triggered_eval_report(checkpoint)
+    report = _await(path, REPORT_PURPOSE, "gate", EVAL_FLOW, checkpoint, timeout)
+    if report is None:
+        return None
+    problem = _not_about(report, checkpoint, f"the report at {path}")
+    if problem is None and Path(checkpoint).is_dir() and report.get("checkpoint_sha256") != sha256_tree(checkpoint):
+        problem = f"refused: the report at {path} is of an earlier state of {checkpoint} (its tree hash differs)"
+    if problem:
+        log.warning("triggered: %s; falling back to doing it directly", problem)
+        return None
+    report["evaluated_by"] = "evaluate-checkpoint (event-triggered)"
     return report
 
 
@@ -213,9 +232,16 @@ def await_deployment(cfg, tracking_uri: str, layout: RunLayout, best: dict,
             return None
         if report is None or not report["gate"].get("passed"):
             continue
-        rec = _await(layout.triggered_deploy_record(report["checkpoint"]), DEPLOY_RECORD, "reason", DEPLOY_FLOW,
-                     report["checkpoint"], timeout)
+        ckpt = report.get("checkpoint")
+        if not ckpt or layout.triggered_eval_report(ckpt).resolve() != report_file.resolve():
+            log.warning("triggered: refused: the report at %s is about %s, not its own checkpoint; "
+                        "falling back to deploying directly", report_file, ckpt)
+            return None
+        rec = _await(layout.triggered_deploy_record(ckpt), DEPLOY_RECORD, "reason", DEPLOY_FLOW, ckpt, timeout)
         if rec is None:
+            return None
+        if problem := _not_about(rec, ckpt, f"the deploy record of {ckpt}"):
+            log.warning("triggered: %s; falling back to deploying directly", problem)
             return None
         records.append(rec)
     champion = get_champion(tracking_uri, cfg.deploy.model_name)
