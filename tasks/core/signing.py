@@ -82,11 +82,22 @@ def signing_key() -> bytes:
     key = _cache.get(str(path))
     if key is None:
         ensure_key_file(path)
+        _check_private(path)
         key = path.read_text().strip().encode()
         if not key:
             raise SignatureError(f"the signing key {path} is empty")
         _cache[str(path)] = key
     return key
+
+
+def _check_private(path: Path) -> None:
+    """Refuse a key someone else could have written or read: it must belong to this user (or root,
+    as a mounted Kubernetes Secret does) and be writable by its owner only, readable by no other user
+    (a group may read it: a Secret mounted for a pod's fsGroup)."""
+    st = path.stat()
+    if st.st_uid not in (os.getuid(), 0) or st.st_mode & 0o026:
+        _refuse(f"the signing key {path} is not private (owner uid {st.st_uid}, mode {st.st_mode & 0o777:o}): "
+                f"a key others can write or read signs nothing; make it this user's, mode 600")
 
 
 def _mac(purpose: str, data: bytes) -> str:
