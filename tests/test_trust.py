@@ -220,6 +220,12 @@ def test_a_forged_evaluation_event_is_refused(tmp_path, tmp_path_factory):
     # a run id that never evaluated this checkpoint
     other = client.create_run(client.get_run(run_id).info.experiment_id).info.run_id
     assert "records no evaluation" in evaluation_claim_problem(step10, reports[step10]["report_path"], other, store)[1]
+    # ... nor a run an outsider tagged with the checkpoint's hash: the tag is unsigned
+    from tasks.evaluate.evaluate import eval_hash_tag
+
+    client.set_tag(other, eval_hash_tag(10), genuine["checkpoint_sha256"])
+    client.log_metric(other, "val_loss", genuine["val_loss"], step=10)
+    assert "records no evaluation" in evaluation_claim_problem(step10, reports[step10]["report_path"], other, store)[1]
     # a report whose gate failed, and a checkpoint that changed since it was evaluated
     write_report({**reports[step20], "gate": {"passed": False, "reason": "worse"}})
     assert "did not pass" in evaluation_claim_problem(step20, reports[step20]["report_path"], None, store)[1]

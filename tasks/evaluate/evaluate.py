@@ -162,9 +162,13 @@ def _evaluate(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Path, tokens_
             values.update({f"reference_{k}": v for k, v in report["reference"]["metrics"].items()})
         from mlflow.entities import RunTag
 
+        from tasks.deploy.registry import signed_run_tags
+
+        # signed like every run tag the pipeline reads back (deploy-model compares its claim with it)
+        tags = signed_run_tags(run_id, {eval_hash_tag(report["step"]): report["checkpoint_sha256"]})
         MlflowClient(tracking_uri=tracking_uri).log_batch(run_id, metrics=[
             Metric(name, float(v), ts, report["step"]) for name, v in values.items() if v is not None],
-            tags=[RunTag(eval_hash_tag(report["step"]), report["checkpoint_sha256"])])
+            tags=[RunTag(k, v) for k, v in tags.items()])
     return report
 
 
