@@ -261,6 +261,35 @@ def test_a_checkpoint_in_a_store_working_copy_is_loaded_from_the_copy_that_was_v
     assert meta["step"] == 5 and not marker.exists(), "the bytes unpickled were not the bytes verified"
 
 
+def test_a_local_checkpoint_swapped_after_its_check_is_not_what_loads(tmp_path, monkeypatch):
+    """A run directory's writer renames other weights into place right after the check (hashing a
+    large checkpoint takes seconds, and inotify says when): the weights loaded are still the ones
+    verified, for a plain local run as for a store's working copy."""
+    import torch
+
+    from lm_helpers import random_checkpoint, sample_tokenizer
+    from tasks.train import checkpoint
+
+    tok = sample_tokenizer(tmp_path / "tok.json")
+    ckpt = random_checkpoint(tmp_path / "run" / "train", tok, step=5, seed=0)
+    theirs = random_checkpoint(tmp_path / "other" / "train", tok, step=5, seed=1)
+    verified, _ = checkpoint.load_model_for_inference(ckpt)
+    real_check = checkpoint.checkpoint_problem
+
+    def check_then_swap(*args, **kwargs):
+        problem = real_check(*args, **kwargs)
+        for shard in Path(theirs).glob("*.safetensors"):
+            landed = Path(ckpt) / f".swap-{shard.name}"
+            shutil.copy(shard, landed)
+            os.replace(landed, Path(ckpt) / shard.name)
+        return problem
+
+    monkeypatch.setattr(checkpoint, "checkpoint_problem", check_then_swap)
+    model, _ = checkpoint.load_model_for_inference(ckpt)
+    assert all(torch.equal(a, b) for a, b in zip(verified.state_dict().values(), model.state_dict().values())), \
+        "the weights loaded were not the weights verified"
+
+
 # ---------------------------------------------------------------- issue 24: no pickle, signed manifests
 
 def _payload(marker: Path) -> bytes:

@@ -314,23 +314,19 @@ def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: in
 @contextmanager
 def verified_copy(ckpt_dir: str | Path, storage_options: dict | None = None,
                   expected_tree_sha256: str | None = None) -> Iterator[Path]:
-    """`ckpt_dir`, verified (`require_verified`), as a local directory DCP may read. One on an object
-    store is first downloaded into a temporary directory (removed afterwards) and that copy is
-    verified, against the run's (signed) manifest on the store or `expected_tree_sha256`: the bytes DCP
+    """`ckpt_dir`, verified (`require_verified`), as a local directory DCP may read. A local one is
+    verified as a private copy (hard links); one on an object store is first downloaded into a
+    temporary directory (removed afterwards) and that copy is verified, against the run's (signed) manifest on the store or `expected_tree_sha256`: the bytes DCP
     then reads are the bytes that were verified."""
     ckpt_dir = location(ckpt_dir)
     if not is_remote(ckpt_dir):
+        # verify and load a private copy, so the files cannot change between the check and DCP's read:
+        # a writer of the run directory (or, in an object-store run's working copy, a sync) replaces a
+        # file by renaming another into place, which leaves the linked bytes as they were. Hard links
+        # beside the checkpoint (a copy where links cannot be made), in a 0700 folder of this process
         store = store_of_path(ckpt_dir)
-        if store is None:
-            require_verified(ckpt_dir, expected_tree_sha256)
-            yield ckpt_dir
-            return
-        # an object-store run's working copy is synced into by other processes (the train stage,
-        # other triggered flows): verify and load a private copy, so the files cannot change between
-        # the check and DCP's read. Hard links, beside the working copy: a sync replaces a file
-        # by renaming a new one into place, which leaves the linked bytes as they were
         manifest = None if expected_tree_sha256 else read_manifest(Path(ckpt_dir).parent.parent)
-        with tempfile.TemporaryDirectory(prefix="crucible-checkpoint-", dir=store.cache_dir) as tmp:
+        with _private_dir(store.cache_dir if store is not None else _run_train_dir(ckpt_dir)) as tmp:
             local = Path(tmp) / Path(ckpt_dir).name
             shutil.copytree(ckpt_dir, local, ignore=shutil.ignore_patterns(".tmp-*"),  # a sync's partial download
                             copy_function=_link_or_copy)
@@ -346,6 +342,26 @@ def verified_copy(ckpt_dir: str | Path, storage_options: dict | None = None,
             raise UnverifiedCheckpoint("refusing to load a checkpoint that does not verify: "
                                        + problem.replace(str(local), ckpt_dir))
         yield local
+
+
+def _run_train_dir(ckpt_dir: Path | str) -> Path | None:
+    """The training output folder of a run's checkpoint (out_dir/checkpoints/step-N), else None."""
+    ckpt_dir = Path(ckpt_dir)
+    return ckpt_dir.parent.parent if ckpt_dir.parent.name == CHECKPOINTS_DIR else None
+
+
+@contextmanager
+def _private_dir(beside: Path | str | None) -> Iterator[str]:
+    """A temporary 0700 folder in `beside` (hard links need the same file system), else in the
+    system's temporary folder (then files are copied)."""
+    try:
+        if beside is None:
+            raise OSError
+        tmp = tempfile.TemporaryDirectory(prefix=".crucible-verified-", dir=beside)
+    except OSError:
+        tmp = tempfile.TemporaryDirectory(prefix="crucible-verified-")
+    with tmp as path:
+        yield path
 
 
 def _link_or_copy(src: str, dst: str) -> None:
