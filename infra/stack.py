@@ -198,10 +198,19 @@ def signing_key_file(stack_cfg) -> Path:
     """The stack's signing key (tasks/core/signing.py): the file $CRUCIBLE_SIGNING_KEY_FILE names when
     this process already has one (a stack started from a process that signs keeps its key), else
     <state>/secrets/signing.key. Its path, never the key, goes to the stack's processes."""
-    explicit = os.environ.get(SIGNING_KEY_FILE_ENV)
-    if explicit:
-        return ensure_key_file(Path(explicit).expanduser().resolve())
-    return secret_file(stack_cfg, SIGNING_KEY_NAME)
+    return ensure_key_file(signing_key_path(stack_cfg))
+
+
+def _kept_secret_path(stack_cfg, env: str, name: str) -> Path:
+    """The file $`env` names when this process already has one (a stack started from a process that
+    holds it keeps it), else <state>/secrets/`name`; not created (a command that only reads the
+    stack's state must not make secrets appear)."""
+    explicit = os.environ.get(env)
+    return Path(explicit).expanduser().resolve() if explicit else state_dir(stack_cfg) / "secrets" / name
+
+
+def signing_key_path(stack_cfg) -> Path:
+    return _kept_secret_path(stack_cfg, SIGNING_KEY_FILE_ENV, SIGNING_KEY_NAME)
 
 
 MLFLOW_PASSWORD = "mlflow-password"  # the stack's MLflow login (user MLFLOW_USERNAME, an admin of MLflow's auth app)
@@ -213,10 +222,11 @@ def mlflow_password_file(stack_cfg) -> Path:
     """The stack's MLflow password: the file $CRUCIBLE_MLFLOW_PASSWORD_FILE names when this process
     already has one (as for the signing key: a stack started from a client keeps its login), else
     <state>/secrets/mlflow-password. Its path, never the password, goes to the stack's clients."""
-    explicit = os.environ.get(MLFLOW_PASSWORD_FILE_ENV)
-    if explicit:
-        return ensure_key_file(Path(explicit).expanduser().resolve())
-    return secret_file(stack_cfg, MLFLOW_PASSWORD)
+    return ensure_key_file(mlflow_password_path(stack_cfg))
+
+
+def mlflow_password_path(stack_cfg) -> Path:
+    return _kept_secret_path(stack_cfg, MLFLOW_PASSWORD_FILE_ENV, MLFLOW_PASSWORD)
 
 
 def mlflow_client_env(stack_cfg) -> dict[str, str]:

@@ -93,10 +93,10 @@ def _environ_of(pid: int) -> dict[str, str]:
     return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def stage_ray():
     """A local Ray started as every Ray stage starts it, with a task run so worker processes exist
-    too: its node's address_info."""
+    too: its node's address_info. One per test: a test may stop it and start another."""
     import ray
 
     from tasks.core.executor import start_ray

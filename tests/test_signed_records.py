@@ -112,8 +112,12 @@ def test_a_rewritten_deploy_record_is_refused(evaluated):
     passing = json.loads(path.read_text())
     write_gate(passing, {"passed": True, "reason": "no champion yet"})  # the pipeline's own passing report
     record = layout.triggered_deploy_record(ckpt)
-    write_deploy_record(record, {"passed": False, "reason": "the champion is better", "version": None})
+    write_deploy_record(record, {"passed": False, "reason": "the champion is better", "version": None,
+                                 "checkpoint": str(ckpt)})
     assert read_signed(record, "deploy-record")["reason"] == "the champion is better"
+    # the genuine record is taken as it is
+    assert await_deployment(evaluated["cfg"], evaluated["store"], layout, {}, timeout=60)["reason"] \
+        == "the champion is better"
 
     claimed = {**json.loads(record.read_text()), "passed": True, "reason": "promoted", "version": 7}
     write_json_atomic(record, claimed)
@@ -170,14 +174,20 @@ def test_a_genuine_record_copied_to_another_checkpoint_is_refused(evaluated):
     passing = json.loads(path.read_text())
     write_gate(passing, {"passed": True, "reason": "no champion yet"})  # step 10's own, genuine and passing
     assert await_evaluation(layout, ckpt, timeout=5)["checkpoint"] == passing["checkpoint"]
-    # step 10's report (and a deploy record naming it) put in step 20's place
+    # step 10's report put in step 20's place
     copied = layout.triggered_eval_report(other)
     shutil.copy(path, copied)
-    write_deploy_record(layout.triggered_deploy_record(ckpt), {"passed": True, "reason": "promoted", "version": 3,
-                                                              "checkpoint": str(other)})
     try:
         assert await_evaluation(layout, other, timeout=5) is None
         assert await_deployment(evaluated["cfg"], evaluated["store"], layout, {}, timeout=5) is None
     finally:
         copied.unlink()
-        layout.triggered_deploy_record(ckpt).unlink()
+    # a genuine deploy record of step 20 put in step 10's place (step 10's own record is taken)
+    record = layout.triggered_deploy_record(ckpt)
+    write_deploy_record(record, {"passed": False, "reason": "step 10's own", "version": None, "checkpoint": str(ckpt)})
+    try:
+        assert await_deployment(evaluated["cfg"], evaluated["store"], layout, {}, timeout=5)["reason"] == "step 10's own"
+        write_deploy_record(record, {"passed": True, "reason": "promoted", "version": 3, "checkpoint": str(other)})
+        assert await_deployment(evaluated["cfg"], evaluated["store"], layout, {}, timeout=5) is None
+    finally:
+        record.unlink()

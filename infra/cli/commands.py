@@ -58,7 +58,7 @@ def _stack_sections(args):
                     LineageConfig.model_validate(raw.get("lineage", {})))
     # what a command signs or verifies in this process (run roots, a replayed lineage log) uses the
     # stack's key, wherever its state dir is, not one found relative to the working directory
-    os.environ[SIGNING_KEY_FILE_ENV] = str(stack.signing_key_file(sections[0]))
+    os.environ[SIGNING_KEY_FILE_ENV] = str(stack.signing_key_path(sections[0]))
     return sections
 
 
@@ -112,14 +112,16 @@ def cmd_login(args) -> int:
     """The URL and login of each UI of the stack, read from its secrets folder: for the local user's
     browser (the secrets are 0600 files of whoever started the stack; nothing is logged)."""
     stack_cfg, _, _ = _stack_configs(args)
-    if not (stack.state_dir(stack_cfg) / "secrets").is_dir():
-        return fail(f"crucible: no stack has been started in {stack.state_dir(stack_cfg)} (crucible up)", 1)
-    logins = {
-        "mlflow": {"url": stack.mlflow_tracking_uri(stack_cfg), "user": MLFLOW_USERNAME,
-                   "password": stack.mlflow_password_file(stack_cfg).read_text().strip()},
+    # read, never generated here: a password no server holds would be printed as the login
+    logins = {}
+    if (password := stack.mlflow_password_path(stack_cfg)).is_file():
+        logins["mlflow"] = {"url": stack.mlflow_tracking_uri(stack_cfg), "user": MLFLOW_USERNAME,
+                            "password": password.read_text().strip()}
+    if (stack.state_dir(stack_cfg) / "secrets" / stack.PREFECT_AUTH).is_file():
         # Prefect's UI asks for the whole auth string (server.api.auth_string)
-        "prefect": {"url": stack.prefect_ui_url(stack_cfg), "auth_string": stack.secret(stack_cfg, stack.PREFECT_AUTH)},
-    }
+        logins["prefect"] = {"url": stack.prefect_ui_url(stack_cfg), "auth_string": stack.secret(stack_cfg, stack.PREFECT_AUTH)}
+    if not logins:
+        return fail(f"crucible: no stack has been started in {stack.state_dir(stack_cfg)} (crucible up)", 1)
     if args.json:
         print(json.dumps(logins, indent=2))
     else:

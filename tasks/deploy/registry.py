@@ -109,11 +109,13 @@ def signed_run_tags(run_id: str, tags: dict) -> dict:
     return {**_tag_values(tags), **_signatures(tags, f"{RUN_TAG_PURPOSE} {run_id}")}
 
 
-def verified_run_tags(tracking_uri: str, run_id: str) -> tuple[dict, list[str]]:
-    """(the run's tags that verify, names of the refused ones): what the pipeline may read back."""
+def verified_run_tags(tracking_uri: str, run_id: str, names: tuple[str, ...] | None = None) -> tuple[dict, list[str]]:
+    """(the run's tags that verify, names of the refused ones): what the pipeline may read back;
+    `names`: only those tags (a run also carries tags nobody reads back, which are not refused)."""
     raw = _client(tracking_uri).get_run(run_id).data.tags
     # MLflow's own system tags (mlflow.*) are not the pipeline's records: not reported as refused
-    raw = {k: v for k, v in raw.items() if not k.startswith("mlflow.")}
+    raw = {k: v for k, v in raw.items() if not k.startswith("mlflow.")
+           and (names is None or k in names or k.removeprefix(SIG) in names)}
     return _verified(raw, f"{RUN_TAG_PURPOSE} {run_id}", f"run {run_id}")
 
 

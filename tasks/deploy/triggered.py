@@ -97,7 +97,8 @@ def evaluation_claim_problem(checkpoint: str | Path, report_path: str | Path, ru
 
         try:
             client = MlflowClient(tracking_uri=tracking_uri)
-            logged = verified_run_tags(tracking_uri, run_id)[0].get(eval_hash_tag(report["step"]))  # signed only
+            tag = eval_hash_tag(report["step"])
+            logged = verified_run_tags(tracking_uri, run_id, names=(tag,))[0].get(tag)  # signed only
             losses = [m.value for m in client.get_metric_history(run_id, "val_loss") if m.step == report["step"]]
         except MlflowException as e:
             return None, f"the training run {run_id} cannot be read in MLflow: {e.error_code}"

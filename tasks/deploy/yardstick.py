@@ -33,6 +33,7 @@ import os
 import uuid
 from pathlib import Path
 
+from tasks.core.hashing import sha256_file
 from tasks.core.layout import RunLayout
 from tasks.core.storage import local_run_root
 
@@ -201,9 +202,12 @@ def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: s
     tags = champion["tags"]
     pool = pool if pool is not None else replay_pool(tags.get("data.tokens_index"),
                                                      tags.get("data.tokens_index_sha256") or "")
-    champ_tok = champion["tags"].get("tokenizer")
-    built = build_yardstick(cfg, out_dir / "yardstick.jsonl", new_index, tokenizer_path, pool,
-                            champ_tok if champ_tok and Path(champ_tok).is_file() else None)
+    # the tag names the champion's tokenizer file in its run directory: used only while the file still
+    # hashes to the signed tokenizer_sha256 (it decodes the replayed "old" part)
+    champ_tok = tags.get("tokenizer")
+    if not (champ_tok and Path(champ_tok).is_file() and sha256_file(champ_tok) == tags.get("tokenizer_sha256")):
+        champ_tok = None
+    built = build_yardstick(cfg, out_dir / "yardstick.jsonl", new_index, tokenizer_path, pool, champ_tok)
     batch = cfg.evaluate.task_batch_size
     challenger_bpb = score(ckpt, tokenizer_path, built["path"], batch, yardstick_sha256=built["sha256"])
     champion_bpb = scores_from_tags(champion["tags"], built)
