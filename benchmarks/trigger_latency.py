@@ -117,6 +117,7 @@ def measure(cfg, api: str, mlflow_uri: str, run_id: str, ckpt: Path, step: int, 
 
     client = MlflowClient(tracking_uri=mlflow_uri, registry_uri=mlflow_uri)
     base = f"http://127.0.0.1:{cfg.deploy.port}"
+    headers = client_headers(cfg.stack, cfg.deploy)  # the stack's server wants its clients' key
     got: dict[str, float] = {}
     t_emit = time.time()
     t0 = time.perf_counter()
@@ -138,8 +139,7 @@ def measure(cfg, api: str, mlflow_uri: str, run_id: str, ckpt: Path, step: int, 
         if "served_s" not in got:
             try:
                 health = httpx.get(f"{base}/health", timeout=2, trust_env=False).json()
-                models = httpx.get(f"{base}/v1/models", timeout=2, trust_env=False,
-                                   headers=client_headers(cfg.stack, cfg.deploy)).json()  # the stack's server wants its key
+                models = httpx.get(f"{base}/v1/models", timeout=2, trust_env=False, headers=headers).json()
                 if health.get("step") == step and any(m["id"] == cfg.deploy.model_name for m in models["data"]):
                     got["served_s"] = now
             except (httpx.HTTPError, ValueError, KeyError):

@@ -164,7 +164,7 @@ def _continue(cfg: PipelineConfig, run_name: str, champion) -> dict:
         ingested, curated, scored = curate(cfg, run)
         tokenizer = str(champion.tokenizer)
         tokens = prepare_tokens(cfg, run, tokenizer, scored.shards)
-        pool = [str(p) for p in replay_pool(champion.tokens_index)]
+        pool = [str(p) for p in replay_pool(champion.tokens_index, champion.tags.get("data.tokens_index_sha256") or "")]
         mix = replay_mix(cfg, run, tokens.index_path, pool)
         plan, trained = train(cfg, run, mix.index_path, tokenizer)
         evals = evaluate(cfg, run, trained.checkpoints, tokenizer, tokens.index_path, trained.mlflow_run_id)

@@ -168,7 +168,7 @@ def test_a_forged_token_index_is_not_used_by_continued_pretraining(trained, stor
     """data.tokens_index feeds a cycle's replay pool: a forged tag is refused, and an index (or a
     mix's pool member) rewritten in the run directory after signing is refused by its hash."""
     from tasks.continued.cycle import find_champion
-    from tasks.continued.mix import replay_pool
+    from tasks.continued.mix import MixError, replay_pool
     from tasks.core.hashing import sha256_file
 
     cfg, name = _champion(trained, store, tmp_path)
@@ -182,7 +182,8 @@ def test_a_forged_token_index_is_not_used_by_continued_pretraining(trained, stor
     MlflowClient(tracking_uri=uri, registry_uri=uri).set_model_version_tag(name, "1", "data.tokens_index", str(evil))
     found = find_champion(cfg, uri)
     assert found.tokens_index is None and "data.tokens_index" not in found.tags
-    assert evil_pool not in replay_pool(found.tokens_index)
+    # what the cycle replays: the forged tag's index, held to the champion's signed hash, is refused
+    assert replay_pool(str(evil), found.tags.get("data.tokens_index_sha256") or "") == []
 
     # the run-directory writer: the signed hashes no longer match
     member, mix = tmp_path / "member.json", tmp_path / "mix.json"
@@ -191,7 +192,8 @@ def test_a_forged_token_index_is_not_used_by_continued_pretraining(trained, stor
     assert replay_pool(mix, sha256_file(mix)) == [member]
     assert replay_pool(mix, "0" * 64) == []  # the index is not the one signed
     member.write_text('{"splits": {"train": "elsewhere"}}')
-    assert replay_pool(mix, sha256_file(mix)) == []  # a pool member swapped after the mix was built
+    with pytest.raises(MixError, match="not the ones its mix recorded"):  # a member swapped after the mix was built
+        replay_pool(mix, sha256_file(mix))
 
 
 def test_planted_loader_code_in_the_registered_artifacts_never_runs(trained, store, tmp_path):

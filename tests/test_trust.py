@@ -484,3 +484,24 @@ def test_an_unsigned_or_forged_manifest_or_meta_file_is_refused(tmp_path):
 
         with pytest.raises(UnverifiedCheckpoint, match="checkpoint meta file"):
             load_model_for_inference(ckpt, expected_tree_sha256=sha256_tree(ckpt))
+
+
+def test_a_private_copy_left_by_a_killed_loader_is_swept(tmp_path):
+    """A loader killed mid-load leaves its private copy (hard links) beside the checkpoint; the next
+    load removes it, so it cannot keep the bytes of checkpoints retention deleted. A live loader's
+    copy stays."""
+    import subprocess
+    import sys
+
+    from lm_helpers import random_checkpoint, sample_tokenizer
+    from tasks.train import checkpoint
+
+    ckpt = random_checkpoint(tmp_path / "run" / "train", sample_tokenizer(tmp_path / "tok.json"), step=5, seed=0)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = Path(ckpt).parent.parent / f".crucible-verified-{dead.pid}-abc"
+    live = Path(ckpt).parent.parent / f".crucible-verified-{os.getpid()}-xyz"
+    for d in (left, live):
+        shutil.copytree(ckpt, d / Path(ckpt).name)
+    checkpoint.load_model_for_inference(ckpt)
+    assert not left.exists() and live.exists()

@@ -152,7 +152,7 @@ def cycle_config(cfg: PipelineConfig, discovery: Discovery, champion: Champion |
         if c.replay_fraction > 0:
             from tasks.continued.mix import replay_pool
 
-            pool = replay_pool(champion.tokens_index)
+            pool = replay_pool(champion.tokens_index, champion.tags.get("data.tokens_index_sha256") or "")
             missing = [str(p) for p in pool if not p.is_file()]
             if not pool or missing:
                 raise CycleError(f"continue.replay_fraction is {c.replay_fraction}, but the champion's training tokens "

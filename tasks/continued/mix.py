@@ -13,6 +13,7 @@ measures which share of the tokens it trained on came from the replay part.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -44,20 +45,29 @@ def verified_index(tokens_index: str | Path | None, sha256: str | None) -> Path 
     return Path(tokens_index)
 
 
-def replay_pool(tokens_index: str | Path | None, sha256: str | None = None) -> list[Path]:
+def replay_pool(tokens_index: str | Path | None, sha256: str) -> list[Path]:
     """The per-cycle token indexes behind a model trained on `tokens_index`: its mix's pool, or the
-    index itself when it was not a mix (a model pretrained from scratch). `sha256`: the signed hash
-    the index must have (verified_index; None: the caller verified it). A mix's pool members must
-    hash to what the mix recorded when it was built; one that does not is refused (left out)."""
-    if sha256 is not None:
-        tokens_index = verified_index(tokens_index, sha256)
+    index itself when it was not a mix (a model pretrained from scratch). `sha256`: the signed hash the
+    index must have (e.g. the champion's data.tokens_index_sha256 tag); the bytes hashed are the bytes
+    parsed. [] when the index is gone or does not hash to it (logged as refused). A mix's pool members
+    must hash to what the mix recorded when it was built: one that does not is a MixError naming it
+    (never left out silently); a member that is gone is returned, for the caller to name."""
     if not tokens_index or not Path(tokens_index).is_file():
         return []
-    mix = json.loads(Path(tokens_index).read_text()).get("mix")
+    raw = Path(tokens_index).read_bytes()
+    if not sha256 or hashlib.sha256(raw).hexdigest() != sha256:
+        log.warning("refused: the token index %s does not hash to the signed %s", tokens_index,
+                    f"sha256 {sha256[:16]}..." if sha256 else "sha256 (none recorded)")
+        return []
+    mix = json.loads(raw).get("mix")
     if not mix:
         return [Path(tokens_index).resolve()]
     recorded = mix.get("pool_sha256") or {}
-    return [Path(p) for p in mix["pool"] if verified_index(p, recorded.get(p)) or not Path(p).is_file()]
+    refused = [p for p in mix["pool"] if Path(p).is_file() and verified_index(p, recorded.get(p)) is None]
+    if refused:
+        raise MixError(f"the replay pool of {tokens_index} holds token indexes that are not the ones its mix "
+                       f"recorded (changed, or from a mix built before pool hashes were kept): {refused}")
+    return [Path(p) for p in mix["pool"]]
 
 
 def _zero() -> dict:

@@ -350,6 +350,18 @@ def _run_train_dir(ckpt_dir: Path | str) -> Path | None:
     return ckpt_dir.parent.parent if ckpt_dir.parent.name == CHECKPOINTS_DIR else None
 
 
+_PRIVATE_PREFIX = ".crucible-verified-"  # + the loading process's pid
+
+
+def _sweep_private_dirs(beside: Path) -> None:
+    """Remove private copies a killed loader left (their hard links would keep the bytes of
+    checkpoints that retention deleted)."""
+    for d in beside.glob(f"{_PRIVATE_PREFIX}*"):
+        pid = d.name[len(_PRIVATE_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
+
+
 @contextmanager
 def _private_dir(beside: Path | str | None) -> Iterator[str]:
     """A temporary 0700 folder in `beside` (hard links need the same file system), else in the
@@ -357,7 +369,8 @@ def _private_dir(beside: Path | str | None) -> Iterator[str]:
     try:
         if beside is None:
             raise OSError
-        tmp = tempfile.TemporaryDirectory(prefix=".crucible-verified-", dir=beside)
+        _sweep_private_dirs(Path(beside))
+        tmp = tempfile.TemporaryDirectory(prefix=f"{_PRIVATE_PREFIX}{os.getpid()}-", dir=beside)
     except OSError:
         tmp = tempfile.TemporaryDirectory(prefix="crucible-verified-")
     with tmp as path:
