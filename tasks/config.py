@@ -404,6 +404,29 @@ class TokensConfig(Section):
     mixture_seed: int = 1234
 
 
+class MoEConfig(Section):
+    """Mixture of experts in the MLP of every `every_n_layers`-th block (layer i is sparse when
+    (i + 1) % every_n_layers == 0, Qwen's decoder_sparse_step); n_experts 0: a dense model."""
+    n_experts: int = Field(default=0, ge=0)  # routed experts per MoE layer; 0: dense model
+    top_k: int = Field(default=2, gt=0)  # routed experts per token
+    n_shared_experts: int = Field(default=0, ge=0)  # experts every token goes through (DeepSeek)
+    every_n_layers: int = Field(default=1, gt=0)
+    expert_hidden: int | None = Field(default=None, gt=0)  # None: the dense MLP's hidden size
+    score_func: Literal["softmax", "sigmoid"] = "softmax"  # router scores (Mixtral softmax, DeepSeek-V3 sigmoid)
+    route_norm: bool = True  # renormalise the top-k weights to sum to 1
+    # DeepSeek-V3 auxiliary-loss-free balancing: a per-expert bias added to the scores for selection
+    # only, moved by this rate towards equal load after every step; 0: off
+    bias_update_rate: float = Field(default=1e-3, ge=0)
+    aux_loss: float = Field(default=0.0, ge=0)  # coefficient of the (Switch) load-balancing loss; 0: off
+    router_z_loss: float = Field(default=0.0, ge=0)  # coefficient of logsumexp(router logits)^2 (ST-MoE); 0: off
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> "MoEConfig":
+        if self.n_experts and self.top_k > self.n_experts:
+            raise ValueError(f"top_k ({self.top_k}) must not exceed n_experts ({self.n_experts})")
+        return self
+
+
 class ModelConfig(Section):
     n_layer: int = Field(default=4, gt=0)
     n_head: int = Field(default=4, gt=0)
@@ -416,6 +439,7 @@ class ModelConfig(Section):
     qk_norm: bool = False  # RMSNorm on each head's queries and keys before RoPE
     logit_softcap: float | None = Field(default=None, gt=0)  # logits -> cap * tanh(logits / cap)
     tie_embeddings: bool = True  # False: a separate output projection (lm_head)
+    moe: MoEConfig = MoEConfig()
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -424,6 +448,24 @@ class ModelConfig(Section):
         if (self.d_model // self.n_head) % 2:
             raise ValueError("head dimension must be even for RoPE")
         return self
+
+
+class ParallelConfig(Section):
+    """The training layout: one DeviceMesh of (pp, dp_replicate, dp_shard, cp, tp); ep borrows its
+    ranks from dp_shard x cp (torchtitan). The product of pp, dp_replicate, dp_shard, cp and tp is
+    the world size; dp_shard -1 takes whatever the others leave. Checked against the model and the
+    world size before any process starts (tasks/train/parallel_dims.py)."""
+    dp_replicate: int = Field(default=1, gt=0)  # data-parallel replicas (HSDP's replicate dimension)
+    dp_shard: int = Field(default=-1, ge=-1)  # FSDP2 sharding; -1: the rest of the world
+    tp: int = Field(default=1, gt=0)  # tensor parallelism (+ sequence parallelism for norms and residuals)
+    sequence_parallel: bool = True  # with tp > 1: norms and residuals sharded along the sequence
+    pp: int = Field(default=1, gt=0)  # pipeline stages (torch.distributed.pipelining)
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
+    # micro-batches each pipeline step splits a data-parallel rank's batch into; None: the least
+    # the schedule needs (pp, or 2 x pp stages for interleaved_1f1b)
+    pp_microbatches: int | None = Field(default=None, gt=0)
+    ep: int = Field(default=1, gt=0)  # expert parallelism (MoE): experts sharded over ep ranks of dp_shard x cp
+    cp: int = Field(default=1, gt=0)  # context parallelism: refused where the backend cannot run it
 
 
 class TrainConfig(Section):
@@ -476,7 +518,18 @@ class TrainConfig(Section):
     # attention never crosses a document boundary in a packed sequence; RoPE restarts per document
     doc_mask: bool = False
     z_loss: float = Field(default=0.0, ge=0)  # coefficient of logsumexp(logits)^2 (PaLM: 1e-4); 0: off
-    parallelism: Literal["ddp", "fsdp2"] = "ddp"  # fsdp2: torch.distributed.fsdp.fully_shard per block
+    # shorthand for a data-parallel-only layout: ddp (DistributedDataParallel) or fsdp2 (fully_shard
+    # per block over all ranks); any train.parallel dimension set besides dp_shard uses the mesh
+    parallelism: Literal["ddp", "fsdp2"] = "ddp"
+    parallel: ParallelConfig = ParallelConfig()
+    # recompute activations in the backward: none, selective (torchtitan's op policy: keep matmul
+    # outputs except every second one, recompute the rest) or full (each block recomputed)
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    # batch-size ramp in tokens: the global batch starts at batch_ramp_start_tokens and grows linearly
+    # to the full batch over the first batch_ramp_tokens tokens trained; the learning-rate warm-up
+    # then follows the tokens of the ramp. None: no ramp
+    batch_ramp_start_tokens: int | None = Field(default=None, gt=0)
+    batch_ramp_tokens: int = Field(default=0, ge=0)
     dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast (fsdp2: bf16 params) with fp32 master weights
     compile: bool = False  # torch.compile each transformer block
     # continued pretraining: start from this checkpoint's model weights (a fresh run's step 0; the
@@ -910,6 +963,14 @@ class PipelineConfig(Section):
     continue_: ContinueConfig = Field(default_factory=ContinueConfig, alias="continue",
                                       validation_alias=AliasChoices("continue", "continue_"))
 
+    @model_validator(mode="after")
+    def _layout_fits(self) -> "PipelineConfig":
+        # the training layout against the model and the world size, before any process starts
+        from tasks.train.parallel_dims import ParallelDims
+
+        ParallelDims.from_config(self)
+        return self
+
     @field_validator("sources")
     @classmethod
     def _unique_sources(cls, sources: list[SourceConfig]) -> list[SourceConfig]:
@@ -965,6 +1026,9 @@ def _format_errors(err: ValidationError) -> str:
             got = "input not shown: storage_options may hold credentials"
         if path.endswith("postgres_url"):
             got = "input not shown: it may hold a password"
+        if path == "<root>":  # a check across sections (e.g. the training layout): its message names the fields
+            lines.append(f"  {e['msg'].removeprefix('Value error, ')}"[:400])
+            continue
         lines.append(f"  {path}: {e['msg']} ({got})"[:300])
     return "invalid config:\n" + "\n".join(lines)
 
