@@ -1,0 +1,210 @@
+"""Pipeline parallelism (train.parallel.pp > 1) with torch.distributed.pipelining, torchtitan style.
+
+Every rank builds the full GPT from the same seed (so its weights equal a 1-process model's), then
+keeps only its stages: the pipeline has pp x stages_per_rank stages (2 per rank for
+interleaved_1f1b), stage s runs on pp rank s % pp ("loop" assignment: rank r holds stages r, r + pp,
+...), each stage an even contiguous slice of the transformer blocks, the first also the token
+embedding, the last the final norm and the output head.
+
+A stage is a `GPTStage`, whose parameter names are exactly the full GPT's (tok_emb.weight,
+blocks.{i}.…, norm.weight, lm_head.weight): its `blocks` ModuleList keeps a parameterless
+`AbsentBlock` at every index it does not hold, and tok_emb / norm / lm_head are None where the
+stage lacks them. So DCP checkpoints reshard between pipelined and unpipelined layouts by name,
+and parallelize_fn (TP / FSDP / activation checkpointing) applies to each stage as to a GPT.
+
+`build_pipeline` wraps each stage in a PipelineStage on mesh["pp"]'s group and builds the schedule
+(1f1b, interleaved_1f1b or gpipe) over dims.pp_microbatches micro-batches. `Pipeline.step(x, y)`
+runs forward and backward over one data-parallel rank's batch; the loss function divides each
+micro-batch's loss by the number of micro-batches (the schedule's own scaling is off), so the
+summed gradients are the mean over the rank's batch, as a 1-process step's are over its batch;
+data parallelism then averages over dp ranks as without pipelining. The step's (cross-entropy,
+z-loss) means are summed over the pp group, so every stage has them (for logging and spike checks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tasks.train.model import GPT, GPTConfig
+
+SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B", "gpipe": "ScheduleGPipe"}
+
+
+class AbsentBlock(nn.Module):
+    """Stands in a GPTStage's `blocks` for a layer another stage holds: no parameters, so the held
+    blocks keep their index (and so their checkpoint names). Never called."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this pipeline stage does not hold that layer")
+
+
+def stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """The pipeline stages pp rank `pp_rank` runs (loop style: stage s on rank s % pp)."""
+    return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+
+def stage_layers(stage: int, n_stages: int, n_layer: int) -> range:
+    """The transformer blocks of stage `stage`: an even contiguous slice (n_layer divisible is
+    checked with the config, ParallelDims.check)."""
+    if n_layer % n_stages:
+        raise ValueError(f"{n_layer} layers do not split evenly into {n_stages} pipeline stages")
+    per = n_layer // n_stages
+    return range(stage * per, (stage + 1) * per)
+
+
+def stage_layout(pp: int, stages_per_rank: int, n_layer: int) -> list[dict]:
+    """What each pp rank holds, for the layout record: [{"pp_rank", "stages": [{"stage", "layers",
+    "tok_emb", "lm_head"}]}]. The same on every rank (no communication)."""
+    n_stages = pp * stages_per_rank
+    return [{"pp_rank": r,
+             "stages": [{"stage": s, "layers": list(stage_layers(s, n_stages, n_layer)),
+                         "tok_emb": s == 0, "lm_head": s == n_stages - 1}
+                        for s in stage_ids(r, pp, stages_per_rank)]}
+            for r in range(pp)]
+
+
+class GPTStage(nn.Module):
+    """One pipeline stage of a GPT, holding the full model's own modules (not copies) for its
+    layers. forward: token ids (first stage) or the previous stage's hidden states -> hidden states,
+    or logits on the last stage. Mirrors GPT.forward without document masks (refused with pp)."""
+
+    def __init__(self, model: GPT, layers: range, first: bool, last: bool):
+        super().__init__()
+        cfg: GPTConfig = model.cfg
+        self.cfg = cfg
+        self.layers = list(layers)
+        self.tok_emb = model.tok_emb if first else None
+        self.drop = model.drop
+        self.blocks = nn.ModuleList(model.blocks[i] if i in layers else AbsentBlock() for i in range(cfg.n_layer))
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        if last and self.lm_head is None:
+            raise ValueError("a pipelined GPT needs an untied output head (model.tie_embeddings: false)")
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        # tokens per sequence of the current step: a later stage's input may be sequence-sharded
+        # (tensor parallelism with sequence parallelism), so its own width is not the sequence length
+        self.seq_len = cfg.seq_len
+
+    @property
+    def is_first(self) -> bool:
+        return self.tok_emb is not None
+
+    @property
+    def is_last(self) -> bool:
+        return self.lm_head is not None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        T = self.seq_len
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.drop(self.tok_emb(h)) if self.tok_emb is not None else h
+        for i in self.layers:
+            x = self.blocks[i](x, cos, sin)
+        if self.norm is None:
+            return x
+        return GPT._head(self, self.norm(x))  # the GPT's own head: separate weight, soft cap
+
+
+def split_model(model: GPT, pp_rank: int, pp: int, stages_per_rank: int) -> list[tuple[int, GPTStage]]:
+    """(stage index, GPTStage) for each stage pp rank `pp_rank` runs, made of `model`'s modules."""
+    n_stages = pp * stages_per_rank
+    return [(s, GPTStage(model, stage_layers(s, n_stages, model.cfg.n_layer), s == 0, s == n_stages - 1))
+            for s in stage_ids(pp_rank, pp, stages_per_rank)]
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]]
+
+
+@dataclass
+class Pipeline:
+    """This pp rank's part of the pipeline: its stage modules (after parallelize_fn) and the schedule."""
+    schedule: object
+    model_parts: list[nn.Module]
+    stage_indices: list[int]
+    n_microbatches: int
+    pp_group: dist.ProcessGroup
+    device: torch.device
+    _ce: list = field(default_factory=list)
+    _z: list = field(default_factory=list)
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def has_last(self) -> bool:
+        return any(p.is_last for p in self._stages())
+
+    def _stages(self) -> list[GPTStage]:
+        return [p for p in self.model_parts if isinstance(p, GPTStage)]
+
+    def layers(self) -> list[int]:
+        return sorted(i for p in self._stages() for i in p.layers)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one data-parallel rank's batch x, y (B, T), B split into
+        n_microbatches. Collective over the pp group. Returns (cross-entropy, z-loss) averaged over
+        the batch, the same on every pp rank (z-loss 0 when off)."""
+        for part in self._stages():
+            part.seq_len = x.size(1)
+        self._ce.clear()
+        self._z.clear()
+        target = y.to(self.device) if self.has_last else None
+        if self.has_first:
+            self.schedule.step(x.to(self.device), target=target)
+        else:
+            self.schedule.step(target=target)
+        out = torch.zeros(2, device=self.device)
+        if self.has_last:
+            # the first step also calls the loss once to infer the backward's shapes: the step's
+            # micro-batches are the last n_microbatches calls
+            if len(self._ce) < self.n_microbatches:
+                raise RuntimeError(f"the pipeline computed {len(self._ce)} micro-batch losses, "
+                                   f"expected {self.n_microbatches}")
+            out[0] = torch.stack(self._ce[-self.n_microbatches:]).sum()
+            out[1] = torch.stack(self._z[-self.n_microbatches:]).sum()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.pp_group)  # only the last stage adds
+        return out / self.n_microbatches
+
+    def loss_fn(self, compute_loss: LossFn) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The schedule's loss: the trainer's loss of one micro-batch divided by the number of
+        micro-batches (the schedule does not scale), its parts recorded for `step`."""
+        def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            total, ce, z = compute_loss(logits, targets)
+            self._ce.append(ce.detach().float().reshape(()))
+            self._z.append(torch.zeros((), device=ce.device) if z is None else z.detach().float().reshape(()))
+            return total / self.n_microbatches
+        return loss
+
+
+def build_pipeline(model: GPT, dims, mesh, device: torch.device, compute_loss: LossFn,
+                   parallelize_fn: Callable[[nn.Module], nn.Module] | None = None) -> Pipeline:
+    """This rank's stages of `model` (built whole, same seed on every rank), each passed through
+    parallelize_fn (TP / FSDP / activation checkpointing; it may return the module it wraps in),
+    wrapped in PipelineStages on mesh["pp"], and the dims.pp_schedule schedule over
+    dims.pp_microbatches micro-batches. compute_loss(logits, targets) -> (loss, ce, z or None)."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    pp_mesh = mesh["pp"]
+    pp_rank, pp_group = pp_mesh.get_local_rank(), pp_mesh.get_group()
+    n_stages = dims.pp * dims.stages_per_rank
+    parts, stages = [], []
+    for index, part in split_model(model, pp_rank, dims.pp, dims.stages_per_rank):
+        part = part.to(device)
+        if parallelize_fn is not None:
+            part = parallelize_fn(part) or part
+        parts.append(part)
+        stages.append(PipelineStage(part, index, n_stages, device, group=pp_group))
+    pipe = Pipeline(schedule=None, model_parts=parts, stage_indices=[s.stage_index for s in stages],
+                    n_microbatches=dims.pp_microbatches, pp_group=pp_group, device=device)
+    cls = getattr(schedules, SCHEDULES[dims.pp_schedule])
+    stage_arg = stages if issubclass(cls, schedules.PipelineScheduleMulti) else stages[0]
+    if not isinstance(stage_arg, list) and len(stages) != 1:
+        raise ValueError(f"{dims.pp_schedule} runs one stage per pp rank, this rank has {len(stages)}")
+    pipe.schedule = cls(stage_arg, n_microbatches=dims.pp_microbatches, loss_fn=pipe.loss_fn(compute_loss),
+                        scale_grads=False)
+    return pipe
