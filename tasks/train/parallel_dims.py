@@ -119,6 +119,9 @@ class ParallelDims:
         if self.pp > 1 and (samples // self.dp) % self.pp_microbatches:
             raise LayoutError(f"train.parallel.pp_microbatches ({self.pp_microbatches}) must divide the "
                               f"{samples // self.dp} sequences each data-parallel rank trains per step")
+        from tasks.train.batch_ramp import check_ramp  # (imports this module)
+
+        check_ramp(self, tcfg, mcfg.seq_len)
 
     def global_batch(self, tcfg, seq_len: int) -> tuple[int, int]:
         """(global samples per optimizer step, micro-batches per data-parallel rank per step): the batch
