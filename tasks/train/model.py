@@ -22,11 +22,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from tasks.train.moe import GroupedExperts, MoE, MoEArgs
 
 
 @dataclass
@@ -44,6 +46,11 @@ class GPTConfig:
     qk_norm: bool = False
     logit_softcap: float | None = None
     tie_embeddings: bool = True
+    # mixture of experts (model.moe); n_experts 0 (and a checkpoint without the key) is dense
+    moe: MoEArgs = field(default_factory=MoEArgs)
+
+    def __post_init__(self):
+        self.moe = MoEArgs.of(self.moe)  # a checkpoint's meta and the pipeline config give a dict
 
     @classmethod
     def from_model_config(cls, model_cfg, vocab_size: int) -> "GPTConfig":
@@ -241,23 +248,24 @@ class CausalSelfAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, d_model: int, hidden: int):
         super().__init__()
-        self.w1 = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)  # gate
-        self.w3 = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)  # up
-        self.w2 = nn.Linear(cfg.mlp_hidden, cfg.d_model, bias=False)  # down
+        self.w1 = nn.Linear(d_model, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(d_model, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, d_model, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = (MoE(cfg.d_model, cfg.mlp_hidden, cfg.moe) if cfg.moe.is_moe_layer(layer)
+                    else SwiGLU(cfg.d_model, cfg.mlp_hidden))
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -341,7 +349,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         # RoPE tables are derived from the config, so they are not saved in checkpoints
@@ -350,14 +358,18 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
         # GPT-2: scale the residual output projections by 1/sqrt(2 * n_layer)
+        # (the MoE's expert and shared down projections are residual outputs too)
         for name, p in self.named_parameters():
-            if name.endswith("attn.proj.weight") or name.endswith("mlp.w2.weight"):
+            if name.endswith(("attn.proj.weight", "mlp.w2.weight", "mlp.shared.w2.weight", "mlp.experts.w2")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, GroupedExperts):
+            for w in (module.w1, module.w3, module.w2):
+                nn.init.normal_(w, mean=0.0, std=0.02)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -366,6 +378,17 @@ class GPT(nn.Module):
         """Parameters used in matmuls, for FLOPs: a separate embedding table is only a lookup
         (tied, it is also the output projection and counts)."""
         return self.num_params() - (0 if self.lm_head is None else self.tok_emb.weight.numel())
+
+    def num_active_params(self) -> int:
+        """Matmul parameters one token passes through, the N of 6N for FLOPs and MFU: as
+        num_matmul_params, but each MoE layer's routed experts count top_k / n_experts of their
+        size (router and shared experts in full). A dense model's equals num_matmul_params."""
+        idle = 0
+        for block in self.blocks:
+            if isinstance(block.mlp, MoE):
+                routed = sum(w.numel() for w in block.mlp.experts.parameters())  # global size for DTensors too
+                idle += routed - routed // block.mlp.n_experts * block.mlp.top_k
+        return self.num_matmul_params() - idle
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states -> logits (tied or separate head, then the soft cap)."""
