@@ -98,7 +98,7 @@ def test_hand_written_backwards_match_autograd():
     """RMSNorm and RoPE have hand-written backwards (fewer passes over memory on CPU): their
     forwards equal the plain formulas to rounding (fused multiply-adds, a fused norm reduction),
     and gradcheck confirms the gradients."""
-    from tasks.train.model import RMSNorm, _qk_layout, _RMSNormFn, _rotate
+    from tasks.train.model import RMSNorm, _RMSNormFn, _rotate
 
     torch.manual_seed(0)
     norm = RMSNorm(8)
@@ -111,26 +111,17 @@ def test_hand_written_backwards_match_autograd():
     x64 = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, w: _RMSNormFn.apply(a, w, 1e-6), (x64, w64))
 
+    # RoPE as the attention applies it: (B, heads, T, head_dim) queries laid out (B, T, heads, head_dim)
+    # in memory (the projection's view, transposed), plain causal and per-document positions
     cos, sin = rope_tables(6, 8, 10000.0)
-    qk = torch.randn(2, 6, 2, 3, 8, dtype=torch.float64, requires_grad=True)
-    c, s = _qk_layout(cos).double(), _qk_layout(sin).double()
-    x1, x2 = qk.detach().chunk(2, dim=-1)
-    cc, ss = c.expand_as(x1), s.expand_as(x1)
-    assert torch.allclose(_rotate(qk, c, s).detach(), torch.cat([x1 * cc - x2 * ss, x1 * ss + x2 * cc], -1),
-                          rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda a: _rotate(a, c, s), (qk,))
-
-    # the attention's split + rotate of the fused projection, plain causal and per-document positions
-    from tasks.train.model import _split_rotate_formula, _SplitRotateFn
-    qkv = torch.randn(2, 6, 3, 3, 8, dtype=torch.float64, requires_grad=True)
     per_doc = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]])
-    for cc, ss in ((c, s), (_qk_layout(cos[per_doc][:, None]).double(), _qk_layout(sin[per_doc][:, None]).double())):
-        q, k, v = _SplitRotateFn.apply(qkv, cc, ss)
-        assert torch.equal(v, qkv[:, :, 2])
-        assert torch.allclose(torch.stack([q, k], 2), _rotate(qkv[:, :, :2], cc, ss), rtol=1e-12, atol=1e-12)
-        for ours, plain in zip((q, k, v), _split_rotate_formula(qkv, cc, ss)):
-            assert torch.allclose(ours, plain, rtol=1e-12, atol=1e-12)
-        assert torch.autograd.gradcheck(lambda a: _SplitRotateFn.apply(a, cc, ss), (qkv,))
+    q = torch.randn(2, 6, 3, 8, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    for c, s in ((cos.double(), sin.double()), (cos[per_doc][:, None].double(), sin[per_doc][:, None].double())):
+        x1, x2 = q.detach().chunk(2, dim=-1)
+        cc, ss = c.expand_as(x1), s.expand_as(x1)
+        assert torch.allclose(_rotate(q, c, s).detach(), torch.cat([x1 * cc - x2 * ss, x1 * ss + x2 * cc], -1),
+                              rtol=1e-12, atol=1e-12)
+        assert torch.autograd.gradcheck(lambda a: _rotate(a, c, s), (q,))
 
 
 def test_cross_entropy_matches_torch():
@@ -249,7 +240,8 @@ def test_qk_norm_makes_attention_invariant_to_query_key_scale():
         with torch.no_grad():
             before = model(idx)[0]
             for block in model.blocks:
-                block.attn.qkv.weight[:2 * 32] *= 30.0  # the q and k rows
+                block.attn.wq.weight *= 30.0
+                block.attn.wk.weight *= 30.0
             after = model(idx)[0]
         same = torch.allclose(before, after, atol=1e-4)
         assert same == qk_norm, qk_norm

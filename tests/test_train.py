@@ -151,7 +151,7 @@ def test_weight_decay_groups():
     decay = {names[id(p)] for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
     no_decay = {names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]}
     assert "tok_emb.weight" in no_decay and "norm.weight" in no_decay and "blocks.0.attn_norm.weight" in no_decay
-    assert "blocks.0.attn.qkv.weight" in decay and "blocks.0.mlp.w2.weight" in decay
+    assert "blocks.0.attn.wq.weight" in decay and "blocks.0.mlp.w2.weight" in decay
     assert decay | no_decay == set(names.values()) and not decay & no_decay
     assert opt.param_groups[0]["betas"] == (0.8, 0.9)
     # the defaults are the recipe: AdamW beta 0.9/0.95, weight decay 0.1 on matrices only

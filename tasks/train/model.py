@@ -160,55 +160,25 @@ class _RotateHalfFn(torch.autograd.Function):
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rope with cos/sin already aligned to x's positions (broadcastable to x[..., :h/2])."""
-    return _RotateHalfFn.apply(x, cos.to(x.dtype), sin.to(x.dtype))
-
-
-class _SplitRotateFn(torch.autograd.Function):
-    """The fused projection (B, T, 3, n_head, head_dim) -> rotated q, rotated k, v as three
-    (B, T, n_head, head_dim) views of one new buffer. The backward rotates the query and key
-    gradients straight into one gradient buffer for the projection, so neither the split nor the
-    unbind needs its own concatenating backward."""
-
-    @staticmethod
-    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        ctx.save_for_backward(cos, sin)
-        out = torch.empty_like(qkv)
-        _RotateHalfFn._rotate_into(qkv[:, :, :2], cos, sin, 1.0, out=out[:, :, :2])
-        out[:, :, 2].copy_(qkv[:, :, 2])
-        return out.unbind(2)
-
-    @staticmethod
-    def backward(ctx, gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor):
-        cos, sin = (t.squeeze(-3) for t in ctx.saved_tensors)  # aligned for one (B, T, n_head, h/2)
-        ref = next(g for g in (gq, gk, gv) if g is not None)
-        grad = ref.new_empty(ref.shape[:2] + (3,) + ref.shape[2:])
-        for i, g in enumerate((gq, gk, gv)):
-            if g is None:
-                grad[:, :, i].zero_()
-            elif i < 2:
-                _RotateHalfFn._rotate_into(g, cos, sin, -1.0, out=grad[:, :, i])
-            else:
-                grad[:, :, i].copy_(g)
-        return grad, None, None
-
-
-def _split_rotate_formula(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """_SplitRotateFn as the plain formula, for torch.compile (which fuses it by itself)."""
-    x1, x2 = qkv[:, :, :2].chunk(2, dim=-1)
-    qk = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return qk[:, :, 0], qk[:, :, 1], qkv[:, :, 2]
-
-
-def _qk_layout(t: torch.Tensor) -> torch.Tensor:
-    """RoPE table aligned for (B, n_head, T, h/2) -> aligned for the joint (B, T, 2, n_head, h/2)."""
-    return t[:, None, None] if t.dim() == 2 else t.transpose(1, 2)[:, :, :, None]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # bf16 under autocast
+    if torch.compiler.is_compiling():  # the plain formula: inductor fuses it by itself
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return _RotateHalfFn.apply(x, cos, sin)
 
 
 class CausalSelfAttention(nn.Module):
+    """Separate query, key and value projections (not one fused qkv matrix): tensor parallelism
+    shards each by output rows, i.e. by heads, which a fused matrix's q|k|v rows would mix. The
+    head count is read from the projections' output (view(B, T, -1, head_dim)), so the same
+    forward runs on a tensor-parallel rank's local heads."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
         self.q_norm = RMSNorm(cfg.head_dim) if cfg.qk_norm else None
@@ -218,14 +188,8 @@ class CausalSelfAttention(nn.Module):
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """cos/sin already aligned to the positions: (T, head_dim/2) or (B, 1, T, head_dim/2).
         mask: None for plain causal attention, else a boolean (B, 1, T, T) "may attend" mask."""
-        B, T, C = x.shape
-        qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)
-        if self.q_norm is not None:
-            qkv = torch.stack([self.q_norm(qkv[:, :, 0]), self.k_norm(qkv[:, :, 1]), qkv[:, :, 2]], dim=2)
-        # queries and keys rotated together: one set of RoPE kernels per layer, not one per tensor
-        cos, sin = (_qk_layout(t).to(qkv.dtype) for t in (cos, sin))  # bf16 under autocast
-        split = _split_rotate_formula if torch.compiler.is_compiling() else _SplitRotateFn.apply
-        q, k, v = (t.transpose(1, 2) for t in split(qkv, cos, sin))
+        q, k, v = self._qkv_heads(x)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         dropout = self.dropout if self.training else 0.0
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
@@ -234,13 +198,12 @@ class CausalSelfAttention(nn.Module):
         return self._out(y)
 
     def _qkv_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, T, C) -> q, k, v of (B, n_head, T, head_dim), QK-norm applied (RoPE not yet)."""
-        B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-                   for t in self.qkv(x).split(C, dim=2))
+        """(B, T, C) -> q, k, v of (B, heads, T, head_dim), QK-norm applied (RoPE not yet)."""
+        B, T, _ = x.shape
+        q, k, v = (w(x).view(B, T, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return q, k, v
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def _out(self, y: torch.Tensor) -> torch.Tensor:
         B, _, T, _ = y.shape
