@@ -153,6 +153,55 @@ def _barrier() -> None:
         dist.barrier()
 
 
+ModelParts = "nn.Module | list[nn.Module]"  # one module, or a rank's model parts (pipeline stages)
+
+
+def _parts(model) -> list[nn.Module]:
+    """A rank's model parts: under pipeline parallelism several modules (one per stage it holds) whose
+    state dicts have disjoint FQNs and merge into the model's; else the one model."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _optimizers(optimizer, n: int) -> list[torch.optim.Optimizer]:
+    """The per-part optimizers of `optimizer` (an OptimizersContainer, tasks/train/optimizer.py, holds one
+    per model part; a plain optimizer serves a single part)."""
+    optims = list(getattr(optimizer, "optimizers", None) or [optimizer])
+    if len(optims) != n:
+        raise ValueError(f"{len(optims)} optimizer(s) for {n} model part(s)")
+    return optims
+
+
+def model_state(model) -> dict:
+    """The model's state dict (DTensor shards under FSDP2 / TP), merged over the rank's parts."""
+    out: dict = {}
+    for part in _parts(model):
+        out.update(get_model_state_dict(part))
+    return out
+
+
+def _optim_states(model, optimizer) -> list[dict]:
+    """Per part: get_optimizer_state_dict (FQN-keyed AdamW moments, initialised if still empty)."""
+    parts = _parts(model)
+    return [get_optimizer_state_dict(part, opt) for part, opt in zip(parts, _optimizers(optimizer, len(parts)))]
+
+
+def _set_states(model, optimizer, model_sd: dict, optim_state: dict | None, osds: list[dict] | None) -> None:
+    """Load a merged model state (and optimizer moments) into each part, each taking its own FQNs."""
+    parts = _parts(model)
+    for i, part in enumerate(parts):
+        own = get_model_state_dict(part).keys()
+        set_model_state_dict(part, {k: model_sd[k] for k in own})
+        if optim_state is not None:
+            opt = _optimizers(optimizer, len(parts))[i]
+            mine = {k: optim_state[k] for k in osds[i]["state"]}
+            set_optimizer_state_dict(part, opt, {"state": mine, "param_groups": osds[i]["param_groups"]},
+                                     options=StateDictOptions(strict=True))
+
+
+def _merged(osds: list[dict]) -> dict:
+    return {k: v for osd in osds for k, v in osd["state"].items()}
+
+
 def new_checkpoint_group() -> "dist.ProcessGroup | None":
     """Collective (every rank, same point): a gloo group of all ranks for asynchronous saves.
 
@@ -216,7 +265,7 @@ class PendingCheckpoint:
         return self.final
 
 
-def start_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
+def start_checkpoint(model: ModelParts, optimizer: torch.optim.Optimizer, step: int,
                      out_dir: str | Path, meta: dict, rng_state: dict | None = None,
                      async_save: bool = False, process_group: "dist.ProcessGroup | None" = None,
                      storage_options: dict | None = None) -> PendingCheckpoint:
@@ -247,11 +296,10 @@ def start_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: i
     if rng_state is not None:
         write_text(join(tmp, RNG_DIR, f"rank-{rank:05d}.json"), json.dumps(rng_state), storage_options)
     meta_json = dumps_signed({**meta, "format": FORMAT, "step": step}, META_PURPOSE)
-    osd = get_optimizer_state_dict(model, optimizer)
     consumed = int((meta.get("trainer") or {}).get("consumed_samples", 0))
     state = {
-        "model": get_model_state_dict(model),
-        "optim": {"state": osd["state"]},
+        "model": model_state(model),
+        "optim": {"state": _merged(_optim_states(model, optimizer))},
         "train": {"step": torch.tensor(step, dtype=torch.int64),
                   "consumed_samples": torch.tensor(consumed, dtype=torch.int64)},
     }
@@ -393,7 +441,7 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir
     return restore_checkpoint(model, optimizer, ckpt_dir, storage_options=storage_options)[0]
 
 
-def restore_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: str | Path,
+def restore_checkpoint(model: ModelParts, optimizer: torch.optim.Optimizer, ckpt_dir: str | Path,
                        rank: int | None = None, storage_options: dict | None = None
                        ) -> tuple[int, dict, dict | None]:
     """`load_checkpoint`, also returning the meta and (with `rank`) that rank's RNG states, read from
@@ -402,17 +450,14 @@ def restore_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_
     with verified_copy(ckpt_dir, storage_options) as local:
         meta = read_meta(local)
         rng = read_rng_state(local, rank) if rank is not None else None
-        osd = get_optimizer_state_dict(model, optimizer)  # initialises moments so shapes are known
+        osds = _optim_states(model, optimizer)  # initialises moments so shapes are known
         state = {
-            "model": get_model_state_dict(model),
-            "optim": {"state": osd["state"]},
+            "model": model_state(model),
+            "optim": {"state": _merged(osds)},
             "train": {"step": torch.tensor(0, dtype=torch.int64)},
         }
         _dcp_load(state, local, ckpt_dir)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer,
-                             {"state": state["optim"]["state"], "param_groups": osd["param_groups"]},
-                             options=StateDictOptions(strict=True))
+    _set_states(model, optimizer, state["model"], state["optim"]["state"], osds)
     return int(state["train"]["step"]), meta, rng
 
 
@@ -423,7 +468,7 @@ def shape_mismatch(saved_model: dict, model: dict, saved: str = "checkpoint") ->
             for k in sorted(set(saved_model) | set(model)) if saved_model.get(k) != model.get(k)]
 
 
-def init_from_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: str | Path,
+def init_from_checkpoint(model: ModelParts, optimizer: torch.optim.Optimizer, ckpt_dir: str | Path,
                          tree_sha256: str, with_optimizer: bool = False, storage_options: dict | None = None) -> dict:
     """Collective: a fresh run starts from `ckpt_dir`'s model weights (and, with_optimizer, its AdamW
     moments); its step counter, data position and schedule are not taken over.
@@ -435,18 +480,15 @@ def init_from_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckp
         raise FileNotFoundError(f"{ckpt_dir} is not a complete checkpoint (no {META_FILE})")
     with verified_copy(ckpt_dir, storage_options, tree_sha256) as local:
         meta = read_meta(local)
-        if mismatch := shape_mismatch(meta["model"], model.cfg.to_dict()):
+        if mismatch := shape_mismatch(meta["model"], _parts(model)[0].cfg.to_dict()):
             raise ValueError(f"the checkpoint {ckpt_dir} has another model shape: {'; '.join(mismatch)}")
-        state: dict = {"model": get_model_state_dict(model)}
-        osd = None
+        state: dict = {"model": model_state(model)}
+        osds = None
         if with_optimizer:
-            osd = get_optimizer_state_dict(model, optimizer)
-            state["optim"] = {"state": osd["state"]}
+            osds = _optim_states(model, optimizer)
+            state["optim"] = {"state": _merged(osds)}
         _dcp_load(state, local, ckpt_dir)
-    set_model_state_dict(model, state["model"])
-    if osd is not None:
-        set_optimizer_state_dict(model, optimizer, {"state": state["optim"]["state"], "param_groups": osd["param_groups"]},
-                                 options=StateDictOptions(strict=True))
+    _set_states(model, optimizer, state["model"], state["optim"]["state"] if osds else None, osds)
     return meta
 
 
@@ -474,14 +516,23 @@ def checkpoint_tensors(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def weights_sha256(model: nn.Module) -> str:
-    """sha256 over the model's parameters and buffers in name order (full tensors under FSDP2):
-    equal for bitwise-equal weights."""
+def weights_sha256(model, pp_group: "dist.ProcessGroup | None" = None) -> str:
+    """sha256 over the model's parameters and buffers in name order (full tensors under FSDP2 / TP):
+    equal for bitwise-equal weights, whatever the layout. `model`: a module, or a rank's model parts.
+    Under pipeline parallelism a rank holds only its stages: with `pp_group` (the "pp" mesh group) the
+    stages of the group's other ranks are gathered, so the hash is of the whole model (collective)."""
+    state = {}
+    for part in _parts(model):
+        for name, t in get_model_state_dict(part).items():
+            state[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+    if pp_group is not None:
+        gathered: list = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(gathered, state, group=pp_group)
+        state = {name: t for got in gathered for name, t in got.items()}
     h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    for name, t in sorted(state.items()):
         h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 

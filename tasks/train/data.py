@@ -39,9 +39,11 @@ class GlobalWindows:
     The train split is cut into n = (tokens - 1) // seq_len windows of seq_len + 1 tokens (stride
     seq_len). Epoch e visits them in a permutation seeded by (seed, e); global sample g is window
     perm_{g // n}[g % n]. Optimizer step s reads the global samples [c, c + global_batch) where c
-    is the loader position (samples consumed so far), and rank r, micro-batch m of W ranks takes
-    the slice starting at c + (m * W + r) * micro_batch_size. So a run resumed on another world
-    size, with the same global batch, reads the same samples in the same steps.
+    is the loader position (samples consumed so far), and data-parallel rank r, micro-batch m of W
+    data-parallel ranks takes the slice starting at c + (m * W + r) * micro_batch_size (the tensor,
+    pipeline and context-parallel ranks of one replica read the same samples: `rank` and `world` here
+    are the "dp" mesh dimension's). So a run resumed on another layout, with the same global batch,
+    reads the same samples in the same steps.
 
     `skip_ranges` ([start, end) global sample ranges) are jumped over: a loss-spike rollback
     records the offending data there.
@@ -140,14 +142,9 @@ class GlobalWindows:
 
 
 def global_batch(tcfg, seq_len: int, world: int) -> tuple[int, int]:
-    """(global samples per optimizer step, micro-batches per rank per step)."""
-    per_micro = tcfg.micro_batch_size * world
-    if tcfg.batch_tokens is None:
-        return per_micro * tcfg.grad_accum_steps, tcfg.grad_accum_steps
-    if tcfg.batch_tokens % seq_len:
-        raise ValueError(f"train.batch_tokens ({tcfg.batch_tokens}) must be a multiple of seq_len ({seq_len})")
-    samples = tcfg.batch_tokens // seq_len
-    if samples % per_micro:
-        raise ValueError(f"train.batch_tokens gives {samples} sequences per step, not a multiple of "
-                         f"micro_batch_size x world size = {per_micro}")
-    return samples, samples // per_micro
+    """(global samples per optimizer step, micro-batches per rank per step) when all `world` ranks are
+    data-parallel: ParallelDims.global_batch, which the trainer uses for any layout (the batch is split
+    over the data-parallel ranks only)."""
+    from tasks.train.parallel_dims import ParallelDims
+
+    return ParallelDims(pp=1, dp_replicate=1, dp_shard=world, cp=1, tp=1, ep=1, world=world).global_batch(tcfg, seq_len)

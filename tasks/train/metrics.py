@@ -17,6 +17,7 @@ log = logging.getLogger("crucible.train")
 
 TRAIN_LOG = "train_log.jsonl"
 SPIKE_LOG = "spikes.jsonl"
+LAYOUT_FILE = "layout.json"  # rank 0: what the trainer built on every rank (rank_layout), once per launch
 # jsonl field -> MLflow metric key
 MLFLOW_KEYS = {"loss": "train_loss", "grad_norm": "grad_norm", "lr": "lr", "tokens_per_s": "tokens_per_s"}
 
@@ -118,3 +119,52 @@ class MetricsLogger:
         if not self.flush():
             print(f"[metrics] WARNING: {len(self._pending)} metric values never reached MLflow", flush=True)
         self._file.close()
+
+
+# ---------------------------------------------------------------- what was built (layout.json)
+
+# wrapper attributes that torch inserts into parameter names (activation checkpointing, torch.compile)
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_fqn(name: str) -> str:
+    """A parameter's name as the model and its checkpoints spell it (wrappers' attributes removed)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def rank_layout(model_parts: list, rank: int, mesh=None) -> dict:
+    """This rank's part of layout.json: its mesh coordinates, and per parameter (clean FQN) whether it
+    is a DTensor, its mesh dims and placements, global and local shapes; per transformer block its
+    module type, whether FSDP2 manages it and whether its activations are recomputed. The record is
+    read back from the modules (not from the config), so a test asserts what really ran."""
+    from torch.distributed.tensor import DTensor
+
+    coords = {}
+    if mesh is not None:
+        coords = {name: int(mesh[name].get_local_rank()) for name in mesh.mesh_dim_names}
+    params, blocks = {}, {}
+    for i, part in enumerate(model_parts):
+        for name, p in part.named_parameters():
+            rec = {"part": i, "shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
+            if isinstance(p, DTensor):
+                rec.update(dtensor=True, mesh_dims=list(p.device_mesh.mesh_dim_names or ()),
+                           placements=[str(pl) for pl in p.placements], local_shape=list(p.to_local().shape))
+            else:
+                rec.update(dtensor=False, local_shape=list(p.shape))
+            params[clean_fqn(name)] = rec
+        for name, m in part.named_modules():
+            parts = clean_fqn(name + ".").rstrip(".").split(".")
+            if len(parts) == 2 and parts[0] == "blocks" and parts[1].isdigit():
+                rec = blocks.setdefault(parts[1], {"part": i, "types": [], "selective": False})
+                rec["types"].append(type(m).__name__)
+                # torchtitan's selective policy reaches torch's checkpoint as a context_fn
+                fn = getattr(m, "checkpoint_fn", None)
+                rec["selective"] |= "context_fn" in (getattr(fn, "keywords", None) or {})
+    for rec in blocks.values():
+        types = rec.pop("types")
+        rec["type"] = types[0]
+        rec["fsdp"] = any(t.startswith("FSDP") for t in types)
+        rec["checkpointed"] = any("CheckpointWrapper" in t for t in types)
+    return {"rank": rank, "coords": coords, "params": params, "blocks": blocks}

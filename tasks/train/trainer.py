@@ -6,6 +6,15 @@ checkpoint and skip the data, or, with none to roll back to, re-baseline the det
 position, skipped data ranges, rollbacks, spike detector), next to the model, optimizer and RNG
 states.
 
+The layout (train.parallel, tasks/train/parallel_dims.py) is one DeviceMesh of (pp, dp_replicate,
+dp_shard, cp, tp); the `parallelism: ddp` shorthand keeps plain DDP over all ranks. The data is split
+over the data-parallel ranks only (the "dp" mesh dimension: the tp / pp / cp ranks of one replica read
+the same samples), the loss is averaged over them, the gradient norm is reduced over every mesh its
+gradients live on (tasks/train/grad_norm.py). A rank holds `model_parts` (one module, or its pipeline
+stages) and one optimizer per part; checkpoints merge the parts' state dicts, so a checkpoint moves
+between layouts (DCP reshards on load). Rank 0 writes out_dir/layout.json: what was built on every
+rank (tasks/train/metrics.py rank_layout).
+
 Rank 0 writes train_log.jsonl and the console lines, logs to MLflow when the job names an MLflow
 run, and reports each published checkpoint and spike action to the event sink (tasks/train/events.py).
 
@@ -16,6 +25,8 @@ checkpoint and at the end (`push_logs`), so a resume on any node continues them.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 import random
@@ -34,13 +45,16 @@ from tasks.tokens.binfile import load_index
 from tasks.train.checkpoint import (MANIFEST, apply_retention, capture_rng_state, init_from_checkpoint,
                                     latest_checkpoint, list_checkpoints, new_checkpoint_group, remove_checkpoint,
                                     restore_checkpoint, restore_rng_state, start_checkpoint, weights_sha256)
-from tasks.train.data import GlobalWindows, global_batch
+from tasks.train import parallelize as par
+from tasks.train.data import GlobalWindows
 from tasks.train.events import EventSink, NoEvents
 from tasks.train.flops import flops_per_token
-from tasks.train.metrics import SPIKE_LOG, TRAIN_LOG, MetricsLogger
+from tasks.train.grad_norm import clip_grad_norm_
+from tasks.train.metrics import LAYOUT_FILE, SPIKE_LOG, TRAIN_LOG, MetricsLogger, rank_layout
 from tasks.train.model import GPT, GPTConfig, lm_loss
-from tasks.train.optimizer import build_optimizer
-from tasks.train.parallelize import autocast_context, describe_built, grad_sync_context, parallelize
+from tasks.train.optimizer import OptimizersContainer
+from tasks.train.parallel_dims import MESH_DIMS, ParallelDims
+from tasks.train.parallelize import autocast_context, describe_built, grad_sync_context
 from tasks.train.remote import (download_file, is_file, join, name_of, remove, run_work_dir, stage_tokens, upload,
                                 write_text)
 from tasks.train.schedule import lr_at, schedule_record, set_lr
@@ -94,8 +108,8 @@ def seed_rank_streams(seed: int) -> None:
 
 
 class Trainer:
-    """Data-parallel training of the configured GPT on one rank. Collective: every rank builds one
-    (after the process group is initialised) and calls `train()`."""
+    """Training of the configured GPT on one rank of the train.parallel layout. Collective: every rank
+    builds one (after the process group is initialised) and calls `train()`."""
 
     def __init__(self, cfg: PipelineConfig, job: TrainJob, events: EventSink | None = None):
         self.cfg, self.tcfg, self.job = cfg, cfg.train, job
@@ -119,18 +133,28 @@ class Trainer:
                   f"({fetched} file(s) downloaded)", flush=True)
         self.index = load_index(tokens_index)
         self.gcfg = GPTConfig.from_model_config(cfg.model, self.index["vocab_size"])
+        # the layout: checked at config load already; here against the world torchrun really started
+        self.dims = ParallelDims.from_config(cfg, self.world)
+        self.mesh = None if self.dims.legacy_ddp else self.dims.build_mesh(self.device.type)
+        # the data-parallel coordinates: which slice of each global batch this rank reads
+        self.dp_rank, self.dp_size = ((self.rank, self.world) if self.mesh is None else
+                                      (self.mesh["dp"].get_local_rank(), self.mesh["dp"].size()))
+        self.pp_rank = 0 if self.mesh is None else self.mesh["pp"].get_local_rank()
+        self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
         self.data = GlobalWindows(tokens_index, "train", self.gcfg.seq_len, tcfg.micro_batch_size,
                                   seed=tcfg.seed, documents=tcfg.doc_mask)
-        self.global_samples, self.accum = global_batch(tcfg, self.gcfg.seq_len, self.world)
+        self.global_samples, self.accum = self.dims.global_batch(tcfg, self.gcfg.seq_len)
         torch.manual_seed(tcfg.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
-        self.model = GPT(self.gcfg).to(self.device)
+        self.model = GPT(self.gcfg).to(self.device)  # the whole model; parallelizing may split or shard it
         self.n_params = self.model.num_params()
         self.flops_per_token = flops_per_token(self.model.num_matmul_params(), self.gcfg.n_layer,
                                                self.gcfg.n_head, self.gcfg.head_dim, self.gcfg.seq_len)
-        self.wrapped = parallelize(self.model, tcfg, self.device)
-        self.optimizer = build_optimizer(self.model, tcfg)
-        # per-rank RNG streams after the shared init (dropout differs per rank); saved in checkpoints
-        seed_rank_streams(tcfg.seed + 1 + self.rank)
+        self.layout_info: dict = {}  # extra fields for layout.json (e.g. the pipeline's stages)
+        self.model_parts, self.wrapped = self.build_model_parts()
+        self.optimizer = OptimizersContainer(self.model_parts, tcfg)
+        # per-rank RNG streams after the shared init, saved in checkpoints: dropout differs per
+        # data-parallel replica and pipeline stage, and is the same on the tp / cp ranks of one replica
+        seed_rank_streams(tcfg.seed + 1 + self.dp_rank + self.dp_size * self.pp_rank)
         self.data_rng = np.random.default_rng([tcfg.seed, self.rank])  # per-rank data stream, checkpointed
         self.detector = SpikeDetector(tcfg.spike_window, tcfg.spike_min_history, tcfg.spike_sigma,
                                       tcfg.spike_rollback_after, loss_ratio=tcfg.spike_loss_ratio,
@@ -140,6 +164,19 @@ class Trainer:
         self.metrics: MetricsLogger | None = None
         self.pending = None  # the checkpoint being written (async), published by finish_checkpoint
         self.ckpt_group = None
+
+    def build_model_parts(self) -> tuple[list[torch.nn.Module], torch.nn.Module]:
+        """(this rank's model parts, the module a forward calls). Without pipeline parallelism one
+        part: the model parallelized in place on the mesh (tasks/train/parallelize.py: TP + SP, EP,
+        activation checkpointing, compile, FSDP2 / HSDP), or wrapped in DDP for `parallelism: ddp`."""
+        if self.dims.legacy_ddp:
+            return [self.model], par.parallelize(self.model, self.tcfg, self.device)
+        if not hasattr(par, "parallelize_model"):  # FIXME(H1): until parallelize.py's mesh builder lands
+            assert self.dims.tp == self.dims.pp == self.dims.dp_replicate == 1, "needs parallelize_model"
+            return [self.model], par.parallelize(self.model, self.tcfg.model_copy(update={"parallelism": "fsdp2"}),
+                                                 self.device)
+        model = par.parallelize_model(self.model, self.dims, self.mesh, self.tcfg, self.device)
+        return [model], model
 
     @property
     def storage(self) -> dict:
@@ -167,7 +204,7 @@ class Trainer:
     def restore(self, ckpt: Path | str) -> int:
         """Collective: load model, optimizer, loop and RNG states from `ckpt`; returns its step."""
         # meta and RNG states from the copy whose files were verified with the tensors
-        step, meta, rng = restore_checkpoint(self.model, self.optimizer, ckpt, self.rank, self.storage)
+        step, meta, rng = restore_checkpoint(self.model_parts, self.optimizer, ckpt, self.rank, self.storage)
         state = meta.get("trainer") or {}
         self.load_state_dict(state)
         if "consumed_samples" not in state:  # a checkpoint from before the loader position was saved
@@ -215,9 +252,9 @@ class Trainer:
         AdamW moments) of train.init_from, verified by its tree hash; rank 0 records in init.json
         what was loaded and the sha256 of the resulting weights."""
         tcfg = self.tcfg
-        meta = init_from_checkpoint(self.model, self.optimizer, tcfg.init_from, tcfg.init_sha256,
+        meta = init_from_checkpoint(self.model_parts, self.optimizer, tcfg.init_from, tcfg.init_sha256,
                                     with_optimizer=tcfg.init_optimizer, storage_options=self.storage)
-        digest = weights_sha256(self.model)
+        digest = weights_sha256(self.model_parts, self.pp_group)
         if self.rank == 0:
             source = tcfg.init_from if is_remote(tcfg.init_from) else str(Path(tcfg.init_from).resolve())
             record = {"init_from": source, "tree_sha256": tcfg.init_sha256,
@@ -233,11 +270,13 @@ class Trainer:
     def train(self) -> int:
         tcfg = self.tcfg
         step = self.start_step = self.resume_or_clean()
+        self.write_layout()
         if self.rank == 0:
             self.open_metrics()
         self.ckpt_group = new_checkpoint_group() if tcfg.async_checkpoint else None
         stop = tcfg.stop_at_step or tcfg.max_steps
-        self.wrapped.train()
+        for part in self.model_parts:
+            part.train()
         while step < stop:
             step += 1
             result = self.train_step(step)
@@ -265,25 +304,37 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         pos = self.data.step_start(self.consumed_samples)
         loss_sum = self.forward_backward(step, pos)
-        # total norm before clipping (identical on every rank: DDP all-reduces the gradients;
-        # under FSDP2 the norm of the sharded DTensor gradients is reduced across ranks)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tcfg.grad_clip)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        loss_avg = loss_sum / self.accum
-        dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM)  # gloo has no AVG
-        loss_val = loss_avg[0].item() / self.world
-        z_val = loss_avg[1].item() / self.world
+        # total norm before clipping, identical on every rank: DDP all-reduces the gradients; sharded
+        # DTensor gradients (FSDP2, TP, experts) and pipeline stages are reduced over their meshes
+        grad_norm = clip_grad_norm_(self.model_parts, tcfg.grad_clip, self.pp_group)
+        loss_val, z_val = self.reduce_losses(loss_sum)
         spike = self.detector.check(loss_val, grad_norm) if tcfg.spike_detection else None
         if spike is None and not math.isfinite(loss_val):
             raise FloatingPointError(f"loss is {loss_val} at step {step} (lr {lr:.3g}): stopping")
         if spike is None:
             self.optimizer.step()
+            # (after the update: hooks of the model's own state, e.g. MoE load balancing, go here)
             self.detector.healthy(loss_val, grad_norm)
         else:
             self.optimizer.zero_grad(set_to_none=True)  # skip the batch: no update
         end = pos + self.global_samples
         self.consumed_samples = end
         return StepResult(step, pos, end, lr, loss_val, z_val, grad_norm, spike, time.perf_counter() - t0)
+
+    def reduce_losses(self, loss_sum: torch.Tensor) -> tuple[float, float]:
+        """(cross-entropy, z-loss) of the step: this rank's micro-batch mean, averaged over the
+        data-parallel ranks (the tp / cp ranks of a replica hold the same values)."""
+        loss_avg = loss_sum / self.accum
+        group = None if self.mesh is None else self.mesh["dp"].get_group()
+        dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM, group=group)  # gloo has no AVG
+        return loss_avg[0].item() / self.dp_size, loss_avg[1].item() / self.dp_size
+
+    def grad_sync(self, last_micro: bool) -> contextlib.AbstractContextManager:
+        """Gradients are reduced across data-parallel ranks only on the last micro-batch of a step."""
+        stack = contextlib.ExitStack()
+        for part in ([self.wrapped] if self.mesh is None else self.model_parts):
+            stack.enter_context(grad_sync_context(part, last_micro))
+        return stack
 
     def forward_backward(self, step: int, pos: int) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches of the step starting at loader
@@ -295,9 +346,9 @@ class Trainer:
             doc_ids = positions = None
             if tcfg.doc_mask:
                 doc_ids, positions = (t.to(device) for t in
-                                      self.data.micro_batch_documents(pos, micro, self.rank, self.world))
+                                      self.data.micro_batch_documents(pos, micro, self.dp_rank, self.dp_size))
             x, y = x.to(device), y.to(device)
-            with grad_sync_context(self.wrapped, micro == accum - 1):
+            with self.grad_sync(micro == accum - 1):
                 with autocast_context(tcfg, device):
                     logits, _ = self.wrapped(x, doc_ids=doc_ids, positions=positions)
                     loss, ce, z = self.compute_loss(logits, y)
@@ -311,8 +362,9 @@ class Trainer:
         return loss_sum
 
     def micro_batch(self, pos: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) of this rank's micro-batch `micro` of the step starting at `pos`."""
-        return self.data.micro_batch(pos, micro, self.rank, self.world)
+        """(inputs, targets) of this rank's micro-batch `micro` of the step starting at `pos`: the slice
+        of its data-parallel rank (every tp / pp / cp rank of a replica reads the same)."""
+        return self.data.micro_batch(pos, micro, self.dp_rank, self.dp_size)
 
     def compute_loss(self, logits: torch.Tensor, targets: torch.Tensor):
         """(loss to backpropagate, cross-entropy, z-loss or None) of one micro-batch."""
@@ -372,7 +424,7 @@ class Trainer:
             return
         state = self.state_dict()
         self.finish_checkpoint()
-        self.pending = start_checkpoint(self.model, self.optimizer, step, self.out_dir,
+        self.pending = start_checkpoint(self.model_parts, self.optimizer, step, self.out_dir,
                                         {**self.checkpoint_meta(), "train_loss": train_loss, "trainer": state},
                                         rng_state=capture_rng_state(self.data_rng),
                                         async_save=tcfg.async_checkpoint, process_group=self.ckpt_group,
@@ -409,10 +461,34 @@ class Trainer:
             "run_name": self.job.run_name,
             "run_id": self.job.run_id,
             "world_size": self.world,
+            "layout": self.layout_summary(),
             "global_batch_samples": self.global_samples,
-            "train_options": {k: getattr(tcfg, k) for k in ("parallelism", "dtype", "compile", "doc_mask", "z_loss")},
+            "train_options": {k: getattr(tcfg, k) for k in ("parallelism", "dtype", "compile", "doc_mask", "z_loss",
+                                                            "activation_checkpointing")},
             "schedule": schedule_record(tcfg),
         }
+
+    # ------------------------------------------------------------------ the layout
+
+    def layout_summary(self) -> dict:
+        """The resolved layout (ParallelDims' fields and its one-line description): checkpoints
+        record it, MLflow params and layout.json show it."""
+        return {**dataclasses.asdict(self.dims), "describe": self.dims.describe()}
+
+    def write_layout(self) -> None:
+        """Collective: rank 0 writes out_dir/layout.json with every rank's record of what was built
+        (mesh coordinates, parameter placements and local shapes, checkpointed blocks), the layout and
+        `layout_info` (fields other parts of the trainer add, such as pipeline stages)."""
+        mine = {**rank_layout(self.model_parts, self.rank, self.mesh),
+                "dp_rank": self.dp_rank, "pp_rank": self.pp_rank}
+        gathered = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if self.rank == 0:
+            record = {"dims": self.layout_summary(), "mesh": {d: getattr(self.dims, d) for d in MESH_DIMS},
+                      "global_batch_samples": self.global_samples, "micro_batches_per_rank": self.accum,
+                      "activation_checkpointing": self.tcfg.activation_checkpointing,
+                      **self.layout_info, "ranks": gathered}
+            write_text(join(self.out_dir, LAYOUT_FILE), json.dumps(record, indent=1) + "\n", self.storage)
 
     # ------------------------------------------------------------------ metrics (rank 0)
 
@@ -438,16 +514,17 @@ class Trainer:
         self.metrics = MetricsLogger(self.log_dir, tcfg.max_steps, tcfg.log_every,
                                      tracking_uri=self.job.mlflow_tracking_uri, run_id=self.job.mlflow_run_id,
                                      resume_step=self.start_step)
-        self.metrics.log_params({**flat_params(self.cfg), "n_params": self.n_params, "world_size": self.world,
-                                 "vocab_size": gcfg.vocab_size, "train_tokens": train_tokens,
+        layout = {f"layout.{k}": v for k, v in self.layout_summary().items()}
+        self.metrics.log_params({**flat_params(self.cfg), **layout, "n_params": self.n_params,
+                                 "world_size": self.world, "vocab_size": gcfg.vocab_size, "train_tokens": train_tokens,
                                  "global_batch_samples": G, "grad_accum_steps_effective": self.accum})
-        print(f"[train] {self.n_params:,} params | {tcfg.parallelism} {tcfg.dtype}"
+        print(f"[train] {self.n_params:,} params | layout {self.dims.describe()} | {tcfg.parallelism} {tcfg.dtype}"
               f"{' compiled' if tcfg.compile else ''}{' doc-mask' if tcfg.doc_mask else ''} | "
               f"world {self.world} x {tcfg.threads_per_proc} threads | "
-              f"global batch {G} x {gcfg.seq_len} tokens ({self.accum} micro-batch(es) per rank) | "
+              f"global batch {G} x {gcfg.seq_len} tokens ({self.accum} micro-batch(es) per data-parallel rank) | "
               f"train split {train_tokens:,} tokens | steps {self.start_step + 1}..{tcfg.max_steps}",
               flush=True)
-        print(f"[train] {describe_built(self.model, self.wrapped)}", flush=True)
+        print(f"[train] {describe_built(self.model_parts[0], self.wrapped)}", flush=True)
 
     def log_step(self, r: StepResult) -> None:
         if self.metrics is None:

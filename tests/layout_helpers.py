@@ -1,0 +1,126 @@
+"""Runs of the real training (tasks.train.run_training under torchrun) in a given train.parallel
+layout, compared step by step with a 1-process run on the same global batch (imported, not a conftest).
+
+A layout run trains a small model (4 layers, 4 heads, width 64, 32-token sequences, fp32, no dropout,
+no spike detection) for a few steps on the session's token files (lm_helpers.tokens_artifact) with a
+fixed global batch (train.batch_tokens), so every layout, whatever its data-parallel size, reads the
+same samples in the same steps as the 1-process reference. Each step's loss and grad norm come from
+the run's train_log.jsonl; what the trainer really built comes from rank 0's out_dir/layout.json
+(tasks/train/metrics.py LAYOUT_FILE: the ParallelDims, each rank's mesh coordinates and per-parameter
+placements and local shapes, the activation-checkpointed blocks, the pipeline stages).
+
+    rows = layout_losses(base, 4, train={"parallel": {"dp_shard": 2, "tp": 2}})
+    assert_matches_reference(rows, reference_losses(base))
+
+The 1-process reference is cached per (model, common train options) under `base`, so every test
+module of a session shares it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from lm_helpers import tiny_cfg, tokens_artifact
+
+LAYOUT_FILE = "layout.json"  # written by rank 0 of the trainer (tasks/train/metrics.py)
+
+# the layout test model and schedule; tests override single fields through model= / train=
+LAYOUT_MODEL = {"n_layer": 4, "n_head": 4, "d_model": 64, "seq_len": 32, "dropout": 0.0, "tie_embeddings": True}
+GLOBAL_SAMPLES = 8  # sequences per optimizer step in every layout
+LAYOUT_TRAIN = {"max_steps": 10, "micro_batch_size": 2, "batch_tokens": GLOBAL_SAMPLES * LAYOUT_MODEL["seq_len"],
+                "dtype": "fp32", "spike_detection": False, "checkpoint_every": 1000, "log_every": 1,
+                "warmup_steps": 3, "grad_clip": 1.0}
+# options that choose how a step is computed, not what it computes: the reference leaves them out
+LAYOUT_OPTIONS = ("parallel", "parallelism", "nproc_per_node", "micro_batch_size", "activation_checkpointing",
+                  "compile", "stop_at_step", "resume")
+
+
+@dataclass
+class LayoutRun:
+    out_dir: Path
+    rows: list[dict]  # train_log.jsonl, one record per step
+    layout: dict  # rank 0's layout.json ({} if the trainer wrote none)
+    log: str  # the torchrun log's text
+    checkpoints: list[str]
+
+
+def layout_cfg(world: int, train: dict | None = None, model: dict | None = None, steps: int = 10):
+    """The PipelineConfig of a layout run on `world` processes."""
+    model = {**LAYOUT_MODEL, **(model or {})}
+    train = {**LAYOUT_TRAIN, "max_steps": steps, "batch_tokens": GLOBAL_SAMPLES * model["seq_len"],
+             **(train or {}), "nproc_per_node": world}
+    return tiny_cfg(model=model, train=train)
+
+
+def _key(world: int, train: dict, model: dict, steps: int) -> str:
+    blob = json.dumps({"world": world, "train": train, "model": model, "steps": steps}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def run_layout(base: Path, world: int, train: dict | None = None, model: dict | None = None, steps: int = 10,
+               out_dir: Path | None = None, name: str = "layout") -> LayoutRun:
+    """Train `steps` steps in the layout train["parallel"] on `world` processes under torchrun. Without
+    `out_dir` the run goes to base/layouts/<hash of the arguments>/ and is reused when it is complete
+    (a run with resume or a given out_dir always trains)."""
+    from tasks.train import run_training
+
+    train, model = dict(train or {}), dict(model or {})
+    cfg = layout_cfg(world, train, model, steps)
+    cached = out_dir is None and not train.get("resume")
+    out = out_dir or base / "layouts" / _key(world, train, model, steps)
+    done = out / "layout-run.done"
+    if not (cached and done.is_file()):
+        run_training(cfg, Path(tokens_artifact(base)["index_path"]), out, None, None, name)
+        if cached:
+            done.write_text("ok\n")
+    return read_layout_run(out)
+
+
+def read_layout_run(out: Path) -> LayoutRun:
+    from tasks.train.checkpoint import list_checkpoints
+
+    rows = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines() if x.strip()]
+    layout = json.loads((out / LAYOUT_FILE).read_text()) if (out / LAYOUT_FILE).is_file() else {}
+    log = (out / "torchrun.log").read_text() if (out / "torchrun.log").is_file() else ""
+    return LayoutRun(out, rows, layout, log, [str(p) for p in list_checkpoints(out)])
+
+
+def layout_losses(base: Path, world: int, train: dict | None = None, model: dict | None = None,
+                  steps: int = 10) -> list[dict]:
+    """Each step's train_log.jsonl record ({"step", "loss", "grad_norm", "data_start", ...}) of a layout run."""
+    return run_layout(base, world, train, model, steps).rows
+
+
+def reference_run(base: Path, train: dict | None = None, model: dict | None = None, steps: int = 10) -> LayoutRun:
+    """The 1-process run on the same global batch (gradient accumulation instead of ranks) as a layout
+    run given the same `train` / `model`: the layout options (LAYOUT_OPTIONS) are dropped. Cached."""
+    common = {k: v for k, v in (train or {}).items() if k not in LAYOUT_OPTIONS}
+    return run_layout(base, 1, common, model, steps, name="reference")
+
+
+def reference_losses(base: Path, train: dict | None = None, model: dict | None = None, steps: int = 10) -> list[dict]:
+    return reference_run(base, train, model, steps).rows
+
+
+def assert_matches_reference(rows: list[dict], ref: list[dict], loss_rel: float = 1e-4,
+                             grad_rel: float = 1e-3) -> dict:
+    """Step by step: the same steps and data positions, losses within `loss_rel` and grad norms within
+    `grad_rel` (relative) of the reference. Returns the largest relative differences seen."""
+    assert [r["step"] for r in rows] == [r["step"] for r in ref], ([r["step"] for r in rows], [r["step"] for r in ref])
+    assert [r["data_start"] for r in rows] == [r["data_start"] for r in ref]
+    worst = {"loss": 0.0, "grad_norm": 0.0}
+    for r, q in zip(rows, ref):
+        for key, rel in (("loss", loss_rel), ("grad_norm", grad_rel)):
+            diff = abs(r[key] - q[key]) / abs(q[key])
+            worst[key] = max(worst[key], diff)
+            assert diff <= rel, f"step {r['step']}: {key} {r[key]} vs the 1-process {q[key]} (relative {diff:.2e} > {rel})"
+    print(f"largest relative differences from the 1-process run: loss {worst['loss']:.2e}, "
+          f"grad_norm {worst['grad_norm']:.2e}")
+    return worst
+
+
+def rank_record(layout: dict, rank: int = 0) -> dict:
+    """One rank's part of layout.json: {"rank", "coords" {mesh dim: index}, "params" {fqn: {...}}, ...}."""
+    return next(r for r in layout["ranks"] if r["rank"] == rank)
