@@ -157,9 +157,10 @@ def sample_tokenizer(path: Path, vocab_size: int = 320) -> Path:
 
 
 def random_checkpoint(out_dir: Path, tokenizer: Path, step: int, seed: int, run_name: str = "test",
-                      meta_extra: dict | None = None, **model_options) -> Path:
+                      meta_extra: dict | None = None, init=None, **model_options) -> Path:
     """A randomly initialised GPT for `tokenizer` (2 layers, 2 heads, width 32, seq_len 32 unless
-    model_options say otherwise), saved as step `step` with tasks.train's checkpoint code."""
+    model_options say otherwise), saved as step `step` with tasks.train's checkpoint code;
+    init(model), when given, changes the weights first (e.g. sharpen_moe)."""
     import torch
     from tokenizers import Tokenizer
 
@@ -171,12 +172,36 @@ def random_checkpoint(out_dir: Path, tokenizer: Path, step: int, seed: int, run_
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=vocab, **{"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 32, **model_options})
     model = GPT(cfg)
+    if init is not None:
+        init(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     meta = {"model": cfg.to_dict(), "eos_id": 1, "tokenizer_sha256": sha256_file(tokenizer), "run_name": run_name,
             **(meta_extra or {})}
     ckpt = save_checkpoint(model, opt, step, out_dir, meta)
     apply_retention(out_dir, ckpt, None)  # the run's manifest vouches for it, as the trainer's does
     return ckpt
+
+
+# an MoE of 2 layers, the second sparse: 4 experts, top-2, one shared expert (dense + sparse layers)
+TINY_MOE = {"n_experts": 4, "top_k": 2, "n_shared_experts": 1, "every_n_layers": 2, "expert_hidden": 48}
+
+
+def sharpen_moe(model) -> None:
+    """Make a random MoE route like a trained one: decisive router scores, distinct experts and a
+    nonzero selection bias (training moves expert_bias; a fresh model's is zero), so that a test
+    comparing two implementations fails if either one routes differently."""
+    import torch
+
+    from tasks.train.moe import MoE
+
+    g = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m.router.weight.normal_(0.0, 0.5, generator=g)
+                for w in (m.experts.w1, m.experts.w2, m.experts.w3):
+                    w.normal_(0.0, 0.1, generator=g)
+                m.expert_bias.copy_(torch.randn(m.n_experts, generator=g) * 0.1)
 
 
 def train_on_nodes(cfg_for_rank, tokens_index, out_dir, run_name: str, nodes: int = 2) -> dict:

@@ -1,5 +1,6 @@
 """Hugging Face-compatible export: files, model card, weights that round-trip to the same logits;
-loading with transformers only if it is installed."""
+loading with transformers only if it is installed. MoE models export as Mixtral or ERNIE 4.5 MoE
+and transformers computes the same logits; settings neither represents are refused."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm_helpers import random_checkpoint, sample_tokenizer
+from lm_helpers import TINY_MOE, random_checkpoint, sample_tokenizer, sharpen_moe
 from tasks.config import PipelineConfig
 from tasks.deploy.export import export_hf, load_exported
 from tasks.train.checkpoint import load_model_for_inference
@@ -86,10 +87,71 @@ def test_untied_head_exports_and_round_trips(tmp_path):
         torch.testing.assert_close(back(x)[0], model(x)[0])
 
 
-@pytest.mark.parametrize("option", [{"qk_norm": True}, {"logit_softcap": 30.0}])
-def test_options_without_a_llama_equivalent_are_refused(tmp_path, option):
+@pytest.mark.parametrize("option,match", [
+    ({"qk_norm": True}, "no Llama equivalent"), ({"logit_softcap": 30.0}, "no Llama equivalent"),
+    ({"moe": {**TINY_MOE, "score_func": "sigmoid"}}, "score_func='sigmoid'"),
+    ({"moe": {**TINY_MOE, "route_norm": False}}, "route_norm=False"),
+    ({"moe": TINY_MOE, "qk_norm": True}, "model.qk_norm has no equivalent in Mixtral or ERNIE")])
+def test_options_without_a_hf_equivalent_are_refused(tmp_path, option, match):
     tok = sample_tokenizer(tmp_path / "tokenizer.json")
     ckpt = random_checkpoint(tmp_path / "train", tok, 10, 3, **option)
-    with pytest.raises(ValueError, match="no Llama equivalent"):
+    with pytest.raises(ValueError, match=match):
         export_hf(ckpt, tok, tmp_path / "hf")
     assert not (tmp_path / "hf" / "model.safetensors").exists()
+
+
+def _zero_bias(model) -> None:
+    sharpen_moe(model)
+    for b in model.blocks:
+        if hasattr(b.mlp, "expert_bias"):
+            b.mlp.expert_bias.zero_()
+
+
+# ernie: a dense layer then a sparse one with a shared expert and a nonzero selection bias, untied
+# head; mixtral: every layer sparse, no shared expert, zero bias (model.moe.bias_update_rate 0)
+MOE_CASES = {
+    "ernie4_5_moe": ({"moe": TINY_MOE, "tie_embeddings": False}, sharpen_moe, "Ernie4_5_MoeForCausalLM"),
+    "mixtral": ({"moe": {**TINY_MOE, "n_shared_experts": 0, "every_n_layers": 1, "bias_update_rate": 0.0}},
+                _zero_bias, "MixtralForCausalLM"),
+}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+@pytest.mark.parametrize("arch", sorted(MOE_CASES))
+def test_moe_exports_to_transformers_with_the_same_logits(tmp_path, arch):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    options, init, cls_name = MOE_CASES[arch]
+    tok = sample_tokenizer(tmp_path / "tokenizer.json")
+    ckpt = random_checkpoint(tmp_path / "train", tok, 10, 5, init=init, **options)
+    res = export_hf(ckpt, tok, tmp_path / "hf")
+    assert res["architecture"] == arch
+    c = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert c["model_type"] == arch and c["architectures"] == [cls_name]
+    assert "mixture-of-experts" in (tmp_path / "hf" / "README.md").read_text()
+
+    model, _ = load_model_for_inference(ckpt)
+    sparse = [i for i, b in enumerate(model.blocks) if hasattr(b.mlp, "router")]
+    assert sparse == ([1] if arch == "ernie4_5_moe" else [0, 1])
+    hf, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    hf.eval()
+    assert type(hf) is getattr(transformers, cls_name)  # a standard architecture, no remote code
+    assert not any(info.values()), info  # every weight used, none missing (a missing one is random)
+    x = torch.randint(0, model.cfg.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(x)[0], hf(x).logits
+        print(f"{arch}: max |logit difference| {(ours - theirs).abs().max().item():.3g}")
+        torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(load_exported(tmp_path / "hf")(x)[0], ours)  # and back
+        if arch == "ernie4_5_moe":  # the selection bias decides the experts, so a match needs it honoured
+            moe = model.blocks[1].mlp
+            bias = moe.expert_bias.clone()
+            moe.expert_bias.zero_()
+            assert (model(x)[0] - ours).abs().max() > 1e-2
+            moe.expert_bias.copy_(bias)
+        # greedy decoding with transformers' own KV cache picks the same tokens as ours
+        want = model.generate(x[:, :8], 8, temperature=0.0)
+        got = hf.generate(x[:, :8], attention_mask=torch.ones_like(x[:, :8]), max_new_tokens=8, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)  # the mask: token 0 in a prompt is not padding
+    assert got.tolist() == want.tolist()
