@@ -55,6 +55,7 @@ from tasks.train.model import GPT, GPTConfig, lm_loss
 from tasks.train.optimizer import OptimizersContainer
 from tasks.train.parallel_dims import MESH_DIMS, ParallelDims
 from tasks.train.parallelize import autocast_context, describe_built, grad_sync_context
+from tasks.train.pipeline import build_pipeline, stage_layout
 from tasks.train.remote import (download_file, is_file, join, name_of, remove, run_work_dir, stage_tokens, upload,
                                 write_text)
 from tasks.train.schedule import lr_at, schedule_record, set_lr
@@ -150,6 +151,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model.num_matmul_params(), self.gcfg.n_layer,
                                                self.gcfg.n_head, self.gcfg.head_dim, self.gcfg.seq_len)
         self.layout_info: dict = {}  # extra fields for layout.json (e.g. the pipeline's stages)
+        self.pipeline = None  # pp > 1: this rank's stages and schedule (tasks/train/pipeline.py)
         self.model_parts, self.wrapped = self.build_model_parts()
         self.optimizer = OptimizersContainer(self.model_parts, tcfg)
         # per-rank RNG streams after the shared init, saved in checkpoints: dropout differs per
@@ -171,12 +173,32 @@ class Trainer:
         activation checkpointing, compile, FSDP2 / HSDP), or wrapped in DDP for `parallelism: ddp`."""
         if self.dims.legacy_ddp:
             return [self.model], par.parallelize(self.model, self.tcfg, self.device)
+        if self.dims.pp > 1:
+            return self.build_pipeline_parts()
         if not hasattr(par, "parallelize_model"):  # FIXME(H1): until parallelize.py's mesh builder lands
             assert self.dims.tp == self.dims.pp == self.dims.dp_replicate == 1, "needs parallelize_model"
             return [self.model], par.parallelize(self.model, self.tcfg.model_copy(update={"parallelism": "fsdp2"}),
                                                  self.device)
         model = par.parallelize_model(self.model, self.dims, self.mesh, self.tcfg, self.device)
         return [model], model
+
+    def build_pipeline_parts(self) -> tuple[list[torch.nn.Module], torch.nn.Module]:
+        """pp > 1: this pp rank's stages of the model (tasks/train/pipeline.py), each parallelized on
+        the mesh like a whole model; `self.pipeline` runs the schedule. The whole model is dropped:
+        the layers of other stages live on other ranks."""
+        dims, mesh, tcfg, device = self.dims, self.mesh, self.tcfg, self.device
+        if hasattr(par, "parallelize_model"):
+            def parallelize_fn(part):
+                return par.parallelize_model(part, dims, mesh, tcfg, device)
+        else:  # FIXME(H2): until parallelize.py's mesh builder lands, stages are only pipelined
+            assert dims.dp == dims.tp == 1, "pp with data or tensor parallelism needs parallelize_model"
+            parallelize_fn = None
+        self.pipeline = build_pipeline(self.model, dims, mesh, device, self.compute_loss, parallelize_fn)
+        self.model = None
+        self.layout_info["pipeline"] = {"schedule": dims.pp_schedule, "microbatches": dims.pp_microbatches,
+                                        "ranks": stage_layout(dims.pp, dims.stages_per_rank, self.gcfg.n_layer)}
+        parts = self.pipeline.model_parts
+        return parts, parts[0]
 
     @property
     def storage(self) -> dict:
@@ -340,6 +362,8 @@ class Trainer:
         """Forward and backward over this rank's micro-batches of the step starting at loader
         position `pos`, gradients reduced on the last; returns the summed (cross-entropy, z-loss)."""
         tcfg, device, accum = self.tcfg, self.device, self.accum
+        if self.pipeline is not None:
+            return self.pipeline_forward_backward(pos)
         loss_sum = torch.zeros(2, device=device)  # cross-entropy, z-loss
         for micro in range(accum):
             x, y = self.micro_batch(pos, micro)
@@ -360,6 +384,13 @@ class Trainer:
             if z is not None:
                 loss_sum[1] += z.detach()
         return loss_sum
+
+    def pipeline_forward_backward(self, pos: int) -> torch.Tensor:
+        """pp > 1: this data-parallel rank's micro-batches of the step as one batch, which the pipeline
+        schedule splits into pp_microbatches (the stages reduce gradients over dp after the last).
+        Returns the (cross-entropy, z-loss) batch mean x accum: the sum forward_backward returns."""
+        xs, ys = zip(*(self.micro_batch(pos, micro) for micro in range(self.accum)))
+        return self.pipeline.step(torch.cat(xs), torch.cat(ys)) * self.accum
 
     def micro_batch(self, pos: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of this rank's micro-batch `micro` of the step starting at `pos`: the slice
