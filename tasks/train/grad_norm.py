@@ -30,7 +30,7 @@ def total_norm(parts: Iterable[nn.Module], pp_group: "dist.ProcessGroup | None" 
     """The L2 norm of all gradients of the model (fp32 scalar tensor, identical on every rank).
     `parts`: the rank's model parts; `pp_group`: the "pp" mesh group when the stages are spread
     over ranks (None without pipeline parallelism)."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate
 
     grads = _grads(parts)
     device = grads[0].device if grads else torch.device("cpu")
@@ -40,9 +40,11 @@ def total_norm(parts: Iterable[nn.Module], pp_group: "dist.ProcessGroup | None" 
         if not isinstance(g, DTensor):
             sums[(None, ())] += g.detach().float().square().sum()
             continue
-        if any(isinstance(p, Partial) for p in g.placements):  # unreduced: reduce it (rare)
-            g = g.redistribute(g.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in g.placements])
-        sharded = tuple(i for i, p in enumerate(g.placements) if isinstance(p, Shard))
+        if any(p.is_partial() for p in g.placements):  # unreduced: reduce it (rare)
+            g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
+        # any placement but Replicate splits the tensor: Shard, and FSDP's _StridedShard over TP shards
+        # (which is no subclass of Shard)
+        sharded = tuple(i for i, p in enumerate(g.placements) if not p.is_replicate())
         sums[(g.device_mesh, sharded)] += g.to_local().detach().float().square().sum()
     total = torch.zeros((), dtype=torch.float32, device=device)
     # the same keys in the same order on every rank of a mesh: gradients are built by the same code
