@@ -820,10 +820,13 @@ class PlanConfig(Section):
     gpus: dict[str, GpuSpec] = {name: GpuSpec(**spec) for name, spec in DEFAULT_GPUS.items()}
     mfu: float = Field(default=0.4, gt=0, le=1)  # model FLOPs utilisation when none is given
     tokens_per_param: float = Field(default=20.0, gt=0)  # Chinchilla compute-optimal ratio
-    weight_bytes: float = Field(default=2, ge=0)  # bf16 weights
-    grad_bytes: float = Field(default=2, ge=0)  # bf16 gradients (in memory, not in checkpoints)
-    master_bytes: float = Field(default=4, ge=0)  # fp32 master weights
+    # model states per parameter as the trainer holds them (FSDP2): fp32 sharded weights, which are
+    # the master copy (bf16 only in the gathered compute copy), fp32 sharded gradients, Adam m and v
+    weight_bytes: float = Field(default=4, ge=0)  # fp32 weights
+    grad_bytes: float = Field(default=4, ge=0)  # fp32 gradients (in memory, not in checkpoints)
+    master_bytes: float = Field(default=0, ge=0)  # a separate master copy (4 for a trainer keeping bf16 weights)
     optimizer_bytes: float = Field(default=8, ge=0)  # Adam m and v, fp32
+    compute_weight_bytes: float = Field(default=2, ge=0)  # bf16 copy of the layers FSDP has gathered
     aspect_ratio: float = Field(default=128, gt=0)  # d_model / n_layer when the shape is estimated
     gpus_per_node: int = Field(default=8, gt=0)  # tensor parallelism stays inside a node
     usable_memory_fraction: float = Field(default=0.9, gt=0, le=1)  # rest: CUDA context, fragmentation

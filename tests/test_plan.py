@@ -2,6 +2,7 @@
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -54,14 +55,18 @@ def test_moe_active_params_drive_flops_total_params_drive_memory():
     moe = make_plan(params=47e9, active_params=13e9, tokens=1e12, gpus=256)
     dense = make_plan(params=47e9, tokens=1e12, gpus=256)
     assert moe["flops_6nd"] == pytest.approx(6 * 13e9 * 1e12)
-    assert moe["checkpoint_bytes"] == dense["checkpoint_bytes"] == pytest.approx(47e9 * 14)
+    assert moe["checkpoint_bytes"] == dense["checkpoint_bytes"] == pytest.approx(47e9 * 12)
     assert moe["model_state_bytes"] == pytest.approx(47e9 * 16)
     assert moe["seconds"] < dense["seconds"]
     assert make_plan(params=47e9, active_params=13e9)["tokens"] == pytest.approx(20 * 13e9)
 
 
-def test_checkpoint_bytes_are_weights_master_and_adam():
-    assert make_plan(params=7e9)["checkpoint_bytes"] == pytest.approx(7e9 * (2 + 4 + 8))
+def test_checkpoint_bytes_are_weights_and_adam():
+    # the trainer's checkpoint: fp32 weights (FSDP2's master copy) + Adam m, v
+    assert make_plan(params=7e9)["checkpoint_bytes"] == pytest.approx(7e9 * (4 + 8))
+    # a trainer keeping bf16 weights and a separate fp32 master is described by the plan section
+    megatron = PlanConfig(weight_bytes=2, grad_bytes=2, master_bytes=4)
+    assert make_plan(params=7e9, cfg=megatron)["checkpoint_bytes"] == pytest.approx(7e9 * (2 + 4 + 8))
 
 
 def test_time_and_cost_arithmetic():
@@ -157,7 +162,7 @@ def test_cli_json(capsys):
     assert plan["seconds"] == pytest.approx(plan["flops"] / (256 * 989e12 * 0.45), rel=1e-6)
     assert plan["gpu_hours"] == pytest.approx(plan["seconds"] * 256 / 3600, rel=1e-6)
     assert plan["cost_usd"] == pytest.approx(plan["gpu_hours"] * 3.0, rel=1e-6)  # the default $3/GPU-hour
-    assert plan["checkpoint_bytes"] == pytest.approx(14 * 7e9)  # bf16 weights + fp32 master + Adam m, v
+    assert plan["checkpoint_bytes"] == pytest.approx(12 * 7e9)  # fp32 weights (the master) + Adam m, v
     layout = plan["layout"]
     assert layout["tp"] * layout["pp"] * layout["dp"] == 256
 
@@ -274,3 +279,148 @@ def test_curate_bad_input_exit_2(argv, match, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert match in err and "Traceback" not in err
+
+
+# --- the planner and the trainer agree: emitted configs validate, memory matches the real shards ---
+
+def _emit(tmp_path, capsys, argv, base=None) -> tuple[dict, dict]:
+    """(the plan, the config written) of `crucible plan ARGV --emit-config`."""
+    import yaml
+
+    out = tmp_path / "planned.yaml"
+    assert main([*argv, "--json", "--emit-config", str(out), *(["--config", base] if base else [])]) == 0
+    return json.loads(capsys.readouterr().out), yaml.safe_load(out.read_text())
+
+
+def _dims_of(raw: dict):
+    from tasks.train.parallel_dims import ParallelDims
+
+    cfg = PipelineConfig.model_validate(raw)
+    return cfg, ParallelDims.from_config(cfg)
+
+
+def test_the_70b_plan_is_accepted_by_the_trainers_config_validation(tmp_path, capsys):
+    from tasks.config import load_config
+    from tasks.train.parallel_dims import ParallelDims
+
+    plan, fragment = _emit(tmp_path, capsys, ["--params", "7e10", "--gpus", "512", "--gpu", "h100"])
+    lay = plan["layout"]
+    assert (lay["tp"], lay["pp"], lay["dp"], lay["dp_shard"], lay["dp_replicate"]) == (4, 1, 128, 8, 16)
+    # the fragment, unchanged, in the smallest config: the layout the planner prescribed
+    cfg, dims = _dims_of({"name": "x", "sources": [{"name": "a", "uri": "u", "format": "text", "licence": "l",
+                                                   "provenance": "p"}], **fragment})
+    assert (dims.tp, dims.pp, dims.dp_shard, dims.dp_replicate, dims.world) == (4, 1, 8, 16, 512)
+    assert cfg.model.n_head % dims.tp == 0 and (cfg.model.n_layer, cfg.model.d_model) == (plan["n_layer"],
+                                                                                        plan["d_model"])
+    assert cfg.train.nnodes * cfg.train.nproc_per_node == 512 and cfg.train.rdzv_endpoint
+    # merged into a pipeline config: a file `crucible run` loads as it is
+    _, merged = _emit(tmp_path, capsys, ["--params", "7e10", "--gpus", "512", "--gpu", "h100"], "configs/tiny.yaml")
+    full = load_config(tmp_path / "planned.yaml")
+    assert ParallelDims.from_config(full).describe() == "dp_replicate 16 x dp_shard 8 x tp 4"
+    assert full.name == load_config("configs/tiny.yaml").name and merged["sources"]
+
+
+def test_pipelined_and_moe_plans_validate_as_emitted(tmp_path, capsys):
+    plan, fragment = _emit(tmp_path, capsys, ["--params", "1e12", "--gpus", "1024"])
+    lay = plan["layout"]
+    assert lay["pp"] > 1 and plan["n_layer"] % lay["pp"] == 0  # estimated layers: whole stages
+    src = {"name": "x", "sources": [{"name": "a", "uri": "u", "format": "text", "licence": "l", "provenance": "p"}]}
+    cfg, dims = _dims_of({**src, **fragment})
+    assert (dims.tp, dims.pp, dims.dp, dims.pp_microbatches, dims.pp_schedule) == (
+        lay["tp"], lay["pp"], lay["dp"], lay["microbatches"], "1f1b")
+    assert cfg.model.tie_embeddings is False and cfg.train.activation_checkpointing == "full"
+    # a mixture of experts: experts sized from the active params, counted from the total
+    plan, fragment = _emit(tmp_path, capsys, ["--params", "47e9", "--active-params", "13e9", "--gpus", "256",
+                                              "--n-experts", "8"])
+    cfg, dims = _dims_of({**src, **fragment})
+    moe = plan["moe"]
+    assert cfg.model.moe.n_experts == 8 and cfg.model.moe.top_k == 2 and cfg.model.moe.expert_hidden == moe["expert_hidden"]
+    assert moe["active_params_of_shape"] == pytest.approx(13e9, rel=0.05)
+    assert plan["flops_6nd"] == pytest.approx(6 * 13e9 * plan["tokens"])  # active params drive FLOPs
+    assert plan["model_state_bytes"] == pytest.approx(47e9 * 16)  # the total drives memory
+    # a plan that does not fit writes nothing
+    out = tmp_path / "none.yaml"
+    assert main(["--params", "7e9", "--gpus", "1", "--emit-config", str(out)]) == 2
+    assert "does not fit" in capsys.readouterr().err and not out.exists()
+
+
+def test_layout_respects_heads_and_layers():
+    assert make_plan(params=1e12, gpus=1024)["layout"]["tp"] == 8
+    lay = make_plan(params=1e12, gpus=1024, n_layer=168, d_model=22272, n_head=12)["layout"]
+    assert lay["tp"] == 4 and lay["n_head"] == 12  # tp divides the heads: 8 does not
+    lay = make_plan(params=1e12, gpus=1024, n_layer=100, d_model=25600)["layout"]
+    assert 100 % lay["pp"] == 0 and lay["pp"] > 1
+
+
+def _measure_model_states(rank: int, world: int, init: str, parallel: dict, out: str) -> None:
+    """One rank: the real parallelized model's local bytes of params, grads (after a backward) and
+    AdamW states (after a step)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from lm_helpers import tiny_cfg
+    from tasks.train.model import GPT, GPTConfig, lm_loss
+    from tasks.train.optimizer import build_optimizer
+    from tasks.train.parallel_dims import ParallelDims
+    from tasks.train.parallelize import parallelize_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        cfg = tiny_cfg(model={"n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 32},
+                       train={"nproc_per_node": world, "micro_batch_size": 2, "dtype": "fp32",
+                              "parallel": parallel})
+        dims = ParallelDims.from_config(cfg)
+        mesh = dims.build_mesh("cpu")
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.from_model_config(cfg.model, 512))
+        n_params = model.num_params()
+        parallelize_model(model, dims, mesh, cfg.train, torch.device("cpu"))
+        opt = build_optimizer(model, cfg.train)
+        x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+        logits, _ = model(x)
+        lm_loss(logits, x, 0.0)[0].backward()
+
+        def local_bytes(t) -> int:
+            t = t.to_local() if isinstance(t, DTensor) else t
+            return t.numel() * t.element_size()
+
+        params = list(model.parameters())
+        grads = sum(local_bytes(p.grad) for p in params)
+        opt.step()
+        states = sum(local_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+        Path(out, f"rank{rank}.json").write_text(json.dumps({
+            "n_params": n_params, "params": sum(local_bytes(p) for p in params), "grads": grads,
+            "optimizer": states, "dtensors": sum(isinstance(p, DTensor) for p in params), "n_tensors": len(params)}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("parallel", [{"dp_shard": 2, "tp": 2}, {"dp_shard": 4}], ids=["dp_shard2xtp2", "dp_shard4"])
+def test_planner_memory_matches_the_parallelized_models_shards(parallel, tmp_path):
+    """The planner's per-GPU model-state bytes (model_state_bytes_per_gpu, the formula its layouts
+    are sized with) against what each of 4 CPU processes really holds: the local shards of the
+    parallelized model's fp32 parameters, their gradients after a backward and AdamW's states after
+    a step, each within 10 %."""
+    import torch.multiprocessing as mp
+
+    from tasks.plan.planner import model_state_bytes_per_gpu
+
+    world = 4
+    mp.start_processes(_measure_model_states, args=(world, (tmp_path / "init").as_uri(), parallel, str(tmp_path)),
+                       nprocs=world, start_method="spawn")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    n = ranks[0]["n_params"]
+    assert all(r["dtensors"] == r["n_tensors"] for r in ranks)  # every parameter really sharded
+    tp, dp_shard = parallel.get("tp", 1), parallel["dp_shard"]
+    cfg = PlanConfig()
+    parts = {"params": cfg.weight_bytes + cfg.master_bytes, "grads": cfg.grad_bytes, "optimizer": cfg.optimizer_bytes}
+    for r in ranks:
+        for name, per_param in parts.items():  # each part: bytes per param / (tp x dp_shard)
+            assert r[name] == pytest.approx(n * per_param / (tp * dp_shard), rel=0.10), (name, r)
+        measured = r["params"] + r["grads"] + r["optimizer"]
+        estimate = model_state_bytes_per_gpu(n, tp=tp, pp=1, dp_shard=dp_shard, cfg=cfg)
+        assert measured == pytest.approx(estimate, rel=0.10), (measured, estimate)
+    print(f"{parallel}: planner {estimate:,.0f} B per rank, measured "
+          f"{[r['params'] + r['grads'] + r['optimizer'] for r in ranks]}")

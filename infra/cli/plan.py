@@ -5,6 +5,9 @@
     plan --flops 1e22                              Chinchilla split of a compute budget
     plan --params 47e9 --active-params 13e9        mixture of experts (FLOPs from the active params)
     plan --params 7e9 --json                       the plan as JSON
+    plan --params 7e9 --gpus 8 --config configs/tiny.yaml --emit-config runs/7b.yaml
+                                                   ... and configs/tiny.yaml with the planned layout, micro-batch,
+                                                   checkpointing and model shape: `crucible run runs/7b.yaml`
     plan --curate 10TB                             curation of 10 TB of WARC: core-hours per stage, nodes, cost
     plan --curate 500GB --input wet --nodes 4      from measured rates in benchmarks/results/*.json
 
@@ -50,13 +53,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size.add_argument("--seq-len", type=_count, default=4096, metavar="T", help="sequence length (default 4096)")
     size.add_argument("--n-layer", type=_count, metavar="L", help="layers (default: estimated from params)")
     size.add_argument("--d-model", type=_count, metavar="D", help="model width (default: estimated from params)")
+    size.add_argument("--n-head", type=_count, metavar="H", help="attention heads (default: d_model / 128)")
+    size.add_argument("--n-experts", type=_count, metavar="E",
+                      help="MoE: routed experts per layer (default: as many as --params holds)")
+    size.add_argument("--top-k", type=_count, default=2, metavar="K", help="MoE: experts per token (default 2)")
     hw = p.add_argument_group("hardware")
     hw.add_argument("--gpus", type=_count, metavar="G",
                     help="GPU count (default: the fewest that finish within plan.target_days)")
     hw.add_argument("--gpu", default=None, help="GPU type from plan.gpus (default: the config's plan.gpu, h100)")
     hw.add_argument("--mfu", type=_number, metavar="F", help="model FLOPs utilisation, 0-1 (default plan.mfu, 0.4)")
     hw.add_argument("--config", metavar="PATH", help="pipeline config whose `plan` section (GPU table, "
-                                                     "prices, sizing rules) to use")
+                                                     "prices, sizing rules) to use; with --emit-config, the "
+                                                     "config the planned settings are merged into")
+    out = p.add_argument_group("config for the trainer")
+    out.add_argument("--emit-config", metavar="PATH",
+                     help="write the plan's settings (train.parallel, micro-batch, activation checkpointing, "
+                          "processes, model shape, model.moe) as YAML: --config merged with them, a config "
+                          "`crucible run PATH` runs unchanged, or without --config the fragment alone; "
+                          "validated as the trainer validates a config first")
+    out.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                     help="multi-node plans: train.rdzv_endpoint, the first node's host:port "
+                          "(default node-0:29500)")
     cur = p.add_argument_group("curation (--curate SIZE instead of --params / --flops)")
     cur.add_argument("--curate", metavar="SIZE", help="corpus size to curate: 10TB, 500GB, 1.5TiB or bytes")
     cur.add_argument("--input", dest="input_format", default="warc.gz", choices=INPUT_FORMATS,
@@ -111,12 +128,38 @@ def run(args: argparse.Namespace) -> int:
             return 0
         plan = make_plan(params=args.params, tokens=args.tokens, flops=args.flops, gpus=args.gpus,
                          gpu=args.gpu or (cfg.gpu if cfg else "h100"), mfu=args.mfu, seq_len=args.seq_len,
-                         n_layer=args.n_layer, d_model=args.d_model, active_params=args.active_params, cfg=cfg)
+                         n_layer=args.n_layer, d_model=args.d_model, active_params=args.active_params, cfg=cfg,
+                         n_head=args.n_head, n_experts=args.n_experts,
+                         top_k=args.top_k if args.active_params else 2)
+        if args.emit_config:
+            _emit(plan, args, cfg)
     except PlanError as e:
         print(f"plan: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return 0
+
+
+def _emit(plan: dict, args: argparse.Namespace, cfg) -> None:
+    """--emit-config: the plan's trainer settings, validated, written to args.emit_config."""
+    from tasks.config import ConfigError, PlanConfig
+    from tasks.plan.emit import config_fragment, write_config
+
+    if not plan["layout"]["fits"]:
+        raise PlanError(f"the model does not fit on {plan['gpus']} x {plan['gpu']}: no config is written "
+                        "(more GPUs, GPUs with more memory, or a smaller model)")
+    lay = plan["layout"]
+    header = (f"# crucible plan: {plan['params']:.3g} params on {plan['gpus']} x {plan['gpu']}: tp {lay['tp']} x "
+              f"pp {lay['pp']} x dp {lay['dp']} (dp_shard {lay['dp_shard']} x dp_replicate {lay['dp_replicate']})\n"
+              + ("" if args.config else "# a fragment: merge it into a pipeline config (or rerun with --config "
+                                        "BASE to write BASE with it merged in)\n"))
+    fragment = config_fragment(plan, (cfg or PlanConfig()).gpus_per_node, args.rdzv_endpoint)
+    try:
+        write_config(fragment, args.emit_config, base=args.config, header=header)
+    except ConfigError as e:
+        raise PlanError(f"the planned settings do not validate: {e}") from None
+    print(f"plan: wrote {'the config' if args.config else 'the config fragment'} to {args.emit_config}",
+          file=sys.stderr)
 
 
 def join_negative_values(argv: list[str]) -> list[str]:

@@ -16,27 +16,31 @@ def global_batch_tokens(cfg: PipelineConfig) -> int:
     return t.micro_batch_size * cfg.model.seq_len * t.nproc_per_node * t.nnodes * t.grad_accum_steps
 
 
-def count_params(cfg: PipelineConfig, vocab_size: int) -> int:
-    """Matmul parameters of the configured model (the N of 6N), counted on the meta device: no
+def count_params(cfg: PipelineConfig, vocab_size: int, active: bool = False) -> int:
+    """Matmul parameters of the configured model (the N of 6N; `active`: those one token passes
+    through, a MoE layer's routed experts at top_k / n_experts), counted on the meta device: no
     memory is allocated, so a 70B config is counted as cheaply as the tiny one."""
     import torch
 
     from tasks.train.model import GPT, GPTConfig
 
     with torch.device("meta"):
-        return GPT(GPTConfig.from_model_config(cfg.model, vocab_size)).num_matmul_params()
+        model = GPT(GPTConfig.from_model_config(cfg.model, vocab_size))
+        return model.num_active_params() if active else model.num_matmul_params()
 
 
 def plan_for_run(cfg: PipelineConfig, vocab_size: int, gpu: str | None = None) -> dict:
     """make_plan for the configured model and token budget (max_steps x global batch), plus the
-    Chinchilla comparison: compute-optimal tokens for this size and the budget's ratio to them."""
+    Chinchilla comparison: compute-optimal tokens for this size and the budget's ratio to them.
+    A mixture of experts is priced on its active parameters, its memory on the total."""
     params = count_params(cfg, vocab_size)
-    tokens = cfg.train.max_steps * global_batch_tokens(cfg)
     m = cfg.model
+    active = count_params(cfg, vocab_size, active=True) if m.moe.n_experts else None
+    tokens = cfg.train.max_steps * global_batch_tokens(cfg)
     plan = make_plan(params=params, tokens=tokens, gpu=gpu or cfg.plan.gpu, seq_len=m.seq_len, n_layer=m.n_layer,
-                     d_model=m.d_model, cfg=cfg.plan)
-    optimal = cfg.plan.tokens_per_param * params
-    return {"params": params, "tokens": tokens, "vocab_size": vocab_size,
+                     d_model=m.d_model, n_head=m.n_head, active_params=active, cfg=cfg.plan)
+    optimal = cfg.plan.tokens_per_param * (active or params)  # Chinchilla's N: the compute-driving one
+    return {"params": params, "active_params": active or params, "tokens": tokens, "vocab_size": vocab_size,
             "compute_optimal_tokens": optimal, "budget_vs_compute_optimal": tokens / optimal,
             "flops": plan["flops"], "flops_per_token": plan["flops"] / tokens,
             "gpu_hours": plan["gpu_hours"], "cost_usd": plan["cost_usd"],

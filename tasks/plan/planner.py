@@ -16,8 +16,17 @@ Conventions (each one is also written into the plan's `assumptions`):
   rounded to a multiple of 128.
 * Mixture of experts: `active_params` (parameters used per token) drive the FLOPs, the shape estimate
   and the compute-optimal token count; total `params` drive memory and checkpoint size.
-* Memory: model states take (weights 2 + grads 2 + fp32 master 4 + Adam m, v 8) = 16 bytes per
-  parameter; a checkpoint keeps weights, master and Adam states, 2 + 4 + 8 = 14 bytes per parameter.
+* Memory, as this repository's trainer holds it (FSDP2, tasks/train/parallelize.py): model states
+  take (fp32 weights 4 + fp32 grads 4 + Adam m, v 8) = 16 bytes per parameter, sharded over
+  tp x pp x dp_shard ranks (`model_state_bytes_per_gpu`; tests/test_plan.py checks it against the
+  measured per-rank bytes of the parallelized model). The sharded fp32 weights are the master copy:
+  with bf16, FSDP2's mixed precision gathers a bf16 copy of one layer at a time (the `gathered` term,
+  plan.compute_weight_bytes); there is no separate master copy (plan.master_bytes 0; 4 for a
+  trainer keeping bf16 weights). A checkpoint keeps the weights and Adam states: 12 bytes per parameter.
+* Shape for the trainer: n_head = d_model / 128 (head width 128; an estimated d_model >= 128 x
+  gpus_per_node is a multiple of 128 x gpus_per_node, so every tp inside a node divides the heads);
+  tp must divide the heads and the MLP width, pp the layers (an estimated n_layer is rounded to a
+  multiple of the chosen pp). `tasks/plan/emit.py` turns a plan into a config fragment.
 """
 from __future__ import annotations
 
@@ -46,11 +55,16 @@ def _positive(name: str, value: float | int | None, *, integer: bool = False) ->
         raise PlanError(f"{name} must be a whole number, got {value!r}")
 
 
+HEAD_DIM = 128  # attention head width of the planned shapes (Llama, GPT-3 large models)
+
+
 def estimate_shape(params: float, aspect_ratio: float = 128.0, *, n_layer: int | None = None,
-                   d_model: int | None = None) -> tuple[int, int]:
+                   d_model: int | None = None, heads_multiple: int = 1) -> tuple[int, int]:
     """(n_layer, d_model) for a dense transformer of `params` non-embedding parameters.
 
-    Uses N ~= 12·L·d²; whichever of n_layer / d_model is given is kept and the other derived.
+    Uses N ~= 12·L·d²; whichever of n_layer / d_model is given is kept and the other derived. An
+    estimated d_model is a multiple of 128, and of 128 x heads_multiple once it reaches that (so
+    d_model / 128 heads split evenly over up to heads_multiple tensor-parallel ranks).
     """
     if n_layer and d_model:
         return int(n_layer), int(d_model)
@@ -61,7 +75,54 @@ def estimate_shape(params: float, aspect_ratio: float = 128.0, *, n_layer: int |
     # L = d / aspect  =>  N = 12 d³ / aspect  =>  d = (aspect · N / 12)^(1/3)
     d = (aspect_ratio * params / 12) ** (1 / 3)
     d = max(128, 128 * round(d / 128))
+    wide = HEAD_DIM * heads_multiple
+    if d >= wide:
+        d = wide * round(d / wide)
     return max(1, round(params / (12 * d * d))), int(d)
+
+
+def heads_for(d_model: int) -> int:
+    """Attention heads for a width: head width 128 where it divides, else the widest even head
+    width that does (the trainer needs an even head width for RoPE)."""
+    for head_dim in (HEAD_DIM, 96, 64, 32, 16, 8, 4, 2):
+        if d_model % head_dim == 0:
+            return d_model // head_dim
+    raise PlanError(f"d_model ({d_model}) must be even: the head width must be even for RoPE")
+
+
+def mlp_hidden(d_model: int, mlp_ratio: float = 8 / 3) -> int:
+    """The trainer's dense MLP width (tasks.train.model.GPTConfig.mlp_hidden)."""
+    return 32 * math.ceil(int(mlp_ratio * d_model) / 32)
+
+
+def model_state_bytes_per_gpu(params: float, *, tp: int, pp: int, dp_shard: int, cfg: PlanConfig) -> float:
+    """Bytes of weights, gradients, master weights and optimizer states on each GPU: every parameter's
+    states sharded over tp x pp x dp_shard ranks (FSDP2 shards within dp_shard; replicas repeat them)."""
+    per_param = cfg.weight_bytes + cfg.grad_bytes + cfg.master_bytes + cfg.optimizer_bytes
+    return params * per_param / (tp * pp * dp_shard)
+
+
+def moe_shape(params: float, active_params: float, n_layer: int, d_model: int, top_k: int = 2,
+              n_experts: int | None = None) -> dict:
+    """Experts of a mixture-of-experts plan whose shape came from its active parameters: each layer
+    holds attention (4 d²) and routed SwiGLU experts (3 d H each); top_k of them make the active
+    parameters, n_experts (default: as many as the total parameters hold) the total."""
+    per_layer = active_params / n_layer - 4 * d_model**2
+    hidden = 32 * max(1, round(per_layer / (3 * d_model * top_k) / 32))
+    expert = 3 * d_model * hidden
+    if n_experts is None:
+        n_experts = max(top_k + 1, round((params / n_layer - 4 * d_model**2) / expert))
+    if n_experts <= top_k:
+        raise PlanError(f"n_experts ({n_experts}) must exceed top_k ({top_k}) in a mixture of experts")
+    return {"n_experts": int(n_experts), "top_k": int(top_k), "expert_hidden": int(hidden),
+            "params_of_shape": float(n_layer * (4 * d_model**2 + n_experts * expert)),
+            "active_params_of_shape": float(n_layer * (4 * d_model**2 + top_k * expert))}
+
+
+def fsdp_shard(dp: int, limit: int) -> int:
+    """dp_shard of a dp-way data-parallel group: the largest divisor of dp up to `limit` (HSDP
+    replicates the rest, dp_replicate = dp / dp_shard)."""
+    return max(d for d in _divisors(dp) if d <= limit)
 
 
 def _divisors(n: int) -> list[int]:
@@ -69,7 +130,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def suggest_layout(*, gpus: int, total_params: float, n_layer: int, d_model: int, seq_len: int,
-                   spec: GpuSpec, cfg: PlanConfig) -> dict:
+                   spec: GpuSpec, cfg: PlanConfig, n_head: int | None = None, layers_fixed: bool = True) -> dict:
     """Tensor / pipeline / data parallel degrees for `gpus` GPUs, with the reasoning spelled out.
 
     1. tp: the smallest power of two (at most one node, dividing `gpus`) with which the activations
@@ -80,14 +141,19 @@ def suggest_layout(*, gpus: int, total_params: float, n_layer: int, d_model: int
        most `fsdp_shard_limit` data-parallel ranks, plus an all-gathered layer pair, do not fit in
        the rest. Before adding a stage tp is raised to a full node (its traffic stays on NVLink,
        while a pipeline adds a bubble); each stage needs at least one layer.
-    3. dp: the remaining GPUs.
+    3. dp: the remaining GPUs, FSDP sharding over dp_shard of them (fsdp_shard) and replicating.
+
+    tp divides the heads (n_head, default heads_for(d_model)) and the MLP width; pp divides n_layer
+    unless `layers_fixed` is False (the planner then rounds the estimated layers to it).
     """
     mem = spec.memory_gb * 1e9 * cfg.usable_memory_fraction
     state_bytes_per_param = cfg.weight_bytes + cfg.grad_bytes + cfg.master_bytes + cfg.optimizer_bytes
     states = total_params * state_bytes_per_param
     layer_params = total_params / n_layer
+    n_head = n_head or heads_for(d_model)
     tp_max = 1
-    while tp_max * 2 <= min(cfg.gpus_per_node, gpus) and gpus % (tp_max * 2) == 0:
+    while (tp_max * 2 <= min(cfg.gpus_per_node, gpus) and gpus % (tp_max * 2) == 0
+           and n_head % (tp_max * 2) == 0 and mlp_hidden(d_model) % (tp_max * 2) == 0):
         tp_max *= 2
     tp_options = [1 << i for i in range(tp_max.bit_length())]
 
@@ -101,15 +167,20 @@ def suggest_layout(*, gpus: int, total_params: float, n_layer: int, d_model: int
     tp_act = next((t for t in tp_options if activations(t, checkpointed) <= mem / 2), tp_max)
 
     def per_gpu(tp: int, pp: int) -> float:
-        dp = gpus // (tp * pp)
-        shard = min(dp, cfg.fsdp_shard_limit)
-        gathered = 2 * layer_params * cfg.weight_bytes / tp  # FSDP: current layer + prefetched next
-        return states / (tp * pp * shard) + gathered + activations(tp, checkpointed)
+        shard = fsdp_shard(gpus // (tp * pp), cfg.fsdp_shard_limit)
+        gathered = 2 * layer_params * cfg.compute_weight_bytes / tp  # FSDP: current layer + prefetched next
+        return (model_state_bytes_per_gpu(total_params, tp=tp, pp=pp, dp_shard=shard, cfg=cfg) + gathered
+                + activations(tp, checkpointed))
+
+    def stages_ok(pp: int) -> bool:
+        return pp <= n_layer and (not layers_fixed or n_layer % pp == 0)
 
     choice = None
     for pp in _divisors(gpus):
         if pp > n_layer:
             break
+        if not stages_ok(pp):
+            continue
         for tp in (t for t in tp_options if t >= tp_act and (gpus // pp) % t == 0):
             if per_gpu(tp, pp) <= mem:
                 choice = (tp, pp)
@@ -118,10 +189,11 @@ def suggest_layout(*, gpus: int, total_params: float, n_layer: int, d_model: int
             break
     fits = choice is not None
     if not fits:  # report the most model-parallel layout there is, flagged as not fitting
-        pp = max(d for d in _divisors(gpus // tp_max) if d <= n_layer)
+        pp = max(d for d in _divisors(gpus // tp_max) if stages_ok(d))
         choice = (tp_max, pp)
     tp, pp = choice
     dp = gpus // (tp * pp)
+    dp_shard = fsdp_shard(dp, cfg.fsdp_shard_limit)
     microbatches = cfg.microbatches_per_stage * pp if pp > 1 else 1
     bubble = (pp - 1) / (microbatches + pp - 1)
     need_gb = per_gpu(tp, pp) / 1e9
@@ -147,12 +219,15 @@ def suggest_layout(*, gpus: int, total_params: float, n_layer: int, d_model: int
         f"{microbatches} microbatches ({cfg.microbatches_per_stage} per stage) idles "
         f"(pp-1)/(m+pp-1) = {bubble:.1%} of the time"))
     why.append(f"dp={dp}: the remaining GPUs replicate the tp x pp model group (FSDP shards within "
-               f"groups of {min(dp, cfg.fsdp_shard_limit)})")
+               f"groups of dp_shard={dp_shard}, dp_replicate={dp // dp_shard})")
     why.append(f"estimated {need_gb:.1f} GB of {spec.memory_gb:g} GB per GPU in use" if fits else
                f"does NOT fit: about {need_gb:.0f} GB per GPU needed with {spec.memory_gb:g} GB each; "
                "use more GPUs, GPUs with more memory, or a smaller model")
-    return {"tp": tp, "pp": pp, "dp": dp, "microbatches": microbatches, "bubble_fraction": bubble,
+    return {"tp": tp, "pp": pp, "dp": dp, "dp_shard": dp_shard, "dp_replicate": dp // dp_shard,
+            "n_head": n_head, "microbatches": microbatches, "bubble_fraction": bubble,
             "activation_checkpointing": checkpointed, "fits": fits,
+            "model_state_gb_per_gpu": model_state_bytes_per_gpu(total_params, tp=tp, pp=pp, dp_shard=dp_shard,
+                                                                 cfg=cfg) / 1e9,
             "memory_per_gpu_gb": need_gb, "rationale": "; ".join(why)}
 
 
@@ -247,9 +322,11 @@ def _hardware_assumptions(key: str, spec: GpuSpec, mfu: float, cfg: PlanConfig) 
         f"time = flops / (gpus x peak x MFU) with {key} peak {spec.peak_bf16_flops:.4g} FLOP/s dense BF16 and "
         f"MFU {mfu:g}; the MFU is end to end, so pipeline bubbles, stalls and restarts are inside it",
         f"cost = gpu_hours x ${spec.price_per_hour:g}/GPU-hour (a ballpark on-demand price; set plan.gpus)",
-        f"checkpoint = params x ({cfg.weight_bytes:g} bf16 weights + {cfg.master_bytes:g} fp32 master + "
+        f"checkpoint = params x ({cfg.weight_bytes:g} weights + {cfg.master_bytes:g} separate master + "
         f"{cfg.optimizer_bytes:g} Adam m, v) bytes; model states in memory also hold "
-        f"{cfg.grad_bytes:g}-byte gradients ({state_bytes:g} bytes per param)",
+        f"{cfg.grad_bytes:g}-byte gradients ({state_bytes:g} bytes per param, sharded over tp x pp x dp_shard; "
+        f"FSDP2 keeps fp32 sharded weights as the master copy and gathers {cfg.compute_weight_bytes:g}-byte "
+        "compute copies one layer at a time)",
         "layout: tp inside a node sized by activations, pp across nodes only when FSDP-sharded model "
         "states do not fit, dp for the rest; bubble = (pp-1)/(microbatches+pp-1) for 1F1B",
     ]
@@ -258,7 +335,8 @@ def _hardware_assumptions(key: str, spec: GpuSpec, mfu: float, cfg: PlanConfig) 
 def make_plan(params: float | None = None, tokens: float | None = None, flops: float | None = None,
               gpus: int | None = None, gpu: str = "h100", mfu: float | None = None, seq_len: int = 4096,
               n_layer: int | None = None, d_model: int | None = None, active_params: float | None = None,
-              cfg: PlanConfig | None = None) -> dict:
+              cfg: PlanConfig | None = None, n_head: int | None = None, n_experts: int | None = None,
+              top_k: int = 2) -> dict:
     """A training plan from a parameter count and/or a FLOP budget; see the module docstring.
 
     Give `params` (tokens default to the compute-optimal count, or follow from `flops`), or `flops`
@@ -269,25 +347,40 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
     cfg = cfg or PlanConfig()
     mfu, key, spec = _check_inputs(params, tokens, flops, gpus, gpu, mfu, seq_len, n_layer, d_model,
                                    active_params, cfg)
+    _positive("n_head", n_head, integer=True)
+    _positive("n_experts", n_experts, integer=True)
+    _positive("top_k", top_k, integer=True)
+    if n_experts is not None and active_params is None:
+        raise PlanError("n_experts plans a mixture of experts: give active_params (and params, the total) too")
+    if n_head and d_model and (d_model % n_head or (d_model // n_head) % 2):
+        raise PlanError(f"n_head ({n_head}) must divide d_model ({d_model}) into an even head width")
     assumptions: list[str] = []
     params, tokens, compute_params = _size_and_tokens(params, tokens, flops, active_params,
                                                       cfg.tokens_per_param, assumptions)
 
     shape_given = n_layer is not None and d_model is not None
-    n_layer, d_model = estimate_shape(compute_params, cfg.aspect_ratio, n_layer=n_layer, d_model=d_model)
+    layers_given = n_layer is not None
+    n_layer, d_model = estimate_shape(compute_params, cfg.aspect_ratio, n_layer=n_layer, d_model=d_model,
+                                      heads_multiple=cfg.gpus_per_node)
+    n_head = n_head or heads_for(d_model)
     if not shape_given:
         assumptions.append(f"shape estimated from N ~= 12·L·d² with d_model/n_layer ~= {cfg.aspect_ratio:g} "
-                           f"(d_model a multiple of 128 unless given): n_layer={n_layer}, d_model={d_model}")
-    dense, attention = dense_and_attention_flops(compute_params, n_layer, d_model, seq_len)
-    flops_6nd = dense * tokens
-    total_flops = (dense + attention) * tokens
+                           f"(d_model a multiple of 128, of {HEAD_DIM * cfg.gpus_per_node} from there on, unless "
+                           f"given): n_layer={n_layer}, d_model={d_model}, n_head={n_head} (head width "
+                           f"{d_model // n_head})")
+
+    def flops_of(n_layer: int) -> tuple[float, float, float]:
+        dense, attention = dense_and_attention_flops(compute_params, n_layer, d_model, seq_len)
+        return dense * tokens, (dense + attention) * tokens, attention / (dense + attention)
+
+    flops_6nd, total_flops, attention_fraction = flops_of(n_layer)
     assumptions.append("training FLOPs = (6N + 12·L·d_model·T) x tokens (PaLM appendix B, as torchtitan "
                        f"counts MFU; T = seq_len = {seq_len}); causal masking not discounted, activation "
                        "recomputation not counted")
 
-    def layout_for(n: int) -> dict:
-        return suggest_layout(gpus=n, total_params=params, n_layer=n_layer, d_model=d_model,
-                              seq_len=seq_len, spec=spec, cfg=cfg)
+    def layout_for(n: int, layers: int | None = None, fixed: bool = layers_given) -> dict:
+        return suggest_layout(gpus=n, total_params=params, n_layer=layers or n_layer, d_model=d_model,
+                              seq_len=seq_len, spec=spec, cfg=cfg, n_head=n_head, layers_fixed=fixed)
 
     if gpus is None:
         gpus = _pick_gpus(total_flops, spec, mfu, layout_for, cfg)
@@ -295,12 +388,27 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
                            "and hold the model states")
     gpus = int(gpus)
     layout = layout_for(gpus)
+    if n_layer % layout["pp"]:  # estimated layers: rounded to whole pipeline stages (the trainer's rule)
+        rounded = layout["pp"] * max(1, round(n_layer / layout["pp"]))
+        assumptions.append(f"n_layer rounded from {n_layer} to {rounded}, a multiple of pp={layout['pp']} "
+                           "(each pipeline stage holds as many layers)")
+        n_layer = rounded
+        layout = layout_for(gpus, rounded, True)
+        flops_6nd, total_flops, attention_fraction = flops_of(n_layer)
     assumptions += _hardware_assumptions(key, spec, mfu, cfg)
     if not layout["fits"]:
         assumptions.append(f"WARNING: the model does not fit on {gpus} x {key}: {layout['rationale']}")
     state_bytes = cfg.weight_bytes + cfg.grad_bytes + cfg.master_bytes + cfg.optimizer_bytes
     ckpt_bytes = cfg.weight_bytes + cfg.master_bytes + cfg.optimizer_bytes
+    moe = None
+    if active_params is not None:
+        moe = moe_shape(params, compute_params, n_layer, d_model, top_k, n_experts)
+        assumptions.append(f"MoE experts: {moe['n_experts']} routed SwiGLU experts of width {moe['expert_hidden']} "
+                           f"per layer, top-{top_k}: width from the active params, count from the total "
+                           f"(this shape holds {moe['params_of_shape']:.3g} total, "
+                           f"{moe['active_params_of_shape']:.3g} active)")
     return {
+        "moe": moe,
         "params": float(params),
         "active_params": float(compute_params),
         "tokens": float(tokens),
@@ -308,9 +416,10 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
         "flops_budget": None if flops is None else float(flops),
         "flops": float(total_flops),
         "flops_6nd": float(flops_6nd),
-        "attention_flops_fraction": float(attention / (dense + attention)),
+        "attention_flops_fraction": float(attention_fraction),
         "n_layer": n_layer,
         "d_model": d_model,
+        "n_head": n_head,
         "seq_len": int(seq_len),
         "shape_estimated": not shape_given,
         "gpu": key,
