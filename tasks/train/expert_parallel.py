@@ -56,7 +56,7 @@ class ExpertDispatcher:
         self.group = group
         self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.n_local = n_experts // self.ep
-        self.rows_sent_away = 0  # token rows this rank sent to other ep ranks (the tests check it)
+        self.rows_sent_away = 0  # token rows sent to other ep ranks since balance_experts last logged them
 
     def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         ep, n_local = self.ep, self.n_local
@@ -115,7 +115,3 @@ def apply_ep(model: nn.Module, mesh, dims, *, mp_policy=None, reshard_after_forw
         fully_shard(experts, mesh=fsdp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
                     reshard_after_forward=reshard_after_forward)
 
-
-def ep_rows_sent_away(model_parts) -> int:
-    """Token rows this rank's MoE layers sent to other ep ranks so far (0 without expert parallelism)."""
-    return sum(m.dispatcher.rows_sent_away for _, m in moe_layers(model_parts) if m.dispatcher is not None)

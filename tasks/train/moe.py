@@ -163,10 +163,10 @@ class MoE(nn.Module):
         self.loss_scale = 1.0  # gradient the aux and z losses get (set_moe_loss_scale: 1 / micro-batches)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(router logits (N, E), scores (N, E) fp32, chosen experts (N, k), weights (N, k) fp32)."""
+        """(router logits (N, E), scores (N, E) (at least fp32), chosen experts (N, k), weights (N, k))."""
         logits = self.router(x)
-        scores = (torch.sigmoid(logits.float()) if self.args.score_func == "sigmoid"
-                  else torch.softmax(logits.float(), dim=-1))
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logits: fp32 scores
+        scores = torch.sigmoid(wide) if self.args.score_func == "sigmoid" else torch.softmax(wide, dim=-1)
         with torch.no_grad():
             chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
         weights = scores.gather(1, chosen)
@@ -215,7 +215,7 @@ class MoE(nn.Module):
             f = counts.to(probs.dtype) / (n_tokens * self.top_k)
             total = a.aux_loss * self.n_experts * (f * probs.mean(dim=0)).sum()
         if a.router_z_loss:
-            z = a.router_z_loss * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+            z = a.router_z_loss * torch.logsumexp(logits.to(scores.dtype), dim=-1).pow(2).mean()
             total = z if total is None else total + z
         return total
 
@@ -236,7 +236,9 @@ def moe_layers(model_parts) -> list[tuple[int, MoE]]:
 
 
 def _layer_index(name: str) -> int:
-    """'blocks.3.mlp' (possibly under wrappers' prefixes) -> 3."""
+    """'blocks.3.mlp' (possibly under wrappers' prefixes) -> 3; a lone MoE layer ('') is layer 0."""
+    if not name:
+        return 0
     parts = name.split(".")
     for i, p in enumerate(parts[:-1]):
         if p == "blocks" and parts[i + 1].isdigit():
@@ -253,12 +255,14 @@ def set_moe_loss_scale(model_parts, scale: float) -> None:
 
 
 @torch.no_grad()
-def balance_experts(model_parts, dp_group=None, pp_group=None) -> dict[int, dict]:
+def balance_experts(model_parts, dp_group=None, pp_group=None, update_bias: bool = True) -> dict[int, dict]:
     """After an optimizer step: each MoE layer's token counts summed over the data-parallel ranks
-    (`dp_group`: the ranks that saw different tokens, dp x cp; never tp, whose ranks saw the same),
-    expert_bias += bias_update_rate * sign(mean load - load) (DeepSeek-V3), counts reset.
-    Returns {layer: {"tokens": [...], "imbalance": max/mean}}, every layer's with `pp_group` (the
-    pipeline ranks holding the other layers), else this rank's layers only.
+    (`dp_group`: the ranks that saw different tokens, dp x cp; never tp, whose ranks saw the same;
+    None: this process alone), expert_bias += bias_update_rate * sign(mean load - load) (DeepSeek-V3;
+    not with update_bias False, for a skipped batch), counts reset.
+    Returns {layer: {"tokens": [...], "imbalance": max/mean (, "ep_sent": token rows this rank sent
+    to other ep ranks since the last call)}}, every layer's with `pp_group` (the pipeline ranks
+    holding the other layers), else this rank's layers only.
 
     Collective over dp_group (and pp_group); every rank ends with the same bias."""
     import torch.distributed as dist
@@ -271,7 +275,7 @@ def balance_experts(model_parts, dp_group=None, pp_group=None) -> dict[int, dict
             dist.all_reduce(counts, group=dp_group)
         for (i, m), c in zip(layers, counts):
             rate = m.args.bias_update_rate
-            if rate:
+            if rate and update_bias:
                 delta = rate * torch.sign(c.mean() - c)
                 # centred: a shift common to all experts changes no selection, and this keeps the
                 # bias from drifting with sign's asymmetries
@@ -280,6 +284,9 @@ def balance_experts(model_parts, dp_group=None, pp_group=None) -> dict[int, dict
             mean = float(c.mean())
             stats[i] = {"tokens": [float(v) for v in c.tolist()],
                         "imbalance": float(c.max()) / mean if mean > 0 else 0.0}
+            if m.dispatcher is not None:  # expert parallelism: rows this rank sent to other ep ranks
+                stats[i]["ep_sent"] = float(m.dispatcher.rows_sent_away)
+                m.dispatcher.rows_sent_away = 0
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         gathered = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(gathered, stats, group=pp_group)
@@ -288,10 +295,13 @@ def balance_experts(model_parts, dp_group=None, pp_group=None) -> dict[int, dict
 
 
 def moe_metrics(stats: dict[int, dict]) -> dict[str, float]:
-    """balance_experts' stats as flat metric names: moe/layer{i}/imbalance, moe/layer{i}/tokens_e{j}."""
+    """balance_experts' stats as flat metric names: moe/layer{i}/imbalance, moe/layer{i}/tokens_e{j}
+    (and moe/layer{i}/ep_sent under expert parallelism)."""
     out = {}
     for i in sorted(stats):
         out[f"moe/layer{i}/imbalance"] = stats[i]["imbalance"]
+        if "ep_sent" in stats[i]:
+            out[f"moe/layer{i}/ep_sent"] = stats[i]["ep_sent"]
         for j, t in enumerate(stats[i]["tokens"]):
             out[f"moe/layer{i}/tokens_e{j}"] = t
     return out

@@ -52,6 +52,7 @@ from tasks.train.flops import flops_per_token
 from tasks.train.grad_norm import clip_grad_norm_
 from tasks.train.metrics import LAYOUT_FILE, SPIKE_LOG, TRAIN_LOG, MetricsLogger, rank_layout
 from tasks.train.model import GPT, GPTConfig, lm_loss
+from tasks.train.moe import balance_experts, moe_metrics, set_moe_loss_scale
 from tasks.train.optimizer import OptimizersContainer
 from tasks.train.parallel_dims import MESH_DIMS, ParallelDims
 from tasks.train.parallelize import autocast_context, describe_built, grad_sync_context
@@ -148,8 +149,9 @@ class Trainer:
         torch.manual_seed(tcfg.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
         self.model = GPT(self.gcfg).to(self.device)  # the whole model; parallelizing may split or shard it
         self.n_params = self.model.num_params()
-        self.flops_per_token = flops_per_token(self.model.num_matmul_params(), self.gcfg.n_layer,
+        self.flops_per_token = flops_per_token(self.model.num_active_params(), self.gcfg.n_layer,
                                                self.gcfg.n_head, self.gcfg.head_dim, self.gcfg.seq_len)
+        self.moe_stats: dict = {}  # the last step's balance_experts stats (MoE layers)
         self.layout_info: dict = {}  # extra fields for layout.json (e.g. the pipeline's stages)
         self.pipeline = None  # pp > 1: this rank's stages and schedule (tasks/train/pipeline.py)
         self.model_parts, self.wrapped = self.build_model_parts()
@@ -335,13 +337,21 @@ class Trainer:
             raise FloatingPointError(f"loss is {loss_val} at step {step} (lr {lr:.3g}): stopping")
         if spike is None:
             self.optimizer.step()
-            # (after the update: hooks of the model's own state, e.g. MoE load balancing, go here)
+            self.moe_stats = self.balance_experts(update=True)
             self.detector.healthy(loss_val, grad_norm)
         else:
             self.optimizer.zero_grad(set_to_none=True)  # skip the batch: no update
+            self.moe_stats = self.balance_experts(update=False)
         end = pos + self.global_samples
         self.consumed_samples = end
         return StepResult(step, pos, end, lr, loss_val, z_val, grad_norm, spike, time.perf_counter() - t0)
+
+    def balance_experts(self, update: bool) -> dict:
+        """MoE: the step's tokens per expert summed over the data-parallel ranks, the experts' selection
+        bias moved towards balance (not for a skipped batch), counts reset; per-layer stats for the log.
+        Collective (dp group, and pp group for the other stages' layers)."""
+        group = dist.group.WORLD if self.mesh is None else self.mesh["dp"].get_group()
+        return balance_experts(self.model_parts, group, self.pp_group, update_bias=update)
 
     def reduce_losses(self, loss_sum: torch.Tensor) -> tuple[float, float]:
         """(cross-entropy, z-loss) of the step: this rank's micro-batch mean, averaged over the
@@ -362,6 +372,8 @@ class Trainer:
         """Forward and backward over this rank's micro-batches of the step starting at loader
         position `pos`, gradients reduced on the last; returns the summed (cross-entropy, z-loss)."""
         tcfg, device, accum = self.tcfg, self.device, self.accum
+        # MoE aux losses weigh as a micro-batch's loss: 1 / micro-batches (the pipeline's loss_fn divides so)
+        set_moe_loss_scale(self.model_parts, 1 / (self.dims.pp_microbatches if self.dims.pp > 1 else accum))
         if self.pipeline is not None:
             return self.pipeline_forward_backward(pos)
         loss_sum = torch.zeros(2, device=device)  # cross-entropy, z-loss
@@ -570,4 +582,5 @@ class Trainer:
         values["data_start"] = r.pos
         if r.spike is not None:
             values["skipped"] = 1
+        values.update(moe_metrics(self.moe_stats))  # moe/layer{i}/imbalance, moe/layer{i}/tokens_e{j}
         self.metrics.log_step(r.step, **values)
