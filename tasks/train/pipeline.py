@@ -145,6 +145,13 @@ class Pipeline:
     def layers(self) -> list[int]:
         return sorted(i for p in self._stages() for i in p.layers)
 
+    def record(self) -> dict:
+        """For the layout record: the schedule built (its class), the micro-batches, and the stages
+        every pp rank holds (stage_layout)."""
+        pp, n_layer = dist.get_world_size(self.pp_group), self._stages()[0].cfg.n_layer
+        return {"schedule": type(self.schedule).__name__, "microbatches": self.n_microbatches,
+                "ranks": stage_layout(pp, len(self.stage_indices), n_layer)}
+
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one data-parallel rank's batch x, y (B, T), B split into
         n_microbatches. Collective over the pp group. Returns (cross-entropy, z-loss) averaged over
