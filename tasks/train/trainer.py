@@ -56,7 +56,7 @@ from tasks.train.moe import balance_experts, moe_metrics, set_moe_loss_scale
 from tasks.train.optimizer import OptimizersContainer
 from tasks.train.parallel_dims import MESH_DIMS, ParallelDims
 from tasks.train.parallelize import autocast_context, describe_built, grad_sync_context
-from tasks.train.pipeline import build_pipeline, stage_layout
+from tasks.train.pipeline import build_pipeline
 from tasks.train.remote import (download_file, is_file, join, name_of, remove, run_work_dir, stage_tokens, upload,
                                 write_text)
 from tasks.train.schedule import lr_at, schedule_record, set_lr
@@ -197,8 +197,7 @@ class Trainer:
             parallelize_fn = None
         self.pipeline = build_pipeline(self.model, dims, mesh, device, self.compute_loss, parallelize_fn)
         self.model = None
-        self.layout_info["pipeline"] = {"schedule": dims.pp_schedule, "microbatches": dims.pp_microbatches,
-                                        "ranks": stage_layout(dims.pp, dims.stages_per_rank, self.gcfg.n_layer)}
+        self.layout_info["pipeline"] = self.pipeline.record()
         parts = self.pipeline.model_parts
         return parts, parts[0]
 
