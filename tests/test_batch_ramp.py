@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from lm_helpers import tiny_cfg
+from lm_helpers import tiny_cfg, tokens_artifact
 from tasks.train.batch_ramp import BatchRamp, tokens_trained_from_meta
 from tasks.train.parallel_dims import ParallelDims
 from tasks.train.schedule import lr_at, schedule_record
@@ -43,11 +44,10 @@ def test_batches_grow_linearly_with_tokens_in_whole_micro_batches():
                    "next_batch_tokens": 512}
     assert tokens_trained_from_meta({"schedule": schedule_record(tiny_cfg().train, rec)}) == 1280
     assert tokens_trained_from_meta({"schedule": schedule_record(tiny_cfg().train)}) is None
-    # a pipeline's granularity holds its micro-batches: 1 rank x micro 2 x pp_microbatches 2
-    pp = tiny_cfg(model={"tie_embeddings": False}, train={
-        "micro_batch_size": 2, "grad_accum_steps": 8, "batch_ramp_start_tokens": 4 * SEQ,
-        "batch_ramp_tokens": 10_000, "parallel": {"pp": 2, "pp_microbatches": 2}})
-    assert _ramp(pp).granularity == 4 and set(_walk(_ramp(pp), 30)) <= {4, 8, 12, 16}
+    with pytest.raises(ValueError, match="batch ramp is not supported with train.parallel.pp > 1"):
+        tiny_cfg(model={"tie_embeddings": False}, train={
+            "micro_batch_size": 2, "grad_accum_steps": 8, "batch_ramp_start_tokens": 4 * SEQ,
+            "batch_ramp_tokens": 10_000, "parallel": {"pp": 2, "pp_microbatches": 2}})
 
 
 def test_lr_warmup_follows_the_ramp_tokens_and_is_unchanged_without_a_ramp():
@@ -77,3 +77,64 @@ def test_lr_warmup_follows_the_ramp_tokens_and_is_unchanged_without_a_ramp():
 def test_bad_ramp_fails_at_config_load_naming_the_field(train, match):
     with pytest.raises(ValueError, match=f"train.{match}"):
         tiny_cfg(train={"micro_batch_size": 2, "grad_accum_steps": 4, **train})
+
+
+# --- real torchrun training with the ramp: per-step batches, lr, and a resume mid-ramp ---
+
+TRAIN = {"max_steps": 8, "micro_batch_size": 2, "batch_tokens": 16 * SEQ, "batch_ramp_start_tokens": 4 * SEQ,
+         "batch_ramp_tokens": 16 * SEQ * 4, "warmup_steps": 5, "checkpoint_every": 100, "log_every": 1,
+         "spike_detection": False}
+
+
+def _train(base, out, **train) -> list[dict]:
+    from tasks.train import run_training
+
+    cfg = tiny_cfg(train={**TRAIN, **train})
+    run_training(cfg, Path(tokens_artifact(base)["index_path"]), out, None, None, "ramp")
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def _meta(out: Path, step: int) -> dict:
+    from tasks.train.checkpoint import read_meta
+
+    return read_meta(out / "checkpoints" / f"step-{step:06d}")
+
+
+def test_ramp_trains_resumes_mid_ramp_and_on_another_world_size(base, tmp_path):
+    """2 processes: batches of 4, 4, 4, 8, 8, 8, 12, 12 sequences (the 16-sequence full batch after
+    4096 tokens), the lr warm-up by tokens; stopped at step 4 and resumed, the same losses as the
+    uninterrupted run; the 2-process checkpoint resumed on 1 process continues the ramp from its tokens
+    (the 1-process rounding from there) at the exact data position."""
+    whole = _train(base, tmp_path / "whole")
+    cfg = tiny_cfg(train=TRAIN)
+    assert [r["batch_tokens"] // SEQ for r in whole] == [4, 4, 4, 8, 8, 8, 12, 12]
+    starts = [r["data_start"] for r in whole]
+    assert [b - a for a, b in zip(starts, starts[1:])] == [4, 4, 4, 8, 8, 8, 12]  # consumed_samples follows
+    tokens = np.cumsum([r["batch_tokens"] for r in whole])
+    assert [r["lr"] for r in whole] == pytest.approx([lr_at(s, cfg.train, int(t), 16 * SEQ)
+                                                      for s, t in zip(range(1, 9), tokens)], rel=1e-6)
+    assert whole[0]["lr"] < lr_at(1, cfg.train) / 3  # a 4-sequence step warms up a quarter as far
+    rec = _meta(tmp_path / "whole", 8)["schedule"]["batch_ramp"]
+    assert rec["tokens_trained"] == tokens[-1] and rec["next_batch_tokens"] == 16 * SEQ
+
+    import shutil
+
+    out, other = tmp_path / "resumed", tmp_path / "one-process"
+    _train(base, out, stop_at_step=4)
+    assert _meta(out, 4)["schedule"]["batch_ramp"]["tokens_trained"] == tokens[3]
+    shutil.copytree(out, other)
+    resumed = _train(base, out, resume=True)
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    assert [r["batch_tokens"] for r in resumed] == [r["batch_tokens"] for r in whole]
+    assert [r["data_start"] for r in resumed] == starts
+    for r, w in zip(resumed, whole):
+        assert r["loss"] == pytest.approx(w["loss"], rel=1e-5), (r, w)
+        assert r["lr"] == pytest.approx(w["lr"], rel=1e-9)
+
+    one = _train(base, other, resume=True, nproc_per_node=1, max_steps=7)
+    ramp = BatchRamp.for_layout(tiny_cfg(train={**TRAIN, "nproc_per_node": 1}).train,
+                                ParallelDims.from_config(tiny_cfg(train={**TRAIN, "nproc_per_node": 1})), SEQ)
+    assert ramp.granularity == 2
+    assert [r["batch_tokens"] // SEQ for r in one[4:]] == _walk(ramp, 3, int(tokens[3]))  # [8, 10, 12]
+    assert one[4]["data_start"] == starts[4] and one[5]["data_start"] == starts[5]
+    assert one[4]["loss"] == pytest.approx(whole[4]["loss"], rel=1e-4)  # the same 8 sequences, 1 rank

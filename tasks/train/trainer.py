@@ -46,6 +46,7 @@ from tasks.train.checkpoint import (MANIFEST, apply_retention, capture_rng_state
                                     latest_checkpoint, list_checkpoints, new_checkpoint_group, remove_checkpoint,
                                     restore_checkpoint, restore_rng_state, start_checkpoint, weights_sha256)
 from tasks.train import parallelize as par
+from tasks.train.batch_ramp import BatchRamp, tokens_trained_from_meta
 from tasks.train.data import GlobalWindows
 from tasks.train.events import EventSink, NoEvents
 from tasks.train.flops import flops_per_token
@@ -146,6 +147,10 @@ class Trainer:
         self.data = GlobalWindows(tokens_index, "train", self.gcfg.seq_len, tcfg.micro_batch_size,
                                   seed=tcfg.seed, documents=tcfg.doc_mask)
         self.global_samples, self.accum = self.dims.global_batch(tcfg, self.gcfg.seq_len)
+        # a batch-size ramp (tasks/train/batch_ramp.py) sets each step's global_samples / accum from
+        # the tokens trained so far (ramp_tokens, checkpointed in the meta's schedule record)
+        self.full_samples, self.ramp_tokens = self.global_samples, 0
+        self.ramp = BatchRamp.for_layout(tcfg, self.dims, self.gcfg.seq_len)
         torch.manual_seed(tcfg.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
         self.model = GPT(self.gcfg).to(self.device)  # the whole model; parallelizing may split or shard it
         self.n_params = self.model.num_params()
@@ -232,6 +237,8 @@ class Trainer:
         self.load_state_dict(state)
         if "consumed_samples" not in state:  # a checkpoint from before the loader position was saved
             self.consumed_samples = step * self.global_samples
+        recorded = tokens_trained_from_meta(meta)  # the ramp goes on from there (a run without one: its data)
+        self.ramp_tokens = recorded if recorded is not None else self.consumed_samples * self.gcfg.seq_len
         rng = rng if meta.get("world_size") == self.world else None
         if rng is not None:
             restore_rng_state(rng, self.data_rng)
@@ -322,7 +329,13 @@ class Trainer:
         (no update). Raises FloatingPointError on a non-finite loss with spike detection off."""
         t0 = time.perf_counter()
         tcfg = self.tcfg
-        lr = lr_at(step, tcfg)
+        if self.ramp is not None:  # this step's batch, and the warm-up, follow the ramp's tokens
+            self.global_samples = self.ramp.samples_at(self.ramp_tokens)
+            self.accum = self.ramp.micro_batches_at(self.ramp_tokens)
+            self.ramp_tokens += self.global_samples * self.gcfg.seq_len
+            lr = lr_at(step, tcfg, self.ramp_tokens, self.full_samples * self.gcfg.seq_len)
+        else:
+            lr = lr_at(step, tcfg)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         pos = self.data.step_start(self.consumed_samples)
@@ -507,7 +520,7 @@ class Trainer:
             "global_batch_samples": self.global_samples,
             "train_options": {k: getattr(tcfg, k) for k in ("parallelism", "dtype", "compile", "doc_mask", "z_loss",
                                                             "activation_checkpointing")},
-            "schedule": schedule_record(tcfg),
+            "schedule": schedule_record(tcfg, self.ramp and self.ramp.record(self.ramp_tokens)),
         }
 
     # ------------------------------------------------------------------ the layout
@@ -579,6 +592,8 @@ class Trainer:
         if self.tcfg.peak_flops_per_s:
             values["mfu"] = values["flops_per_s"] / self.tcfg.peak_flops_per_s
         values["data_start"] = r.pos
+        if self.ramp is not None:
+            values["batch_tokens"] = (r.end - r.pos) * self.gcfg.seq_len
         if r.spike is not None:
             values["skipped"] = 1
         values.update(moe_metrics(self.moe_stats))  # moe/layer{i}/imbalance, moe/layer{i}/tokens_e{j}
