@@ -1,6 +1,6 @@
 """Hugging Face-compatible export: files, model card, weights that round-trip to the same logits;
-loading with transformers only if it is installed. MoE models export as Mixtral or ERNIE 4.5 MoE
-and transformers computes the same logits; settings neither represents are refused."""
+loading with transformers only if it is installed. MoE models export as Mixtral, ERNIE 4.5 MoE or
+GLM-4.5 MoE and transformers computes the same logits; settings none represents are refused."""
 from __future__ import annotations
 
 import importlib.util
@@ -89,9 +89,11 @@ def test_untied_head_exports_and_round_trips(tmp_path):
 
 @pytest.mark.parametrize("option,match", [
     ({"qk_norm": True}, "no Llama equivalent"), ({"logit_softcap": 30.0}, "no Llama equivalent"),
-    ({"moe": {**TINY_MOE, "score_func": "sigmoid"}}, "score_func='sigmoid'"),
+    # GLM-4.5 MoE (the sigmoid router's architecture) makes the last layers sparse, not every other one
+    ({"moe": {**TINY_MOE, "score_func": "sigmoid"}, "n_layer": 4}, r"score_func='sigmoid'.*layers \[1, 3\]"),
     ({"moe": {**TINY_MOE, "route_norm": False}}, "route_norm=False"),
-    ({"moe": TINY_MOE, "qk_norm": True}, "model.qk_norm has no equivalent in Mixtral or ERNIE")])
+    ({"moe": TINY_MOE, "qk_norm": True}, "model.qk_norm has no equivalent in Mixtral or ERNIE"),
+    ({"moe": TINY_MOE, "logit_softcap": 30.0}, "model.logit_softcap has no equivalent")])
 def test_options_without_a_hf_equivalent_are_refused(tmp_path, option, match):
     tok = sample_tokenizer(tmp_path / "tokenizer.json")
     ckpt = random_checkpoint(tmp_path / "train", tok, 10, 3, **option)
@@ -107,10 +109,21 @@ def _zero_bias(model) -> None:
             b.mlp.expert_bias.zero_()
 
 
+def _sharpen_with_qk_norm(model) -> None:
+    sharpen_moe(model)
+    g = torch.Generator().manual_seed(7)
+    for b in model.blocks:  # norm gains other than 1, so a dropped one shows
+        for norm in (b.attn.q_norm, b.attn.k_norm):
+            norm.weight.data.uniform_(0.5, 1.5, generator=g)
+
+
 # ernie: a dense layer then a sparse one with a shared expert and a nonzero selection bias, untied
-# head; mixtral: every layer sparse, no shared expert, zero bias (model.moe.bias_update_rate 0)
+# head; mixtral: every layer sparse, no shared expert, zero bias (model.moe.bias_update_rate 0);
+# glm: ernie's layout on sigmoid scores, not renormalised, with QK-norm
 MOE_CASES = {
     "ernie4_5_moe": ({"moe": TINY_MOE, "tie_embeddings": False}, sharpen_moe, "Ernie4_5_MoeForCausalLM"),
+    "glm4_moe": ({"moe": {**TINY_MOE, "score_func": "sigmoid", "route_norm": False}, "qk_norm": True},
+                 _sharpen_with_qk_norm, "Glm4MoeForCausalLM"),
     "mixtral": ({"moe": {**TINY_MOE, "n_shared_experts": 0, "every_n_layers": 1, "bias_update_rate": 0.0}},
                 _zero_bias, "MixtralForCausalLM"),
 }
@@ -133,7 +146,7 @@ def test_moe_exports_to_transformers_with_the_same_logits(tmp_path, arch):
 
     model, _ = load_model_for_inference(ckpt)
     sparse = [i for i, b in enumerate(model.blocks) if hasattr(b.mlp, "router")]
-    assert sparse == ([1] if arch == "ernie4_5_moe" else [0, 1])
+    assert sparse == ([0, 1] if arch == "mixtral" else [1])
     hf, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     hf.eval()
     assert type(hf) is getattr(transformers, cls_name)  # a standard architecture, no remote code
@@ -144,7 +157,7 @@ def test_moe_exports_to_transformers_with_the_same_logits(tmp_path, arch):
         print(f"{arch}: max |logit difference| {(ours - theirs).abs().max().item():.3g}")
         torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(load_exported(tmp_path / "hf")(x)[0], ours)  # and back
-        if arch == "ernie4_5_moe":  # the selection bias decides the experts, so a match needs it honoured
+        if arch != "mixtral":  # the selection bias decides the experts, so a match needs it honoured
             moe = model.blocks[1].mlp
             bias = moe.expert_bias.clone()
             moe.expert_bias.zero_()

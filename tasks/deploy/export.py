@@ -25,8 +25,9 @@ ERNIE 4.5 MoE, which also has the DeepSeek-V3 selection bias, shared experts and
 layer (see `choose_architecture`); settings neither represents are refused, naming them. Expert
 weights are written one tensor per expert, as the published Mixtral / ERNIE checkpoints are:
 router.weight -> gate.weight; experts.w1/w3/w2[e] -> experts.e.w1/w3/w2 (Mixtral) or
-experts.e.gate_proj/up_proj/down_proj (ERNIE); expert_bias -> moe_statics.e_score_correction_bias;
-shared.w1/w3/w2 -> shared_experts.gate_proj/up_proj/down_proj.
+experts.e.gate_proj/up_proj/down_proj (ERNIE, GLM); expert_bias -> moe_statics.e_score_correction_bias
+(ERNIE) or gate.e_score_correction_bias (GLM); shared.w1/w3/w2 -> shared_experts.gate_proj/up_proj/down_proj.
+A sigmoid router exports as GLM-4.5 MoE (glm4_moe), which also carries QK-norm.
 
 Nothing is unpickled on either side (issue 24): the checkpoint is read by
 `load_model_for_inference` (verified against its run's signed manifest, safetensors and signed JSON),
@@ -50,11 +51,13 @@ EOS_TOKEN = "<|endoftext|>"
 
 # ------------------------------------------------------------------ which Hugging Face architecture
 
-ARCHITECTURES = ("llama", "mixtral", "ernie4_5_moe")
-SUPPORTED = ("llama: a dense model; mixtral: every layer an MoE layer with softmax router scores, top-k weights "
-             "renormalised (model.moe.route_norm), no shared experts and a zero selection bias "
-             "(model.moe.bias_update_rate 0); ernie4_5_moe: softmax scores with route_norm, any selection bias, "
-             "shared experts and every_n_layers; none of them has model.qk_norm or model.logit_softcap")
+ARCHITECTURES = ("llama", "mixtral", "ernie4_5_moe", "glm4_moe")
+SUPPORTED = ("llama: a dense model without QK-norm; mixtral: every layer an MoE layer, softmax router scores, "
+             "top-k weights renormalised (model.moe.route_norm), no shared experts, zero selection bias "
+             "(model.moe.bias_update_rate 0), no QK-norm; ernie4_5_moe: softmax scores with route_norm, any selection "
+             "bias, shared experts and every_n_layers, no QK-norm; glm4_moe: sigmoid scores, route_norm on or off, "
+             "any selection bias, shared experts, QK-norm on or off, MoE layers forming the last layers "
+             "(every_n_layers 1, or n_layer <= every_n_layers); none has model.logit_softcap")
 
 
 def sparse_layers(sd: dict[str, torch.Tensor], n_layer: int) -> list[int]:
@@ -64,36 +67,49 @@ def sparse_layers(sd: dict[str, torch.Tensor], n_layer: int) -> list[int]:
 
 def choose_architecture(model) -> str:
     """The Hugging Face architecture that computes exactly what `model` computes: "llama" (dense),
-    "mixtral" or "ernie4_5_moe" (MoE). Anything these cannot represent is refused with the reason
-    (exported anyway, it would load in transformers and silently compute something else).
+    "mixtral", "ernie4_5_moe" or "glm4_moe" (MoE). Anything these cannot represent is refused with
+    the reason (exported anyway, it would load in transformers and silently compute something else).
 
     Mixtral routes softmax top-k renormalised, every layer, no shared experts and no selection bias.
     ERNIE 4.5 MoE adds what our DeepSeek-V3 style router needs beyond that: a per-expert
     e_score_correction_bias added to the softmax scores for selection only (weights gathered from
     the unbiased scores, renormalised), ungated shared experts, and MoE on layer i when
     (i + 1) % moe_layer_interval == 0 (our every_n_layers). Its RoPE rotates interleaved pairs,
-    which a fixed permutation of each head's query and key rows turns into our rotate-half."""
+    which a fixed permutation of each head's query and key rows turns into our rotate-half.
+    GLM-4.5 (glm4_moe) is the DeepSeek-V3 router on sigmoid scores (n_group 1, scaling 1, optional
+    renormalisation) with Llama attention and optional QK-norm, but its MoE layers are all layers
+    from first_k_dense_replace on. Qwen2-MoE gates its shared expert by a sigmoid and has no
+    selection bias; Qwen3-MoE always has QK-norm and neither; DeepSeek-V3 has MLA attention."""
     mc, sd = model.cfg, model.state_dict()
     sparse = sparse_layers(sd, mc.n_layer)
-    unsupported = [name for name, on in (("model.qk_norm", mc.qk_norm), ("model.logit_softcap", mc.logit_softcap))
-                   if on]
     if not sparse:
+        unsupported = [name for name, on in (("model.qk_norm", mc.qk_norm), ("model.logit_softcap", mc.logit_softcap))
+                       if on]
         if unsupported:
             raise ValueError(f"cannot export as a Hugging Face Llama model: {', '.join(unsupported)} "
                              "has no Llama equivalent (train with these options off to export)")
         return "llama"
     moe = mc.moe
-    if unsupported:
-        raise ValueError(f"cannot export this MoE model to Hugging Face: {', '.join(unsupported)} has no equivalent "
-                         f"in Mixtral or ERNIE 4.5 MoE (exportable settings: {SUPPORTED})")
-    if moe.score_func != "softmax" or not moe.route_norm:
-        raise ValueError("cannot export this MoE model to Hugging Face: Mixtral and ERNIE 4.5 MoE route on softmax "
-                         "scores with the top-k weights renormalised, and this model has "
-                         f"model.moe.score_func={moe.score_func!r}, model.moe.route_norm={moe.route_norm} "
-                         f"(exportable settings: {SUPPORTED})")
+
+    def refuse(why: str):
+        raise ValueError(f"cannot export this MoE model to Hugging Face: {why} (exportable settings: {SUPPORTED})")
+
+    if mc.logit_softcap:
+        refuse("model.logit_softcap has no equivalent in Mixtral, ERNIE 4.5 MoE or GLM-4.5 MoE")
     every = [i for i in range(mc.n_layer) if (i + 1) % moe.every_n_layers == 0]
     if sparse != every:  # the MoE layer rule is the config's; weights that disagree are not this model
         raise ValueError(f"MoE layers {sparse} are not every {moe.every_n_layers}-th layer {every}")
+    if moe.score_func == "sigmoid":
+        if sparse != list(range(sparse[0], mc.n_layer)):
+            refuse(f"model.moe.score_func='sigmoid' exports as GLM-4.5 MoE, whose MoE layers are the last ones, "
+                   f"and model.moe.every_n_layers={moe.every_n_layers} makes layers {sparse} sparse")
+        return "glm4_moe"
+    if not moe.route_norm:
+        refuse("Mixtral and ERNIE 4.5 MoE renormalise the softmax top-k weights, and this model has "
+               "model.moe.route_norm=False")
+    if mc.qk_norm:
+        refuse("model.qk_norm has no equivalent in Mixtral or ERNIE 4.5 MoE (GLM-4.5 MoE has it, with "
+               "model.moe.score_func='sigmoid')")
     shared = any(f"blocks.{i}.mlp.shared.w1.weight" in sd for i in sparse)
     bias = any(bool(sd[f"blocks.{i}.mlp.expert_bias"].any()) for i in sparse)
     if len(sparse) == mc.n_layer and not shared and not bias:
@@ -139,6 +155,9 @@ def to_hf_state_dict(model, arch: str | None = None) -> dict[str, torch.Tensor]:
             h + "input_layernorm.weight": sd[p + "attn_norm.weight"],
             h + "post_attention_layernorm.weight": sd[p + "mlp_norm.weight"],
         })
+        if p + "attn.q_norm.weight" in sd:  # glm4_moe only (choose_architecture)
+            out[h + "self_attn.q_norm.weight"] = sd[p + "attn.q_norm.weight"]
+            out[h + "self_attn.k_norm.weight"] = sd[p + "attn.k_norm.weight"]
         if p + "mlp.router.weight" not in sd:  # a dense layer: a SwiGLU
             out.update(_swiglu_hf(sd, p + "mlp", h + "mlp", ("gate_proj", "up_proj", "down_proj")))
             continue
@@ -152,13 +171,21 @@ def to_hf_state_dict(model, arch: str | None = None) -> dict[str, torch.Tensor]:
         else:
             m = h + "mlp."
             out[m + "gate.weight"] = sd[p + "mlp.router.weight"]
-            out[m + "moe_statics.e_score_correction_bias"] = sd[p + "mlp.expert_bias"][None]  # (1 group, E)
+            if arch == "ernie4_5_moe":
+                out[m + "moe_statics.e_score_correction_bias"] = sd[p + "mlp.expert_bias"][None]  # (1 group, E)
+            else:
+                out[m + "gate.e_score_correction_bias"] = sd[p + "mlp.expert_bias"]
             for e in range(w1.size(0)):
                 out.update({m + f"experts.{e}.gate_proj.weight": w1[e], m + f"experts.{e}.up_proj.weight": w3[e],
                             m + f"experts.{e}.down_proj.weight": w2[e]})
             if p + "mlp.shared.w1.weight" in sd:
                 out.update(_swiglu_hf(sd, p + "mlp.shared", m + "shared_experts",
                                       ("gate_proj", "up_proj", "down_proj")))
+            elif arch == "glm4_moe":  # GLM always builds the shared expert: hidden 0 computes nothing
+                d = w1.size(2)
+                out.update({m + "shared_experts.gate_proj.weight": w1.new_zeros(0, d),
+                            m + "shared_experts.up_proj.weight": w1.new_zeros(0, d),
+                            m + "shared_experts.down_proj.weight": w1.new_zeros(d, 0)})
     if not mc.tie_embeddings:
         out["lm_head.weight"] = sd["lm_head.weight"]
     return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in out.items()}
@@ -178,6 +205,9 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], n_layer: int, arch: str = "l
         sd[p + "attn.proj.weight"] = hf[h + "self_attn.o_proj.weight"]
         sd[p + "attn_norm.weight"] = hf[h + "input_layernorm.weight"]
         sd[p + "mlp_norm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        if h + "self_attn.q_norm.weight" in hf:
+            sd[p + "attn.q_norm.weight"] = hf[h + "self_attn.q_norm.weight"]
+            sd[p + "attn.k_norm.weight"] = hf[h + "self_attn.k_norm.weight"]
         moe = h + ("block_sparse_moe." if arch == "mixtral" else "mlp.")
         if moe + "gate.weight" not in hf:
             sd.update(_swiglu_ours(hf, h + "mlp", p + "mlp", ("gate_proj", "up_proj", "down_proj")))
@@ -190,8 +220,9 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], n_layer: int, arch: str = "l
         if arch == "mixtral":
             sd[p + "mlp.expert_bias"] = torch.zeros(n_exp)
         else:
-            sd[p + "mlp.expert_bias"] = hf[moe + "moe_statics.e_score_correction_bias"][0]
-            if moe + "shared_experts.gate_proj.weight" in hf:
+            sd[p + "mlp.expert_bias"] = (hf[moe + "moe_statics.e_score_correction_bias"][0] if arch == "ernie4_5_moe"
+                                         else hf[moe + "gate.e_score_correction_bias"])
+            if hf.get(moe + "shared_experts.gate_proj.weight", torch.empty(0)).numel():
                 sd.update(_swiglu_ours(hf, moe + "shared_experts", p + "mlp.shared", names))
     if "lm_head.weight" in hf:
         sd["lm_head.weight"] = hf["lm_head.weight"]
@@ -205,7 +236,8 @@ def _swiglu_ours(hf: dict, theirs: str, ours: str, names: tuple[str, str, str]) 
 def hf_config(model, arch: str, eos_id: int, bos_id: int | None) -> dict:
     """config.json for `arch`; MoE sizes are read from the weights (expert count, hidden sizes)."""
     mc, sd = model.cfg, model.state_dict()
-    names = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"}
+    names = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+             "glm4_moe": "Glm4MoeForCausalLM"}
     c = {
         "architectures": [names[arch]], "model_type": arch,
         "vocab_size": mc.vocab_size, "hidden_size": mc.d_model,
@@ -227,9 +259,18 @@ def hf_config(model, arch: str, eos_id: int, bos_id: int | None) -> dict:
                 "num_experts_per_tok": mc.moe.top_k, "sliding_window": None, "router_jitter_noise": 0.0,
                 "router_aux_loss_coef": mc.moe.aux_loss, "output_router_logits": False}
     shared = sd.get(f"blocks.{sparse[0]}.mlp.shared.w1.weight")
+    n_shared = 0 if shared is None else shared.size(0) // expert_hidden
+    if arch == "glm4_moe":
+        return {**c, "rope_parameters": {**c["rope_parameters"], "partial_rotary_factor": 1.0},
+                "partial_rotary_factor": 1.0,  # GLM rotates half of each head unless told otherwise
+                "attention_bias": False, "use_qk_norm": mc.qk_norm, "n_routed_experts": n_experts,
+                "num_experts_per_tok": mc.moe.top_k, "moe_intermediate_size": expert_hidden,
+                "n_shared_experts": n_shared, "first_k_dense_replace": sparse[0], "norm_topk_prob": mc.moe.route_norm,
+                "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0,
+                "output_router_logits": False}
     return {**c, "use_bias": False, "moe_num_experts": n_experts, "moe_k": mc.moe.top_k,
             "moe_intermediate_size": expert_hidden,
-            "moe_num_shared_experts": 0 if shared is None else shared.size(0) // expert_hidden,
+            "moe_num_shared_experts": n_shared,
             "moe_layer_start_index": 0, "moe_layer_end_index": mc.n_layer - 1,
             "moe_layer_interval": mc.moe.every_n_layers, "moe_norm_min": 1e-12,
             "router_aux_loss_coef": mc.moe.aux_loss, "output_router_logits": False}
@@ -304,11 +345,19 @@ def load_exported(out_dir: str | Path):
             raise ValueError("ERNIE MoE layers must span the whole model to map onto model.moe.every_n_layers")
         moe = {"n_experts": c["moe_num_experts"], "top_k": c["moe_k"], "every_n_layers": c["moe_layer_interval"],
                "expert_hidden": c["moe_intermediate_size"], "n_shared_experts": c["moe_num_shared_experts"]}
+    elif arch == "glm4_moe":
+        first, n_layer = c["first_k_dense_replace"], c["num_hidden_layers"]
+        if first not in (0, n_layer - 1) or c.get("routed_scaling_factor", 1.0) != 1.0 or c.get("n_group", 1) != 1:
+            raise ValueError("only GLM-4.5 MoE configs this export writes map onto model.moe (first_k_dense_replace "
+                             "0 or n_layer - 1, routed_scaling_factor 1, n_group 1)")
+        moe = {"n_experts": c["n_routed_experts"], "top_k": c["num_experts_per_tok"],
+               "every_n_layers": 1 if first == 0 else n_layer, "expert_hidden": c["moe_intermediate_size"],
+               "n_shared_experts": c["n_shared_experts"], "score_func": "sigmoid", "route_norm": c["norm_topk_prob"]}
     cfg = GPTConfig(vocab_size=c["vocab_size"], n_layer=c["num_hidden_layers"], n_head=c["num_attention_heads"],
                     d_model=c["hidden_size"], seq_len=c["max_position_embeddings"], rope_theta=c["rope_theta"],
-                    tie_embeddings=c.get("tie_word_embeddings", True),
-                    **({} if moe is None else {"moe": {**moe, "score_func": "softmax", "route_norm": True}}))
-    dense = arch == "llama" or (arch == "ernie4_5_moe" and c["moe_layer_interval"] > 1)
+                    tie_embeddings=c.get("tie_word_embeddings", True), qk_norm=bool(c.get("use_qk_norm")),
+                    **({} if moe is None else {"moe": {"score_func": "softmax", "route_norm": True, **moe}}))
+    dense = any(not cfg.moe.is_moe_layer(i) for i in range(cfg.n_layer))
     if dense and cfg.mlp_hidden != c["intermediate_size"]:
         raise ValueError("intermediate_size does not match the GPT's mlp_ratio rounding")
     model = GPT(cfg)
