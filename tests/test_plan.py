@@ -215,6 +215,18 @@ def test_plan_for_the_configured_run():
     # a config with batch_tokens: the budget follows it, whatever the micro-batch split
     big = cfg.model_copy(update={"train": t.model_copy(update={"batch_tokens": 8 * m.seq_len * 4})})
     assert plan_for_run(big, 4096)["tokens"] == t.max_steps * 8 * m.seq_len * 4
+    # a batch ramp's smaller first steps: the budget is what the steps really train
+    unit = t.micro_batch_size * t.nproc_per_node * m.seq_len  # one micro-batch on every rank
+    ramped = load_config("configs/tiny.yaml", ["train.grad_accum_steps=4", f"train.batch_ramp_start_tokens={unit}",
+                                               f"train.batch_ramp_tokens={100 * 4 * unit}"])
+    full = t.max_steps * 4 * unit
+    assert full - 100 * 4 * unit < plan_for_run(ramped, 4096)["tokens"] < full - 30 * 4 * unit
+    # a mixture of experts: FLOPs from the active parameters, memory from the total
+    moe = plan_for_run(load_config("configs/tiny.yaml", ["model.moe.n_experts=4"]), 4096)
+    assert moe["active_params"] < moe["params"] and moe["plan"]["params"] == moe["params"]
+    assert moe["plan"]["flops_6nd"] == pytest.approx(6 * moe["active_params"] * moe["tokens"])
+    assert moe["plan"]["model_state_bytes"] == pytest.approx(16 * moe["params"])
+    assert moe["compute_optimal_tokens"] == pytest.approx(20 * moe["active_params"])
     # the accelerator comes from plan.gpu (checked against the table when the config loads)
     on_a100 = load_config("configs/tiny.yaml", ["plan.gpu=A100"])
     assert plan_for_run(on_a100, 4096)["plan"]["gpu"] == "a100" and plan["plan"]["gpu"] == "h100"

@@ -16,6 +16,22 @@ def global_batch_tokens(cfg: PipelineConfig) -> int:
     return t.micro_batch_size * cfg.model.seq_len * t.nproc_per_node * t.nnodes * t.grad_accum_steps
 
 
+def run_tokens(cfg: PipelineConfig) -> int:
+    """Tokens the configured run trains: max_steps x the global batch, less what a batch-size ramp's
+    smaller first steps leave out (train.batch_ramp_start_tokens, tasks/train/batch_ramp.py)."""
+    t, full = cfg.train, global_batch_tokens(cfg)
+    if t.batch_ramp_start_tokens is None:
+        return t.max_steps * full
+    from tasks.train.batch_ramp import BatchRamp
+    from tasks.train.parallel_dims import ParallelDims
+
+    ramp = BatchRamp.for_layout(t, ParallelDims.from_config(cfg), cfg.model.seq_len)
+    tokens = 0
+    for _ in range(t.max_steps):
+        tokens += ramp.samples_at(tokens) * ramp.seq_len
+    return tokens
+
+
 def count_params(cfg: PipelineConfig, vocab_size: int, active: bool = False) -> int:
     """Matmul parameters of the configured model (the N of 6N; `active`: those one token passes
     through, a MoE layer's routed experts at top_k / n_experts), counted on the meta device: no
@@ -30,13 +46,14 @@ def count_params(cfg: PipelineConfig, vocab_size: int, active: bool = False) -> 
 
 
 def plan_for_run(cfg: PipelineConfig, vocab_size: int, gpu: str | None = None) -> dict:
-    """make_plan for the configured model and token budget (max_steps x global batch), plus the
+    """make_plan for the configured model and token budget (max_steps x global batch, less a batch
+    ramp's shortfall: run_tokens), plus the
     Chinchilla comparison: compute-optimal tokens for this size and the budget's ratio to them.
     A mixture of experts is priced on its active parameters, its memory on the total."""
     params = count_params(cfg, vocab_size)
     m = cfg.model
     active = count_params(cfg, vocab_size, active=True) if m.moe.n_experts else None
-    tokens = cfg.train.max_steps * global_batch_tokens(cfg)
+    tokens = run_tokens(cfg)
     plan = make_plan(params=params, tokens=tokens, gpu=gpu or cfg.plan.gpu, seq_len=m.seq_len, n_layer=m.n_layer,
                      d_model=m.d_model, n_head=m.n_head, active_params=active, cfg=cfg.plan)
     optimal = cfg.plan.tokens_per_param * (active or params)  # Chinchilla's N: the compute-driving one

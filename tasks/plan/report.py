@@ -22,8 +22,10 @@ def format_plan(plan: dict) -> str:
     moe = plan["active_params"] != plan["params"]
     rows = [
         ("parameters", _si(plan["params"]) + (f" total, {_si(plan['active_params'])} active" if moe else "")),
-        ("shape", f"{plan['n_layer']} layers x d_model {plan['d_model']}, seq_len {plan['seq_len']}"
-                  + (" (estimated)" if plan["shape_estimated"] else "")),
+        ("shape", f"{plan['n_layer']} layers x d_model {plan['d_model']} ({plan['n_head']} heads), seq_len "
+                  f"{plan['seq_len']}" + (" (estimated)" if plan["shape_estimated"] else "")
+                  + (f"; {plan['moe']['n_experts']} experts of width {plan['moe']['expert_hidden']}, top-"
+                     f"{plan['moe']['top_k']}" if plan.get("moe") else "")),
         ("tokens", f"{_si(plan['tokens'])} ({plan['tokens_per_param']:.1f} per {'active ' if moe else ''}param)"),
         ("training FLOPs", f"{plan['flops']:.3e} (6ND {plan['flops_6nd']:.3e}, attention "
                            f"{plan['attention_flops_fraction']:.1%})"),
@@ -34,7 +36,8 @@ def format_plan(plan: dict) -> str:
         ("cost", f"${plan['cost_usd']:,.0f}"),
         ("checkpoint", _bytes(plan["checkpoint_bytes"])),
         ("model states", _bytes(plan["model_state_bytes"])),
-        ("layout", f"tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}, {lay['microbatches']} microbatch(es), "
+        ("layout", f"tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} (dp_shard {lay['dp_shard']} x dp_replicate "
+                   f"{lay['dp_replicate']}), {lay['microbatches']} microbatch(es), "
                    f"bubble {lay['bubble_fraction']:.1%}" + ("" if lay["fits"] else "  ** does not fit **")),
     ]
     width = max(len(k) for k, _ in rows)
