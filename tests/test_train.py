@@ -369,8 +369,9 @@ def test_fsdp2_matches_ddp_and_resumes_with_bf16_doc_mask_z_loss(run, base, tmp_
     text = Path(res["log"]).read_text()
     assert res["steps"] == 4 and "fsdp2 fp32" in text
     # what was built, not only what was asked for: every parameter a sharded DTensor ...
-    assert re.search(r"built FSDPGPT: (\d+)/\1 parameters sharded", text), text[-2000:]
-    assert re.search(r"built DistributedDataParallel: 0/\d+ parameters sharded", Path(run["log"]).read_text())
+    assert re.search(r"built FSDP2 on dp_shard_cp 2: (\d+) parameters, sharded per mesh dim: dp_shard_cp \1;",
+                     text), text[-2000:]
+    assert re.search(r"built DDP over 2 ranks: \d+ parameters, sharded per mesh dim: none;", Path(run["log"]).read_text())
     # ... and a checkpoint of shards: each rank wrote half of the embedding's rows (DDP: one whole chunk)
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
