@@ -97,3 +97,43 @@ def test_continued_benchmark(tmp_path):
     assert cont["replay_share_trained"]["replay_tokens"] > 0 and isinstance(r["target_met"], bool)
     assert set(r["paired_gap_by_seed"]["1337"]) == {"A", "B"} and isinstance(r["target_met_every_seed"], bool)
     assert cont["spikes"]["steps"] == 6 and r["rewarm_spikes"]["steps"] == 6
+
+
+def test_train_layouts_benchmark(tmp_path):
+    """The layouts benchmark at a toy size: the baseline and a tp x FSDP layout train through the real
+    trainer on 4 processes; a layout the config refuses (tp 4 with 2 heads) is reported, not fatal."""
+    out = tmp_path / "layouts.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "train_layouts.py"), "--only",
+                           "ddp4,dp_shard2_tp2,tp4", "--n-layer", "2", "--d-model", "32", "--n-head", "2",
+                           "--seq-len", "32", "--batch", "8", "--steps", "3", "--warmup", "1",
+                           "--work-dir", str(tmp_path / "work"), "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    r = json.loads(out.read_text())["results"]
+    base, tp = r["ddp4"], r["dp_shard2_tp2"]
+    for row in (base, tp):
+        assert row["ok"] and row["tokens_per_s"] > 0 and row["steps_timed"] == 2, row.get("error")
+        assert len(row["memory"]["peak_mb_per_rank"]) == 4 and min(row["memory"]["train_mb_per_rank"]) > 0
+    # what was built, read from the ranks' live parameters: DDP replicates, tp x FSDP shards 4 ways
+    assert all(b["dtensor_mesh_dims"] == [] for b in base["built"])
+    assert all("tp" in b["dtensor_mesh_dims"] for b in tp["built"])
+    assert tp["memory"]["model_state_mb_max"] < 0.5 * base["memory"]["model_state_mb_max"]
+    assert tp["vs_ddp4"]["tokens_per_s"] == pytest.approx(tp["tokens_per_s"] / base["tokens_per_s"], abs=1e-3)
+    assert r["tp4"]["ok"] is False and "train.parallel.tp" in r["tp4"]["error"]
+
+
+def test_train_layouts_catches_a_layout_not_built():
+    """A run whose ranks hold plain replicated weights does not count as tp, pp, ep or checkpointed."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import argparse
+
+    from train_layouts import check_built, layout_config
+
+    a = argparse.Namespace(n_layer=4, d_model=64, n_head=4, seq_len=32, batch=8, n_experts=4, steps=3, nproc=4,
+                           threads=1)
+    replicated = {"built": {"dtensor_mesh_dims": [], "blocks_here": 4, "moe_layers": 0, "checkpoint_wrappers": 0}}
+    for name, field in (("tp4", "tp"), ("pp2_tp2", "pp"), ("moe_ep2", "ep"), ("dp_shard4_ac_full", "activation"),
+                        ("dp_shard4", "dp_shard")):
+        problems = check_built(name, layout_config(name, a), [replicated] * 4)
+        assert any(p.startswith(field) for p in problems), (name, problems)
+    assert check_built("ddp4", layout_config("ddp4", a), [replicated] * 4) == []

@@ -1,4 +1,6 @@
-"""benchmarks/gpu_mfu.py: a clean skip without a GPU, and its FSDP2 + bf16 training path on CPU."""
+"""benchmarks/gpu_mfu.py: a clean skip without a GPU, and its FSDP2 + bf16 training path on CPU.
+benchmarks/gpu_layouts.py: its dry run checks the 8-GPU configs and every layout on CPU; with fewer
+GPUs than the layouts need it refuses."""
 from __future__ import annotations
 
 import json
@@ -46,3 +48,57 @@ def test_fsdp2_bf16_path_runs_on_cpu(tmp_path):
     assert r["flops_per_token"] == pytest.approx(6 * m["matmul_params"] + 12 * m["n_layer"] * m["d_model"] * m["seq_len"],
                                              rel=1e-9)
     assert r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_s_per_gpu"] / 989e12, rel=1e-3, abs=0)
+
+
+LAYOUTS_SCRIPT = REPO / "benchmarks" / "gpu_layouts.py"
+
+
+def _layouts(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "gpu_layouts.json"
+    proc = subprocess.run([sys.executable, str(LAYOUTS_SCRIPT), "--out", str(out), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    return proc, json.loads(out.read_text()) if out.is_file() else {}
+
+
+def test_gpu_layouts_dry_run_checks_the_configs(tmp_path):
+    proc, r = _layouts(tmp_path, "--dry-run")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert r["dry_run"] is True and r["refused"] == []
+    dense, moe = r["checks"]
+    assert dense["config"].endswith("configs/dense-8b.yaml") and moe["config"].endswith("configs/moe-8x.yaml")
+    # Llama 3.1 8B's parameter count and FLOPs per token, so torchtitan's tokens/s compare directly
+    assert dense["model"]["params"] == 8_030_261_248 == r["torchtitan"]["model"]["params"]
+    assert dense["model"]["flops_per_token"] == r["torchtitan_mfu_by_this_count"]["flops_per_token"]
+    # torchtitan's 5,762 and 6,667 tokens/s/GPU at 989 TFLOP/s: the 33 % to 39 % MFU their page quotes
+    assert r["torchtitan_mfu_by_this_count"]["fsdp"] == pytest.approx(0.337, abs=1e-3)
+    assert r["torchtitan_mfu_by_this_count"]["fsdp_compile"] == pytest.approx(0.390, abs=1e-3)
+    assert moe["model"]["active_params"] < 0.4 * moe["model"]["params"]
+    assert set(dense["layouts"]) >= {"fsdp8", "fsdp8_compile", "planner", "dp_shard4_tp2", "tp8", "pp2_tp4",
+                                     "pp2_dp_shard4_1f1b", "pp2_dp_shard4_interleaved_1f1b", "pp2_dp_shard4_gpipe"}
+    assert set(moe["layouts"]) == {"planner", "ep1", "ep2", "ep4", "ep8"}
+    assert dense["layouts"]["planner"]["layout"] == "dp_shard 4 x tp 2"  # the config's, from the planner
+    assert dense["layouts"]["fsdp8"]["peer"] == "fsdp" and dense["layouts"]["fsdp8"]["compile"] is False
+    assert moe["layouts"]["ep8"]["layout"] == "dp_shard 8 x ep 8"
+    for check in (dense, moe):
+        for name, layout in check["layouts"].items():
+            assert layout["ok"] and layout["global_batch_sequences"] == 16, (name, layout)
+
+
+def test_gpu_layouts_dry_run_names_a_refused_layout(tmp_path):
+    """30 layers do not split into interleaved_1f1b's 4 stages: that layout is refused naming the field."""
+    proc, r = _layouts(tmp_path, "--dry-run", "--config", "configs/dense-8b.yaml", "--set", "model.n_layer=30",
+                       "--layouts", "fsdp8,pp2_dp_shard4_interleaved_1f1b")
+    assert proc.returncode == 1
+    layouts = r["checks"][0]["layouts"]
+    assert layouts["fsdp8"]["ok"] and not layouts["pp2_dp_shard4_interleaved_1f1b"]["ok"]
+    assert "train.parallel.pp" in layouts["pp2_dp_shard4_interleaved_1f1b"]["error"]
+    assert len(r["refused"]) == 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 8, reason="8 GPUs are present: the benchmark runs")
+def test_gpu_layouts_refuses_without_8_gpus(tmp_path):
+    proc, r = _layouts(tmp_path, "--config", "configs/moe-8x.yaml")
+    assert proc.returncode == 2
+    assert "needs 8 CUDA GPUs" in proc.stderr and f"found {torch.cuda.device_count()}" in proc.stderr
+    assert r["skipped"] is True and "Nothing was measured" in r["reason"]
+    assert all(layout["ok"] for layout in r["checks"][0]["layouts"].values())
