@@ -19,15 +19,16 @@ Weight names: tok_emb -> model.embed_tokens; blocks.i.attn.wq/wk/wv -> self_attn
 attn.proj -> o_proj; mlp.w1/w3/w2 -> mlp.gate_proj/up_proj/down_proj; attn_norm / mlp_norm ->
 input_layernorm / post_attention_layernorm; norm -> model.norm. `load_exported` maps them back.
 
-An MoE model (model.moe) exports as Mixtral when Mixtral computes it exactly (softmax router,
-renormalised top-k, MoE in every layer, no shared experts, zero selection bias), otherwise as
-ERNIE 4.5 MoE, which also has the DeepSeek-V3 selection bias, shared experts and MoE every N-th
-layer (see `choose_architecture`); settings neither represents are refused, naming them. Expert
-weights are written one tensor per expert, as the published Mixtral / ERNIE checkpoints are:
-router.weight -> gate.weight; experts.w1/w3/w2[e] -> experts.e.w1/w3/w2 (Mixtral) or
-experts.e.gate_proj/up_proj/down_proj (ERNIE, GLM); expert_bias -> moe_statics.e_score_correction_bias
-(ERNIE) or gate.e_score_correction_bias (GLM); shared.w1/w3/w2 -> shared_experts.gate_proj/up_proj/down_proj.
-A sigmoid router exports as GLM-4.5 MoE (glm4_moe), which also carries QK-norm.
+An MoE model (model.moe) exports as the Hugging Face architecture that computes it exactly
+(`choose_architecture`): Mixtral (softmax router, renormalised top-k, MoE in every layer, no shared
+experts, zero selection bias); else ERNIE 4.5 MoE (softmax, renormalised, plus the DeepSeek-V3
+selection bias, shared experts and MoE every N-th layer); a sigmoid router as GLM-4.5 MoE (selection
+bias, shared experts, optional renormalisation and QK-norm, MoE in the last layers). Settings none of
+them represents are refused, naming them. Expert weights are written one tensor per expert, as the
+published checkpoints of those models are: router.weight -> gate.weight; experts.w1/w3/w2[e] ->
+experts.e.w1/w3/w2 (Mixtral) or experts.e.gate_proj/up_proj/down_proj (ERNIE, GLM); expert_bias ->
+moe_statics.e_score_correction_bias (ERNIE) or gate.e_score_correction_bias (GLM); shared.w1/w3/w2 ->
+shared_experts.gate_proj/up_proj/down_proj.
 
 Nothing is unpickled on either side (issue 24): the checkpoint is read by
 `load_model_for_inference` (verified against its run's signed manifest, safetensors and signed JSON),
