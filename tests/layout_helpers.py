@@ -44,6 +44,7 @@ class LayoutRun:
     layout: dict  # rank 0's layout.json ({} if the trainer wrote none)
     log: str  # the torchrun log's text
     checkpoints: list[str]
+    mlflow: dict | None = None  # {"tracking_uri", "run_id"} of a run logged to MLflow (a file store)
 
 
 def layout_cfg(world: int, train: dict | None = None, model: dict | None = None, steps: int = 10):
@@ -54,25 +55,46 @@ def layout_cfg(world: int, train: dict | None = None, model: dict | None = None,
     return tiny_cfg(model=model, train=train)
 
 
-def _key(world: int, train: dict, model: dict, steps: int) -> str:
-    blob = json.dumps({"world": world, "train": train, "model": model, "steps": steps}, sort_keys=True)
+def _key(world: int, train: dict, model: dict, steps: int, mlflow: bool) -> str:
+    blob = json.dumps({"world": world, "train": train, "model": model, "steps": steps, "mlflow": mlflow},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 def run_layout(base: Path, world: int, train: dict | None = None, model: dict | None = None, steps: int = 10,
-               out_dir: Path | None = None, name: str = "layout") -> LayoutRun:
-    """Train `steps` steps in the layout train["parallel"] on `world` processes under torchrun. Without
-    `out_dir` the run goes to base/layouts/<hash of the arguments>/ and is reused when it is complete
-    (a run with resume or a given out_dir always trains)."""
+               out_dir: Path | None = None, name: str = "layout", mlflow: bool = False) -> LayoutRun:
+    """Train `steps` steps in the layout train["parallel"] on `world` processes under torchrun (with
+    `mlflow`, logging to a fresh MLflow run in a file store under the run's folder). Without `out_dir`
+    the run goes to base/layouts/<hash of the arguments>/ and is reused when it is complete (a run
+    with resume or a given out_dir always trains)."""
+    import os
+
     from tasks.train import run_training
 
     train, model = dict(train or {}), dict(model or {})
     cfg = layout_cfg(world, train, model, steps)
     cached = out_dir is None and not train.get("resume")
-    out = out_dir or base / "layouts" / _key(world, train, model, steps)
+    out = out_dir or base / "layouts" / _key(world, train, model, steps, mlflow)
     done = out / "layout-run.done"
     if not (cached and done.is_file()):
-        run_training(cfg, Path(tokens_artifact(base)["index_path"]), out, None, None, name)
+        uri = run_id = None
+        old = os.environ.get("MLFLOW_ALLOW_FILE_STORE")
+        try:
+            if mlflow:
+                from mlflow import MlflowClient
+
+                os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # a file store keeps the test fast (no DB setup)
+                out.mkdir(parents=True, exist_ok=True)
+                uri = (out / "mlruns").resolve().as_uri()
+                client = MlflowClient(tracking_uri=uri)
+                run_id = client.create_run(client.create_experiment(name)).info.run_id
+                (out / "mlflow.json").write_text(json.dumps({"tracking_uri": uri, "run_id": run_id}))
+            run_training(cfg, Path(tokens_artifact(base)["index_path"]), out, uri, run_id, name)
+        finally:
+            if old is None:
+                os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+            else:
+                os.environ["MLFLOW_ALLOW_FILE_STORE"] = old
         if cached:
             done.write_text("ok\n")
     return read_layout_run(out)
@@ -84,7 +106,8 @@ def read_layout_run(out: Path) -> LayoutRun:
     rows = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines() if x.strip()]
     layout = json.loads((out / LAYOUT_FILE).read_text()) if (out / LAYOUT_FILE).is_file() else {}
     log = (out / "torchrun.log").read_text() if (out / "torchrun.log").is_file() else ""
-    return LayoutRun(out, rows, layout, log, [str(p) for p in list_checkpoints(out)])
+    mlflow = json.loads((out / "mlflow.json").read_text()) if (out / "mlflow.json").is_file() else None
+    return LayoutRun(out, rows, layout, log, [str(p) for p in list_checkpoints(out)], mlflow)
 
 
 def layout_losses(base: Path, world: int, train: dict | None = None, model: dict | None = None,
