@@ -81,7 +81,7 @@ def test_bad_ramp_fails_at_config_load_naming_the_field(train, match):
 
 # --- real torchrun training with the ramp: per-step batches, lr, and a resume mid-ramp ---
 
-TRAIN = {"max_steps": 8, "micro_batch_size": 2, "batch_tokens": 16 * SEQ, "batch_ramp_start_tokens": 4 * SEQ,
+TRAIN = {"parallel": {"dp_shard": 2}, "max_steps": 8, "micro_batch_size": 2, "batch_tokens": 16 * SEQ, "batch_ramp_start_tokens": 4 * SEQ,
          "batch_ramp_tokens": 16 * SEQ * 4, "warmup_steps": 5, "checkpoint_every": 100, "log_every": 1,
          "spike_detection": False}
 
@@ -101,10 +101,11 @@ def _meta(out: Path, step: int) -> dict:
 
 
 def test_ramp_trains_resumes_mid_ramp_and_on_another_world_size(base, tmp_path):
-    """2 processes: batches of 4, 4, 4, 8, 8, 8, 12, 12 sequences (the 16-sequence full batch after
+    """2 processes (FSDP2, dp_shard 2): batches of 4, 4, 4, 8, 8, 8, 12, 12 sequences (the 16-sequence full batch after
     4096 tokens), the lr warm-up by tokens; stopped at step 4 and resumed, the same losses as the
     uninterrupted run; the 2-process checkpoint resumed on 1 process continues the ramp from its tokens
     (the 1-process rounding from there) at the exact data position."""
+    assert "dp_shard 2" in ParallelDims.from_config(tiny_cfg(train=TRAIN)).describe()
     whole = _train(base, tmp_path / "whole")
     cfg = tiny_cfg(train=TRAIN)
     assert [r["batch_tokens"] // SEQ for r in whole] == [4, 4, 4, 8, 8, 8, 12, 12]
@@ -131,9 +132,10 @@ def test_ramp_trains_resumes_mid_ramp_and_on_another_world_size(base, tmp_path):
         assert r["loss"] == pytest.approx(w["loss"], rel=1e-5), (r, w)
         assert r["lr"] == pytest.approx(w["lr"], rel=1e-9)
 
-    one = _train(base, other, resume=True, nproc_per_node=1, max_steps=7)
-    ramp = BatchRamp.for_layout(tiny_cfg(train={**TRAIN, "nproc_per_node": 1}).train,
-                                ParallelDims.from_config(tiny_cfg(train={**TRAIN, "nproc_per_node": 1})), SEQ)
+    single = {"nproc_per_node": 1, "parallel": {}}  # FSDP2 over 2 ranks -> 1 process
+    one = _train(base, other, resume=True, max_steps=7, **single)
+    one_cfg = tiny_cfg(train={**TRAIN, **single})
+    ramp = BatchRamp.for_layout(one_cfg.train, ParallelDims.from_config(one_cfg), SEQ)
     assert ramp.granularity == 2
     assert [r["batch_tokens"] // SEQ for r in one[4:]] == _walk(ramp, 3, int(tokens[3]))  # [8, 10, 12]
     assert one[4]["data_start"] == starts[4] and one[5]["data_start"] == starts[5]
