@@ -22,7 +22,6 @@ z-loss) means are summed over the pp group, so every stage has them (for logging
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -119,17 +118,27 @@ def split_model(model: GPT, pp_rank: int, pp: int, stages_per_rank: int) -> list
 LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]]
 
 
-@dataclass
 class Pipeline:
-    """This pp rank's part of the pipeline: its stage modules (after parallelize_fn) and the schedule."""
-    schedule: object
-    model_parts: list[nn.Module]
-    stage_indices: list[int]
-    n_microbatches: int
-    pp_group: dist.ProcessGroup
-    device: torch.device
-    _ce: list = field(default_factory=list)
-    _z: list = field(default_factory=list)
+    """This pp rank's part of the pipeline: its stage modules (after parallelize_fn) and the schedule.
+
+    A schedule's stages learn the shapes they send and receive from the first step they run, and
+    keep them: a step whose micro-batches have another shape (a batch-size ramp grows the batch)
+    gets a schedule of its own, built once per shape over the same modules."""
+
+    def __init__(self, model_parts: list[nn.Module], stage_indices: list[int], n_stages: int, schedule: str,
+                 n_microbatches: int, pp_group: dist.ProcessGroup, device: torch.device, compute_loss: LossFn):
+        from torch.distributed.pipelining import schedules
+
+        self.model_parts, self.stage_indices, self.n_stages = model_parts, stage_indices, n_stages
+        self.n_microbatches, self.pp_group, self.device = n_microbatches, pp_group, device
+        self.schedule_cls = getattr(schedules, SCHEDULES[schedule])
+        self.multi = issubclass(self.schedule_cls, schedules.PipelineScheduleMulti)
+        if not self.multi and len(model_parts) != 1:
+            raise ValueError(f"{schedule} runs one stage per pp rank, this rank has {len(model_parts)}")
+        self._compute_loss = compute_loss
+        self._schedules: dict[tuple[int, ...], object] = {}  # micro-batch shape -> schedule
+        self._ce: list[torch.Tensor] = []
+        self._z: list[torch.Tensor] = []
 
     @property
     def has_first(self) -> bool:
@@ -137,7 +146,7 @@ class Pipeline:
 
     @property
     def has_last(self) -> bool:
-        return any(p.is_last for p in self._stages())
+        return self.n_stages - 1 in self.stage_indices
 
     def _stages(self) -> list[GPTStage]:
         return [p for p in self.model_parts if isinstance(p, GPTStage)]
@@ -146,29 +155,45 @@ class Pipeline:
         return sorted(i for p in self._stages() for i in p.layers)
 
     def record(self) -> dict:
-        """For the layout record: the schedule built (its class), the micro-batches, and the stages
-        every pp rank holds (stage_layout)."""
+        """For the layout record: the schedule class, the micro-batches, and the stages every pp
+        rank holds (stage_layout)."""
         pp, n_layer = dist.get_world_size(self.pp_group), self._stages()[0].cfg.n_layer
-        return {"schedule": type(self.schedule).__name__, "microbatches": self.n_microbatches,
+        return {"schedule": self.schedule_cls.__name__, "microbatches": self.n_microbatches,
                 "ranks": stage_layout(pp, len(self.stage_indices), n_layer)}
+
+    def schedule_for(self, shape: tuple[int, ...]):
+        """The schedule for micro-batches of token shape `shape` (built on first use)."""
+        if shape not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage
+
+            stages = [PipelineStage(part, index, self.n_stages, self.device, group=self.pp_group)
+                      for part, index in zip(self.model_parts, self.stage_indices)]
+            self._schedules[shape] = self.schedule_cls(
+                stages if self.multi else stages[0], n_microbatches=self.n_microbatches,
+                loss_fn=self._loss, scale_grads=False)
+        return self._schedules[shape]
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one data-parallel rank's batch x, y (B, T), B split into
         n_microbatches. Collective over the pp group. Returns (cross-entropy, z-loss) averaged over
         the batch, the same on every pp rank (z-loss 0 when off)."""
+        if x.size(0) % self.n_microbatches:
+            raise ValueError(f"a batch of {x.size(0)} sequences does not split into {self.n_microbatches} "
+                             f"pipeline micro-batches (train.parallel.pp_microbatches)")
         for part in self._stages():
             part.seq_len = x.size(1)
+        schedule = self.schedule_for((x.size(0) // self.n_microbatches, x.size(1)))
         self._ce.clear()
         self._z.clear()
         target = y.to(self.device) if self.has_last else None
         if self.has_first:
-            self.schedule.step(x.to(self.device), target=target)
+            schedule.step(x.to(self.device), target=target)
         else:
-            self.schedule.step(target=target)
+            schedule.step(target=target)
         out = torch.zeros(2, device=self.device)
         if self.has_last:
-            # the first step also calls the loss once to infer the backward's shapes: the step's
-            # micro-batches are the last n_microbatches calls
+            # a schedule's first step also calls the loss once to infer the backward's shapes: the
+            # step's micro-batches are the last n_microbatches calls
             if len(self._ce) < self.n_microbatches:
                 raise RuntimeError(f"the pipeline computed {len(self._ce)} micro-batch losses, "
                                    f"expected {self.n_microbatches}")
@@ -177,41 +202,29 @@ class Pipeline:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.pp_group)  # only the last stage adds
         return out / self.n_microbatches
 
-    def loss_fn(self, compute_loss: LossFn) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The schedule's loss: the trainer's loss of one micro-batch divided by the number of
         micro-batches (the schedule does not scale), its parts recorded for `step`."""
-        def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            total, ce, z = compute_loss(logits, targets)
-            self._ce.append(ce.detach().float().reshape(()))
-            self._z.append(torch.zeros((), device=ce.device) if z is None else z.detach().float().reshape(()))
-            return total / self.n_microbatches
-        return loss
+        total, ce, z = self._compute_loss(logits, targets)
+        self._ce.append(ce.detach().float().reshape(()))
+        self._z.append(torch.zeros((), device=ce.device) if z is None else z.detach().float().reshape(()))
+        return total / self.n_microbatches
 
 
 def build_pipeline(model: GPT, dims, mesh, device: torch.device, compute_loss: LossFn,
                    parallelize_fn: Callable[[nn.Module], nn.Module] | None = None) -> Pipeline:
     """This rank's stages of `model` (built whole, same seed on every rank), each passed through
     parallelize_fn (TP / FSDP / activation checkpointing; it may return the module it wraps in),
-    wrapped in PipelineStages on mesh["pp"], and the dims.pp_schedule schedule over
+    run by PipelineStages on mesh["pp"] under the dims.pp_schedule schedule over
     dims.pp_microbatches micro-batches. compute_loss(logits, targets) -> (loss, ce, z or None)."""
-    from torch.distributed.pipelining import PipelineStage, schedules
-
     pp_mesh = mesh["pp"]
     pp_rank, pp_group = pp_mesh.get_local_rank(), pp_mesh.get_group()
-    n_stages = dims.pp * dims.stages_per_rank
-    parts, stages = [], []
+    parts, indices = [], []
     for index, part in split_model(model, pp_rank, dims.pp, dims.stages_per_rank):
         part = part.to(device)
         if parallelize_fn is not None:
             part = parallelize_fn(part) or part
         parts.append(part)
-        stages.append(PipelineStage(part, index, n_stages, device, group=pp_group))
-    pipe = Pipeline(schedule=None, model_parts=parts, stage_indices=[s.stage_index for s in stages],
-                    n_microbatches=dims.pp_microbatches, pp_group=pp_group, device=device)
-    cls = getattr(schedules, SCHEDULES[dims.pp_schedule])
-    stage_arg = stages if issubclass(cls, schedules.PipelineScheduleMulti) else stages[0]
-    if not isinstance(stage_arg, list) and len(stages) != 1:
-        raise ValueError(f"{dims.pp_schedule} runs one stage per pp rank, this rank has {len(stages)}")
-    pipe.schedule = cls(stage_arg, n_microbatches=dims.pp_microbatches, loss_fn=pipe.loss_fn(compute_loss),
-                        scale_grads=False)
-    return pipe
+        indices.append(index)
+    return Pipeline(parts, indices, dims.pp * dims.stages_per_rank, dims.pp_schedule, dims.pp_microbatches,
+                    pp_group, device, compute_loss)
