@@ -5,9 +5,7 @@
     plan --flops 1e22                              Chinchilla split of a compute budget
     plan --params 47e9 --active-params 13e9        mixture of experts (FLOPs from the active params)
     plan --params 7e9 --json                       the plan as JSON
-    plan --params 7e9 --gpus 8 --config configs/tiny.yaml --emit-config runs/7b.yaml
-                                                   ... and configs/tiny.yaml with the planned layout, micro-batch,
-                                                   checkpointing and model shape: `crucible run runs/7b.yaml`
+    plan --params 7e9 --gpus 8 --emit-config 7b.yaml --config configs/tiny.yaml   tiny.yaml + the plan's layout
     plan --curate 10TB                             curation of 10 TB of WARC: core-hours per stage, nodes, cost
     plan --curate 500GB --input wet --nodes 4      from measured rates in benchmarks/results/*.json
 
