@@ -87,6 +87,59 @@ def test_pipeline_layouts_refused_at_config_load_name_the_field(model, parallel,
         cfg()
 
 
+def _pipeline_worker(rank: int, init_file: str, results) -> None:
+    """One of 2 gloo processes: a pp 2 (1f1b, 2 micro-batches) pipeline of TINY's seeded model
+    trains on batches of 4, 8, then 4 sequences; each step's loss and this rank's gradients are
+    compared with the whole model's on the same batch."""
+    import torch.distributed as dist
+
+    from tasks.train.model import lm_loss
+    from tasks.train.parallel_dims import ParallelDims
+    from tasks.train.pipeline import build_pipeline
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        dims = ParallelDims(pp=2, dp_replicate=1, dp_shard=1, cp=1, tp=1, ep=1, world=2,
+                            pp_schedule="1f1b", pp_microbatches=2)
+        torch.manual_seed(0)
+        model, whole = GPT(TINY), GPT(TINY)
+        whole.load_state_dict(model.state_dict())
+        pipe = build_pipeline(model, dims, dims.build_mesh("cpu"), torch.device("cpu"),
+                              lambda logits, y: lm_loss(logits, y, 1e-4))
+        worst = 0.0
+        gen = torch.Generator().manual_seed(1)
+        for batch in (4, 8, 4):
+            x, y = (torch.randint(0, TINY.vocab_size, (batch, TINY.seq_len), generator=gen) for _ in range(2))
+            for m in (*pipe.model_parts, whole):
+                m.zero_grad(set_to_none=True)
+            got = pipe.step(x, y)
+            total, ce, z = lm_loss(whole(x)[0], y, 1e-4)
+            total.backward()
+            worst = max(worst, abs(got[0].item() - ce.item()) / ce.item(), abs(got[1].item() - z.item()) / z.item())
+            grads = dict(whole.named_parameters())
+            for part in pipe.model_parts:
+                for name, p in part.named_parameters():
+                    want = grads[name].grad
+                    worst = max(worst, ((p.grad - want).abs().max() / want.abs().max()).item())
+        results[rank] = (worst, len(pipe._schedules))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_pipeline_step_equals_the_whole_model_as_the_batch_shape_changes(tmp_path):
+    """The pipeline's step loss (on every pp rank) and each stage's gradients equal the whole model's
+    on the same batch (the loss divides by the micro-batches, the schedule does not scale), also when
+    the micro-batch shape changes from one step to the next (a schedule per shape)."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_pipeline_worker, args=(str(tmp_path / "init"), results), nprocs=2)
+    for rank in range(2):
+        worst, n_schedules = results[rank]
+        assert worst < 1e-5, (rank, worst)
+        assert n_schedules == 2  # micro-batches of 2 and of 4 sequences
+
+
 # ---------------------------------------------------------------- real pipelined runs (4 processes)
 
 PP_MODEL = {"tie_embeddings": False}  # the embedding and the head live on different stages
