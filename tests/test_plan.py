@@ -364,7 +364,7 @@ def test_layout_respects_heads_and_layers():
     assert 100 % lay["pp"] == 0 and lay["pp"] > 1
 
 
-def _measure_model_states(rank: int, world: int, init: str, parallel: dict, out: str) -> None:
+def _measure_model_states(rank: int, world: int, init: str, parallel: dict, dtype: str, out: str) -> None:
     """One rank: the real parallelized model's local bytes of params, grads (after a backward) and
     AdamW states (after a step)."""
     import torch
@@ -381,7 +381,7 @@ def _measure_model_states(rank: int, world: int, init: str, parallel: dict, out:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         cfg = tiny_cfg(model={"n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 32},
-                       train={"nproc_per_node": world, "micro_batch_size": 2, "dtype": "fp32",
+                       train={"nproc_per_node": world, "micro_batch_size": 2, "dtype": dtype,
                               "parallel": parallel})
         dims = ParallelDims.from_config(cfg)
         mesh = dims.build_mesh("cpu")
@@ -404,27 +404,33 @@ def _measure_model_states(rank: int, world: int, init: str, parallel: dict, out:
         states = sum(local_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
         Path(out, f"rank{rank}.json").write_text(json.dumps({
             "n_params": n_params, "params": sum(local_bytes(p) for p in params), "grads": grads,
-            "optimizer": states, "dtensors": sum(isinstance(p, DTensor) for p in params), "n_tensors": len(params)}))
+            "optimizer": states, "dtensors": sum(isinstance(p, DTensor) for p in params), "n_tensors": len(params),
+            "dtypes": sorted({str(p.dtype) for p in params})}))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("parallel", [{"dp_shard": 2, "tp": 2}, {"dp_shard": 4}], ids=["dp_shard2xtp2", "dp_shard4"])
-def test_planner_memory_matches_the_parallelized_models_shards(parallel, tmp_path):
+@pytest.mark.parametrize("parallel,dtype", [({"dp_shard": 2, "tp": 2}, "fp32"), ({"dp_shard": 4}, "fp32"),
+                                            ({"dp_shard": 4}, "bf16")],
+                         ids=["dp_shard2xtp2", "dp_shard4", "dp_shard4-bf16"])
+def test_planner_memory_matches_the_parallelized_models_shards(parallel, dtype, tmp_path):
     """The planner's per-GPU model-state bytes (model_state_bytes_per_gpu, the formula its layouts
     are sized with) against what each of 4 CPU processes really holds: the local shards of the
-    parallelized model's fp32 parameters, their gradients after a backward and AdamW's states after
-    a step, each within 10 %."""
+    parallelized model's parameters, their gradients after a backward and AdamW's states after a
+    step, each within 10 %. With bf16 the sharded parameters stay fp32 (FSDP2 gathers bf16 copies):
+    the planner's 4-byte weights and no separate master copy."""
     import torch.multiprocessing as mp
 
     from tasks.plan.planner import model_state_bytes_per_gpu
 
     world = 4
-    mp.start_processes(_measure_model_states, args=(world, (tmp_path / "init").as_uri(), parallel, str(tmp_path)),
+    mp.start_processes(_measure_model_states, args=(world, (tmp_path / "init").as_uri(), parallel, dtype,
+                                                    str(tmp_path)),
                        nprocs=world, start_method="spawn")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     n = ranks[0]["n_params"]
     assert all(r["dtensors"] == r["n_tensors"] for r in ranks)  # every parameter really sharded
+    assert all(r["dtypes"] == ["torch.float32"] for r in ranks)
     tp, dp_shard = parallel.get("tp", 1), parallel["dp_shard"]
     cfg = PlanConfig()
     parts = {"params": cfg.weight_bytes + cfg.master_bytes, "grads": cfg.grad_bytes, "optimizer": cfg.optimizer_bytes}
