@@ -25,12 +25,18 @@ batch 2, global batch 16, sequence 8,192, selective activation checkpointing, H1
 FSDP 5,762 tokens/s/GPU (82.4 GiB), FSDP + torch.compile 6,667 (77.0 GiB). configs/dense-8b.yaml has
 Llama 3.1 8B's parameter count and FLOPs per token exactly (its header), so tokens/s per GPU compare
 directly; their MFU by the same count is 33.7 % and 39.0 % (the page quotes 33 % to 39 %).
-fsdp8 (no compile) is compared with the first, every compiled dense layout with the second.
+fsdp8 (no compile) is compared with the first, fsdp8_compile with the second; both run with selective
+activation checkpointing as torchtitan's did, one sequence per micro-batch and two micro-batches per
+rank (torchtitan: local batch 2; a 96 GB card held 82.4 GiB, an 80 GB one may not); the other layouts
+run with the config's settings (the planner's: no checkpointing) and are compared with fsdp8_compile
+of the same run.
 
 Fewer CUDA GPUs than `--gpus`: it refuses (exit 2) naming what it found, and writes the dry run's checks
 with {"skipped": true, "reason": ...}. `--dry-run` needs no GPU: it loads each config with each layout
 (ParallelDims checks the layout against the model and the world size, naming the field), builds the
 model on the meta device for its parameter counts and FLOPs per token, and prints the run commands.
+`--device cpu` runs the measuring path itself with gloo processes instead of GPUs (a test does, with a
+small model): its MFU against a GPU's peak means nothing.
 """
 from __future__ import annotations
 
@@ -70,8 +76,9 @@ TORCHTITAN = {
 # layout name -> (train.parallel settings, other train settings, torchtitan peer key or None).
 # Settings not named keep the defaults (no tp, pp or ep; dp_shard the rest); compile unset: the config's.
 DENSE_LAYOUTS: dict[str, tuple[dict, dict, str | None]] = {
-    "fsdp8": ({"dp_shard": 8}, {"compile": False}, "fsdp"),
-    "fsdp8_compile": ({"dp_shard": 8}, {"compile": True}, "fsdp_compile"),
+    # torchtitan's Table 1 settings: FSDP over the 8 GPUs, selective activation checkpointing
+    "fsdp8": ({"dp_shard": 8}, {"compile": False, "activation_checkpointing": "selective"}, "fsdp"),
+    "fsdp8_compile": ({"dp_shard": 8}, {"compile": True, "activation_checkpointing": "selective"}, "fsdp_compile"),
     "planner": (None, {}, None),  # the config's own train.parallel (the planner's layout)
     "dp_shard4_tp2": ({"dp_shard": 4, "tp": 2}, {}, None),
     "dp_shard2_tp4": ({"dp_shard": 2, "tp": 4}, {}, None),
@@ -102,8 +109,12 @@ def layout_overrides(parallel: dict | None, extra: dict, a: argparse.Namespace, 
     sets = [f"train.nproc_per_node={a.gpus}", f"train.max_steps={a.steps}", f"train.checkpoint_every={a.steps}",
             f"train.batch_tokens={a.batch * seq_len}", "train.spike_detection=false",
             "train.batch_ramp_start_tokens=null"]
+    if a.device == "cpu":  # the code-path check: gloo processes on this machine's cores
+        sets += ["train.device=cpu", "train.backend=gloo", "train.threads_per_proc=1"]
     if parallel is not None:
         sets += [f"train.parallel.{k}={'null' if v is None else v}" for k, v in {**PARALLEL_DEFAULTS, **parallel}.items()]
+    if "activation_checkpointing" in extra:
+        sets.append(f"train.activation_checkpointing={extra['activation_checkpointing']}")
     compile_ = extra.get("compile")
     if a.no_compile:
         compile_ = False
@@ -210,6 +221,7 @@ def run_layout(config: Path, name: str, check: dict, model: dict, a: argparse.Na
     from tasks.config import load_config
     from tasks.train import run_training
     from tasks.train.launcher import read_train_log
+    from train_layouts import check_built
     from train_layouts_worker import NO_CHECKPOINT_ENV, RANKS_DIR
 
     cfg0 = load_config(config, a.set)
@@ -233,13 +245,16 @@ def run_layout(config: Path, name: str, check: dict, model: dict, a: argparse.Na
     peak = cfg.train.peak_flops_per_s or cfg.plan.gpus[cfg.plan.gpu].peak_bf16_flops
     row = {**check, "tokens_per_s": round(s["tokens_per_s"], 1), "tokens_per_s_per_gpu": round(per_gpu, 1),
            "steps_timed": s["steps_timed"], "step_s_median": s["step_s_median"],
-           "mfu": round(model["flops_per_token"] * per_gpu / peak, 4),
-           "mfu_logged": round(statistics.mean(r["mfu"] for r in records if r["step"] > a.warmup), 4)
+           "mfu": float(f"{model['flops_per_token'] * per_gpu / peak:.4g}"),  # 4 significant digits: tiny on CPU
+           "mfu_logged": float(f"{statistics.mean(r['mfu'] for r in records if r['step'] > a.warmup):.4g}")
            if all("mfu" in r for r in records) and len(records) > a.warmup else None,
            "cuda_max_allocated_gib_max": max((r.get("cuda_max_allocated_gb") or 0) for r in ranks) if ranks else None,
            "cuda_max_reserved_gib_max": max((r.get("cuda_max_reserved_gb") or 0) for r in ranks) if ranks else None,
            "built": [r["built"] for r in ranks], "loss_first": records[0]["loss"], "loss_last": records[-1]["loss"],
            "seconds": round(time.perf_counter() - t0, 1)}
+    problems = check_built(cfg, ranks)
+    if problems:  # figures kept, but not as the layout's: the trainer built something else
+        row["ok"], row["error"] = False, "layout not built as asked: " + "; ".join(problems)
     if peer:
         ref = TORCHTITAN[peer]["tokens_per_s_per_gpu"]
         row["vs_torchtitan"] = {"peer": peer, "tokens_per_s_per_gpu": ref, "mfu": reference[peer],
@@ -263,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens-index", type=Path, help="a tokens stage's index.json (default: random ids)")
     ap.add_argument("--work-dir", type=Path, help="run folders (default: a temporary folder, removed after)")
     ap.add_argument("--dry-run", action="store_true", help="check configs and layouts on CPU; start nothing")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: run the same code path with --gpus gloo processes, to check the script where no "
+                         "GPU is (with a small model through --set); its MFU against a GPU's peak means nothing")
     ap.add_argument("--out", type=Path, default=RESULT)
     a = ap.parse_args(argv)
     if a.warmup >= a.steps:
@@ -294,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
               f"planner layout {c['planner_layout']}"), flush=True)
         for n, r in c["layouts"].items():
             print(f"  {n:32s} " + (f"{r['layout']}, {r['micro_batches_per_dp_rank']} micro-batch(es) of "
-                                   f"{r['micro_batch_size']} per dp rank, compile {r['compile']}" if r["ok"]
+                                   f"{r['micro_batch_size']} per dp rank, compile {r['compile']}, activation "
+                                   f"checkpointing {r['activation_checkpointing']}" if r["ok"]
                                    else f"REFUSED: {r['error'][:300]}"), flush=True)
 
     if a.dry_run:
@@ -304,14 +323,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if refused else 0
 
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if found < a.gpus:
+    if a.device == "cuda" and found < a.gpus:
         reason = (f"gpu_layouts needs {a.gpus} CUDA GPUs on this node (the layouts are written for "
                   f"train.nproc_per_node={a.gpus}); found {found} (torch {torch.__version__}, CUDA "
                   f"{torch.version.cuda}). Nothing was measured. --dry-run checks the configs and layouts on CPU.")
         print(f"REFUSED gpu_layouts: {reason}", file=sys.stderr, flush=True)
         write_result(a.out, {**base, "skipped": True, "reason": reason, "checks": checks, "refused": refused})
         return 2
-    if not torch.cuda.is_bf16_supported():
+    if a.device == "cuda" and not torch.cuda.is_bf16_supported():
         reason = f"{torch.cuda.get_device_name()} has no bf16 support"
         print(f"REFUSED gpu_layouts: {reason}", file=sys.stderr, flush=True)
         write_result(a.out, {**base, "skipped": True, "reason": reason, "checks": checks})
@@ -340,8 +359,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"=== {cfg0.name} {name}: " + (f"{r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {r['mfu']:.1%}, "
                                                  f"max reserved {r['cuda_max_reserved_gib_max']} GiB"
                                                  if "mfu" in r else f"FAILED {r['error'][-300:]}"), flush=True)
+        same_run_peer = "ep1" if cfg0.model.moe.n_experts else "fsdp8_compile"
+        peer_row = rows.get(same_run_peer, {})
+        for name, r in rows.items():
+            if "mfu" in r and "mfu" in peer_row and name != same_run_peer:
+                r["vs_same_run"] = {"peer": same_run_peer, "tokens_per_s_per_gpu": round(
+                    r["tokens_per_s_per_gpu"] / peer_row["tokens_per_s_per_gpu"], 3)}
         results.append({**c, "layouts": rows})
-    write_result(a.out, {**base, "skipped": False, "device": torch.cuda.get_device_name(0), "gpus_found": found,
+    write_result(a.out, {**base, "skipped": False, "device": torch.cuda.get_device_name(0) if a.device == "cuda" else
+                         f"cpu x{a.gpus} gloo processes (code-path check; MFU against a GPU peak means nothing)",
+                         "gpus_found": found,
                          "platform": platform.platform(), "results": results})
     print(f"\n{'config/layout':40s} {'tokens/s/GPU':>12s} {'MFU':>6s} {'vs torchtitan':>14s} {'GiB':>6s}")
     for c in results:
@@ -352,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             vs = r.get("vs_torchtitan")
             print(f"{label:40s} {r['tokens_per_s_per_gpu']:12,.0f} {r['mfu']:6.1%} "
-                  f"{(str(vs['ratio']) + 'x ' + vs['peer']) if vs else '':>14s} {r['cuda_max_reserved_gib_max']:6}")
+                  f"{(str(vs['ratio']) + 'x ' + vs['peer']) if vs else '':>14s} {r['cuda_max_reserved_gib_max']:6}"
+                  + ("" if r["ok"] else f"  {r['error']}"))
     print(f"written {a.out}", flush=True)
     if a.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)

@@ -106,13 +106,17 @@ def steady_tokens_per_s(records: list[dict], tokens_per_step: int, warmup: int) 
             "step_s_median": round(statistics.median(seconds), 4), "steps_timed": len(seconds)}
 
 
-def check_built(name: str, cfg, ranks: list[dict]) -> list[str]:
-    """Why the trainer did not build what the layout asks for (empty: it did)."""
+def check_built(cfg, ranks: list[dict]) -> list[str]:
+    """Why the trainer did not build what the config's layout asks for (empty: it did), from the ranks'
+    records (benchmarks/train_layouts_worker.py). benchmarks/gpu_layouts.py checks its runs with it too."""
+    from tasks.train.parallel_dims import ParallelDims
+
     p, moe = cfg.train.parallel, cfg.model.moe
     problems = []
     built = [r["built"] for r in ranks]
-    if len(ranks) != cfg.train.nproc_per_node:
-        problems.append(f"{len(ranks)} of {cfg.train.nproc_per_node} ranks reported")
+    world = cfg.train.nnodes * cfg.train.nproc_per_node
+    if len(ranks) != world:
+        problems.append(f"{len(ranks)} of {world} ranks reported")
     if p.tp > 1 and not all("tp" in b["dtensor_mesh_dims"] for b in built):
         problems.append("tp: parameters are not DTensors on the tp mesh dimension on every rank")
     if p.pp > 1 and not all(b["blocks_here"] < cfg.model.n_layer for b in built):
@@ -123,7 +127,7 @@ def check_built(name: str, cfg, ranks: list[dict]) -> list[str]:
         problems.append("moe: no MoE layer in the model")
     if cfg.train.activation_checkpointing != "none" and not all(b["checkpoint_wrappers"] > 0 for b in built):
         problems.append("activation_checkpointing: no checkpoint-wrapped module")
-    if LAYOUTS[name][1].get("parallelism") != "ddp" and p.dp_shard > 1 and not all(
+    if not ParallelDims.from_config(cfg).legacy_ddp and p.dp_shard > 1 and not all(
             {"dp_shard", "dp_shard_cp", "dp"} & set(b["dtensor_mesh_dims"]) for b in built):
         problems.append("dp_shard: parameters are not sharded over a data-parallel mesh dimension")
     return problems
@@ -158,7 +162,7 @@ def run_layout(name: str, a: argparse.Namespace, tokens_index: Path, work: Path)
         return {"ok": False, "error": error_summary(e), "seconds": round(time.perf_counter() - t0, 1)}
     records = read_train_log(out / "train_log.jsonl")
     ranks = [json.loads(p.read_text()) for p in sorted((out / RANKS_DIR).glob("rank*.json"))]
-    problems = check_built(name, cfg, ranks)
+    problems = check_built(cfg, ranks)
     peaks = [r["peak_train_mb"] for r in ranks]
     train_mb = [r["peak_train_mb"] - r["rss_before_mb"] for r in ranks]
     row = {

@@ -134,6 +134,6 @@ def test_train_layouts_catches_a_layout_not_built():
     replicated = {"built": {"dtensor_mesh_dims": [], "blocks_here": 4, "moe_layers": 0, "checkpoint_wrappers": 0}}
     for name, field in (("tp4", "tp"), ("pp2_tp2", "pp"), ("moe_ep2", "ep"), ("dp_shard4_ac_full", "activation"),
                         ("dp_shard4", "dp_shard")):
-        problems = check_built(name, layout_config(name, a), [replicated] * 4)
+        problems = check_built(layout_config(name, a), [replicated] * 4)
         assert any(p.startswith(field) for p in problems), (name, problems)
-    assert check_built("ddp4", layout_config("ddp4", a), [replicated] * 4) == []
+    assert check_built(layout_config("ddp4", a), [replicated] * 4) == []

@@ -102,3 +102,45 @@ def test_gpu_layouts_refuses_without_8_gpus(tmp_path):
     assert "needs 8 CUDA GPUs" in proc.stderr and f"found {torch.cuda.device_count()}" in proc.stderr
     assert r["skipped"] is True and "Nothing was measured" in r["reason"]
     assert all(layout["ok"] for layout in r["checks"][0]["layouts"].values())
+
+
+def test_gpu_layouts_measuring_path_on_cpu(tmp_path):
+    """--device cpu: the run path itself (run_training per layout, 8 gloo processes, a small model):
+    tokens/s per GPU from the train log, MFU by the model's FLOPs per token, torchtitan's figure beside it."""
+    small = ["model.n_layer=2", "model.d_model=64", "model.n_head=8", "model.seq_len=32", "tokenizer.vocab_size=512",
+             "train.dtype=fp32"]
+    proc, r = _layouts(tmp_path, "--device", "cpu", "--no-compile", "--config", "configs/dense-8b.yaml",
+                       "--layouts", "fsdp8", "--steps", "2", "--warmup", "1", "--work-dir", str(tmp_path / "work"),
+                       *[a for s in small for a in ("--set", s)])
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    row = r["results"][0]["layouts"]["fsdp8"]
+    assert row["ok"], row.get("error")
+    assert row["steps_timed"] == 1 and row["tokens_per_s_per_gpu"] == pytest.approx(row["tokens_per_s"] / 8, rel=1e-3)
+    fpt = r["results"][0]["model"]["flops_per_token"]
+    assert row["mfu"] == pytest.approx(fpt * row["tokens_per_s_per_gpu"] / 989e12, rel=1e-3)
+    assert row["vs_torchtitan"]["peer"] == "fsdp" and row["vs_torchtitan"]["tokens_per_s_per_gpu"] == 5762
+    # FSDP really sharded over 8 ranks, with torchtitan's selective activation checkpointing
+    assert len(row["built"]) == 8
+    assert all("dp_shard_cp" in b["dtensor_mesh_dims"] and b["checkpoint_wrappers"] > 0 for b in row["built"])
+
+
+@pytest.mark.parametrize("config, plan_args", [
+    ("dense-8b.yaml", ["--params", "8.03e9", "--n-layer", "32", "--d-model", "4096"]),
+    ("moe-8x.yaml", ["--params", "13.4e9", "--active-params", "4.42e9", "--n-experts", "8", "--top-k", "2",
+                     "--n-layer", "16", "--d-model", "4096"]),
+])
+def test_gpu_configs_hold_the_planners_layout(tmp_path, config, plan_args):
+    """The 8-GPU configs train what `crucible plan --emit-config` prescribes for them (their headers'
+    commands): the same layout, micro-batch, activation checkpointing, processes and experts."""
+    from infra.cli.plan import main as plan_main
+    from tasks.config import load_config
+
+    emitted = tmp_path / "emitted.yaml"
+    path = REPO / "configs" / config
+    assert plan_main([*plan_args, "--gpus", "8", "--seq-len", "8192", "--config", str(path),
+                      "--emit-config", str(emitted)]) == 0
+    ours, planned = load_config(path), load_config(emitted)
+    assert ours.train.parallel == planned.train.parallel
+    for key in ("micro_batch_size", "activation_checkpointing", "nproc_per_node", "nnodes"):
+        assert getattr(ours.train, key) == getattr(planned.train, key), key
+    assert ours.model == planned.model
