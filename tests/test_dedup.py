@@ -7,6 +7,7 @@ import os
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT
@@ -445,9 +446,14 @@ def test_curate_verifies_candidate_pairs_in_process_and_in_ray_tasks(verify_corp
     assert c2["method"] == "ray" and c2["partitions"] == 3
     assert drops2 == drops1 and out2 == out1 and s2["dropped"] == s1["dropped"]
     assert 1 <= c2["verified_pairs"] < c2["candidate_pairs"]
-    # the guard works: the same verifier on the in-process path fails in the driver
+    # the in-process clustering runs in a Ray task too (issue 26): the guarded verifier passes there
+    s3, drops3, out3 = run(_verify_cfg("local"), "local-guarded")
+    assert s3["dedup"]["clustering"]["method"] == "local" and drops3 == drops1 and out3 == out1
+    # the guard works: the same verifier called in the driver fails
+    from tasks.dedup.verify import ListTexts
+
     with pytest.raises(AssertionError, match="driver"):
-        run(_verify_cfg("local"), "local-guarded")
+        curate_run.JaccardVerifier(ListTexts(["a b c", "a b c"]), 0.5).mask(np.array([[0, 1]]))
 
 
 @needs_data

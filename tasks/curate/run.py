@@ -77,7 +77,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from tasks.config import CurateConfig, DedupConfig, PipelineConfig
-from tasks.core.documents import AtomicJsonlWriter, ShardWriter, count_docs, iter_doc_batches, iter_docs
+from tasks.core.documents import AtomicJsonlWriter, ShardWriter, iter_doc_batches
 from tasks.core.executor import Job, JobRunner, RayActors, ResumableOutput, Shared
 from tasks.core.io import atomic_write_bytes
 from tasks.core.progress import Progress
@@ -89,8 +89,9 @@ from tasks.dedup.exact import exact_key
 from tasks.dedup.index import MinHashIndex, check_index_store
 from tasks.dedup.lines import FrequentLines, LineDedupFilter, count_frequent_lines, line_dedup_summary
 from tasks.dedup.minhash import MinHasher
-from tasks.dedup.report import add_text_jaccard, dedup_report, example_ids
-from tasks.dedup.steps import DedupPass
+from tasks.dedup.cluster import clustering_method
+from tasks.dedup.stages import (META_SCHEMA, DedupStages, JobDocs, part_counts, concat_files, dedup_report_task,
+                                 filter_pass, job_docs, write_meta)
 from tasks.dedup.urls import TrackingParams, parse_crawl_date, url_key
 from tasks.dedup.verify import JaccardVerifier, ParquetTexts
 
@@ -103,45 +104,62 @@ def curate_shard(shard: str | Path, filters: list, hasher: MinHasher | None, par
                  part_name: str, row_groups: list[int] | None = None, batch_size: int = 500,
                  score_field: str | None = None, url_tracking: TrackingParams | None = None) -> dict:
     """Filter one shard (or some of its row groups); write survivors to
-    `<part_dir>/<part_name>-00000.parquet`. With `url_tracking` (URL dedup on) the kept documents'
-    normalised URL keys and crawl times are returned too."""
+    `<part_dir>/<part_name>-00000.parquet`, their dedup columns (id, exact key, size, source,
+    score, with `url_tracking` the URL key and crawl time, the MinHash signature) to
+    `<part_name>-meta.parquet` (`tasks.dedup.stages.META_SCHEMA`) and the filter drops to
+    `<part_name>-dropped.jsonl`. The result holds counters and paths only: its size does not grow
+    with the documents."""
     stats: dict[str, StepStats] = {}
-    dropped: list = []
     languages: Counter = Counter()
     sources_in: Counter = Counter()
-    ids, keys, sigs, nbytes, doc_sources, scores = [], [], [], [], [], []
-    url_keys, crawl_times = [], []
-    docs_in = 0
+    sources_kept: Counter = Counter()
+    meta: dict[str, list] = {k: [] for k in META_SCHEMA.names}
+    docs_in = n_dropped = 0
+    part_dir = Path(part_dir)
     for f in filters:  # a previous job that failed half-way must not leak its extras
         if hasattr(f, "drain"):
             f.drain()
-    with ShardWriter(part_dir, prefix=part_name, shard_docs=1 << 40) as writer:
+    with ShardWriter(part_dir, prefix=part_name, shard_docs=1 << 40) as writer, \
+            AtomicJsonlWriter(part_dir / f"{part_name}-{DROPPED}") as drops:
         for batch in iter_doc_batches([shard], batch_size=batch_size, row_groups=row_groups):
             docs_in += len(batch)
             sources_in.update(d.get("source") or "" for d in batch)
-            kept = []
+            kept, dropped = [], []
             for doc in run_filters(batch, filters, stats, dropped):
                 writer.write(doc)
                 text = doc["text"]
                 kept.append(text)
-                ids.append(doc["id"])
-                keys.append(exact_key(text))
-                nbytes.append(len(text.encode("utf-8")))
-                doc_sources.append(doc.get("source") or "")
-                scores.append(doc.get(score_field) if score_field else None)
-                if url_tracking is not None:
-                    url_keys.append(url_key(doc.get("url"), url_tracking))
-                    crawl_times.append(parse_crawl_date(doc.get("crawl_date")))
-            sigs.extend(hasher.signatures(kept) if hasher is not None else [None] * len(kept))
+                source = doc.get("source") or ""
+                sources_kept[source] += 1
+                meta["id"].append(doc["id"])
+                meta["key"].append(exact_key(text))
+                meta["nbytes"].append(len(text.encode("utf-8")))
+                meta["source"].append(source)
+                meta["score"].append(_score(doc.get(score_field)) if score_field else None)
+                meta["url_key"].append(url_key(doc.get("url"), url_tracking) if url_tracking is not None else None)
+                meta["crawl_time"].append(parse_crawl_date(doc.get("crawl_date")) if url_tracking is not None else None)
+            for doc_id, step, reason in dropped:
+                drops.write({"id": doc_id, "step": step, "reason": reason})
+            n_dropped += len(dropped)
+            sigs = hasher.signatures(kept) if hasher is not None else [None] * len(kept)
+            meta["sig"] += [None if sg is None else sg.tobytes() for sg in sigs]
             languages.update(d["language"] for d in batch if d.get("language"))
+    meta_path = part_dir / f"{part_name}-meta.parquet"
+    write_meta(meta_path, meta)
     extras = {f.name: f.drain() for f in filters if hasattr(f, "drain")}
+    docs = [str(p) for p in writer.paths]
     return {
-        "docs_in": docs_in, "stats": {k: v.to_dict() for k, v in stats.items()},
-        "dropped": dropped, "ids": ids, "keys": keys, "sigs": sigs, "nbytes": nbytes,
-        "doc_sources": doc_sources, "scores": scores, "url_keys": url_keys, "crawl_times": crawl_times,
-        "languages": dict(languages), "sources_in": dict(sources_in), "extras": extras,
-        "parts": [str(p) for p in writer.paths],
+        "docs_in": docs_in, "kept": len(meta["id"]), "filter_dropped": n_dropped,
+        "stats": {k: v.to_dict() for k, v in stats.items()},
+        "languages": dict(languages), "sources_in": dict(sources_in), "sources_kept": dict(sources_kept),
+        "extras": extras, "docs": docs, "meta": str(meta_path), "dropped": str(drops.path),
+        "parts": docs + [str(meta_path), str(drops.path)],  # every file: JobStore checks their sha256
     }
+
+
+def _score(value) -> float | None:
+    """A quality score as stored (a float, or None when the document has none)."""
+    return None if value is None else float(value)
 
 
 def source_policies(cfg: PipelineConfig) -> dict[str, str]:
@@ -171,19 +189,6 @@ class CurateWorker:
                            score_field=self.score_field, url_tracking=self.url_tracking)
         res["name"] = part_name
         return res
-
-
-def part_texts(results: list[dict]) -> ParquetTexts:
-    """The kept documents' texts in the jobs' part files: row g is the document `ids[g]` of
-    `run_curate` (jobs in corpus order, each job's part rows in the order of its `ids`)."""
-    files, counts = [], []
-    for r in results:
-        n = [len(r["ids"])] if len(r["parts"]) == 1 else [count_docs([p]) for p in r["parts"]]
-        if sum(n) != len(r["ids"]):
-            raise RuntimeError(f"job {r.get('name')}: {sum(n)} rows in its parts, {len(r['ids'])} ids")
-        files += r["parts"]
-        counts += n
-    return ParquetTexts(files, counts)
 
 
 # ------------------------------------------------------------------ jobs and their keys
@@ -271,13 +276,13 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
     mapped = _map_jobs(cfg, jobs, index, store, progress, lines)
 
     t_dedup = time.perf_counter()
-    corpus = _Corpus.of(mapped.results)
-    dedup, clustering, mh_index = _dedup(cfg.curate.dedup, mapped.results, corpus, output.parts_dir)
-    steps = _filter_steps(cfg.curate, mapped.results) + dedup.steps
+    jobs_docs = job_docs(mapped.results)
+    stages, clustering, mh_index = _dedup(cfg.curate.dedup, jobs_docs, output.parts_dir)
+    steps = _filter_steps(cfg.curate, mapped.results) + stages.steps
     t_write = time.perf_counter()
-    written = _write_curated(cfg, mapped.results, corpus, dedup, clustering, output.dir)
+    written = _write_curated(cfg, mapped.results, stages, clustering, output.dir)
     driver_seconds = {"dedup_s": round(t_write - t_dedup, 3), "write_s": round(time.perf_counter() - t_write, 3)}
-    dropped = _check_accounting(steps, corpus.docs_in, written.docs_out)
+    dropped = _check_accounting(steps, sum(r["docs_in"] for r in mapped.results), written.docs_out)
     if mh_index is not None:  # only once this run's output is complete
         mh_index.save(cfg.curate.dedup.minhash.index_dir)
 
@@ -339,29 +344,6 @@ def _map_jobs(cfg: PipelineConfig, jobs: list[Job], index, store: JobStore, prog
                    time.perf_counter() - t0, runner.node_report(), runner.rerun, runner.job_report())
 
 
-@dataclass
-class _Corpus:
-    """The kept documents of every job, in corpus order: what the driver dedups (no texts)."""
-    docs_in: int
-    ids: list[str]
-    keys: list[bytes]  # `exact_key`
-    sigs: list  # MinHash signatures (None without MinHash)
-    nbytes: list[int]
-    sources: list[str]
-    scores: list[float | None]  # `minhash.quality_field`, for `survivor: quality`
-    url_keys: list[bytes | None]  # `urls.url_key` (URL dedup on)
-    crawl_times: list[float | None]  # `urls.parse_crawl_date` (URL dedup on)
-
-    @classmethod
-    def of(cls, results: list[dict]) -> "_Corpus":
-        def column(name: str) -> list:
-            return [x for r in results for x in r.get(name, [])]
-
-        return cls(sum(r["docs_in"] for r in results), column("ids"), column("keys"), column("sigs"),
-                   column("nbytes"), column("doc_sources"), column("scores"), column("url_keys"),
-                   column("crawl_times"))
-
-
 def _filter_steps(cfg: CurateConfig, results: list[dict]) -> list[StepStats]:
     """The filter steps' stats over every job, in chain order (line dedup first)."""
     steps = []
@@ -374,33 +356,33 @@ def _filter_steps(cfg: CurateConfig, results: list[dict]) -> list[StepStats]:
     return steps
 
 
-def _dedup(cfg: DedupConfig, results: list[dict], corpus: _Corpus,
-           parts_dir: Path) -> tuple[DedupPass, dict | None, MinHashIndex | None]:
+def _dedup(cfg: DedupConfig, jobs: list[JobDocs], parts_dir: Path) -> tuple[DedupStages, dict | None, MinHashIndex | None]:
     """URL dedup, exact dedup, MinHash clustering, then (continued pretraining) the index of the
-    documents earlier runs kept, over the whole corpus in order. Returns the pass, the clustering
-    stats and the updated index (saved by the caller once the output is complete)."""
-    dedup = DedupPass(corpus.nbytes, corpus.ids)
+    documents earlier runs kept, as Ray tasks over the jobs' files (`tasks.dedup.stages`). Returns
+    the stages (their step stats and drop files), the clustering stats and the updated index
+    (saved by the caller once the output is complete)."""
+    mh = cfg.minhash
+    stages = DedupStages(jobs, parts_dir / "_dedup", partitions=mh.partitions)
     if cfg.url.enabled:
-        dedup.url(corpus.url_keys, corpus.crawl_times)
+        stages.key_step("url_dedup", "url_key", "url")
     if cfg.exact:
-        dedup.exact(corpus.keys)
-    mh, clustering, mh_index = cfg.minhash, None, None
+        stages.key_step("exact_dedup", "key", "first")
+    clustering, mh_index = None, None
     if mh.enabled:
-        t0, alive = time.perf_counter(), dedup.alive
-        scores = corpus.scores if mh.survivor == "quality" else None
         # exact Jaccard check of candidate pairs: the verifier reads the texts from the part files
-        # itself (in the clustering's Ray tasks on the Ray path); document pos is ids[alive[pos]]
-        verify = (JaccardVerifier(part_texts(results), mh.verify_threshold, mh.ngram, index=alive)
-                  if mh.verify else None)
-        clustering = dedup.minhash([corpus.sigs[i] for i in alive], mh, parts_dir, verify=verify,
-                                   scores=[scores[i] for i in alive] if scores else None, started=t0)
+        # itself, in the clustering's Ray tasks; document k is row k of the parts laid end to end
+        verify = None
+        if mh.verify:
+            files = [(p, n) for j in jobs for p, n in zip(j.docs, part_counts(j))]
+            verify = JaccardVerifier(ParquetTexts([f for f, _ in files], [n for _, n in files]), mh.verify_threshold,
+                                     mh.ngram)
+        alive = stages.steps[-1].docs_out if stages.steps else sum(j.kept for j in jobs)
+        clustering = stages.minhash_step(mh, verify, clustering_method(mh, alive))
     if mh.enabled and mh.index_dir:
-        t0, alive = time.perf_counter(), dedup.alive
         mh_index = MinHashIndex.open(mh.index_dir, mh.bands, mh.rows, mh.seed, mh.scheme, mh.hash)
-        # within_batch=False: the clustering (representative check included) decided between this run's documents
-        earlier = mh_index.add([corpus.ids[i] for i in alive], [corpus.sigs[i] for i in alive], within_batch=False)
-        dedup.apply("minhash_index", earlier, t0)
-    return dedup, clustering, mh_index
+        # the clustering (representative check included) decided between this run's documents
+        stages.index_step(mh_index)
+    return stages, clustering, mh_index
 
 
 @dataclass
@@ -415,37 +397,24 @@ class _Written:
     dedup: dict  # the dedup report with the example pairs' Jaccard and the clustering stats
 
 
-def _write_curated(cfg: PipelineConfig, results: list[dict], corpus: _Corpus, dedup: DedupPass,
-                   clustering: dict | None, out_dir: Path) -> _Written:
-    """`dropped.jsonl` (filter drops per job, then dedup drops) and the curated shards: the
-    jobs' parts without the deduplicated documents."""
-    ngram = cfg.curate.dedup.minhash.ngram
-    drops = [(corpus.ids[i], step, dup_of) for i, step, dup_of in dedup.drops]
-    report = dedup_report(corpus.ids, corpus.sources, drops, signatures=dict(zip(corpus.ids, corpus.sigs)),
-                          ngram=ngram)
-    with AtomicJsonlWriter(out_dir / DROPPED) as dw:
-        for r in results:
-            for doc_id, step, reason in r["dropped"]:
-                dw.write({"id": doc_id, "step": step, "reason": reason})
-        for doc_id, step, dup_of in drops:
-            dw.write({"id": doc_id, "step": step, "reason": step, "duplicate_of": dup_of})
-    removed, wanted, example_texts = {d[0] for d in drops}, example_ids(report), {}
-    languages_out: Counter = Counter()
-    sources_out: Counter = Counter()
-    bytes_out = 0
-    with ShardWriter(out_dir, prefix="shard", shard_docs=cfg.curate.shard_docs) as writer:
-        for doc in iter_docs(p for r in results for p in r["parts"]):
-            if doc["id"] in wanted:
-                example_texts[doc["id"]] = doc["text"]
-            if doc["id"] in removed:
-                continue
-            writer.write(doc)
-            languages_out[doc.get("language")] += 1
-            sources_out[doc.get("source") or ""] += 1
-            bytes_out += len(doc["text"].encode("utf-8"))
-    return _Written([str(p) for p in writer.paths], out_dir / DROPPED, writer.docs_written, bytes_out,
-                    languages_out, sources_out,
-                    {**add_text_jaccard(report, example_texts, ngram), "clustering": clustering})
+def _write_curated(cfg: PipelineConfig, results: list[dict], stages: DedupStages, clustering: dict | None,
+                   out_dir: Path) -> _Written:
+    """`dropped.jsonl` (filter drops per job, then dedup drops per step in corpus order: the
+    jobs' and steps' files concatenated), the curated shards (Ray tasks: `stages.filter_pass`)
+    and the dedup report (a Ray task over the drop files)."""
+    import ray
+
+    concat_files([r["dropped"] for r in results] + stages.dropped_lines(), out_dir / DROPPED)
+    mh = cfg.curate.dedup.minhash
+    docs_by_source: Counter = Counter()
+    for r in results:
+        docs_by_source.update(r["sources_kept"])
+    report_ref = ray.remote(num_cpus=1)(dedup_report_task).remote(
+        stages.drop_files(), dict(docs_by_source), sum(j.kept for j in stages.jobs), stages.jobs, mh, mh.ngram)
+    out = filter_pass(stages, out_dir, cfg.curate.shard_docs)
+    report = ray.get(report_ref)
+    return _Written(out["shards"], out_dir / DROPPED, out["docs"], out["bytes"], out["languages"], out["sources"],
+                    {**report, "clustering": clustering})
 
 
 def _check_accounting(steps: list[StepStats], docs_in: int, docs_out: int) -> Counter:

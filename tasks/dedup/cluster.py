@@ -372,41 +372,7 @@ def cluster_ray(shards: Sequence[tuple[int, object]], n_docs: int, bands: int, r
         stats["band_key_rows"] = int(sum(ray.get(refs)))
         t1 = time.perf_counter()
         stats["spill_s"] = round(t1 - t0, 3)
-        part_dirs = [InputDir(spill / f"p-{p:05d}") for p in range(partitions)]
-        if verifier is None:
-            task = staged_remote(_forest_task, staging, True, num_cpus=1, num_returns=partitions + 1)
-            outs = [task.remote(d, partitions) for d in part_dirs]
-            stats["candidate_pairs"] = int(sum(ray.get([o[0] for o in outs])))
-            forest = [o[1:] for o in outs]
-        else:  # each partition's pairs are verified in its own task; the verifier is shipped once
-            verifier_ref = ray.put(verifier)
-            task = staged_remote(_verified_forest_task, staging, True, num_cpus=1, num_returns=partitions + 2)
-            outs = [task.remote(d, partitions, verifier_ref) for d in part_dirs]
-            stats["candidate_pairs"] = int(sum(ray.get([o[0] for o in outs])))
-            stats["verified_pairs"] = int(sum(ray.get([o[1] for o in outs])))
-            forest = [o[2:] for o in outs]
-        t2 = time.perf_counter()
-        stats["pairs_s"] = round(t2 - t1, 3)
-        drop_spill(spill, staging)
-
-        ls = ray.remote(num_cpus=1, num_returns=partitions + 2)(large_star)
-        ss = ray.remote(num_cpus=1, num_returns=partitions)(small_star)
-        inbox = [[f[p] for f in forest] for p in range(partitions)]  # edges for partition p
-        rounds = 0
-        while True:
-            rounds += 1
-            outs = [ls.remote(partitions, *inbox[p]) for p in range(partitions)]
-            if all(ray.get([o[0] for o in outs])):
-                final = ray.get([o[1] for o in outs])
-                break
-            if rounds > max_rounds:
-                raise RuntimeError(f"connected components did not converge in {max_rounds} rounds")
-            mid = [[o[2 + q] for o in outs] for q in range(partitions)]
-            souts = [ss.remote(partitions, *mid[q]) for q in range(partitions)]
-            souts = [s if partitions > 1 else [s] for s in souts]
-            inbox = [[s[p] for s in souts] for p in range(partitions)]
-        stats["cc_rounds"] = rounds
-        stats["cc_s"] = round(time.perf_counter() - t2, 3)
+        final = ray.get(spilled_components(spill, partitions, verifier, stats, staging, max_rounds, t1))
     finally:
         drop_spill(spill, staging)
     e = np.concatenate(final) if final else np.empty((0, 2), np.int64)
@@ -420,6 +386,56 @@ def cluster_ray(shards: Sequence[tuple[int, object]], n_docs: int, bands: int, r
     if log:
         log(f"MinHash clustering on Ray: {stats}")
     return ClusterResult(nodes[order], np.concatenate([roots, centers])[order], stats)
+
+
+def spilled_components(spill: Path, partitions: int, verifier, stats: dict, staging=None, max_rounds: int = 200,
+                       started: float | None = None) -> list:
+    """Steps 2-3 on spilled band keys (`spill/p-XXXXX/*.parquet`): candidate pairs per partition
+    (verified there), then the large-star / small-star rounds. Returns the object refs of each
+    partition's final (leaf, root) edges: the caller gets them, or hands them to a task, without
+    the driver holding them. Fills `stats` (candidate / verified pairs, rounds, seconds)."""
+    import ray
+
+    from tasks.core.executor import staged_remote
+    from tasks.core.storage import InputDir
+
+    t1 = time.perf_counter() if started is None else started
+    part_dirs = [InputDir(Path(spill) / f"p-{p:05d}") for p in range(partitions)]
+    if verifier is None:
+        task = staged_remote(_forest_task, staging, True, num_cpus=1, num_returns=partitions + 1)
+        outs = [task.remote(d, partitions) for d in part_dirs]
+        stats["candidate_pairs"] = int(sum(ray.get([o[0] for o in outs])))
+        forest = [o[1:] for o in outs]
+    else:  # each partition's pairs are verified in its own task; the verifier is shipped once
+        verifier_ref = ray.put(verifier)
+        task = staged_remote(_verified_forest_task, staging, True, num_cpus=1, num_returns=partitions + 2)
+        outs = [task.remote(d, partitions, verifier_ref) for d in part_dirs]
+        stats["candidate_pairs"] = int(sum(ray.get([o[0] for o in outs])))
+        stats["verified_pairs"] = int(sum(ray.get([o[1] for o in outs])))
+        forest = [o[2:] for o in outs]
+    t2 = time.perf_counter()
+    stats["pairs_s"] = round(t2 - t1, 3)
+    drop_spill(Path(spill), staging)
+
+    ls = ray.remote(num_cpus=1, num_returns=partitions + 2)(large_star)
+    ss = ray.remote(num_cpus=1, num_returns=partitions)(small_star)
+    inbox = [[f[p] for f in forest] for p in range(partitions)]  # edges for partition p
+    rounds = 0
+    while True:
+        rounds += 1
+        outs = [ls.remote(partitions, *inbox[p]) for p in range(partitions)]
+        if all(ray.get([o[0] for o in outs])):
+            final = [o[1] for o in outs]
+            break
+        if rounds > max_rounds:
+            raise RuntimeError(f"connected components did not converge in {max_rounds} rounds")
+        mid = [[o[2 + q] for o in outs] for q in range(partitions)]
+        souts = [ss.remote(partitions, *mid[q]) for q in range(partitions)]
+        souts = [s if partitions > 1 else [s] for s in souts]
+        inbox = [[s[p] for s in souts] for p in range(partitions)]
+    stats["cc_rounds"] = rounds
+    stats["cc_s"] = round(time.perf_counter() - t2, 3)
+    return final
 
 
 def choose_survivors(roots: np.ndarray, scores: np.ndarray | None = None) -> np.ndarray:

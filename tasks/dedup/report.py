@@ -36,8 +36,31 @@ def dedup_report(ids: Sequence[str], sources: Sequence[str], drops: Sequence[tup
                  ngram: int = 5, max_examples: int = 10) -> dict:
     """`drops`: (id, step, duplicate_of) for every document dedup removed."""
     source_of = dict(zip(ids, sources))
+    report = report_from_drops(Counter(s or "" for s in sources), len(ids), drops,
+                               [source_of.get(d) for d, _, _ in drops], {d: i for i, d in enumerate(ids)},
+                               source_of, max_examples)
+    if signatures is not None:
+        for ex in report["examples"]:
+            if ex["kept"] in signatures and ex["duplicate"] in signatures:
+                a, b = signatures[ex["kept"]], signatures[ex["duplicate"]]
+                if a is not None and b is not None:
+                    ex["jaccard_estimate"] = round(float(np.mean(a == b)), 4)
+    if texts is not None:
+        add_text_jaccard(report, texts, ngram)
+    return report
+
+
+def report_from_drops(docs_by_source: Mapping[str, int], n_docs: int, drops: Sequence[tuple[str, str, str]],
+                      drop_sources: Sequence[str | None], pos_of: Mapping[str, int],
+                      source_of: Mapping[str, str | None], max_examples: int = 10) -> dict:
+    """The report from the drops alone (what curate's dedup files hold): `docs_by_source` of the
+    `n_docs` documents that entered dedup, `drop_sources` aligned with `drops`, `pos_of` the
+    corpus position of the dropped and the kept documents named in `drops` (for the examples'
+    order), `source_of` the kept documents' sources. No signature or text Jaccard filled in."""
     parent = {d: dup_of for d, _, dup_of in drops}
     step_of = {d: step for d, step, _ in drops}
+    src_of = dict(source_of)
+    src_of.update({d: s for (d, _, _), s in zip(drops, drop_sources)})
 
     def survivor(doc_id: str) -> str:
         seen = 0
@@ -50,10 +73,10 @@ def dedup_report(ids: Sequence[str], sources: Sequence[str], drops: Sequence[tup
         members.setdefault(survivor(d), []).append(d)
 
     by_source: dict[str, Counter] = {}
-    for d in ids:
-        by_source.setdefault(source_of[d] or "", Counter())["docs"] += 1
-    for d, step, _ in drops:
-        by_source.setdefault(source_of.get(d) or "", Counter())[step] += 1
+    for src, n in docs_by_source.items():
+        by_source.setdefault(src or "", Counter())["docs"] += n
+    for (d, step, _), src in zip(drops, drop_sources):
+        by_source.setdefault(src or "", Counter())[step] += 1
     per_source = {}
     for src, c in sorted(by_source.items()):
         dups = sum(v for k, v in c.items() if k != "docs")
@@ -65,32 +88,23 @@ def dedup_report(ids: Sequence[str], sources: Sequence[str], drops: Sequence[tup
                            "duplicate_rate": round(dups / c["docs"], 4) if c["docs"] else 0.0}
 
     sizes = Counter(size_bucket(len(m) + 1) for m in members.values())
-    histogram = {"1": len(ids) - len(drops) - len(members)}  # kept documents without copies
+    histogram = {"1": n_docs - len(drops) - len(members)}  # kept documents without copies
     histogram.update({k: sizes[k] for k in sorted(sizes, key=_bucket_key)})
 
     examples = []
-    pos = {d: i for i, d in enumerate(ids)}
-    order = sorted(members, key=lambda k: (-len(members[k]), pos.get(k, len(ids))))
+    order = sorted(members, key=lambda k: (-len(members[k]), pos_of.get(k, n_docs)))
     for kept in order:
         if len(examples) >= max_examples:
             break
         dup = members[kept][0]
-        ex = {"kept": kept, "duplicate": dup, "step": step_of[dup], "cluster_size": len(members[kept]) + 1,
-              "source_kept": source_of.get(kept, ""), "source_duplicate": source_of.get(dup, "")}
-        if signatures is not None and kept in signatures and dup in signatures:
-            a, b = signatures[kept], signatures[dup]
-            if a is not None and b is not None:
-                ex["jaccard_estimate"] = round(float(np.mean(a == b)), 4)
-        examples.append(ex)
+        examples.append({"kept": kept, "duplicate": dup, "step": step_of[dup], "cluster_size": len(members[kept]) + 1,
+                         "source_kept": src_of.get(kept) or "", "source_duplicate": src_of.get(dup) or ""})
 
-    report = {"docs": len(ids), "duplicates": len(drops),
-            "duplicate_rate": round(len(drops) / len(ids), 4) if ids else 0.0,
+    return {"docs": n_docs, "duplicates": len(drops),
+            "duplicate_rate": round(len(drops) / n_docs, 4) if n_docs else 0.0,
             "clusters_with_duplicates": len(members),
             "largest_cluster": max((len(m) + 1 for m in members.values()), default=1),
             "by_source": per_source, "cluster_sizes": histogram, "examples": examples}
-    if texts is not None:
-        add_text_jaccard(report, texts, ngram)
-    return report
 
 
 def example_ids(report: dict) -> set[str]:
