@@ -93,20 +93,20 @@ def test_bias_steers_selection_but_not_the_weights():
 
 
 def test_bias_update_moves_towards_balance():
-    moe = make_moe(bias_update_rate=0.05).train()
+    moe = make_moe(bias_update_rate=0.1).train()
     moe.expert_bias[0] = 1.0  # expert 0 starts overloaded
-    x = torch.randn(256, D, dtype=torch.float64)
+    x = torch.randn(128, D, dtype=torch.float64)
     with torch.no_grad():
         moe(x)
     first = balance_experts([moe])
     assert moe.tokens_per_expert.sum() == 0  # counts reset
     assert first[0]["tokens"][0] == max(first[0]["tokens"]) and first[0]["imbalance"] > 1.5
     assert moe.expert_bias[0] < 1.0 and moe.expert_bias.sum().abs() < 1.0 + 1e-9  # loaded expert down, centred
-    for _ in range(60):
+    for _ in range(15):
         with torch.no_grad():
             moe(x)
         last = balance_experts([moe])
-    assert last[0]["imbalance"] < 1.2 < first[0]["imbalance"]
+    assert last[0]["imbalance"] < 1.25 < 1.5 < first[0]["imbalance"]
     metrics = moe_metrics(last)
     assert set(metrics) == {"moe/layer0/imbalance"} | {f"moe/layer0/tokens_e{j}" for j in range(4)}
     # a skipped batch: counts reset, bias kept
@@ -140,14 +140,23 @@ def test_aux_and_z_losses_change_gradients_not_the_output():
     torch.testing.assert_close(lossy.experts.w1.grad, plain.experts.w1.grad)  # experts: no aux gradient
 
 
-def test_checkpoint_recomputation_counts_tokens_once():
+def test_only_training_forwards_count_tokens():
+    """Activation checkpointing's recomputation and forwards under `uncounted` (a pipeline stage's
+    shape inference) add nothing; an eval forward neither."""
     from torch.utils.checkpoint import checkpoint
+
+    from tasks.train.moe import uncounted
 
     moe = make_moe(aux_loss=0.1).train()
     x = torch.randn(30, D, dtype=torch.float64, requires_grad=True)
     checkpoint(moe, x, use_reentrant=False).sum().backward()
     assert moe.tokens_per_expert.sum() == 30 * moe.top_k
     assert moe.router.weight.grad is not None
+    with uncounted():
+        moe(x).sum().backward()
+    moe.eval()
+    moe(x)
+    assert moe.tokens_per_expert.sum() == 30 * moe.top_k
 
 
 def tiny_moe(**moe) -> GPTConfig:

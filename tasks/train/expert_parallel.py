@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tasks.train.moe import moe_layers
+from tasks.train.moe import counting, moe_layers
 
 
 class _AllToAll(torch.autograd.Function):
@@ -73,7 +73,8 @@ class ExpertDispatcher:
             perm = torch.argsort((block % n_local) * ep + block // n_local, stable=True)
             inverse = torch.empty_like(perm)
             inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-        self.rows_sent_away += sum(in_splits) - in_splits[self.rank]
+        if experts.training and counting():
+            self.rows_sent_away += sum(in_splits) - in_splits[self.rank]
         x = _AllToAll.apply(routed, out_splits, in_splits, self.group)
         y = experts(x[perm], recv.sum(0).tolist())[inverse]
         return _AllToAll.apply(y, in_splits, out_splits, self.group)

@@ -24,6 +24,7 @@ shared (SwiGLU of hidden H x n_shared_experts, or None).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -140,6 +141,26 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+_uncounted = 0  # > 0 inside `uncounted()`
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Forwards that are not training steps' (a pipeline stage's shape inference runs the stage on
+    a batch, or on empty tensors, before the first real micro-batch) count no tokens per expert."""
+    global _uncounted
+    _uncounted += 1
+    try:
+        yield
+    finally:
+        _uncounted -= 1
+
+
+def counting() -> bool:
+    """Whether a training forward now counts tokens per expert (see `uncounted`, `_in_backward`)."""
+    return not _uncounted and not _in_backward()
+
+
 class MoE(nn.Module):
     """The sparse MLP of one block (blocks.{i}.mlp); input and output (..., d_model)."""
 
@@ -193,7 +214,7 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         if self.training:
-            if not _in_backward():
+            if counting():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
             extra = self._router_losses(logits, scores, counts, N)
             if extra is not None and torch.is_grad_enabled():
