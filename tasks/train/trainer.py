@@ -182,10 +182,6 @@ class Trainer:
             return [self.model], par.parallelize(self.model, self.tcfg, self.device)
         if self.dims.pp > 1:
             return self.build_pipeline_parts()
-        if not hasattr(par, "parallelize_model"):  # FIXME(H1): until parallelize.py's mesh builder lands
-            assert self.dims.tp == self.dims.pp == self.dims.dp_replicate == 1, "needs parallelize_model"
-            return [self.model], par.parallelize(self.model, self.tcfg.model_copy(update={"parallelism": "fsdp2"}),
-                                                 self.device)
         model = par.parallelize_model(self.model, self.dims, self.mesh, self.tcfg, self.device)
         return [model], model
 
@@ -194,12 +190,10 @@ class Trainer:
         the mesh like a whole model; `self.pipeline` runs the schedule. The whole model is dropped:
         the layers of other stages live on other ranks."""
         dims, mesh, tcfg, device = self.dims, self.mesh, self.tcfg, self.device
-        if hasattr(par, "parallelize_model"):
-            def parallelize_fn(part):
-                return par.parallelize_model(part, dims, mesh, tcfg, device)
-        else:  # FIXME(H2): until parallelize.py's mesh builder lands, stages are only pipelined
-            assert dims.dp == dims.tp == 1, "pp with data or tensor parallelism needs parallelize_model"
-            parallelize_fn = None
+
+        def parallelize_fn(part):
+            return par.parallelize_model(part, dims, mesh, tcfg, device)
+
         self.pipeline = build_pipeline(self.model, dims, mesh, device, self.compute_loss, parallelize_fn)
         self.model = None
         self.layout_info["pipeline"] = self.pipeline.record()
@@ -397,7 +391,7 @@ class Trainer:
                                       self.data.micro_batch_documents(pos, micro, self.dp_rank, self.dp_size))
             x, y = x.to(device), y.to(device)
             with self.grad_sync(micro == accum - 1):
-                with autocast_context(tcfg, device):
+                with autocast_context(tcfg, device, self.wrapped):
                     logits, _ = self.wrapped(x, doc_ids=doc_ids, positions=positions)
                     loss, ce, z = self.compute_loss(logits, y)
                 if self.rank == 0 and micro == 0 and step == self.start_step + 1:  # what the forward really ran in
