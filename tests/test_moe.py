@@ -189,6 +189,22 @@ def test_model_layers_config_round_trip_and_inference():
     torch.testing.assert_close(model.decode_step(idx[0, 8:9], [cache]), full[:, 8], rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_autocast_and_a_bf16_model():
+    """DDP's bf16 autocast (fp32 weights, bf16 matmuls) trains; a model cast to bf16 still counts
+    tokens exactly (an integer buffer: bf16 holds whole numbers only up to 256)."""
+    cfg = tiny_moe(n_shared_experts=1, aux_loss=0.01)
+    model = GPT(cfg)
+    idx = torch.randint(0, 64, (4, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss = model(idx, idx)
+    loss.backward()
+    assert logits.dtype == torch.bfloat16 and model.blocks[1].mlp.experts.w1.grad is not None
+    model = GPT(cfg).to(torch.bfloat16)
+    for _ in range(3):
+        model(idx)
+    assert model.blocks[1].mlp.tokens_per_expert.sum() == 3 * 4 * 16 * 2
+
+
 def test_config_fields_match():
     """MoEArgs carries exactly the pipeline config's model.moe fields (a new option must reach the model)."""
     from tasks.config import MoEConfig

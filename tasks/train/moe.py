@@ -177,9 +177,9 @@ class MoE(nn.Module):
         self.shared = SwiGLU(d_model, hidden * args.n_shared_experts) if args.n_shared_experts else None
         # selection-only bias (aux-loss-free balancing); saved: it is part of the trained routing
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
-        # token slots per expert since the last balance_experts (training forwards only); float32
-        # so it all-reduces on any backend; not saved: a checkpoint is taken after the reset
-        self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
+        # token slots per expert since the last balance_experts (training forwards only); integer, so
+        # exact and left alone by model.to(dtype); not saved: a checkpoint is taken after the reset
+        self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.int64), persistent=False)
         self.dispatcher = None  # expert_parallel.ExpertDispatcher under expert parallelism
         self.loss_scale = 1.0  # gradient the aux and z losses get (set_moe_loss_scale: 1 / micro-batches)
 
@@ -210,12 +210,12 @@ class MoE(nn.Module):
         else:
             y = self.dispatcher(routed, counts, self.experts)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
-        out = torch.zeros_like(x).index_add_(0, token_of_slot, y)
+        out = x.new_zeros(x.shape, dtype=y.dtype).index_add_(0, token_of_slot, y)  # y is bf16 under autocast
         if self.shared is not None:
             out = out + self.shared(x)
         if self.training:
             if counting():
-                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+                self.tokens_per_expert += counts
             extra = self._router_losses(logits, scores, counts, N)
             if extra is not None and torch.is_grad_enabled():
                 out = _AddLossGrad.apply(out, extra, self.loss_scale)
@@ -294,13 +294,13 @@ def balance_experts(model_parts, dp_group=None, pp_group=None, update_bias: bool
         counts = torch.stack([m.tokens_per_expert for _, m in layers])  # one collective for all layers
         if dp_group is not None and dist.get_world_size(dp_group) > 1:
             dist.all_reduce(counts, group=dp_group)
-        for (i, m), c in zip(layers, counts):
+        for (i, m), c in zip(layers, counts.double()):
             rate = m.args.bias_update_rate
             if rate and update_bias:
                 delta = rate * torch.sign(c.mean() - c)
                 # centred: a shift common to all experts changes no selection, and this keeps the
                 # bias from drifting with sign's asymmetries
-                m.expert_bias += delta - delta.mean()
+                m.expert_bias += (delta - delta.mean()).to(m.expert_bias.dtype)
             m.tokens_per_expert.zero_()
             mean = float(c.mean())
             stats[i] = {"tokens": [float(v) for v in c.tolist()],
