@@ -88,12 +88,16 @@ def test_pipeline_layouts_refused_at_config_load_name_the_field(model, parallel,
 
 
 def _pipeline_worker(rank: int, init_file: str, results) -> None:
-    """One of 2 gloo processes: a pp 2 (1f1b, 2 micro-batches) pipeline of TINY's seeded model
-    trains on batches of 4, 8, then 4 sequences; each step's loss and this rank's gradients are
-    compared with the whole model's on the same batch."""
+    """One of 2 gloo processes. A pp 2 (1f1b, 2 micro-batches) pipeline of TINY's seeded model trains
+    on batches of 4, 8, then 4 sequences; each step's loss and this rank's gradients are compared
+    with the whole model's on the same batch. Then an MoE pipeline's first step: the tokens its
+    experts counted."""
+    import dataclasses
+
     import torch.distributed as dist
 
     from tasks.train.model import lm_loss
+    from tasks.train.moe import moe_layers
     from tasks.train.parallel_dims import ParallelDims
     from tasks.train.pipeline import build_pipeline
 
@@ -101,11 +105,11 @@ def _pipeline_worker(rank: int, init_file: str, results) -> None:
     try:
         dims = ParallelDims(pp=2, dp_replicate=1, dp_shard=1, cp=1, tp=1, ep=1, world=2,
                             pp_schedule="1f1b", pp_microbatches=2)
+        mesh, cpu = dims.build_mesh("cpu"), torch.device("cpu")
         torch.manual_seed(0)
         model, whole = GPT(TINY), GPT(TINY)
         whole.load_state_dict(model.state_dict())
-        pipe = build_pipeline(model, dims, dims.build_mesh("cpu"), torch.device("cpu"),
-                              lambda logits, y: lm_loss(logits, y, 1e-4))
+        pipe = build_pipeline(model, dims, mesh, cpu, lambda logits, y: lm_loss(logits, y, 1e-4))
         worst = 0.0
         gen = torch.Generator().manual_seed(1)
         for batch in (4, 8, 4):
@@ -121,7 +125,13 @@ def _pipeline_worker(rank: int, init_file: str, results) -> None:
                 for name, p in part.named_parameters():
                     want = grads[name].grad
                     worst = max(worst, ((p.grad - want).abs().max() / want.abs().max()).item())
-        results[rank] = (worst, len(pipe._schedules))
+        n_schedules = len(pipe._schedules)
+        torch.manual_seed(0)
+        moe = build_pipeline(GPT(dataclasses.replace(TINY, moe={"n_experts": 4, "top_k": 2})), dims, mesh, cpu,
+                             lambda logits, y: lm_loss(logits, y))
+        moe.step(*(torch.randint(0, TINY.vocab_size, (4, TINY.seq_len), generator=gen) for _ in range(2)))
+        counts = [int(m.tokens_per_expert.sum()) for _, m in moe_layers(moe.model_parts)]
+        results[rank] = (worst, n_schedules, counts)
     finally:
         dist.destroy_process_group()
 
@@ -129,15 +139,18 @@ def _pipeline_worker(rank: int, init_file: str, results) -> None:
 def test_pipeline_step_equals_the_whole_model_as_the_batch_shape_changes(tmp_path):
     """The pipeline's step loss (on every pp rank) and each stage's gradients equal the whole model's
     on the same batch (the loss divides by the micro-batches, the schedule does not scale), also when
-    the micro-batch shape changes from one step to the next (a schedule per shape)."""
+    the micro-batch shape changes from one step to the next (a schedule per shape). The stages' shape
+    inference (a schedule's first step runs them once more) counts no tokens towards MoE balancing:
+    each rank's 2 MoE layers counted the step's 4 x seq_len tokens x top_k 2 slots, once."""
     import torch.multiprocessing as mp
 
     results = mp.Manager().dict()
     mp.spawn(_pipeline_worker, args=(str(tmp_path / "init"), results), nprocs=2)
     for rank in range(2):
-        worst, n_schedules = results[rank]
+        worst, n_schedules, counts = results[rank]
         assert worst < 1e-5, (rank, worst)
         assert n_schedules == 2  # micro-batches of 2 and of 4 sequences
+        assert counts == [4 * TINY.seq_len * 2] * 2, (rank, counts)
 
 
 # ---------------------------------------------------------------- real pipelined runs (4 processes)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tasks.train.model import GPT, GPTConfig
+from tasks.train.moe import uncounted
 
 SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B", "gpipe": "ScheduleGPipe"}
 
@@ -168,9 +169,17 @@ class Pipeline:
 
             stages = [PipelineStage(part, index, self.n_stages, self.device, group=self.pp_group)
                       for part, index in zip(self.model_parts, self.stage_indices)]
-            self._schedules[shape] = self.schedule_cls(
-                stages if self.multi else stages[0], n_microbatches=self.n_microbatches,
-                loss_fn=self._loss, scale_grads=False)
+            schedule = self.schedule_cls(stages if self.multi else stages[0], n_microbatches=self.n_microbatches,
+                                         loss_fn=self._loss, scale_grads=False)
+            # the first step infers the stages' shapes by running them (forward and loss) once on
+            # the first micro-batch: not a training forward, so MoE layers must not count its tokens
+            infer = schedule._initialize_pp_stages
+
+            def initialize_uncounted(*args, **kwargs):
+                with uncounted():
+                    return infer(*args, **kwargs)
+            schedule._initialize_pp_stages = initialize_uncounted
+            self._schedules[shape] = schedule
         return self._schedules[shape]
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
