@@ -44,9 +44,14 @@ def test_batches_grow_linearly_with_tokens_in_whole_micro_batches():
                    "next_batch_tokens": 512}
     assert tokens_trained_from_meta({"schedule": schedule_record(tiny_cfg().train, rec)}) == 1280
     assert tokens_trained_from_meta({"schedule": schedule_record(tiny_cfg().train)}) is None
-    with pytest.raises(ValueError, match="batch ramp is not supported with train.parallel.pp > 1"):
+    # a pipeline's granularity holds its micro-batches: 1 dp rank x micro 2 x pp_microbatches 2
+    pp = tiny_cfg(model={"tie_embeddings": False}, train={
+        "micro_batch_size": 2, "grad_accum_steps": 8, "batch_ramp_start_tokens": 4 * SEQ,
+        "batch_ramp_tokens": 10_000, "parallel": {"pp": 2, "pp_microbatches": 2}})
+    assert _ramp(pp).granularity == 4 and set(_walk(_ramp(pp), 30)) <= {4, 8, 12, 16}
+    with pytest.raises(ValueError, match="multiple of the step granularity 256 tokens .* x pp_microbatches 2"):
         tiny_cfg(model={"tie_embeddings": False}, train={
-            "micro_batch_size": 2, "grad_accum_steps": 8, "batch_ramp_start_tokens": 4 * SEQ,
+            "micro_batch_size": 2, "grad_accum_steps": 8, "batch_ramp_start_tokens": 2 * SEQ,
             "batch_ramp_tokens": 10_000, "parallel": {"pp": 2, "pp_microbatches": 2}})
 
 
@@ -86,10 +91,10 @@ TRAIN = {"parallel": {"dp_shard": 2}, "max_steps": 8, "micro_batch_size": 2, "ba
          "spike_detection": False}
 
 
-def _train(base, out, **train) -> list[dict]:
+def _train(base, out, model: dict | None = None, **train) -> list[dict]:
     from tasks.train import run_training
 
-    cfg = tiny_cfg(train={**TRAIN, **train})
+    cfg = tiny_cfg(model=model or {}, train={**TRAIN, **train})
     run_training(cfg, Path(tokens_artifact(base)["index_path"]), out, None, None, "ramp")
     return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
 
@@ -140,3 +145,21 @@ def test_ramp_trains_resumes_mid_ramp_and_on_another_world_size(base, tmp_path):
     assert [r["batch_tokens"] // SEQ for r in one[4:]] == _walk(ramp, 3, int(tokens[3]))  # [8, 10, 12]
     assert one[4]["data_start"] == starts[4] and one[5]["data_start"] == starts[5]
     assert one[4]["loss"] == pytest.approx(whole[4]["loss"], rel=1e-4)  # the same 8 sequences, 1 rank
+
+
+def test_ramp_through_a_pipeline_matches_one_process(base, tmp_path):
+    """pp 2 (1f1b, 2 micro-batches) with the ramp: batches of 2, 2, 4, 4, 6 sequences, so the
+    pipeline's micro-batches grow (a schedule per shape) and every step's loss equals a 1-process
+    run of the same ramp (micro-batch 2: the same granularity, the same samples) within 1e-4."""
+    ramp = {"max_steps": 5, "batch_tokens": 8 * SEQ, "batch_ramp_start_tokens": 2 * SEQ,
+            "batch_ramp_tokens": 8 * SEQ * 3, "warmup_steps": 3}
+    model = {"tie_embeddings": False}
+    pp = _train(base, tmp_path / "pp", model=model, micro_batch_size=1,
+                parallel={"pp": 2, "pp_microbatches": 2}, **ramp)
+    one = _train(base, tmp_path / "one", model=model, micro_batch_size=2, nproc_per_node=1, parallel={}, **ramp)
+    stages = json.loads((tmp_path / "pp" / "layout.json").read_text())["pipeline"]["ranks"]
+    assert [s["layers"] for r in stages for s in r["stages"]] == [[0], [1]]  # really two pipeline stages
+    assert [r["batch_tokens"] // SEQ for r in pp] == [r["batch_tokens"] // SEQ for r in one] == [2, 2, 4, 4, 6]
+    for r, q in zip(pp, one):
+        assert r["loss"] == pytest.approx(q["loss"], rel=1e-4), (r, q)
+        assert r["data_start"] == q["data_start"] and r["lr"] == pytest.approx(q["lr"], rel=1e-9)

@@ -3,10 +3,10 @@ and grows linearly with the tokens trained to the full batch (train.batch_tokens
 x dp x grad_accum_steps x seq_len) over the first train.batch_ramp_tokens tokens.
 
 The batch of a step is a function of the tokens trained before it, in integers, rounded to the
-nearest multiple of the layout's step granularity (micro_batch_size x dp sequences): each
-data-parallel rank then runs a whole number of micro-batches, a number that changes from step to
-step while the ramp lasts. Not with a pipeline (pp > 1): its stages are built for one micro-batch
-shape. The tokens trained so far are part of
+nearest multiple of the layout's step granularity (micro_batch_size x dp sequences, x
+pp_microbatches with a pipeline): each data-parallel rank then runs a whole number of micro-batches,
+a number that changes from step to step while the ramp lasts (a pipeline's micro-batches grow
+instead: tasks/train/pipeline.py keeps a schedule per micro-batch shape). The tokens trained so far are part of
 the loop's state and of every checkpoint's schedule record (tasks/train/schedule.py), so a resumed
 run, on another layout or world size too, continues the ramp from the same point (with a different
 granularity the batches round differently from there on; the data position stays exact).
@@ -23,8 +23,10 @@ from tasks.train.parallel_dims import LayoutError, ParallelDims
 
 def step_granularity(dims: ParallelDims, tcfg) -> int:
     """Sequences the global batch must be a multiple of on this layout: one micro-batch per
-    data-parallel rank."""
-    return tcfg.micro_batch_size * dims.dp
+    data-parallel rank, and with a pipeline pp_microbatches of them (each rank's batch splits into
+    the schedule's micro-batches)."""
+    g = tcfg.micro_batch_size * dims.dp
+    return g * dims.pp_microbatches if dims.pp > 1 else g
 
 
 def check_ramp(dims: ParallelDims, tcfg, seq_len: int) -> None:
@@ -35,9 +37,6 @@ def check_ramp(dims: ParallelDims, tcfg, seq_len: int) -> None:
             raise LayoutError("train.batch_ramp_tokens is set without train.batch_ramp_start_tokens "
                               "(the batch the ramp starts from)")
         return
-    if dims.pp > 1:
-        raise LayoutError("train.batch_ramp_start_tokens: a batch ramp is not supported with train.parallel.pp > 1 "
-                          "(the pipeline's stages are built for one micro-batch shape, and a ramp changes it)")
     if not length:
         raise LayoutError("train.batch_ramp_tokens must be > 0 with train.batch_ramp_start_tokens: the tokens "
                           "over which the batch grows to the full batch")
@@ -48,7 +47,8 @@ def check_ramp(dims: ParallelDims, tcfg, seq_len: int) -> None:
                           "(train.batch_tokens, or micro_batch_size x dp x grad_accum_steps x seq_len)")
     if start % unit:
         raise LayoutError(f"train.batch_ramp_start_tokens ({start}) must be a multiple of the step granularity "
-                          f"{unit} tokens (micro_batch_size {tcfg.micro_batch_size} x dp {dims.dp} x seq_len {seq_len})")
+                          f"{unit} tokens (micro_batch_size {tcfg.micro_batch_size} x dp {dims.dp} x seq_len {seq_len}"
+                          + (f" x pp_microbatches {dims.pp_microbatches}" if dims.pp > 1 else "") + ")")
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,8 @@ class BatchRamp:
     start_samples: int  # global batch of the first step
     full_samples: int  # global batch once the ramp is over
     ramp_tokens: int  # tokens over which the batch grows from start to full
-    granularity: int  # every step's batch is a multiple of this: one micro-batch on every dp rank
+    granularity: int  # every step's batch is a multiple of this (micro_batch_size x dp [x pp_microbatches])
+    micro_samples: int  # one micro-batch on every data-parallel rank: micro_batch_size x dp
     seq_len: int
 
     @classmethod
@@ -68,7 +69,8 @@ class BatchRamp:
             return None
         return cls(start_samples=tcfg.batch_ramp_start_tokens // seq_len,
                    full_samples=dims.global_batch(tcfg, seq_len)[0], ramp_tokens=tcfg.batch_ramp_tokens,
-                   granularity=step_granularity(dims, tcfg), seq_len=seq_len)
+                   granularity=step_granularity(dims, tcfg), micro_samples=tcfg.micro_batch_size * dims.dp,
+                   seq_len=seq_len)
 
     def samples_at(self, tokens_trained: int) -> int:
         """Global batch (sequences) of the step that starts after `tokens_trained` tokens."""
@@ -80,8 +82,9 @@ class BatchRamp:
         return min(self.full_samples, max(g, rounded))
 
     def micro_batches_at(self, tokens_trained: int) -> int:
-        """Micro-batches of micro_batch_size each data-parallel rank runs in that step."""
-        return self.samples_at(tokens_trained) // self.granularity
+        """Micro-batches of micro_batch_size each data-parallel rank runs in that step (a pipeline
+        splits those sequences into its pp_microbatches)."""
+        return self.samples_at(tokens_trained) // self.micro_samples
 
     def record(self, tokens_trained: int) -> dict:
         """What a checkpoint's schedule record holds of the ramp at this point."""
