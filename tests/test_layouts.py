@@ -98,6 +98,7 @@ def test_tp_4_matches_one_process(base, ref):
     assert r0["params"]["blocks.0.attn.wq.weight"]["local_shape"] == [D // 4, D]
     assert r0["params"]["blocks.0.mlp.w2.weight"]["local_shape"] == [D, HIDDEN // 4]
     assert run.layout["micro_batches_per_rank"] == 4  # one replica: the whole batch, accumulated
+    assert "layout tp 4 | fp32" in run.log  # the start-up line names the layout (no ddp shorthand it ignored)
     assert {r["dp_rank"] for r in run.layout["ranks"]} == {0}
 
 

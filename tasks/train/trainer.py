@@ -567,7 +567,9 @@ class Trainer:
         self.metrics.log_params({**flat_params(self.cfg), **layout, "n_params": self.n_params,
                                  "world_size": self.world, "vocab_size": gcfg.vocab_size, "train_tokens": train_tokens,
                                  "global_batch_samples": G, "grad_accum_steps_effective": self.accum})
-        print(f"[train] {self.n_params:,} params | layout {self.dims.describe()} | {tcfg.parallelism} {tcfg.dtype}"
+        # the ddp / fsdp2 shorthand is named only where it chose the layout (train.parallel left at its defaults)
+        shorthand = "" if tcfg.parallel != type(tcfg.parallel)() else f"{tcfg.parallelism} "
+        print(f"[train] {self.n_params:,} params | layout {self.dims.describe()} | {shorthand}{tcfg.dtype}"
               f"{' compiled' if tcfg.compile else ''}{' doc-mask' if tcfg.doc_mask else ''} | "
               f"world {self.world} x {tcfg.threads_per_proc} threads | "
               f"global batch {G} x {gcfg.seq_len} tokens ({self.accum} micro-batch(es) per data-parallel rank) | "
