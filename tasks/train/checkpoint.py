@@ -15,8 +15,11 @@ The tensors are {"model": model state (FQNs without the DDP "module." prefix), "
 AdamW moments per parameter FQN}, "train": {"step", "consumed_samples"}}, flattened by DCP to names
 such as "model.tok_emb.weight" (the optimizer's param groups are rebuilt from the config). There is no
 `.metadata` pickle: DCP's HuggingFaceStorageReader builds the load plan from the safetensors headers,
-so DCP still reshards on load (a 2-rank FSDP2 save resumes on 1 rank) and a planted file can at worst
-fail to parse. Everything else is JSON.
+so DCP still reshards on load (a 2-rank FSDP2 save resumes on 1 rank, a dp_shard x tp one under 4-way
+FSDP) and a planted file can at worst fail to parse. Everything else is JSON. The functions that take a
+model take a rank's model parts too (its pipeline stages, each with its own optimizer in an
+OptimizersContainer): their state dicts have disjoint FQNs, the full model's, and are merged, so a
+checkpoint does not depend on the layout that wrote it.
 
 Every file is still checked before it is read (`require_verified`): it must have the sha256 that its
 run's manifest records (a directory the manifest does not list, or a file it does not list, is refused),
