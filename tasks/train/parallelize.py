@@ -46,8 +46,8 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = True) -> None:
     sequence shards (reduced by FSDP, which always wraps a mesh layout).
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                                   RowwiseParallel, SequenceParallel, parallelize_module)
 
     seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream between sublayers
     if model.tok_emb is not None:
@@ -67,14 +67,19 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = True) -> None:
             plan.update({"attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
                          "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
         if _is_moe(block.mlp):
-            raise NotImplementedError("tensor parallelism of MoE layers (train.parallel.tp with "
-                                      "model.moe.n_experts): use expert parallelism (train.parallel.ep)")
-        plan.update({
-            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
-                                      use_local_output=True),
-            "mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(),
-            "mlp.w2": RowwiseParallel(output_layouts=seq),
-        })
+            # a sparse MLP runs whole on every tp rank of a replica, on the gathered sequence: routing,
+            # expert-load counts, router losses and (under ep) the all-to-alls are exactly those of
+            # one process, and its gradients need no tp reduction; the experts are sharded by ep
+            plan["mlp"] = PrepareModuleInputOutput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
+        else:
+            plan.update({
+                "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                          use_local_output=True),
+                "mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(),
+                "mlp.w2": RowwiseParallel(output_layouts=seq),
+            })
         parallelize_module(block, tp_mesh, plan)
     if model.norm is None:
         return
@@ -110,8 +115,15 @@ def _selective_policy_fn():
     attention, reduce-scatters), except every second matmul, and recompute everything else (norms,
     RoPE, activations, elementwise) in the backward. A fresh counter per checkpointed forward, so the
     recomputation makes the same save/recompute choice as the forward did."""
+    from torch.utils import checkpoint as ckpt
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+    # profiler markers compute nothing, but FSDP opens a different number of them in a forward and in
+    # its recomputation (a one-rank FSDP group, as the experts' under ep with dp_shard == ep, skips its
+    # all-gather in one only): counted, the recomputation finds no saved entry for them and stops.
+    # torch ignores aten.detach for the same reason; add the markers to that set
+    ckpt.SAC_IGNORED_OPS |= {torch.ops.profiler._record_function_enter_new.default,
+                             torch.ops.profiler._record_function_exit._RecordFunction}
     aten = torch.ops.aten
     save = {aten.mm.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
             aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default,
