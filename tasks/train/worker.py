@@ -1,4 +1,5 @@
-"""torchrun entry point: one process per rank, data-parallel training with DDP or FSDP2.
+"""torchrun entry point: one process per rank, training in the train.parallel layout (one DeviceMesh of
+pp x dp_replicate x dp_shard x cp x tp, ep for MoE experts) or the ddp / fsdp2 shorthand.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 -m tasks.train.worker \
         --config-json run/config.json --tokens-index run/tokens/index.json --out-dir run/train \
@@ -9,8 +10,10 @@ leaves the group. Rank 0 logs metrics to MLflow when MLFLOW_RUN_ID is set (with
 MLFLOW_TRACKING_URI; run_training sets both). This entry sends no events; the pipeline's entry,
 flows/train_worker.py, runs the same `main` with a Prefect event sink.
 
-Options (train.*): parallelism ddp | fsdp2 (fully_shard per block, then the root; works on CPU
-with gloo), dtype fp32 | bf16 (DDP: autocast over fp32 weights; FSDP2: bf16 compute parameters,
+Options (train.*): parallel (the layout: FSDP2 / HSDP, tensor + sequence parallelism, pipeline
+schedules, expert parallelism; tasks/train/parallel_dims.py), parallelism ddp | fsdp2 (the shorthand
+where train.parallel is left at its defaults; fully_shard per block, then the root; works on CPU with
+gloo), activation_checkpointing none | selective | full, dtype fp32 | bf16 (DDP: autocast over fp32 weights; FSDP2: bf16 compute parameters,
 fp32 sharded master weights and fp32 gradient reduction), compile (torch.compile per block),
 doc_mask (document-aware attention from the token index's document starts), z_loss,
 async_checkpoint (checkpoints written in the background; published only once complete).
