@@ -8,7 +8,9 @@ benchmarks/results/train_layouts.json.
 What runs: `run_training` (torchrun, gloo, `--nproc` processes, the trainer the worker builds) on real
 text (the tokenizer and token files tests/lm_helpers builds from shared/data/text, vocab 512), one
 fresh run per layout, all at the same model, the same global batch (`--batch` sequences of `--seq-len`
-tokens per optimizer step, one micro-batch per data-parallel rank) and the same seed:
+tokens per optimizer step, one micro-batch per data-parallel rank, which a pipeline splits into 4) and
+the same seed. The default size keeps the 13 runs within about 15 minutes on the 2-core machine
+(each run also pays ~35 s of torchrun and import start-up):
 
   ddp4 (the baseline)           dp_shard4 (FSDP2)          dp_shard2_tp2          tp4
   pp2_dp_shard2 x {1f1b, interleaved_1f1b, gpipe}          pp2_tp2
@@ -25,8 +27,8 @@ tokens per optimizer step, one micro-batch per data-parallel rank) and the same 
 - `model_state_mb`: the bytes of weights, gradients and AdamW moments each rank holds (local shards).
 - each layout is checked to have been built as asked (tp: parameters are DTensors on the tp mesh
   dimension; pp: no rank holds every block; ep: DTensors on the ep mesh dimension; MoE: MoE layers
-  exist; checkpointing: wrapped blocks); a
-  layout that failed (its config refused, the trainer raised) is reported with its error and the others go on.
+  exist; checkpointing: wrapped blocks); a layout that failed (its config refused, the trainer raised)
+  is reported with its error and the others go on.
 
 Relative figures compare against ddp4 (and dp_shard4, the MoE layouts also against moe_ep1) of the same
 run. On a shared 2-core machine the processes compete for the cores: absolute figures move with other
