@@ -142,6 +142,8 @@ class Trainer:
         # the data-parallel coordinates: which slice of each global batch this rank reads
         self.dp_rank, self.dp_size = ((self.rank, self.world) if self.mesh is None else
                                       (self.mesh["dp"].get_local_rank(), self.mesh["dp"].size()))
+        # the data-parallel ranks' group (losses, expert loads): looked up once, not per step
+        self.dp_group = dist.group.WORLD if self.mesh is None else self.mesh["dp"].get_group()
         self.pp_rank = 0 if self.mesh is None else self.mesh["pp"].get_local_rank()
         self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
         self.data = GlobalWindows(tokens_index, "train", self.gcfg.seq_len, tcfg.micro_batch_size,
@@ -356,15 +358,13 @@ class Trainer:
         """MoE: the step's tokens per expert summed over the data-parallel ranks, the experts' selection
         bias moved towards balance (not for a skipped batch), counts reset; per-layer stats for the log.
         Collective (dp group, and pp group for the other stages' layers)."""
-        group = dist.group.WORLD if self.mesh is None else self.mesh["dp"].get_group()
-        return balance_experts(self.model_parts, group, self.pp_group, update_bias=update)
+        return balance_experts(self.model_parts, self.dp_group, self.pp_group, update_bias=update)
 
     def reduce_losses(self, loss_sum: torch.Tensor) -> tuple[float, float]:
         """(cross-entropy, z-loss) of the step: this rank's micro-batch mean, averaged over the
         data-parallel ranks (the tp / cp ranks of a replica hold the same values)."""
         loss_avg = loss_sum / self.accum
-        group = None if self.mesh is None else self.mesh["dp"].get_group()
-        dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM, group=group)  # gloo has no AVG
+        dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM, group=self.dp_group)  # gloo has no AVG
         return loss_avg[0].item() / self.dp_size, loss_avg[1].item() / self.dp_size
 
     def grad_sync(self, last_micro: bool) -> contextlib.AbstractContextManager:
