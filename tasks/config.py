@@ -220,11 +220,24 @@ class LineDedupConfig(Section):
     partitions: int = Field(default=0, ge=0, le=65535)  # line-hash partitions (uint16 ids); 0: from the corpus size
 
 
+class SubstringDedupConfig(Section):
+    """Exact-substring dedup (Lee et al. 2022) over the curated shards, after MinHash
+    (tasks.dedup.substring). Tokens are whitespace-separated words: curation runs before the
+    tokenizer exists, and words are what the Gopher minimum counts."""
+
+    enabled: bool = False
+    min_tokens: int = Field(default=50, ge=2)  # shortest repeated span cut, in words
+    # UTF-8 text bytes one task holds: the suffix array is built per group of consecutive documents
+    # this big (repeats across groups are not found); its peak memory is ~25x this
+    max_bytes_per_process: int = Field(default=64 << 20, gt=0)
+
+
 class DedupConfig(Section):
     exact: bool = True
     minhash: MinHashConfig = MinHashConfig()
     url: UrlDedupConfig = UrlDedupConfig()
     lines: LineDedupConfig = LineDedupConfig()
+    substring: SubstringDedupConfig = SubstringDedupConfig()
 
 
 class PiiConfig(Section):
