@@ -113,14 +113,20 @@ def run_pipeline(cfg: PipelineConfig, summary_path: str | Path | None = None, ru
     """Run the pretrain flow (against PREFECT_API_URL if set) and return its JSON summary.
 
     A failed run still writes the summary (status FAILED and the error) before re-raising."""
+    return run_summarised(pretrain, cfg, summary_path, run_name)
+
+
+def run_summarised(root_flow, cfg: PipelineConfig, summary_path: str | Path | None = None,
+                   run_name: str | None = None) -> dict:
+    """Run a root flow that returns the run's summary (pretrain, curation); see `run_pipeline`."""
     run_name = run_name or new_run_name(cfg)
-    state = pretrain(config=cfg.model_dump(mode="json"), run_name=run_name, return_state=True)
+    state = root_flow(config=cfg.model_dump(mode="json"), run_name=run_name, return_state=True)
     summary = state.result() if state.is_completed() else _failed_summary(cfg, run_name, state)
     if summary_path:
         Path(summary_path).parent.mkdir(parents=True, exist_ok=True)
         Path(summary_path).write_text(json.dumps(summary, indent=2, default=str))
     if not state.is_completed():
-        raise RuntimeError(f"pretrain flow {state.name}: {summary.get('error')}")
+        raise RuntimeError(f"{root_flow.name} flow {state.name}: {summary.get('error')}")
     return summary
 
 

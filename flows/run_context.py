@@ -32,6 +32,7 @@ log = logging.getLogger("crucible.lineage")
 
 # the file defining each root flow (the lineage job's sourceCodeLocation)
 ROOT_FLOW_CODE = {"pretrain": "flows/pretrain.py", "continue-pretraining": "flows/continued.py",
+                  "curation": "flows/curation.py",
                   "ablate": "flows/ablate.py"}
 
 

@@ -68,6 +68,8 @@ ROOT_FLOWS = {
                             "the raw files the data ledger has not seen, curated against everything kept before, "
                             "encoded with the champion's tokenizer, mixed with replayed earlier tokens, trained "
                             "from the champion's weights, evaluated and gated.",
+    "curation": "The curation flow (flows/curation.py, `crucible curate`): the pretrain flow's curate subflow "
+                "alone: raw web pages -> ingested, filtered and deduplicated, quality-scored corpus.",
     "ablate": "The ablate flow (flows/ablate.py): the same model and token budget trained on the langid-only and "
               "the fully curated corpus, both scored on clean held-out text.",
 }

@@ -1,5 +1,5 @@
 """The commands of `crucible` that drive the local stack and the pipeline: up, down, status, login, run,
-ablate and lineage replay. Each takes the parsed arguments and returns the exit status."""
+curate, ablate and lineage replay. Each takes the parsed arguments and returns the exit status."""
 from __future__ import annotations
 
 import json
@@ -157,7 +157,9 @@ def _attach_stack_ray(cfg) -> None:
         print(f"using the stack's Ray cluster: ray.address={cfg.ray.address}", file=sys.stderr)
 
 
-def cmd_run(args) -> int:
+def _checked_on_stack(args):
+    """The validated config with its Ray address and stores checked, the stack up: (cfg, None);
+    else (None, exit status)."""
     cfg = _load(args.config, args.overrides)  # ConfigError → exit 2 before anything heavy is imported
     if cfg.ray.address and cfg.stack.ray != "cluster":  # (a cluster of the stack's own is started below)
         from tasks.core.ray_utils import RayUnreachable, check_ray_address
@@ -165,7 +167,7 @@ def cmd_run(args) -> int:
         try:
             check_ray_address(cfg.ray)
         except RayUnreachable as e:
-            return fail(f"crucible: {e}", 1)
+            return None, fail(f"crucible: {e}", 1)
     from tasks.core.storage import StorageError
     from tasks.dedup.index import check_index_store
 
@@ -173,11 +175,17 @@ def cmd_run(args) -> int:
         store_for(cfg, check=True)
         check_index_store(cfg)
     except StorageError as e:
-        return fail(f"crucible: {e}", 1)
+        return None, fail(f"crucible: {e}", 1)
     print(f"config {args.config} is valid; bringing up the local stack in {stack.state_dir(cfg.stack)} ...",
           file=sys.stderr)
     _stack_for(cfg)
+    return cfg, None
 
+
+def cmd_run(args) -> int:
+    cfg, code = _checked_on_stack(args)
+    if cfg is None:
+        return code
     if args.cycle:
         from flows.continued import run_cycle as run_pipeline  # imports Prefect, which reads PREFECT_API_URL now
     else:
@@ -193,6 +201,32 @@ def cmd_run(args) -> int:
         where = f"; summary in {args.summary}" if args.summary else ""
         return fail(f"crucible: pipeline failed after {time.monotonic() - t0:.0f}s: {e}{where}", 1)
     _print_links(summary, time.monotonic() - t0)
+    return 0 if summary.get("status", "COMPLETED") == "COMPLETED" else 1
+
+
+def cmd_curate(args) -> int:
+    """The curation flow alone (ingest → curate → quality) on the stack, like `run`."""
+    cfg, code = _checked_on_stack(args)
+    if cfg is None:
+        return code
+    from flows.curation import run_curation  # imports Prefect, which reads PREFECT_API_URL now
+
+    t0 = time.monotonic()
+    try:
+        summary = run_curation(cfg, summary_path=args.summary, run_name=args.run_name)
+    except Exception as e:  # noqa: BLE001 - the flow's own logs hold the traceback
+        where = f"; summary in {args.summary}" if args.summary else ""
+        return fail(f"crucible: curation failed after {time.monotonic() - t0:.0f}s: {e}{where}", 1)
+    stages = summary.get("stages") or {}
+    print(f"\ncuration {summary.get('run_name', '')} {summary.get('status', '')} in {time.monotonic() - t0:.0f}s")
+    for name in ("ingest", "curate", "quality"):
+        s = stages.get(name) or {}
+        print(f"  {name:<16} : {s.get('docs_in')} documents in, {s.get('docs_out')} out, "
+              f"{(summary.get('timings_s') or {}).get(name, 0):.1f}s")
+    print(f"  Curated shards   : {len((stages.get('quality') or {}).get('shards') or [])}")
+    print(f"  Prefect flow run : {summary.get('prefect_ui_url')}")
+    print(f"  Lineage log      : {summary.get('lineage_log')}")
+    print(f"  Run directory    : {summary.get('run_dir')}")
     return 0 if summary.get("status", "COMPLETED") == "COMPLETED" else 1
 
 

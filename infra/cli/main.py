@@ -24,6 +24,7 @@ examples:
   crucible login                               the MLflow and Prefect UIs' URLs and logins (from the secrets folder)
   crucible run configs/tiny.yaml               the whole pipeline: curate → tokenizer → train → evaluate → deploy
   crucible run configs/tiny.yaml --set train.max_steps=50 --summary runs/summary.json
+  crucible curate configs/tiny.yaml --summary runs/curation.json   curation alone: ingest → curate → quality
   crucible ablate configs/tiny.yaml            does curation help? langid-only vs curated corpus, same budget
   crucible lineage replay runs/<run>/lineage.jsonl                  send a run's lineage log to the lineage service
   crucible lineage replay runs/<run>/lineage.jsonl --url http://127.0.0.1:9000   ... or to Marquez
@@ -109,6 +110,15 @@ def _add_pipeline_commands(sub) -> None:
     sp.add_argument("--continue", dest="cycle", action="store_true",
                     help="run one continued-pretraining cycle now (the continue-pretraining flow: new files "
                          "only, from the champion) instead of the pretrain flow")
+
+    sp = _config_command(sub, "curate", "curate only: ingest → curate → quality on CONFIG against the local stack",
+                         "Validate CONFIG, bring the stack up and run the curation flow alone (the pretrain flow's "
+                         "curate subflow: ingest, filter and dedup, quality), for curating without training. Its "
+                         "summary has the same per-stage counts and timings as `crucible run`'s.",
+                         "crucible curate configs/tiny.yaml --set curate.dedup.substring.enabled=true --summary out.json",
+                         "curate.shard_docs=5000")
+    sp.add_argument("--summary", metavar="PATH", help="also write the run's JSON summary to PATH")
+    sp.add_argument("--run-name", metavar="NAME", help="run name (default: <config name>-<timestamp>)")
 
     sp = _config_command(sub, "schedule", "show or change the continue-pretraining schedule",
                          "Read or change the cron schedule of the continue-pretraining deployment that `crucible up "
@@ -202,7 +212,7 @@ def cmd_plan(args) -> int:
 
 
 COMMANDS = {"up": commands.cmd_up, "down": commands.cmd_down, "status": commands.cmd_status, "login": commands.cmd_login,
-            "run": commands.cmd_run, "schedule": commands.cmd_schedule, "ablate": commands.cmd_ablate, "lineage": commands.cmd_lineage,
+            "run": commands.cmd_run, "curate": commands.cmd_curate, "schedule": commands.cmd_schedule, "ablate": commands.cmd_ablate, "lineage": commands.cmd_lineage,
             "plan": cmd_plan, "filter": cmd_tool, "dedup": cmd_tool}
 
 

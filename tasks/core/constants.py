@@ -40,5 +40,7 @@ CONTINUE_DEPLOYMENT = f"{CONTINUE_FLOW}/{CONTINUE_FLOW}"
 # the pretrain flow (flows/pretrain.py), also deployed under its own name: run on demand (the
 # Prefect UI's Run, the API)
 PRETRAIN_FLOW = "pretrain"
+# the curation alone (flows/curation.py, `crucible curate`): the pretrain flow's curate subflow
+CURATION_FLOW = "curation"
 # the local stack's `process` work pool: its worker (infra/stack.py) runs every deployment above
 WORK_POOL = "crucible"
