@@ -141,3 +141,9 @@ def test_run_curate_accounts_for_the_step_and_off_changes_nothing(ray_session, t
     assert on["bytes_out"] < off["bytes_out"]
     lines = [json.loads(x) for x in Path(on["dropped_file"]).read_text().splitlines()]
     assert [x["reason"] for x in lines] == [TOO_SHORT]
+    # the stage's report table (Prefect artifact) per source; none without the step
+    from tasks.curate.stage import curation_reports
+
+    table = {r.key: r for r in curation_reports(on)}["substring-dedup-by-source"]
+    assert {row["source"]: row["bytes_removed"] for row in table.rows} == {"src-a": 2 * cut, "src-b": cut}
+    assert "substring-dedup-by-source" not in {r.key for r in curation_reports(off)}

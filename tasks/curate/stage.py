@@ -34,7 +34,12 @@ class CurateStage(Stage):
         if data.get("dedup") and ctx.mlflow_run_id:
             from tasks.dedup.report import report_metrics
 
-            Tracker(ctx.tracking_uri, ctx.experiment).log_metrics(ctx.mlflow_run_id, report_metrics(data["dedup"]))
+            metrics = report_metrics(data["dedup"])
+            if sub := data["dedup"].get("substring"):
+                metrics.update({"dedup.substring.bytes_removed": sub["bytes_removed"],
+                                "dedup.substring.docs_changed": sub["docs_changed"],
+                                "dedup.substring.docs_dropped": sub["docs_dropped"]})
+            Tracker(ctx.tracking_uri, ctx.experiment).log_metrics(ctx.mlflow_run_id, metrics)
         return DocumentsResult(data, outputs=outputs, reports=curation_reports(data))
 
 
@@ -71,4 +76,8 @@ def curation_reports(data: dict) -> list:
     if data.get("line_dedup"):
         rows = [{"source": src, **v} for src, v in data["line_dedup"]["by_source"].items()]
         reports.append(Table("line-dedup-by-source", rows, "Lines and bytes removed by line dedup, per source"))
+    if (data.get("dedup") or {}).get("substring"):
+        rows = [{"source": src, **v} for src, v in data["dedup"]["substring"]["by_source"].items()]
+        reports.append(Table("substring-dedup-by-source", rows,
+                             "Exact-substring dedup: bytes and spans cut, documents dropped, per source"))
     return reports
