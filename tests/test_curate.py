@@ -123,13 +123,16 @@ def test_dropped_file_explains_every_missing_document(curated, sample_docs):
     assert all(len(pq_rows) <= 150 for pq_rows in [list(iter_docs([p])) for p in s["shards"]])
 
 
-def test_output_identical_whatever_the_parallelism(sample_docs, cfg, ray_session, tmp_path):
+def test_output_identical_whatever_the_parallelism(sample_docs, cfg, ray_session, tmp_path, monkeypatch):
     """Ray with 2 and 1 CPUs (2 and 1 curate actors), 1 and 3 input shards (12-row row groups:
     one job each): the curated documents (ids and texts) and dropped.jsonl are identical. The
     input keeps the wget pages (allenai.org ×3) and the docs-crawl pages (a real near-duplicate
-    pair) with 40 cc-main documents, so the dedup steps have work."""
+    pair) with 40 cc-main documents, so the dedup steps have work. The last run splits the dedup
+    stages' work over several block tasks (10 documents a block), URL / exact key partitions and
+    MinHash partitions (clustering on Ray), with the same output."""
     import ray
 
+    import tasks.dedup.stages as stages
     from tasks.core.documents import ShardWriter
     from tasks.core.ray_utils import init_ray
 
@@ -146,9 +149,21 @@ def test_output_identical_whatever_the_parallelism(sample_docs, cfg, ray_session
                                  row_group_docs=12) as w:
                     w.write_many(docs)
                 assert len(w.paths) == n_shards
-                s = run_curate(cfg.model_copy(update={"ray": RayConfig(num_cpus=cpus)}), w.paths,
-                               tmp_path / f"out-{cpus}-{n_shards}")
+                run_cfg = cfg.model_copy(update={"ray": RayConfig(num_cpus=cpus)})
+                if (cpus, n_shards) == (1, 3):
+                    monkeypatch.setattr(stages, "BLOCK_DOCS", 10)
+                    mh = run_cfg.curate.dedup.minhash.model_copy(update={"clustering": "ray", "partitions": 3})
+                    run_cfg = run_cfg.model_copy(update={"curate": run_cfg.curate.model_copy(update={
+                        "dedup": run_cfg.curate.dedup.model_copy(update={"minhash": mh})})})
+                s = run_curate(run_cfg, w.paths, tmp_path / f"out-{cpus}-{n_shards}")
                 assert s["jobs"] >= 7 and s["workers"] == cpus
+                layout = s["dedup"]["stages"]
+                if (cpus, n_shards) == (1, 3):
+                    assert s["dedup"]["clustering"]["method"] == "ray"
+                    assert layout["blocks"] >= 3 and layout["partitions"] == {"url_dedup": 3, "exact_dedup": 3,
+                                                                              "minhash_dedup": 3}
+                else:
+                    assert layout["blocks"] == 1 and s["dedup"]["clustering"]["method"] == "local"
                 dropped = Path(s["dropped_file"]).read_text().splitlines()
                 outputs[cpus, n_shards] = ([(d["id"], d["text"]) for d in iter_docs(s["shards"])], dropped)
     finally:  # the module's 2-CPU Ray again, for the tests after this one
@@ -158,6 +173,37 @@ def test_output_identical_whatever_the_parallelism(sample_docs, cfg, ray_session
     assert len(first) >= 20 and "minhash_dedup" in {json.loads(x)["step"] for x in dropped}
     for key, out in outputs.items():
         assert out == (first, dropped), key
+
+
+def test_job_results_hold_no_per_document_lists(sample_docs, cfg, tmp_path):
+    """Issue 26: a curate job returns counters and file paths to the driver, never a list per
+    document: its pickled result is (nearly) the same size for 60 and for all ~740 sample
+    documents, while the per-document dedup columns and the drop reasons are in its files."""
+    import pickle
+
+    import pyarrow.parquet as pq
+
+    from tasks.core.documents import ShardWriter
+    from tasks.curate.run import CurateWorker, source_policies
+
+    off = cfg.curate.decontam.model_copy(update={"enabled": False})
+    lines = cfg.curate.dedup.lines.model_copy(update={"enabled": False})
+    cur = cfg.curate.model_copy(update={"decontam": off,
+                                        "dedup": cfg.curate.dedup.model_copy(update={"lines": lines})})
+    worker = CurateWorker(cur, source_policies(cfg), None)
+    sizes, results = {}, {}
+    for n in (60, len(sample_docs)):
+        with ShardWriter(tmp_path / f"in-{n}", shard_docs=n, row_group_docs=n) as w:
+            w.write_many(sample_docs[:n])
+        res = worker.process(str(w.paths[0]), str(tmp_path / f"parts-{n}"), "00000", [0])
+        sizes[n], results[n] = len(pickle.dumps(res)), res
+    big = results[len(sample_docs)]
+    assert big["docs_in"] == len(sample_docs) and big["kept"] >= 100
+    assert pq.ParquetFile(big["meta"]).metadata.num_rows == big["kept"]
+    assert len(Path(big["dropped"]).read_text().splitlines()) == big["filter_dropped"] == big["docs_in"] - big["kept"]
+    assert pq.read_table(big["meta"], columns=["sig"]).column(0).null_count == 0
+    # 12× the documents, ≥ 100 kept ones (each was ~500 bytes of signature, id and keys in the old result)
+    assert sizes[len(sample_docs)] < sizes[60] + 4096, sizes
 
 
 # ------------------------------------------------------------------ URL and line dedup (issue 15, items 1-2)

@@ -11,23 +11,26 @@ decontamination → PII redaction → URL + exact + MinHash dedup.
    the fastText model once): `run_filters` with the enabled filters (`filters.build_filters`,
    in `filters.FILTER_ORDER`, after line dedup's `LineDedupFilter`: frequent lines removed, a
    shortened document below the minimum length dropped as "line_dedup:too_short"), kept
-   documents written to a part file; for every kept document the worker also returns its id,
-   exact-dedup key, MinHash signature, size, and (URL dedup on) URL key and crawl time. Results
-   are merged in corpus order.
-2. In the driver (`tasks.dedup.steps`, the steps `crucible dedup` runs too), over the whole
-   corpus in shard/row order: URL dedup (`tasks.dedup.urls`: per normalised URL the newest
-   crawl, else the longest text, else the first is kept; documents without a URL pass),
-   exact dedup (first copy kept),
-   then MinHash LSH clustering of the remaining documents (first document of each cluster kept,
-   or with `minhash.survivor: quality` the highest quality score; in process, or on Ray with
-   band keys spilled to Parquet from `minhash.ray_min_docs` documents: `tasks.dedup.cluster`).
+   documents written to a part file, their dedup columns (id, exact-dedup key, size, source,
+   quality score, URL key and crawl time, MinHash signature) to the job's meta file and the
+   filter drops to its `dropped.jsonl` part. A job returns counters and file paths only, so the
+   driver never holds a list per document (issue 26).
+2. Dedup as Ray stages that pass files (`tasks.dedup.stages`), over the whole corpus in
+   shard/row order: URL dedup (`tasks.dedup.urls`' rule: per normalised URL the newest crawl,
+   else the longest text, else the first is kept; documents without a URL pass) and exact dedup
+   (first copy kept), each partitioned by key hash and resolved in Ray tasks; then MinHash LSH
+   clustering of the remaining documents (first document of each cluster kept, or with
+   `minhash.survivor: quality` the highest quality score; `clustering: local` in one Ray task,
+   on Ray with band keys spilled to Parquet partitions from `minhash.ray_min_docs` documents:
+   `tasks.dedup.cluster`), and with `minhash.index_dir` the index of earlier runs.
    With `minhash.verify` a candidate pair is joined only if its exact shingle Jaccard is ≥
    `minhash.verify_threshold` (`tasks.dedup.verify`: the texts are read back from the part
-   files, in the clustering's Ray tasks on the Ray path); the clustering stats count
-   `candidate_pairs` and `verified_pairs`.
-3. The parts are streamed into `out_dir/shard-00000.parquet`, ... (`curate.shard_docs` rows
-   each) without the deduplicated documents, and `out_dir/dropped.jsonl` gets one line per
-   dropped document: {"id", "step", "reason"} (+ "duplicate_of" for dedup drops).
+   files in the clustering's Ray tasks); the clustering stats count `candidate_pairs` and
+   `verified_pairs`. Each step writes its drops per job; the driver adds up counters.
+3. The curated shards `out_dir/shard-00000.parquet`, ... (`curate.shard_docs` rows each) are
+   written by one Ray task per shard (the parts without the deduplicated documents), and
+   `out_dir/dropped.jsonl` is the jobs' and steps' drop files concatenated: one line per
+   dropped document, {"id", "step", "reason"} (+ "duplicate_of" for dedup drops).
 
 Step order and why: decontamination runs after the heuristic filters (fewer, shorter documents
 to scan; C4 has already removed boilerplate lines) and PII redaction after decontamination (so
@@ -40,8 +43,9 @@ Resumability (the machinery is `tasks.core.executor` and `tasks.core.resume`, sh
 ingest): every job (one input row group) writes its part atomically (temp + rename), and the
 driver then writes `_parts/<job>.job.json` (atomically) with the job's result, a key (curate
 config, source PII policies, decontam index fingerprint, input shard path/size/mtime, row
-group) and the sha256 of the part. A re-run reuses a job whose key matches and whose part
-still has that sha256, and redoes the rest. The merged output is written shard by shard
+group) and the sha256 of each file the job wrote (part, meta file, drops). A re-run reuses a job
+whose key matches and whose files still have those sha256, and redoes the rest; the dedup stages
+run again from the jobs' files. The merged output is written shard by shard
 atomically, then `manifest.json` (sha256 and row count per output shard and side file, the run
 key and the summary) last; a re-run with the same key whose manifest verifies returns the
 stored summary without doing anything. A run killed at any point (even SIGKILL) leaves only
@@ -62,8 +66,8 @@ dedup (`tasks.dedup.report`: duplicate rate per source, cluster sizes, example p
 line_dedup (with line dedup on: the counting stats, and lines, bytes and documents removed per
 source, `lines.line_dedup_summary`),
 dataset_card, manifest, jobs, workers, nodes (jobs run per Ray node), jobs_rerun (after a node was
-lost), resumed_jobs, seconds. Memory in the driver is O(documents) for ids, keys and signatures
-(112 × 4 bytes per document with the default 14×8 LSH).
+lost), resumed_jobs, seconds. The driver holds per-job counters and paths, O(jobs); with
+`minhash.index_dir` the index step still reads this run's kept ids and signatures in the driver.
 """
 from __future__ import annotations
 
@@ -384,7 +388,7 @@ def _dedup(cfg: DedupConfig, jobs: list[JobDocs], parts_dir: Path) -> tuple[Dedu
     if mh.enabled and mh.index_dir:
         mh_index = MinHashIndex.open(mh.index_dir, mh.bands, mh.rows, mh.seed, mh.scheme, mh.hash)
         # the clustering (representative check included) decided between this run's documents
-        stages.index_step(mh_index)
+        stages.index_step(mh_index, mh)
     return stages, clustering, mh_index
 
 
@@ -417,7 +421,7 @@ def _write_curated(cfg: PipelineConfig, results: list[dict], stages: DedupStages
     out = filter_pass(stages, out_dir, cfg.curate.shard_docs)
     report = ray.get(report_ref)
     return _Written(out["shards"], out_dir / DROPPED, out["docs"], out["bytes"], out["languages"], out["sources"],
-                    {**report, "clustering": clustering})
+                    {**report, "clustering": clustering, "stages": stages.layout})
 
 
 def _check_accounting(steps: list[StepStats], docs_in: int, docs_out: int) -> Counter:

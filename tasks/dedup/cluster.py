@@ -349,7 +349,6 @@ def cluster_ray(shards: Sequence[tuple[int, object]], n_docs: int, bands: int, r
 
     from tasks.core.executor import shuffle_staging, staged_remote
     from tasks.core.ray_utils import init_ray
-    from tasks.core.storage import InputDir
     from tasks.dedup.verify import batch_verifier
 
     verifier = batch_verifier(verify)

@@ -71,7 +71,7 @@ class JobDocs:
     offset: int
 
 
-def blocks_of(jobs: Sequence[JobDocs], block_docs: int = BLOCK_DOCS) -> list[list[int]]:
+def blocks_of(jobs: Sequence[JobDocs], block_docs: int) -> list[list[int]]:
     """Consecutive job indices, ≤ `block_docs` documents a block (a bigger job is a block alone)."""
     out: list[list[int]] = [[]]
     n = 0
@@ -240,7 +240,7 @@ def _resolve_keys(files: Files, step: str, partition: int, rule: str, jobs: list
 class DedupStages:
     """Runs the dedup steps over `jobs` on Ray tasks; holds per-step counters only."""
 
-    def __init__(self, jobs: list[JobDocs], work_dir: Path, partitions: int = 0, block_docs: int = BLOCK_DOCS):
+    def __init__(self, jobs: list[JobDocs], work_dir: Path, partitions: int = 0, block_docs: int | None = None):
         import ray
 
         self.ray = ray
@@ -248,11 +248,13 @@ class DedupStages:
         self.files = Files(work_dir)
         shutil.rmtree(self.files.root, ignore_errors=True)
         self.files.root.mkdir(parents=True)
-        self.blocks = blocks_of(jobs, block_docs)
+        self.blocks = blocks_of(jobs, block_docs or BLOCK_DOCS)
         self.partitions = partitions
         self.done: list[str] = []  # steps run, in order
         self.steps: list[StepStats] = []
         self.dropped_per_job: Counter = Counter()
+        # how the work was split: block tasks, and partitions per partitioned step (the summary's dedup.stages)
+        self.layout: dict = {"blocks": len(self.blocks), "partitions": {}}
         self._task = ray.remote(num_cpus=1)
 
     def _block_jobs(self, b: int) -> list[JobDocs]:
@@ -285,6 +287,7 @@ class DedupStages:
         ray, t0 = self.ray, time.perf_counter()
         n = sum(j.kept for j in self.jobs)
         parts = self.partitions or max(1, -(-n // KEY_PARTITION_ROWS))
+        self.layout["partitions"][step] = parts
         spill = self._task(_spill_keys)
         alive = ray.get([spill.remote(self.files, step, list(self.done), self._block_jobs(b), column, parts, b)
                          for b in range(len(self.blocks))])
@@ -314,6 +317,7 @@ class DedupStages:
         if n_total >= 1 << 32:
             raise ValueError("spilled rows hold the document position in a uint32")
         partitions = max(2, mh.partitions or default_partitions(n_total, mh.bands))  # ≥ 2: tuple returns stay lists
+        self.layout["partitions"]["minhash_dedup"] = partitions
         spill = self._task(_spill_bands)
         alive = ray.get([spill.remote(self.files, list(self.done), self._block_jobs(b), mh.bands, mh.rows, partitions,
                                       str(spill_dir), b, _sig_dtype(mh)) for b in range(len(self.blocks))])
@@ -329,16 +333,15 @@ class DedupStages:
         stats.update(st)
         return [a[:2] for a in alive], stats
 
-    def index_step(self, mh_index) -> StepStats:
+    def index_step(self, mh_index, mh) -> StepStats:
         """Continued pretraining: this run's kept documents against the index of earlier runs."""
         t0, ids, sigs, pos, srcs, sizes = time.perf_counter(), [], [], [], [], []
-        alive = [0, 0]
         for job in self.jobs:
             p, t = read_alive(self.files, self.done, job, ["id", "sig", "source", "nbytes"])
             ids += t.column("id").to_pylist()
             srcs += t.column("source").to_pylist()
             sizes.append(t.column("nbytes").to_numpy())
-            sigs += [None if s is None else np.frombuffer(s, dtype=mh_index_dtype(mh_index)) for s in t.column("sig").to_pylist()]
+            sigs += [None if s is None else np.frombuffer(s, dtype=_sig_dtype(mh)) for s in t.column("sig").to_pylist()]
             pos.append(p)
         pos_a = np.concatenate(pos) if pos else np.empty(0, np.int64)
         size_a = np.concatenate(sizes) if sizes else np.empty(0, np.int64)
@@ -357,10 +360,6 @@ class DedupStages:
 
     def drop_files(self) -> list[str]:
         return [str(p) for s in self.done for j in self.jobs if (p := self.files.drops(s, j.name)).is_file()]
-
-
-def mh_index_dtype(mh_index) -> np.dtype:
-    return np.dtype(np.uint64 if getattr(mh_index, "scheme", "affine32") == "legacy" else np.uint32)
 
 
 def _sig_dtype(mh) -> np.dtype:
