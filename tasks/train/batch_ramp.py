@@ -11,44 +11,14 @@ the loop's state and of every checkpoint's schedule record (tasks/train/schedule
 run, on another layout or world size too, continues the ramp from the same point (with a different
 granularity the batches round differently from there on; the data position stays exact).
 
-The learning-rate warm-up follows the ramp's tokens: see tasks/train/schedule.py. No torch import:
-the config's validation (ParallelDims.check) calls `check_ramp`.
+The learning-rate warm-up follows the ramp's tokens: see tasks/train/schedule.py. The checks of the ramp
+settings (`check_ramp`) live in tasks/train/parallel_dims.py with the other layout checks.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tasks.train.parallel_dims import LayoutError, ParallelDims
-
-
-def step_granularity(dims: ParallelDims, tcfg) -> int:
-    """Sequences the global batch must be a multiple of on this layout: one micro-batch per
-    data-parallel rank, and with a pipeline pp_microbatches of them (each rank's batch splits into
-    the schedule's micro-batches)."""
-    g = tcfg.micro_batch_size * dims.dp
-    return g * dims.pp_microbatches if dims.pp > 1 else g
-
-
-def check_ramp(dims: ParallelDims, tcfg, seq_len: int) -> None:
-    """The ramp settings against the layout; raises LayoutError naming the field."""
-    start, length = tcfg.batch_ramp_start_tokens, tcfg.batch_ramp_tokens
-    if start is None:
-        if length:
-            raise LayoutError("train.batch_ramp_tokens is set without train.batch_ramp_start_tokens "
-                              "(the batch the ramp starts from)")
-        return
-    if not length:
-        raise LayoutError("train.batch_ramp_tokens must be > 0 with train.batch_ramp_start_tokens: the tokens "
-                          "over which the batch grows to the full batch")
-    full = dims.global_batch(tcfg, seq_len)[0] * seq_len
-    unit = step_granularity(dims, tcfg) * seq_len
-    if start >= full:
-        raise LayoutError(f"train.batch_ramp_start_tokens ({start}) must be below the full batch of {full} tokens "
-                          "(train.batch_tokens, or micro_batch_size x dp x grad_accum_steps x seq_len)")
-    if start % unit:
-        raise LayoutError(f"train.batch_ramp_start_tokens ({start}) must be a multiple of the step granularity "
-                          f"{unit} tokens (micro_batch_size {tcfg.micro_batch_size} x dp {dims.dp} x seq_len {seq_len}"
-                          + (f" x pp_microbatches {dims.pp_microbatches}" if dims.pp > 1 else "") + ")")
+from tasks.train.parallel_dims import LayoutError, ParallelDims, check_ramp, step_granularity  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)

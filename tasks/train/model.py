@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tasks.train.mlp import SwiGLU
 from tasks.train.moe import GroupedExperts, MoE, MoEArgs
 
 
@@ -208,17 +209,6 @@ class CausalSelfAttention(nn.Module):
     def _out(self, y: torch.Tensor) -> torch.Tensor:
         B, _, T, _ = y.shape
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, -1))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, d_model: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(d_model, hidden, bias=False)  # gate
-        self.w3 = nn.Linear(d_model, hidden, bias=False)  # up
-        self.w2 = nn.Linear(hidden, d_model, bias=False)  # down
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):

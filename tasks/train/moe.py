@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tasks.train.mlp import SwiGLU
+
 
 @dataclass
 class MoEArgs:
@@ -166,8 +168,6 @@ class MoE(nn.Module):
 
     def __init__(self, d_model: int, dense_hidden: int, args: MoEArgs):
         super().__init__()
-        from tasks.train.model import SwiGLU  # model.py imports this module: import at use
-
         self.args = args
         E = args.n_experts
         hidden = args.expert_hidden or dense_hidden

@@ -119,8 +119,6 @@ class ParallelDims:
         if self.pp > 1 and (samples // self.dp) % self.pp_microbatches:
             raise LayoutError(f"train.parallel.pp_microbatches ({self.pp_microbatches}) must divide the "
                               f"{samples // self.dp} sequences each data-parallel rank trains per step")
-        from tasks.train.batch_ramp import check_ramp  # (imports this module)
-
         check_ramp(self, tcfg, mcfg.seq_len)
 
     def global_batch(self, tcfg, seq_len: int) -> tuple[int, int]:
@@ -168,6 +166,36 @@ class ParallelDims:
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return mesh
+
+
+def step_granularity(dims: ParallelDims, tcfg) -> int:
+    """Sequences the global batch must be a multiple of on this layout: one micro-batch per
+    data-parallel rank, and with a pipeline pp_microbatches of them (each rank's batch splits into
+    the schedule's micro-batches)."""
+    g = tcfg.micro_batch_size * dims.dp
+    return g * dims.pp_microbatches if dims.pp > 1 else g
+
+
+def check_ramp(dims: ParallelDims, tcfg, seq_len: int) -> None:
+    """The ramp settings against the layout; raises LayoutError naming the field."""
+    start, length = tcfg.batch_ramp_start_tokens, tcfg.batch_ramp_tokens
+    if start is None:
+        if length:
+            raise LayoutError("train.batch_ramp_tokens is set without train.batch_ramp_start_tokens "
+                              "(the batch the ramp starts from)")
+        return
+    if not length:
+        raise LayoutError("train.batch_ramp_tokens must be > 0 with train.batch_ramp_start_tokens: the tokens "
+                          "over which the batch grows to the full batch")
+    full = dims.global_batch(tcfg, seq_len)[0] * seq_len
+    unit = step_granularity(dims, tcfg) * seq_len
+    if start >= full:
+        raise LayoutError(f"train.batch_ramp_start_tokens ({start}) must be below the full batch of {full} tokens "
+                          "(train.batch_tokens, or micro_batch_size x dp x grad_accum_steps x seq_len)")
+    if start % unit:
+        raise LayoutError(f"train.batch_ramp_start_tokens ({start}) must be a multiple of the step granularity "
+                          f"{unit} tokens (micro_batch_size {tcfg.micro_batch_size} x dp {dims.dp} x seq_len {seq_len}"
+                          + (f" x pp_microbatches {dims.pp_microbatches}" if dims.pp > 1 else "") + ")")
 
 
 def _mlp_hidden(mcfg) -> int:
