@@ -90,6 +90,12 @@ class ParallelDims:
             if self.sequence_parallel and mcfg.seq_len % self.tp:
                 raise LayoutError(f"train.parallel.tp ({self.tp}) must divide model.seq_len ({mcfg.seq_len}) "
                                   f"with sequence parallelism (train.parallel.sequence_parallel)")
+            if tcfg.compile and tcfg.activation_checkpointing == "full":
+                # torch 2.13: the compiled tensor-parallel block saves a DeviceMesh for its backward,
+                # which the checkpoint's saved-tensor check rejects at the first step
+                raise LayoutError("train.activation_checkpointing: full cannot checkpoint torch.compile'd "
+                                  "tensor-parallel blocks (train.compile with train.parallel.tp > 1); use "
+                                  "selective, or train.compile: false")
         if self.ep > 1:
             if not moe.n_experts:
                 raise LayoutError("train.parallel.ep > 1 needs a mixture-of-experts model (model.moe.n_experts)")

@@ -145,7 +145,8 @@ def apply_ac(model: nn.Module, mode: str) -> None:
     """train.activation_checkpointing: "full" keeps only each block's input and recomputes the block
     in the backward; "selective" recomputes the cheap ops only (_selective_policy_fn); "none". Each
     block is replaced by a non-reentrant checkpoint_wrapper of itself (state dict keys unchanged:
-    the wrapper strips its prefix)."""
+    the wrapper strips its prefix). Full checkpointing of compiled tensor-parallel blocks is refused
+    at config load (ParallelDims.check)."""
     if mode == "none":
         return
     if mode not in ("full", "selective"):
@@ -203,6 +204,10 @@ def parallelize_model(model: nn.Module, dims, mesh, tcfg, device: torch.device) 
         return parallelize(model, tcfg, device)
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], dims.sequence_parallel)
+        if tcfg.compile and model.tok_emb is not None:
+            # the embedding's output is an AsyncCollectiveTensor (its reduce in flight); a compiled
+            # block given one as input returns a wrong input gradient (torch 2.13): hand it a plain copy
+            model.tok_emb.register_forward_hook(lambda module, args, out: out.clone())
     if dims.ep > 1 and any(_is_moe(b.mlp) for _, b in _blocks(model)):
         from tasks.train.expert_parallel import apply_ep
 
