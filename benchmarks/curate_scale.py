@@ -93,17 +93,16 @@ def corpus(n: int, seed: int = 0, doc_bytes: int = 3600) -> list[dict]:
 
 
 def config(filters: str, cpus: int) -> dict:
-    from tasks.config import PipelineConfig
-
+    """The run's config as plain data (validated in the child, by the checkout that runs)."""
     off = {"enabled": False}
     curate = {} if filters == "all" else {k: off for k in ("langid", "gopher_quality", "gopher_repetition", "c4",
                                                             "fineweb", "decontam", "pii")}
     if filters != "all":
         curate["dedup"] = {"lines": off}
     curate["resume"] = False
-    return PipelineConfig.model_validate({"name": "curate-scale", "sources": [
+    return {"name": "curate-scale", "sources": [
         {"name": "gutenberg-mix", "uri": "text/gutenberg/*", "format": "text", "licence": "public domain",
-         "provenance": "shared/data"}], "ray": {"num_cpus": cpus}, "curate": curate}).model_dump(mode="json")
+         "provenance": "shared/data"}], "ray": {"num_cpus": cpus}, "curate": curate}
 
 
 def main() -> None:
