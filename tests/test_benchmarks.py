@@ -137,3 +137,22 @@ def test_train_layouts_catches_a_layout_not_built():
         problems = check_built(layout_config(name, a), [replicated] * 4)
         assert any(p.startswith(field) for p in problems), (name, problems)
     assert check_built(layout_config("ddp4", a), [replicated] * 4) == []
+
+
+def test_committed_train_layouts_result_covers_every_layout():
+    """The committed measurement (benchmarks/results/train_layouts.json, the script at its default size)
+    ran every layout, each built as asked, and shows what sharding buys: FSDP, TP, PP and their products
+    hold a quarter of DDP's weights, gradients and AdamW moments per rank on 4 ranks."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from train_layouts import LAYOUTS
+
+    r = json.loads((REPO / "benchmarks" / "results" / "train_layouts.json").read_text())
+    rows = r["results"]
+    assert set(rows) == set(LAYOUTS) and r["failed"] == {}
+    assert r["shape"]["n_layer"] == 4 and r["shape"]["tokens_per_step"] == 2048 and r["machine"]["processes"] == 4
+    for name, row in rows.items():
+        assert row["ok"] and row["tokens_per_s"] > 0 and len(row["memory"]["peak_mb_per_rank"]) == 4, name
+    for name in ("dp_shard4", "dp_shard2_tp2", "tp4", "pp2_dp_shard2_1f1b", "pp2_tp2", "dp_shard4_ac_full"):
+        assert rows[name]["vs_ddp4"]["model_state_mb_max"] == pytest.approx(0.25, abs=0.02), name
+    # the dense layouts train the same model from the same weights on the same first batch
+    assert len({round(row["loss_step1"], 3) for row in rows.values() if not row["moe"]}) == 1
