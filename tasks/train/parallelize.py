@@ -155,7 +155,12 @@ def apply_ac(model: nn.Module, mode: str) -> None:
 
     for i, block in _blocks(model):
         kw = {"context_fn": _selective_policy_fn} if mode == "selective" else {}
-        wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False, **kw)
+        # with dropout the recomputation must draw the forward's masks (else wrong gradients): the
+        # RNG state is saved per block and replayed; without dropout that save is skipped
+        dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in block.modules()) or any(
+            isinstance(getattr(m, "dropout", None), float) and m.dropout > 0 for m in block.modules())
+        wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                     preserve_rng_state=dropout, **kw)
         wrapped.ac_mode = mode
         model.blocks[i] = wrapped
 
