@@ -110,6 +110,29 @@ def seed_rank_streams(seed: int) -> None:
     random.seed(seed)
 
 
+def data_parallel_coords(mesh, rank: int, world: int) -> tuple[int, int, int]:
+    """(dp_rank, dp_size, pp_rank) of this rank: which slice of each global batch it reads and which
+    pipeline stage it runs; (rank, world, 0) for the legacy DDP shorthand (no mesh)."""
+    if mesh is None:
+        return rank, world, 0
+    return mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["pp"].get_local_rank()
+
+
+def rank_stream_seed(seed: int, dp_rank: int, dp_size: int, pp_rank: int, step: int = 0) -> int:
+    """The seed of a rank's dropout streams: distinct per data-parallel replica and pipeline stage,
+    shared by the tp / cp ranks of one replica (they compute the same replicated activations);
+    `step` > 0 derives fresh ones on a resume whose saved streams do not fit the layout."""
+    return seed + 1 + dp_rank + dp_size * pp_rank + 7919 * step
+
+
+def saved_streams_fit(meta: dict, dims: ParallelDims, world: int) -> bool:
+    """Whether a checkpoint's per-rank RNG states can be reused: only when it was saved under the
+    same mesh (every rank has the same replica / stage / tp coordinates), not merely the same world."""
+    saved = meta.get("layout") or {}
+    return meta.get("world_size") == world and bool(saved) and all(
+        saved.get(d) == getattr(dims, d) for d in (*MESH_DIMS, "legacy_ddp"))
+
+
 class Trainer:
     """Training of the configured GPT on one rank of the train.parallel layout. Collective: every rank
     builds one (after the process group is initialised) and calls `train()`."""
@@ -140,11 +163,9 @@ class Trainer:
         self.dims = ParallelDims.from_config(cfg, self.world)
         self.mesh = None if self.dims.legacy_ddp else self.dims.build_mesh(self.device.type)
         # the data-parallel coordinates: which slice of each global batch this rank reads
-        self.dp_rank, self.dp_size = ((self.rank, self.world) if self.mesh is None else
-                                      (self.mesh["dp"].get_local_rank(), self.mesh["dp"].size()))
+        self.dp_rank, self.dp_size, self.pp_rank = data_parallel_coords(self.mesh, self.rank, self.world)
         # the data-parallel ranks' group (losses, expert loads): looked up once, not per step
         self.dp_group = dist.group.WORLD if self.mesh is None else self.mesh["dp"].get_group()
-        self.pp_rank = 0 if self.mesh is None else self.mesh["pp"].get_local_rank()
         self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
         self.data = GlobalWindows(tokens_index, "train", self.gcfg.seq_len, tcfg.micro_batch_size,
                                   seed=tcfg.seed, documents=tcfg.doc_mask)
@@ -165,7 +186,7 @@ class Trainer:
         self.optimizer = OptimizersContainer(self.model_parts, tcfg)
         # per-rank RNG streams after the shared init, saved in checkpoints: dropout differs per
         # data-parallel replica and pipeline stage, and is the same on the tp / cp ranks of one replica
-        seed_rank_streams(tcfg.seed + 1 + self.dp_rank + self.dp_size * self.pp_rank)
+        seed_rank_streams(rank_stream_seed(tcfg.seed, self.dp_rank, self.dp_size, self.pp_rank))
         self.data_rng = np.random.default_rng([tcfg.seed, self.rank])  # per-rank data stream, checkpointed
         self.detector = SpikeDetector(tcfg.spike_window, tcfg.spike_min_history, tcfg.spike_sigma,
                                       tcfg.spike_rollback_after, loss_ratio=tcfg.spike_loss_ratio,
@@ -235,11 +256,11 @@ class Trainer:
             self.consumed_samples = step * self.global_samples
         recorded = tokens_trained_from_meta(meta)  # the ramp goes on from there (a run without one: its data)
         self.ramp_tokens = recorded if recorded is not None else self.consumed_samples * self.gcfg.seq_len
-        rng = rng if meta.get("world_size") == self.world else None
+        rng = rng if saved_streams_fit(meta, self.dims, self.world) else None
         if rng is not None:
             restore_rng_state(rng, self.data_rng)
-        else:  # another world size: the per-rank streams cannot carry over; derive fresh ones
-            seed_rank_streams(self.tcfg.seed + 1 + self.rank + 7919 * step)
+        else:  # another layout: the per-rank streams cannot carry over; derive fresh ones
+            seed_rank_streams(rank_stream_seed(self.tcfg.seed, self.dp_rank, self.dp_size, self.pp_rank, step))
             self.data_rng.bit_generator.state = np.random.default_rng(
                 [self.tcfg.seed, self.rank, step]).bit_generator.state
         return step
