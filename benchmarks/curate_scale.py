@@ -1,7 +1,7 @@
 """Curate at scale on the real stage: the driver's peak memory and the throughput by corpus size.
 
 A corpus is generated from the real paragraphs of ../shared/data/text/gutenberg (fixed seed):
-each document is consecutive-free random paragraphs up to ~3.6 KB; 10 % of the documents are near
+each document is random passages (≥ 60 words of consecutive lines) up to ~3.6 KB; 10 % of the documents are near
 duplicates of an earlier one (3 % of the words replaced) and 2 % exact copies. It is written as
 ingested shards (Parquet, 500-row groups, like `tasks.ingest`) and run through the real
 `run_curate` in a fresh process per size, on local Ray. That process (the driver) samples its own
@@ -57,14 +57,23 @@ print("RESULT " + json.dumps({"wall_s": round(wall, 2), "driver_peak_rss_bytes":
 """
 
 
-def paragraphs() -> list[str]:
+def paragraphs(words: int = 60) -> list[str]:
+    """Passages of ≥ `words` words: consecutive lines of the Gutenberg texts (one sentence or
+    verse per line there, no blank lines between paragraphs)."""
     data = Path(os.environ.get("CRUCIBLE_DATA_ROOT") or ROOT.parent / "shared" / "data")
     out = []
     for p in sorted((data / "text" / "gutenberg").glob("*.txt")):
-        for para in p.read_text(encoding="utf-8", errors="replace").split("\n\n"):
-            para = " ".join(para.split())
-            if len(para.split()) >= 20:
-                out.append(para)
+        cur: list[str] = []
+        n = 0
+        for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+            line = " ".join(line.split())
+            if not line:
+                continue
+            cur.append(line)
+            n += len(line.split())
+            if n >= words:
+                out.append(" ".join(cur))
+                cur, n = [], 0
     return out
 
 
