@@ -364,11 +364,23 @@ def test_layout_respects_heads_and_layers():
     assert 100 % lay["pp"] == 0 and lay["pp"] > 1
 
 
-def _measure_model_states(rank: int, world: int, init: str, parallel: dict, dtype: str, out: str) -> None:
-    """One rank: the real parallelized model's local bytes of params, grads (after a backward) and
-    AdamW states (after a step)."""
+def _measure_model_states(rank: int, world: int, init: str, cases: list, dtype: str, out: str) -> None:
+    """One rank: for each (train.parallel, model.moe) case, the real parallelized model's local bytes
+    of params, grads (after a backward) and AdamW states (after a step); the cases share one spawn."""
     import torch
     import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        for i, (parallel, moe) in enumerate(cases):
+            _measure_case(rank, world, parallel, moe, dtype, Path(out, f"rank{rank}-{i}.json"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_case(rank: int, world: int, parallel: dict, moe: dict, dtype: str, out: Path) -> None:
+    import torch
     from torch.distributed.tensor import DTensor
 
     from lm_helpers import tiny_cfg
@@ -377,68 +389,74 @@ def _measure_model_states(rank: int, world: int, init: str, parallel: dict, dtyp
     from tasks.train.parallel_dims import ParallelDims
     from tasks.train.parallelize import parallelize_model
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        cfg = tiny_cfg(model={"n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 32},
-                       train={"nproc_per_node": world, "micro_batch_size": 2, "dtype": dtype,
-                              "parallel": parallel})
-        dims = ParallelDims.from_config(cfg)
-        mesh = dims.build_mesh("cpu")
-        torch.manual_seed(0)
-        model = GPT(GPTConfig.from_model_config(cfg.model, 512))
-        n_params = model.num_params()
-        parallelize_model(model, dims, mesh, cfg.train, torch.device("cpu"))
-        opt = build_optimizer(model, cfg.train)
-        x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
-        logits, _ = model(x)
-        lm_loss(logits, x, 0.0)[0].backward()
+    cfg = tiny_cfg(model={"n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 32, "moe": moe},
+                   train={"nproc_per_node": world, "micro_batch_size": 2, "dtype": dtype,
+                          "parallel": parallel})
+    dims = ParallelDims.from_config(cfg)
+    mesh = dims.build_mesh("cpu")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_model_config(cfg.model, 512))
+    n_params = model.num_params()
+    # the MoE layers' parameters (router, experts): not tp-sharded
+    moe_params = sum(p.numel() for b in model.blocks if hasattr(b.mlp, "experts") for p in b.mlp.parameters())
+    parallelize_model(model, dims, mesh, cfg.train, torch.device("cpu"))
+    opt = build_optimizer(model, cfg.train)
+    x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    logits, _ = model(x)
+    lm_loss(logits, x, 0.0)[0].backward()
 
-        def local_bytes(t) -> int:
-            t = t.to_local() if isinstance(t, DTensor) else t
-            return t.numel() * t.element_size()
+    def local_bytes(t) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
 
-        params = list(model.parameters())
-        grads = sum(local_bytes(p.grad) for p in params)
-        opt.step()
-        states = sum(local_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-        Path(out, f"rank{rank}.json").write_text(json.dumps({
-            "n_params": n_params, "params": sum(local_bytes(p) for p in params), "grads": grads,
-            "optimizer": states, "dtensors": sum(isinstance(p, DTensor) for p in params), "n_tensors": len(params),
-            "dtypes": sorted({str(p.dtype) for p in params})}))
-    finally:
-        dist.destroy_process_group()
+    params = list(model.parameters())
+    grads = sum(local_bytes(p.grad) for p in params)
+    opt.step()
+    states = sum(local_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    out.write_text(json.dumps({
+        "n_params": n_params, "moe_params": moe_params, "params": sum(local_bytes(p) for p in params), "grads": grads,
+        "optimizer": states, "dtensors": sum(isinstance(p, DTensor) for p in params), "n_tensors": len(params),
+        "dtypes": sorted({str(p.dtype) for p in params})}))
 
 
-@pytest.mark.parametrize("parallel,dtype", [({"dp_shard": 2, "tp": 2}, "fp32"), ({"dp_shard": 4}, "fp32"),
-                                            ({"dp_shard": 4}, "bf16")],
-                         ids=["dp_shard2xtp2", "dp_shard4", "dp_shard4-bf16"])
-def test_planner_memory_matches_the_parallelized_models_shards(parallel, dtype, tmp_path):
+MOE = {"n_experts": 4, "top_k": 2}
+
+
+@pytest.mark.parametrize("cases,dtype", [
+    ([({"dp_shard": 2, "tp": 2}, {}), ({"dp_shard": 2, "tp": 2}, MOE), ({"dp_shard": 2, "tp": 2, "ep": 2}, MOE)], "fp32"),
+    ([({"dp_shard": 4}, {})], "fp32"), ([({"dp_shard": 4}, {})], "bf16")],
+    ids=["dp_shard2xtp2+moe", "dp_shard4", "dp_shard4-bf16"])
+def test_planner_memory_matches_the_parallelized_models_shards(cases, dtype, tmp_path):
     """The planner's per-GPU model-state bytes (model_state_bytes_per_gpu, the formula its layouts
     are sized with) against what each of 4 CPU processes really holds: the local shards of the
     parallelized model's parameters, their gradients after a backward and AdamW's states after a
     step, each within 10 %. With bf16 the sharded parameters stay fp32 (FSDP2 gathers bf16 copies):
-    the planner's 4-byte weights and no separate master copy."""
+    the planner's 4-byte weights and no separate master copy. MoE layers run whole on every tp rank:
+    their states are sharded over dp_shard only (ep x FSDP), as the planner counts them (dividing
+    them by tp too would underestimate this model's states by about a third)."""
     import torch.multiprocessing as mp
 
     from tasks.plan.planner import model_state_bytes_per_gpu
 
     world = 4
-    mp.start_processes(_measure_model_states, args=(world, (tmp_path / "init").as_uri(), parallel, dtype,
+    mp.start_processes(_measure_model_states, args=(world, (tmp_path / "init").as_uri(), cases, dtype,
                                                     str(tmp_path)),
                        nprocs=world, start_method="spawn")
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
-    n = ranks[0]["n_params"]
-    assert all(r["dtensors"] == r["n_tensors"] for r in ranks)  # every parameter really sharded
-    assert all(r["dtypes"] == ["torch.float32"] for r in ranks)
-    tp, dp_shard = parallel.get("tp", 1), parallel["dp_shard"]
     cfg = PlanConfig()
     parts = {"params": cfg.weight_bytes + cfg.master_bytes, "grads": cfg.grad_bytes, "optimizer": cfg.optimizer_bytes}
-    for r in ranks:
-        for name, per_param in parts.items():  # each part: bytes per param / (tp x dp_shard)
-            assert r[name] == pytest.approx(n * per_param / (tp * dp_shard), rel=0.10), (name, r)
-        measured = r["params"] + r["grads"] + r["optimizer"]
-        estimate = model_state_bytes_per_gpu(n, tp=tp, pp=1, dp_shard=dp_shard, cfg=cfg)
-        assert measured == pytest.approx(estimate, rel=0.10), (measured, estimate)
-    print(f"{parallel}: planner {estimate:,.0f} B per rank, measured "
-          f"{[r['params'] + r['grads'] + r['optimizer'] for r in ranks]}")
+    for i, (parallel, moe) in enumerate(cases):
+        ranks = [json.loads((tmp_path / f"rank{r}-{i}.json").read_text()) for r in range(world)]
+        n, n_moe = ranks[0]["n_params"], ranks[0]["moe_params"]
+        assert (n_moe > n / 2) == bool(moe)  # the MoE model's states are mostly experts
+        assert all(r["dtensors"] == r["n_tensors"] for r in ranks)  # every parameter really sharded
+        assert all(r["dtypes"] == ["torch.float32"] for r in ranks)
+        tp, dp_shard = parallel.get("tp", 1), parallel["dp_shard"]
+        sharded = (n - n_moe) / (tp * dp_shard) + n_moe / dp_shard  # parameters held per rank
+        for r in ranks:
+            for name, per_param in parts.items():
+                assert r[name] == pytest.approx(sharded * per_param, rel=0.10), (name, parallel, r)
+            measured = r["params"] + r["grads"] + r["optimizer"]
+            estimate = model_state_bytes_per_gpu(n, tp=tp, pp=1, dp_shard=dp_shard, cfg=cfg, moe_params=n_moe)
+            assert measured == pytest.approx(estimate, rel=0.10), (parallel, measured, estimate)
+        print(f"{parallel} moe {moe}: planner {estimate:,.0f} B per rank, measured "
+              f"{[r['params'] + r['grads'] + r['optimizer'] for r in ranks]}")

@@ -18,8 +18,9 @@ Conventions (each one is also written into the plan's `assumptions`):
   and the compute-optimal token count; total `params` drive memory and checkpoint size.
 * Memory, as this repository's trainer holds it (FSDP2, tasks/train/parallelize.py): model states
   take (fp32 weights 4 + fp32 grads 4 + Adam m, v 8) = 16 bytes per parameter, sharded over
-  tp x pp x dp_shard ranks (`model_state_bytes_per_gpu`; tests/test_plan.py checks it against the
-  measured per-rank bytes of the parallelized model). The sharded fp32 weights are the master copy:
+  tp x pp x dp_shard ranks, MoE layers' over pp x dp_shard only (they run whole on each tp rank)
+  (`model_state_bytes_per_gpu`; tests/test_plan.py checks it against the measured per-rank bytes of
+  the parallelized model). The sharded fp32 weights are the master copy:
   with bf16, FSDP2's mixed precision gathers a bf16 copy of one layer at a time (the `gathered` term,
   plan.compute_weight_bytes); there is no separate master copy (plan.master_bytes 0; 4 for a
   trainer keeping bf16 weights). A checkpoint keeps the weights and Adam states: 12 bytes per parameter.
@@ -95,11 +96,15 @@ def mlp_hidden(d_model: int, mlp_ratio: float = 8 / 3) -> int:
     return 32 * math.ceil(int(mlp_ratio * d_model) / 32)
 
 
-def model_state_bytes_per_gpu(params: float, *, tp: int, pp: int, dp_shard: int, cfg: PlanConfig) -> float:
-    """Bytes of weights, gradients, master weights and optimizer states on each GPU: every parameter's
-    states sharded over tp x pp x dp_shard ranks (FSDP2 shards within dp_shard; replicas repeat them)."""
+def model_state_bytes_per_gpu(params: float, *, tp: int, pp: int, dp_shard: int, cfg: PlanConfig,
+                              moe_params: float = 0.0) -> float:
+    """Bytes of weights, gradients, master weights and optimizer states on each GPU: the dense
+    parameters' states sharded over tp x pp x dp_shard ranks (FSDP2 shards within dp_shard; replicas
+    repeat them); `moe_params` (of `params`: the MoE layers' router and experts) over pp x dp_shard
+    only, since an MoE layer runs whole on every tp rank (experts sharded by ep x FSDP within dp_shard,
+    tasks/train/parallelize.py apply_tp)."""
     per_param = cfg.weight_bytes + cfg.grad_bytes + cfg.master_bytes + cfg.optimizer_bytes
-    return params * per_param / (tp * pp * dp_shard)
+    return ((params - moe_params) / tp + moe_params) * per_param / (pp * dp_shard)
 
 
 def moe_shape(params: float, active_params: float, n_layer: int, d_model: int, top_k: int = 2,
@@ -130,7 +135,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def suggest_layout(*, gpus: int, total_params: float, n_layer: int, d_model: int, seq_len: int,
-                   spec: GpuSpec, cfg: PlanConfig, n_head: int | None = None, layers_fixed: bool = True) -> dict:
+                   spec: GpuSpec, cfg: PlanConfig, n_head: int | None = None, layers_fixed: bool = True,
+                   moe_params: float = 0.0) -> dict:
     """Tensor / pipeline / data parallel degrees for `gpus` GPUs, with the reasoning spelled out.
 
     1. tp: the smallest power of two (at most one node, dividing `gpus`) with which the activations
@@ -169,7 +175,8 @@ def suggest_layout(*, gpus: int, total_params: float, n_layer: int, d_model: int
     def per_gpu(tp: int, pp: int) -> float:
         shard = fsdp_shard(gpus // (tp * pp), cfg.fsdp_shard_limit)
         gathered = 2 * layer_params * cfg.compute_weight_bytes / tp  # FSDP: current layer + prefetched next
-        return (model_state_bytes_per_gpu(total_params, tp=tp, pp=pp, dp_shard=shard, cfg=cfg) + gathered
+        return (model_state_bytes_per_gpu(total_params, tp=tp, pp=pp, dp_shard=shard, cfg=cfg,
+                                          moe_params=moe_params) + gathered
                 + activations(tp, checkpointed))
 
     def stages_ok(pp: int) -> bool:
@@ -227,7 +234,7 @@ def suggest_layout(*, gpus: int, total_params: float, n_layer: int, d_model: int
             "n_head": n_head, "microbatches": microbatches, "bubble_fraction": bubble,
             "activation_checkpointing": checkpointed, "fits": fits,
             "model_state_gb_per_gpu": model_state_bytes_per_gpu(total_params, tp=tp, pp=pp, dp_shard=dp_shard,
-                                                                 cfg=cfg) / 1e9,
+                                                                 cfg=cfg, moe_params=moe_params) / 1e9,
             "memory_per_gpu_gb": need_gb, "rationale": "; ".join(why)}
 
 
@@ -379,8 +386,11 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
                        "recomputation not counted")
 
     def layout_for(n: int, layers: int | None = None, fixed: bool = layers_given) -> dict:
+        # a mixture of experts: all but the attention (4 d² a layer) is MoE layers, not tp-sharded
+        moe_params = 0.0 if active_params is None else max(0.0, params - (layers or n_layer) * 4 * d_model**2)
         return suggest_layout(gpus=n, total_params=params, n_layer=layers or n_layer, d_model=d_model,
-                              seq_len=seq_len, spec=spec, cfg=cfg, n_head=n_head, layers_fixed=fixed)
+                              seq_len=seq_len, spec=spec, cfg=cfg, n_head=n_head, layers_fixed=fixed,
+                              moe_params=moe_params)
 
     if gpus is None:
         gpus = _pick_gpus(total_flops, spec, mfu, layout_for, cfg)
