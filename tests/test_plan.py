@@ -347,6 +347,9 @@ def test_pipelined_and_moe_plans_validate_as_emitted(tmp_path, capsys):
     cfg, dims = _dims_of({**src, **fragment})
     moe = plan["moe"]
     assert cfg.model.moe.n_experts == 8 and cfg.model.moe.top_k == 2 and cfg.model.moe.expert_hidden == moe["expert_hidden"]
+    # expert parallelism: the largest divisor of the 8 experts dividing dp_shard 8 with ep x tp 2 in a node
+    assert (dims.tp, dims.dp_shard, dims.ep, moe["ep"]) == (2, 8, 4, 4) and not dims.legacy_ddp
+    assert "parallelism" not in fragment["train"]  # the explicit layout decides (FSDP2)
     assert moe["active_params_of_shape"] == pytest.approx(13e9, rel=0.05)
     assert plan["flops_6nd"] == pytest.approx(6 * 13e9 * plan["tokens"])  # active params drive FLOPs
     assert plan["model_state_bytes"] == pytest.approx(47e9 * 16)  # the total drives memory

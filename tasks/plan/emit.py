@@ -6,8 +6,9 @@ dp_shard within groups of plan.fsdp_shard_limit, replicated dp_replicate times),
 schedule (1f1b, the one the planner's bubble is computed for) and its micro-batches, the
 micro-batch size (one sequence per GPU: what the planner's activation estimate assumes), activation
 checkpointing, the processes (nproc_per_node x nnodes), the model's shape and, for a mixture of
-experts, model.moe. With a base config (`--config BASE`) the written file is BASE with the fragment
-merged in, a config `crucible run PATH` runs unchanged; without one, the fragment alone, validated
+experts, model.moe and the plan's expert parallelism (train.parallel.ep). With a base config
+(`--config BASE`) the written file is BASE with the fragment merged in, a config `crucible run
+PATH` runs unchanged; without one, the fragment alone, validated
 against the defaults, to merge into a config of one's own. Either way it is checked with the
 pipeline config's own validation (ParallelDims.from_config included) before it is written.
 """
@@ -37,12 +38,16 @@ def config_fragment(plan: dict, gpus_per_node: int, rdzv_endpoint: str | None = 
     if plan.get("moe"):
         moe = plan["moe"]
         model["moe"] = {"n_experts": moe["n_experts"], "top_k": moe["top_k"], "expert_hidden": moe["expert_hidden"]}
+    # no `parallelism: fsdp2`: an explicit layout (dp_shard is always given) sets it aside
+    # (ParallelDims.from_config); FSDP2 is what every explicit layout uses
     train = {"nproc_per_node": nproc, "nnodes": nnodes, "device": "cuda", "backend": "nccl", "dtype": "bf16",
-             "parallelism": "fsdp2", "micro_batch_size": micro, "grad_accum_steps": accum,
+             "micro_batch_size": micro, "grad_accum_steps": accum,
              "batch_tokens": micro * dp * accum * plan["seq_len"],
              "activation_checkpointing": "full" if lay["activation_checkpointing"] else "none",
              "parallel": {"dp_replicate": lay["dp_replicate"], "dp_shard": lay["dp_shard"], "tp": tp, "pp": pp,
                           "pp_schedule": "1f1b", "pp_microbatches": lay["microbatches"] if pp > 1 else None}}
+    if plan.get("moe"):
+        train["parallel"]["ep"] = plan["moe"].get("ep", 1)
     if nnodes > 1:
         train["rdzv_endpoint"] = rdzv_endpoint or DEFAULT_RDZV
     return {"model": model, "train": train, "plan": {"gpu": plan["gpu"]}}

@@ -124,6 +124,13 @@ def moe_shape(params: float, active_params: float, n_layer: int, d_model: int, t
             "active_params_of_shape": float(n_layer * (4 * d_model**2 + top_k * expert))}
 
 
+def expert_parallel(n_experts: int, dp_shard: int, tp: int, gpus_per_node: int) -> int:
+    """train.parallel.ep of a mixture of experts: the largest divisor of n_experts that divides dp_shard
+    (the trainer carves the ep ranks out of it), at most 8 and with ep x tp ranks within a node (an ep
+    group is ep consecutive dp_shard ranks, tp apart: its all-to-alls stay on NVLink)."""
+    return max(d for d in _divisors(n_experts) if dp_shard % d == 0 and d <= 8 and d * tp <= gpus_per_node)
+
+
 def fsdp_shard(dp: int, limit: int) -> int:
     """dp_shard of a dp-way data-parallel group: the largest divisor of dp up to `limit` (HSDP
     replicates the rest, dp_replicate = dp / dp_shard)."""
@@ -413,6 +420,9 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
     moe = None
     if active_params is not None:
         moe = moe_shape(params, compute_params, n_layer, d_model, top_k, n_experts)
+        moe["ep"] = expert_parallel(moe["n_experts"], layout["dp_shard"], layout["tp"], cfg.gpus_per_node)
+        assumptions.append(f"expert parallelism ep={moe['ep']}: each rank holds {moe['n_experts'] // moe['ep']} "
+                           f"of the {moe['n_experts']} experts per layer, ep groups within a node")
         assumptions.append(f"MoE experts: {moe['n_experts']} routed SwiGLU experts of width {moe['expert_hidden']} "
                            f"per layer, top-{top_k}: width from the active params, count from the total "
                            f"(this shape holds {moe['params_of_shape']:.3g} total, "
