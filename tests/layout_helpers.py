@@ -27,7 +27,9 @@ from lm_helpers import tiny_cfg, tokens_artifact
 LAYOUT_FILE = "layout.json"  # written by rank 0 of the trainer (tasks/train/metrics.py)
 
 # the layout test model and schedule; tests override single fields through model= / train=
-LAYOUT_MODEL = {"n_layer": 4, "n_head": 4, "d_model": 64, "seq_len": 32, "dropout": 0.0, "tie_embeddings": True}
+# untied: the dense layouts and the pipeline layouts (whose head lives on another stage than the
+# embedding) share one 1-process reference; the tied head under TP is tests/test_parallelize.py's tp 4
+LAYOUT_MODEL = {"n_layer": 4, "n_head": 4, "d_model": 64, "seq_len": 32, "dropout": 0.0, "tie_embeddings": False}
 GLOBAL_SAMPLES = 8  # sequences per optimizer step in every layout
 LAYOUT_TRAIN = {"max_steps": 10, "micro_batch_size": 2, "batch_tokens": GLOBAL_SAMPLES * LAYOUT_MODEL["seq_len"],
                 "dtype": "fp32", "spike_detection": False, "checkpoint_every": 1000, "log_every": 1,
@@ -56,8 +58,9 @@ def layout_cfg(world: int, train: dict | None = None, model: dict | None = None,
 
 
 def _key(world: int, train: dict, model: dict, steps: int, mlflow: bool) -> str:
-    blob = json.dumps({"world": world, "train": train, "model": model, "steps": steps, "mlflow": mlflow},
-                      sort_keys=True)
+    # the merged options, so that an override equal to the default (tie_embeddings False) shares the run
+    blob = json.dumps({"world": world, "train": {**LAYOUT_TRAIN, **train}, "model": {**LAYOUT_MODEL, **model},
+                       "steps": steps, "mlflow": mlflow}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -98,6 +101,35 @@ def run_layout(base: Path, world: int, train: dict | None = None, model: dict | 
         if cached:
             done.write_text("ok\n")
     return read_layout_run(out)
+
+
+# One dp_shard 2 x tp 2 run (selective activation checkpointing, logged to MLflow, checkpoints after
+# steps 6 and 10) shared by tests/test_layouts.py (losses, placements, checkpoint wrappers, MLflow
+# params) and tests/test_layout_resharding.py (its step-6 checkpoint in other layouts): one 4-process
+# launch instead of three. A test that resumes copies the folder and removes the step-10 checkpoint.
+SHARED_SAVE_STEP = 6
+SHARED_TP_TRAIN = {"parallel": {"dp_shard": 2, "tp": 2}, "activation_checkpointing": "selective",
+                   "checkpoint_every": SHARED_SAVE_STEP}
+
+
+def shared_tp_run(base: Path) -> LayoutRun:
+    """The shared dp_shard 2 x tp 2 run (trained on first use, cached under `base`)."""
+    return run_layout(base, 4, train=SHARED_TP_TRAIN, mlflow=True)
+
+
+def copy_at_step(src: Path, out: Path, step: int) -> Path:
+    """A copy of the run folder `src` at `out` without its checkpoints after `step`, so a resume there
+    continues from `step` (one run serves as both the uninterrupted run and the one to resume)."""
+    import shutil
+
+    from tasks.train.checkpoint import list_checkpoints, read_meta, remove_checkpoint
+
+    shutil.copytree(src, out)
+    later = [c for c in list_checkpoints(out) if read_meta(c)["step"] > step]
+    assert len(later) < len(list_checkpoints(out)), f"{src} has no checkpoint at or before step {step}"
+    for c in later:
+        remove_checkpoint(c)
+    return out
 
 
 def read_layout_run(out: Path) -> LayoutRun:

@@ -5,17 +5,15 @@ and in one process with the same weights, AdamW moments and data position (the r
 and loads for inference with the trained model's loss. The checkpoint's meta records its layout."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
-from layout_helpers import GLOBAL_SAMPLES, LAYOUT_MODEL, assert_matches_reference, reference_run, run_layout
+from layout_helpers import (GLOBAL_SAMPLES, LAYOUT_MODEL, SHARED_SAVE_STEP, assert_matches_reference, copy_at_step,
+                            reference_run, run_layout, shared_tp_run)
 from tasks.train import load_model_for_inference
-from tasks.train.checkpoint import checkpoint_tensors, read_meta, weights_sha256
+from tasks.train.checkpoint import checkpoint_dir, checkpoint_tensors, read_meta, weights_sha256
 
-SAVE_STEP = 6
-SAVED_LAYOUT = {"dp_shard": 2, "tp": 2}
+SAVE_STEP = SHARED_SAVE_STEP
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +23,16 @@ def ref(base):
 
 @pytest.fixture(scope="module")
 def saved(base):
-    """A dp_shard 2 x tp 2 run of the 10-step schedule stopped (and checkpointed) after step 6."""
-    run = run_layout(base, 4, train={"parallel": SAVED_LAYOUT, "stop_at_step": SAVE_STEP})
-    assert [r["step"] for r in run.rows] == list(range(1, SAVE_STEP + 1))
+    """The shared dp_shard 2 x tp 2 run of the 10-step schedule (tests/test_layouts.py checks its
+    losses), checkpointed after steps 6 and 10; these tests use the step-6 checkpoint."""
+    run = shared_tp_run(base)
+    assert [read_meta(c)["step"] for c in run.checkpoints] == [SAVE_STEP, 10]
+    run.checkpoints = [str(checkpoint_dir(run.out_dir, SAVE_STEP))]
     return run
 
 
 def test_checkpoint_records_its_layout_and_holds_2d_shards(saved, ref):
-    assert_matches_reference(saved.rows, ref[:SAVE_STEP])
+    assert_matches_reference(saved.rows[:SAVE_STEP], ref[:SAVE_STEP])
     ckpt = saved.checkpoints[-1]
     meta = read_meta(ckpt)
     assert meta["step"] == SAVE_STEP and meta["world_size"] == 4
@@ -74,8 +74,7 @@ def test_checkpoint_loads_for_inference_as_trained(saved, ref, base):
 def test_resume_in_another_layout_continues_exactly(saved, ref, base, tmp_path, world, layout):
     """The saved run resumed under `layout`: steps 7-10 equal the 1-process run's (weights, AdamW moments
     and step count restored, the data position exact), and its new checkpoint records the new layout."""
-    out = tmp_path / "resumed"
-    shutil.copytree(saved.out_dir, out)
+    out = copy_at_step(saved.out_dir, tmp_path / "resumed", SAVE_STEP)
     run = run_layout(base, world, train={"parallel": layout, "resume": True}, out_dir=out, name="resumed")
     assert f"step-{SAVE_STEP:06d} at step {SAVE_STEP}, data position {SAVE_STEP * GLOBAL_SAMPLES}" in run.log
     assert_matches_reference(run.rows, ref)

@@ -14,7 +14,8 @@ import re
 import pydantic
 import pytest
 
-from layout_helpers import LAYOUT_MODEL, assert_matches_reference, layout_cfg, rank_record, reference_run, run_layout
+from layout_helpers import (LAYOUT_MODEL, assert_matches_reference, layout_cfg, rank_record, reference_run, run_layout,
+                            shared_tp_run)
 from tasks.train.parallel_dims import ParallelDims
 
 D, HIDDEN, VOCAB = LAYOUT_MODEL["d_model"], 192, 512  # mlp_hidden of d_model 64; the test tokenizer's vocab
@@ -65,9 +66,20 @@ def assert_fsdp(layout: dict, dp_shard: int) -> None:
         assert r["params"]["tok_emb.weight"]["shape"] == [VOCAB, D]
 
 
-def test_dp_shard_4_matches_one_process(base, ref):
-    run = run_layout(base, 4, train={"parallel": {"dp_shard": 4}})
+def assert_checkpointed(layout: dict, mode: str) -> None:
+    """Every rank's every block is wrapped for activation checkpointing in `mode` (the recompute itself
+    is proven in tests/test_parallelize.py; here: the trainer applied it, and the losses stay the same)."""
+    assert layout["activation_checkpointing"] == mode
+    for r in layout["ranks"]:
+        blocks = r["blocks"]
+        assert len(blocks) == LAYOUT_MODEL["n_layer"] and all(b["checkpointed"] for b in blocks.values()), blocks
+        assert all(b["selective"] == (mode == "selective") for b in blocks.values()), blocks
+
+
+def test_dp_shard_4_full_checkpointing_matches_one_process(base, ref):
+    run = run_layout(base, 4, train={"parallel": {"dp_shard": 4}, "activation_checkpointing": "full"})
     assert_matches_reference(run.rows, ref)
+    assert_checkpointed(run.layout, "full")
     assert_fsdp(run.layout, 4)
     r0 = rank_record(run.layout)
     assert all(rec["dtensor"] and _placement(rec, FSDP_DIM) == "S(0)" for rec in r0["params"].values())
@@ -76,9 +88,10 @@ def test_dp_shard_4_matches_one_process(base, ref):
     assert "layout dp_shard 4" in run.log
 
 
-def test_dp_shard_2_tp_2_matches_one_process(base, ref, monkeypatch):
-    run = run_layout(base, 4, train={"parallel": {"dp_shard": 2, "tp": 2}}, mlflow=True)
+def test_dp_shard_2_tp_2_selective_checkpointing_matches_one_process(base, ref, monkeypatch):
+    run = shared_tp_run(base)  # also test_layout_resharding's saved run
     assert_matches_reference(run.rows, ref)
+    assert_checkpointed(run.layout, "selective")
     assert_tensor_parallel(run.layout, tp=2, dp_shard=2)
     assert_fsdp(run.layout, 2)
     assert "layout dp_shard 2 x tp 2" in run.log
@@ -100,17 +113,6 @@ def test_tp_4_matches_one_process(base, ref):
     assert run.layout["micro_batches_per_rank"] == 4  # one replica: the whole batch, accumulated
     assert "layout tp 4 | fp32" in run.log  # the start-up line names the layout (no ddp shorthand it ignored)
     assert {r["dp_rank"] for r in run.layout["ranks"]} == {0}
-
-
-@pytest.mark.parametrize("mode, layout", [("selective", {"dp_shard": 2, "tp": 2}), ("full", {"dp_shard": 4})])
-def test_activation_checkpointing_matches_one_process(base, ref, mode, layout):
-    run = run_layout(base, 4, train={"parallel": layout, "activation_checkpointing": mode})
-    assert_matches_reference(run.rows, ref)
-    assert run.layout["activation_checkpointing"] == mode
-    for r in run.layout["ranks"]:
-        blocks = r["blocks"]
-        assert len(blocks) == LAYOUT_MODEL["n_layer"] and all(b["checkpointed"] for b in blocks.values()), blocks
-        assert all(b["selective"] == (mode == "selective") for b in blocks.values()), blocks
 
 
 # ---------------------------------------------------------------- layouts refused at config load
