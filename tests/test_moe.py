@@ -250,18 +250,23 @@ def moe_ref(base):
     return reference_run(base, train=MOE_TRAIN, model=MOE_MODEL)
 
 
+MLFLOW_LAYOUT = "pp2_ep2"  # the run that also logs to MLflow: rank 0 holds layer 1 only, layer 3 comes over pp
+
+
 def _moe_run(base, layout: str):
     from layout_helpers import run_layout
 
-    return run_layout(base, 4, train={**MOE_TRAIN, "parallel": MOE_LAYOUTS[layout]}, model=MOE_MODEL)
+    return run_layout(base, 4, train={**MOE_TRAIN, "parallel": MOE_LAYOUTS[layout]}, model=MOE_MODEL,
+                      mlflow=layout == MLFLOW_LAYOUT)
 
 
 @pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
-def test_expert_parallel_training_equals_one_process(base, moe_ref, layout):
+def test_expert_parallel_training_equals_one_process(base, moe_ref, layout, monkeypatch):
     """ep 1, 2, 4 on 4 ranks (dp_shard 4; the experts FSDP-sharded over the dp_shard / ep ranks left)
     and pp 2 x dp_shard 2 x ep 2: 10 steps' losses within 1e-4 and grad norms within 1e-3 of one
     process, the same tokens per expert in every layer (so the same selection bias; under pp the other
-    stage's layer comes over the pp group), experts really sharded over the ep mesh, tokens really sent."""
+    stage's layer comes over the pp group), experts really sharded over the ep mesh, tokens really sent;
+    the pp run's per-layer metrics reach MLflow."""
     from layout_helpers import assert_matches_reference
 
     dims = MOE_LAYOUTS[layout]
@@ -293,26 +298,40 @@ def test_expert_parallel_training_equals_one_process(base, moe_ref, layout):
     else:  # logged for every step and layer; token rows went to other ep ranks (not necessarily in
         # every step: a layer whose routing collapsed onto rank 0's experts sends nothing)
         assert len(sent) == 20 and sum(sent) > 100
+    if layout == MLFLOW_LAYOUT:  # every sparse layer's per-step metrics reach MLflow, as logged
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the run's file store (layout_helpers)
+        _assert_moe_metrics_in_mlflow(run)
 
 
-def test_expert_parallel_checkpoint_resumes_in_one_process(base, moe_ref, tmp_path):
-    """The ep 2 run's step-5 checkpoint (expert shards written by every rank) resumed in one process:
-    steps 6-10 equal the 1-process run's, and the step-10 weights and expert biases equal its too."""
-    import shutil
+def _assert_moe_metrics_in_mlflow(run) -> None:
+    from mlflow import MlflowClient
 
-    from layout_helpers import assert_matches_reference, run_layout
+    client = MlflowClient(tracking_uri=run.mlflow["tracking_uri"])
+    for layer in (1, 3):
+        for key in [f"moe/layer{layer}/imbalance", f"moe/layer{layer}/ep_sent"] + \
+                   [f"moe/layer{layer}/tokens_e{j}" for j in range(E)]:
+            got = {m.step: m.value for m in client.get_metric_history(run.mlflow["run_id"], key)}
+            assert got == pytest.approx({r["step"]: r[key] for r in run.rows}), key
+
+
+def test_expert_parallel_checkpoint_resumes_under_another_ep(base, moe_ref, tmp_path):
+    """The ep 2 run's step-5 checkpoint (expert shards written by every rank) resumed under dp_shard 4 x
+    ep 4 (other expert rows on every rank): steps 6-10 equal the 1-process run's, and the step-10 weights
+    (loaded into one process) and expert biases equal its too."""
+    from layout_helpers import assert_matches_reference, copy_at_step, run_layout
     from tasks.train import load_model_for_inference
     from tasks.train.checkpoint import checkpoint_dir, read_meta
 
     saved = _moe_run(base, "ep2")
-    out = tmp_path / "resumed"
-    shutil.copytree(saved.out_dir, out)
-    shutil.rmtree(checkpoint_dir(out, 10))  # resume from step 5
+    out = copy_at_step(saved.out_dir, tmp_path / "resumed", 5)
     meta = read_meta(checkpoint_dir(out, 5))
     assert meta["model"]["moe"] == {**meta["model"]["moe"], **MOE_MODEL["moe"]}
-    run = run_layout(base, 1, train={**MOE_TRAIN, "resume": True}, model=MOE_MODEL, out_dir=out, name="resumed")
+    assert meta["layout"]["ep"] == 2
+    run = run_layout(base, 4, train={**MOE_TRAIN, "parallel": MOE_LAYOUTS["ep4"], "resume": True}, model=MOE_MODEL,
+                     out_dir=out, name="resumed")
     assert "at step 5" in run.log
     assert_matches_reference(run.rows, moe_ref.rows)
+    assert read_meta(checkpoint_dir(out, 10))["layout"]["ep"] == 4
     mine, _ = load_model_for_inference(checkpoint_dir(out, 10))
     theirs, _ = load_model_for_inference(checkpoint_dir(moe_ref.out_dir, 10))
     bias = mine.blocks[1].mlp.expert_bias
