@@ -107,11 +107,11 @@ def _meta(out: Path, step: int) -> dict:
 
 def test_ramp_trains_resumes_mid_ramp_and_on_another_world_size(base, tmp_path):
     """2 processes (FSDP2, dp_shard 2): batches of 4, 4, 4, 8, 8, 8, 12, 12 sequences (the 16-sequence full batch after
-    4096 tokens), the lr warm-up by tokens; stopped at step 4 and resumed, the same losses as the
-    uninterrupted run; the 2-process checkpoint resumed on 1 process continues the ramp from its tokens
+    4096 tokens), the lr warm-up by tokens; resumed from its step-4 checkpoint (a copy without the later
+    one), the same losses as the uninterrupted run; the 2-process checkpoint resumed on 1 process continues the ramp from its tokens
     (the 1-process rounding from there) at the exact data position."""
     assert "dp_shard 2" in ParallelDims.from_config(tiny_cfg(train=TRAIN)).describe()
-    whole = _train(base, tmp_path / "whole")
+    whole = _train(base, tmp_path / "whole", checkpoint_every=4)  # step 4's checkpoint: the resumes' start
     cfg = tiny_cfg(train=TRAIN)
     assert [r["batch_tokens"] // SEQ for r in whole] == [4, 4, 4, 8, 8, 8, 12, 12]
     starts = [r["data_start"] for r in whole]
@@ -123,13 +123,13 @@ def test_ramp_trains_resumes_mid_ramp_and_on_another_world_size(base, tmp_path):
     rec = _meta(tmp_path / "whole", 8)["schedule"]["batch_ramp"]
     assert rec["tokens_trained"] == tokens[-1] and rec["next_batch_tokens"] == 16 * SEQ
 
-    import shutil
+    from layout_helpers import copy_at_step
 
-    out, other = tmp_path / "resumed", tmp_path / "one-process"
-    _train(base, out, stop_at_step=4)
-    assert _meta(out, 4)["schedule"]["batch_ramp"]["tokens_trained"] == tokens[3]
-    shutil.copytree(out, other)
+    assert _meta(tmp_path / "whole", 4)["schedule"]["batch_ramp"]["tokens_trained"] == tokens[3]
+    out = copy_at_step(tmp_path / "whole", tmp_path / "resumed", 4)
+    other = copy_at_step(tmp_path / "whole", tmp_path / "one-process", 4)
     resumed = _train(base, out, resume=True)
+    assert f"at step 4, data position {starts[4]}" in (out / "torchrun.log").read_text()  # resumed, not retrained
     assert [r["step"] for r in resumed] == list(range(1, 9))
     assert [r["batch_tokens"] for r in resumed] == [r["batch_tokens"] for r in whole]
     assert [r["data_start"] for r in resumed] == starts
