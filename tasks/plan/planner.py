@@ -338,7 +338,8 @@ def _hardware_assumptions(key: str, spec: GpuSpec, mfu: float, cfg: PlanConfig) 
         f"cost = gpu_hours x ${spec.price_per_hour:g}/GPU-hour (a ballpark on-demand price; set plan.gpus)",
         f"checkpoint = params x ({cfg.weight_bytes:g} weights + {cfg.master_bytes:g} separate master + "
         f"{cfg.optimizer_bytes:g} Adam m, v) bytes; model states in memory also hold "
-        f"{cfg.grad_bytes:g}-byte gradients ({state_bytes:g} bytes per param, sharded over tp x pp x dp_shard; "
+        f"{cfg.grad_bytes:g}-byte gradients ({state_bytes:g} bytes per param, sharded over tp x pp x dp_shard, "
+        "a mixture of experts' MoE layers over pp x dp_shard only; "
         f"FSDP2 keeps fp32 sharded weights as the master copy and gathers {cfg.compute_weight_bytes:g}-byte "
         "compute copies one layer at a time)",
         "layout: tp inside a node sized by activations, pp across nodes only when FSDP-sharded model "
