@@ -262,7 +262,7 @@ def run_layout(config: Path, name: str, check: dict, model: dict, a: argparse.Na
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", type=Path, action="append", default=None, help="config (repeatable; default: "
                     "configs/dense-8b.yaml and configs/moe-8x.yaml)")
@@ -285,6 +285,39 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.warmup >= a.steps:
         ap.error("--warmup must be below --steps")
+    return a
+
+
+def print_checks(checks: list[dict]) -> None:
+    """What the dry run found for every config and layout."""
+    for c in checks:
+        print(f"{c['config']}: " + (c.get("error") or f"{c['model']['params'] / 1e9:.2f} B params, "
+              f"{c['model']['active_params'] / 1e9:.2f} B active, {c['model']['flops_per_token'] / 1e9:.1f} GFLOP/token; "
+              f"planner layout {c['planner_layout']}"), flush=True)
+        for n, r in c["layouts"].items():
+            print(f"  {n:32s} " + (f"{r['layout']}, {r['micro_batches_per_dp_rank']} micro-batch(es) of "
+                                   f"{r['micro_batch_size']} per dp rank, compile {r['compile']}, activation "
+                                   f"checkpointing {r['activation_checkpointing']}" if r["ok"]
+                                   else f"REFUSED: {r['error'][:300]}"), flush=True)
+
+
+def print_table(results: list[dict]) -> None:
+    """One line per config and layout: tokens/s per GPU, MFU, against torchtitan, memory."""
+    print(f"\n{'config/layout':40s} {'tokens/s/GPU':>12s} {'MFU':>6s} {'vs torchtitan':>14s} {'GiB':>6s}")
+    for c in results:
+        for n, r in c.get("layouts", {}).items():
+            label = f"{Path(c['config']).stem}/{n}"
+            if "mfu" not in r:
+                print(f"{label:40s} FAILED {r.get('error', '')[-150:]}")
+                continue
+            vs = r.get("vs_torchtitan")
+            print(f"{label:40s} {r['tokens_per_s_per_gpu']:12,.0f} {r['mfu']:6.1%} "
+                  f"{(str(vs['ratio']) + 'x ' + vs['peer']) if vs else '':>14s} {r['cuda_max_reserved_gib_max']:6}"
+                  + ("" if r["ok"] else f"  {r['error']}"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     configs = a.config or CONFIGS
 
     import torch
@@ -306,15 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     base["peak_flops_per_gpu"] = peak
     refused = [f"{c['config']}: {n}: {r['error']}" for c in checks for n, r in c["layouts"].items() if not r["ok"]]
     refused += [f"{c['config']}: {c['error']}" for c in checks if "error" in c]
-    for c in checks:
-        print(f"{c['config']}: " + (c.get("error") or f"{c['model']['params'] / 1e9:.2f} B params, "
-              f"{c['model']['active_params'] / 1e9:.2f} B active, {c['model']['flops_per_token'] / 1e9:.1f} GFLOP/token; "
-              f"planner layout {c['planner_layout']}"), flush=True)
-        for n, r in c["layouts"].items():
-            print(f"  {n:32s} " + (f"{r['layout']}, {r['micro_batches_per_dp_rank']} micro-batch(es) of "
-                                   f"{r['micro_batch_size']} per dp rank, compile {r['compile']}, activation "
-                                   f"checkpointing {r['activation_checkpointing']}" if r["ok"]
-                                   else f"REFUSED: {r['error'][:300]}"), flush=True)
+    print_checks(checks)
 
     if a.dry_run:
         write_result(a.out, {**base, "dry_run": True, "checks": checks, "refused": refused})
@@ -370,17 +395,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"cpu x{a.gpus} gloo processes (code-path check; MFU against a GPU peak means nothing)",
                          "gpus_found": found,
                          "platform": platform.platform(), "results": results})
-    print(f"\n{'config/layout':40s} {'tokens/s/GPU':>12s} {'MFU':>6s} {'vs torchtitan':>14s} {'GiB':>6s}")
-    for c in results:
-        for n, r in c.get("layouts", {}).items():
-            label = f"{Path(c['config']).stem}/{n}"
-            if "mfu" not in r:
-                print(f"{label:40s} FAILED {r.get('error', '')[-150:]}")
-                continue
-            vs = r.get("vs_torchtitan")
-            print(f"{label:40s} {r['tokens_per_s_per_gpu']:12,.0f} {r['mfu']:6.1%} "
-                  f"{(str(vs['ratio']) + 'x ' + vs['peer']) if vs else '':>14s} {r['cuda_max_reserved_gib_max']:6}"
-                  + ("" if r["ok"] else f"  {r['error']}"))
+    print_table(results)
     print(f"written {a.out}", flush=True)
     if a.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)

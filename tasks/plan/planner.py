@@ -141,6 +141,16 @@ def _divisors(n: int) -> list[int]:
     return sorted({d for i in range(1, math.isqrt(n) + 1) if n % i == 0 for d in (i, n // i)})
 
 
+def _largest_tp(gpus: int, n_head: int, d_model: int, cfg: PlanConfig) -> int:
+    """The largest power-of-two tensor-parallel degree within a node that divides the GPUs, the heads
+    and the MLP width (what the trainer's layout check accepts)."""
+    tp = 1
+    while (tp * 2 <= min(cfg.gpus_per_node, gpus) and gpus % (tp * 2) == 0
+           and n_head % (tp * 2) == 0 and mlp_hidden(d_model) % (tp * 2) == 0):
+        tp *= 2
+    return tp
+
+
 def suggest_layout(*, gpus: int, total_params: float, n_layer: int, d_model: int, seq_len: int,
                    spec: GpuSpec, cfg: PlanConfig, n_head: int | None = None, layers_fixed: bool = True,
                    moe_params: float = 0.0) -> dict:
@@ -164,10 +174,7 @@ def suggest_layout(*, gpus: int, total_params: float, n_layer: int, d_model: int
     states = total_params * state_bytes_per_param
     layer_params = total_params / n_layer
     n_head = n_head or heads_for(d_model)
-    tp_max = 1
-    while (tp_max * 2 <= min(cfg.gpus_per_node, gpus) and gpus % (tp_max * 2) == 0
-           and n_head % (tp_max * 2) == 0 and mlp_hidden(d_model) % (tp_max * 2) == 0):
-        tp_max *= 2
+    tp_max = _largest_tp(gpus, n_head, d_model, cfg)
     tp_options = [1 << i for i in range(tp_max.bit_length())]
 
     def activations(tp: int, checkpointed: bool) -> float:
@@ -347,6 +354,20 @@ def _hardware_assumptions(key: str, spec: GpuSpec, mfu: float, cfg: PlanConfig) 
     ]
 
 
+def _moe_plan(params: float, active_params: float, n_layer: int, d_model: int, top_k: int,
+              n_experts: int | None, layout: dict, cfg: PlanConfig, assumptions: list[str]) -> dict:
+    """The experts' shape and expert parallelism of a mixture-of-experts plan (assumptions appended)."""
+    moe = moe_shape(params, active_params, n_layer, d_model, top_k, n_experts)
+    moe["ep"] = expert_parallel(moe["n_experts"], layout["dp_shard"], layout["tp"], cfg.gpus_per_node)
+    assumptions.append(f"expert parallelism ep={moe['ep']}: each rank holds {moe['n_experts'] // moe['ep']} "
+                       f"of the {moe['n_experts']} experts per layer, ep groups within a node")
+    assumptions.append(f"MoE experts: {moe['n_experts']} routed SwiGLU experts of width {moe['expert_hidden']} "
+                       f"per layer, top-{top_k}: width from the active params, count from the total "
+                       f"(this shape holds {moe['params_of_shape']:.3g} total, "
+                       f"{moe['active_params_of_shape']:.3g} active)")
+    return moe
+
+
 def make_plan(params: float | None = None, tokens: float | None = None, flops: float | None = None,
               gpus: int | None = None, gpu: str = "h100", mfu: float | None = None, seq_len: int = 4096,
               n_layer: int | None = None, d_model: int | None = None, active_params: float | None = None,
@@ -418,16 +439,8 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
         assumptions.append(f"WARNING: the model does not fit on {gpus} x {key}: {layout['rationale']}")
     state_bytes = cfg.weight_bytes + cfg.grad_bytes + cfg.master_bytes + cfg.optimizer_bytes
     ckpt_bytes = cfg.weight_bytes + cfg.master_bytes + cfg.optimizer_bytes
-    moe = None
-    if active_params is not None:
-        moe = moe_shape(params, compute_params, n_layer, d_model, top_k, n_experts)
-        moe["ep"] = expert_parallel(moe["n_experts"], layout["dp_shard"], layout["tp"], cfg.gpus_per_node)
-        assumptions.append(f"expert parallelism ep={moe['ep']}: each rank holds {moe['n_experts'] // moe['ep']} "
-                           f"of the {moe['n_experts']} experts per layer, ep groups within a node")
-        assumptions.append(f"MoE experts: {moe['n_experts']} routed SwiGLU experts of width {moe['expert_hidden']} "
-                           f"per layer, top-{top_k}: width from the active params, count from the total "
-                           f"(this shape holds {moe['params_of_shape']:.3g} total, "
-                           f"{moe['active_params_of_shape']:.3g} active)")
+    moe = None if active_params is None else _moe_plan(params, compute_params, n_layer, d_model, top_k,
+                                                         n_experts, layout, cfg, assumptions)
     return {
         "moe": moe,
         "params": float(params),
