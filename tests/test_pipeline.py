@@ -155,7 +155,9 @@ def test_pipeline_step_equals_the_whole_model_as_the_batch_shape_changes(tmp_pat
 
 # ---------------------------------------------------------------- real pipelined runs (4 processes)
 
-PP_MODEL = {"tie_embeddings": False}  # the embedding and the head live on different stages
+# the embedding and the head live on different stages (untied, as layout_helpers' default: one
+# 1-process reference for these and tests/test_layouts.py)
+PP_MODEL = {"tie_embeddings": False}
 SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B", "gpipe": "ScheduleGPipe"}
 SAVE_STEP = 6  # the 1f1b run also checkpoints here, for the resume in one process
 
