@@ -41,6 +41,10 @@ NEAR_DUP_OF = "https://debian-handbook.info/browse/de-DE/stable/sect.dynamic-rou
 
 @pytest.fixture(scope="module")
 def sample_docs() -> list[dict]:
+    return web_sample_docs()
+
+
+def web_sample_docs() -> list[dict]:
     """Ingested without Ray: 697 dolma docs (many languages, an exact duplicate pair), the 15
     wget pages (allenai.org captured three times) and 27 docs-crawl pages."""
     docs = []

@@ -31,12 +31,11 @@ def golden_runs(root: Path) -> dict:
     """Each run's curated outcome: "tiny" (configs/tiny.yaml's sources through ingest + curate,
     its curate defaults), "sample-ray" (test_curate's sample in 4 input shards; MinHash on Ray in
     3 partitions with text verification and the quality survivor on `language_score`)."""
-    from test_curate import WEB, _source  # noqa: F401  (skips cleanly without data)
+    from test_curate import web_sample_docs  # test_curate's sample (skips cleanly without data)
 
-    from tasks.config import IngestConfig, RayConfig, load_config
+    from tasks.config import RayConfig, load_config
     from tasks.core.documents import write_docs
     from tasks.curate import run_curate
-    from tasks.ingest.process import process_file_range
     from tasks.ingest.run import run_ingest
 
     out = {}
@@ -45,14 +44,7 @@ def golden_runs(root: Path) -> dict:
     ing = run_ingest(cfg, root / "tiny-ingest")
     out["tiny"] = _outcome(run_curate(cfg, [Path(p) for p in ing["shards"]], root / "tiny-curate"))
 
-    docs = []
-    for name, fname, fmt, ranges in (("cc-main", "cc-main-2019-30-sample.jsonl.gz", "jsonl", [(0, None)]),
-                                     ("wget", "wget-sample-0001.warc.gz", "warc", [(0, None)]),
-                                     ("docs-crawl", "docs-crawl-00000.warc.gz", "warc",
-                                      [(0, 25), (135, 136), (182, 183)])):
-        path = str(WEB / fname)
-        for start, stop in ranges:
-            docs += process_file_range(_source(name, path, fmt), path, IngestConfig(), start, stop)["docs"]
+    docs = web_sample_docs()
     shards = write_docs(docs, root / "sample-in", shard_docs=190)
     mh = {"clustering": "ray", "ray_min_docs": 1, "partitions": 3, "verify": True, "verify_threshold": 0.8,
           "survivor": "quality", "quality_field": "language_score"}

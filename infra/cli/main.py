@@ -99,14 +99,19 @@ def _config_command(sub, name: str, summary: str, description: str, example: str
     return sp
 
 
+def _add_run_outputs(sp) -> None:
+    """The options of a command that runs a flow: where its summary goes, and its run name."""
+    sp.add_argument("--summary", metavar="PATH", help="also write the run's JSON summary to PATH")
+    sp.add_argument("--run-name", metavar="NAME", help="run name (default: <config name>-<timestamp>)")
+
+
 def _add_pipeline_commands(sub) -> None:
     sp = _config_command(sub, "run", "run the pipeline on CONFIG against the local stack",
                          "Validate CONFIG, bring the stack up, run the pretrain flow and print links to the Prefect "
                          "flow run, the MLflow runs, the served model and the lineage log.",
                          "crucible run configs/tiny.yaml --set train.max_steps=50 --summary out.json",
                          "train.max_steps=50")
-    sp.add_argument("--summary", metavar="PATH", help="also write the run's JSON summary to PATH")
-    sp.add_argument("--run-name", metavar="NAME", help="run name (default: <config name>-<timestamp>)")
+    _add_run_outputs(sp)
     sp.add_argument("--continue", dest="cycle", action="store_true",
                     help="run one continued-pretraining cycle now (the continue-pretraining flow: new files "
                          "only, from the champion) instead of the pretrain flow")
@@ -117,8 +122,7 @@ def _add_pipeline_commands(sub) -> None:
                          "summary has the same per-stage counts and timings as `crucible run`'s.",
                          "crucible curate configs/tiny.yaml --set curate.dedup.substring.enabled=true --summary out.json",
                          "curate.shard_docs=5000")
-    sp.add_argument("--summary", metavar="PATH", help="also write the run's JSON summary to PATH")
-    sp.add_argument("--run-name", metavar="NAME", help="run name (default: <config name>-<timestamp>)")
+    _add_run_outputs(sp)
 
     sp = _config_command(sub, "schedule", "show or change the continue-pretraining schedule",
                          "Read or change the cron schedule of the continue-pretraining deployment that `crucible up "
