@@ -10,8 +10,9 @@ Without a CUDA GPU it prints one `SKIP` line, writes {"skipped": true, "reason":
 MFU against a GPU's peak means nothing.
 
 What is measured: the model of tasks/train/model.py built from the config's `model` section (vocab
-from `tokenizer.vocab_size`), wrapped by tasks.train.parallelize.parallelize (FSDP2 fully_shard per
-block with a bf16 MixedPrecisionPolicy, or DDP + autocast; torch.compile per block), AdamW from
+from `tokenizer.vocab_size`), parallelized as the trainer does it (ParallelDims from the config, then
+tasks.train.parallelize.parallelize_model: FSDP2 fully_shard per block with a bf16
+MixedPrecisionPolicy, or DDP + autocast; torch.compile per block), AdamW from
 build_optimizer, gradient accumulation to the config's global batch, grad clipping, optimizer step.
 Batches are uniform random token ids: the data loader is not part of the GPU's work, and throughput
 does not depend on the token values. Warm-up steps (compilation, allocator) are not timed; the
@@ -63,9 +64,9 @@ def run(cfg, args, device_type: str) -> dict:
 
     from tasks.train.model import GPT, GPTConfig, lm_loss
     from tasks.train.optimizer import build_optimizer
-    from tasks.train.data import global_batch
     from tasks.train.flops import flops_per_token
-    from tasks.train.parallelize import autocast_context, grad_sync_context, parallelize
+    from tasks.train.parallel_dims import ParallelDims
+    from tasks.train.parallelize import autocast_context, grad_sync_context, parallelize_model
 
     tcfg = cfg.train
     rank, world, local_rank = init_distributed("nccl" if device_type == "cuda" else "gloo")
@@ -78,11 +79,13 @@ def run(cfg, args, device_type: str) -> dict:
             device = torch.device("cpu")
             torch.set_num_threads(tcfg.threads_per_proc)
         gcfg = GPTConfig.from_model_config(cfg.model, cfg.tokenizer.vocab_size)
-        G, accum = global_batch(tcfg, gcfg.seq_len, world)
+        dims = ParallelDims.from_config(cfg, world)  # the trainer's layout for these settings
+        mesh = None if dims.legacy_ddp else dims.build_mesh(device_type)
+        G, accum = dims.global_batch(tcfg, gcfg.seq_len)
         torch.manual_seed(tcfg.seed)
         model = GPT(gcfg).to(device)
         n_params, n_matmul = model.num_params(), model.num_matmul_params()
-        wrapped = parallelize(model, tcfg, device)
+        wrapped = parallelize_model(model, dims, mesh, tcfg, device)
         optimizer = build_optimizer(model, tcfg)
         gen = torch.Generator(device=device).manual_seed(tcfg.seed + rank)
         B, T = tcfg.micro_batch_size, gcfg.seq_len
@@ -100,7 +103,7 @@ def run(cfg, args, device_type: str) -> dict:
                 batch = torch.randint(0, gcfg.vocab_size, (B, T + 1), device=device, generator=gen)
                 x, y = batch[:, :-1], batch[:, 1:]
                 with grad_sync_context(wrapped, micro == accum - 1):
-                    with autocast_context(tcfg, device):
+                    with autocast_context(tcfg, device, wrapped):
                         logits, _ = wrapped(x)
                         loss, _, _ = lm_loss(logits, y, tcfg.z_loss)
                     (loss / accum).backward()

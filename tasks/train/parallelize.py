@@ -225,19 +225,11 @@ def parallelize_model(model: nn.Module, dims, mesh, tcfg, device: torch.device) 
 
 
 def parallelize(model: nn.Module, tcfg, device: torch.device) -> nn.Module:
-    """Without a mesh (`parallelism: ddp | fsdp2` over all ranks): checkpoint, compile and wrap for
-    data parallelism; returns the module to call. Under FSDP2 that is `model` itself (sharded in
-    place on the default mesh), under DDP the DDP wrapper."""
+    """The `parallelism: ddp` shorthand (no mesh): checkpoint, compile and wrap in DDP over all ranks;
+    returns the DDP wrapper. Every other layout, `fsdp2` included, goes through parallelize_model."""
     apply_ac(model, tcfg.activation_checkpointing)
     if tcfg.compile:
         compile_blocks(model)
-    if tcfg.parallelism == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for _, block in _blocks(model):
-            fully_shard(block, mp_policy=mp_policy(tcfg))
-        fully_shard(model, mp_policy=mp_policy(tcfg))  # embedding, final norm (and lm_head)
-        return model
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
