@@ -35,6 +35,7 @@ import math
 
 from tasks.config import GpuSpec, PlanConfig
 from tasks.train.flops import dense_and_attention_flops
+from tasks.train.parallel_dims import mlp_hidden
 
 SECONDS_PER_DAY = 86_400.0
 ACT_BYTES_PER_TOKEN_PER_D = 34  # 16-bit activations of one layer: 34·s·b·h bytes (Korthikanti et al. 2022)
@@ -89,11 +90,6 @@ def heads_for(d_model: int) -> int:
         if d_model % head_dim == 0:
             return d_model // head_dim
     raise PlanError(f"d_model ({d_model}) must be even: the head width must be even for RoPE")
-
-
-def mlp_hidden(d_model: int, mlp_ratio: float = 8 / 3) -> int:
-    """The trainer's dense MLP width (tasks.train.model.GPTConfig.mlp_hidden)."""
-    return 32 * math.ceil(int(mlp_ratio * d_model) / 32)
 
 
 def model_state_bytes_per_gpu(params: float, *, tp: int, pp: int, dp_shard: int, cfg: PlanConfig,

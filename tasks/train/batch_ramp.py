@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tasks.train.parallel_dims import LayoutError, ParallelDims, check_ramp, step_granularity  # noqa: F401 (re-exported)
+from tasks.train.parallel_dims import ParallelDims, check_ramp, step_granularity
 
 
 @dataclass(frozen=True)

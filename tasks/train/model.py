@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from tasks.train.mlp import SwiGLU
 from tasks.train.moe import GroupedExperts, MoE, MoEArgs
+from tasks.train.parallel_dims import mlp_hidden
 
 
 @dataclass
@@ -68,8 +69,7 @@ class GPTConfig:
 
     @property
     def mlp_hidden(self) -> int:
-        hidden = int(self.mlp_ratio * self.d_model)
-        return 32 * math.ceil(hidden / 32)  # round up to a multiple of 32
+        return mlp_hidden(self.d_model, self.mlp_ratio)
 
 
 class _RMSNormFn(torch.autograd.Function):

@@ -83,7 +83,7 @@ class ParallelDims:
         if self.tp > 1:
             if mcfg.n_head % self.tp:
                 raise LayoutError(f"train.parallel.tp ({self.tp}) must divide model.n_head ({mcfg.n_head})")
-            hidden = _mlp_hidden(mcfg)
+            hidden = mlp_hidden(mcfg.d_model, mcfg.mlp_ratio)
             if hidden % self.tp:
                 raise LayoutError(f"train.parallel.tp ({self.tp}) must divide the MLP hidden size ({hidden}, "
                                   f"from model.d_model and model.mlp_ratio)")
@@ -149,10 +149,6 @@ class ParallelDims:
         """Data-parallel ranks: each sees different samples."""
         return self.dp_replicate * self.dp_shard
 
-    @property
-    def uses_mesh(self) -> bool:
-        return not self.legacy_ddp
-
     def describe(self) -> str:
         if self.legacy_ddp:
             return f"ddp x{self.world}"
@@ -204,8 +200,9 @@ def check_ramp(dims: ParallelDims, tcfg, seq_len: int) -> None:
                           + (f" x pp_microbatches {dims.pp_microbatches}" if dims.pp > 1 else "") + ")")
 
 
-def _mlp_hidden(mcfg) -> int:
-    """The dense MLP's hidden size as tasks.train.model.GPTConfig.mlp_hidden computes it."""
+def mlp_hidden(d_model: int, mlp_ratio: float = 8 / 3) -> int:
+    """The dense SwiGLU MLP's hidden size: mlp_ratio x d_model rounded up to a multiple of 32 (one
+    formula for the model, the layout checks and the planner)."""
     import math
 
-    return 32 * math.ceil(int(mcfg.mlp_ratio * mcfg.d_model) / 32)
+    return 32 * math.ceil(int(mlp_ratio * d_model) / 32)

@@ -152,9 +152,6 @@ class Pipeline:
     def _stages(self) -> list[GPTStage]:
         return [p for p in self.model_parts if isinstance(p, GPTStage)]
 
-    def layers(self) -> list[int]:
-        return sorted(i for p in self._stages() for i in p.layers)
-
     def record(self) -> dict:
         """For the layout record: the schedule class, the micro-batches, and the stages every pp
         rank holds (stage_layout)."""
