@@ -873,6 +873,24 @@ class PlanConfig(Section):
         return table
 
 
+class EnergyConfig(Section):
+    """Energy, CO2e and cost every stage records and `crucible plan` estimates (tasks/core/energy.py)."""
+
+    enabled: bool = True  # off: stages record no energy (the run summary's totals are then absent)
+    # gCO2e per kWh of the grid the run draws from; 475 is CodeCarbon's world average when the
+    # location is unknown. Set your region's (e.g. ~60 France, ~370 USA, ~130 California)
+    grid_gco2e_per_kwh: float = Field(default=475.0, ge=0)
+    # CPU package TDP in watts and the hardware threads it covers; None: the measured RAPL counters
+    # where readable, else 85 W (CodeCarbon's default for an unknown CPU) over the socket's threads
+    cpu_tdp_w: float | None = Field(default=None, gt=0)
+    cpu_tdp_threads: int | None = Field(default=None, gt=0)
+    gpu_tdp_w: float | None = Field(default=None, gt=0)  # None: the board's power limit, else the TDP table
+    # the price-table entry (plan.gpus) GPU-hours are priced at; None: plan.gpu. CPU-core-hours are
+    # priced at plan.curate.node_price_per_hour / plan.curate.cores_per_node
+    gpu: str | None = None
+    sample_interval_s: float = Field(default=0.5, gt=0)  # process-tree and GPU power sampling
+
+
 class ContinueConfig(Section):
     """Scheduled continued pretraining (`continue:` in YAML): the data ledger, the replay mix, the
     learning-rate re-warm and the schedule. A cycle is gated like any challenger (deploy section)."""
@@ -972,6 +990,7 @@ class PipelineConfig(Section):
     stack: StackConfig = StackConfig()
     lineage: LineageConfig = LineageConfig()
     plan: PlanConfig = PlanConfig()
+    energy: EnergyConfig = EnergyConfig()
     quality: QualityConfig = QualityConfig()
     ablate: AblateConfig = AblateConfig()
     # `continue` is a Python keyword: the YAML key is the alias; dumps without by_alias ("continue_")
