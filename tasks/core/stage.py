@@ -51,6 +51,9 @@ class StageInputs:
     evaluation: dict | None = None  # an evaluation report (the deploy stage's input)
     train_run_id: str | None = None  # the training stage's MLflow run
     replay: list[str] = field(default_factory=list)  # continued pretraining: earlier cycles' token indexes
+    # evaluate / deploy with the stack's triggered flows on: what their completed flow run recorded,
+    # collected by the flow (flows/triggered_runs.py); the stage reports it (None: it does the work)
+    triggered: dict | None = None
 
 
 @dataclass
@@ -62,7 +65,7 @@ class StageContext:
     experiment: str
     mlflow_run_id: str | None = None  # this stage's own (nested) MLflow run
     # the stack's event-triggered flows evaluate and deploy checkpoints as they are saved: the
-    # evaluate/deploy stages then collect their results instead of doing the work twice
+    # evaluate/deploy stages then report their results (StageInputs.triggered) instead of doing the work twice
     triggered: bool = False
     progress: Callable[[str], Callable | None] = lambda unit: None  # unit -> progress(done, total, note)
     # (cfg, checkpoint_dir, tokenizer_path, model_name, version, tracking_uri) -> server info: how the
