@@ -1,7 +1,7 @@
 """RunLayout: the one place that knows where a pipeline run keeps its files.
 
     <run_root>/<run_name>/
-        config.json  summary.json  lineage.jsonl
+        config.json  summary.json  lineage.jsonl  energy.jsonl
         ingest/  curate/  quality/  tokenizer/tokenizer.json  tokens/index.json  plan/plan.json
         train/checkpoints/step-NNNNNN/
         evaluate/<checkpoint>.json          evaluate/triggered/<checkpoint>.json
@@ -70,6 +70,11 @@ class RunLayout:
     @property
     def lineage_log(self) -> Path:
         return self.run_dir / "lineage.jsonl"
+
+    @property
+    def energy_log(self) -> Path:
+        """One line per finished stage run: its energy record (tasks/core/energy.py)."""
+        return self.run_dir / "energy.jsonl"
 
     @property
     def tokenizer_file(self) -> Path:

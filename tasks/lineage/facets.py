@@ -175,6 +175,27 @@ class CrucibleSignatureRunFacet(CustomSchema, RunFacet):
     signature: str
 
 
+@attr.define
+class CrucibleEnergyRunFacet(CustomSchema, RunFacet):
+    """Energy, CO2e and cost of the stage run, measured by tasks/core/energy.py (`method` says how)."""
+
+    energy_kwh: float
+    cpu_kwh: float
+    gpu_kwh: float
+    co2e_kg: float
+    cost_usd: float
+    cpu_core_seconds: float
+    gpu_hours: float
+    grid_gco2e_per_kwh: float
+    method: str
+
+    @classmethod
+    def of(cls, record: dict) -> "CrucibleEnergyRunFacet":
+        return cls(energy_kwh=record["kwh"], **{k: record[k] for k in (
+            "cpu_kwh", "gpu_kwh", "co2e_kg", "cost_usd", "cpu_core_seconds", "gpu_hours", "grid_gco2e_per_kwh",
+            "method")})
+
+
 # An id, name or URL of the run in another tool; None where that tool had no part in it.
 Link = str | None
 
