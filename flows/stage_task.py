@@ -2,7 +2,8 @@
 
 `run_stage_task(name, cfg, run, inputs)` runs the stage as its own Prefect task; around `Stage.run` it adds what every stage gets:
 - an MLflow run nested under the pipeline's parent run: the stage's numeric results as metrics,
-  `dropped.*` counts, its JSON record, its wall time;
+  `dropped.*` counts, its JSON record, its wall time, its energy, CO2e and cost (`energy.*`,
+  tasks/core/energy.py: the stage's process tree, also as the crucible_energy run facet);
 - OpenLineage START and COMPLETE/FAIL for the task run (Prefect's task-run id is the OpenLineage
   run id; the parent facet names the enclosing flow run; `crucible_links` names the MLflow run and
   the Prefect runs), with the stage's real input and output files, its resolved config sections,
@@ -27,12 +28,13 @@ from flows.artifacts import publish_quietly, stage_progress
 from flows.run_context import RunContext, create_lineage_link
 from tasks.config import PipelineConfig
 from tasks.core.constants import REPO_ROOT
+from tasks.core.energy import measure_energy
 from tasks.core.stage import Stage, StageContext, StageInputs, StageResult
 from tasks.core.storage import push_path
 from tasks.lineage import JobRef
 from tasks.lineage.emitter import LineageEmitter
-from tasks.lineage.facets import (CrucibleConfigRunFacet, CrucibleEvalRunFacet, CrucibleLinksRunFacet,
-                                  CrucibleStatsRunFacet)
+from tasks.lineage.facets import (CrucibleConfigRunFacet, CrucibleEnergyRunFacet, CrucibleEvalRunFacet,
+                                  CrucibleLinksRunFacet, CrucibleStatsRunFacet)
 from tasks.registry import FLOW_DOCS, STAGES
 from tasks.tracking import Tracker
 
@@ -133,10 +135,14 @@ def run_stage(name: str, cfg: PipelineConfig, run: RunContext, inputs: StageInpu
                                  inputs=[] if collecting else stage.input_datasets(cfg, inputs),
                                  run_facets={"crucible_links": links}, code_path=code_path(stage),
                                  job_doc=collecting[1] if collecting else stage.doc) as active:
-            result = stage.run(cfg, inputs, stage_context(stage, cfg, run, mlflow_run, lineage))
+            with measure_energy(cfg, run.layout.energy_log, stage.name) as energy:  # the process tree's energy
+                result = stage.run(cfg, inputs, stage_context(stage, cfg, run, mlflow_run, lineage))
             active.inputs.extend(result.inputs)
             active.outputs.extend(result.outputs)
             active.run_facets.update(run_facets(cfg, stage, result.data))
+            if energy:  # energy.enabled
+                result.data["energy"] = energy.record
+                active.run_facets["crucible_energy"] = CrucibleEnergyRunFacet.of(energy.record)
     except BaseException as e:
         tracker.end_run(mlflow_run, "FAILED")
         publish_quietly(getattr(e, "reports", []))  # e.g. the tokenizer's failing validation report
@@ -146,6 +152,8 @@ def run_stage(name: str, cfg: PipelineConfig, run: RunContext, inputs: StageInpu
     data["mlflow_run_id"] = mlflow_run
     tracker.log_metrics(mlflow_run, {k: v for k, v in data.items() if isinstance(v, (int, float))})
     tracker.log_metrics(mlflow_run, {f"dropped.{k}": v for k, v in data.get("dropped", {}).items()})
+    tracker.log_metrics(mlflow_run, {f"energy.{k}": v for k, v in data.get("energy", {}).items()
+                                     if isinstance(v, (int, float))})
     tracker.log_dict(mlflow_run, data, f"{stage.name}.json")
     tracker.end_run(mlflow_run)
     push_path(run.layout.run_dir)  # a remote run_root: the stage's files reach the store as it completes
