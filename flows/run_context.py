@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from tasks.config import PipelineConfig
 from tasks.core.constants import LINEAGE_URL_ENV
+from tasks.core.energy import run_energy
 from tasks.core.layout import RunLayout
 from tasks.core.storage import local_run_root, push_path, run_uri, store_for
 from tasks.dedup.index import check_index_store
@@ -176,7 +177,7 @@ def register_config(cfg: PipelineConfig, run_dir: str | Path) -> Path | None:
 
 
 class Summary:
-    """The run's JSON summary: status, links, per-stage counts and timings."""
+    """The run's JSON summary: status, links, per-stage counts, timings and energy."""
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
@@ -218,6 +219,7 @@ class Summary:
             "lineage": self.lineage,
             "stages": stages,
             "timings_s": self.timings(),
+            "energy": run_energy(self.stages),  # kWh, CO2e and cost per stage and in total
         }
 
 
@@ -325,6 +327,8 @@ def pretrain_scope(cfg: PipelineConfig, ctx: RunContext) -> Iterator[Summary]:
     push_path(ctx.layout.summary_file)
     tracker.log_metrics(ctx.mlflow_parent_run_id, {f"time_s.{k}": v for k, v in data["timings_s"].items()})
     tracker.log_metrics(ctx.mlflow_parent_run_id, {"time_s.total": time.perf_counter() - t0})
+    tracker.log_metrics(ctx.mlflow_parent_run_id,
+                        {f"energy.{k}": v for k, v in (data["energy"] or {}).get("total", {}).items()})
     tracker.log_dict(ctx.mlflow_parent_run_id, data, "summary.json")
     tracker.end_run(ctx.mlflow_parent_run_id)
     create_markdown_artifact(key="stage-timings", markdown=timings_markdown(data),
