@@ -41,7 +41,7 @@ def main() -> int:
 def run(config: str, overrides: list[str]) -> dict:
     """The ablation on `config`, in a fresh temporary work directory (kept for ablation_bound.py)."""
     from tasks.ablate import run_ablation
-    from tasks.config import load_config
+    from infra.settings import load_config
 
     work = Path(tempfile.mkdtemp(prefix="crucible-ablation-"))
     cfg = load_config(config, [f"run_root={work / 'runs'}", *overrides])

@@ -66,7 +66,7 @@ def main() -> int:
     import pyarrow.parquet as pq
 
     from tasks.ablate.run import corpus_stats, eval_tokens, heldout_loss, langid_only
-    from tasks.config import load_config
+    from infra.settings import load_config
     from tasks.evaluate.suite import load_wikitext_pages, wikitext_detokenizer
     from tasks.tokenizer.bpe import load_tokenizer
     from tasks.tokens import prepare_tokens

@@ -59,9 +59,9 @@ def write_warc(out: Path, src: Path, first: int, count: int) -> None:
 
 
 def config(work: Path, arm: str, seed: int, steps: int, name: str):
-    from tasks.config import PipelineConfig
+    from infra.settings import CrucibleConfig
 
-    return PipelineConfig.model_validate({
+    return CrucibleConfig.model_validate({
         "name": name, "run_root": str(work / arm / "runs"),
         "sources": [{"name": "landing", "uri": str(work / arm / "landing" / "*.warc.gz"), "format": "warc",
                      "licence": "GPL-2.0+ OR CC-BY-SA-3.0; PSF-2.0; GPL-2.0", "provenance": "docs crawl"}],

@@ -280,7 +280,7 @@ def curate_end_to_end(work: Path, extractor: str | None = None) -> dict:
     """`run_ingest` then `run_curate` of configs/tiny.yaml's sources, fresh output dirs."""
     import ray
 
-    from tasks.config import load_config
+    from infra.settings import load_config
     from tasks.curate import run_curate
     from tasks.ingest import run_ingest
 

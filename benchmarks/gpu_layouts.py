@@ -151,7 +151,7 @@ def torchtitan_mfu(peak: float) -> dict:
 
 def check_layouts(config: Path, a: argparse.Namespace) -> dict:
     """Each layout of `config` loaded and checked as a run would be (the dry run); never raises."""
-    from tasks.config import load_config
+    from infra.settings import load_config
     from tasks.train.parallel_dims import ParallelDims
 
     out: dict = {"config": str(config), "layouts": {}}
@@ -218,7 +218,7 @@ def steady(records: list[dict], tokens_per_step: int, warmup: int) -> dict:
 
 def run_layout(config: Path, name: str, check: dict, model: dict, a: argparse.Namespace, tokens_index: Path,
                work: Path, reference: dict) -> dict:
-    from tasks.config import load_config
+    from infra.settings import load_config
     from tasks.train import run_training
     from tasks.train.launcher import read_train_log
     from train_layouts import check_built
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = [check_layouts(Path(c), a) for c in configs]
     peak = 989e12
     try:
-        from tasks.config import load_config
+        from infra.settings import load_config
 
         cfg0 = load_config(configs[0], a.set)
         peak = cfg0.train.peak_flops_per_s or cfg0.plan.gpus[cfg0.plan.gpu].peak_bf16_flops

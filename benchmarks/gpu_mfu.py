@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from tasks.config import load_config
+    from infra.settings import load_config
 
     cfg = load_config(args.config, args.set)
     base = {"benchmark": "gpu_mfu", "config": str(args.config), "overrides": args.set, "torch": torch.__version__,

@@ -37,7 +37,8 @@ from statistics import median
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tasks.config import PipelineConfig, load_config  # noqa: E402
+from infra.settings import load_config  # noqa: E402
+from tasks.config import PipelineConfig  # noqa: E402
 from tasks.train.metrics import SPIKE_LOG, TRAIN_LOG  # noqa: E402
 from tasks.train.trainer import StepResult, Trainer  # noqa: E402
 

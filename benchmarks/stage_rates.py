@@ -40,7 +40,8 @@ from pathlib import Path
 from _common import add_int_options, write_result
 from extraction import DEFAULT_CACHE, load_web_docs
 from minhash import best_of
-from tasks.config import PipelineConfig, load_config
+from infra.settings import load_config
+from tasks.config import PipelineConfig
 from tasks.core.documents import write_docs
 
 HERE = Path(__file__).resolve().parent

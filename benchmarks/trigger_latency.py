@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     for k in [k for k in os.environ if k.startswith(("PREFECT_", "MLFLOW_"))]:
         del os.environ[k]
     from infra import stack
-    from tasks.config import load_config
+    from infra.settings import load_config
 
     cfg = load_config(args.config, [
         f"run_root={tmp / 'runs'}", f"stack.state_dir={tmp / 'state'}", f"stack.prefect_port={free_port()}",

@@ -19,12 +19,13 @@ from prefect import flow
 from flows.cli import run_flow_cli
 from flows.run_context import ablation_scope, new_run_name, open_run
 from flows.stage_task import run_stage_task
+from infra.settings import CrucibleConfig
 from tasks.config import PipelineConfig
 
 
 @flow(name="ablate")
 def ablate(config: dict, run_name: str | None = None) -> dict:
-    cfg = PipelineConfig.model_validate(config)
+    cfg = CrucibleConfig.model_validate(config)
     run = open_run(cfg, run_name).model_copy(update={"root_job": "ablate"})
     with ablation_scope(cfg, run):
         result = run_stage_task("ablate", cfg, run)

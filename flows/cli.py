@@ -6,7 +6,8 @@ import json
 import sys
 from typing import Callable
 
-from tasks.config import ConfigError, PipelineConfig, load_config
+from infra.settings import load_config
+from tasks.config import ConfigError, PipelineConfig
 
 
 def run_flow_cli(prog: str, doc: str | None, run: Callable[[PipelineConfig, str | None], dict],

@@ -39,6 +39,7 @@ from flows.pretrain import curate, evaluate, prepare_tokens, pretrain_dag, train
 from flows.run_context import RunContext, new_run_name, open_run, pretrain_scope
 from flows.stage_task import flow_lineage, run_stage_task
 from flows.triggers import triggers_active
+from infra.settings import CrucibleConfig
 from tasks.config import PipelineConfig
 from tasks.core.constants import CONTINUE_FLOW
 from tasks.core.stage import DeployResult, EvalResult, Markdown, StageInputs, StageResult, TokensResult
@@ -111,7 +112,7 @@ def hold_cycle_slot(cfg: PipelineConfig, stack: ExitStack) -> float:
 @flow(name=CONTINUE_FLOW)
 def continue_pretraining(config: dict, run_name: str | None = None) -> dict:
     """`config` is the resolved pipeline config as JSON (what the deployment passes); validated here."""
-    cfg = PipelineConfig.model_validate(config)
+    cfg = CrucibleConfig.model_validate(config)
     with ExitStack() as slot:
         waited = hold_cycle_slot(cfg, slot)
         summary = _cycle(cfg, run_name)

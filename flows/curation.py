@@ -18,6 +18,7 @@ from prefect import flow
 from flows.cli import run_flow_cli
 from flows.pretrain import curate, run_summarised
 from flows.run_context import open_run, pretrain_scope
+from infra.settings import CrucibleConfig
 from tasks.config import PipelineConfig
 from tasks.core.constants import CURATION_FLOW
 
@@ -25,7 +26,7 @@ from tasks.core.constants import CURATION_FLOW
 @flow(name=CURATION_FLOW)
 def curation(config: dict, run_name: str | None = None) -> dict:
     """`config`: the resolved pipeline config as JSON, validated once, here."""
-    cfg = PipelineConfig.model_validate(config)
+    cfg = CrucibleConfig.model_validate(config)
     run = open_run(cfg, run_name).model_copy(update={"root_job": CURATION_FLOW})
     with pretrain_scope(cfg, run) as summary:
         ingested, curated, scored = curate(cfg, run)

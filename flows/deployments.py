@@ -39,7 +39,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from tasks.config import ConfigError, PipelineConfig, StackConfig, load_config
+from infra.settings import StackConfig, load_config
+from tasks.config import ConfigError, PipelineConfig
 from tasks.core.constants import EVENT_DEPLOYMENTS, PRETRAIN_FLOW, WORK_POOL
 
 

@@ -29,6 +29,7 @@ from flows.cli import run_flow_cli
 from flows.run_context import RunContext, new_run_name, open_run, pretrain_scope
 from flows.stage_task import flow_lineage, run_stage_task
 from flows.triggers import triggers_active
+from infra.settings import CrucibleConfig
 from tasks.config import PipelineConfig
 from tasks.core.constants import PRETRAIN_FLOW
 from tasks.core.layout import RunLayout
@@ -87,7 +88,7 @@ def deploy(cfg: PipelineConfig, run: RunContext, evaluations: list[EvalResult], 
 def pretrain(config: dict, run_name: str | None = None) -> dict:
     """`config` is the resolved pipeline config as JSON (what a deployment or the UI passes); it is
     validated once, here, and the subflows get the validated PipelineConfig."""
-    return pretrain_dag(PipelineConfig.model_validate(config), run_name)
+    return pretrain_dag(CrucibleConfig.model_validate(config), run_name)
 
 
 def pretrain_dag(cfg: PipelineConfig, run_name: str | None = None, root_job: str = "pretrain") -> dict:

@@ -116,7 +116,7 @@ def stage_context(stage: Stage, cfg: PipelineConfig, run: RunContext, mlflow_run
                         experiment=run.experiment, mlflow_run_id=mlflow_run_id, triggered=run.triggered,
                         progress=lambda unit: stage_progress(stage.name, unit), serve_model=serve_model,
                         verify_model=verify_model, model_server_status=model_server_status(cfg),
-                        lineage=lineage, worker_module=TRAIN_WORKER)
+                        lineage=lineage, lineage_namespace=cfg.lineage.namespace, worker_module=TRAIN_WORKER)
 
 
 @task(name="stage", cache_policy=NO_CACHE, persist_result=False)

@@ -96,7 +96,7 @@ def trusted_run_paths(checkpoint: str | Path) -> dict:
     """run_paths of a checkpoint under one of the run roots `crucible run` registered with this
     stack (stack.register_run_root); an event naming a checkpoint anywhere else is refused."""
     from infra import stack
-    from tasks.config import StackConfig
+    from infra.settings import StackConfig
     from tasks.deploy.triggered import ForgedClaim
 
     stack_cfg = StackConfig()  # the state dir: $CRUCIBLE_STATE_DIR, set for the stack's processes
@@ -155,7 +155,7 @@ def _load_cfg(paths: dict):
     gate); a missing, unsigned, altered or other run's copy is refused (ForgedClaim). An object-store
     run_root's store is opened, so this flow's files are named in lineage as the objects they become."""
     from infra import stack
-    from tasks.config import PipelineConfig, StackConfig
+    from infra.settings import CrucibleConfig, StackConfig
     from tasks.core.signing import SignatureError
     from tasks.core.storage import store_for
     from tasks.deploy.triggered import ForgedClaim
@@ -165,7 +165,7 @@ def _load_cfg(paths: dict):
     except SignatureError as e:
         log.warning("refused: the run's config for %s: %s", paths["checkpoint"], e)
         raise ForgedClaim(f"refused: no trusted config of the run {paths['run_dir']}: {e}") from None
-    cfg = PipelineConfig.model_validate(config)
+    cfg = CrucibleConfig.model_validate(config)
     store_for(cfg)
     return cfg
 
@@ -380,7 +380,7 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
             raise ForgedClaim(f"refused: the event's claim does not match the pipeline's records: {problem}")
         result = deploy_if_better(cfg, _tracking_uri(cfg), evaluation, Path(paths["tokenizer"]), run_id,
                                   serve_model=serve_model, verify_model=verify_model,
-                                  server_status=model_server_status(cfg))
+                                  server_status=model_server_status(cfg), lineage_namespace=cfg.lineage.namespace)
         record = RunLayout(paths["run_dir"]).triggered_deploy_record(paths["checkpoint"])
         write_deploy_record(record, result)  # signed: the pretrain flow's await_deployment verifies it
         push_path(record)

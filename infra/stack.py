@@ -155,7 +155,7 @@ def mlflow_tracking_uri(stack_cfg) -> str:
 
 def _lineage_cfg(lineage_cfg):
     if lineage_cfg is None:
-        from tasks.config import LineageConfig  # pydantic only; keeps the defaults in one place
+        from infra.settings import LineageConfig  # pydantic only; keeps the defaults in one place
 
         return LineageConfig()
     return lineage_cfg
@@ -1253,7 +1253,7 @@ def up_ray_on_free_ports(state: str, attempts: int = 3, **settings):
     """A cluster (`up_ray`) on ports free now, for one started beside others (tests, benchmarks):
     its StackConfig. Ray picks some ports of its own at random, so one may take a chosen port
     before its node starts: that start is stopped and tried again on other ports."""
-    from tasks.config import StackConfig
+    from infra.settings import StackConfig
     from tasks.core.net import free_port
 
     for attempt in range(1, attempts + 1):

@@ -1,14 +1,16 @@
-"""One pydantic config tree for the whole pipeline, loaded from YAML.
+"""The stage layer's pydantic config tree, loaded from YAML.
 
-Every stage reads its own section; `load_config` validates the whole tree before anything
-starts, so a bad value fails fast with its field path (e.g. `train.max_steps`).
+Every stage receives the sections its `run` signature names (tasks/core/stage.py); `load_config`
+validates the whole tree before anything starts, so a bad value fails fast with its field path
+(e.g. `train.max_steps`). The same YAML file also holds the stack's sections (INFRA_SECTIONS: its
+ports, databases, Ray cluster and lineage service), which infra/settings.py owns and validates.
 """
 from __future__ import annotations
 
 import os
 import re
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator,
@@ -23,6 +25,11 @@ DEFAULT_DATA_ROOT = REPO_ROOT.parent / "shared" / "data"
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# Sections of the same YAML file that the stack owns (infra/settings.py validates them): the stage
+# layer neither reads nor checks them, so a PipelineConfig validated from the whole file leaves them out
+INFRA_SECTIONS = ("stack", "lineage")
 
 
 class SourceConfig(Section):
@@ -677,122 +684,6 @@ class DeployConfig(Section):
     request_timeout: float = Field(default=300.0, gt=0)  # seconds a non-streamed completion may take (503 after)
 
 
-class StackConfig(Section):
-    state_dir: str = ".crucible"  # relative to the working directory unless absolute
-    host: str = "127.0.0.1"
-    prefect_port: int = Field(default=4200, gt=0, lt=65536)
-    mlflow_port: int = Field(default=5000, gt=0, lt=65536)
-    mlflow_workers: int = Field(default=1, gt=0)  # uvicorn workers of the MLflow server
-    # the event-triggered evaluate/deploy deployments, run by the stack's worker; false: they are not
-    # registered, and checkpoints are evaluated only by the pretrain flow itself
-    triggers: bool = True
-    # the Prefect worker of the stack's `process` work pool: its health webserver's port, and how many
-    # flow runs it runs at once (a pretrain or continue-pretraining run holds one for its whole run while
-    # the evaluations it waits for take others)
-    worker_port: int = Field(default=8610, gt=0, lt=65536)
-    worker_limit: int = Field(default=6, ge=2)
-    # a failed event-triggered evaluation is retried this often, with exponential backoff (seconds)
-    eval_retries: int = Field(default=2, ge=0)
-    eval_retry_backoff: float = Field(default=10.0, gt=0)
-    # how long the pretrain flow waits for a triggered result before doing the work itself
-    triggered_timeout: float = Field(default=1800.0, gt=0)
-    # Ray: "local" (each run starts its own in-process Ray) or "cluster" (`crucible up --ray`): a
-    # head (`ray start --head`, ray_head_cpus CPUs, GCS on ray_port) plus ray_workers worker nodes
-    # (named worker-1, ...; ray_worker_cpus CPUs each, default the machine's CPUs shared out),
-    # supervised as services; a run attaches to it while it is up (infra/stack.py)
-    ray: Literal["local", "cluster"] = "local"
-    ray_port: int = Field(default=6380, gt=0, lt=65536)
-    # Ray Client (ray://host:port); not in 10002-19999, the ports of Ray's workers
-    ray_client_port: int = Field(default=10001, gt=0, lt=65536)
-    ray_agent_port: int = Field(default=52465, gt=0, lt=65000)  # head's health endpoint; worker i: + i (not Ray's own 52365, which every local ray.init takes)
-    ray_workers: int = Field(default=2, ge=1, le=64)
-    ray_head_cpus: int = Field(default=0, ge=0)  # 0: the head only coordinates; the workers run tasks
-    ray_worker_cpus: int | None = Field(default=None, gt=0)
-    ray_object_store_mb: int = Field(default=512, ge=80)  # per node (Ray's minimum is ~75 MB)
-    start_timeout: float = Field(default=180.0, gt=0)  # seconds for a service to become healthy
-    stop_timeout: float = Field(default=15.0, gt=0)  # seconds between SIGTERM and SIGKILL
-    # where Prefect's server and MLflow's tracking store keep their state (infra/database.py):
-    # SQLite files in the state directory, or PostgreSQL (databases `prefect` and `mlflow`)
-    database: Literal["sqlite", "postgres"] = "sqlite"
-    # postgres: a cluster `crucible up` creates under <state_dir>/postgres and runs on 127.0.0.1:postgres_port,
-    # as postgres_os_user when crucible runs as root (PostgreSQL refuses to run as root) ...
-    postgres_port: int = Field(default=5433, gt=0, lt=65536)  # beside a system PostgreSQL on 5432 (Debian's main cluster)
-    postgres_os_user: str = "postgres"
-    # ... or an existing server, postgresql://user@host:port (its password from PGPASSWORD or PGPASSFILE)
-    postgres_url: str | None = Field(default=None, pattern=r"^postgres(ql)?://")
-    database_timeout: float = Field(default=10.0, gt=0)  # seconds to reach PostgreSQL before `up` fails
-    # MLflow's artifact store (a local path or a URI such as s3://bucket/mlflow); None: <state_dir>/mlflow/artifacts.
-    # The tracking server alone reads and writes it; clients go through the server (infra/artifact_store.py)
-    artifacts_root: str | None = None
-    # an s3:// artifacts_root's options, in storage.options' form: endpoint_url, credentials only as
-    # "${ENV_VAR}" references (resolved into the server's environment when it starts, never stored);
-    # {}: the server's own environment (AWS_ACCESS_KEY_ID, MLFLOW_S3_ENDPOINT_URL, AWS_PROFILE, ...)
-    artifacts_options: dict[str, Any] = {}
-    artifacts_check_timeout: float = Field(default=20.0, gt=0)  # the bucket check before MLflow starts
-    # each option an s3:// artifacts_root takes and the server's environment variable it becomes
-    ARTIFACT_OPTION_ENV: ClassVar[dict[str, str]] = {
-        "endpoint_url": "MLFLOW_S3_ENDPOINT_URL", "key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY",
-        "token": "AWS_SESSION_TOKEN", "client_kwargs.region_name": "AWS_DEFAULT_REGION"}
-
-    @field_validator("postgres_url")
-    @classmethod
-    def _no_password_in_url(cls, url: str | None) -> str | None:
-        from urllib.parse import urlsplit
-
-        if url and urlsplit(url).password is not None:  # the URL goes into service specs, logs and MLflow params
-            raise ValueError("holds a password: give it in PGPASSWORD or a PGPASSFILE instead")
-        return url
-
-    @staticmethod
-    def flat_options(options: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-        """{"client_kwargs": {"region_name": r}} -> {"client_kwargs.region_name": r} (ARTIFACT_OPTION_ENV's keys)."""
-        out: dict[str, Any] = {}
-        for name, value in options.items():
-            is_dict = isinstance(value, dict)
-            out.update(StackConfig.flat_options(value, f"{prefix}{name}.") if is_dict else {prefix + name: value})
-        return out
-
-    @field_validator("artifacts_options")
-    @classmethod
-    def _artifact_options(cls, v: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(cls.flat_options(v)) - set(cls.ARTIFACT_OPTION_ENV))
-        if unknown:  # each option becomes an environment variable of the server: no others have one
-            raise ValueError(f"unsupported {unknown}; the options are {sorted(cls.ARTIFACT_OPTION_ENV)}")
-        bad = literal_secret_options(v)
-        if bad:
-            raise ValueError(f"credentials must be \"${{ENV_VAR}}\" references, not literals: {bad}")
-        return v
-
-    @property
-    def artifacts_on_s3(self) -> bool:
-        """MLflow's artifacts on an object store (infra/artifact_store.py)."""
-        return (self.artifacts_root or "").startswith("s3://")
-
-    @model_validator(mode="after")
-    def _options_need_s3(self) -> "StackConfig":
-        if self.artifacts_options and not self.artifacts_on_s3:
-            raise ValueError("stack.artifacts_options apply to an s3:// stack.artifacts_root only")
-        return self
-
-
-class LineageConfig(Section):
-    namespace: str = "crucible"
-    producer: str = "https://github.com/crucible-ml/crucible"
-    service_host: str = "127.0.0.1"  # the lineage service (python -m infra.services.lineage)
-    service_port: int = Field(default=5055, gt=0, lt=65536)
-    service_db: str = "lineage.db"  # SQLite store; relative to stack.state_dir unless absolute
-    replay_batch_size: int = Field(default=500, gt=0)  # events per POST when replaying a lineage.jsonl
-    # Events always go to runs/<run>/lineage.jsonl (the record); also over HTTP, best effort, to
-    # http_url (e.g. Marquez, http://127.0.0.1:9000) or, when unset, to the stack's lineage service.
-    http_enabled: bool = True
-    http_url: str | None = Field(default=None, pattern=r"^https?://")
-    http_timeout: float = Field(default=5.0, gt=0)  # seconds per HTTP request
-    owner: str | None = "team:crucible"  # `ownership` facet of jobs and produced datasets; null: none
-    # reads of the lineage service: public (the auditors' page works) or only with the read token
-    # (a 0600 file in the state directory; API clients only). Writes always need the write token.
-    public_reads: bool = True
-
-
 # Dense BF16 peaks from the vendors' datasheets; prices are rough on-demand USD per GPU-hour.
 DEFAULT_GPUS: dict[str, dict[str, float]] = {
     "h100": {"peak_bf16_flops": 989e12, "memory_gb": 80, "price_per_hour": 3.00},  # SXM
@@ -987,8 +878,6 @@ class PipelineConfig(Section):
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     deploy: DeployConfig = DeployConfig()
-    stack: StackConfig = StackConfig()
-    lineage: LineageConfig = LineageConfig()
     plan: PlanConfig = PlanConfig()
     energy: EnergyConfig = EnergyConfig()
     quality: QualityConfig = QualityConfig()
@@ -997,6 +886,14 @@ class PipelineConfig(Section):
     # validate too, so configs round-trip through model_dump/model_validate as every other section
     continue_: ContinueConfig = Field(default_factory=ContinueConfig, alias="continue",
                                       validation_alias=AliasChoices("continue", "continue_"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _without_infra_sections(cls, data: Any) -> Any:
+        # a subclass that has them as fields (infra.settings.CrucibleConfig) keeps and validates them
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if k in cls.model_fields or k not in INFRA_SECTIONS}
+        return data
 
     @model_validator(mode="after")
     def _layout_fits(self) -> "PipelineConfig":
@@ -1068,7 +965,10 @@ def _format_errors(err: ValidationError) -> str:
     return "invalid config:\n" + "\n".join(lines)
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
+def load_config(path: str | Path, overrides: list[str] | None = None,
+                model: type[PipelineConfig] = PipelineConfig) -> PipelineConfig:
+    """The YAML file at `path` with `overrides` applied, validated as `model` (the stage layer's
+    sections; infra.settings.load_config: the whole file, the stack's sections too)."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
@@ -1082,6 +982,6 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Pipelin
     if os.environ.get(DATA_ROOT_ENV):
         raw["data_root"] = os.environ[DATA_ROOT_ENV]
     try:
-        return PipelineConfig.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_format_errors(e)) from None

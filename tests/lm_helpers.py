@@ -17,6 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from infra.settings import CrucibleConfig
 from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, PipelineConfig
 
 DATA_DIR = Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
@@ -74,7 +75,7 @@ def tiny_cfg(**sections) -> PipelineConfig:
     }
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)
-    return PipelineConfig.model_validate(raw)
+    return CrucibleConfig.model_validate(raw)  # the whole file: stack= and lineage= sections too
 
 
 def _cached(marker: Path, build) -> dict:

@@ -83,7 +83,7 @@ def test_status_json_of_a_stopped_stack(tmp_path):
 
 def test_state_dir_from_env_overrides_config(tmp_path, monkeypatch):
     from infra import stack
-    from tasks.config import StackConfig
+    from infra.settings import StackConfig
 
     cfg = StackConfig(state_dir="relative-state")
     monkeypatch.delenv(stack.STATE_DIR_ENV, raising=False)
@@ -93,7 +93,7 @@ def test_state_dir_from_env_overrides_config(tmp_path, monkeypatch):
     assert stack.state_dir(cfg) == (tmp_path / "from-env").resolve()
     assert stack.client_env(cfg)[stack.STATE_DIR_ENV] == str((tmp_path / "from-env").resolve())
     # the lineage service's database lives in the state directory unless given as an absolute path
-    from tasks.config import LineageConfig
+    from infra.settings import LineageConfig
 
     assert stack.lineage_db(cfg) == (tmp_path / "from-env" / "lineage.db").resolve()
     assert stack.lineage_db(cfg, LineageConfig(service_db=str(tmp_path / "x.db"))) == tmp_path / "x.db"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from infra.settings import CrucibleConfig
 from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, ContinueConfig, PipelineConfig
 
 WEB = Path(__import__("os").environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT) / "web"
@@ -42,7 +43,7 @@ def write_warc(out: Path, records: list) -> None:
 
 
 def config(tmp: Path) -> PipelineConfig:
-    return PipelineConfig.model_validate({
+    return CrucibleConfig.model_validate({
         "name": "cont", "run_root": str(tmp / "runs"),
         "sources": [{"name": "landing", "uri": str(tmp / "landing" / "*.warc.gz"), "format": "warc",
                      "licence": "GPL-2.0+ OR CC-BY-SA-3.0; PSF-2.0; GPL-2.0", "provenance": "docs crawl deliveries"}],
@@ -577,7 +578,7 @@ def test_crucible_up_registers_the_schedule_and_crucible_schedule_changes_it(tmp
             "deploy-model/deploy-model"}, services
         api = f"http://127.0.0.1:{raw['stack']['prefect_port']}/api"
         from infra import stack
-        from tasks.config import StackConfig
+        from infra.settings import StackConfig
 
         headers = stack.prefect_headers(StackConfig(state_dir=raw["stack"]["state_dir"]))
         assert httpx.post(f"{api}/deployments/filter", timeout=30, json={}).status_code == 401  # auth is on

@@ -19,7 +19,8 @@ from infra import stack
 from infra.services.model_server.server import create_app
 from infra.services.model_server.supervisor import serve_model, server_status, start_or_refresh_server, verify_model
 from lm_helpers import random_checkpoint, sample_tokenizer
-from tasks.config import DeployConfig, PipelineConfig, StackConfig
+from infra.settings import CrucibleConfig, StackConfig
+from tasks.config import DeployConfig, PipelineConfig
 from tasks.core.net import free_port
 from tasks.deploy import deploy_if_better, gate
 from tasks.deploy.gate import read_gate_record
@@ -137,7 +138,7 @@ def test_registry_champion_alias_and_gate(tiny, mlflow_store):
 
 
 def _pipeline_cfg(tmp_path: Path, **deploy) -> PipelineConfig:
-    return PipelineConfig.model_validate({
+    return CrucibleConfig.model_validate({
         "name": "t", "run_root": str(tmp_path / "runs"),
         "sources": [{"name": "s", "uri": "x.jsonl", "format": "jsonl", "licence": "CC0", "provenance": "test"}],
         "deploy": {"max_val_loss": 8.0, **deploy},

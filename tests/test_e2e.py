@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from infra import stack
-from tasks.config import DeployConfig, StackConfig
+from infra.settings import StackConfig
+from tasks.config import DeployConfig
 from tasks.core.net import free_port
 from tasks.lineage.validate import event_errors, read_events
 

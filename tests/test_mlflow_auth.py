@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from infra import stack
-from tasks.config import StackConfig
+from infra.settings import StackConfig
 from tasks.core.constants import MLFLOW_PASSWORD_FILE_ENV, MLFLOW_USERNAME
 from tasks.core.net import free_port
 

@@ -24,7 +24,8 @@ from infra import stack
 from infra.services.model_server import supervisor
 from infra.services.model_server.server import create_app
 from lm_helpers import random_checkpoint, sample_tokenizer
-from tasks.config import DeployConfig, StackConfig
+from infra.settings import StackConfig
+from tasks.config import DeployConfig
 from tasks.core.net import free_port
 from tasks.deploy.generation import TextGenerator
 

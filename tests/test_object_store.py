@@ -18,7 +18,7 @@ import yaml
 
 from infra import stack
 from s3_helpers import moto_s3
-from tasks.config import load_config
+from infra.settings import load_config
 from tasks.core.net import free_port
 from test_e2e import CRUCIBLE, REPO
 from test_postgres import LEAN, TINY

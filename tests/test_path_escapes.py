@@ -81,7 +81,7 @@ def test_an_event_cannot_reach_another_store_working_copy_with_dot_dot(tmp_path,
     it starts with; `..` in the rest of it would climb into another registered store's copy."""
     from flows.triggers import trusted_run_paths
     from infra import stack
-    from tasks.config import StackConfig
+    from infra.settings import StackConfig
     from tasks.deploy.triggered import ForgedClaim
 
     monkeypatch.setattr(storage, "_STORES", {})

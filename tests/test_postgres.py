@@ -19,7 +19,8 @@ import yaml
 
 from infra import database, stack
 from s3_helpers import KEY_VAR, SECRET_VAR, moto_s3
-from tasks.config import ConfigError, StackConfig, load_config
+from infra.settings import StackConfig, load_config
+from tasks.config import ConfigError
 from tasks.core.net import free_port
 from test_e2e import CRUCIBLE, REPO, _prefect_runs
 

@@ -17,6 +17,7 @@ import pytest
 from mlflow import MlflowClient
 
 from attack_helpers import WritesMarker
+from infra.settings import CrucibleConfig
 from tasks.config import PipelineConfig
 
 
@@ -36,7 +37,7 @@ def store(tmp_path_factory):
 
 
 def _cfg(root: Path, name: str) -> PipelineConfig:
-    cfg = PipelineConfig.model_validate({
+    cfg = CrucibleConfig.model_validate({
         "name": "t", "run_root": str(root / "runs"),
         "sources": [{"name": "s", "uri": "x.jsonl", "format": "jsonl", "licence": "CC0", "provenance": "test"}],
         "deploy": {"max_val_loss": 8.0, "serve": False, "model_name": name},

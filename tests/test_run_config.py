@@ -15,7 +15,7 @@ from flows.run_context import register_config
 from flows.triggers import _load_cfg, run_paths
 from infra import stack
 from lm_helpers import tiny_cfg
-from tasks.config import StackConfig
+from infra.settings import StackConfig
 from tasks.core.layout import RunLayout
 from tasks.deploy.triggered import ForgedClaim
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from infra import stack
-from tasks.config import LineageConfig, StackConfig
+from infra.settings import LineageConfig, StackConfig
 from tasks.core.constants import MLFLOW_USERNAME
 from tasks.core.net import free_port
 

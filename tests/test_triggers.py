@@ -21,7 +21,7 @@ import torch
 from flows.triggers import evaluate_task, retried, run_paths
 from infra import stack
 from lm_helpers import tiny_cfg, tokenizer_artifact, tokens_artifact
-from tasks.config import StackConfig
+from infra.settings import StackConfig
 from tasks.core.hashing import sha256_file
 from tasks.core.layout import RunLayout
 from tasks.core.net import free_port
@@ -327,7 +327,7 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
         assert mv.tags["data.licences"] and mv.tags["lineage.checkpoint_node"].endswith(mv.tags["checkpoint"])
 
         # what a pretrain flow with the stack up collects instead of evaluating/deploying again
-        from tasks.config import PipelineConfig
+        from infra.settings import CrucibleConfig
         from tasks.deploy.triggered import await_deployment, await_evaluation, flow_run_failed
         from tasks.evaluate.compare import table_key
 
@@ -350,7 +350,7 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
         reports = [await_evaluation(RunLayout(run_dir), p, 5) for p in ckpts]
         assert all(r and r["gate"]["reason"] for r in reports)
         assert flow_run_failed("evaluate-checkpoint", ckpts[0]) is None
-        cfg = PipelineConfig.model_validate_json((run_dir / "config.json").read_text())
+        cfg = CrucibleConfig.model_validate_json((run_dir / "config.json").read_text())
         best = min(reports, key=lambda r: r["val_loss"])
         deployed = await_deployment(cfg, store, RunLayout(run_dir), best, 120)  # every passing one's deploy
         champ = client.get_model_version_by_alias("trig-model", "champion")
@@ -399,7 +399,7 @@ def test_without_triggers_the_pretrain_subflows_evaluate_and_deploy_directly(tmp
 
     from flows.pretrain import deploy, evaluate
     from flows.triggers import triggers_active
-    from tasks.config import PipelineConfig
+    from infra.settings import CrucibleConfig
     from tasks.evaluate.compare import table_key
     from flows.run_context import RunContext
     from tasks.tracking import Tracker
@@ -409,7 +409,7 @@ def test_without_triggers_the_pretrain_subflows_evaluate_and_deploy_directly(tmp
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     store = f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"
     run_dir, ckpts = _make_run(tmp_path_factory.getbasetemp() / "lm", tmp_path, store)
-    cfg = PipelineConfig.model_validate_json((run_dir / "config.json").read_text())
+    cfg = CrucibleConfig.model_validate_json((run_dir / "config.json").read_text())
     MlflowClient(tracking_uri=store).create_experiment(cfg.name, artifact_location=(tmp_path / "art").as_uri())
     tracker = Tracker(store, cfg.name)
     parent = tracker.start_run("trig-run")
@@ -447,7 +447,7 @@ def test_triggered_flow_runs_emit_lineage_parented_to_the_training_run(tmp_path,
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.triggers import deploy_model_flow, evaluate_checkpoint_flow
-    from tasks.config import PipelineConfig
+    from infra.settings import CrucibleConfig
     from tasks.deploy.triggered import ForgedClaim
     from tasks.lineage import JobRef, LineageEmitter, dataset_for_path
     from tasks.lineage.validate import event_errors, read_events
@@ -462,7 +462,7 @@ def test_triggered_flow_runs_emit_lineage_parented_to_the_training_run(tmp_path,
     stack.register_run_root(StackConfig(state_dir=str(tmp_path / "state")), tmp_path / "runs")
     stack.register_run_config(StackConfig(state_dir=str(tmp_path / "state")), run_dir,
                               json.loads((run_dir / "config.json").read_text()))
-    cfg = PipelineConfig.model_validate_json((run_dir / "config.json").read_text())
+    cfg = CrucibleConfig.model_validate_json((run_dir / "config.json").read_text())
     # the pretrain run's lineage so far: its root run and the torchrun job still training
     log = RunLayout(run_dir).lineage_log
     em = LineageEmitter(log, cfg.lineage.namespace, cfg.lineage.producer)

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from infra import stack
-from tasks.config import load_config
+from infra.settings import load_config
 from tasks.core.net import free_port
 from test_e2e import CRUCIBLE, REPO
 from test_postgres import LEAN, lean_config

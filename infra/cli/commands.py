@@ -22,7 +22,7 @@ def fail(msg: str, code: int = 2) -> int:
 
 
 def _load(path: str, overrides: list[str]):
-    from tasks.config import load_config
+    from infra.settings import load_config
 
     return load_config(path, overrides)
 
@@ -46,7 +46,8 @@ def _config_path(args) -> str | None:
 
 def _stack_sections(args):
     """(stack, deploy, lineage sections) from the config (_config_path); the defaults if there is none."""
-    from tasks.config import DeployConfig, LineageConfig, StackConfig, apply_overrides
+    from infra.settings import LineageConfig, StackConfig
+    from tasks.config import DeployConfig, apply_overrides
 
     path = _config_path(args)
     if path is not None:

@@ -49,7 +49,7 @@ def load_dedup_config(path: str | Path | None) -> DedupConfig:
         return DedupConfig()
     raw = yaml.safe_load(Path(path).read_text()) or {}
     if "sources" in raw:
-        from tasks.config import load_config
+        from infra.settings import load_config
 
         return load_config(path).curate.dedup
     if "curate" in raw:

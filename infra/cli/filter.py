@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _curate_config(args):
-    from tasks.config import CurateConfig, apply_overrides, load_config
+    from infra.settings import load_config
+    from tasks.config import CurateConfig, apply_overrides
 
     if args.config:
         cur = load_config(args.config, list(args.overrides or [])).curate

@@ -114,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = None
         if args.config:
-            from tasks.config import ConfigError, load_config
+            from infra.settings import load_config
+            from tasks.config import ConfigError
 
             try:
                 cfg = load_config(args.config).plan

@@ -49,7 +49,8 @@ def langid_only(cfg: PipelineConfig) -> PipelineConfig:
     cur.dedup.lines.enabled = False
     c.quality.classifier.enabled = False
     c.quality.kenlm.enabled = False
-    return PipelineConfig.model_validate(c.model_dump())
+    # type(cfg): a config with the stack's sections (infra.settings.CrucibleConfig) keeps them
+    return type(cfg).model_validate(c.model_dump())
 
 
 def eval_tokens(cfg: PipelineConfig, tokenizer_path: Path) -> np.ndarray:

@@ -175,4 +175,5 @@ def cycle_config(cfg: PipelineConfig, discovery: Discovery, champion: Champion |
                          warmup_steps=train["warmup_steps"] if c.rewarm_steps is None else c.rewarm_steps, **common)
         log.info("cycle schedule: %s from %s (%s)", "wsd" if start is not None else "rewarm_cosine",
                  train["init_from"], why)
-    return PipelineConfig.model_validate(data)
+    # type(cfg): a config with the stack's sections (infra.settings.CrucibleConfig) keeps them
+    return type(cfg).model_validate(data)

@@ -44,3 +44,5 @@ PRETRAIN_FLOW = "pretrain"
 CURATION_FLOW = "curation"
 # the local stack's `process` work pool: its worker (infra/stack.py) runs every deployment above
 WORK_POOL = "crucible"
+# the OpenLineage namespace of Crucible's jobs unless lineage.namespace says otherwise (infra/settings.py)
+LINEAGE_NAMESPACE = "crucible"

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from tasks.config import PipelineConfig
+from tasks.core.constants import LINEAGE_NAMESPACE
 from tasks.core.layout import RunLayout
 from tasks.lineage import dataset_for_path
 
@@ -75,6 +76,7 @@ class StageContext:
     verify_model: Callable[..., str] | None = None
     model_server_status: Callable[[], dict | None] | None = None  # the running server's {url, pid, healthy}
     lineage: Any = None  # the stage run's lineage handle (training parents its torchrun run to it)
+    lineage_namespace: str = LINEAGE_NAMESPACE  # of the run's jobs (the stack's lineage.namespace)
     worker_module: str | None = None  # training: the torchrun entry module (None: the plain worker)
 
     def stage_dir(self, stage: str) -> Path:

@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from tasks.core.constants import LINEAGE_NAMESPACE
 from tasks.core.layout import RunLayout
 from tasks.deploy.gate import gate
 
@@ -46,17 +47,18 @@ def api_headers(deploy_cfg) -> dict:
     return {}
 
 
-def lineage_tags(cfg, evaluation: dict, tokenizer_path: Path) -> dict:
+def lineage_tags(cfg, evaluation: dict, tokenizer_path: Path, namespace: str = LINEAGE_NAMESPACE) -> dict:
     """Model-version tags naming the data the model came from: the sources and their licences, the
     run's lineage log and the checkpoint's lineage node (open it in the lineage service), the
-    tokenizer / val-split hashes (from the evaluation report) and the token index's hash."""
+    tokenizer / val-split hashes (from the evaluation report) and the token index's hash.
+    `namespace`: the lineage namespace of the run's jobs (the stack's lineage.namespace)."""
     from tasks.core.hashing import sha256_file
     from tasks.lineage.emitter import file_node
 
     ckpt = Path(evaluation["checkpoint"]).resolve()
     tags = {"data.sources": "; ".join(f"{s.name} ({s.licence}; {s.provenance})" for s in cfg.sources),
             "data.licences": ", ".join(sorted({s.licence for s in cfg.sources})),
-            "lineage.namespace": cfg.lineage.namespace, "lineage.checkpoint_node": file_node(ckpt),
+            "lineage.namespace": namespace, "lineage.checkpoint_node": file_node(ckpt),
             "lineage.tokenizer_node": file_node(tokenizer_path), "run_name": evaluation.get("run_name")}
     if RunLayout.is_run_checkpoint(ckpt):
         layout = RunLayout.of_checkpoint(ckpt)
@@ -101,7 +103,8 @@ def check_served(deploy_cfg, endpoint: str, step, headers: dict | None = None) -
 
 def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: Path,
                      train_run_id: str | None = None, serve_model: ServeModel | None = None,
-                     server_status: ServerStatus | None = None, verify_model: VerifyModel | None = None) -> dict:
+                     server_status: ServerStatus | None = None, verify_model: VerifyModel | None = None,
+                     lineage_namespace: str = LINEAGE_NAMESPACE) -> dict:
     """Gate `evaluation` (an evaluate-stage report: checkpoint, val_loss, ...): below
     deploy.max_val_loss and, with a champion, better than it on the fixed yardstick
     (tasks/deploy/yardstick.gate_evaluation). Pass: register it as `challenger` (tagged with the
@@ -115,7 +118,8 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
     serve_model / verify_model(cfg, checkpoint_dir, tokenizer_path, model_name, version,
     tracking_uri): the stack's model-server supervisor (None: nothing is served here, as with
     deploy.serve=false). server_status() -> {"url", "pid", "healthy"} | None reports the
-    running server (None: no endpoint is reported when nothing new is served).
+    running server (None: no endpoint is reported when nothing new is served). lineage_namespace:
+    the run's (tagged on the version).
 
     Returns {"passed", "reason", "model_name", "val_loss", "checkpoint", "champion_version",
     "champion_val_loss", "version", "alias", "content_hash", "source", "endpoint", "pid",
@@ -164,7 +168,7 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
         result.update(_live_server(server_status))
         return result
 
-    tags = lineage_tags(cfg, evaluation, Path(tokenizer_path))
+    tags = lineage_tags(cfg, evaluation, Path(tokenizer_path), lineage_namespace)
     if yardstick:
         tags |= yardstick_tags(yardstick)
         tags |= score_tags(yardstick["set"]["sha256"], yardstick["challenger"]["bits_per_byte"])

@@ -39,7 +39,8 @@ class DeployStage(Stage):
         if data is None:
             data = deploy_if_better(cfg, ctx.tracking_uri, inputs.evaluation, Path(inputs.tokenizer),
                                     inputs.train_run_id, serve_model=ctx.serve_model, verify_model=ctx.verify_model,
-                                    server_status=ctx.model_server_status)
+                                    server_status=ctx.model_server_status,
+                                    lineage_namespace=ctx.lineage_namespace)
         read = self.input_datasets(cfg, inputs) if ctx.triggered and not data.get("deployed_by") else []
         yardstick = data.get("yardstick")
         reports = []

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from tasks.config import LineageConfig
+from infra.settings import LineageConfig
 
 
 def main(argv: list[str] | None = None) -> int:
