@@ -36,10 +36,10 @@ def _escapes(tmp_path) -> list:
 
 def test_planted_keys_with_dot_dot_are_never_written_outside_the_working_copy(tmp_path, monkeypatch):
     """RunStore.sync_down, RunStore.pull, a Ray job's input folder (_fetch_dir) and a checkpoint's
-    download (tasks.train.remote.download) over a bucket holding objects whose keys climb out
+    download (tasks.core.fs.download) over a bucket holding objects whose keys climb out
     (PathEscape, where refused loudly, is a ValueError)."""
     from s3_helpers import moto_s3
-    from tasks.train import remote
+    from tasks.core import fs
 
     with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
         monkeypatch.setattr(storage, "_STORES", {})
@@ -59,7 +59,7 @@ def test_planted_keys_with_dot_dot_are_never_written_outside_the_working_copy(tm
         dest = storage._fetch_dir(store.fs(), store.uri("r1/evaluate"), tmp_path / "job" / "in" / "x" / "y")
         assert (dest / "ok.txt").is_file() and _escapes(tmp_path) == []
         with pytest.raises(ValueError):  # a checkpoint folder with a planted key is refused whole
-            remote.download(store.uri("r1/evaluate"), tmp_path / "ckpt" / "a" / "b" / "c", s3.options)
+            fs.download(store.uri("r1/evaluate"), tmp_path / "ckpt" / "a" / "b" / "c", s3.options)
         assert _escapes(tmp_path) == []
 
 

@@ -2,8 +2,6 @@
 later sync downloads again."""
 from __future__ import annotations
 
-import json
-import shutil
 
 from s3_helpers import moto_s3
 from tasks.core import storage
@@ -93,8 +91,7 @@ def test_a_node_cache_keeps_to_its_bound_as_jobs_stage_inputs(tmp_path, monkeypa
 
 
 def test_the_record_is_kept_per_run_and_a_run_s_updates_leave_the_others_alone(tmp_path, monkeypatch):
-    """A job's outputs pulled into one run rewrite that run's record only; a working copy recorded
-    in the single file of before is split on first use, nothing lost."""
+    """A job's outputs pulled into one run rewrite that run's record only."""
     monkeypatch.setattr(storage, "_STORES", {})
     with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
         store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
@@ -113,15 +110,3 @@ def test_the_record_is_kept_per_run_and_a_run_s_updates_leave_the_others_alone(t
         assert (records / "r1.json").stat().st_ino == before
         assert store.recorded("r2/curate/part-1.parquet") and store.recorded("r1/curate/part-0.parquet")
 
-        # the single file of before: split, and what it recorded still counts (nothing pushed again)
-        merged = {k: v for p in records.glob("*.json") for k, v in json.loads(p.read_text()).items()}
-        shutil.rmtree(records)
-        (store.local_root / ".crucible-store.json").write_text(json.dumps(merged))
-        assert store.push()["uploaded"] == 0
-        assert not (store.local_root / ".crucible-store.json").exists()
-        assert sorted(p.name for p in records.glob("*.json")) == [".continue.json", "r1.json", "r2.json"]
-        # an old file written again (a process of before) beside the split records: merged, the
-        # split records' entries winning, none lost
-        (store.local_root / ".crucible-store.json").write_text(json.dumps({"r1/curate/part-0.parquet": [1, 2]}))
-        assert store.recorded("r1/curate/part-0.parquet") == merged["r1/curate/part-0.parquet"]
-        assert store.recorded("r2/curate/part-1.parquet") == merged["r2/curate/part-1.parquet"]

@@ -23,20 +23,34 @@ A missing object or a bucket the credentials may not read raises FileNotFoundErr
 PermissionError naming the URI (never a credential).
 
 s3:// needs the optional extra `s3` (s3fs); without it `S3ExtraMissing` says so.
+
+Paths under run_root, local or on a store, share one access layer (the rest of this module): a
+location is a local `Path` or, on a store, a URI string (`location` turns a command-line or config
+value into one), and `join`, `name_of`, `parent_of`, `is_file`, `read_text`, `write_text`, `remove`,
+`files`, `sha256`, `remove_tree`, `download`, `download_file` and `upload` take either, so code that
+reads and writes run files (training's checkpoints, the triggered flows) is written once, as
+datatrove's DataFolder is one fsspec wrapper for local and remote folders. On a store they use the
+fsspec file system of `storage.options` with fresh listings: other ranks, nodes and machines write
+under the same prefix, and fsspec would otherwise answer from its listing cache. Keys from a
+listing become local paths only through `safe_join`.
 """
 from __future__ import annotations
 
 import glob
+import hashlib
 import io
 import os
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from tasks.config import ENV_REF
+from tasks.core.hashing import sha256_file
 
 _URL = re.compile(r"^([a-z][a-z0-9+.\-]*)://")
 _CHUNK = 1 << 20
+READ_CHUNK = _CHUNK
+RANGED_READ = 8 * _CHUNK  # the block of a ranged read from a store: 8 MiB (s3fs's own default is 50 MiB)
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
@@ -51,6 +65,11 @@ def protocol(uri: str) -> str:
 
 def is_local(uri: str) -> bool:
     return protocol(uri) == "file"
+
+
+def is_remote(uri: str | Path) -> bool:
+    """A URI string of a protocol other than file:// (a Path is always local)."""
+    return isinstance(uri, str) and protocol(uri) != "file"
 
 
 def local_path(uri: str) -> str:
@@ -169,7 +188,7 @@ def open_source(uri: str, storage_options: dict[str, Any] | None = None) -> io.B
         if proto in ("http", "https"):
             return io.BufferedReader(_RawFile(fs.open(uri, "rb", block_size=0), seekable=False), _CHUNK)
         # ranged reads of default_block_size when the source sets it, else 8 MiB (s3fs's own default is 50 MiB)
-        block = None if "default_block_size" in (storage_options or {}) else 8 * _CHUNK
+        block = None if "default_block_size" in (storage_options or {}) else RANGED_READ
         return io.BufferedReader(_RawFile(fs.open(uri, "rb", block_size=block), seekable=True), _CHUNK)
     except PermissionError as e:
         raise _denied(uri, e) from e
@@ -199,3 +218,144 @@ def file_identity(uri: str, storage_options: dict[str, Any] | None = None) -> li
     stamp = next((str(info[k]) for k in ("ETag", "etag", "LastModified", "last_modified", "mtime") if info.get(k)),
                  None)
     return [uri, info.get("size"), stamp]
+
+
+# ---- one access layer for run files, local or on a store ---------------------------------------------
+
+
+class PathEscape(ValueError):
+    """A key or relative path from outside (an object-store listing, an index, an event) that would
+    leave the folder it belongs under: refused, never written or read."""
+
+
+def safe_join(root: str | Path, relative: str | PurePosixPath) -> Path:
+    """`root / relative` for a store key or run-relative path that came from outside; PathEscape for
+    one that is absolute, has a `..` part or a NUL, or whose place (symbolic links followed) is not
+    under `root`. An object key may hold `../` (S3 stores it as given): used as a path unchecked, it
+    writes outside the local folder before anything is verified."""
+    rel = str(relative)
+    if "\0" in rel:
+        raise PathEscape(f"refused: {rel!r} holds a NUL byte")
+    parts = PurePosixPath(rel).parts
+    if rel.startswith(("/", "\\")) or PurePosixPath(rel).is_absolute() or ".." in parts:
+        raise PathEscape(f"refused: {rel!r} is not a path inside {root} (absolute, or with a '..' part)")
+    base = Path(root)
+    joined = base.joinpath(*[p for p in parts if p != "."])
+    if not joined.resolve().is_relative_to(base.resolve()):  # a symbolic link on the way leads out
+        raise PathEscape(f"refused: {rel!r} leads outside {root} (through a symbolic link)")
+    return joined
+
+
+def location(value: str | Path) -> Path | str:
+    """A path or URI as given: a remote URI stays a string (without a trailing /), anything else
+    (a local path, a file:// URI) becomes a Path."""
+    if isinstance(value, Path):
+        return value
+    return value.rstrip("/") if is_remote(value) else Path(local_path(value))
+
+
+def join(base: Path | str, *parts: str) -> Path | str:
+    if is_remote(base):
+        return "/".join([base.rstrip("/"), *parts])
+    return Path(base).joinpath(*parts)
+
+
+def name_of(loc: Path | str) -> str:
+    return loc.rstrip("/").rsplit("/", 1)[-1] if is_remote(loc) else Path(loc).name
+
+
+def parent_of(loc: Path | str) -> Path | str:
+    return loc.rstrip("/").rsplit("/", 1)[0] if is_remote(loc) else Path(loc).parent
+
+
+def store_fs(uri: str, options: dict | None):
+    """The file system of `uri` with its listing cache dropped (other processes write there too)."""
+    fs = filesystem(protocol(uri), options)
+    fs.invalidate_cache()
+    return fs
+
+
+def is_file(loc: Path | str, options: dict | None = None) -> bool:
+    return store_fs(loc, options).isfile(loc) if is_remote(loc) else Path(loc).is_file()
+
+
+def read_text(loc: Path | str, options: dict | None = None) -> str:
+    if is_remote(loc):
+        return store_fs(loc, options).cat_file(loc).decode("utf-8")
+    return Path(loc).read_text()
+
+
+def write_text(loc: Path | str, text: str, options: dict | None = None) -> None:
+    """On a store one PUT: a reader sees the old object or the whole new one, never a part."""
+    if is_remote(loc):
+        store_fs(loc, options).pipe_file(loc, text.encode("utf-8"))
+    else:
+        Path(loc).write_text(text)
+
+
+def remove(loc: Path | str, options: dict | None = None) -> None:
+    """Delete a file; one that is not there is fine."""
+    if not is_remote(loc):
+        Path(loc).unlink(missing_ok=True)
+        return
+    try:
+        store_fs(loc, options).rm_file(loc)
+    except FileNotFoundError:
+        pass
+
+
+def files(loc: Path | str, options: dict | None = None) -> dict[str, int]:
+    """Every file under the directory `loc` (recursively): relative path -> size, in sha256_tree's
+    order (by path parts). Empty when there is none."""
+    if not is_remote(loc):
+        root = Path(loc)
+        found = sorted(p for p in root.rglob("*") if p.is_file())
+        return {str(p.relative_to(root)): p.stat().st_size for p in found}
+    prefix = loc.split("://", 1)[1].rstrip("/") + "/"
+    try:
+        found = store_fs(loc, options).find(loc, detail=True)
+    except FileNotFoundError:
+        return {}
+    out = {k[len(prefix):]: int(info.get("size") or 0) for k, info in found.items()
+           if k.startswith(prefix) and not k.endswith("/") and info.get("type", "file") == "file"}
+    return dict(sorted(out.items(), key=lambda kv: PurePosixPath(kv[0]).parts))
+
+
+def sha256(loc: Path | str, options: dict | None = None) -> str:
+    """A file's sha256; on a store streamed in ranged reads (nothing is kept)."""
+    if not is_remote(loc):
+        return sha256_file(loc)
+    h = hashlib.sha256()
+    with store_fs(loc, options).open(loc, "rb", block_size=RANGED_READ) as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def remove_tree(uri: str, options: dict | None = None) -> None:
+    """Delete every object under the prefix `uri`."""
+    keys = [join(uri, rel) for rel in files(uri, options)]
+    if keys:
+        store_fs(uri, options).rm(keys)
+
+
+def download(uri: str, dest: Path, options: dict | None = None) -> Path:
+    """Every object under the prefix `uri` into the local directory `dest` (created), fetched
+    concurrently; returns dest. A key that would leave `dest` (`../` in it) is refused (PathEscape)
+    before anything is written."""
+    dest.mkdir(parents=True, exist_ok=True)
+    found = files(uri, options)
+    targets = {rel: safe_join(dest, rel) for rel in found}
+    for target in targets.values():
+        target.parent.mkdir(parents=True, exist_ok=True)
+    if targets:
+        store_fs(uri, options).get([join(uri, rel) for rel in targets], [str(t) for t in targets.values()])
+    return dest
+
+
+def download_file(uri: str, dest: Path, options: dict | None = None) -> None:
+    store_fs(uri, options).get_file(uri, str(dest))
+
+
+def upload(local: Path, uri: str, options: dict | None = None) -> None:
+    store_fs(uri, options).put_file(str(local), uri)

@@ -42,7 +42,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Iterator
 from urllib.parse import quote, unquote
 
-from tasks.core.fs import filesystem, protocol
+from tasks.core.fs import PathEscape, filesystem, is_remote, protocol, safe_join  # noqa: F401 - re-exported
 
 log = logging.getLogger("crucible.storage")
 
@@ -52,35 +52,11 @@ COMMIT_FILES = ("manifest.json", "index.json", "summary.json", "meta.json", ".co
 # key, one file per top-level folder (a run), so that a run's many small updates never rewrite the
 # records of every run under run_root
 _STATE_DIR = ".crucible-store"
-_OLD_STATE = ".crucible-store.json"  # one file for the whole working copy (before the split)
 _LOCK = ".crucible-store.lock"
 
 
 class StorageError(RuntimeError):
     """The object store cannot be used: names the URI, the setting and what to check (never a secret)."""
-
-
-class PathEscape(ValueError):
-    """A key or relative path from outside (an object-store listing, an index, an event) that would
-    leave the folder it belongs under: refused, never written or read."""
-
-
-def safe_join(root: str | Path, relative: str | PurePosixPath) -> Path:
-    """`root / relative` for a store key or run-relative path that came from outside; PathEscape for
-    one that is absolute, has a `..` part or a NUL, or whose place (symbolic links followed) is not
-    under `root`. An object key may hold `../` (S3 stores it as given): used as a path unchecked, it
-    writes outside the working copy before anything is verified."""
-    rel = str(relative)
-    if "\0" in rel:
-        raise PathEscape(f"refused: {rel!r} holds a NUL byte")
-    parts = PurePosixPath(rel).parts
-    if rel.startswith(("/", "\\")) or PurePosixPath(rel).is_absolute() or ".." in parts:
-        raise PathEscape(f"refused: {rel!r} is not a path inside {root} (absolute, or with a '..' part)")
-    base = Path(root)
-    joined = base.joinpath(*[p for p in parts if p != "."])
-    if not joined.resolve().is_relative_to(base.resolve()):  # a symbolic link on the way leads out
-        raise PathEscape(f"refused: {rel!r} leads outside {root} (through a symbolic link)")
-    return joined
 
 
 def _listed(root: Path, keys: Iterable[str]) -> dict[str, Path]:
@@ -93,10 +69,6 @@ def _listed(root: Path, keys: Iterable[str]) -> dict[str, Path]:
         except PathEscape as e:
             log.warning("%s: the object is not downloaded", e)
     return out
-
-
-def is_remote(uri: str | Path) -> bool:
-    return isinstance(uri, str) and protocol(uri) != "file"
 
 
 def default_cache_dir() -> Path:
@@ -198,7 +170,6 @@ class RunStore:
         folder = self.local_root / _STATE_DIR
         with open(self.local_root / _LOCK, "a+") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            self._split_old_state(folder)
             if keys is None or any(k in ("", ".") for k in keys):
                 tops = {unquote(p.stem) for p in folder.glob("*.json")}
             else:
@@ -210,19 +181,6 @@ class RunStore:
                     state.update(json.loads(path.read_text()))
             yield state
             _write_records(folder, state, tops)
-
-    def _split_old_state(self, folder: Path) -> None:
-        """A working copy recorded in one file: split into a file per top-level folder."""
-        old = self.local_root / _OLD_STATE
-        if old.exists():
-            state = json.loads(old.read_text())
-            tops = {_top(k) for k in state}
-            for top in tops:  # entries already in the split records are newer: they win
-                path = folder / f"{quote(top, safe='')}.json"
-                if path.exists():
-                    state.update(json.loads(path.read_text()))
-            _write_records(folder, state, tops)
-            old.unlink()
 
     @contextmanager
     def exclusive(self, rel: str, setting: str, timeout: float, stale_after: float = 3600.0) -> Iterator[None]:

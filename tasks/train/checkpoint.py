@@ -81,14 +81,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from tasks.core.fs import resolve_storage_options
+from tasks.core.fs import (download, files, is_file, is_remote, join, location, name_of, parent_of, read_text, remove,
+                           remove_tree, resolve_storage_options, sha256, write_text)
 from tasks.core.io import atomic_write_text
 from tasks.core.layout import CHECKPOINTS_DIR
 from tasks.core.signing import SignatureError, dumps_signed, loads_signed
-from tasks.core.storage import is_remote, store_of_path
+from tasks.core.storage import store_of_path
 from tasks.train.model import GPT, GPTConfig
-from tasks.train.remote import (download, files, is_file, join, location, name_of, parent_of, read_text, remove,
-                                remove_tree, sha256, write_text)
 
 META_FILE = "crucible_checkpoint.json"
 MANIFEST = "checkpoints.json"

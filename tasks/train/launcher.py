@@ -7,8 +7,8 @@ directory must then be on storage every node sees (checkpoints are written by al
 file system, or an object store.
 
 On an object store (out_dir and/or tokens_index fsspec URIs such as s3://bucket/prefix/run/train,
-with cfg.storage.options; tasks/train/remote.py): the token files are staged into the node's cache
-once, before torchrun starts, and the ranks read them from there; checkpoints, their manifest and
+with cfg.storage.options; tasks/core/fs.py): the token files are staged into the node's cache
+once, before torchrun starts (tasks/train/remote.py), and the ranks read them from there; checkpoints, their manifest and
 rank 0's train_log.jsonl / spikes.jsonl go to out_dir. The worker config and the torchrun log are
 written in the node's working directory (remote.run_work_dir, under storage.cache_dir), the log
 streamed there as today, and both are copied to out_dir (config when torchrun starts, log when it exits).
@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 from tasks.config import PipelineConfig
 from tasks.core.constants import REPO_ROOT
 from tasks.core.signing import SIDECAR_SUFFIX
-from tasks.core.storage import is_remote
+from tasks.core.fs import is_file, is_remote, join, location, read_text, upload
 from tasks.train.checkpoint import list_checkpoints
 from tasks.train.metrics import TRAIN_LOG
-from tasks.train.remote import is_file, join, location, read_text, run_work_dir, stage_tokens, upload
+from tasks.train.remote import run_work_dir, stage_tokens
 
 if TYPE_CHECKING:
     from tasks.lineage.torchrun import TorchrunLineage

@@ -1,12 +1,12 @@
-"""Training's files on an object store: `out_dir` and `tokens_index` as fsspec URIs
-(s3://bucket/prefix/run/train, s3://bucket/prefix/run/tokens/index.json).
+"""Training's token files on an object store: the node cache that `tokens_index` as an fsspec URI
+(s3://bucket/prefix/run/tokens/index.json) is read through. Every other file of training (the
+checkpoints, logs and records under `out_dir`) is read and written directly through the one access
+layer of run files, `tasks.core.fs` (DCP writes its shards there through its fsspec writer).
 
-A location is a local `Path` (as before) or, on a store, a URI string (`location` turns a command-line
-or config value into one). `join`, `name_of`, `parent_of`, `is_file`, `read_text`, `write_text`,
-`remove`, `files` and `sha256` take either, so the checkpoint code is written once. On a store they
-use the fsspec file system of `storage.options` (tasks.core.fs.filesystem: "${ENV}" credentials are
-resolved where it is made, so in each torchrun worker), with fresh listings: other ranks and nodes
-write under the same prefix, and fsspec would otherwise answer from its listing cache.
+Why a cache here and nowhere else: training reads random windows of the token files every step,
+and each window from the store is a ranged GET (`benchmarks/results/token_cache.json`: measured
+per-batch read times from the store vs the cached file); a node caches each file once for all its
+ranks and runs.
 
 Node-local files, under storage.cache_dir (default ~/.cache/crucible/store) in node/:
 
@@ -27,136 +27,16 @@ import hashlib
 import json
 import os
 import uuid
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import numpy as np
 
-from tasks.core.fs import file_identity, filesystem, local_path, protocol
-from tasks.core.hashing import sha256_file, sha256_text
-from tasks.core.storage import CacheBound, default_cache_dir, is_remote, prune_cache, safe_join, touch
-
-_CHUNK = 1 << 20
-_BLOCK = 8 * _CHUNK  # ranged reads of 8 MiB (s3fs's own default is 50 MiB)
+from tasks.core.fs import RANGED_READ, READ_CHUNK, file_identity, filesystem, is_remote, join, name_of, parent_of, \
+    protocol, safe_join
+from tasks.core.hashing import sha256_text
+from tasks.core.storage import CacheBound, default_cache_dir, prune_cache, touch
 # the files of a token split that training reads, and the index key of each one's sha256
 SPLIT_FILES = (("path", "sha256"), ("doc_starts", "doc_starts_sha256"), ("doc_sources", "doc_sources_sha256"))
-
-
-def location(value: str | Path) -> Path | str:
-    """A path or URI as given: a remote URI stays a string (without a trailing /), anything else
-    (a local path, a file:// URI) becomes a Path."""
-    if isinstance(value, Path):
-        return value
-    return value.rstrip("/") if is_remote(value) else Path(local_path(value))
-
-
-def join(base: Path | str, *parts: str) -> Path | str:
-    if is_remote(base):
-        return "/".join([base.rstrip("/"), *parts])
-    return Path(base).joinpath(*parts)
-
-
-def name_of(loc: Path | str) -> str:
-    return loc.rstrip("/").rsplit("/", 1)[-1] if is_remote(loc) else Path(loc).name
-
-
-def parent_of(loc: Path | str) -> Path | str:
-    return loc.rstrip("/").rsplit("/", 1)[0] if is_remote(loc) else Path(loc).parent
-
-
-def store_fs(uri: str, options: dict | None):
-    """The file system of `uri` with its listing cache dropped (other processes write there too)."""
-    fs = filesystem(protocol(uri), options)
-    fs.invalidate_cache()
-    return fs
-
-
-def is_file(loc: Path | str, options: dict | None = None) -> bool:
-    return store_fs(loc, options).isfile(loc) if is_remote(loc) else Path(loc).is_file()
-
-
-def read_text(loc: Path | str, options: dict | None = None) -> str:
-    if is_remote(loc):
-        return store_fs(loc, options).cat_file(loc).decode("utf-8")
-    return Path(loc).read_text()
-
-
-def write_text(loc: Path | str, text: str, options: dict | None = None) -> None:
-    """On a store one PUT: a reader sees the old object or the whole new one, never a part."""
-    if is_remote(loc):
-        store_fs(loc, options).pipe_file(loc, text.encode("utf-8"))
-    else:
-        Path(loc).write_text(text)
-
-
-def remove(loc: Path | str, options: dict | None = None) -> None:
-    """Delete a file; one that is not there is fine."""
-    if not is_remote(loc):
-        Path(loc).unlink(missing_ok=True)
-        return
-    try:
-        store_fs(loc, options).rm_file(loc)
-    except FileNotFoundError:
-        pass
-
-
-def _key(uri: str) -> str:
-    return uri.split("://", 1)[1].rstrip("/")
-
-
-def files(loc: Path | str, options: dict | None = None) -> dict[str, int]:
-    """Every file under the directory `loc` (recursively): relative path -> size, in sha256_tree's
-    order (by path parts). Empty when there is none."""
-    if not is_remote(loc):
-        root = Path(loc)
-        found = sorted(p for p in root.rglob("*") if p.is_file())
-        return {str(p.relative_to(root)): p.stat().st_size for p in found}
-    prefix = _key(loc) + "/"
-    try:
-        found = store_fs(loc, options).find(loc, detail=True)
-    except FileNotFoundError:
-        return {}
-    out = {k[len(prefix):]: int(info.get("size") or 0) for k, info in found.items()
-           if k.startswith(prefix) and not k.endswith("/") and info.get("type", "file") == "file"}
-    return dict(sorted(out.items(), key=lambda kv: PurePosixPath(kv[0]).parts))
-
-
-def sha256(loc: Path | str, options: dict | None = None) -> str:
-    """A file's sha256; on a store streamed in ranged reads (nothing is kept)."""
-    if not is_remote(loc):
-        return sha256_file(loc)
-    h = hashlib.sha256()
-    with store_fs(loc, options).open(loc, "rb", block_size=_BLOCK) as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def remove_tree(uri: str, options: dict | None = None) -> None:
-    """Delete every object under the prefix `uri`."""
-    keys = [join(uri, rel) for rel in files(uri, options)]
-    if keys:
-        store_fs(uri, options).rm(keys)
-
-
-def download(uri: str, dest: Path, options: dict | None = None) -> Path:
-    """Every object under the prefix `uri` into the local directory `dest` (created); returns dest.
-    A key that would leave `dest` (`../` in it) is refused (PathEscape) before anything is written."""
-    dest.mkdir(parents=True, exist_ok=True)
-    fs = store_fs(uri, options)
-    found = files(uri, options)
-    targets = {rel: safe_join(dest, rel) for rel in found}
-    for rel, target in targets.items():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fs.get_file(join(uri, rel), str(target))
-    return dest
-
-
-def download_file(uri: str, dest: Path, options: dict | None = None) -> None:
-    store_fs(uri, options).get_file(uri, str(dest))
-
-
-def upload(local: Path, uri: str, options: dict | None = None) -> None:
-    store_fs(uri, options).put_file(str(local), uri)
 
 
 # ---------------------------------------------------------------- node-local files
@@ -216,8 +96,8 @@ def _cached_file(src: str, sha: str | None, size: int | None, cache: Path, optio
     tmp = cache / f".tmp-{uuid.uuid4().hex}-{dest.name}"
     h, n = hashlib.sha256(), 0
     try:
-        with filesystem(protocol(src), options).open(src, "rb", block_size=_BLOCK) as f, open(tmp, "wb") as out:
-            while chunk := f.read(_CHUNK):
+        with filesystem(protocol(src), options).open(src, "rb", block_size=RANGED_READ) as f, open(tmp, "wb") as out:
+            while chunk := f.read(READ_CHUNK):
                 h.update(chunk)
                 out.write(chunk)
                 n += len(chunk)

@@ -71,7 +71,7 @@ def _reading_the_store(cfg):
 def _from_store(data: dict, out_dir: Path) -> dict:
     """run_training's result for a store out_dir, with the checkpoints, the training log and the
     torchrun log synced into the working copy's out_dir and named there (their objects as `*_uris`)."""
-    from tasks.train.remote import name_of
+    from tasks.core.fs import name_of
 
     store = store_of_path(out_dir)
     store.sync_down([store.rel(out_dir)])

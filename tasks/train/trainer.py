@@ -18,9 +18,10 @@ rank (tasks/train/metrics.py rank_layout).
 Rank 0 writes train_log.jsonl and the console lines, logs to MLflow when the job names an MLflow
 run, and reports each published checkpoint and spike action to the event sink (tasks/train/events.py).
 
-out_dir and tokens_index may be object-store URIs (tasks/train/remote.py): the token files are then
-read from this node's cache, checkpoints go to the store (tasks/train/checkpoint.py), and rank 0's
-logs are written in the node's working directory and copied to out_dir after each published
+out_dir and tokens_index may be object-store URIs (read and written through tasks/core/fs.py, the
+run files' one access layer): the token files are then read from this node's cache
+(tasks/train/remote.py), checkpoints go to the store (tasks/train/checkpoint.py), and rank 0's logs
+are written in the node's working directory and copied to out_dir after each published
 checkpoint and at the end (`push_logs`), so a resume on any node continues them.
 """
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from tasks.core.layout import CHECKPOINTS_DIR
-from tasks.core.storage import is_remote
+from tasks.core.fs import download_file, is_file, is_remote, join, name_of, remove, upload, write_text
 from tasks.config import PipelineConfig
 from tasks.tokens.binfile import load_index
 from tasks.train.checkpoint import (MANIFEST, apply_retention, capture_rng_state, init_from_checkpoint,
@@ -58,8 +59,7 @@ from tasks.train.optimizer import OptimizersContainer
 from tasks.train.parallel_dims import MESH_DIMS, ParallelDims
 from tasks.train.parallelize import autocast_context, describe_built, grad_sync_context
 from tasks.train.pipeline import build_pipeline
-from tasks.train.remote import (download_file, is_file, join, name_of, remove, run_work_dir, stage_tokens, upload,
-                                write_text)
+from tasks.train.remote import run_work_dir, stage_tokens
 from tasks.train.schedule import lr_at, schedule_record, set_lr
 from tasks.train.spikes import SpikeDetector
 

@@ -30,9 +30,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from tasks.core.fs import location
 from tasks.train.events import EventSink
 from tasks.train.launcher import read_train_config
-from tasks.train.remote import location
 from tasks.train.trainer import TrainJob, Trainer
 
 
