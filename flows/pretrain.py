@@ -14,8 +14,9 @@ Each task is a registered stage (tasks/registry.py) run by flows/stage_task.py. 
 stack's `pretrain` deployment (the Prefect UI's Run: the stack's worker runs it with the config
 `crucible up` registered; flows/deployments.py). With the stack's worker running the
 event-triggered flows (flows/triggers.py), they evaluate and deploy the checkpoints while training
-runs; `evaluate` and `deploy` then collect their results instead of doing the work again. Without
-them they evaluate and deploy directly.
+runs; `evaluate` and `deploy` then wait on those flow runs through Prefect's client and hand their
+results to the same stage tasks, which report them instead of doing the work again
+(flows/triggered_runs.py). Without them the stage tasks evaluate and deploy directly.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from prefect import flow
 from flows.cli import run_flow_cli
 from flows.run_context import RunContext, new_run_name, open_run, pretrain_scope
 from flows.stage_task import flow_lineage, run_stage_task
+from flows.triggered_runs import collect_deployment, collect_evaluation
 from flows.triggers import triggers_active
 from infra.settings import CrucibleConfig
 from tasks.config import PipelineConfig
@@ -70,8 +72,11 @@ def train(cfg: PipelineConfig, run: RunContext, tokens_index: str, tokenizer: st
 def evaluate(cfg: PipelineConfig, run: RunContext, checkpoints: list[str], tokenizer: str, tokens_index: str,
              train_run_id: str | None = None) -> list[EvalResult]:
     with flow_lineage(cfg, run):
+        # with the stack's triggered flows on, each checkpoint's evaluate-checkpoint run evaluated it:
+        # its report, once that run completed, is the stage's input (flows/triggered_runs.py)
         return [run_stage_task("evaluate", cfg, run, StageInputs(
-            checkpoint=c, tokenizer=tokenizer, tokens_index=tokens_index, train_run_id=train_run_id))
+            checkpoint=c, tokenizer=tokenizer, tokens_index=tokens_index, train_run_id=train_run_id,
+            triggered=collect_evaluation(cfg, run, c) if run.triggered else None))
             for c in checkpoints]
 
 
@@ -81,7 +86,8 @@ def deploy(cfg: PipelineConfig, run: RunContext, evaluations: list[EvalResult], 
     with flow_lineage(cfg, run):
         best = min(evaluations, key=lambda e: e.val_loss)
         return run_stage_task("deploy", cfg, run, StageInputs(
-            evaluation=best.data, tokenizer=tokenizer, train_run_id=train_run_id))
+            evaluation=best.data, tokenizer=tokenizer, train_run_id=train_run_id,
+            triggered=collect_deployment(cfg, run, best.data) if run.triggered else None))
 
 
 @flow(name=PRETRAIN_FLOW)
@@ -95,7 +101,7 @@ def pretrain_dag(cfg: PipelineConfig, run_name: str | None = None, root_job: str
     """The pretrain DAG inside the current flow run (`root_job`: that flow's name; the
     continue-pretraining flow bootstraps its first cycle with it)."""
     # with the stack's worker running the event-triggered flows, they evaluate and deploy each
-    # checkpoint as it is saved; evaluate/deploy below then collect their results instead
+    # checkpoint as it is saved; evaluate/deploy below then wait on those runs and take their results
     run = open_run(cfg, run_name).model_copy(update={"triggered": triggers_active(cfg), "root_job": root_job})
     with pretrain_scope(cfg, run) as summary:
         ingested, curated, scored = curate(cfg, run)

@@ -39,9 +39,10 @@ deploy-model reads the checkpoint, the report and the tokenizer and writes the r
 version and the served model (namespace the server, name models/<name>, version the model version).
 
 With the stack up (`crucible run`, or a run of the pretrain deployment), the pretrain flow leaves
-evaluation and deployment to these flows and waits for their results (triggers_active). Without it
-(plain `python -m flows.pretrain`) none of this runs: the pretrain flow evaluates and deploys its
-checkpoints itself.
+evaluation and deployment to these flows (triggers_active), waits on their flow runs through
+Prefect's client and hands what they recorded to its evaluate and deploy stage tasks
+(flows/triggered_runs.py). Without it (plain `python -m flows.pretrain`) none of this runs: those
+stage tasks evaluate and deploy the checkpoints themselves.
 """
 from __future__ import annotations
 
@@ -382,7 +383,7 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
                                   serve_model=serve_model, verify_model=verify_model,
                                   server_status=model_server_status(cfg), lineage_namespace=cfg.lineage.namespace)
         record = RunLayout(paths["run_dir"]).triggered_deploy_record(paths["checkpoint"])
-        write_deploy_record(record, result)  # signed: the pretrain flow's await_deployment verifies it
+        write_deploy_record(record, result)  # signed: the pretrain flow verifies it (triggered_deployment)
         push_path(record)
         active.outputs.extend(deploy_outputs(_tracking_uri(cfg), result))
     if result.get("version") is not None:

@@ -4,7 +4,10 @@
 - the services under infra/services/ never import `flows`;
 - no import cycles between the modules of tasks/, flows/ and infra/;
 - no function outside tests/ is longer than MAX_FUNCTION_LINES, unless the line just above it (above
-  its decorators) is a comment `# long: <why>`.
+  its decorators) is a comment `# long: <why>`;
+- tasks/ never calls Prefect's API over HTTP by hand, nor waits for an event-triggered flow's result
+  by watching files: the flows own every Prefect interaction (flows/triggered_runs.py waits on those
+  flow runs through Prefect's client).
 
 Imports are found at any depth (inside functions too), relative imports are resolved; an import
 under `if TYPE_CHECKING:` never runs, so it counts for the layers but closes no cycle. Each checker
@@ -24,6 +27,13 @@ SOURCE_DIRS = (*LAYERS, "benchmarks")  # all Python outside tests/, for the func
 TASKS_MUST_NOT_IMPORT = {"flows", "infra", "prefect", "prefect_ray"}
 MAX_FUNCTION_LINES = 100
 LONG_MARK = "# long:"
+HTTP_CLIENTS = {"httpx", "requests", "urllib", "urllib3", "aiohttp", "urlopen"}  # calls that reach an HTTP API
+# what names Prefect's REST API in a function: its URL setting, its auth headers, its resource paths
+PREFECT_API_MARKS = ("PREFECT_API_URL", "prefect_api_headers", "/flow_runs", "/task_runs", "/deployments",
+                     "/automations", "/artifacts")
+# what names an event-triggered flow's result: its record's place in the run directory, the flows' names
+TRIGGERED_RESULTS = {"triggered_eval_report", "triggered_deploy_record", "triggered_eval_dir", "EVAL_FLOW",
+                     "DEPLOY_FLOW"}
 
 
 @dataclass(frozen=True)
@@ -194,6 +204,47 @@ def long_functions(root: Path, dirs: tuple[str, ...] = SOURCE_DIRS) -> list[str]
     return sorted(found)
 
 
+def _calls(node: ast.AST) -> list[str]:
+    """The called names in `node`, as written (`httpx.post`, `time.sleep`, `urlopen`)."""
+    return [ast.unparse(n.func) for n in ast.walk(node) if isinstance(n, ast.Call)]
+
+
+def _files_under(root: Path, under: str) -> list[tuple[str, ast.AST]]:
+    return [(p.relative_to(root).as_posix(), ast.parse(p.read_text(encoding="utf-8"), filename=str(p)))
+            for p in python_files(root, (under,))]
+
+
+def prefect_rest_calls(root: Path, under: str = "tasks") -> list[str]:
+    """Functions under `under` that make an HTTP call (httpx, requests, urllib, ...) and name Prefect's
+    API (its URL setting, auth headers or a resource path): Prefect called by hand."""
+    found = []
+    for rel, tree in _files_under(root, under):
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            http = [c for c in _calls(fn) if c.split(".")[0] in HTTP_CLIENTS]
+            if http and any(mark in ast.unparse(fn) for mark in PREFECT_API_MARKS):
+                found.append(f"{rel}:{fn.lineno}: {fn.name} calls Prefect's API by hand ({min(http, key=len)})")
+    return sorted(found)
+
+
+def result_file_polling(root: Path, under: str = "tasks") -> list[str]:
+    """Loops that sleep, in modules under `under` that name an event-triggered flow's result (its
+    record's place or the flows' names): waiting for a flow's result by watching its files."""
+    found = []
+    for rel, tree in _files_under(root, under):
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        if not names & TRIGGERED_RESULTS:
+            continue
+        for loop in ast.walk(tree):
+            if isinstance(loop, (ast.While, ast.For, ast.AsyncFor)) and \
+                    any(c.split(".")[-1] == "sleep" for c in _calls(loop)):
+                found.append(f"{rel}:{loop.lineno}: a loop that sleeps, beside triggered flow results "
+                             f"({', '.join(sorted(names & TRIGGERED_RESULTS))})")
+    return sorted(found)
+
+
 # ------------------------------------------------------------------------------ the real tree
 
 
@@ -214,6 +265,13 @@ def test_services_import_no_flows():
 def test_no_import_cycles():
     cycles = import_cycles(REPO)
     assert not cycles, _report("import cycles", cycles)
+
+
+def test_tasks_call_no_prefect_api_and_poll_no_flow_results():
+    """The flows own every Prefect interaction: tasks/ neither calls Prefect's REST API by hand nor
+    watches the triggered flows' result files (the flows wait on those runs and hand the results in)."""
+    violations = prefect_rest_calls(REPO) + result_file_polling(REPO)
+    assert not violations, _report("Prefect calls by hand or result-file polling in tasks/", violations)
 
 
 def test_no_long_functions():
@@ -305,3 +363,28 @@ def test_long_function_is_reported(tmp_path):
         f"tasks/a.py:{limit + 1}: too_long is {limit + 1} lines",
         f"tasks/a.py:{2 * limit + 4}: method is {limit + 1} lines",
     ]
+
+
+def test_prefect_rest_calls_and_result_polling_are_reported(tmp_path):
+    _write(tmp_path, {
+        "tasks/deploy/wait.py": (
+            "import os, time\nimport httpx\n\n\n"
+            "def failed(dep):\n"
+            "    api = os.environ['PREFECT_API_URL']\n"
+            "    return httpx.post(f'{api}/flow_runs/filter', json={}).json()\n\n\n"
+            "def wait(layout, ckpt):\n"
+            "    path = layout.triggered_eval_report(ckpt)\n"
+            "    while not path.exists():\n"
+            "        time.sleep(1)\n"),
+        "tasks/deploy/ok.py": (
+            "import time\nimport httpx\n\n\n"
+            "def fetch(url):\n    return httpx.get(url)\n\n\n"  # HTTP, but not Prefect
+            "def retry(f):\n    for i in range(3):\n        time.sleep(i)\n"),  # sleeps, no flow results
+        "tasks/deploy/read.py": "def once(layout, ckpt):\n    return layout.triggered_eval_report(ckpt).read_text()\n",
+        "flows/wait.py": "import time\n\n\ndef wait(layout, c):\n    while True:\n"
+                         "        layout.triggered_eval_report(c)\n        time.sleep(1)\n",
+    })
+    assert prefect_rest_calls(tmp_path) == [
+        "tasks/deploy/wait.py:5: failed calls Prefect's API by hand (httpx.post)"]
+    assert result_file_polling(tmp_path) == [
+        "tasks/deploy/wait.py:12: a loop that sleeps, beside triggered flow results (triggered_eval_report)"]

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 
 import pytest
 
 from tasks.core.io import write_json_atomic
 from tasks.core.layout import RunLayout
-from tasks.deploy.triggered import await_deployment, await_evaluation, evaluation_claim_problem, write_gate
+from tasks.deploy.triggered import (evaluation_claim_problem, passing_triggered_checkpoints, triggered_deployment,
+                                    triggered_evaluation, write_gate)
 from tasks.evaluate.compare import checkpoint_rows
 
 
@@ -46,6 +46,14 @@ def evaluated(tmp_path_factory):
             "cfg": cfg}
 
 
+def _deployment(evaluated) -> dict | None:
+    """What the pretrain flow takes as deployed once the deploy-model runs of the run's passing
+    checkpoints completed (flows/triggered_runs.collect_deployment, less the wait on Prefect)."""
+    passing = passing_triggered_checkpoints(evaluated["layout"])
+    return None if passing is None else triggered_deployment(evaluated["cfg"], evaluated["store"],
+                                                             evaluated["layout"], {}, passing)
+
+
 def _restore(evaluated) -> None:
     """The genuine report back in place (each test rewrites it)."""
     evaluated["path"].write_bytes(evaluated["genuine"])
@@ -54,7 +62,7 @@ def _restore(evaluated) -> None:
 def test_a_report_rewritten_to_claim_the_gate_passed_is_refused_by_the_deploy_step(evaluated, caplog):
     """The outsider edits the recorded report in place: gate and yardstick decision now say passed,
     the checkpoint hash stays the true one. deploy-model refuses the claim; the pretrain flow's
-    evaluate and deploy steps do not take it (they fall back to doing the work) and at once."""
+    evaluate and deploy steps do not take it (they fall back to doing the work)."""
     _restore(evaluated)
     path, ckpt, layout = evaluated["path"], evaluated["checkpoint"], evaluated["layout"]
     genuine, problem = evaluation_claim_problem(ckpt, path, None, None)
@@ -70,11 +78,8 @@ def test_a_report_rewritten_to_claim_the_gate_passed_is_refused_by_the_deploy_st
     assert report is None and problem.startswith("refused: ") and "does not verify" in problem, problem
     assert any("refused:" in r.getMessage() for r in caplog.records)  # logged as refused
 
-    t0 = time.monotonic()
-    assert await_evaluation(layout, ckpt, timeout=60) is None  # the evaluate step evaluates itself
-    # the deploy step deploys itself
-    assert await_deployment(evaluated["cfg"], evaluated["store"], layout, {}, timeout=60) is None
-    assert time.monotonic() - t0 < 30  # refused on sight, not waited out
+    assert triggered_evaluation(layout, ckpt) is None  # the evaluate step evaluates itself
+    assert _deployment(evaluated) is None  # the deploy step deploys itself
     assert checkpoint_rows(layout.run_dir) == []  # nor shown in the run's checkpoint table
 
 
@@ -89,7 +94,7 @@ def test_an_unsigned_report_is_refused(evaluated, monkeypatch, tmp_path):
     write_json_atomic(path, body)
     report, problem = evaluation_claim_problem(ckpt, path, None, None)
     assert report is None and "unsigned" in problem, problem
-    assert await_evaluation(evaluated["layout"], ckpt, timeout=60) is None
+    assert triggered_evaluation(evaluated["layout"], ckpt) is None
     assert checkpoint_rows(evaluated["layout"].run_dir) == []
 
     from tasks.evaluate.evaluate import write_report
@@ -116,12 +121,12 @@ def test_a_rewritten_deploy_record_is_refused(evaluated):
                                  "checkpoint": str(ckpt)})
     assert read_signed(record, "deploy-record")["reason"] == "the champion is better"
     # the genuine record is taken as it is
-    assert await_deployment(evaluated["cfg"], evaluated["store"], layout, {}, timeout=60)["reason"] \
+    assert _deployment(evaluated)["reason"] \
         == "the champion is better"
 
     claimed = {**json.loads(record.read_text()), "passed": True, "reason": "promoted", "version": 7}
     write_json_atomic(record, claimed)
-    assert await_deployment(evaluated["cfg"], evaluated["store"], layout, {}, timeout=60) is None
+    assert _deployment(evaluated) is None
 
 
 def test_a_rewritten_gate_record_is_refused(evaluated, tmp_path):
@@ -173,21 +178,21 @@ def test_a_genuine_record_copied_to_another_checkpoint_is_refused(evaluated):
     other = ckpt.parent / "step-000020"
     passing = json.loads(path.read_text())
     write_gate(passing, {"passed": True, "reason": "no champion yet"})  # step 10's own, genuine and passing
-    assert await_evaluation(layout, ckpt, timeout=5)["checkpoint"] == passing["checkpoint"]
+    assert triggered_evaluation(layout, ckpt)["checkpoint"] == passing["checkpoint"]
     # step 10's report put in step 20's place
     copied = layout.triggered_eval_report(other)
     shutil.copy(path, copied)
     try:
-        assert await_evaluation(layout, other, timeout=5) is None
-        assert await_deployment(evaluated["cfg"], evaluated["store"], layout, {}, timeout=5) is None
+        assert triggered_evaluation(layout, other) is None
+        assert _deployment(evaluated) is None
     finally:
         copied.unlink()
     # a genuine deploy record of step 20 put in step 10's place (step 10's own record is taken)
     record = layout.triggered_deploy_record(ckpt)
     write_deploy_record(record, {"passed": False, "reason": "step 10's own", "version": None, "checkpoint": str(ckpt)})
     try:
-        assert await_deployment(evaluated["cfg"], evaluated["store"], layout, {}, timeout=5)["reason"] == "step 10's own"
+        assert _deployment(evaluated)["reason"] == "step 10's own"
         write_deploy_record(record, {"passed": True, "reason": "promoted", "version": 3, "checkpoint": str(other)})
-        assert await_deployment(evaluated["cfg"], evaluated["store"], layout, {}, timeout=5) is None
+        assert _deployment(evaluated) is None
     finally:
         record.unlink()

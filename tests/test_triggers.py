@@ -157,9 +157,9 @@ def test_a_worker_syncs_the_checkpoint_and_the_val_split_but_not_the_train_token
 
 def test_checkpoint_table_and_triggered_handover_files(tmp_path):
     """The run's checkpoint table (newest report per step, triggered or direct) and the pretrain
-    flow's wait for triggered results: a report without its gate verdict is not taken; a missing
-    one times out (-> the flow evaluates itself). Reports are signed (tests/test_signed_records.py)."""
-    from tasks.deploy.triggered import await_evaluation, write_gate
+    flow's take of a triggered result once its run completed: a report without its gate verdict is not
+    taken, nor a missing one (-> the stage evaluates itself). Reports are signed (tests/test_signed_records.py)."""
+    from tasks.deploy.triggered import triggered_evaluation, write_gate
     from tasks.evaluate.compare import checkpoint_rows, table_key
     from tasks.evaluate.evaluate import write_report
 
@@ -180,12 +180,12 @@ def test_checkpoint_table_and_triggered_handover_files(tmp_path):
     assert [r["evaluated_by"] for r in rows] == ["pretrain flow", "trigger"]
     assert table_key("Tiny-2026_01 x") == "eval-checkpoints-tiny-2026-01-x"
 
-    assert await_evaluation(RunLayout(run_dir), ckpt, 0.5) is None  # nothing there yet
+    assert triggered_evaluation(RunLayout(run_dir), ckpt) is None  # nothing there yet
     report = {**direct, "report_path": str(path)}
     write_report(report)
-    assert await_evaluation(RunLayout(run_dir), ckpt, 0.5) is None  # not gated yet: still being written
+    assert triggered_evaluation(RunLayout(run_dir), ckpt) is None  # not gated yet: still being written
     write_gate(report, {"passed": False, "reason": "val_loss too high"})
-    got = await_evaluation(RunLayout(run_dir), ckpt, 0.5)
+    got = triggered_evaluation(RunLayout(run_dir), ckpt)
     assert got["gate"] == {"passed": False, "reason": "val_loss too high"}
     assert checkpoint_rows(run_dir)[0]["gate"] == "failed: val_loss too high"
 
@@ -328,7 +328,10 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
 
         # what a pretrain flow with the stack up collects instead of evaluating/deploying again
         from infra.settings import CrucibleConfig
-        from tasks.deploy.triggered import await_deployment, await_evaluation, flow_run_failed
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+        from flows.run_context import RunContext
+        from flows.triggered_runs import collect_deployment, collect_evaluation, completed_flow_run
         from tasks.evaluate.compare import table_key
 
         monkeypatch.setenv("PREFECT_API_URL", api)
@@ -347,12 +350,19 @@ def test_checkpoint_event_evaluates_then_deploys(tmp_path, tmp_path_factory, mon
         assert spikes[0]["payload"] == {"action": "rollback", "step": 9, "run_id": "run-x", "run_name": "trig-run",
                                         "to_checkpoint": "step-000008", "skipped_data": [64, 80]}
         assert spikes[0]["resource"]["crucible.action"] == "rollback"
-        reports = [await_evaluation(RunLayout(run_dir), p, 5) for p in ckpts]
-        assert all(r and r["gate"]["reason"] for r in reports)
-        assert flow_run_failed("evaluate-checkpoint", ckpts[0]) is None
+        run = RunContext(run_name="trig-run", run_dir=str(run_dir), lineage_log=str(run_dir / "lineage.jsonl"),
+                         tracking_uri=store, experiment="trig", mlflow_parent_run_id="",
+                         root_run_id=str(uuid.uuid4()), triggered=True)
+        # this process imported Prefect before the stack was up: its client is pointed at the stack here
+        stack_prefect = temporary_settings({PREFECT_API_URL: api,
+                                            PREFECT_API_AUTH_STRING: os.environ["PREFECT_API_AUTH_STRING"]})
         cfg = CrucibleConfig.model_validate_json((run_dir / "config.json").read_text())
-        best = min(reports, key=lambda r: r["val_loss"])
-        deployed = await_deployment(cfg, store, RunLayout(run_dir), best, 120)  # every passing one's deploy
+        with stack_prefect:  # the flow runs, waited on through Prefect's client, then their signed records
+            assert completed_flow_run("evaluate-checkpoint", ckpts[0], 5).state.is_completed()
+            reports = [collect_evaluation(cfg, run, str(p)) for p in ckpts]
+            assert all(r and r["gate"]["reason"] for r in reports)
+            best = min(reports, key=lambda r: r["val_loss"])
+            deployed = collect_deployment(cfg, run, best)  # every passing one's deploy
         champ = client.get_model_version_by_alias("trig-model", "champion")
         assert deployed["version"] == int(champ.version) and deployed["checkpoint"] == champ.tags["checkpoint"]
         assert "challenger" not in client.get_registered_model("trig-model").aliases

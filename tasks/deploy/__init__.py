@@ -6,7 +6,7 @@ then `champion` once verified) and serve it behind an OpenAI-compatible API.
     registry.py      get_champion / register / promote / reject / record_gate (MLflow model registry)
     generation.py    KV-cached sampling shared by the model server and load_registered
     export.py        Hugging Face-compatible export (Llama layout) + model card
-    triggered.py     hand-over files between the event-triggered flows and a waiting pretrain flow
+    triggered.py     the event-triggered flows' signed records, read once their flow run completed
     stage.py         the deploy stage of the pretrain flow
 
 The model server and its supervisor are a service of the stack (infra/services/model_server):

@@ -28,14 +28,11 @@ class DeployStage(Stage):
 
     def run(self, cfg, inputs, ctx) -> DeployResult:
         from tasks.deploy import deploy_if_better
-        from tasks.deploy.triggered import await_deployment
         from tasks.deploy.yardstick import yardstick_rows
 
-        # with the stack's triggered flows on, deploy-model runs deploy passing checkpoints as they
-        # are evaluated: report what they did (None: one failed, so deploy here)
-        data = (await_deployment(cfg, ctx.tracking_uri, ctx.layout, inputs.evaluation,
-                                 cfg.stack.triggered_timeout, ctx.model_server_status)
-                if ctx.triggered else None)
+        # with the stack's triggered flows on, deploy-model runs deployed passing checkpoints as they
+        # were evaluated: the flow hands over what they did (None: one failed, so deploy here)
+        data = inputs.triggered if ctx.triggered else None
         if data is None:
             data = deploy_if_better(cfg, ctx.tracking_uri, inputs.evaluation, Path(inputs.tokenizer),
                                     inputs.train_run_id, serve_model=ctx.serve_model, verify_model=ctx.verify_model,

@@ -1,15 +1,16 @@
-"""The hand-over between the event-triggered flows (flows/triggers.py) and a pretrain run that
-leaves evaluation and deployment to them (the stack's worker runs them).
+"""The records the event-triggered flows (flows/triggers.py) leave for a pretrain run that leaves
+evaluation and deployment to them (the stack's worker runs them), read once each.
 
 Files, in the run directory:
     evaluate/triggered/step-N.json   the evaluate-checkpoint flow's report, plus "gate": its verdict
                                      against the champion at evaluation time (written last, atomically)
     deploy/triggered/step-N.json     the deploy-model flow's deploy_if_better result
 
-The pretrain flow waits for these instead of evaluating / deploying itself. It stops waiting for a
-checkpoint as soon as the Prefect flow run that should produce the file has FAILED or CRASHED (or
-after stack.triggered_timeout seconds, default 1800) and then does the work directly, so a broken
-trigger costs time, never the run's result.
+Nothing here waits: the pretrain flow waits on those flow runs through Prefect's client
+(flows/triggered_runs.py) and, once a run has COMPLETED, reads its record here and hands it to the
+evaluate / deploy stage as its input (StageInputs.triggered). A run that FAILED, CRASHED or did not
+finish in stack.triggered_timeout seconds (it is cancelled then) leaves no record to take: the stage
+does the work itself, so a broken trigger costs time, never the run's result.
 
 Both files are signed (tasks/core/signing.py: purposes "eval-report", "deploy-record") and verified
 when read: the deploy-model flow acts on a report's gate verdict and yardstick, the pretrain flow on
@@ -19,22 +20,18 @@ trusted: deploy-model refuses the claim, the pretrain flow evaluates / deploys d
 from __future__ import annotations
 
 import logging
-import os
-import time
 from pathlib import Path
 from typing import Callable
 
-from tasks.core.constants import DEPLOY_FLOW, EVAL_FLOW
 from tasks.core.layout import RunLayout
 from tasks.core.signing import SignatureError, loads_signed, write_signed
-from tasks.core.storage import is_remote, run_uri, store_of_path
+from tasks.core.storage import store_of_path
 
 log = logging.getLogger(__name__)
 
-POLL = 1.0
 DEPLOY_RECORD = "deploy-record"  # the signing purpose of deploy/triggered/step-N.json
-
-
+EVALUATED_BY = "evaluate-checkpoint (event-triggered)"
+DEPLOYED_BY = "deploy-model (event-triggered)"
 def write_gate(report: dict, decision: dict, yardstick: dict | None = None) -> dict:
     """Add the gate's verdict (and the yardstick it was decided on, which deploy-model reuses while
     the champion is the same) to an evaluation report, in memory and in its file (signed)."""
@@ -110,7 +107,7 @@ def evaluation_claim_problem(checkpoint: str | Path, report_path: str | Path, ru
 
 
 def _read(path: Path, purpose: str, key: str | None = None) -> dict | None:
-    """The verified record at `path`; None while there is none, or it lacks `key` (its writer has more
+    """The verified record at `path`; None if there is none, or it lacks `key` (its writer had more
     to add). SignatureError (logged as refused) if it is unsigned or forged: files are written
     atomically, so a file that does not verify was never the pipeline's."""
     try:
@@ -119,36 +116,6 @@ def _read(path: Path, purpose: str, key: str | None = None) -> dict | None:
         return None
     data = loads_signed(text, purpose, what=str(path))
     return data if key is None or key in data else None
-
-
-def flow_run_failed(deployment: str, checkpoint: str | Path) -> str | None:
-    """The state of the newest flow run of `deployment` for this checkpoint if it FAILED or
-    CRASHED (retries exhausted); None while it is scheduled/running/completed or unknown."""
-    import httpx
-
-    api = os.environ.get("PREFECT_API_URL")
-    if not api:
-        return None
-    try:
-        from tasks.core.net import prefect_api_headers
-
-        runs = httpx.post(f"{api.rstrip('/')}/flow_runs/filter", timeout=10, trust_env=False,
-                          headers=prefect_api_headers(), json={
-            "deployments": {"name": {"any_": [deployment]}}, "sort": "EXPECTED_START_TIME_DESC",
-            "limit": 200}).json()
-    except (httpx.HTTPError, ValueError):
-        return None
-    # the event named the checkpoint by its path, or (object-store run_root) by its object
-    want = {str(Path(checkpoint).resolve()), run_uri(checkpoint)}
-    mine = [r for r in runs if isinstance(r, dict) and
-            _checkpoint_param(str((r.get("parameters") or {}).get("checkpoint", ""))) in want]
-    if mine and mine[0].get("state_type") in ("FAILED", "CRASHED"):
-        return f"{deployment} flow run {mine[0].get('name')} {mine[0]['state_type']}"
-    return None
-
-
-def _checkpoint_param(value: str) -> str:
-    return value if is_remote(value) else str(Path(value).resolve())
 
 
 def _synced(path: Path, always: bool = False) -> Path:
@@ -161,28 +128,17 @@ def _synced(path: Path, always: bool = False) -> Path:
     return path
 
 
-def _await(path: Path, purpose: str, key: str, deployment: str, checkpoint: str | Path,
-           timeout: float) -> dict | None:
-    deadline = time.monotonic() + timeout
-    checked = 0.0
-    while True:
-        try:
-            data = _read(_synced(path), purpose, key)
-        except SignatureError as e:  # never trusted: the caller does the work itself
-            log.warning("triggered: %s; falling back to doing it directly", e)
-            return None
-        if data is not None:
-            return data
-        if time.monotonic() - checked > 10:  # the Prefect API is asked every 10 s, the file every second
-            checked = time.monotonic()
-            failed = flow_run_failed(deployment, checkpoint)
-            if failed:
-                log.warning("triggered: %s; falling back to doing it directly", failed)
-                return None
-        if time.monotonic() > deadline:
-            log.warning("triggered: no %s after %.0f s; falling back to doing it directly", path, timeout)
-            return None
-        time.sleep(POLL)
+def _verified(path: Path, purpose: str, key: str, why_none: str) -> dict | None:
+    """The verified record at `path` (once, as the store has it), else None with the reason logged: a
+    completed flow run wrote it, so a missing, incomplete or unverifiable one is never waited for."""
+    try:
+        data = _read(_synced(path), purpose, key)
+    except SignatureError as e:  # never trusted: the stage does the work itself
+        log.warning("triggered: %s; %s", e, why_none)
+        return None
+    if data is None:
+        log.warning("triggered: no complete record at %s; %s", path, why_none)
+    return data
 
 
 def _not_about(record: dict, checkpoint: str | Path, what: str) -> str | None:
@@ -195,56 +151,67 @@ def _not_about(record: dict, checkpoint: str | Path, what: str) -> str | None:
     return None
 
 
-def await_evaluation(layout: RunLayout, checkpoint: str | Path, timeout: float) -> dict | None:
-    """The triggered evaluation report of `checkpoint` (with its gate verdict), or None."""
+def triggered_evaluation(layout: RunLayout, checkpoint: str | Path) -> dict | None:
+    """The triggered evaluation report of `checkpoint` (with its gate verdict), read once its
+    evaluate-checkpoint flow run completed; None if there is none or it is refused (the evaluate
+    stage then evaluates the checkpoint itself)."""
     from tasks.core.hashing import sha256_tree
     from tasks.evaluate.evaluate import REPORT_PURPOSE
 
     path = layout.triggered_eval_report(checkpoint)
-    report = _await(path, REPORT_PURPOSE, "gate", EVAL_FLOW, checkpoint, timeout)
+    report = _verified(path, REPORT_PURPOSE, "gate", "evaluating directly")
     if report is None:
         return None
     problem = _not_about(report, checkpoint, f"the report at {path}")
     if problem is None and Path(checkpoint).is_dir() and report.get("checkpoint_sha256") != sha256_tree(checkpoint):
         problem = f"refused: the report at {path} is of an earlier state of {checkpoint} (its tree hash differs)"
     if problem:
-        log.warning("triggered: %s; falling back to doing it directly", problem)
+        log.warning("triggered: %s; evaluating directly", problem)
         return None
-    report["evaluated_by"] = "evaluate-checkpoint (event-triggered)"
+    report["evaluated_by"] = EVALUATED_BY
     return report
 
 
-def await_deployment(cfg, tracking_uri: str, layout: RunLayout, best: dict,
-                     timeout: float, server_status: Callable[[], dict | None] | None = None) -> dict | None:
-    """What the triggered deploy-model runs made of this run, in deploy_if_better's shape: waits
-    for the deploy record of every checkpoint whose triggered evaluation passed the gate; returns
-    the record of the run's checkpoint that is champion now, else a not-deployed result for
-    `best` with its gate reason. None if a record did not come (the caller deploys directly).
-    `server_status()`: the model server's {url, pid, healthy} (None: not running). A report or
-    record that does not verify is refused: None, the caller deploys directly."""
-    from tasks.deploy.registry import get_champion
+def passing_triggered_checkpoints(layout: RunLayout) -> list[str] | None:
+    """The checkpoints whose triggered evaluation passed the gate (a deploy-model flow run follows
+    each), from the run's verified reports; None if one is refused (the deploy stage deploys itself)."""
     from tasks.evaluate.evaluate import REPORT_PURPOSE
 
-    records = []
+    passing = []
     _synced(layout.triggered_eval_dir, always=True)
     for report_file in sorted(layout.triggered_eval_dir.glob("*.json")):
         try:
             report = _read(report_file, REPORT_PURPOSE, "gate")
         except SignatureError as e:
-            log.warning("triggered: %s; falling back to deploying directly", e)
+            log.warning("triggered: %s; deploying directly", e)
             return None
         if report is None or not report["gate"].get("passed"):
             continue
         ckpt = report.get("checkpoint")
         if not ckpt or layout.triggered_eval_report(ckpt).resolve() != report_file.resolve():
             log.warning("triggered: refused: the report at %s is about %s, not its own checkpoint; "
-                        "falling back to deploying directly", report_file, ckpt)
+                        "deploying directly", report_file, ckpt)
             return None
-        rec = _await(layout.triggered_deploy_record(ckpt), DEPLOY_RECORD, "reason", DEPLOY_FLOW, ckpt, timeout)
+        passing.append(ckpt)
+    return passing
+
+
+def triggered_deployment(cfg, tracking_uri: str, layout: RunLayout, best: dict, checkpoints: list[str],
+                         server_status: Callable[[], dict | None] | None = None) -> dict | None:
+    """What the triggered deploy-model runs made of this run, in deploy_if_better's shape, read once
+    those runs (one per checkpoint of `checkpoints`, passing_triggered_checkpoints) completed: the
+    record of the run's checkpoint that is champion now, else a not-deployed result for `best` with
+    its gate reason. None if a record is missing or refused (the deploy stage deploys itself).
+    `server_status()`: the model server's {url, pid, healthy} (None: not running)."""
+    from tasks.deploy.registry import get_champion
+
+    records = []
+    for ckpt in checkpoints:
+        rec = _verified(layout.triggered_deploy_record(ckpt), DEPLOY_RECORD, "reason", "deploying directly")
         if rec is None:
             return None
         if problem := _not_about(rec, ckpt, f"the deploy record of {ckpt}"):
-            log.warning("triggered: %s; falling back to deploying directly", problem)
+            log.warning("triggered: %s; deploying directly", problem)
             return None
         records.append(rec)
     champion = get_champion(tracking_uri, cfg.deploy.model_name)
@@ -252,7 +219,7 @@ def await_deployment(cfg, tracking_uri: str, layout: RunLayout, best: dict,
     live = {"endpoint": current["url"], "pid": current["pid"]} if current and current["healthy"] else {}
     for rec in records:
         if champion and rec.get("version") is not None and int(rec["version"]) == champion["version"]:
-            return {**rec, **live, "deployed_by": "deploy-model (event-triggered)"}
+            return {**rec, **live, "deployed_by": DEPLOYED_BY}
     if any(r.get("version") is not None for r in records):
         reason = "a later champion replaced this run's model"
     elif records:
@@ -264,4 +231,4 @@ def await_deployment(cfg, tracking_uri: str, layout: RunLayout, best: dict,
             "champion_version": champion["version"] if champion else None,
             "champion_val_loss": champion["val_loss"] if champion else None,
             "version": None, "alias": None, "content_hash": None, "source": None, "endpoint": None, "pid": None,
-            "verified": None, **live, "deployed_by": "deploy-model (event-triggered)"}
+            "verified": None, **live, "deployed_by": DEPLOYED_BY}

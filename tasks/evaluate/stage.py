@@ -27,14 +27,14 @@ class EvaluateStage(Stage):
             dataset_for_path(p) for p in token_split_paths(inputs.tokens_index, ("val",))]
 
     def run(self, cfg, inputs, ctx) -> EvalResult:
-        from tasks.deploy.triggered import await_evaluation, write_gate
+        from tasks.deploy.triggered import write_gate
         from tasks.deploy.yardstick import gate_at_evaluation
         from tasks.evaluate import evaluate_checkpoint
 
         checkpoint = inputs.checkpoint
-        # with the stack's triggered flows on, the evaluate-checkpoint flow already evaluates each
-        # checkpoint as it is saved: collect its report (None: it failed, so evaluate here)
-        data = await_evaluation(ctx.layout, checkpoint, cfg.stack.triggered_timeout) if ctx.triggered else None
+        # with the stack's triggered flows on, the evaluate-checkpoint flow already evaluated the
+        # checkpoint as it was saved: the flow hands its report over (None: that run failed, so evaluate here)
+        data = inputs.triggered if ctx.triggered else None
         if data is not None:  # collected: the triggered run wrote the report, this task read it
             return EvalResult(data, inputs=[dataset_for_path(data["report_path"])],
                               reports=eval_table(ctx.layout.run_dir, ctx.run_name))
