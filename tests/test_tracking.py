@@ -21,3 +21,39 @@ def test_parent_and_nested_stage_runs(tmp_path):
     assert run.data.metrics == {"docs_in": 10.0, "docs_out": 7.0}
     assert tracker.client.get_run(parent).data.params["train.max_steps"] == "5"
     assert run.info.status == "FINISHED"
+
+
+def test_stage_datasets_are_the_runs_mlflow_inputs_with_their_lineage_identity(tmp_path):
+    """A stage's lineage inputs and outputs reach its MLflow run as datasets (mlflow.log_input):
+    name, the content hash as digest, the source URI, the lineage node and page."""
+    from tasks.core.hashing import sha256_tree
+    from tasks.lineage.emitter import dataset_for_path
+    from tasks.tracking.datasets import LINEAGE_NODE_TAG, LINEAGE_PAGE_TAG
+
+    (tmp_path / "tokens").mkdir()
+    shard, index = tmp_path / "tokens" / "train.bin", tmp_path / "tokens" / "index.json"
+    shard.write_bytes(bytes(range(256)) * 4)
+    index.write_text('{"splits": {"train": {"path": "train.bin"}}}')
+    ckpt = tmp_path / "ckpt.txt"
+    ckpt.write_text("weights")
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "tiny")
+    run = tracker.start_run("train")
+    node = lambda ds: f"dataset:{ds.namespace}:{ds.name}"  # noqa: E731 - as flows/stage_task.py names them
+    inputs = [dataset_for_path(index), dataset_for_path(shard)]
+    tracker.log_datasets(run, inputs + inputs[:1], [dataset_for_path(ckpt, output=True)], node,
+                         page=lambda n: f"http://127.0.0.1:5055/#node={n}")
+    logged = tracker.client.get_run(run).inputs.dataset_inputs
+    by_name = {d.dataset.name: d for d in logged}
+    # each once, however often the lineage lists it
+    assert sorted(by_name) == [f"{tmp_path.name}/ckpt.txt", "tokens/index.json", "tokens/train.bin"]
+    train = by_name["tokens/train.bin"]
+    tags = {t.key: t.value for t in train.tags}
+    assert tags["mlflow.data.context"] == "input" and tags[LINEAGE_NODE_TAG] == f"dataset:file:{shard.resolve()}"
+    assert tags[LINEAGE_PAGE_TAG] == f"http://127.0.0.1:5055/#node=dataset:file:{shard.resolve()}"
+    assert train.dataset.digest == sha256_tree(shard)[:36] and train.dataset.source_type == "local"
+    assert shard.resolve().as_uri() in train.dataset.source
+    assert '"bytes": 1024' in train.dataset.profile
+    out = by_name[f"{tmp_path.name}/ckpt.txt"]
+    assert {t.key: t.value for t in out.tags}["mlflow.data.context"] == "output"
+    # the experiment opens in MLflow's model-training view, not its GenAI view
+    assert tracker.client.get_experiment(tracker.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"

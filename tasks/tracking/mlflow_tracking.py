@@ -16,6 +16,9 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 PARENT_TAG = "mlflow.parentRunId"
+# MLflow 3's UI opens an experiment without this tag in its GenAI view ("Evaluation runs"); these
+# are model-training runs
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 MAX_PARAM_LEN = 6000  # MLflow 3 stores params up to 6000 chars
 
 
@@ -54,7 +57,10 @@ class Tracker:
         self.client = MlflowClient(tracking_uri=tracking_uri)
         found = self.client.get_experiment_by_name(experiment)
         self.experiment_id = found.experiment_id if found else self.client.create_experiment(
-            experiment, artifact_location=local_artifact_location(tracking_uri, experiment))
+            experiment, artifact_location=local_artifact_location(tracking_uri, experiment), tags=EXPERIMENT_KIND)
+        for key, value in EXPERIMENT_KIND.items():  # an experiment made before the tag existed
+            if found and found.tags.get(key) != value:
+                self.client.set_experiment_tag(self.experiment_id, key, value)
         self.experiment = experiment
 
     def start_run(self, name: str, parent_run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
@@ -86,10 +92,15 @@ class Tracker:
     def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(run_id, str(path), artifact_path)
 
+    def log_datasets(self, run_id: str, inputs, outputs, node, page=None) -> None:
+        """A stage's lineage input and output datasets as the run's MLflow datasets
+        (tasks/tracking/datasets.py); `node(dataset)` names a dataset's lineage node, `page(node)` its page."""
+        from tasks.tracking.datasets import dataset_inputs
+
+        logged = dataset_inputs(inputs, outputs, node, page)
+        if logged:
+            self.client.log_inputs(run_id, datasets=logged)
+
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)
 
-    def run_url(self, run_id: str) -> str | None:
-        if self.tracking_uri.startswith("http"):
-            return f"{self.tracking_uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
-        return None
