@@ -29,6 +29,7 @@ from flows.run_context import RunContext, create_lineage_link
 from tasks.config import PipelineConfig
 from tasks.core.constants import REPO_ROOT
 from tasks.core.energy import measure_energy
+from tasks.core.sections import stage_config, stage_sections
 from tasks.core.stage import Stage, StageContext, StageInputs, StageResult
 from tasks.core.storage import push_path
 from tasks.lineage import JobRef
@@ -73,9 +74,11 @@ def code_path(stage: Stage) -> str:
 
 
 def run_facets(cfg: PipelineConfig, stage: Stage, data: dict) -> dict:
-    """Custom run facets auditors read: the stage's resolved config, its counts, eval results."""
+    """Custom run facets auditors read: the config sections the stage was given (its run signature's), its
+    counts, eval results."""
     dumped = cfg.model_dump(mode="json")
-    facets: dict[str, Any] = {"crucible_config": CrucibleConfigRunFacet(config={k: dumped[k] for k in stage.reads})}
+    facets: dict[str, Any] = {"crucible_config": CrucibleConfigRunFacet(
+        config={k: dumped[k] for k in stage_sections(stage)})}
     if "docs_in" in data:
         facets["crucible_stats"] = CrucibleStatsRunFacet(stage=stage.name, docs_in=data["docs_in"],
                                                          docs_out=data["docs_out"], dropped=data.get("dropped", {}))
@@ -129,14 +132,15 @@ def run_stage(name: str, cfg: PipelineConfig, run: RunContext, inputs: StageInpu
     lineage = StageLineage(run.emitter(cfg), JobRef(f"{flow_run.flow_name}.{task_run.task_name}", task_run.id),
                            run.root, links)
     collecting = collects(stage, run)  # the triggered flows do the work: a job of its own, inputs as read
+    given = stage_config(stage, cfg)  # only the sections its run signature names
     t0 = time.perf_counter()
     try:
         with lineage.emitter.run(lineage.job, parent=current_flow(), root=run.root,
-                                 inputs=[] if collecting else stage.input_datasets(cfg, inputs),
+                                 inputs=[] if collecting else stage.input_datasets(given, inputs),
                                  run_facets={"crucible_links": links}, code_path=code_path(stage),
                                  job_doc=collecting[1] if collecting else stage.doc) as active:
             with measure_energy(cfg, run.layout.energy_log, stage.name) as energy:  # the process tree's energy
-                result = stage.run(cfg, inputs, stage_context(stage, cfg, run, mlflow_run, lineage))
+                result = stage.run(given, inputs, stage_context(stage, cfg, run, mlflow_run, lineage))
             active.inputs.extend(result.inputs)
             active.outputs.extend(result.outputs)
             active.run_facets.update(run_facets(cfg, stage, result.data))
@@ -155,6 +159,7 @@ def run_stage(name: str, cfg: PipelineConfig, run: RunContext, inputs: StageInpu
     tracker.log_metrics(mlflow_run, {f"energy.{k}": v for k, v in data.get("energy", {}).items()
                                      if isinstance(v, (int, float))})
     tracker.log_dict(mlflow_run, data, f"{stage.name}.json")
+    tracker.log_datasets(mlflow_run, active.inputs, active.outputs, node=node_of, page=run.lineage_page)
     tracker.end_run(mlflow_run)
     push_path(run.layout.run_dir)  # a remote run_root: the stage's files reach the store as it completes
     publish_quietly(result.reports)
