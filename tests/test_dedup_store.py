@@ -339,16 +339,16 @@ def test_an_index_save_on_the_store_holds_its_lock_and_waits_for_another_writer(
     sigs = MinHasher(seed=1).signatures(_texts(2))
     index = MinHashIndex.open(index_dir, *params)
     index.add(["a0"], sigs[:1])
-    held_during_push = []
-    push = storage.RunStore.push
+    held_during_upload = []
+    upload = index_module._upload_generation
 
-    def push_seeing_the_lock(self, under=None):
-        held_during_push.append(lock_key in s3.keys("runs", lock_key))
-        return push(self, under)
+    def upload_seeing_the_lock(*args):
+        held_during_upload.append(lock_key in s3.keys("runs", lock_key))
+        return upload(*args)
 
-    monkeypatch.setattr(storage.RunStore, "push", push_seeing_the_lock)
+    monkeypatch.setattr(index_module, "_upload_generation", upload_seeing_the_lock)
     index.save(index_dir)
-    assert held_during_push == [True] and lock_key not in s3.keys("runs", lock_key)
+    assert held_during_upload == [True] and lock_key not in s3.keys("runs", lock_key)
 
     monkeypatch.setattr(index_module, "LOCK_TIMEOUT_S", 2.0)
     other = {"host": "node-b", "pid": 4242, "since": time.time()}

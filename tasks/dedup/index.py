@@ -22,13 +22,15 @@ before it) and returns, per document, the id of the earlier document it shares a
 whose own id is already indexed is not its own duplicate (a re-run of the same corpus). Unverified:
 a shared band key is the LSH candidate test (p ≈ 0.92 at Jaccard 0.8 with 14×8).
 
-`index_dir` may be an object-store URI (`s3://bucket/prefix`): the index is read from a local
-working copy (`tasks.core.storage.store_for_uri`: run_root's when the URI lies under it, else one
-of its own with run_root's storage options), brought to the store's current generation when it is
-opened (`RunStore.sync_down`: only files this copy does not hold yet are downloaded), and a save
-writes the new generation there and pushes it, `meta.json` last, deleting the old one from the
-store. The generation check then compares with the store's `meta.json` (another machine may have
-saved since). An unusable store fails naming `curate.dedup.minhash.index_dir`.
+`index_dir` may be an object-store URI (`s3://bucket/prefix`; its options: run_root's store when
+the URI lies under it, else `storage.options`, `tasks.core.storage.store_for_uri`). The store is
+read and written directly (`tasks.core.fs`): opening reads the store's `meta.json` and fetches the
+generation it names into a local read-through copy under `storage.cache_dir`, since the arrays are
+memory-mapped (a lookup is a few pages of each; as ranged GETs it would be one request per page),
+and a generation already there at the store's sizes is not fetched again. A save checks the
+generation against the store's `meta.json` (another machine may have saved since), writes the new
+generation locally, uploads it and then `meta.json`, and deletes the older generations from the
+store. An unusable store fails naming `curate.dedup.minhash.index_dir`.
 
 A run with other LSH parameters or another shingle hash ("fast" / "sha1": their signatures are not
 comparable) is refused. An index written by the previous format (2: Parquet tables, loaded whole)
@@ -47,7 +49,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.core.io import atomic_write_text
+from tasks.core.fs import download, download_file, files, is_file, store_fs
+from tasks.core.io import atomic_write_bytes, atomic_write_text
 from tasks.core.storage import RunStore, is_remote, store_for_uri
 from tasks.dedup.cluster import band_hashes
 from tasks.dedup.minhash import fmix64
@@ -77,30 +80,64 @@ def check_index_store(cfg) -> None:
         store_for_uri(mh.index_dir, SETTING, cfg.storage.check_timeout, cfg.storage)
 
 
-def _sync_meta(store: RunStore, rel: str) -> Path:
-    """The working copy of the index's `meta.json` made the store's (none if the store has none);
-    the copy is dropped first, since a file this copy pushed is otherwise kept when its size
-    matches, and another machine's save may have replaced it. Returns the index's folder."""
+def _fetch_meta(store: RunStore, rel: str) -> Path:
+    """The store's `meta.json` of the index in its local copy (removed there when the store has
+    none: a new index). Returns the local copy's folder."""
     local = store.local_root / rel
-    (local / "meta.json").unlink(missing_ok=True)
-    store.sync_down([_key(rel, "meta.json")])
+    local.mkdir(parents=True, exist_ok=True)
+    uri = store.uri(_key(rel, "meta.json"))
+    try:
+        atomic_write_bytes(local / "meta.json", store_fs(uri, store.options).cat_file(uri), fsync=False)
+    except FileNotFoundError:
+        (local / "meta.json").unlink(missing_ok=True)
     return local
 
 
+def _fetch(uri: str, dest: Path, options: dict) -> None:
+    """`dest` made the store's `uri` (a generation folder, or a format-2 table file), downloaded
+    unless every file is there already at the store's size (generations are never rewritten in
+    place: a save that fails to upload removes its local generation)."""
+    found = files(uri, options)
+    if found:
+        if all((dest / r).is_file() and (dest / r).stat().st_size == n for r, n in found.items()):
+            return
+        shutil.rmtree(dest, ignore_errors=True)
+        download(uri, dest, options)
+    elif is_file(uri, options) and not dest.is_file():
+        tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+        download_file(uri, tmp, options)
+        os.replace(tmp, dest)
+
+
 def local_index_dir(directory: str | Path) -> Path:
-    """Where the index in `directory` is read: the path itself, or for an object-store URI its
-    working copy, brought to the store's current generation."""
+    """Where the index in `directory` is read: the path itself, or for an object-store URI the
+    local copy of the store's current generation."""
     on_store = _on_store(directory)
     if on_store is None:
         return Path(directory)
     store, rel = on_store
-    local = _sync_meta(store, rel)
+    local = _fetch_meta(store, rel)
     if (local / "meta.json").is_file():
         meta = json.loads((local / "meta.json").read_text())
         names = [f"gen-{meta.get('generation', 0):06d}"] if meta.get("format") == FORMAT else \
             ["index.parquet", "ids.parquet"]
-        store.sync_down([_key(rel, n) for n in names])
+        for name in names:
+            _fetch(store.uri(_key(rel, name)), local / name, store.options)
     return local
+
+
+def _upload_generation(store: RunStore, rel: str, d: Path, gen: str) -> None:
+    """The saved generation `d/gen` to the store, then `meta.json` (a reader follows meta.json, so
+    it never names a generation not yet whole there), then the store's older generations deleted."""
+    base = store.uri(rel)
+    fs = store_fs(base, store.options)
+    local = files(d / gen)
+    fs.put([str(d / gen / r) for r in local], [f"{base}/{gen}/{r}" for r in local])
+    fs.put_file(str(d / "meta.json"), f"{base}/meta.json")
+    stale = [f"{base}/{k}" for k in files(base, store.options)
+             if k.startswith(("gen-", ".gen-", "index.parquet", "ids.parquet")) and not k.startswith(gen + "/")]
+    if stale:
+        fs.rm(stale)
 
 
 def index_keys(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
@@ -262,15 +299,21 @@ class MinHashIndex:
 
     def save(self, directory: str | Path) -> Path:
         """Write base + additions as a new generation, switch meta.json to it, drop older ones; for
-        an object-store `directory`, in its working copy, then pushed (meta.json last)."""
+        an object-store `directory`, in its local copy, then uploaded (meta.json last)."""
         on_store = _on_store(directory)
         if on_store is None:
             return self._save(Path(directory))
         store, rel = on_store
         # one save at a time on any machine: the generation check and the upload are one step
         with store.exclusive(_key(rel, LOCK), SETTING, timeout=LOCK_TIMEOUT_S):
-            d = self._save(_sync_meta(store, rel))  # checked against the store's generation
-            store.push(d)
+            d = self._save(_fetch_meta(store, rel))  # checked against the store's generation
+            gen = f"gen-{self.generation:06d}"
+            try:
+                _upload_generation(store, rel, d, gen)
+            except BaseException:  # not the store's: a later open must fetch the store's instead
+                shutil.rmtree(d / gen, ignore_errors=True)
+                (d / "meta.json").unlink(missing_ok=True)
+                raise
         return d
 
     def _save(self, d: Path) -> Path:
