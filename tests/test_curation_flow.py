@@ -74,6 +74,40 @@ def test_mlflow_parent_run_and_lineage_root_are_the_curation_flows(curation):
     assert flows == {"curation", "curate"}
 
 
+def test_every_stage_records_energy_that_sums_to_the_run_total(curation):
+    """Issue 27: each stage's energy, CO2e and cost (tasks/core/energy.py) in its record, its MLflow
+    run, its lineage run facet and the run's energy.jsonl; the summary's total is their sum."""
+    from mlflow.tracking import MlflowClient
+
+    from tasks.lineage.validate import event_errors, read_events
+
+    s = curation["summary"]
+    assert s["energy"] is not None, "no stage recorded energy (energy.enabled off?)"
+    stages = s["stages"]
+    assert list(s["energy"]["stages"]) == list(stages) == ["ingest", "curate", "quality"]
+    client = MlflowClient(s["mlflow"]["tracking_uri"])
+    for name, data in stages.items():
+        e = data["energy"]
+        assert e["kwh"] > 0 and e["cpu_core_seconds"] > 0 and e["cost_usd"] > 0, (name, e)
+        assert e["kwh"] == pytest.approx(e["cpu_kwh"] + e["gpu_kwh"])
+        assert e["co2e_kg"] > 0 and e["co2e_kg"] == pytest.approx(e["kwh"] * e["grid_gco2e_per_kwh"] / 1000)
+        assert s["energy"]["stages"][name]["kwh"] == e["kwh"]
+        metrics = client.get_run(data["mlflow_run_id"]).data.metrics
+        assert metrics["energy.kwh"] == pytest.approx(e["kwh"]) and metrics["energy.cost_usd"] == pytest.approx(e["cost_usd"])
+    for key in ("kwh", "co2e_kg", "cost_usd"):
+        assert s["energy"]["total"][key] == pytest.approx(sum(d["energy"][key] for d in stages.values()))
+    parent = client.get_run(s["mlflow"]["run_id"]).data.metrics
+    assert parent["energy.kwh"] == pytest.approx(s["energy"]["total"]["kwh"])
+    events = read_events(s["lineage_log"])
+    facets = {e["job"]["name"].rsplit(".", 1)[-1]: e["run"]["facets"]["crucible_energy"] for e in events
+              if e["eventType"] == "COMPLETE" and "crucible_energy" in e["run"]["facets"]}
+    assert len(facets) == 3 and sorted(f["energy_kwh"] for f in facets.values()) == sorted(
+        d["energy"]["kwh"] for d in stages.values())
+    assert not [err for e in events for err in event_errors(e)]  # the facet validates against its schema
+    logged = [json.loads(line) for line in (Path(s["run_dir"]) / "energy.jsonl").read_text().splitlines()]
+    assert [r["stage"] for r in logged] == list(stages)
+
+
 def test_cli_curate_fails_fast_on_a_bad_config_and_is_listed(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "infra.cli", "curate", str(REPO / "configs" / "tiny.yaml"),
                           "--set", "curate.dedup.substring.min_tokens=1"], cwd=REPO, capture_output=True, text=True,
