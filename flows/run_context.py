@@ -28,6 +28,7 @@ from tasks.lineage.emitter import lineage_page, model_version_node
 from tasks.lineage.facets import CrucibleLinksRunFacet
 from tasks.registry import FLOW_DOCS
 from tasks.tracking import Tracker
+from tasks.tracking.links import mlflow_run_page, prefect_page
 
 log = logging.getLogger("crucible.lineage")
 
@@ -89,14 +90,12 @@ def run_links(tracking_uri: str, experiment: str, experiment_id: str | None, *, 
     """The crucible_links run facet: a run in MLflow (its page when the tracking server is HTTP and
     the experiment id known) and in Prefect."""
     ui = prefect_ui_base()
-    mlflow_url = (f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{mlflow_run_id}"
-                  if mlflow_run_id and experiment_id and tracking_uri.startswith("http") else None)
     return CrucibleLinksRunFacet(
-        mlflow_run_id=mlflow_run_id, mlflow_run_url=mlflow_url, mlflow_experiment=experiment,
-        prefect_flow_run_id=flow_run_id,
-        prefect_flow_run_url=f"{ui}/runs/flow-run/{flow_run_id}" if ui and flow_run_id else None,
+        mlflow_run_id=mlflow_run_id, mlflow_run_url=mlflow_run_page(tracking_uri, experiment_id, mlflow_run_id),
+        mlflow_experiment=experiment, prefect_flow_run_id=flow_run_id,
+        prefect_flow_run_url=prefect_page(ui, f"/runs/flow-run/{flow_run_id}") if flow_run_id else None,
         prefect_task_run_id=task_run_id,
-        prefect_task_run_url=f"{ui}/runs/task-run/{task_run_id}" if ui and task_run_id else None)
+        prefect_task_run_url=prefect_page(ui, f"/runs/task-run/{task_run_id}") if task_run_id else None)
 
 
 def default_tracking_uri(cfg: PipelineConfig) -> str:
@@ -116,8 +115,8 @@ def prefect_ui_base() -> str | None:
 
 
 def prefect_ui_url(flow_run_id: str) -> str | None:
-    ui = prefect_ui_base()
-    return f"{ui}/runs/flow-run/{flow_run_id}" if ui else None
+    """The flow run's page, through the Prefect UI's login (tasks/tracking/links.py)."""
+    return prefect_page(prefect_ui_base(), f"/runs/flow-run/{flow_run_id}")
 
 
 def lineage_targets(cfg: PipelineConfig) -> tuple[str | None, str | None]:
@@ -214,7 +213,9 @@ class Summary:
             "run_dir": self.ctx.run_dir,
             "run_uri": run_uri(self.ctx.run_dir),
             "mlflow": {"tracking_uri": self.ctx.tracking_uri, "experiment": self.ctx.experiment,
-                       "run_id": self.ctx.mlflow_parent_run_id},
+                       "run_id": self.ctx.mlflow_parent_run_id,
+                       "run_url": mlflow_run_page(self.ctx.tracking_uri, self.ctx.mlflow_experiment_id,
+                                                  self.ctx.mlflow_parent_run_id)},
             "lineage_log": self.ctx.lineage_log,
             "lineage": self.lineage,
             "stages": stages,
