@@ -112,13 +112,14 @@ def _curate_plan(args: argparse.Namespace, cfg) -> dict:
 def run(args: argparse.Namespace) -> int:
     """Plan from parsed arguments; print it; 0 on success, 2 on bad input."""
     try:
-        cfg = None
+        cfg = energy = None
         if args.config:
             from infra.settings import load_config
             from tasks.config import ConfigError
 
             try:
-                cfg = load_config(args.config).plan
+                full = load_config(args.config)
+                cfg, energy = full.plan, full.energy  # energy: the grid intensity and TDPs runs are measured with
             except ConfigError as e:
                 raise PlanError(str(e)) from None
         if args.curate is not None:
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
                          gpu=args.gpu or (cfg.gpu if cfg else "h100"), mfu=args.mfu, seq_len=args.seq_len,
                          n_layer=args.n_layer, d_model=args.d_model, active_params=args.active_params, cfg=cfg,
                          n_head=args.n_head, n_experts=args.n_experts,
-                         top_k=args.top_k if args.active_params else 2)
+                         top_k=args.top_k if args.active_params else 2, energy=energy)
         if args.emit_config:
             _emit(plan, args, cfg)
     except PlanError as e:
