@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import math
 
-from tasks.config import GpuSpec, PlanConfig
+from tasks.config import EnergyConfig, GpuSpec, PlanConfig
+from tasks.core.energy import plan_energy
 from tasks.train.flops import dense_and_attention_flops
 from tasks.train.parallel_dims import mlp_hidden
 
@@ -368,13 +369,14 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
               gpus: int | None = None, gpu: str = "h100", mfu: float | None = None, seq_len: int = 4096,
               n_layer: int | None = None, d_model: int | None = None, active_params: float | None = None,
               cfg: PlanConfig | None = None, n_head: int | None = None, n_experts: int | None = None,
-              top_k: int = 2) -> dict:
+              top_k: int = 2, energy: EnergyConfig | None = None) -> dict:
     """A training plan from a parameter count and/or a FLOP budget; see the module docstring.
 
     Give `params` (tokens default to the compute-optimal count, or follow from `flops`), or `flops`
     alone (compute-optimal split), or `flops` with `tokens`. `active_params` (MoE) needs `params`,
     the total. `gpus` None picks the fewest GPUs that finish within `cfg.target_days`; `mfu` None
-    takes `cfg.mfu`. Raises PlanError on missing or invalid input.
+    takes `cfg.mfu`. Energy and CO2e: tasks.core.energy.plan_energy with `energy` (default EnergyConfig()),
+    the constants the stages' measurements use. Raises PlanError on missing or invalid input.
     """
     cfg = cfg or PlanConfig()
     mfu, key, spec = _check_inputs(params, tokens, flops, gpus, gpu, mfu, seq_len, n_layer, d_model,
@@ -437,6 +439,9 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
     ckpt_bytes = cfg.weight_bytes + cfg.master_bytes + cfg.optimizer_bytes
     moe = None if active_params is None else _moe_plan(params, compute_params, n_layer, d_model, top_k,
                                                          n_experts, layout, cfg, assumptions)
+    timing = _timing(total_flops, gpus, spec, mfu)
+    footprint = plan_energy(timing["gpu_hours"], key, energy)
+    assumptions.append(footprint.pop("energy_assumption"))
     return {
         "moe": moe,
         "params": float(params),
@@ -456,7 +461,8 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
         "gpus": gpus,
         "peak_flops_per_gpu": spec.peak_bf16_flops,
         "mfu": mfu,
-        **_timing(total_flops, gpus, spec, mfu),
+        **timing,
+        **footprint,
         "model_state_bytes": float(params * state_bytes),
         "checkpoint_bytes": float(params * ckpt_bytes),
         "layout": layout,

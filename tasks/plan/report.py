@@ -34,6 +34,8 @@ def format_plan(plan: dict) -> str:
         ("wall clock", f"{plan['days']:,.2f} days ({plan['seconds']:,.0f} s)"),
         ("GPU hours", f"{plan['gpu_hours']:,.0f}"),
         ("cost", f"${plan['cost_usd']:,.0f}"),
+        ("energy", "unknown (no TDP for this GPU: set energy.gpu_tdp_w)" if plan.get("energy_kwh") is None else
+                   f"{plan['energy_kwh']:,.0f} kWh, {plan['co2e_kg'] / 1000:,.1f} t CO2e"),
         ("checkpoint", _bytes(plan["checkpoint_bytes"])),
         ("model states", _bytes(plan["model_state_bytes"])),
         ("layout", f"tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} (dp_shard {lay['dp_shard']} x dp_replicate "
