@@ -213,7 +213,7 @@ class Summary:
             "run_dir": self.ctx.run_dir,
             "run_uri": run_uri(self.ctx.run_dir),
             "mlflow": {"tracking_uri": self.ctx.tracking_uri, "experiment": self.ctx.experiment,
-                       "run_id": self.ctx.mlflow_parent_run_id,
+                       "experiment_id": self.ctx.mlflow_experiment_id, "run_id": self.ctx.mlflow_parent_run_id,
                        "run_url": mlflow_run_page(self.ctx.tracking_uri, self.ctx.mlflow_experiment_id,
                                                   self.ctx.mlflow_parent_run_id)},
             "lineage_log": self.ctx.lineage_log,
