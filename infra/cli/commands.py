@@ -12,6 +12,7 @@ from infra import stack
 from tasks.core.constants import MLFLOW_USERNAME, REPO_ROOT
 from tasks.core.signing import SIGNING_KEY_FILE_ENV
 from tasks.core.storage import local_run_root, store_for
+from tasks.tracking.links import mlflow_run_page
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 
@@ -88,6 +89,7 @@ def cmd_up(args) -> int:
     else:
         _print_status(res)
         print(f"ready in {res['seconds']:.1f}s; logs in {stack.state_dir(stack_cfg) / 'logs'}")
+        print(f"UI logins: {login_hint(stack_cfg)}")
     return 0
 
 
@@ -109,25 +111,42 @@ def cmd_status(args) -> int:
     return 0 if all(s["healthy"] for s in st.values()) else 1
 
 
+def login_files(stack_cfg) -> dict[str, Path]:
+    """Where each UI's login lives: the stack's 0600 secret files."""
+    return {"mlflow": stack.mlflow_password_path(stack_cfg),
+            "prefect": stack.state_dir(stack_cfg) / "secrets" / stack.PREFECT_AUTH}
+
+
+def login_hint(stack_cfg) -> str:
+    """How to log in to the UIs the printed links open (where the credentials live, never their values)."""
+    files = login_files(stack_cfg)
+    return (f"once per browser; `crucible login` prints both logins (Prefect: crucible:<content of "
+            f"{files['prefect']}>; MLflow: user {MLFLOW_USERNAME}, password in {files['mlflow']})")
+
+
 def cmd_login(args) -> int:
     """The URL and login of each UI of the stack, read from its secrets folder: for the local user's
     browser (the secrets are 0600 files of whoever started the stack; nothing is logged)."""
     stack_cfg, _, _ = _stack_configs(args)
+    files = login_files(stack_cfg)
     # read, never generated here: a password no server holds would be printed as the login
     logins = {}
-    if (password := stack.mlflow_password_path(stack_cfg)).is_file():
+    if files["mlflow"].is_file():
         logins["mlflow"] = {"url": stack.mlflow_tracking_uri(stack_cfg), "user": MLFLOW_USERNAME,
-                            "password": password.read_text().strip()}
-    if (stack.state_dir(stack_cfg) / "secrets" / stack.PREFECT_AUTH).is_file():
-        # Prefect's UI asks for the whole auth string (server.api.auth_string)
-        logins["prefect"] = {"url": stack.prefect_ui_url(stack_cfg), "auth_string": stack.secret(stack_cfg, stack.PREFECT_AUTH)}
+                            "password": files["mlflow"].read_text().strip(), "file": str(files["mlflow"])}
+    if files["prefect"].is_file():
+        # Prefect's UI asks for the whole auth string (server.api.auth_string) on its login page
+        logins["prefect"] = {"url": f"{stack.prefect_ui_url(stack_cfg)}/login",
+                             "auth_string": stack.secret(stack_cfg, stack.PREFECT_AUTH), "file": str(files["prefect"])}
     if not logins:
         return fail(f"crucible: no stack has been started in {stack.state_dir(stack_cfg)} (crucible up)", 1)
     if args.json:
         print(json.dumps(logins, indent=2))
-    else:
-        for name, login in logins.items():
-            print(f"  {name:<8} {login['url']}  " + "  ".join(f"{k} {v}" for k, v in login.items() if k != "url"))
+        return 0
+    for name, login in logins.items():
+        print(f"  {name:<8} {login['url']}  " + "  ".join(f"{k} {v}" for k, v in login.items() if k not in ("url", "file")))
+    print("MLflow asks in the browser's login dialog; Prefect on its login page (the auth string is the whole "
+          "password). Read from " + ", ".join(login["file"] for login in logins.values()))
     return 0
 
 
@@ -201,7 +220,7 @@ def cmd_run(args) -> int:
     except Exception as e:  # noqa: BLE001 - the flow's own logs hold the traceback
         where = f"; summary in {args.summary}" if args.summary else ""
         return fail(f"crucible: pipeline failed after {time.monotonic() - t0:.0f}s: {e}{where}", 1)
-    _print_links(summary, time.monotonic() - t0)
+    _print_links(summary, time.monotonic() - t0, cfg.stack)
     return 0 if summary.get("status", "COMPLETED") == "COMPLETED" else 1
 
 
@@ -228,6 +247,7 @@ def cmd_curate(args) -> int:
     print(f"  Prefect flow run : {summary.get('prefect_ui_url')}")
     print(f"  Lineage log      : {summary.get('lineage_log')}")
     print(f"  Run directory    : {summary.get('run_dir')}")
+    print(f"  Log in           : {login_hint(cfg.stack)}")
     return 0 if summary.get("status", "COMPLETED") == "COMPLETED" else 1
 
 
@@ -260,16 +280,17 @@ def cmd_ablate(args) -> int:
     return 0
 
 
-def _print_links(summary: dict, seconds: float) -> None:
+def _print_links(summary: dict, seconds: float, stack_cfg) -> None:
     mlflow = summary.get("mlflow") or {}
     deploy = (summary.get("stages") or {}).get("deploy") or {}
     print(f"\npipeline {summary.get('run_name', '')} {summary.get('status', '')} in {seconds:.0f}s")
     print(f"  Prefect flow run : {summary.get('prefect_ui_url')}")
-    if isinstance(mlflow, dict):
-        print(f"  MLflow           : {mlflow.get('tracking_uri')}  (experiment {mlflow.get('experiment')}, "
-              f"run {mlflow.get('run_id')})")
-    else:
-        print(f"  MLflow           : {mlflow}")
+    print(f"  MLflow run       : {mlflow.get('run_url') or mlflow.get('tracking_uri')}  (experiment "
+          f"{mlflow.get('experiment')}, run {mlflow.get('run_id')})")
+    train = mlflow_run_page(mlflow.get("tracking_uri") or "", mlflow.get("experiment_id"),
+                            ((summary.get("stages") or {}).get("train") or {}).get("mlflow_run_id"))
+    if train:
+        print(f"  MLflow train run : {train}  (its datasets: the token shards it trained on)")
     if deploy.get("version") is not None:
         print(f"  Registered model : {deploy.get('model_name')} version {deploy.get('version')} (alias champion)")
     elif deploy.get("reason"):
@@ -278,6 +299,7 @@ def _print_links(summary: dict, seconds: float) -> None:
     print(f"  Lineage log      : {summary.get('lineage_log')}")
     _print_lineage_links(summary)
     print(f"  Run directory    : {summary.get('run_dir')}")
+    print(f"  Log in           : {login_hint(stack_cfg)}")
 
 
 def _print_lineage_links(summary: dict) -> None:
