@@ -65,6 +65,7 @@ from tasks.core.constants import (EVENT_DEPLOYMENTS, LINEAGE_TOKEN_FILE_ENV, LIN
                                   MLFLOW_PASSWORD_FILE_ENV, MLFLOW_USERNAME, REPO_ROOT, WORK_POOL)
 from tasks.core.io import atomic_write_text
 from tasks.core.signing import SIGNING_KEY_FILE_ENV, SIGNING_KEY_NAME, ensure_key_file
+from tasks.tracking.links import prefect_page  # stdlib only
 
 STATE_DIR_ENV = "CRUCIBLE_STATE_DIR"
 PREFECT = "prefect"
@@ -537,7 +538,7 @@ def prefect_worker_spec(stack_cfg, lineage_cfg=None) -> ServiceSpec:
         cmd=[_bin("prefect"), "worker", "start", "--pool", WORK_POOL, "--type", "process", "--name", f"{WORK_POOL}-worker",
              "--limit", str(stack_cfg.worker_limit), "--with-healthcheck", "--install-policy", "never",
              "--no-create-pool-if-not-found"],  # `up` creates the pool when it registers the deployments
-        host=host, port=port, health_path="/health", url=f"{prefect_ui_url(stack_cfg)}/work-pools/work-pool/{WORK_POOL}",
+        host=host, port=port, health_path="/health", url=prefect_page(prefect_ui_url(stack_cfg), f"/work-pools/work-pool/{WORK_POOL}"),
         marker=["prefect", "worker", "start", "--pool"], env=env, info={"pool": WORK_POOL})
 
 

@@ -75,7 +75,9 @@ def test_status_json_of_a_stopped_stack(tmp_path):
         "prefect": {"url": f"http://127.0.0.1:{p_port}", "healthy": False, "pid": None},
         "mlflow": {"url": f"http://127.0.0.1:{m_port}", "healthy": False, "pid": None},
         "lineage": {"url": f"http://127.0.0.1:{l_port}", "healthy": False, "pid": None},
-        "worker": {"url": f"http://127.0.0.1:{p_port}/work-pools/work-pool/crucible", "healthy": False, "pid": None},
+        # the worker's page in Prefect's UI, through its login (a deep link fails before it)
+        "worker": {"url": f"http://127.0.0.1:{p_port}/login?redirect=/work-pools/work-pool/crucible", "healthy": False,
+                   "pid": None},
     }
     r = _crucible("--state-dir", str(tmp_path / "state"), "down", "--config", TINY)
     assert r.returncode == 0 and "not running" in r.stdout
