@@ -441,3 +441,80 @@ def test_a_database_from_before_revisions_is_migrated_when_opened(sample, tmp_pa
     assert store.ingest({**event, "eventTime": "2030-01-01T00:00:00Z"})
     revised = {(r["namespace"], r["name"]) for r in store.query("SELECT * FROM datasets WHERE revision > 0")}
     assert revised == {(d["namespace"], d["name"]) for d in event.get("inputs", []) + event["outputs"]}
+
+
+def _pages(client, node: str, **params) -> list[dict]:
+    """Every page of a graph query, following page.nextCursor from the first."""
+    pages, cursor = [], None
+    while True:
+        resp = client.get("/api/v1/lineage", params={"nodeId": node, **params, **({"cursor": cursor} if cursor else {})})
+        assert resp.status_code == 200, resp.text
+        pages.append(resp.json())
+        cursor = pages[-1]["page"]["nextCursor"]
+        if cursor is None:
+            return pages
+
+
+def test_graph_pages_list_every_node_once_with_their_fan_out_groups(client, sample):
+    """A bounded answer pages through the whole graph: each node once, each edge once (within a page
+    or to an earlier page), and each "N more" group counts the nodes of its fan-out still to come."""
+    _, _, (first, second) = sample
+    for node, direction in ((second.file_node(second.raw_files[0]), "downstream"),
+                            (second.model_version_node, "both")):
+        everything = _pages(client, node, direction=direction, limit=100_000, maxBytes=1 << 30)
+        assert len(everything) == 1 and everything[0]["page"]["nodes"] == everything[0]["page"]["totalNodes"]
+        full = {n["id"]: n for n in everything[0]["graph"]}
+        full_edges = {(e["origin"], e["destination"]) for n in full.values() for e in n["outEdges"]}
+        assert len(full) > 30 and not everything[0]["groups"]
+        pages = _pages(client, node, direction=direction, limit=6, fanout=2)
+        assert len(pages) == -(-len(full) // 6) and all(p["page"]["nodes"] <= 6 for p in pages)
+        seen = [n["id"] for p in pages for n in p["graph"]]
+        assert len(seen) == len(set(seen)) and set(seen) == set(full)
+        edges = [(e["origin"], e["destination"]) for p in pages for e in
+                 [e for n in p["graph"] for e in n["outEdges"]] + p["page"]["earlierEdges"]]
+        assert len(edges) == len(set(edges)) and set(edges) == full_edges
+        groups = 0
+        for i, p in enumerate(pages):
+            later = [n for q in pages[i + 1:] for n in q["graph"]]
+            for g in p["groups"]:
+                groups += 1
+                hidden = [n for n in later if n["data"]["crucible"]["via"] == g["parent"]]
+                assert g["count"] == len([n for n in hidden if (g["direction"] == "downstream") ==
+                                          ((g["parent"], n["id"]) in full_edges)]) > 0, g
+                assert sum(g["types"].values()) == g["count"]
+                # its cursor opens the page that starts with the first of them
+                opened = client.get("/api/v1/lineage", params={"nodeId": node, "direction": direction, "limit": 6,
+                                                               "fanout": 2, "cursor": g["cursor"]}).json()
+                assert opened["page"]["offset"] == g["offset"]
+                assert opened["graph"][0]["data"]["crucible"]["via"] == g["parent"]
+        assert groups  # a fan-out wider than 2 was cut
+    other = client.get("/api/v1/lineage", params={"nodeId": first.model_version_node, "cursor": pages[0]["page"]["nextCursor"],
+                                                  "limit": 6, "fanout": 2, "direction": "both"})
+    assert other.status_code == 400 and "another query" in other.json()["detail"]
+
+
+def test_default_graph_answer_stays_under_2mb_and_names_what_it_left_out(tmp_path):
+    """One raw file read by 700 runs, each writing a file with 4 kB of facets: the whole graph is
+    ~3 MB; the default answer holds at most 200 nodes in at most 2 MB, and the job's "N more"
+    group counts the outputs left for later pages."""
+    store = LineageStore(tmp_path / "l.db")
+    doc = {"documentation": {"_producer": PRODUCER, "_schemaURL": "https://openlineage.io/spec/facets/1-0-1/"
+                             "DocumentationDatasetFacet.json", "description": "x" * 4000}}
+    store.ingest_batch([{
+        "eventType": "COMPLETE", "eventTime": f"2026-01-01T00:{i // 60:02d}:{i % 60:02d}Z", "producer": PRODUCER,
+        "schemaURL": "https://openlineage.io/spec/2-0-2/OpenLineage.json#/$defs/RunEvent",
+        "run": {"runId": str(uuid.UUID(int=i + 1))}, "job": {"namespace": "crucible", "name": "fan.out"},
+        "inputs": [{"namespace": "file", "name": "/raw"}],
+        "outputs": [{"namespace": "file", "name": f"/out/{i:04d}", "facets": doc}]} for i in range(700)])
+    with TestClient(create_app(tmp_path / "l.db")) as c:
+        full = c.get("/api/v1/lineage", params={"nodeId": "dataset:file:/raw", "limit": 100_000, "maxBytes": 1 << 30})
+        assert len(full.content) > 2_800_000 and full.json()["page"]["totalNodes"] == 702
+        resp = c.get("/api/v1/lineage", params={"nodeId": "dataset:file:/raw"})
+        answer = resp.json()
+        assert len(resp.content) <= 2_000_000 and answer["page"]["maxBytes"] == 2_000_000
+        assert answer["page"]["nodes"] == len(answer["graph"]) <= 200 and answer["page"]["nextCursor"]
+        (group,) = answer["groups"]
+        assert group["parent"] == "job:crucible:fan.out" and group["direction"] == "downstream"
+        assert group["count"] == group["types"]["DATASET"] == 702 - len(answer["graph"])
+        small = c.get("/api/v1/lineage", params={"nodeId": "dataset:file:/raw", "maxBytes": 100_000})
+        assert len(small.content) <= 100_000 and 1 < small.json()["page"]["nodes"] < 25

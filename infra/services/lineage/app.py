@@ -2,7 +2,8 @@
 report endpoints, and the auditors' page at `/`.
 
     POST /api/v1/lineage                       one OpenLineage event or a JSON array of them
-    GET  /api/v1/lineage?nodeId=&depth=        Marquez LineageGraph (also &direction=upstream|downstream)
+    GET  /api/v1/lineage?nodeId=&depth=        Marquez LineageGraph (also &direction=upstream|downstream), one
+                                               bounded page: &limit=&fanout=&maxBytes=&cursor= (see views.graph_page)
     GET  /api/v1/namespaces                    and /namespaces/{ns}, /namespaces/{ns}/jobs[/{job}[/runs]],
                                                /namespaces/{ns}/datasets[/{dataset}[/versions[/{version}]]]
     GET  /api/v1/jobs/runs/{runId}
@@ -25,6 +26,8 @@ always are.
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import hmac
 import re
 from pathlib import Path
@@ -41,12 +44,15 @@ from infra.services.lineage.fastjson import dumps_bytes, loads
 from infra.services.lineage.provenance import TRACE_DEPTH, Provenance, report_markdown
 from infra.services.lineage.store import EventError, LineageStore, Node, node_id, utc_time
 from infra.services.lineage.views import (
+    DEFAULT_FANOUT,
+    DEFAULT_LIMIT,
+    DEFAULT_MAX_BYTES,
     EncodedDatasets,
     Links,
     dataset_links,
     dataset_obj,
     facet_urls,
-    graph_json,
+    graph_page,
     io_for_runs,
     jobs_objs,
     run_links,
@@ -72,6 +78,8 @@ STATIC_DIR = Path(__file__).resolve().parent / "static"
 API = "/api/v1"
 MAX_DEPTH = 200
 MAX_PAGE = 10_000  # rows per page of a listing
+MAX_GRAPH_NODES = 1_000_000  # what a client may ask for explicitly (limit, fanout) ...
+MAX_GRAPH_BYTES = 1 << 30  # ... and maxBytes
 MAX_OFFSET = 2**53  # SQLite's INTEGER holds it (a larger offset was a 500: the fuzzer found it)
 
 
@@ -188,16 +196,43 @@ def _ingest_router(store: LineageStore, spec_dir: str | Path | None) -> APIRoute
     return router
 
 
+def _cursor(node: Node, depth: int, direction: str, fanout: int, offset: int) -> str:
+    """An opaque cursor: the offset in the query's node order, tied to the query it pages."""
+    query = hashlib.sha256(f"{node.id}|{depth}|{direction}|{fanout}".encode()).hexdigest()[:16]
+    return base64.urlsafe_b64encode(f"{offset}.{query}".encode()).decode().rstrip("=")
+
+
+def _cursor_offset(cursor: str, node: Node, depth: int, direction: str, fanout: int) -> int:
+    try:
+        offset = int(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode().split(".", 1)[0])
+    except (ValueError, UnicodeDecodeError):
+        raise HTTPException(400, "cursor is not one this service gave") from None
+    if offset < 0 or _cursor(node, depth, direction, fanout, offset) != cursor:
+        raise HTTPException(400, "cursor belongs to another query (nodeId, depth, direction and fanout must match)")
+    return offset
+
+
 def _graph_router(store: LineageStore) -> APIRouter:
-    """GET /api/v1/lineage: Marquez's lineage graph around a node."""
+    """GET /api/v1/lineage: Marquez's lineage graph around a node, one bounded page at a time."""
     router = APIRouter(responses=ERRORS)
     encoded = EncodedDatasets()
 
     @router.get(f"{API}/lineage")
     def get_lineage(node_id_value: str = Query(..., alias="nodeId"), depth: int = Query(20, ge=0, le=MAX_DEPTH),
-                    direction: str = Query("both", pattern="^(both|upstream|downstream)$")) -> Response:
+                    direction: str = Query("both", pattern="^(both|upstream|downstream)$"),
+                    limit: int = Query(DEFAULT_LIMIT, ge=1, le=MAX_GRAPH_NODES,
+                                       description="nodes per page"),
+                    fanout: int = Query(DEFAULT_FANOUT, ge=1, le=MAX_GRAPH_NODES,
+                                        description="a node's neighbours shown before its fan-out's 'N more' group"),
+                    max_bytes: int = Query(DEFAULT_MAX_BYTES, alias="maxBytes", ge=10_000, le=MAX_GRAPH_BYTES),
+                    cursor: str | None = Query(None, max_length=200,
+                                               description="page.nextCursor or a group's cursor")) -> Response:
         node = _node_or_error(store, node_id_value)
-        return _ok(graph_json(store, store.walk(node, depth, direction), encoded))
+        offset = _cursor_offset(cursor, node, depth, direction, fanout) if cursor else 0
+        body = graph_page(store, store.walk(node, depth, direction), encoded, offset=offset, limit=limit,
+                          fanout=fanout, max_bytes=max_bytes,
+                          cursor_for=lambda at: _cursor(node, depth, direction, fanout, at))
+        return Response(body, media_type="application/json")
 
     return router
 

@@ -358,6 +358,112 @@ def _chunks(items: list, n: int = _CHUNK) -> Iterator[list]:
         yield items[i:i + n]
 
 
+class _IoIndex:
+    """run_io in memory, both ways (dataset -> runs, run -> datasets, per direction), for the walks.
+
+    A walk from a raw file reaches every run that read it: at 100,000 events ~33,000 runs and
+    ~130,000 run_io rows, which SQLite queries hop by hop took ~0.8 s to return to Python; dict
+    look-ups take a fraction of that. Kept up to date from the events' ids (see
+    LineageStore._io_index_current); ~1 kB per run_io row."""
+
+    def __init__(self) -> None:
+        self.seen = 0  # the highest event id the index reflects
+        # direction -> dataset key -> run id -> (version, job key); direction -> run id -> key -> version
+        self.by_dataset: dict[str, dict[tuple, dict[str, tuple]]] = {"in": {}, "out": {}}
+        self.by_run: dict[str, dict[str, dict[tuple, str]]] = {"in": {}, "out": {}}
+        self.ids: dict[tuple, str] = {}  # dataset key -> node id
+        self.job_ids: dict[tuple, str] = {}  # job key -> node id
+
+    def load(self, rows: list[tuple], replaced_runs: Iterable[str]) -> None:
+        """Add run_io rows (run_id, direction, namespace, name, version, job_namespace, job_name),
+        first dropping what the index held for `replaced_runs` (their rows are all in `rows`)."""
+        for run_id in replaced_runs:
+            for direction in ("in", "out"):
+                for key in self.by_run[direction].pop(run_id, ()):
+                    self.by_dataset[direction][key].pop(run_id, None)
+        ids, job_ids = self.ids, self.job_ids
+        for run_id, direction, namespace, name, version, job_namespace, job_name in rows:
+            key, job = (namespace, name), (job_namespace, job_name)
+            if key not in ids:
+                ids[key] = node_id("DATASET", namespace, name)
+            if job not in job_ids:
+                job_ids[job] = node_id("JOB", job_namespace, job_name)
+            self.by_dataset[direction].setdefault(key, {})[run_id] = (version, job)
+            self.by_run[direction].setdefault(run_id, {})[key] = version
+
+    def walk_side(self, walk: Walk, start: Node, start_runs: list[str], depth: int, side: str) -> None:
+        # upstream: dataset <-(out)- run <-(in)- dataset; downstream: dataset -(in)-> run -(out)-> dataset
+        to_run, from_run = ("out", "in") if side == "upstream" else ("in", "out")
+        seen_runs: set[str] = set()
+        seen_versions: set[tuple] = set()
+        hop = 0
+        if start.type == "DATASET":
+            frontier: dict[tuple, set] = {start.key: {None}}
+        else:
+            for run_id in start_runs:
+                walk.add_job(start.key, run_id, 0, side)
+            seen_runs.update(start_runs)
+            frontier = self._expand_runs(walk, start_runs, from_run, 0, side, seen_versions)
+        while frontier and hop < depth:
+            hop += 1
+            new_runs = self._enter_runs(walk, frontier, to_run, hop, side, seen_runs)
+            frontier = self._expand_runs(walk, new_runs, from_run, hop, side, seen_versions)
+        by_dataset = self.by_dataset[to_run]
+        if any(by_dataset.get(key) for key in frontier):
+            walk.truncated = True
+
+    def _enter_runs(self, walk: Walk, frontier: dict[tuple, set], direction: str, hop: int, side: str,
+                    seen_runs: set[str]) -> list[str]:
+        """One hop from the frontier's dataset versions to the runs that wrote (upstream) or read
+        (downstream) them; returns the runs not seen before."""
+        up = direction == "out"
+        by_dataset, ids, job_ids = self.by_dataset[direction], self.ids, self.job_ids
+        new_runs: list[str] = []
+        add_job, add_edge = walk.add_job, walk.edges.add
+        for key, wanted in frontier.items():
+            runs = by_dataset.get(key)
+            if not runs:
+                continue
+            items = runs.items()
+            if None not in wanted:
+                exact = [r for r in items if r[1][0] in wanted or not r[1][0]]
+                # upstream: a producer that recorded another hash still wrote this name; downstream
+                # a reader of another version did not read this one
+                items = exact or (items if up else [])
+            ds_id = ids[key]
+            for run_id, (_, job_key) in items:
+                add_job(job_key, run_id, hop, side)
+                job_id = job_ids[job_key]
+                add_edge((job_id, ds_id) if up else (ds_id, job_id))
+                if run_id not in seen_runs:
+                    seen_runs.add(run_id)
+                    new_runs.append(run_id)
+        return new_runs
+
+    def _expand_runs(self, walk: Walk, run_ids: list[str], direction: str, hop: int, side: str,
+                     seen_versions: set[tuple]) -> dict[tuple, set]:
+        frontier: dict[tuple, set] = {}
+        add_dataset, add_edge, inputs = walk.add_dataset, walk.edges.add, direction == "in"
+        by_run, ids, job_ids, runs_job = self.by_run[direction], self.ids, self.job_ids, walk.runs
+        for run_id in run_ids:
+            datasets = by_run.get(run_id)
+            if not datasets:
+                continue
+            job_id = job_ids[runs_job[run_id]]  # every run a walk follows is in walk.runs
+            for key, version in datasets.items():
+                version = version or None
+                add_dataset(key, version, hop, side)
+                ds_id = ids[key]
+                add_edge((ds_id, job_id) if inputs else (job_id, ds_id))
+                if (key, version) not in seen_versions:
+                    seen_versions.add((key, version))
+                    if key in frontier:
+                        frontier[key].add(version)
+                    else:
+                        frontier[key] = {version}
+        return frontier
+
+
 # ----------------------------------------------------------------------------------------------
 # The store
 
@@ -372,6 +478,8 @@ class LineageStore:
         self._local = threading.local()
         self._write_lock = threading.Lock()
         self._namespaces: list[str] | None = None
+        self._io_index = _IoIndex()
+        self._io_index_lock = threading.Lock()
         conn = self._conn()
         conn.execute("PRAGMA journal_mode=WAL")
         conn.executescript(_SCHEMA)
@@ -664,14 +772,6 @@ class LineageStore:
                 break
         return out
 
-    def _io_for_runs(self, direction: str, run_ids: list[str]) -> list[tuple]:
-        out: list[tuple] = []
-        for chunk in _chunks(run_ids):
-            sql = (f"SELECT {_IO_COLUMNS} FROM run_io AS t"
-                   f" WHERE t.direction = ? AND t.run_id IN ({', '.join('?' * len(chunk))})")
-            out += self._io_rows(sql, [direction, *chunk])
-        return out
-
     def dataset_revisions(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
         """The revision of each stored dataset among `keys`."""
         out: dict[tuple[str, str], int] = {}
@@ -689,87 +789,46 @@ class LineageStore:
         if direction not in ("both", "upstream", "downstream"):
             raise ValueError("direction must be both, upstream or downstream")
         walk = Walk(start)
-        for side in ("upstream", "downstream"):
-            if direction in (side, "both"):
-                self._walk_side(walk, start, max(depth, 0), side)
+        start_runs = ([r[0] for r in self._conn().execute(
+            "SELECT run_id FROM runs WHERE job_namespace = ? AND job_name = ?", start.key)]
+            if start.type == "JOB" else [])
+        with self._io_index_lock:
+            index = self._io_index_current()
+            for side in ("upstream", "downstream"):
+                if direction in (side, "both"):
+                    index.walk_side(walk, start, start_runs, max(depth, 0), side)
         if start.type == "DATASET":
             walk.add_dataset(start.key, None, 0, "start")
         else:
             walk.add_job(start.key, None, 0, "start")
         return walk
 
-    def _walk_side(self, walk: Walk, start: Node, depth: int, side: str) -> None:
-        # upstream: dataset <-(out)- run <-(in)- dataset; downstream: dataset -(in)-> run -(out)-> dataset
-        to_run, from_run = ("out", "in") if side == "upstream" else ("in", "out")
-        seen_runs: set[str] = set()
-        seen_versions: set[tuple] = set()
-        frontier: dict[tuple[str, str], set[str | None]] = {}
-        hop = 0
-        if start.type == "DATASET":
-            frontier = {start.key: {None}}
-        else:
-            run_ids = [r[0] for r in self._conn().execute(
-                "SELECT run_id FROM runs WHERE job_namespace = ? AND job_name = ?", start.key)]
-            for run_id in run_ids:
-                walk.add_job(start.key, run_id, 0, side)
-            seen_runs.update(run_ids)
-            frontier = self._expand_runs(walk, run_ids, from_run, 0, side, seen_versions)
-        while frontier and hop < depth:
-            hop += 1
-            new_runs = self._enter_runs(walk, frontier, to_run, hop, side, seen_runs)
-            frontier = self._expand_runs(walk, new_runs, from_run, hop, side, seen_versions)
-        if frontier and self._io_for_datasets(to_run, list(frontier), first_only=True):
-            walk.truncated = True
-
-    def _enter_runs(self, walk: Walk, frontier: dict[tuple[str, str], set[str | None]], direction: str, hop: int,
-                    side: str, seen_runs: set[str]) -> list[str]:
-        """One hop from the frontier's dataset versions to the runs that wrote (upstream) or read
-        (downstream) them; returns the runs not seen before."""
-        up = direction == "out"
-        by_dataset: dict[tuple[str, str], list[tuple]] = {}
-        for row in self._io_for_datasets(direction, list(frontier)):
-            key = (row[1], row[2])
-            if key in by_dataset:
-                by_dataset[key].append(row)
-            else:
-                by_dataset[key] = [row]
-        new_runs: list[str] = []
-        add_job, add_edge, job_ids = walk.add_job, walk.edges.add, {}
-        for key, wanted in frontier.items():
-            rows = by_dataset.get(key, [])
-            if None not in wanted:
-                exact = [r for r in rows if r[3] in wanted or not r[3]]
-                # upstream: a producer that recorded another hash still wrote this name; downstream
-                # a reader of another version did not read this one
-                rows = exact or (rows if up else [])
-            ds_id = node_id("DATASET", *key)
-            for run_id, _, _, _, job_namespace, job_name in rows:
-                job_key = (job_namespace, job_name)
-                add_job(job_key, run_id, hop, side)
-                job_id = job_ids.get(job_key) or job_ids.setdefault(job_key, node_id("JOB", *job_key))
-                add_edge((job_id, ds_id) if up else (ds_id, job_id))
-                if run_id not in seen_runs:
-                    seen_runs.add(run_id)
-                    new_runs.append(run_id)
-        return new_runs
-
-    def _expand_runs(self, walk: Walk, run_ids: list[str], direction: str, hop: int, side: str,
-                     seen_versions: set[tuple]) -> dict[tuple[str, str], set[str | None]]:
-        frontier: dict[tuple[str, str], set[str | None]] = {}
-        add_dataset, add_edge, job_ids, inputs = walk.add_dataset, walk.edges.add, {}, direction == "in"
-        for _, namespace, name, version, job_namespace, job_name in self._io_for_runs(direction, run_ids):
-            key, version, job_key = (namespace, name), version or None, (job_namespace, job_name)
-            add_dataset(key, version, hop, side)
-            ds_id = node_id("DATASET", namespace, name)
-            job_id = job_ids.get(job_key) or job_ids.setdefault(job_key, node_id("JOB", *job_key))
-            add_edge((ds_id, job_id) if inputs else (job_id, ds_id))
-            if (key, version) not in seen_versions:
-                seen_versions.add((key, version))
-                if key in frontier:
-                    frontier[key].add(version)
+    def _io_index_current(self) -> "_IoIndex":
+        """The process's run_io index, brought up to the stored events (any process's writes): the
+        runs of events newer than the index are read again. Call with _io_index_lock held."""
+        conn = self._conn()
+        conn.execute("BEGIN")  # one read snapshot: the high-water mark and the rows agree
+        try:
+            top = conn.execute("SELECT max(id) FROM events").fetchone()[0] or 0
+            index = self._io_index
+            if top != index.seen:
+                cursor = conn.cursor()
+                cursor.row_factory = None
+                columns = "run_id, direction, namespace, name, version, job_namespace, job_name"
+                if index.seen == 0:
+                    index.load(cursor.execute(f"SELECT {columns} FROM run_io").fetchall(), ())
                 else:
-                    frontier[key] = {version}
-        return frontier
+                    runs = [r[0] for r in cursor.execute("SELECT DISTINCT run_id FROM events WHERE id > ?",
+                                                         (index.seen,))]
+                    rows: list[tuple] = []
+                    for chunk in _chunks(runs):
+                        rows += cursor.execute(f"SELECT {columns} FROM run_io WHERE run_id IN"
+                                               f" ({', '.join('?' * len(chunk))})", chunk).fetchall()
+                    index.load(rows, runs)
+                index.seen = top
+        finally:
+            conn.execute("COMMIT")
+        return index
 
     # -- reads ---------------------------------------------------------------------------------
 
