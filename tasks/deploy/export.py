@@ -12,7 +12,7 @@ SwiGLU MLP, no biases, tied embeddings), so a dense model's export is a `LlamaFo
     tokenizer.json              the run's tokenizer, unchanged
     tokenizer_config.json       PreTrainedTokenizerFast, eos "<|endoftext|>", model_max_length
     special_tokens_map.json
-    README.md                   model card: sources and licences, training config, evaluation, limitations
+    README.md                   model card: sources and licences, training config, evaluation, energy, limitations
     crucible_export.json        what was exported from where (hashes)
 
 Weight names: tok_emb -> model.embed_tokens; blocks.i.attn.wq/wk/wv -> self_attn.{q,k,v}_proj;
@@ -316,7 +316,7 @@ def export_hf(ckpt_dir: str | Path, tokenizer_path: str | Path, out_dir: str | P
          **{k: v for k, v in specials.items() if v is not None}}, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(
         {k: v for k, v in specials.items() if v is not None}, indent=2) + "\n")
-    (out / "README.md").write_text(model_card(model, meta, cfg, eval_report, fmt, arch))
+    (out / "README.md").write_text(model_card(model, meta, cfg, eval_report, fmt, arch, run_energy_log(ckpt_dir)))
     (out / "crucible_export.json").write_text(json.dumps(
         {"checkpoint": str(ckpt_dir), "checkpoint_sha256_tree": sha256_tree(ckpt_dir),
          "tokenizer_sha256": sha256_file(tokenizer_path), "step": meta.get("step"), "run_name": meta.get("run_name"),
@@ -373,7 +373,18 @@ def _table(rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
-def model_card(model, meta: dict, cfg, report: dict | None, fmt: str, arch: str = "llama") -> str:
+def run_energy_log(ckpt_dir: Path) -> list[dict]:
+    """The energy records of the run a pipeline checkpoint belongs to (tasks/core/energy.py), [] for another."""
+    from tasks.core.energy import read_log
+    from tasks.core.layout import RunLayout
+
+    return read_log(RunLayout.of_checkpoint(ckpt_dir).energy_log) if RunLayout.is_run_checkpoint(ckpt_dir) else []
+
+
+def model_card(model, meta: dict, cfg, report: dict | None, fmt: str, arch: str = "llama",
+               energy: list[dict] | None = None) -> str:
+    from tasks.core.energy import card_section
+
     mc = model.cfg
     name = cfg.deploy.model_name if cfg is not None else (meta.get("run_name") or "crucible-gpt")
     licences = sorted({s.licence for s in cfg.sources}) if cfg is not None else []
@@ -420,6 +431,8 @@ def model_card(model, meta: dict, cfg, report: dict | None, fmt: str, arch: str 
             parts.append(f"- prompt `{s['prompt']}` → `{s['completion']}`")
     else:
         parts.append("No evaluation report was given to the export.")
+    parts.append("## Energy, emissions and cost")
+    parts.append(card_section(energy or []))
     parts.append("## Limitations\n\n"
                  "- A small research model: it produces fluent-looking but frequently wrong or incoherent text; "
                  "do not rely on its output for facts, advice or decisions.\n"
