@@ -15,11 +15,11 @@ credentials:
   be a private one: 127.0.0.1 here), and a store that refuses them stalls each file for minutes in
   MLflow's chunk retries. The stack's clients keep the transfers on the server (the proxy switches
   off, unless the operator's environment sets them).
-* `check`: before the server starts, the bucket check of an object-store run_root (`RunStore.check`)
+* `check`: before the server starts, the bucket check of an object-store run_root (`tasks.core.fs.check_store`)
   on artifacts_root, so a missing bucket or a refused key stops `up` within
   stack.artifacts_check_timeout naming the setting, not the first artifact upload minutes into a run.
 
-Only the standard library is imported at module level (tasks.core.storage when the bucket is checked).
+Only the standard library is imported at module level (tasks.core.fs when the bucket is checked).
 """
 from __future__ import annotations
 
@@ -54,13 +54,13 @@ def check(stack_cfg) -> None:
     stack.artifacts_check_timeout; ArtifactStoreError naming the setting otherwise."""
     if not stack_cfg.artifacts_on_s3:
         return
-    from tasks.core.storage import RunStore, StorageError
+    from tasks.core.fs import StorageError, check_store
 
     options = dict(stack_cfg.artifacts_options)
     if "endpoint_url" not in options and os.environ.get("MLFLOW_S3_ENDPOINT_URL"):
         options["endpoint_url"] = os.environ["MLFLOW_S3_ENDPOINT_URL"]  # what the server will use
     try:
-        RunStore(stack_cfg.artifacts_root, options).check(stack_cfg.artifacts_check_timeout, "stack.artifacts_root",
-                                                           "stack.artifacts_options")
+        check_store(stack_cfg.artifacts_root, options, stack_cfg.artifacts_check_timeout, "stack.artifacts_root",
+                    "stack.artifacts_options")
     except StorageError as e:
         raise ArtifactStoreError(str(e)) from None

@@ -41,6 +41,8 @@ import hashlib
 import io
 import os
 import re
+import threading
+import uuid
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -359,3 +361,47 @@ def download_file(uri: str, dest: Path, options: dict | None = None) -> None:
 
 def upload(local: Path, uri: str, options: dict | None = None) -> None:
     store_fs(uri, options).put_file(str(local), uri)
+
+
+class StorageError(RuntimeError):
+    """The object store cannot be used: names the URI, the setting and what to check (never a secret)."""
+
+
+def check_store(root: str, options: dict | None, timeout: float = 20.0, setting: str = "run_root",
+                options_setting: str = "storage.options") -> None:
+    """Write and delete a probe object under the store URI `root`, within `timeout` seconds; a
+    StorageError names `setting` (the URI's setting) and `options_setting` (its options') otherwise:
+    a missing bucket or a refused key fails here, before anything is written, in seconds."""
+    outcome: dict[str, BaseException | None] = {}
+    root = root.rstrip("/")
+
+    def probe() -> None:
+        try:
+            fs = filesystem(protocol(root), options)
+            key = f"{root}/.crucible-probe-{uuid.uuid4().hex}"
+            fs.pipe_file(key, b"probe")
+            fs.rm_file(key)
+            outcome["error"] = None
+        except BaseException as e:  # noqa: BLE001 - reported below
+            outcome["error"] = e
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout)
+    where = f"{setting} {root}"
+    if "error" not in outcome:
+        raise StorageError(f"{where}: the object store did not answer within {timeout:.0f} s; check "
+                           f"{options_setting}.endpoint_url")
+    e = outcome["error"]
+    if e is None:
+        return
+    bucket = root.split("://", 1)[1].split("/", 1)[0]
+    if isinstance(e, FileNotFoundError):
+        raise StorageError(f"{where}: the bucket {bucket!r} does not exist ({e}); create it or fix "
+                           f"{setting}") from None
+    if isinstance(e, PermissionError):
+        raise StorageError(f"{where}: access denied ({e}); check the credentials ({options_setting} key/secret "
+                           "as ${ENV_VAR} references, or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_PROFILE)"
+                           ) from None
+    raise StorageError(f"{where}: the object store failed ({type(e).__name__}: {e}); check "
+                       f"{options_setting}") from None

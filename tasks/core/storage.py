@@ -32,7 +32,6 @@ import os
 import shutil
 import socket
 import tempfile
-import threading
 import time
 import uuid
 import warnings
@@ -42,7 +41,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Iterator
 from urllib.parse import quote, unquote
 
-from tasks.core.fs import PathEscape, filesystem, is_remote, protocol, safe_join  # noqa: F401 - re-exported
+from tasks.core.fs import (PathEscape, StorageError, check_store, filesystem, is_remote, protocol,  # noqa: F401 - re-exported
+                           safe_join)
 
 log = logging.getLogger("crucible.storage")
 
@@ -53,10 +53,6 @@ COMMIT_FILES = ("manifest.json", "index.json", "summary.json", "meta.json", ".co
 # records of every run under run_root
 _STATE_DIR = ".crucible-store"
 _LOCK = ".crucible-store.lock"
-
-
-class StorageError(RuntimeError):
-    """The object store cannot be used: names the URI, the setting and what to check (never a secret)."""
 
 
 def _listed(root: Path, keys: Iterable[str]) -> dict[str, Path]:
@@ -95,10 +91,6 @@ class RunStore:
         return protocol(self.root)
 
     @property
-    def bucket(self) -> str:
-        return self.root.split("://", 1)[1].split("/", 1)[0]
-
-    @property
     def local_root(self) -> Path:
         return Path(self.cache_dir) / self.protocol / self.root.split("://", 1)[1]
 
@@ -123,42 +115,10 @@ class RunStore:
         key = self.uri(rel).split("://", 1)[1].split("/", 1)
         return f"{self.protocol}://{key[0]}", (key[1] if len(key) > 1 else "")
 
-    # ---- the bucket check -------------------------------------------------------------------
     def check(self, timeout: float = 20.0, setting: str = "run_root", options_setting: str = "storage.options"
               ) -> None:
-        """Write, read back and delete a probe object under the root, within `timeout` seconds; a
-        StorageError names `setting` (the URI's setting) and `options_setting` (its options') otherwise."""
-        outcome: dict[str, BaseException | None] = {}
-
-        def probe() -> None:
-            try:
-                fs = self.fs()
-                key = self.uri(f".crucible-probe-{uuid.uuid4().hex}")
-                fs.pipe_file(key, b"probe")
-                fs.rm_file(key)
-                outcome["error"] = None
-            except BaseException as e:  # noqa: BLE001 - reported below
-                outcome["error"] = e
-
-        t = threading.Thread(target=probe, daemon=True)
-        t.start()
-        t.join(timeout)
-        where = f"{setting} {self.root}"
-        if "error" not in outcome:
-            raise StorageError(f"{where}: the object store did not answer within {timeout:.0f} s; check "
-                               f"{options_setting}.endpoint_url")
-        e = outcome["error"]
-        if e is None:
-            return
-        if isinstance(e, FileNotFoundError):
-            raise StorageError(f"{where}: the bucket {self.bucket!r} does not exist ({e}); create it or fix "
-                               f"{setting}") from None
-        if isinstance(e, PermissionError):
-            raise StorageError(f"{where}: access denied ({e}); check the credentials ({options_setting} key/secret "
-                               "as ${ENV_VAR} references, or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_PROFILE)"
-                               ) from None
-        raise StorageError(f"{where}: the object store failed ({type(e).__name__}: {e}); check "
-                           f"{options_setting}") from None
+        """The bucket check of the root (`tasks.core.fs.check_store`)."""
+        check_store(self.root, self.options, timeout, setting, options_setting)
 
     # ---- working copy <-> store ---------------------------------------------------------------
     @contextmanager
