@@ -1,22 +1,17 @@
 """The auditors' page in a real headless Chromium (Debian packages chromium + chromium-driver),
 driven with Selenium against the service started as a real process on a free loopback port."""
-import shutil
-
 import httpx
 import pytest
 
+from browser_helpers import artifacts_dir, chromium, requires_chromium
 from infra.services.lineage.sample import DEFAULT_SOURCES, write_sample_log
 from lineage_helpers import start_service
 from tasks.core.net import free_port
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
 LICENCES = {s["name"]: s["licence"] for s in DEFAULT_SOURCES}
 RAW_FILES = sum(len(s["files"]) for s in DEFAULT_SOURCES)
 
-pytestmark = pytest.mark.skipif(
-    not (CHROMIUM and CHROMEDRIVER),
-    reason="chromium and chromedriver not installed (apt-get install -y chromium chromium-driver)")
+pytestmark = requires_chromium
 
 
 @pytest.fixture
@@ -33,18 +28,7 @@ def service(tmp_path):
 
 @pytest.fixture
 def browser(tmp_path):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'chromium-profile'}",
-                 "--window-size=1680,1050"):
-        opts.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=opts)
-    driver.set_page_load_timeout(30)
+    driver = chromium(tmp_path / "chromium-profile")
     try:
         yield driver
     finally:
@@ -57,6 +41,7 @@ def test_auditor_finds_model_sees_upstream_sources_and_licences(service, browser
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     base, (first, second) = service
+    shots = artifacts_dir(tmp_path, "lineage_ui")
     wait = WebDriverWait(browser, 60)  # a loaded 2-core machine renders slowly
     testid = lambda t: f'[data-testid="{t}"]'  # noqa: E731
     browser.get(base + "/")
@@ -105,7 +90,7 @@ def test_auditor_finds_model_sees_upstream_sources_and_licences(service, browser
     assert {r.get_attribute("data-licence") for r in rows} == set(LICENCES.values())
     assert len(browser.find_elements(By.CSS_SELECTOR, testid("trace-licence"))) == len(LICENCES)
     browser.execute_script("arguments[0].scrollIntoView()", browser.find_element(By.CSS_SELECTOR, testid("trace-panel")))
-    browser.save_screenshot(str(tmp_path / "lineage_trace.png"))
+    browser.save_screenshot(str(shots / "lineage_trace.png"))
 
     # the export buttons link to the provenance report in both formats
     md_href = browser.find_element(By.CSS_SELECTOR, testid("export-md")).get_attribute("href")
@@ -115,7 +100,7 @@ def test_auditor_finds_model_sees_upstream_sources_and_licences(service, browser
         "content-disposition"]
     assert len(httpx.get(json_href).json()["sources"]) == RAW_FILES
     browser.execute_script("window.scrollTo(0, 0)")
-    browser.save_screenshot(str(tmp_path / "lineage_model_upstream.png"))
+    browser.save_screenshot(str(shots / "lineage_model_upstream.png"))
 
     # clicking a raw source shows its licence and provenance
     raw = next(s for s in browser.find_elements(By.CSS_SELECTOR, '[data-testid="graph-node"][data-kind="source"]')
@@ -125,6 +110,6 @@ def test_auditor_finds_model_sees_upstream_sources_and_licences(service, browser
                                                 LICENCES["docs_crawl"]))
     assert browser.find_element(By.CSS_SELECTOR, testid("detail-type")).text == "RAW SOURCE"
     assert browser.find_element(By.CSS_SELECTOR, testid("detail-rows")).text == "150"
-    browser.save_screenshot(str(tmp_path / "lineage_raw_source.png"))
+    browser.save_screenshot(str(shots / "lineage_raw_source.png"))
     for name in ("lineage_model_upstream.png", "lineage_trace.png", "lineage_raw_source.png"):
-        assert (tmp_path / name).stat().st_size > 10_000
+        assert (shots / name).stat().st_size > 10_000
