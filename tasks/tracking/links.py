@@ -29,3 +29,28 @@ def mlflow_run_page(tracking_uri: str, experiment_id: str | None, run_id: str | 
         return None
     return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{MLFLOW_WORKFLOW}"
 
+
+
+class PrefectLoginLinks:
+    """A logging filter for Prefect's `prefect.flow_runs` logger: its "View at <UI>/runs/flow-run/<id>"
+    line (printed by `crucible run`) names the page through the UI's login route, like every other
+    link Crucible prints."""
+
+    def __init__(self, ui_base: str):
+        self.ui_base = ui_base.rstrip("/")
+
+    def filter(self, record) -> bool:
+        message = record.getMessage()
+        prefix = f"View at {self.ui_base}/"
+        if message.startswith(prefix) and "/login?" not in message:
+            record.msg, record.args = f"View at {prefect_page(self.ui_base, message[len(prefix):])}", ()
+        return True
+
+
+def rewrite_prefect_log_links(ui_base: str | None) -> None:
+    """Install PrefectLoginLinks on Prefect's flow-run logger (a no-op without a UI or when installed)."""
+    import logging
+
+    logger = logging.getLogger("prefect.flow_runs")
+    if ui_base and not any(isinstance(f, PrefectLoginLinks) for f in logger.filters):
+        logger.addFilter(PrefectLoginLinks(ui_base))
