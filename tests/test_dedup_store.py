@@ -250,7 +250,7 @@ def test_index_dir_on_the_store_is_read_back_by_the_next_run(s3, run_store, tmp_
 
 
 def test_index_dir_in_a_missing_bucket_fails_naming_the_setting(s3, run_store):
-    from tasks.core.storage import StorageError
+    from tasks.core.fs import StorageError
     from tasks.dedup.index import MinHashIndex
 
     with pytest.raises(StorageError, match=r"^curate\.dedup\.minhash\.index_dir s3://no-such-bucket/idx: .*"
@@ -330,7 +330,7 @@ def test_an_index_save_on_the_store_holds_its_lock_and_waits_for_another_writer(
     """A save takes the index's lock object (a conditional write) around the generation check and
     the upload: another writer's fresh lock makes it wait, then fail naming the setting and the
     holder; a lock left by a holder that died an hour ago is taken over; none is left behind."""
-    from tasks.core.storage import StorageError
+    from tasks.core.fs import StorageError
     from tasks.dedup import index as index_module
     from tasks.dedup.index import MinHashIndex
 

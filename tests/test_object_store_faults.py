@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from s3_helpers import moto_s3
-from tasks.core.storage import RunStore, StorageError
+from tasks.core.fs import StorageError
+from tasks.core.storage import RunStore
 from test_e2e import CRUCIBLE
 from test_object_store import _client_env
 from test_postgres import TINY

@@ -3,7 +3,7 @@
 An S3 key may hold `../` (the store keeps it as given). Used as a path unchecked, a planted object
 is written outside the working copy (or a checkpoint's download folder) before anything verifies it.
 Every place a key or a relative path from outside becomes a local path goes through
-`tasks.core.storage.safe_join`, which refuses it."""
+`tasks.core.fs.safe_join`, which refuses it."""
 from __future__ import annotations
 
 import os
@@ -16,7 +16,7 @@ PLANTED = b"planted by a writer of the bucket"
 
 
 def test_safe_join_refuses_what_leads_out(tmp_path):
-    from tasks.core.storage import PathEscape, safe_join
+    from tasks.core.fs import PathEscape, safe_join
 
     root = tmp_path / "root"
     (root / "a").mkdir(parents=True)
