@@ -442,6 +442,7 @@ def test_curate_reads_and_writes_the_dedup_index_as_a_versioned_dataset(ray_sess
     from tasks.config import PipelineConfig
     from tasks.core.documents import write_docs
     from tasks.core.layout import RunLayout
+    from tasks.core.sections import stage_config
     from tasks.core.stage import StageContext, StageInputs
     from tasks.curate.stage import CurateStage
     from tasks.config import DEFAULT_DATA_ROOT
@@ -468,7 +469,7 @@ def test_curate_reads_and_writes_the_dedup_index_as_a_versioned_dataset(ray_sess
         started = stage.input_datasets(cfg, inputs)
         ctx = StageContext(layout=RunLayout(tmp_path / f"run{cycle}"), run_name=f"r{cycle}",
                            tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="x")
-        result = stage.run(cfg, inputs, ctx)
+        result = stage.run(stage_config(stage, cfg), inputs, ctx)
         read = {d.name: d for d in started + result.inputs if d.name == index}
         written = [d for d in result.outputs if d.name == index]
         assert len(written) == 1 and written[0].facets["dataQualityMetrics"].rowCount == 3 * (cycle + 1)

@@ -10,6 +10,7 @@ import pytest
 
 from tasks.config import PipelineConfig
 from tasks.core.layout import RunLayout
+from tasks.core.sections import stage_config, stage_sections
 from tasks.core.stage import Markdown, PlanResult, Stage, StageContext, StageInputs, StageResult
 from tasks.registry import ALL_STAGES, FLOW_DOCS, PRETRAIN_FLOWS, STAGES, stage
 
@@ -23,7 +24,7 @@ def test_every_stage_has_one_entry_and_the_full_shape():
         assert isinstance(s, Stage) and s.name == name
         assert type(s).run is not Stage.run, f"{name} does not implement run"
         assert issubclass(s.result_type, StageResult)
-        assert set(s.reads) <= sections, f"{name} reads unknown config sections {set(s.reads) - sections}"
+        assert set(stage_sections(s)) <= sections, f"{name} reads unknown config sections"  # Reads checks them too
         assert s.doc and s.flow in FLOW_DOCS
     assert [s.name for f in PRETRAIN_FLOWS for s in f.stages] == [
         "ingest", "curate", "quality", "tokenizer", "tokens", "plan", "train", "evaluate", "deploy"]
@@ -59,7 +60,7 @@ def test_plan_stage_runs_as_plain_python(base, tmp_path):
 
     index = tokens_artifact(base)["index_path"]
     layout = RunLayout.for_run(tmp_path, "plain")
-    result = STAGES["plan"].run(tiny_cfg(), StageInputs(tokens_index=index),
+    result = STAGES["plan"].run(stage_config(STAGES["plan"], tiny_cfg()), StageInputs(tokens_index=index),
                                 StageContext(layout=layout, run_name="plain", tracking_uri="", experiment="x"))
     assert isinstance(result, PlanResult) and Path(result.path) == layout.plan_file
     written = json.loads(layout.plan_file.read_text())

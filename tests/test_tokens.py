@@ -357,6 +357,7 @@ def test_tokens_stage_records_the_mixture(base, tmp_path, monkeypatch):
     from openlineage.client.event_v2 import RunState
 
     from tasks.core.layout import RunLayout
+    from tasks.core.sections import stage_config
     from tasks.core.stage import StageContext, StageInputs
     from tasks.lineage import JobRef, LineageEmitter
     from tasks.lineage.validate import event_errors, read_events
@@ -370,7 +371,7 @@ def test_tokens_stage_records_the_mixture(base, tmp_path, monkeypatch):
     ctx = StageContext(layout=RunLayout.for_run(tmp_path / "runs", "r"), run_name="r", tracking_uri=uri,
                        experiment="mix", mlflow_run_id=run_id)
     inputs = StageInputs(tokenizer=tokenizer_artifact(base)["path"], shards=[str(p) for p in corpus_shards(base)])
-    result = STAGES["tokens"].run(_weighted_cfg(2.0, 0.5), inputs, ctx)
+    result = STAGES["tokens"].run(stage_config(STAGES["tokens"], _weighted_cfg(2.0, 0.5)), inputs, ctx)
     data, mixture = result.data, result.data["mixture"]
     assert data["docs_in"] == data["docs_out"] + data["dropped"]["mixture_weight"]
     for s, v in mixture["by_source"].items():

@@ -1,6 +1,10 @@
 """The ablate stage: does curation help? The same model and token budget on two corpora."""
 from __future__ import annotations
 
+from typing import Annotated
+
+from tasks.config import PipelineConfig
+from tasks.core.sections import Reads
 from tasks.core.stage import Markdown, Stage, StageResult, Table
 from tasks.lineage import dataset_for_path
 from tasks.lineage.outputs import DATASET_DOCS
@@ -9,11 +13,12 @@ from tasks.lineage.torchrun import checkpoint_output
 
 class AblateStage(Stage):
     name, task, flow = "ablate", "ablate_curation", "ablate"
-    reads = ("curate", "quality", "tokenizer", "model", "train", "ablate")
     doc = ("Curation ablation: train the same model with the same token budget on the langid-only and the fully "
            "curated corpus (one tokenizer) and compare their loss on clean held-out text.")
 
-    def run(self, cfg, inputs, ctx) -> StageResult:
+    def run(self, cfg: Annotated[PipelineConfig, Reads("sources", "ingest", "curate", "quality", "tokenizer",
+                                                       "tokens", "model", "train", "evaluate", "plan", "ablate",
+                                                       "ray", "storage")], inputs, ctx) -> StageResult:
         from tasks.ablate import ablation_markdown, run_ablation
 
         out_dir = ctx.stage_dir(self.name)

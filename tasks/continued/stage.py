@@ -4,7 +4,10 @@ champion and the challenger are scored on (tasks/deploy/yardstick.py), as a stag
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
+from tasks.config import PipelineConfig
+from tasks.core.sections import Reads
 from tasks.core.stage import Markdown, Stage, StageInputs, StageResult, Table, TokensResult
 from tasks.lineage import dataset_for_path
 from tasks.lineage.facets import CrucibleTokenMixDatasetFacet
@@ -13,7 +16,6 @@ from tasks.lineage.outputs import DATASET_DOCS
 
 class ReplayMixStage(Stage):
     name, task, flow = "mix", "mix_replay", "replay_mix"
-    reads = ("continue_",)
     doc = ("Build a continued-pretraining cycle's training mix: the new token shards plus whole documents replayed "
            "from earlier cycles' token shards, continue.replay_fraction of the tokens.")
     result_type = TokensResult
@@ -21,7 +23,7 @@ class ReplayMixStage(Stage):
     def input_datasets(self, cfg, inputs: StageInputs) -> list:
         return [dataset_for_path(p) for p in [inputs.tokens_index, *inputs.replay]]
 
-    def run(self, cfg, inputs, ctx) -> TokensResult:
+    def run(self, cfg: Annotated[PipelineConfig, Reads("continue_")], inputs, ctx) -> TokensResult:
         from tasks.continued.mix import build_mix
 
         c = cfg.continue_
@@ -56,7 +58,6 @@ class ReplayMixStage(Stage):
 
 class YardstickStage(Stage):
     name, task, flow = "yardstick", "score_yardstick", "gate_and_deploy"
-    reads = ("continue_", "evaluate")
     doc = ("Score the champion and the best checkpoint of a continued-pretraining cycle on one pinned evaluation set "
            "(earlier cycles' held-out text, this cycle's, WikiText-2) in bits per byte, and decide the gate: better "
            "on the new data, no forgetting of the old.")
@@ -65,7 +66,8 @@ class YardstickStage(Stage):
         return [dataset_for_path(p) for p in [inputs.evaluation["checkpoint"], inputs.tokenizer, inputs.tokens_index,
                                               *inputs.replay]]
 
-    def run(self, cfg, inputs, ctx) -> StageResult:
+    def run(self, cfg: Annotated[PipelineConfig, Reads("continue_", "deploy", "evaluate", "model", "train", "storage")],
+            inputs, ctx) -> StageResult:
         from tasks.continued.cycle import CycleError
         from tasks.deploy.gate import write_gate_record
         from tasks.deploy.registry import get_champion

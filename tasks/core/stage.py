@@ -4,13 +4,15 @@
         name = "my_stage"              # stage directory, MLflow run name, summary key
         task = "do_my_stage"           # Prefect task and OpenLineage job name
         flow = "train"                 # the pretrain subflow it runs in
-        reads = ("train",)             # config sections it reads (lineage `crucible_config` facet)
         doc = "What it does."          # OpenLineage job documentation
         result_type = MyResult
 
-        def run(self, cfg, inputs, ctx) -> MyResult: ...
+        # the config sections it reads, and the only ones it can (tasks/core/sections.py)
+        def run(self, cfg: Annotated[PipelineConfig, Reads("model", "train")], inputs, ctx) -> MyResult: ...
 
-A stage is plain Python: tests call `stage.run(...)` directly. flows/stage_task.py turns each
+A stage is plain Python: tests call `stage.run(...)` directly. The stage wrapper hands it the tree
+with every section its signature does not name withheld (`stage_config`), and the lineage
+`crucible_config` facet records exactly those sections. flows/stage_task.py turns each
 registered stage (tasks/registry.py) into a Prefect task that adds the MLflow run, the OpenLineage
 START/COMPLETE events and the Prefect artifacts around `run`; nothing here imports Prefect.
 """
@@ -152,7 +154,6 @@ class Stage:
     name: ClassVar[str]
     task: ClassVar[str]
     flow: ClassVar[str]
-    reads: ClassVar[tuple[str, ...]]
     doc: ClassVar[str]
     result_type: ClassVar[type[StageResult]] = StageResult
     # (task, doc) of the stage when the stack's event-triggered flows do its work and it only collects

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
+from tasks.config import PipelineConfig
+from tasks.core.sections import Reads
 from tasks.core.stage import DocumentsResult, Markdown, Stage, Table
 from tasks.lineage.outputs import DATASET_DOCS, dedup_index_dataset, optional_output, shard_output
 from tasks.tracking import Tracker
@@ -10,7 +13,6 @@ from tasks.tracking import Tracker
 
 class CurateStage(Stage):
     name, task, flow = "curate", "filter_and_dedup", "curate"
-    reads = ("curate",)
     doc = ("Language ID, Gopher quality/repetition, C4 and FineWeb filters, decontamination, PII redaction, "
            "exact and MinHash deduplication of the ingested shards; dropped documents are listed in dropped.jsonl.")
     result_type = DocumentsResult
@@ -20,7 +22,8 @@ class CurateStage(Stage):
         index = dedup_index_dataset(minhash_index_dir(cfg))
         return super().input_datasets(cfg, inputs) + ([index] if index else [])
 
-    def run(self, cfg, inputs, ctx) -> DocumentsResult:
+    def run(self, cfg: Annotated[PipelineConfig, Reads("sources", "curate", "ray", "storage")],
+            inputs, ctx) -> DocumentsResult:
         from tasks.curate import run_curate
 
         index_before = dedup_index_dataset(minhash_index_dir(cfg))

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
+from tasks.config import PipelineConfig
+from tasks.core.sections import Reads
 from tasks.core.stage import DeployResult, Stage, StageInputs, Table
 from tasks.lineage import dataset_for_path, model_version_dataset
 from tasks.lineage.emitter import model_version_node, served_model_dataset
@@ -11,7 +14,6 @@ from tasks.lineage.outputs import DATASET_DOCS
 
 class DeployStage(Stage):
     name, task, flow = "deploy", "gate_register_serve", "deploy"
-    reads = ("deploy",)
     doc = ("Gate the best checkpoint on its evaluation, register it as an MLflow model version (alias challenger), "
            "serve it with the OpenAI-compatible model server and, once it answers, promote it to champion.")
     result_type = DeployResult
@@ -26,7 +28,8 @@ class DeployStage(Stage):
         return [dataset_for_path(evaluation["checkpoint"]), dataset_for_path(evaluation["report_path"]),
                 dataset_for_path(inputs.tokenizer)]
 
-    def run(self, cfg, inputs, ctx) -> DeployResult:
+    def run(self, cfg: Annotated[PipelineConfig, Reads("deploy", "evaluate", "model", "train", "sources", "storage")],
+            inputs, ctx) -> DeployResult:
         from tasks.deploy import deploy_if_better
         from tasks.deploy.yardstick import yardstick_rows
 

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Annotated
 
+from tasks.config import PipelineConfig
+from tasks.core.sections import Reads
 from tasks.core.stage import EvalResult, Stage, StageInputs, Table
 from tasks.lineage import dataset_for_path
 from tasks.lineage.artifacts import eval_data_inputs, token_split_paths
@@ -14,7 +17,6 @@ log = logging.getLogger(__name__)
 
 class EvaluateStage(Stage):
     name, task, flow = "evaluate", "evaluate_checkpoint", "evaluate"
-    reads = ("evaluate",)
     doc = "Evaluate one checkpoint: validation loss and perplexity, the task suite and sample generations."
     result_type = EvalResult
     # with the stack's triggered flows on, the evaluate-checkpoint flow evaluates and this task collects
@@ -26,7 +28,8 @@ class EvaluateStage(Stage):
         return super().input_datasets(cfg, inputs) + [
             dataset_for_path(p) for p in token_split_paths(inputs.tokens_index, ("val",))]
 
-    def run(self, cfg, inputs, ctx) -> EvalResult:
+    def run(self, cfg: Annotated[PipelineConfig, Reads("evaluate", "model", "train", "deploy", "storage")],
+            inputs, ctx) -> EvalResult:
         from tasks.deploy.triggered import write_gate
         from tasks.deploy.yardstick import gate_at_evaluation
         from tasks.evaluate import evaluate_checkpoint

@@ -1,6 +1,10 @@
 """The ingest stage: raw files of every registered source -> Parquet document shards."""
 from __future__ import annotations
 
+from typing import Annotated
+
+from tasks.config import PipelineConfig
+from tasks.core.sections import Reads
 from tasks.core.stage import DocumentsResult, Stage
 from tasks.lineage import dataset_for_path
 from tasks.lineage.emitter import dataset_for_uri
@@ -9,12 +13,11 @@ from tasks.lineage.outputs import DATASET_DOCS, optional_output, shard_output, s
 
 class IngestStage(Stage):
     name, task, flow = "ingest", "ingest_sources", "curate"
-    reads = ("sources", "ingest")
     doc = ("Read the raw files of every registered source (WARC/WET/JSONL/...), extract and normalise the text "
            "and write Parquet document shards; unreadable or oversized records go to quarantine.jsonl.")
     result_type = DocumentsResult
 
-    def run(self, cfg, inputs, ctx) -> DocumentsResult:
+    def run(self, cfg: Annotated[PipelineConfig, Reads("sources", "ingest", "ray")], inputs, ctx) -> DocumentsResult:
         from tasks.ingest import run_ingest
 
         data = run_ingest(cfg, ctx.stage_dir(self.name), progress=ctx.progress("source files read"))

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
 
+from tasks.config import PipelineConfig
+from tasks.core.sections import Reads
 from tasks.core.stage import Markdown, PlanResult, Stage
 from tasks.lineage import dataset_for_path
 from tasks.lineage.outputs import DATASET_DOCS
@@ -13,12 +16,11 @@ from tasks.lineage.outputs import DATASET_DOCS
 
 class PlanStage(Stage):
     name, task, flow = "plan", "plan_training", "train"
-    reads = ("model", "train", "plan")
     doc = ("Price the configured training run with the scaling-law planner: parameters, token budget against "
            "the compute-optimal count, FLOPs, GPU hours, cost, checkpoint size and a parallel layout at scale.")
     result_type = PlanResult
 
-    def run(self, cfg, inputs, ctx) -> PlanResult:
+    def run(self, cfg: Annotated[PipelineConfig, Reads("model", "train", "plan", "energy")], inputs, ctx) -> PlanResult:
         from tasks.plan import plan_for_run
         from tasks.plan.report import format_plan
         from tasks.tokens import load_index

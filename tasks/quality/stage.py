@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
+from tasks.config import PipelineConfig
+from tasks.core.sections import Reads
 from tasks.core.stage import DocumentsResult, Stage, Table
 from tasks.lineage import dataset_for_path
 from tasks.lineage.outputs import DATASET_DOCS, optional_output, shard_output, training_data_source
@@ -11,12 +14,12 @@ from tasks.tracking import Tracker
 
 class QualityStage(Stage):
     name, task, flow = "quality", "quality_filter", "curate"
-    reads = ("quality",)
     doc = ("Train (or reuse, by content hash) the fastText quality classifier and the KenLM model, score every "
            "curated document on Ray workers and keep those passing the classifier threshold and KenLM buckets.")
     result_type = DocumentsResult
 
-    def run(self, cfg, inputs, ctx) -> DocumentsResult:
+    def run(self, cfg: Annotated[PipelineConfig, Reads("sources", "quality", "curate", "ray", "storage")],
+            inputs, ctx) -> DocumentsResult:
         from tasks.quality.run import run_quality
 
         data = run_quality(cfg, [Path(p) for p in inputs.shards], ctx.stage_dir(self.name))

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
 
+from tasks.config import PipelineConfig
+from tasks.core.sections import Reads
 from tasks.core.stage import Markdown, Stage, Table, TokenizerResult
 from tasks.lineage import dataset_for_path
 from tasks.lineage.outputs import DATASET_DOCS
@@ -12,11 +15,10 @@ from tasks.tracking import Tracker
 
 class TokenizerStage(Stage):
     name, task, flow = "tokenizer", "train_bpe", "train_tokenizer"
-    reads = ("tokenizer",)
     doc = "Train a byte-level BPE tokenizer (Hugging Face tokenizers) on the curated shards."
     result_type = TokenizerResult
 
-    def run(self, cfg, inputs, ctx) -> TokenizerResult:
+    def run(self, cfg: Annotated[PipelineConfig, Reads("tokenizer")], inputs, ctx) -> TokenizerResult:
         from tasks.tokenizer import TokenizerValidationError, train_tokenizer
 
         out_dir = ctx.stage_dir(self.name)

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
+from tasks.config import PipelineConfig
+from tasks.core.sections import Reads
 from tasks.core.stage import Markdown, Stage, TokensResult
 from tasks.lineage import dataset_for_path
 from tasks.lineage.facets import CrucibleMixtureDatasetFacet
@@ -28,12 +31,12 @@ def mixture_record(data: dict) -> dict:
 
 class TokensStage(Stage):
     name, task, flow = "tokens", "encode_and_pack", "prepare_tokens"
-    reads = ("tokens", "sources")  # sources: each one's mixture_weight
     doc = ("Encode the curated shards with the tokenizer and pack the token ids into train/validation shards, the "
            "train split weighted by the sources' mixture weights.")
     result_type = TokensResult
 
-    def run(self, cfg, inputs, ctx) -> TokensResult:
+    def run(self, cfg: Annotated[PipelineConfig, Reads("sources", "tokens", "tokenizer", "curate", "ray")],
+            inputs, ctx) -> TokensResult:
         from tasks.core.io import atomic_write_text
         from tasks.curate.card import render_token_card
         from tasks.tokens import prepare_tokens

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
+from tasks.config import PipelineConfig
+from tasks.core.sections import Reads
 from tasks.core.layout import CHECKPOINTS_DIR
 from tasks.core.stage import Stage, StageInputs, TrainResult
 from tasks.core.storage import push_path, run_uri, store_of_path
@@ -14,7 +17,6 @@ from tasks.lineage.torchrun import TorchrunLineage, checkpoint_output
 
 class TrainStage(Stage):
     name, task, flow = "train", "torchrun_train", "train"
-    reads = ("model", "train")
     doc = "Train the GPT model under torchrun (DDP) on the token shards, saving torch.distributed checkpoints."
     result_type = TrainResult
 
@@ -25,7 +27,7 @@ class TrainStage(Stage):
             datasets.append(dataset_for_path(cfg.train.init_from))
         return datasets
 
-    def run(self, cfg, inputs, ctx) -> TrainResult:
+    def run(self, cfg: Annotated[PipelineConfig, Reads("model", "train", "storage")], inputs, ctx) -> TrainResult:
         from tasks.train import run_training
 
         out_dir, tokens_index = ctx.stage_dir(self.name), Path(inputs.tokens_index)
