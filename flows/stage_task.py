@@ -113,12 +113,18 @@ def model_server_status(cfg: PipelineConfig):
     return status
 
 
+def with_stack(fn, cfg: PipelineConfig):
+    """`fn` (serve_model, verify_model) given the run's whole config in place of the deploy stage's,
+    which withholds the stack's sections the model-server supervisor reads (tasks/core/sections.py)."""
+    return lambda _stage_cfg, *args, **kwargs: fn(cfg, *args, **kwargs)
+
+
 def stage_context(stage: Stage, cfg: PipelineConfig, run: RunContext, mlflow_run_id: str,
                   lineage: StageLineage) -> StageContext:
     return StageContext(layout=run.layout, run_name=run.run_name, tracking_uri=run.tracking_uri,
                         experiment=run.experiment, mlflow_run_id=mlflow_run_id, triggered=run.triggered,
-                        progress=lambda unit: stage_progress(stage.name, unit), serve_model=serve_model,
-                        verify_model=verify_model, model_server_status=model_server_status(cfg),
+                        progress=lambda unit: stage_progress(stage.name, unit), serve_model=with_stack(serve_model, cfg),
+                        verify_model=with_stack(verify_model, cfg), model_server_status=model_server_status(cfg),
                         lineage=lineage, lineage_namespace=cfg.lineage.namespace, worker_module=TRAIN_WORKER)
 
 
