@@ -274,6 +274,16 @@ def _pick_gpus(flops: float, spec: GpuSpec, mfu: float, layout_for, cfg: PlanCon
     return n
 
 
+def _time_cost_energy(flops: float, gpus: int, spec: GpuSpec, mfu: float, key: str, energy: EnergyConfig | None,
+                      assumptions: list[str]) -> dict:
+    """_timing plus the energy and CO2e of its GPU-hours (tasks.core.energy.plan_energy: the constants
+    the stages' measurements use); its assumption appended."""
+    timing = _timing(flops, gpus, spec, mfu)
+    footprint = plan_energy(timing["gpu_hours"], key, energy)
+    assumptions.append(footprint.pop("energy_assumption"))
+    return {**timing, **footprint}
+
+
 def _check_inputs(params, tokens, flops, gpus, gpu, mfu, seq_len, n_layer, d_model, active_params,
                   cfg: PlanConfig) -> tuple[float, str, GpuSpec]:
     """Validate make_plan's arguments; returns (mfu, gpu key, its spec). Raises PlanError."""
@@ -439,9 +449,6 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
     ckpt_bytes = cfg.weight_bytes + cfg.master_bytes + cfg.optimizer_bytes
     moe = None if active_params is None else _moe_plan(params, compute_params, n_layer, d_model, top_k,
                                                          n_experts, layout, cfg, assumptions)
-    timing = _timing(total_flops, gpus, spec, mfu)
-    footprint = plan_energy(timing["gpu_hours"], key, energy)
-    assumptions.append(footprint.pop("energy_assumption"))
     return {
         "moe": moe,
         "params": float(params),
@@ -461,8 +468,7 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
         "gpus": gpus,
         "peak_flops_per_gpu": spec.peak_bf16_flops,
         "mfu": mfu,
-        **timing,
-        **footprint,
+        **_time_cost_energy(total_flops, gpus, spec, mfu, key, energy, assumptions),
         "model_state_bytes": float(params * state_bytes),
         "checkpoint_bytes": float(params * ckpt_bytes),
         "layout": layout,
