@@ -413,6 +413,8 @@ def client_env(stack_cfg, lineage_cfg=None) -> dict[str, str]:
         "DO_NOT_TRACK": "true",
         "MLFLOW_TRACKING_URI": mlflow_tracking_uri(stack_cfg),
         "MLFLOW_DISABLE_TELEMETRY": "true",
+        # MLflow's own "View run ... at" lines name the GenAI view; Crucible prints the run pages itself
+        "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
         **mlflow_client_env(stack_cfg),  # the login by the password file's path
         STATE_DIR_ENV: str(state_dir(stack_cfg)),
         SIGNING_KEY_FILE_ENV: str(signing_key_file(stack_cfg)),
