@@ -98,7 +98,7 @@ def test_rapl_counters_with_a_wrap_around(tmp_path, monkeypatch):
 
 FAKE_SMI = """#!/bin/sh
 rows() { echo "0, 250.50, 700.00, 90"; echo "1, [N/A], 400.00, 50"; }
-case "$*" in *-lms=*) while true; do rows; sleep 0.05; done ;; *) rows ;; esac
+case "$*" in *--loop-ms=*) while true; do rows; sleep 0.05; done ;; *) rows ;; esac
 """
 
 

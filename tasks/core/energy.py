@@ -262,7 +262,7 @@ def gpu_watts(row: tuple[float | None, float | None, float | None], tdp_override
 
 
 class GpuSampler:
-    """`nvidia-smi --query-gpu ... -lms` as one child process streaming a row per GPU per interval."""
+    """`nvidia-smi --query-gpu ... --loop-ms=N` as one child process streaming a row per GPU per interval."""
 
     def __init__(self, interval_s: float):
         self.rows: list[dict] = []
@@ -281,7 +281,7 @@ class GpuSampler:
             return
         self.rows.append(first)
         self.gpus = sorted(first)
-        self.proc = subprocess.Popen(cmd + [f"-lms={max(100, int(interval_s * 1000))}"], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(cmd + [f"--loop-ms={max(100, int(interval_s * 1000))}"], stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True)
         self.reader = threading.Thread(target=self._read, daemon=True, name="energy-nvidia-smi")
         self.reader.start()
