@@ -57,3 +57,37 @@ def test_stage_datasets_are_the_runs_mlflow_inputs_with_their_lineage_identity(t
     assert {t.key: t.value for t in out.tags}["mlflow.data.context"] == "output"
     # the experiment opens in MLflow's model-training view, not its GenAI view
     assert tracker.client.get_experiment(tracker.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_printed_links_open_after_one_login():
+    """Prefect pages go through its UI's login route (a deep link fails before the login); MLflow run
+    pages name the model-training view; Prefect's own "View at" log line is rewritten the same way."""
+    import logging
+
+    from tasks.tracking.links import mlflow_run_page, prefect_page, rewrite_prefect_log_links
+
+    ui = "http://127.0.0.1:4200/"
+    assert prefect_page(ui, "/runs/flow-run/f-1") == "http://127.0.0.1:4200/login?redirect=/runs/flow-run/f-1"
+    assert prefect_page(None, "/runs/flow-run/f-1") is None
+    assert mlflow_run_page("http://127.0.0.1:5000", "3", "r1") == \
+        "http://127.0.0.1:5000/#/experiments/3/runs/r1?workflowType=machine_learning"
+    assert mlflow_run_page("sqlite:///x.db", "3", "r1") is None  # no UI for a file store
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("prefect.flow_runs")
+    handler, level, filters = Keep(), logger.level, list(logger.filters)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        rewrite_prefect_log_links(ui)
+        rewrite_prefect_log_links(ui)  # installed once
+        logging.LoggerAdapter(logger, {}).info("View at http://127.0.0.1:4200/runs/flow-run/f-2")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.filters[:] = filters
+    assert seen == ["View at http://127.0.0.1:4200/login?redirect=/runs/flow-run/f-2"]
