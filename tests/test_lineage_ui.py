@@ -13,6 +13,14 @@ RAW_FILES = sum(len(s["files"]) for s in DEFAULT_SOURCES)
 
 pytestmark = requires_chromium
 
+# true when the graph node `arguments[0]` (null: every node) lies within the graph's box as drawn
+IN_VIEW = """
+const box = document.querySelector('[data-testid="graph"]').getBoundingClientRect();
+const nodes = [...document.querySelectorAll('#graph .node')].filter((n) => !arguments[0] || n.dataset.nodeId === arguments[0]);
+return nodes.length > 0 && nodes.every((n) => { const r = n.getBoundingClientRect();
+  return r.left >= box.left - 1 && r.right <= box.right + 1 && r.top >= box.top - 1 && r.bottom <= box.bottom + 1; });
+"""
+
 
 @pytest.fixture
 def service(tmp_path):
@@ -73,6 +81,7 @@ def test_auditor_finds_model_sees_upstream_sources_and_licences(service, browser
     nodes = browser.find_elements(By.CSS_SELECTOR, testid("graph-node"))
     ids = {n.get_attribute("data-node-id") for n in nodes}
     assert model in ids and "job:crucible:curate.ingest_sources" in ids
+    assert browser.execute_script(IN_VIEW, model) and browser.execute_script(IN_VIEW, None)  # fitted on load
     assert browser.find_element(By.CSS_SELECTOR, f'{testid("graph-node")}[data-node-id="{model}"]') \
         .get_attribute("data-kind") == "model"
 
@@ -111,5 +120,26 @@ def test_auditor_finds_model_sees_upstream_sources_and_licences(service, browser
     assert browser.find_element(By.CSS_SELECTOR, testid("detail-type")).text == "RAW SOURCE"
     assert browser.find_element(By.CSS_SELECTOR, testid("detail-rows")).text == "150"
     browser.save_screenshot(str(shots / "lineage_raw_source.png"))
-    for name in ("lineage_model_upstream.png", "lineage_trace.png", "lineage_raw_source.png"):
+
+    # a small page of its downstream graph: "N more" groups stand for the rest of each fan-out,
+    # a click on one brings its nodes in; the graph is fitted again
+    raw_id = raw.get_attribute("data-node-id")
+    Select(browser.find_element(By.CSS_SELECTOR, testid("direction"))).select_by_value("downstream")
+    limit = browser.find_element(By.CSS_SELECTOR, testid("limit"))
+    limit.clear()
+    limit.send_keys("8")
+    browser.find_element(By.CSS_SELECTOR, testid("focus-button")).click()
+    graph = lambda d: d.find_element(By.CSS_SELECTOR, testid("graph"))  # noqa: E731
+    wait.until(lambda d: graph(d).get_attribute("data-root") == raw_id and graph(d).get_attribute("data-state")
+               == "ready" and graph(d).get_attribute("data-nodes") == "8")
+    total = int(graph(browser).get_attribute("data-total"))
+    groups = browser.find_elements(By.CSS_SELECTOR, testid("graph-group"))
+    assert total > 8 and groups and all(int(g.get_attribute("data-count")) > 0 for g in groups)
+    assert browser.execute_script(IN_VIEW, raw_id) and browser.execute_script(IN_VIEW, None)
+    browser.save_screenshot(str(shots / "lineage_page_groups.png"))
+    groups[0].click()
+    wait.until(lambda d: graph(d).get_attribute("data-state") == "ready"
+               and int(graph(d).get_attribute("data-nodes")) > 8)
+    assert browser.execute_script(IN_VIEW, None)
+    for name in ("lineage_model_upstream.png", "lineage_trace.png", "lineage_raw_source.png", "lineage_page_groups.png"):
         assert (shots / name).stat().st_size > 10_000

@@ -8,8 +8,10 @@ const NODE_W = 220, NODE_H = 48, PAD = 24;
 // gaps between layers / between nodes of a layer, per orientation
 const GAPS = { LR: { layer: 80, node: 16 }, TB: { layer: 44, node: 18 } };
 
+// graph: what is drawn (the pages loaded, merged, plus a node per "N more" group); nodes/edges/groups:
+// the pages' content by id; page: the last page of the first-page chain (its nextCursor pages on)
 const state = { nodeId: null, selected: null, graph: null, layout: null, scale: 1, detail: null,
-  lastQuery: null, searchSeq: 0, graphSeq: 0 };
+  lastQuery: null, searchSeq: 0, graphSeq: 0, nodes: new Map(), edges: new Map(), groups: new Map(), page: null };
 const $ = (id) => document.getElementById(id);
 
 // ---------------------------------------------------------------------------------------------
@@ -80,6 +82,7 @@ function licenceCount(f) {
 function isModel(ns, name) { return ns.startsWith("mlflow://") && /^models\/.+\/[^/]+$/.test(name); }
 
 function nodeKind(n) {
+  if (n.type === "GROUP") return "group";
   if (n.type === "JOB") return "job";
   const d = n.data || {};
   if (isModel(d.namespace || "", d.name || "")) return "model";
@@ -87,8 +90,14 @@ function nodeKind(n) {
   return "dataset";
 }
 
+function groupText(g) {  // "558 more datasets", "3 more (2 datasets, 1 job)"
+  const kinds = Object.entries(g.types).map(([t, c]) => `${c} ${t.toLowerCase()}${c === 1 ? "" : "s"}`);
+  return kinds.length === 1 ? `${g.count} more ${kinds[0].replace(/^\d+ /, "")}` : `${g.count} more (${kinds.join(", ")})`;
+}
+
 function nodeLabel(n) {
   const d = n.data || {};
+  if (n.type === "GROUP") return groupText(d);
   if (n.type === "JOB") return d.name || n.id;
   const name = d.name || "";
   if (isModel(d.namespace || "", name)) {
@@ -101,6 +110,7 @@ function nodeLabel(n) {
 
 function nodeSub(n) {
   const d = n.data || {};
+  if (n.type === "GROUP") return "click: show them";
   if (n.type === "JOB") {
     const runs = (d.crucible && d.crucible.runs) || [];
     return `job · ${runs.length} run${runs.length === 1 ? "" : "s"}`;
@@ -299,11 +309,15 @@ function renderGraph() {
       "data-licence": src ? src.licence : null, "data-source": src ? src.source : null,
     });
     const title = svg("title");
-    title.textContent = src ? `${id}\nsource: ${src.source}\nlicence: ${src.licence}` : id;
+    title.textContent = src ? `${id}\nsource: ${src.source}\nlicence: ${src.licence}` :
+      kind === "group" ? `${nodeLabel(n)} of ${n.data.parent}'s ${n.data.direction} fan-out` : id;
     g.append(title);
+    if (kind === "group") {
+      Object.assign(g.dataset, { testid: "graph-group", count: String(n.data.count), parent: n.data.parent });
+    }
     g.append(svg("rect", { width: NODE_W, height: NODE_H, rx: n.type === "JOB" ? 22 : 6 }));
     const kindText = svg("text", { x: 10, y: 13, class: "kind" });
-    kindText.textContent = { job: "JOB", source: "SOURCE", model: "MODEL VERSION", dataset: "DATASET" }[kind];
+    kindText.textContent = { job: "JOB", source: "SOURCE", model: "MODEL VERSION", dataset: "DATASET", group: "MORE" }[kind];
     const label = svg("text", { x: 10, y: 28, class: "label" });
     label.textContent = truncate(nodeLabel(n), 34);
     const sub = svg("text", { x: 10, y: 42, class: "sub", "data-testid": src ? "node-licence" : null });
@@ -311,22 +325,21 @@ function renderGraph() {
     const texts = svg("g", { "clip-path": "url(#node-clip)" });
     texts.append(kindText, label, sub);
     g.append(texts);
-    g.addEventListener("click", () => selectDetail(id));
-    g.addEventListener("dblclick", () => selectRoot(id));
+    if (kind === "group") g.addEventListener("click", () => loadPage(n.data.cursor, id));
+    else {
+      g.addEventListener("click", () => selectDetail(id));
+      g.addEventListener("dblclick", () => selectRoot(id));
+    }
     root.append(g);
   }
   box.replaceChildren(root);
 }
 
-function fitScale() {
+function fitScale() {  // the whole graph in view (zoom in from there); answers are bounded, so it stays usable
   if (!state.layout) return;
   const box = $("graph");
   const w = (box.clientWidth - 16) / state.layout.width, h = (box.clientHeight - 16) / state.layout.height;
-  // fit the whole graph if it stays legible; else fit its breadth and scroll along its length
-  const legible = 0.6;
-  let scale = Math.min(w, h);
-  if (scale < legible) scale = state.layout.orient === "TB" ? w : h;
-  state.scale = Math.max(0.35, Math.min(1.1, scale));
+  state.scale = Math.max(0.02, Math.min(1.1, w, h));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -350,14 +363,69 @@ async function loadGraph() {
   box.dataset.state = "loading";
   try {
     const direction = $("direction").value;
-    const res = await getJSON("/lineage", { nodeId: state.nodeId, depth: $("depth").value || 20, direction });
+    const res = await getJSON("/lineage", graphParams());
     if (seq !== state.graphSeq) return;  // a newer graph was asked for
-    state.graph = res.graph;
-    state.layout = res.graph.length ? layout(res.graph) : null;
-    fitScale();
-    renderGraph();
-    Object.assign(box.dataset, { state: "ready", root: state.nodeId, direction, nodes: String(res.graph.length) });
+    state.nodes = new Map(); state.edges = new Map(); state.groups = new Map();
+    mergePage(res);
+    state.page = res.page;
+    showGraph();
+    Object.assign(box.dataset, { state: "ready", root: state.nodeId, direction });
     status("");
+  } catch (e) {
+    status(`Graph failed: ${e.message}`);
+  }
+}
+
+function graphParams(cursor) {
+  const params = { nodeId: state.nodeId, depth: $("depth").value || 20, direction: $("direction").value,
+    limit: $("limit").value || 200 };
+  if (cursor) params.cursor = cursor;
+  return params;
+}
+
+function mergePage(res) {  // a page's nodes, its edges (within it and to earlier pages) and its groups
+  for (const n of res.graph) {
+    state.nodes.set(n.id, n);
+    for (const e of n.outEdges) state.edges.set(e.origin + "\u0000" + e.destination, e);
+  }
+  for (const e of (res.page && res.page.earlierEdges) || []) state.edges.set(e.origin + "\u0000" + e.destination, e);
+  for (const g of res.groups || []) state.groups.set(g.id, g);
+}
+
+function showGraph() {  // lay out what is loaded, each remaining fan-out as one "N more" node, and fit it
+  const out = new Map([...state.nodes.keys()].map((id) => [id, []]));
+  for (const e of state.edges.values()) if (out.has(e.origin) && state.nodes.has(e.destination)) out.get(e.origin).push(e);
+  const graph = [...state.nodes.values()].map((n) => ({ ...n, outEdges: out.get(n.id) }));
+  for (const g of state.groups.values()) {
+    if (!state.nodes.has(g.parent)) continue;
+    const edge = g.direction === "downstream" ? { origin: g.parent, destination: g.id } : { origin: g.id, destination: g.parent };
+    const node = { id: g.id, type: "GROUP", data: g, inEdges: [], outEdges: g.direction === "upstream" ? [edge] : [] };
+    if (g.direction === "downstream") graph.find((n) => n.id === g.parent).outEdges.push(edge);
+    graph.push(node);
+  }
+  // the toolbar first: its height decides the box's, which the fit reads
+  const total = state.page ? state.page.totalNodes : state.nodes.size;
+  $("graph-more").hidden = !(state.page && state.page.nextCursor);
+  $("graph-count").textContent = `${state.nodes.size} of ${total} nodes`;
+  state.graph = graph;
+  state.layout = graph.length ? layout(graph) : null;
+  fitScale();
+  renderGraph();
+  Object.assign($("graph").dataset, { nodes: String(state.nodes.size), total: String(total),
+    groups: String(state.groups.size), scale: String(state.scale) });
+}
+
+async function loadPage(cursor, groupId) {  // a group's nodes (from its cursor) or the next page, merged in
+  if (!cursor) return;
+  const box = $("graph");
+  box.dataset.state = "loading";
+  try {
+    const res = await getJSON("/lineage", graphParams(cursor));
+    if (groupId) state.groups.delete(groupId);
+    else state.page = res.page;
+    mergePage(res);
+    showGraph();
+    box.dataset.state = "ready";
   } catch (e) {
     status(`Graph failed: ${e.message}`);
   }
@@ -513,10 +581,10 @@ function init() {
   });
   $("graph-refresh").addEventListener("click", loadGraph);
   $("direction").addEventListener("change", loadGraph);
-  $("orientation").addEventListener("change", () => {
-    if (state.graph && state.graph.length) { state.layout = layout(state.graph); fitScale(); renderGraph(); }
-  });
+  $("orientation").addEventListener("change", () => { if (state.graph && state.graph.length) showGraph(); });
   $("depth").addEventListener("change", loadGraph);
+  $("limit").addEventListener("change", loadGraph);
+  $("graph-more").addEventListener("click", () => state.page && loadPage(state.page.nextCursor));
   $("zoom-in").addEventListener("click", () => { state.scale = Math.min(3, state.scale * 1.25); renderGraph(); });
   $("zoom-out").addEventListener("click", () => { state.scale = Math.max(0.2, state.scale / 1.25); renderGraph(); });
   $("zoom-fit").addEventListener("click", () => { fitScale(); renderGraph(); });
