@@ -414,18 +414,17 @@ def total(records: list[dict]) -> dict:
     return {k: sum(r[k] for r in records) for k in TOTALS}
 
 
-def run_energy(stages: dict) -> dict | None:
-    """The run summary's energy: per stage (a stage run several times, e.g. evaluate: summed) and the
-    total; None when no stage recorded any (energy.enabled off)."""
-    per: dict[str, dict] = {}
-    for name, data in stages.items():
-        runs = data if isinstance(data, list) else [data]
-        records = [r["energy"] for r in runs if isinstance(r, dict) and isinstance(r.get("energy"), dict)]
-        if records:
-            per[name] = total(records)
+def run_energy(records: list[dict]) -> dict | None:
+    """The run's energy from its energy.jsonl records: per stage (a stage run several times, e.g.
+    evaluate once per checkpoint, in the pipeline or in the event-triggered flows: summed) and the
+    total; None when nothing was recorded (energy.enabled off)."""
+    per: dict[str, list[dict]] = {}
+    for r in records:
+        per.setdefault(r.get("stage") or "?", []).append(r)
     if not per:
         return None
-    return {"stages": per, "total": total(list(per.values()))}
+    stages = {name: total(rs) for name, rs in per.items()}
+    return {"stages": stages, "total": total(list(stages.values()))}
 
 
 def read_log(path: Path) -> list[dict]:
@@ -439,11 +438,8 @@ def card_section(records: list[dict]) -> str:
     """The model card's energy section from a run's energy.jsonl records."""
     if not records:
         return "Not recorded (no energy log in the checkpoint's run, or energy.enabled was off)."
-    per: dict[str, list[dict]] = {}
-    for r in records:
-        per.setdefault(r.get("stage") or "?", []).append(r)
-    rows = {name: total(rs) for name, rs in per.items()}
-    t = total(list(rows.values()))
+    energy = run_energy(records)
+    rows, t = energy["stages"], energy["total"]
     lines = ["| stage | energy (kWh) | CO2e (kg) | cost (USD) |", "|---|---|---|---|"]
     lines += [f"| {n} | {v['kwh']:.3g} | {v['co2e_kg']:.3g} | {v['cost_usd']:.3g} |" for n, v in rows.items()]
     lines.append(f"| **total** | {t['kwh']:.3g} | {t['co2e_kg']:.3g} | {t['cost_usd']:.3g} |")
