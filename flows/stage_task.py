@@ -28,7 +28,8 @@ from flows.artifacts import publish_quietly, stage_progress
 from flows.run_context import RunContext, create_lineage_link
 from tasks.config import PipelineConfig
 from tasks.core.constants import REPO_ROOT
-from tasks.core.energy import measure_energy
+from tasks.core.energy import EnergyMeter, measure_energy
+from tasks.core.layout import RunLayout
 from tasks.core.sections import stage_config, stage_sections
 from tasks.core.stage import Stage, StageContext, StageInputs, StageResult
 from tasks.core.storage import push_path
@@ -65,6 +66,17 @@ def flow_lineage(cfg: PipelineConfig, run: RunContext) -> Iterator[None]:
                               run_facets={"crucible_links": links}, job_doc=FLOW_DOCS.get(flow.name),
                               code_path=FLOWS_CODE):
         yield
+
+
+@contextmanager
+def stage_energy(cfg: PipelineConfig, layout: RunLayout, stage: str, active) -> Iterator[EnergyMeter | None]:
+    """Measure the block's energy (tasks/core/energy.py: the process tree's) into the run's energy.jsonl
+    and the lineage run's crucible_energy facet (`active`: the emitter's open run); yields the meter,
+    None with energy.enabled off. The stage tasks and the event-triggered flows measure through it."""
+    with measure_energy(cfg, layout.energy_log, stage) as meter:
+        yield meter
+    if meter:
+        active.run_facets["crucible_energy"] = CrucibleEnergyRunFacet.of(meter.record)
 
 
 def code_path(stage: Stage) -> str:
@@ -145,14 +157,13 @@ def run_stage(name: str, cfg: PipelineConfig, run: RunContext, inputs: StageInpu
                                  inputs=[] if collecting else stage.input_datasets(given, inputs),
                                  run_facets={"crucible_links": links}, code_path=code_path(stage),
                                  job_doc=collecting[1] if collecting else stage.doc) as active:
-            with measure_energy(cfg, run.layout.energy_log, stage.name) as energy:  # the process tree's energy
+            with stage_energy(cfg, run.layout, stage.name, active) as energy:
                 result = stage.run(given, inputs, stage_context(stage, cfg, run, mlflow_run, lineage))
             active.inputs.extend(result.inputs)
             active.outputs.extend(result.outputs)
             active.run_facets.update(run_facets(cfg, stage, result.data))
             if energy:  # energy.enabled
                 result.data["energy"] = energy.record
-                active.run_facets["crucible_energy"] = CrucibleEnergyRunFacet.of(energy.record)
     except BaseException as e:
         tracker.end_run(mlflow_run, "FAILED")
         publish_quietly(getattr(e, "reports", []))  # e.g. the tokenizer's failing validation report
