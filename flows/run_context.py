@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from tasks.config import PipelineConfig
 from tasks.core.constants import LINEAGE_URL_ENV
-from tasks.core.energy import run_energy
+from tasks.core.energy import read_log, run_energy
 from tasks.core.layout import RunLayout
 from tasks.core.storage import local_run_root, push_path, run_uri, store_for
 from tasks.dedup.index import check_index_store
@@ -220,7 +220,8 @@ class Summary:
             "lineage": self.lineage,
             "stages": stages,
             "timings_s": self.timings(),
-            "energy": run_energy(self.stages),  # kWh, CO2e and cost per stage and in total
+            # kWh, CO2e and cost per stage and in total, the event-triggered flows' stage runs included
+            "energy": run_energy(read_log(self.ctx.layout.energy_log)),
         }
 
 
