@@ -278,7 +278,7 @@ def _experiment_id(tracking_uri: str, run_id: str | None) -> str | None:
 
 @task(name="evaluate", retry_jitter_factor=0.2, cache_policy=NO_CACHE, persist_result=False)
 def evaluate_task(paths: dict, run_id: str | None) -> dict:
-    from flows.stage_task import run_facets
+    from flows.stage_task import run_facets, stage_energy
     from tasks.core.stage import StageInputs
     from tasks.evaluate import evaluate_checkpoint
     from tasks.evaluate.stage import report_datasets
@@ -294,9 +294,10 @@ def evaluate_task(paths: dict, run_id: str | None) -> dict:
     with triggered_lineage(cfg, paths, run_id, read, task=True) as (active, _):
         if missing:
             raise FileNotFoundError("; ".join(missing))
-        report = evaluate_checkpoint(cfg, Path(paths["checkpoint"]), Path(paths["tokenizer"]),
-                                     Path(paths["tokens_index"]), RunLayout(paths["run_dir"]).triggered_eval_report(
-                                         paths["checkpoint"]), tracking_uri=_tracking_uri(cfg), run_id=run_id)
+        with stage_energy(cfg, RunLayout(paths["run_dir"]), "evaluate", active):  # the run summary counts it
+            report = evaluate_checkpoint(cfg, Path(paths["checkpoint"]), Path(paths["tokenizer"]),
+                                         Path(paths["tokens_index"]), RunLayout(paths["run_dir"]).triggered_eval_report(
+                                             paths["checkpoint"]), tracking_uri=_tracking_uri(cfg), run_id=run_id)
         inputs, outputs = report_datasets(cfg, report)
         active.inputs.extend(inputs)
         active.outputs.extend(outputs)
@@ -358,7 +359,7 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
     """Check the event's claim against the pipeline's records, gate against the current champion
     (on the yardstick), register, alias champion, serve (swap in place). A claim that does not match
     the records is refused and logged as forged; nothing is deployed."""
-    from flows.stage_task import model_server_status, serve_model, verify_model
+    from flows.stage_task import model_server_status, serve_model, stage_energy, verify_model
     from tasks.deploy import deploy_if_better
     from tasks.deploy.stage import deploy_outputs
     from tasks.deploy.triggered import ForgedClaim, evaluation_claim_problem, write_deploy_record
@@ -379,9 +380,10 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
             log = get_run_logger()
             log.warning("refusing a forged or stale crucible.eval.completed claim for %s: %s", checkpoint, problem)
             raise ForgedClaim(f"refused: the event's claim does not match the pipeline's records: {problem}")
-        result = deploy_if_better(cfg, _tracking_uri(cfg), evaluation, Path(paths["tokenizer"]), run_id,
-                                  serve_model=serve_model, verify_model=verify_model,
-                                  server_status=model_server_status(cfg), lineage_namespace=cfg.lineage.namespace)
+        with stage_energy(cfg, RunLayout(paths["run_dir"]), "deploy", active):  # the run summary counts it
+            result = deploy_if_better(cfg, _tracking_uri(cfg), evaluation, Path(paths["tokenizer"]), run_id,
+                                      serve_model=serve_model, verify_model=verify_model,
+                                      server_status=model_server_status(cfg), lineage_namespace=cfg.lineage.namespace)
         record = RunLayout(paths["run_dir"]).triggered_deploy_record(paths["checkpoint"])
         write_deploy_record(record, result)  # signed: the pretrain flow verifies it (triggered_deployment)
         push_path(record)
