@@ -190,6 +190,52 @@ def test_checkpoint_table_and_triggered_handover_files(tmp_path):
     assert checkpoint_rows(run_dir)[0]["gate"] == "failed: val_loss too high"
 
 
+@pytest.mark.e2e
+def test_the_pretrain_flow_waits_on_triggered_flow_runs_through_prefect(tmp_path, monkeypatch):
+    """The pretrain flow's wait (flows/triggered_runs.py), against a real temporary Prefect server:
+    a checkpoint's flow run is found by deployment and `checkpoint` parameter and waited on until it
+    is final (a run completing during the wait is taken); FAILED gives nothing to take; one still
+    running at the timeout is cancelled, so the stage that then does the work never races it."""
+    import contextvars
+    import threading
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Completed, Failed, Running
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.triggered_runs import completed_flow_run
+    from tasks.core.constants import EVAL_FLOW
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    ckpt = {name: tmp_path / "runs" / "r" / "train" / "checkpoints" / name for name in ("done", "late", "failed", "stuck")}
+    with prefect_test_harness(server_startup_timeout=180), get_client(sync_client=True) as client:
+        deployment = client.create_deployment(client.create_flow_from_name(EVAL_FLOW), EVAL_FLOW)
+        runs = {name: client.create_flow_run_from_deployment(deployment, parameters={"checkpoint": str(path)})
+                for name, path in ckpt.items()}
+        for name, final in (("done", Completed()), ("late", None), ("failed", Failed()), ("stuck", None)):
+            client.set_flow_run_state(runs[name].id, Running(), force=True)
+            if final:
+                client.set_flow_run_state(runs[name].id, final, force=True)
+        assert completed_flow_run(EVAL_FLOW, ckpt["done"], 30).id == runs["done"].id
+        def complete_late():
+            with get_client(sync_client=True) as other:
+                other.set_flow_run_state(runs["late"].id, Completed(), force=True)
+
+        # completes while the flow waits on its state events (the thread gets the harness's settings)
+        finish = threading.Timer(3, contextvars.copy_context().run, args=(complete_late,))
+        finish.start()
+        try:
+            assert completed_flow_run(EVAL_FLOW, ckpt["late"], 120).id == runs["late"].id
+        finally:
+            finish.join()
+        assert completed_flow_run(EVAL_FLOW, ckpt["failed"], 30) is None
+        assert completed_flow_run(EVAL_FLOW, tmp_path / "never-saved", 3) is None  # no run appears
+        assert completed_flow_run(EVAL_FLOW, ckpt["stuck"], 3) is None
+        assert client.read_flow_run(runs["stuck"].id).state.type in (StateType.CANCELLING, StateType.CANCELLED)
+        assert client.read_flow_run(runs["failed"].id).state.type == StateType.FAILED  # a final run is left alone
+
+
 def _make_run(base: Path, root: Path, store: str) -> tuple[Path, list[Path]]:
     tok, tokens = tokenizer_artifact(base), tokens_artifact(base)
     run_dir = root / "runs" / "trig-run"
