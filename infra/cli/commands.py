@@ -297,6 +297,11 @@ def _print_links(summary: dict, seconds: float, stack_cfg) -> None:
     elif deploy.get("reason"):
         print(f"  Deployment gate  : not deployed: {deploy['reason']}")
     print(f"  Served model     : {deploy.get('endpoint')}")
+    if deploy.get("endpoint"):  # an API, not a page: say which key it asks for
+        from infra.services.model_server.supervisor import CLIENT_KEY_FILE
+
+        print(f"  Model API key    : {stack.state_dir(stack_cfg) / 'secrets' / CLIENT_KEY_FILE} (bearer token; "
+              f"deploy.api_key_env names your own instead)")
     print(f"  Lineage log      : {summary.get('lineage_log')}")
     _print_lineage_links(summary)
     print(f"  Run directory    : {summary.get('run_dir')}")
