@@ -32,7 +32,7 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 
 from flows.run_context import RunContext
 from flows.stage_task import model_server_status
-from tasks.config import PipelineConfig
+from infra.settings import CrucibleConfig
 from tasks.core.constants import DEPLOY_FLOW, EVAL_FLOW
 from tasks.core.storage import is_remote, run_uri
 from tasks.deploy.triggered import passing_triggered_checkpoints, triggered_deployment, triggered_evaluation
@@ -88,14 +88,14 @@ def completed_flow_run(deployment: str, checkpoint: str | Path, timeout: float) 
     return run
 
 
-def collect_evaluation(cfg: PipelineConfig, run: RunContext, checkpoint: str) -> dict | None:
+def collect_evaluation(cfg: CrucibleConfig, run: RunContext, checkpoint: str) -> dict | None:
     """The evaluate-checkpoint run's report of `checkpoint`, for the evaluate stage (None: it evaluates)."""
     if completed_flow_run(EVAL_FLOW, checkpoint, cfg.stack.triggered_timeout) is None:
         return None
     return triggered_evaluation(run.layout, checkpoint)
 
 
-def collect_deployment(cfg: PipelineConfig, run: RunContext, best: dict) -> dict | None:
+def collect_deployment(cfg: CrucibleConfig, run: RunContext, best: dict) -> dict | None:
     """What the deploy-model runs of this run's passing checkpoints did, for the deploy stage (None:
     it deploys `best` itself)."""
     checkpoints = passing_triggered_checkpoints(run.layout)
