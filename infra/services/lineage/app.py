@@ -59,6 +59,7 @@ from infra.services.lineage.views import (
     run_obj,
     unique_links,
     version_obj,
+    WalkOrders,
     _ms,
 )
 
@@ -216,6 +217,7 @@ def _graph_router(store: LineageStore) -> APIRouter:
     """GET /api/v1/lineage: Marquez's lineage graph around a node, one bounded page at a time."""
     router = APIRouter(responses=ERRORS)
     encoded = EncodedDatasets()
+    walks = WalkOrders()
 
     @router.get(f"{API}/lineage")
     def get_lineage(node_id_value: str = Query(..., alias="nodeId"), depth: int = Query(20, ge=0, le=MAX_DEPTH),
@@ -229,8 +231,9 @@ def _graph_router(store: LineageStore) -> APIRouter:
                                                description="page.nextCursor or a group's cursor")) -> Response:
         node = _node_or_error(store, node_id_value)
         offset = _cursor_offset(cursor, node, depth, direction, fanout) if cursor else 0
-        body = graph_page(store, store.walk(node, depth, direction), encoded, offset=offset, limit=limit,
-                          fanout=fanout, max_bytes=max_bytes,
+        walk, order = walks.get(store, node, depth, direction, fanout)
+        body = graph_page(store, walk, encoded, offset=offset, limit=limit, fanout=fanout, max_bytes=max_bytes,
+                          order=order,
                           cursor_for=lambda at: _cursor(node, depth, direction, fanout, at))
         return Response(body, media_type="application/json")
 

@@ -803,6 +803,11 @@ class LineageStore:
             walk.add_job(start.key, None, 0, "start")
         return walk
 
+    def revision(self) -> int:
+        """The highest stored event id (any process's): walks from the same start agree while it holds."""
+        with self._io_index_lock:
+            return self._io_index_current().seen
+
     def _io_index_current(self) -> "_IoIndex":
         """The process's run_io index, brought up to the stored events (any process's writes): the
         runs of events newer than the index are read again. Call with _io_index_lock held."""

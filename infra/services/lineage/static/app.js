@@ -112,16 +112,17 @@ function nodeSub(n) {
   const d = n.data || {};
   if (n.type === "GROUP") return "click: show them";
   if (n.type === "JOB") {
-    const runs = (d.crucible && d.crucible.runs) || [];
-    return `job · ${runs.length} run${runs.length === 1 ? "" : "s"}`;
+    const runs = d.crucible ? d.crucible.runCount ?? (d.crucible.runs || []).length : 0;
+    return `job · ${runs} run${runs === 1 ? "" : "s"}`;
   }
   const src = sourceFacet(d);
   if (src) return src.licence || "no licence recorded";
   const derived = derivedFacet(d);
   if (derived && !isModel(d.namespace || "", d.name || "")) return licenceCount(derived);
   const versions = (d.crucible && d.crucible.versions) || [];
-  const v = versions.length === 1 ? versions[0] : d.currentVersion;
-  const extra = versions.length > 1 ? ` (+${versions.length - 1})` : "";
+  const count = d.crucible ? d.crucible.versionCount ?? versions.length : 0;
+  const v = count === 1 ? versions[0] : d.currentVersion;
+  const extra = count > 1 ? ` (+${count - 1})` : "";
   return v ? `sha256 ${shortHash(v)}${extra}` : d.namespace || "";
 }
 
