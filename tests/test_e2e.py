@@ -85,6 +85,10 @@ def test_summary_has_every_stage_and_links(run):
     assert s["status"] == "COMPLETED"
     assert set(s["stages"]) >= {"ingest", "curate", "tokenizer", "tokens", "train", "evaluate", "deploy"}
     assert set(s["timings_s"]) >= {"ingest", "curate", "tokenizer", "tokens", "train", "evaluate", "deploy"}
+    # energy, CO2e and cost of every stage (the triggered evaluations and deployments included), summed
+    assert set(s["energy"]["stages"]) >= {"ingest", "curate", "tokenizer", "tokens", "train", "evaluate", "deploy"}
+    assert all(e["kwh"] > 0 and e["co2e_kg"] > 0 and e["cost_usd"] > 0 for e in s["energy"]["stages"].values())
+    assert s["energy"]["total"]["kwh"] == pytest.approx(sum(e["kwh"] for e in s["energy"]["stages"].values()))
     assert s["prefect_ui_url"].startswith("http://127.0.0.1:") and s["flow_run_id"] in s["prefect_ui_url"]
     assert s["mlflow"]["tracking_uri"].startswith("http://127.0.0.1:")
     assert s["prefect_ui_url"] in run["stdout"]
