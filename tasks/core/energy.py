@@ -127,6 +127,8 @@ class ProcessTree:
         """(pid, start ticks) -> (CPU seconds, ppid) of every descendant of root (and Ray workers if asked)."""
         stats, children = {}, {}
         uid = os.getuid()
+        if not PROC.is_dir():  # no procfs (macOS): this process's own time only
+            return {}
         for entry in os.scandir(PROC):
             if not entry.name.isdigit():
                 continue
@@ -327,7 +329,7 @@ class EnergyMeter:
         self.tree = ProcessTree(ray_workers=ray_attached(self.cfg))
         packages = [] if self.energy.cpu_tdp_w else rapl_packages()
         self.rapl = Rapl(packages) if packages else None
-        self.busy0 = node_busy_seconds()
+        self.busy0 = node_busy_seconds() if self.rapl else 0.0
         self.gpu = GpuSampler(self.energy.sample_interval_s)
         self.t0 = time.perf_counter()
         self.tree.start()
