@@ -117,6 +117,10 @@ def test_gpus_from_nvidia_smi_power_draw_else_limit_x_utilisation(tmp_path, monk
     assert "2 GPU(s): board power limit" in r["method"]
     assert r["cost_usd"] >= r["gpu_hours"] * cfg_price()
     assert E.parse_nvidia_smi("0, [Not Supported], [N/A], 0\n") == {0: (None, None, 0.0)}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # every GPU hidden from the stage: none measured
+    with E.measure_energy(_cfg()) as meter:
+        pass
+    assert meter.record["gpu_kwh"] == 0 and meter.record["gpu_hours"] == 0
 
 
 def cfg_price() -> float:

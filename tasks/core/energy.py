@@ -249,9 +249,10 @@ def parse_nvidia_smi(lines: str) -> dict[int, tuple[float | None, float | None, 
 
 
 def visible_gpus() -> str | None:
-    """nvidia-smi's -i argument for CUDA_VISIBLE_DEVICES when it lists indices; None: all GPUs."""
-    v = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    return v if v and all(p.strip().isdigit() for p in v.split(",")) else None
+    """nvidia-smi's -i for CUDA_VISIBLE_DEVICES (indices or UUIDs: both tools take either); None: all
+    GPUs; "": none (CUDA_VISIBLE_DEVICES set but empty hides every GPU from the stage)."""
+    v = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if v is None else v.strip()
 
 
 def gpu_watts(row: tuple[float | None, float | None, float | None], tdp_override: float | None) -> tuple[float, bool]:
@@ -269,12 +270,10 @@ class GpuSampler:
     def __init__(self, interval_s: float):
         self.rows: list[dict] = []
         self.proc = None
-        exe = shutil.which("nvidia-smi")
-        if not exe:
+        exe, visible = shutil.which("nvidia-smi"), visible_gpus()
+        if not exe or visible == "":
             return
-        cmd = [exe, f"--query-gpu={NVIDIA_QUERY}", "--format=csv,noheader,nounits"]
-        if visible_gpus():
-            cmd += ["-i", visible_gpus()]
+        cmd = [exe, f"--query-gpu={NVIDIA_QUERY}", "--format=csv,noheader,nounits"] + (["-i", visible] if visible else [])
         try:
             first = parse_nvidia_smi(subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout)
         except (OSError, subprocess.SubprocessError):
