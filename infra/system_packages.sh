@@ -21,9 +21,11 @@ case "${1:-}" in
     *) echo "usage: $0 [--tests]" >&2; exit 2 ;;
 esac
 
+# one dpkg-query for all (a process per package cost seconds on a loaded machine)
+installed="$(dpkg-query -W -f='${Package} ${Status}\n' "${PACKAGES[@]}" 2>/dev/null | awk '/install ok installed$/ { print $1 }' || true)"
 missing=()
 for p in "${PACKAGES[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+    grep -qx "$p" <<<"$installed" || missing+=("$p")
 done
 [ ${#missing[@]} -eq 0 ] && { echo "setup: Debian packages present"; exit 0; }
 
