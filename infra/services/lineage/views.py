@@ -298,7 +298,6 @@ class LineageOrder:
     ids: list[str]
     index: dict[str, int]
     via: dict[str, str | None]
-    neighbours: dict[str, list[tuple[str, tuple[str, str]]]]  # node id -> (neighbour, edge) per edge
     kinds: dict[str, tuple[str, tuple[str, str]]]  # node id -> (type, key)
     outgoing: set[tuple[str, str]]  # the walk's edges (origin, destination)
 
@@ -316,12 +315,8 @@ class LineageOrder:
                     along.add(nid)
                 if "start" in sides or "upstream" in sides:
                     against.add(nid)
-        neighbours: dict[str, list[tuple[str, tuple[str, str]]]] = {nid: [] for nid in kinds}
         away: dict[str, list[str]] = {nid: [] for nid in kinds}
-        for edge in walk.edges:
-            a, b = edge
-            neighbours[a].append((b, edge))
-            neighbours[b].append((a, edge))
+        for a, b in walk.edges:
             if a in along:
                 away[a].append(b)
             if b in against:
@@ -344,7 +339,18 @@ class LineageOrder:
                 level.extend((n, nid) for n in fresh[:fanout])
                 later.extend((n, nid) for n in fresh[fanout:])
             level, later = later, deque()
-        return cls(ids, index, via, neighbours, kinds, walk.edges)
+        return cls(ids, index, via, kinds, walk.edges)
+
+    def incident(self, nodes: set[str]) -> dict[str, list[tuple[str, tuple[str, str]]]]:
+        """(neighbour, edge) per edge of each of `nodes` (a page's: one pass over the edges)."""
+        out: dict[str, list[tuple[str, tuple[str, str]]]] = {nid: [] for nid in nodes}
+        for edge in self.outgoing:
+            a, b = edge
+            if a in out:
+                out[a].append((b, edge))
+            if b in out:
+                out[b].append((a, edge))
+        return out
 
 
 class WalkOrders:
@@ -376,9 +382,10 @@ class WalkOrders:
         return walk, order
 
 
-def _node_json(nid: str, data: Any, in_edges: list, out_edges: list) -> bytes:
-    return dumps_bytes({"id": nid, "type": nid.split(":", 1)[0].upper(), "data": data, "inEdges": in_edges,
-                        "outEdges": out_edges})
+def _node_json(nid: str, data: bytes, in_edges: list, out_edges: list) -> bytes:
+    """A graph node, its `data` already encoded."""
+    return b"".join((b'{"id":', dumps_bytes(nid), b',"type":"', nid.split(":", 1)[0].upper().encode(), b'","data":',
+                     data, b',"inEdges":', dumps_bytes(in_edges), b',"outEdges":', dumps_bytes(out_edges), b"}"))
 
 
 def graph_page(store: LineageStore, walk: Walk, encoded: EncodedDatasets | None = None, *, offset: int = 0,
@@ -404,6 +411,7 @@ def graph_page(store: LineageStore, walk: Walk, encoded: EncodedDatasets | None 
     ds_encoded = (encoded or EncodedDatasets()).get(store, ds_keys)
     job_rows = store.rows_by_keys("jobs", ("namespace", "name"), job_keys)
     jobs = {tuple(o["id"].values()): o for o in jobs_objs(store, list(job_rows.values()))}
+    neighbours = order.incident(set(candidates))
     budget = max_bytes - 4096  # the envelope and `page`, beside the nodes and groups
     data_of: dict[str, Any] = {}
     used, end = 0, offset
@@ -426,9 +434,10 @@ def graph_page(store: LineageStore, walk: Walk, encoded: EncodedDatasets | None 
                                 "runs": sorted(info["runs"])[:LISTED], "runCount": len(info["runs"]),
                                 "via": order.via[nid]}
         # the node, its edges to nodes placed before it (in this page: listed on both ends), its group
-        size = len(_node_json(nid, data, [], [])) + 200
+        data = dumps_bytes(data)
+        size = len(data) + len(nid) + 200
         mine = order.index[nid]
-        for other, _ in order.neighbours[nid]:
+        for other, _ in neighbours[nid]:
             if order.index[other] < mine:
                 size += (len(nid) + len(other) + _EDGE_BYTES) * 2
         if used + size > budget and end > offset:
@@ -442,7 +451,7 @@ def graph_page(store: LineageStore, walk: Walk, encoded: EncodedDatasets | None 
     earlier = []
     for nid in page_ids:
         mine = order.index[nid]
-        for other, edge in order.neighbours[nid]:
+        for other, edge in neighbours[nid]:
             if order.index[other] > mine:
                 continue  # the later node lists it
             if other in in_page:
@@ -452,21 +461,28 @@ def graph_page(store: LineageStore, walk: Walk, encoded: EncodedDatasets | None 
             else:
                 earlier.append({"origin": edge[0], "destination": edge[1]})
     groups: dict[tuple[str, str], dict] = {}
+    index, via = order.index, order.via
     for nid in page_ids:
-        for other in {n for n, _ in order.neighbours[nid]}:
-            if order.index[other] >= end and order.via[other] == nid:
+        for other, _ in neighbours[nid]:
+            at = index[other]
+            if at >= end and via[other] == nid:
                 direction = "downstream" if (nid, other) in order.outgoing else "upstream"
                 g = groups.get((nid, direction))
                 if g is None:
                     g = groups[(nid, direction)] = {"id": f"group:{direction}:{nid}", "parent": nid,
-                                                    "direction": direction, "count": 0, "types": {},
-                                                    "offset": order.index[other]}
+                                                    "direction": direction, "count": 0, "types": {}, "offset": at,
+                                                    "_seen": set()}
+                if other in g["_seen"]:  # two edges between the same nodes (a job read and wrote it)
+                    continue
+                g["_seen"].add(other)
                 g["count"] += 1
                 t = order.kinds[other][0]
                 g["types"][t] = g["types"].get(t, 0) + 1
-                g["offset"] = min(g["offset"], order.index[other])
+                if at < g["offset"]:
+                    g["offset"] = at
     next_offset = end if end < len(order.ids) else None
     for g in groups.values():
+        del g["_seen"]
         g["types"] = dict(sorted(g["types"].items()))
         g["cursor"] = cursor_for(g["offset"]) if cursor_for else None
     parts = [_node_json(nid, data_of[nid], *nodes[nid]) for nid in page_ids]
