@@ -344,10 +344,89 @@ def _dcp_load(state: dict, local: Path, ckpt_dir: str | Path, no_dist: bool = Fa
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.api import CheckpointException
 
+    split_back = fused_qkv_to_split(state, _saved_names(local))
     try:
         dcp.load(state, storage_reader=HuggingFaceStorageReader(str(local)), no_dist=no_dist)
     except CheckpointException as e:
         raise ValueError(f"the checkpoint {ckpt_dir} could not be read: {e}") from None
+    split_back()
+
+
+def _saved_names(local: Path) -> set[str]:
+    """The flattened tensor names a (verified, local) checkpoint holds: its safetensors headers only."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in Path(local).glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as st:
+            names.update(st.keys())
+    return names
+
+
+# Before commit 7dfb9a8 attention had one fused projection `attn.qkv` (3*d_model rows), whose forward
+# split its output as qkv(x).split(d_model) -> q, k, v: rows [0, C) are wq's, [C, 2C) wk's, [2C, 3C) wv's.
+_SPLIT_NAMES = ("attn.wq.weight", "attn.wk.weight", "attn.wv.weight")
+_FUSED_NAME = "attn.qkv.weight"
+
+
+def fused_qkv_to_split(state: dict, saved: set[str]):
+    """The one conversion of old-format checkpoints, for every loader (resume, continued pretraining,
+    evaluation, serving, export all read through `_dcp_load`): where `state` (the nested dict DCP
+    loads into) asks for `...attn.wq/wk/wv.weight` (or their AdamW moments) and the checkpoint holds
+    the fused `...attn.qkv.weight` instead, the three entries are replaced in place by one whole
+    (unsharded) tensor for the fused name. Returns the function to call after dcp.load: it splits the
+    loaded rows (q, k, v order) back into the original targets, resharding into DTensor targets (FSDP
+    / TP) locally, and restores `state`'s entries. A new-format checkpoint is left alone (a no-op).
+    The files were verified before this reads them; only names change, never what is trusted."""
+    fills: list[tuple[tuple, torch.Tensor]] = []
+
+    def template(targets: tuple):
+        if isinstance(targets[0], dict):  # an AdamW state: exp_avg, exp_avg_sq, step
+            return {k: template(tuple(t[k] for t in targets)) for k in targets[0]}
+        if targets[0].dim() == 0:  # AdamW's step count: one scalar, the same for the three
+            full = torch.empty((), dtype=targets[0].dtype)
+        else:  # global shapes (a DTensor's .shape is the whole tensor's)
+            full = torch.empty((sum(t.shape[0] for t in targets), *targets[0].shape[1:]), dtype=targets[0].dtype)
+        fills.append((targets, full))
+        return full
+
+    def walk(d: dict, prefix: str) -> list:
+        restore = []
+        for key in list(d):
+            if key not in d:  # a wk/wv entry this loop already fused
+                continue
+            if isinstance(d[key], dict):
+                restore += walk(d[key], f"{prefix}{key}.")
+            if not key.endswith(_SPLIT_NAMES[0]):
+                continue
+            stem = key[: -len(_SPLIT_NAMES[0])]
+            fused = f"{prefix}{stem}{_FUSED_NAME}"
+            names = [stem + n for n in _SPLIT_NAMES]
+            if all(n in d for n in names) and any(s == fused or s.startswith(fused + ".") for s in saved):
+                targets = tuple(d.pop(n) for n in names)
+                d[stem + _FUSED_NAME] = template(targets)
+                restore.append((d, stem, names, targets))
+        return restore
+
+    restore = walk(state, "")
+
+    def split_back() -> None:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        with torch.no_grad():
+            for targets, full in fills:
+                parts = [full] * 3 if full.dim() == 0 else full.split([t.shape[0] for t in targets])
+                for t, part in zip(targets, parts):
+                    if isinstance(t, DTensor):  # this rank's shard of the whole part, cut locally (no comms)
+                        part = distribute_tensor(part.to(t.to_local().device), t.device_mesh, t.placements,
+                                                 src_data_rank=None).to_local()
+                        t = t.to_local()
+                    t.copy_(part)
+        for d, stem, names, targets in restore:
+            del d[stem + _FUSED_NAME]
+            d.update(zip(names, targets))
+
+    return split_back
 
 
 def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
