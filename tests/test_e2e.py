@@ -429,3 +429,96 @@ def test_every_prefect_run_is_one_lineage_run_in_the_same_state(run):
     assert served and served[-1]["namespace"] == dep["endpoint"].removesuffix("/v1")
     assert served[-1]["name"] == f"models/{dep['model_name']}"
     assert served[-1]["facets"]["version"]["datasetVersion"] == str(dep["version"])
+
+
+def _printed(stdout: str, label: str) -> str:
+    """The rest of the line `crucible run` printed as `  <label> : ...`."""
+    lines = [line.split(" : ", 1)[1] for line in stdout.splitlines() if line.strip().startswith(label + " ")]
+    assert lines, (label, stdout[-3000:])
+    return lines[-1].strip()
+
+
+def test_training_run_lists_the_token_shards_it_read_as_mlflow_datasets(run):
+    """mlflow.log_input for every stage: the train run's datasets are the token shards and their index
+    (context input, content hash as digest, lineage node) and its checkpoints (context output); the
+    tokens run's inputs are the curated corpus shards."""
+    from mlflow.tracking import MlflowClient
+
+    from tasks.core.hashing import sha256_tree
+    from tasks.lineage.artifacts import token_split_paths
+
+    s = run["summary"]
+    client = MlflowClient(tracking_uri=s["mlflow"]["tracking_uri"])
+    train = client.get_run(s["stages"]["train"]["mlflow_run_id"]).inputs.dataset_inputs
+    tags = [{t.key: t.value for t in d.tags} for d in train]
+    inputs = {t["crucible.lineage_node"]: d.dataset for d, t in zip(train, tags) if t["mlflow.data.context"] == "input"}
+    shards = token_split_paths(s["stages"]["tokens"]["index_path"])
+    assert {p.name for p in shards} >= {"train.bin", "val.bin"}
+    for path in [Path(s["stages"]["tokens"]["index_path"]), *shards]:
+        ds = inputs[f"dataset:file:{path.resolve()}"]
+        assert ds.name == f"{path.parent.name}/{path.name}" and ds.digest == sha256_tree(path)[:36]
+        # MLflow keeps one dataset per name and digest: the same bytes logged from an earlier run's
+        # folder keep that first URI; the run's own file is its lineage node (above)
+        assert json.loads(ds.source)["uri"].endswith(f"/{ds.name}") and ds.source_type == "local"
+    outputs = [t["crucible.lineage_node"] for t in tags if t["mlflow.data.context"] == "output"]
+    assert outputs and all("checkpoint" in node or "step" in node for node in outputs), outputs
+    corpus = client.get_run(s["stages"]["tokens"]["mlflow_run_id"]).inputs.dataset_inputs
+    assert {f"dataset:file:{Path(p).resolve()}" for p in s["stages"]["quality"]["shards"]} <= {
+        t.value for d in corpus for t in d.tags if t.key == "crucible.lineage_node"}
+    experiment = client.get_experiment_by_name(s["mlflow"]["experiment"])
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_printed_links_open_in_a_fresh_browser_after_one_login(run, tmp_path):
+    """The Prefect flow-run link and the MLflow run links `crucible run` printed, opened in a new
+    Chromium profile, lead to their pages after the one login the output tells of (`crucible login`)."""
+    from browser_helpers import CHROMEDRIVER, CHROMIUM, artifacts_dir, chromium
+
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.skip("chromium and chromedriver not installed (apt-get install -y chromium chromium-driver)")
+    import base64
+
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    s, out = run["summary"], run["stdout"]
+    assert "crucible login" in _printed(out, "Log in")
+    flow_url = _printed(out, "Prefect flow run")
+    mlflow_url, train_url = _printed(out, "MLflow run").split()[0], _printed(out, "MLflow train run").split()[0]
+    login = subprocess.run(CRUCIBLE + ["login", "--json", "--config", str(REPO / "configs" / "tiny.yaml"), *run["sets"]],
+                           cwd=REPO, env=run["env"], capture_output=True, text=True, timeout=120)
+    assert login.returncode == 0, login.stderr
+    login = json.loads(login.stdout)
+    api = run["status"]["prefect"]["url"].rstrip("/") + "/api"
+    flow_name = httpx.get(f"{api}/flow_runs/{s['flow_run_id']}", headers=run["prefect_headers"], timeout=30).json()["name"]
+    shots = artifacts_dir(tmp_path, "printed_links")
+    browser = chromium(tmp_path / "chromium-profile")
+    try:
+        wait = WebDriverWait(browser, 120)  # a loaded 2-core machine renders slowly
+        body = lambda: browser.find_element(By.TAG_NAME, "body").text  # noqa: E731
+        # Prefect: the link shows its UI's login form; with the auth string, the flow run's page
+        browser.get(flow_url)
+        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "input[type=password]")).send_keys(
+            login["prefect"]["auth_string"])
+        browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        wait.until(lambda d: d.current_url.endswith(f"/runs/flow-run/{s['flow_run_id']}") and flow_name in body())
+        browser.save_screenshot(str(shots / "prefect_flow_run.png"))
+        # MLflow answers with HTTP Basic: the browser's login dialog, which headless Chromium cannot
+        # show; the user and password `crucible login` printed go in as the dialog would send them
+        basic = base64.b64encode(f"{login['mlflow']['user']}:{login['mlflow']['password']}".encode()).decode()
+        browser.execute_cdp_cmd("Network.enable", {})
+        browser.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": {"Authorization": f"Basic {basic}"}})
+        browser.get(mlflow_url)
+        wait.until(lambda d: s["run_name"] in body() and s["mlflow"]["run_id"] in body())
+        assert "Evaluation runs" not in body()  # the model-training view, not the GenAI one
+        browser.save_screenshot(str(shots / "mlflow_pipeline_run.png"))
+        browser.get(train_url)  # the train run's page lists the datasets it read: the first, then "+N" more
+        wait.until(lambda d: s["stages"]["train"]["mlflow_run_id"] in body() and "tokens/index.json" in body())
+        browser.find_element(By.XPATH, "//*[normalize-space(text())='Datasets']/following::*"
+                                       "[starts-with(normalize-space(text()), '+')][1]").click()
+        wait.until(lambda d: "tokens/train.bin" in body() and "tokens/val.bin" in body())
+        browser.save_screenshot(str(shots / "mlflow_train_run.png"))
+    finally:
+        browser.quit()
+    for name in ("prefect_flow_run.png", "mlflow_pipeline_run.png", "mlflow_train_run.png"):
+        assert (shots / name).stat().st_size > 10_000

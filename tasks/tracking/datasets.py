@@ -4,7 +4,9 @@ lineage: its URI, its content hash and its lineage node (and page, when a lineag
 
 MLflow records datasets as run inputs only; a stage's outputs are logged the same way with the
 context `output`, so the stage's run shows what it wrote and the next stage's run shows it again as
-an input (context `input`), under the same name and digest."""
+an input (context `input`), under the same name and digest. MLflow keeps one dataset per name and
+digest in an experiment: the same bytes logged again from another folder (a later run) show the first
+source URI, while each run's input tag `crucible.lineage_node` names the file that run used."""
 from __future__ import annotations
 
 import json
