@@ -5,6 +5,8 @@ The old checkpoint is written by the real checkpoint writer and listed in its ru
 the manifest is verified on the bytes read, as for any checkpoint."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -28,21 +30,16 @@ def to_old_format(model: GPT) -> GPT:
     return model
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def save_both_formats(base, cfg: GPTConfig, tok) -> tuple[GPT, dict]:
     """One AdamW step of the same model from the same gradients, saved once in the new and once in the
-    old format (each in its own run folder with its manifest)."""
-    base = tmp_path_factory.mktemp("old-ckpt")
-    tok = sample_tokenizer(base / "tokenizer.json")
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=320, n_layer=2, n_head=2, d_model=32, seq_len=32)
+    old format (each in its own run folder base/new, base/old, listed in its signed manifest)."""
     new = GPT(cfg)
     old = to_old_format(GPT(cfg))
     old.load_state_dict({**{k: v for k, v in new.state_dict().items() if ".attn.w" not in k},
                          **{f"blocks.{i}.attn.qkv.weight": torch.cat([b.attn.wq.weight, b.attn.wk.weight,
                                                                       b.attn.wv.weight])
                             for i, b in enumerate(new.blocks)}})
-    x = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(1))
     lm_loss(new(x)[0], x)[1].backward()
     grads = {n: p.grad for n, p in new.named_parameters()}
     for n, p in old.named_parameters():
@@ -58,7 +55,16 @@ def checkpoints(tmp_path_factory):
         out[name] = ckpt
     assert "model.blocks.0.attn.qkv.weight" in checkpoint_tensors(out["old"])
     assert "model.blocks.0.attn.wq.weight" not in checkpoint_tensors(out["old"])
-    return {**out, "model": new, "tok": tok, "x": x}
+    return new, out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    base = tmp_path_factory.mktemp("old-ckpt")
+    tok = sample_tokenizer(base / "tokenizer.json")
+    torch.manual_seed(0)
+    new, out = save_both_formats(base, GPTConfig(vocab_size=320, n_layer=2, n_head=2, d_model=32, seq_len=32), tok)
+    return {**out, "model": new, "tok": tok, "x": torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(1))}
 
 
 def test_resume_reads_old_format_weights_and_moments(checkpoints):
@@ -109,3 +115,28 @@ def test_old_format_checkpoint_is_still_verified(checkpoints, tmp_path):
     f.write_bytes(bytes(data))
     with pytest.raises(UnverifiedCheckpoint):
         load_model_for_inference(ckpt)
+
+
+def test_continued_run_under_fsdp_and_tp_starts_from_old_checkpoint(base, tmp_path):
+    """train.init_from (continued pretraining, the gate's champion) of an old-format checkpoint in a
+    4-process dp_shard 2 x tp 2 run: the fused rows are split and resharded into the FSDP/TP DTensor
+    shards, so the weights it starts from hash (whole tensors) like the new-format model's."""
+    import json
+
+    from layout_helpers import layout_cfg, rank_record, run_layout
+    from lm_helpers import tokenizer_artifact, tokens_artifact
+    from tasks.core.hashing import sha256_tree
+    from tasks.train.checkpoint import weights_sha256
+    from tasks.train.data import load_index
+
+    vocab = load_index(Path(tokens_artifact(base)["index_path"]))["vocab_size"]
+    torch.manual_seed(3)
+    new, ckpts = save_both_formats(tmp_path, GPTConfig.from_model_config(layout_cfg(4).model, vocab),
+                                   Path(tokenizer_artifact(base)["path"]))
+    out = tmp_path / "continued"
+    run = run_layout(base, 4, train={"parallel": {"dp_shard": 2, "tp": 2}, "init_from": str(ckpts["old"]),
+                                     "init_sha256": sha256_tree(ckpts["old"])}, steps=1, out_dir=out, name="continued")
+    d = layout_cfg(4).model.d_model  # each wq a quarter of the whole on a rank: tp halves of dp halves
+    assert rank_record(run.layout)["params"]["blocks.0.attn.wq.weight"]["local_shape"] == [d // 4, d]
+    record = json.loads((out / "init.json").read_text())
+    assert record["weights_sha256"] == weights_sha256(new)
