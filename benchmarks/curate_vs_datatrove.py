@@ -1,0 +1,386 @@
+"""Crucible's ingest + curate vs datatrove's FineWeb-style pipeline on the same corpus, whole processes.
+
+Corpus: `curate_scale.corpus` (real Gutenberg passages, fixed seed, ~3.6 KB English documents,
+10 % near duplicates, 2 % exact copies, each copy's original known), written as 8 JSONL files
+(4 per worker: datatrove parallelises by input file; Crucible's ingest runs one job per file too).
+
+* datatrove 0.10.1 (the `bench` extra), one Python process importing nothing of Crucible:
+  `LocalPipelineExecutor(tasks=8, workers=2)` over JsonlReader → LanguageFilter (en, 0.65) →
+  GopherRepetition → GopherQuality → C4 (`filter_no_terminal_punct=False`) → FineWebQuality
+  (every filter with an exclusion writer, thresholds from Crucible's default `CurateConfig`) →
+  JsonlWriter + MinhashDedupSignature (5-grams, 14 × 8, as FineWeb); then MinhashDedupBuckets
+  (14 tasks), MinhashDedupCluster (1 task), and JsonlReader → MinhashDedupFilter (exclusion
+  writer) → JsonlWriter. Two deviations, both for this machine: the language model is the
+  lid.176.ftz file Crucible uses (datatrove would download lid.176.bin; there is no network),
+  loaded directly because `fasteners` (which datatrove's download lock needs) is not installed,
+  and the pool uses the "fork" start method so these patches reach the workers; and datatrove's
+  xxhash shingle hash gets UTF-8 bytes (xxhash 4, installed, refuses str; older xxhash encoded it).
+* Crucible, one Python process: `run_ingest` then `run_curate` (the functions the flow's ingest and
+  curate stages run) with the default config (line dedup, language id, the same filters,
+  decontamination, PII, URL + exact + MinHash dedup), local Ray with 2 CPUs, resume off.
+
+Both are timed by wall clock from process start to exit. Reported: docs/s and the ratio, kept
+counts, per-document agreement of the language + filter keep/drop decisions (documents that
+Crucible's own extra steps dropped, line dedup's too-short and decontamination, are counted apart),
+near-duplicate recall against the generator's known copies (per duplicate group: the copies that
+passed the tool's filters, minus the one kept, are the ones to remove) and false dedup drops, and
+Crucible's time per step (ingest, line counts, each filter's CPU seconds in the map, dedup, write).
+
+    .venv/bin/python benchmarks/curate_vs_datatrove.py [--docs 3000] [--work DIR]
+
+Writes benchmarks/results/curate_vs_datatrove.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORKERS = 2
+FILES = 4 * WORKERS
+TARGET_SPEEDUP = 4.0
+TARGET_AGREEMENT = 0.995
+_FILTERS = ("langid", "gopher_repetition", "gopher_quality", "c4", "fineweb")
+_DEDUP_STEPS = ("url_dedup", "exact_dedup", "minhash_dedup", "minhash_index")
+
+CRUCIBLE_CHILD = r"""
+import json, sys, time
+from pathlib import Path
+t_start = float(sys.argv[2])
+from tasks.config import PipelineConfig
+from tasks.ingest import run_ingest
+from tasks.curate import run_curate
+spec = json.loads(Path(sys.argv[1]).read_text())
+cfg = PipelineConfig.model_validate(spec["cfg"])
+t_imported = time.time()
+ing = run_ingest(cfg, Path(spec["out"]) / "ingest")
+t_ingested = time.time()
+cur = run_curate(cfg, [Path(p) for p in ing["shards"]], Path(spec["out"]) / "curate")
+t_end = time.time()
+print("RESULT " + json.dumps({"startup_s": round(t_imported - t_start, 3), "ingest_s": round(t_ingested - t_imported, 3),
+      "curate_s": round(t_end - t_ingested, 3), "ingest": {k: ing[k] for k in ("docs_in", "docs_out", "seconds")},
+      "curate": {k: cur[k] for k in ("docs_in", "docs_out", "dropped", "steps", "timings", "seconds", "dropped_file",
+                                      "shards")}}))
+"""
+
+
+# ------------------------------------------------------------------ datatrove's side (its own process)
+
+def datatrove_process(spec_path: str) -> None:
+    """datatrove's FineWeb-style pipeline: filters + signatures, buckets, clusters, filter."""
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.dedup import (MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter,
+                                          MinhashDedupSignature)
+    from datatrove.pipeline.dedup.minhash import MinhashConfig
+    from datatrove.pipeline.filters import LanguageFilter
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.writers import JsonlWriter
+    from datatrove.utils.lid import FT176LID
+    from filters_vs_datatrove import datatrove_chain
+
+    spec = json.loads(Path(spec_path).read_text())
+    out, tasks, workers = spec["out"], spec["tasks"], spec["workers"]
+
+    class LocalFT176(FT176LID):
+        """datatrove's fastText LID, its model read from a local file (no download, no lock)."""
+
+        @property
+        def model(self):
+            if self._model is None:
+                from fasttext.FastText import _FastText
+
+                self._model = _FastText(spec["lid_model"])
+            return self._model
+
+    LanguageFilter._requires_dependencies = [("fasttext", "fasttext-numpy2-wheel")]  # fasteners: download lock only
+    _xxhash_takes_str()
+    lid = LanguageFilter(languages=list(spec["languages"]), language_threshold=spec["languages"]["en"],
+                         exclusion_writer=JsonlWriter(f"{out}/excluded/langid", compression=None))
+    lid.model = LocalFT176(lid.languages)
+    mh = MinhashConfig(n_grams=spec["minhash"]["ngram"], num_buckets=spec["minhash"]["bands"],
+                       hashes_per_bucket=spec["minhash"]["rows"], seed=spec["minhash"]["seed"])
+    chain = datatrove_chain(spec["sections"], lambda name: JsonlWriter(f"{out}/excluded/{name}", compression=None))
+    run = dict(start_method="fork")
+    LocalPipelineExecutor(pipeline=[JsonlReader(spec["input"]), lid, *chain,
+                                    JsonlWriter(f"{out}/filtered", compression=None),
+                                    MinhashDedupSignature(output_folder=f"{out}/sigs", config=mh)],
+                          tasks=tasks, workers=workers, **run, **_logs(out, "1")).run()
+    LocalPipelineExecutor(pipeline=[MinhashDedupBuckets(input_folder=f"{out}/sigs", output_folder=f"{out}/buckets",
+                                                        config=mh)],
+                          tasks=mh.num_buckets, workers=workers, **run, **_logs(out, "2")).run()
+    LocalPipelineExecutor(pipeline=[MinhashDedupCluster(input_folder=f"{out}/buckets", output_folder=f"{out}/remove",
+                                                        config=mh)],
+                          tasks=1, workers=1, **run, **_logs(out, "3")).run()
+    LocalPipelineExecutor(pipeline=[JsonlReader(f"{out}/filtered"),
+                                    MinhashDedupFilter(input_folder=f"{out}/remove",
+                                                       exclusion_writer=JsonlWriter(f"{out}/excluded/minhash",
+                                                                                    compression=None)),
+                                    JsonlWriter(f"{out}/kept", compression=None)],
+                          tasks=tasks, workers=workers, **run, **_logs(out, "4")).run()
+
+
+def _xxhash_takes_str() -> None:
+    """datatrove 0.10.1 hashes shingles as str; xxhash 4 takes bytes only: encode as UTF-8 first
+    (what xxhash < 4 did itself). Set before the pool forks, so its workers have it too."""
+    import types
+
+    import xxhash
+    from datatrove.utils.hashes import xxhash as dt_xxhash
+
+    def utf8(fn):
+        return lambda data: fn(data.encode("utf-8") if isinstance(data, str) else data)
+    dt_xxhash.xxhash = types.SimpleNamespace(xxh32_intdigest=utf8(xxhash.xxh32_intdigest),
+                                             xxh64_intdigest=utf8(xxhash.xxh64_intdigest))
+
+
+def _logs(out: str, stage: str) -> dict:
+    return {"logging_dir": f"{out}/logs/{stage}"}
+
+
+def _ids(folder: Path) -> list[str]:
+    return [json.loads(line)["id"] for f in sorted(folder.glob("*.jsonl")) for line in f.open()]
+
+
+def datatrove_outcome(out: Path) -> tuple[dict[str, str | None], set[str], set[str]]:
+    """Filter decision per id (None: passed every filter, else the filter), the ids that passed the
+    filters, the ids in the final output."""
+    decisions: dict[str, str | None] = {i: None for i in _ids(out / "filtered")}
+    for name in _FILTERS:
+        for i in _ids(out / "excluded" / name) if (out / "excluded" / name).is_dir() else []:
+            decisions[i] = name
+    return decisions, set(_ids(out / "filtered")), set(_ids(out / "kept"))
+
+
+# ------------------------------------------------------------------ Crucible's side
+
+def crucible_config(files_glob: str) -> dict:
+    """The default curate config (every step on) over the JSONL files, 2 Ray CPUs, no resume."""
+    return {"name": "curate-vs-datatrove", "ray": {"num_cpus": WORKERS},
+            "sources": [{"name": "bench", "uri": files_glob, "format": "jsonl", "licence": "public domain",
+                         "provenance": "shared/data/text/gutenberg via benchmarks/curate_scale.py"}],
+            "ingest": {"resume": False}, "curate": {"resume": False}}
+
+
+def crucible_outcome(res: dict, id_of: dict[str, str]) -> tuple[dict[str, str | None], set[str], set[str], Counter]:
+    """Like `datatrove_outcome`, from Crucible's dropped.jsonl (ids mapped back to the corpus's);
+    also the drops by Crucible's own extra steps (line dedup, decontamination), apart."""
+    back = {v: k for k, v in id_of.items()}
+    step_of: dict[str, str] = {}
+    reason_of: dict[str, str] = {}
+    for line in open(res["curate"]["dropped_file"]):
+        d = json.loads(line)
+        step_of[back[d["id"]]], reason_of[back[d["id"]]] = d["step"], d["reason"]
+    decisions: dict[str, str | None] = {}
+    passed, kept, extra = set(), set(), Counter()
+    for i in id_of:
+        step = step_of.get(i)
+        if step in _FILTERS:
+            decisions[i] = step
+        elif step is not None and step not in _DEDUP_STEPS:
+            extra[f"{step}:{reason_of[i]}"] += 1
+        else:
+            decisions[i] = None
+            passed.add(i)
+            if step is None:
+                kept.add(i)
+    return decisions, passed, kept, extra
+
+
+# ------------------------------------------------------------------ comparison
+
+def dup_groups(origins: dict[str, tuple[str, str]]) -> dict[str, list[str]]:
+    """Root original → its copies (a copy of a copy belongs to the original's group)."""
+    def root(i: str) -> str:
+        while i in origins:
+            i = origins[i][0]
+        return i
+    groups: dict[str, list[str]] = {}
+    for c in origins:
+        groups.setdefault(root(c), [root(c)]).append(c)
+    return groups
+
+
+def dedup_quality(groups: dict[str, list[str]], passed: set[str], kept: set[str]) -> dict:
+    """Recall: of the redundant members that passed the filters (per group, all but one), the share the
+    dedup removed. False drops: documents the dedup removed though no other member of their group
+    (or none at all: not a generated copy) passed the filters."""
+    in_group = {m: g for g, members in groups.items() for m in members}
+    to_remove = removed = 0
+    for members in groups.values():
+        f = sum(m in passed for m in members)
+        o = sum(m in kept for m in members)
+        if f >= 2:
+            to_remove += f - 1
+            removed += f - max(o, 1)
+    false_drops = 0
+    for i in passed - kept:
+        g = in_group.get(i)
+        if g is None or sum(m in passed for m in groups[g]) < 2:
+            false_drops += 1
+    return {"duplicates_to_remove": to_remove, "removed": removed,
+            "recall": round(removed / to_remove, 4) if to_remove else None, "false_drops": false_drops}
+
+
+def agreement(ids: list[str], ours: dict, theirs: dict, show: int = 20) -> dict:
+    both = [i for i in ids if i in ours and i in theirs]
+    disagree = [i for i in both if (ours[i] is None) != (theirs[i] is None)]
+    return {"compared": len(both), "keep_drop_agreement": round(1 - len(disagree) / len(both), 5) if both else None,
+            "same_step": round(sum(ours[i] == theirs[i] for i in both) / len(both), 5) if both else None,
+            "disagreements": len(disagree),
+            "disagreement_pairs": dict(Counter(f"{ours[i] or 'keep'} | {theirs[i] or 'keep'}"
+                                               for i in disagree).most_common()),
+            "disagreeing_ids": disagree[:show],
+            "crucible_filter_drops": dict(Counter(v for i, v in ours.items() if v).most_common()),
+            "datatrove_filter_drops": dict(Counter(v for i, v in theirs.items() if v).most_common())}
+
+
+def crucible_steps(res: dict) -> dict:
+    """Where Crucible's time goes: wall seconds of the process's phases, and CPU seconds per filter step
+    in the map (summed over the 2 workers)."""
+    t = res["curate"]["timings"]
+    return {"startup_wall_s": res["startup_s"], "ingest_wall_s": res["ingest_s"], "curate_wall_s": res["curate_s"],
+            "curate_phases_wall_s": {k: t.get(k) for k in ("decontam_index_s", "line_counts_s", "map_s", "dedup_s",
+                                                           "write_s")},
+            "map_docs_per_s": t.get("map_docs_per_s"),
+            "map_step_cpu_s": {s["name"]: s["seconds"] for s in res["curate"]["steps"]}}
+
+
+# ------------------------------------------------------------------ running
+
+def _timed(cmd: list[str], log: Path, env: dict | None = None) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    log.write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        sys.exit(f"{cmd[:3]} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return wall, proc.stdout
+
+
+def write_files(docs: list[dict], folder: Path, parts: int) -> None:
+    folder.mkdir(parents=True)
+    step = -(-len(docs) // parts)
+    for k in range(parts):
+        with (folder / f"part-{k:05d}.jsonl").open("w", encoding="utf-8") as f:
+            for d in docs[k * step:(k + 1) * step]:
+                f.write(json.dumps({"id": d["id"], "text": d["text"]}, ensure_ascii=False) + "\n")
+
+
+def run_datatrove(work: Path, inp: Path) -> float:
+    from tasks.config import CurateConfig
+    from tasks.curate.langid import lid_model_path
+    from filters_vs_datatrove import _DT_NAMES
+
+    cur = CurateConfig()
+    mh = cur.dedup.minhash
+    spec = work / "datatrove.spec.json"
+    spec.write_text(json.dumps({
+        "input": str(inp), "out": str(work / "dt"), "tasks": FILES, "workers": WORKERS,
+        "lid_model": str(lid_model_path()), "languages": cur.langid.languages,
+        "sections": cur.model_dump(include=set(_DT_NAMES)),
+        "minhash": {"ngram": mh.ngram, "bands": mh.bands, "rows": mh.rows, "seed": mh.seed}}))
+    wall, _ = _timed([sys.executable, str(Path(__file__).resolve()), "--datatrove-process", str(spec)],
+                     work / "datatrove.log")
+    return wall
+
+
+def run_crucible(work: Path, inp: Path) -> tuple[float, dict]:
+    spec = work / "crucible.spec.json"
+    spec.write_text(json.dumps({"cfg": crucible_config(str(inp / "*.jsonl")), "out": str(work / "crucible")}))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    wall, stdout = _timed([sys.executable, "-c", CRUCIBLE_CHILD, str(spec), repr(time.time())],
+                          work / "crucible.log", env)
+    line = next(x for x in stdout.splitlines() if x.startswith("RESULT "))
+    return wall, json.loads(line[7:])
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--docs", type=int, default=3000)
+    p.add_argument("--work", default=None, help="scratch directory (default: a temporary one, removed)")
+    p.add_argument("--out", default=str(HERE / "results" / "curate_vs_datatrove.json"))
+    p.add_argument("--datatrove-process", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(HERE))
+    if args.datatrove_process:
+        datatrove_process(args.datatrove_process)
+        return {}
+    from importlib.util import find_spec
+
+    if find_spec("datatrove") is None:
+        sys.exit("this benchmark needs the 'bench' extra: .venv/bin/pip install -e '.[bench]'")
+    from _common import write_result
+    from curate_scale import corpus
+    from tasks.core.documents import make_doc_id
+
+    origins: dict[str, tuple[str, str]] = {}
+    docs = corpus(args.docs, origins=origins)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="curate-vs-datatrove-"))
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    try:
+        inp = work / "input"
+        write_files(docs, inp, FILES)
+        print(f"{len(docs)} documents in {FILES} files; datatrove ...", file=sys.stderr, flush=True)
+        dt_wall = run_datatrove(work, inp)
+        print(f"  datatrove {dt_wall:.1f} s; crucible ...", file=sys.stderr, flush=True)
+        cr_wall, cr = run_crucible(work, inp)
+        print(f"  crucible {cr_wall:.1f} s", file=sys.stderr, flush=True)
+        ids = [d["id"] for d in docs]
+        dt_dec, dt_passed, dt_kept = datatrove_outcome(work / "dt")
+        cr_dec, cr_passed, cr_kept, extra = crucible_outcome(cr, {i: make_doc_id("bench", i) for i in ids})
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    result = report(len(docs), origins, dt_wall, cr_wall, cr, (dt_dec, dt_passed, dt_kept),
+                    (cr_dec, cr_passed, cr_kept, extra), ids)
+    write_result(args.out, result, indent=1)
+    print(f"wrote {args.out}")
+    return result
+
+
+def report(n, origins, dt_wall, cr_wall, cr, dt, crs, ids) -> dict:
+    from importlib.metadata import version
+
+    groups = dup_groups(origins)
+    speedup = round(dt_wall / cr_wall, 2)
+    agree = agreement(ids, crs[0], dt[0])
+    dq_dt, dq_cr = dedup_quality(groups, dt[1], dt[2]), dedup_quality(groups, crs[1], crs[2])
+    result = {
+        "documents": n, "input_files": FILES, "workers": WORKERS,
+        "corpus": {"generator": "benchmarks/curate_scale.py corpus(seed 0)",
+                   "near_duplicates": sum(k == "near" for _, k in origins.values()),
+                   "exact_copies": sum(k == "exact" for _, k in origins.values()), "duplicate_groups": len(groups)},
+        "machine": {"cores_usable": len(os.sched_getaffinity(0)), "load_avg_at_end": os.getloadavg()},
+        "datatrove_version": version("datatrove"),
+        "datatrove": {"wall_s": round(dt_wall, 2), "docs_per_s": round(n / dt_wall, 2),
+                      "passed_filters": len(dt[1]), "kept": len(dt[2]), "near_dup": dq_dt},
+        "crucible": {"wall_s": round(cr_wall, 2), "docs_per_s": round(n / cr_wall, 2),
+                     "passed_filters": len(crs[1]), "kept": len(crs[2]),
+                     "kept_reported": cr["curate"]["docs_out"], "dropped": cr["curate"]["dropped"],
+                     "dropped_by_own_extra_steps": dict(crs[3]), "near_dup": dq_cr, "time": crucible_steps(cr)},
+        "speedup": speedup,
+        "filter_agreement": agree,
+        "targets": {"speedup_min": TARGET_SPEEDUP, "keep_drop_agreement_min": TARGET_AGREEMENT,
+                    "near_dup_recall": "at least datatrove's"},
+    }
+    result["within_target"] = bool(speedup >= TARGET_SPEEDUP and agree["keep_drop_agreement"] >= TARGET_AGREEMENT
+                                   and (dq_cr["recall"] or 0) >= (dq_dt["recall"] or 0))
+    print(f"{n} docs: datatrove {dt_wall:.1f} s ({n / dt_wall:.1f} docs/s, {len(dt[2])} kept), crucible "
+          f"{cr_wall:.1f} s ({n / cr_wall:.1f} docs/s, {len(crs[2])} kept) -> {speedup}x; agreement "
+          f"{agree['keep_drop_agreement']}; near-dup recall crucible {dq_cr['recall']} vs datatrove {dq_dt['recall']}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
