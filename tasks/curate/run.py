@@ -90,13 +90,13 @@ from tasks.core.resume import JobStore, digest, file_identity
 from tasks.core.steps import StepStats, run_filters
 from tasks.curate.filters import filter_names
 from tasks.dedup.exact import exact_key
-from tasks.dedup.index import MinHashIndex, check_index_store
+from tasks.dedup.index import check_index_store
 from tasks.dedup.lines import FrequentLines, LineDedupFilter, count_frequent_lines, line_dedup_summary
 from tasks.dedup.minhash import MinHasher
 from tasks.dedup.cluster import clustering_method
 from tasks.dedup.substring import apply_to_curated
-from tasks.dedup.stages import (META_SCHEMA, DedupStages, JobDocs, part_counts, concat_files, dedup_report_task,
-                                 filter_pass, job_docs, write_meta)
+from tasks.dedup.stages import (META_SCHEMA, DedupStages, IndexHandle, JobDocs, part_counts, concat_files,
+                                 dedup_report_task, filter_pass, job_docs, write_meta)
 from tasks.dedup.urls import TrackingParams, parse_crawl_date, url_key
 from tasks.dedup.verify import JaccardVerifier, ParquetTexts
 
@@ -282,7 +282,7 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
 
     t_dedup = time.perf_counter()
     jobs_docs = job_docs(mapped.results)
-    stages, clustering, mh_index = _dedup(cfg.curate.dedup, jobs_docs, output.parts_dir)
+    stages, clustering, mh_index = _dedup(cfg.curate.dedup, jobs_docs, output.parts_dir, cfg.storage)
     steps = _filter_steps(cfg.curate, mapped.results) + stages.steps
     t_write = time.perf_counter()
     written = _write_curated(cfg, mapped.results, stages, clustering, output.dir)
@@ -363,7 +363,8 @@ def _filter_steps(cfg: CurateConfig, results: list[dict]) -> list[StepStats]:
     return steps
 
 
-def _dedup(cfg: DedupConfig, jobs: list[JobDocs], parts_dir: Path) -> tuple[DedupStages, dict | None, MinHashIndex | None]:
+def _dedup(cfg: DedupConfig, jobs: list[JobDocs], parts_dir: Path,
+           storage=None) -> tuple[DedupStages, dict | None, IndexHandle | None]:
     """URL dedup, exact dedup, MinHash clustering, then (continued pretraining) the index of the
     documents earlier runs kept, as Ray tasks over the jobs' files (`tasks.dedup.stages`). Returns
     the stages (their step stats and drop files), the clustering stats and the updated index
@@ -386,9 +387,8 @@ def _dedup(cfg: DedupConfig, jobs: list[JobDocs], parts_dir: Path) -> tuple[Dedu
         alive = stages.steps[-1].docs_out if stages.steps else sum(j.kept for j in jobs)
         clustering = stages.minhash_step(mh, verify, clustering_method(mh, alive))
     if mh.enabled and mh.index_dir:
-        mh_index = MinHashIndex.open(mh.index_dir, mh.bands, mh.rows, mh.seed, mh.scheme, mh.hash)
         # the clustering (representative check included) decided between this run's documents
-        stages.index_step(mh_index, mh)
+        mh_index = stages.index_step(mh, storage)
     return stages, clustering, mh_index
 
 

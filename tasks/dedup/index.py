@@ -246,10 +246,12 @@ class MinHashIndex:
         return out
 
     def add(self, ids: Sequence[str], signatures: Sequence[np.ndarray | None],
-            within_batch: bool = True) -> list[str | None]:
+            within_batch: bool = True, earlier_runs_only: bool = False) -> list[str | None]:
         """Per document the id of the indexed document it shares a band key with (None: new,
         added). `within_batch=False`: two documents of this batch are never each other's
-        duplicates (the caller's clustering has decided between them)."""
+        duplicates (the caller's clustering has decided between them). `earlier_runs_only`: nor
+        a document this index added before (one run's documents added batch by batch, as if in
+        one batch with `within_batch=False`)."""
         valid = [k for k, s in enumerate(signatures) if s is not None]
         out: list[str | None] = [None] * len(ids)
         if not valid:
@@ -257,7 +259,8 @@ class MinHashIndex:
         keys = index_keys(np.stack([signatures[k] for k in valid]), self.bands, self.rows)
         # earlier runs' documents first, then this run's (the earlier document wins a shared key)
         found = sorted_lookup(self._keys, self._docs, keys)
-        found = np.where(found >= 0, found, sorted_lookup(self._new_keys, self._new_docs, keys))
+        if not earlier_runs_only:
+            found = np.where(found >= 0, found, sorted_lookup(self._new_keys, self._new_docs, keys))
         own_numbers = self._own_numbers([ids[k] for k in valid])
         hit_rows = (found >= 0).any(axis=1)
         # keys two documents of this batch share: only those can make one a duplicate of the other

@@ -72,11 +72,30 @@ def report_from_drops(docs_by_source: Mapping[str, int], n_docs: int, drops: Seq
     for d, _, _ in drops:
         members.setdefault(survivor(d), []).append(d)
 
+    step_counts = Counter((src or "", step) for (_, step, _), src in zip(drops, drop_sources))
+    sizes = Counter(size_bucket(len(m) + 1) for m in members.values())
+    examples = []
+    order = sorted(members, key=lambda k: (-len(members[k]), pos_of.get(k, n_docs)))
+    for kept in order:
+        if len(examples) >= max_examples:
+            break
+        dup = members[kept][0]
+        examples.append({"kept": kept, "duplicate": dup, "step": step_of[dup], "cluster_size": len(members[kept]) + 1,
+                         "source_kept": src_of.get(kept) or "", "source_duplicate": src_of.get(dup) or ""})
+    return assemble_report(docs_by_source, n_docs, step_counts, len(drops), sizes, len(members),
+                           max((len(m) + 1 for m in members.values()), default=1), examples)
+
+
+def assemble_report(docs_by_source: Mapping[str, int], n_docs: int, step_counts: Mapping[tuple[str, str], int],
+                    n_drops: int, sizes: Mapping[str, int], clusters: int, largest: int, examples: list[dict]) -> dict:
+    """The report from its merged parts (what `report_from_drops` computes in one process and the
+    curate stage's partitioned report tasks per partition): drops per (source, step), cluster
+    sizes by `size_bucket` of the clusters with duplicates, their count and largest size, examples."""
     by_source: dict[str, Counter] = {}
     for src, n in docs_by_source.items():
         by_source.setdefault(src or "", Counter())["docs"] += n
-    for (d, step, _), src in zip(drops, drop_sources):
-        by_source.setdefault(src or "", Counter())[step] += 1
+    for (src, step), n in step_counts.items():
+        by_source.setdefault(src or "", Counter())[step] += n
     per_source = {}
     for src, c in sorted(by_source.items()):
         dups = sum(v for k, v in c.items() if k != "docs")
@@ -86,24 +105,11 @@ def report_from_drops(docs_by_source: Mapping[str, int], n_docs: int, drops: Seq
                            "near_duplicates": c.get("minhash_dedup", 0),
                            "index_duplicates": c.get("minhash_index", 0),
                            "duplicate_rate": round(dups / c["docs"], 4) if c["docs"] else 0.0}
-
-    sizes = Counter(size_bucket(len(m) + 1) for m in members.values())
-    histogram = {"1": n_docs - len(drops) - len(members)}  # kept documents without copies
-    histogram.update({k: sizes[k] for k in sorted(sizes, key=_bucket_key)})
-
-    examples = []
-    order = sorted(members, key=lambda k: (-len(members[k]), pos_of.get(k, n_docs)))
-    for kept in order:
-        if len(examples) >= max_examples:
-            break
-        dup = members[kept][0]
-        examples.append({"kept": kept, "duplicate": dup, "step": step_of[dup], "cluster_size": len(members[kept]) + 1,
-                         "source_kept": src_of.get(kept) or "", "source_duplicate": src_of.get(dup) or ""})
-
-    return {"docs": n_docs, "duplicates": len(drops),
-            "duplicate_rate": round(len(drops) / n_docs, 4) if n_docs else 0.0,
-            "clusters_with_duplicates": len(members),
-            "largest_cluster": max((len(m) + 1 for m in members.values()), default=1),
+    histogram = {"1": n_docs - n_drops - clusters}  # kept documents without copies
+    histogram.update({k: sizes[k] for k in sorted(sizes, key=_bucket_key) if sizes[k]})
+    return {"docs": n_docs, "duplicates": n_drops,
+            "duplicate_rate": round(n_drops / n_docs, 4) if n_docs else 0.0,
+            "clusters_with_duplicates": clusters, "largest_cluster": largest,
             "by_source": per_source, "cluster_sizes": histogram, "examples": examples}
 
 

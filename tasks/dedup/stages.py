@@ -18,11 +18,13 @@ steps' per-job drop files):
 - MinHash (`minhash_step`): with `clustering: local` one Ray task runs the in-process clustering
   (`cluster.cluster_signatures`) on the signatures it reads from the meta files; on Ray, block
   tasks spill band keys (document = position) and the partitioned pairs / connected-components
-  rounds of `tasks.dedup.cluster` run as before; a survivors task receives the final star edges
-  as object refs (never the driver) and applies the representative check over the clustered
-  documents only.
-- Index (continued pretraining): `MinHashIndex.add` over this run's kept documents in corpus order,
-  in the driver (it holds the index's additions until `save`).
+  rounds of `tasks.dedup.cluster` run as before; the final star edges (object refs, never in the
+  driver) are split by their component root's partition, and a survivors task per partition
+  applies the representative check over its whole components (~1/partitions of the clustered
+  documents: the MinHash partition count bounds it, not the corpus).
+- Index (continued pretraining): a Ray actor opens the `MinHashIndex`, reads the jobs' meta files
+  and adds this run's kept documents job by job in corpus order (each against the earlier runs'
+  index only), writing the hits as drops; it holds the additions until the driver's `save`.
 
 After each step a collect task per block sorts the step's drops by position and writes, per job,
 `<step>/j-<job>.parquet` (what later steps read) and `<step>/j-<job>.jsonl` (dropped.jsonl's lines).
@@ -141,7 +143,7 @@ def _write_pieces(files: Files, step: str, drops: pa.Table, jobs: Sequence[JobDo
 
 def _collect(files: Files, step: str, block: int, jobs: Sequence[JobDocs], reason: str) -> dict[str, list[int]]:
     """The step's drops of one block, by position, per job: `<step>/j-<job>.parquet` and `.jsonl`.
-    Returns {job name: [drops, bytes dropped]}."""
+    Returns [drops, bytes dropped] of the block (the driver sums a counter per block, not per job)."""
     from tasks.core.documents import AtomicJsonlWriter
 
     d = files.pieces(step, block)
@@ -149,7 +151,7 @@ def _collect(files: Files, step: str, block: int, jobs: Sequence[JobDocs], reaso
     t = pa.concat_tables([pq.read_table(p) for p in pieces]) if pieces else DROP_SCHEMA.empty_table()
     t = t.take(pa.array(np.argsort(t.column("pos").to_numpy(), kind="stable")))
     pos = t.column("pos").to_numpy()
-    out = {}
+    out = [0, 0]
     for job in jobs:
         sel = (pos >= job.offset) & (pos < job.offset + job.kept)
         if not sel.any():
@@ -161,7 +163,8 @@ def _collect(files: Files, step: str, block: int, jobs: Sequence[JobDocs], reaso
         with AtomicJsonlWriter(files.lines(step, job.name)) as w:
             for doc_id, dup_of in zip(part.column("id").to_pylist(), part.column("dup_of").to_pylist()):
                 w.write({"id": doc_id, "step": reason, "reason": reason, "duplicate_of": dup_of})
-        out[job.name] = [part.num_rows, int(part.column("nbytes").to_numpy().sum())]
+        out[0] += part.num_rows
+        out[1] += int(part.column("nbytes").to_numpy().sum())
     return out
 
 
@@ -252,7 +255,6 @@ class DedupStages:
         self.partitions = partitions
         self.done: list[str] = []  # steps run, in order
         self.steps: list[StepStats] = []
-        self.dropped_per_job: Counter = Counter()
         # how the work was split: block tasks, and partitions per partitioned step (the summary's dedup.stages)
         self.layout: dict = {"blocks": len(self.blocks), "partitions": {}}
         self._task = ray.remote(num_cpus=1)
@@ -268,11 +270,7 @@ class DedupStages:
         st = StepStats(step)
         st.docs_in = sum(a[0] for a in alive)
         st.bytes_in = sum(a[1] for a in alive)
-        n = b = 0
-        for per_job in got:
-            for name, (k, nb) in per_job.items():
-                self.dropped_per_job[name] += k
-                n, b = n + k, b + nb
+        n, b = sum(g[0] for g in got), sum(g[1] for g in got)
         if n:
             st.dropped[step] = n
         st.docs_out, st.bytes_out = st.docs_in - n, st.bytes_in - b
@@ -328,31 +326,26 @@ class DedupStages:
         t1 = time.perf_counter()
         final_refs = spilled_components(spill_dir, partitions, verifier, stats) if n_valid >= 2 else []
         stats["seconds"] = round(time.perf_counter() - t1, 3)
-        st = ray.get(self._task(_ray_survivors).remote(self.files, self.jobs, self.blocks, mh, verifier,
-                                                       *final_refs))
-        stats.update(st)
+        # survivors per partition of the component roots: a component's edges all name its root, so
+        # each task holds whole components, ~1/partitions of the clustered documents (not the corpus')
+        split = ray.remote(num_cpus=1, num_returns=partitions)(_split_by_root)
+        by_root = [split.remote(partitions, e) for e in final_refs]
+        survive = self._task(_ray_survivors)
+        got = ray.get([survive.remote(self.files, self.jobs, self.blocks, mh, verifier, p, *[s[p] for s in by_root])
+                       for p in range(partitions)])
+        stats.update(_merge_survivor_stats(got))
         return [a[:2] for a in alive], stats
 
-    def index_step(self, mh_index, mh) -> StepStats:
-        """Continued pretraining: this run's kept documents against the index of earlier runs."""
-        t0, ids, sigs, pos, srcs, sizes = time.perf_counter(), [], [], [], [], []
-        for job in self.jobs:
-            p, t = read_alive(self.files, self.done, job, ["id", "sig", "source", "nbytes"])
-            ids += t.column("id").to_pylist()
-            srcs += t.column("source").to_pylist()
-            sizes.append(t.column("nbytes").to_numpy())
-            sigs += [None if s is None else np.frombuffer(s, dtype=_sig_dtype(mh)) for s in t.column("sig").to_pylist()]
-            pos.append(p)
-        pos_a = np.concatenate(pos) if pos else np.empty(0, np.int64)
-        size_a = np.concatenate(sizes) if sizes else np.empty(0, np.int64)
-        alive = [len(ids), int(size_a.sum())]
-        earlier = mh_index.add(ids, sigs, within_batch=False)
-        hit = [k for k, e in enumerate(earlier) if e is not None]
-        drops = pa.table({"pos": pos_a[hit], "id": [ids[k] for k in hit], "dup_pos": np.full(len(hit), -1, np.int64),
-                          "dup_of": [earlier[k] for k in hit], "source": [srcs[k] for k in hit],
-                          "dup_source": [None] * len(hit), "nbytes": size_a[hit]}, schema=DROP_SCHEMA)
-        _write_pieces(self.files, "minhash_index", drops, self.jobs, self.blocks, "index")
-        return self._finish("minhash_index", t0, [alive])
+    def index_step(self, mh, storage=None) -> "IndexHandle":
+        """Continued pretraining: this run's kept documents against the index of earlier runs, in a
+        Ray actor that opens the index, reads the jobs' meta files itself and keeps the additions
+        until `IndexHandle.save` (the driver passes file names only)."""
+        ray, t0 = self.ray, time.perf_counter()
+        actor = ray.remote(num_cpus=1)(_IndexWriter).remote()
+        ray.get(actor.open.remote(mh.index_dir, mh.bands, mh.rows, mh.seed, mh.scheme, mh.hash, storage))
+        alive = ray.get(actor.add_jobs.remote(self.files, list(self.done), self.jobs, self.blocks, _sig_dtype(mh)))
+        self._finish("minhash_index", t0, [alive])
+        return IndexHandle(actor)
 
     def dropped_lines(self) -> list[Path]:
         """dropped.jsonl's dedup lines: per step, per job, in corpus order."""
@@ -360,6 +353,60 @@ class DedupStages:
 
     def drop_files(self) -> list[str]:
         return [str(p) for s in self.done for j in self.jobs if (p := self.files.drops(s, j.name)).is_file()]
+
+
+class _IndexWriter:
+    """Ray actor: the run's `MinHashIndex` (opened here: an object-store index's store from
+    `storage`, as `check_index_store` resolves it), its additions held until `save`."""
+
+    def open(self, index_dir: str, bands: int, rows: int, seed: int, scheme: str, hash: str, storage) -> None:
+        from tasks.core.storage import is_remote, store_for_uri
+        from tasks.dedup.index import SETTING, MinHashIndex
+
+        if storage is not None and is_remote(str(index_dir)):  # this process's store for the URI (its options)
+            store_for_uri(str(index_dir), SETTING, storage.check_timeout, storage)
+        self.index = MinHashIndex.open(index_dir, bands, rows, seed, scheme, hash)
+
+    def add_jobs(self, files: Files, prior: list[str], jobs: list[JobDocs], blocks: list[list[int]],
+                 dtype: np.dtype) -> list[int]:
+        """Each job's alive documents against the earlier runs' index (never against each other:
+        the clustering decided between them), in corpus order; the hits written as drop pieces.
+        Returns [alive documents, their bytes]."""
+        n = nbytes = 0
+        for job in jobs:
+            pos, t = read_alive(files, prior, job, ["id", "sig", "source", "nbytes"])
+            size = t.column("nbytes").to_numpy()
+            n, nbytes = n + len(pos), nbytes + int(size.sum())
+            ids = t.column("id").to_pylist()
+            sigs = [None if s is None else np.frombuffer(s, dtype=dtype) for s in t.column("sig").to_pylist()]
+            earlier = self.index.add(ids, sigs, within_batch=False, earlier_runs_only=True)
+            hit = [k for k, e in enumerate(earlier) if e is not None]
+            if hit:
+                srcs = t.column("source").take(pa.array(hit))
+                drops = pa.table({"pos": pos[hit], "id": [ids[k] for k in hit],
+                                  "dup_pos": np.full(len(hit), -1, np.int64), "dup_of": [earlier[k] for k in hit],
+                                  "source": srcs, "dup_source": pa.nulls(len(hit), pa.string()),
+                                  "nbytes": size[hit]}, schema=DROP_SCHEMA)
+                _write_pieces(files, "minhash_index", drops, jobs, blocks, f"index-{job.name}")
+        return [n, nbytes]
+
+    def save(self, index_dir: str) -> str:
+        return str(self.index.save(index_dir))
+
+
+class IndexHandle:
+    """The driver's handle on the run's index actor: `save` once the run's output is complete."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def save(self, index_dir: str) -> str:
+        import ray
+
+        try:
+            return ray.get(self.actor.save.remote(index_dir))
+        finally:
+            ray.kill(self.actor)
 
 
 def _sig_dtype(mh) -> np.dtype:
@@ -431,14 +478,33 @@ def _minhash_local(files: Files, prior: list[str], jobs: list[JobDocs], blocks: 
     return [len(pos), int(sizes.sum())], stats
 
 
-def _ray_survivors(files: Files, jobs: list[JobDocs], blocks: list[list[int]], mh, verifier, *final: np.ndarray):
-    """Ray task: the clusters' survivors from the final star edges (leaf, root) of the connected
-    components, over the clustered documents only (their scores / signatures / texts read here)."""
+def _split_by_root(partitions: int, edges: np.ndarray) -> list[np.ndarray]:
+    """Final star edges (leaf, root) of one partition, split by the root's partition."""
+    from tasks.dedup.cluster import _split_by_partition
+
+    return _split_by_partition(edges[:, 1], edges[:, 0], partitions)  # (root, leaf) rows: swapped back by the reader
+
+
+def _merge_survivor_stats(got: list[dict]) -> dict:
+    """The survivors tasks' stats as one: counts summed, rounds the most any partition needed
+    (the components' rounds are independent, so this is the rounds of one task over them all)."""
+    out = {"clustered_docs": sum(g["clustered_docs"] for g in got), "duplicates": sum(g["duplicates"] for g in got)}
+    checks = [g["representative_check"] for g in got if "representative_check" in g]
+    if checks:
+        out["representative_check"] = {k: (max if k == "rounds" else sum)(c[k] for c in checks) for k in checks[0]}
+    return out
+
+
+def _ray_survivors(files: Files, jobs: list[JobDocs], blocks: list[list[int]], mh, verifier, part: int,
+                   *final: np.ndarray):
+    """Ray task: the survivors of the clusters whose root falls in partition `part`, from their
+    final star edges (root, leaf), over those clustered documents only (their scores / signatures /
+    texts read here)."""
     from tasks.dedup.cluster import choose_survivors, representative_survivors
     from tasks.dedup.verify import ParquetTexts, SignatureVerifier
 
     e = np.concatenate(final) if final else np.empty((0, 2), np.int64)
-    leaves, roots = e[:, 0], e[:, 1]
+    leaves, roots = e[:, 1], e[:, 0]
     centers = np.unique(roots)
     nodes = np.concatenate([leaves, centers])
     order = np.argsort(nodes, kind="stable")
@@ -468,26 +534,48 @@ def _ray_survivors(files: Files, jobs: list[JobDocs], blocks: list[list[int]], m
         survivors, stats["representative_check"] = representative_survivors(comp, sc, check, on_ray=False)
     metas.column = "nbytes"
     sizes = np.asarray(metas.read(nodes), dtype=np.int64)
-    _write_pieces(files, "minhash_dedup", _drops_table(nodes, ids, srcs, sizes, survivors), jobs, blocks, "ray")
+    _write_pieces(files, "minhash_dedup", _drops_table(nodes, ids, srcs, sizes, survivors), jobs, blocks,
+                  f"ray-{part:05d}")
     return stats
 
 
 # ------------------------------------------------------------------ the curated shards
 
-def _write_shard(out_dir: str, index: int, shard_docs: int, spans: list[tuple[list[str], int, int, int, list[str]]]) -> dict:
-    """Output shard `index`: per span (job meta, its parts, its first position, the kept-after-dedup
-    rows to skip, to take, its drop files) the documents in order, the dropped positions left out."""
+def _kept_per_job(files: Files, steps: list[str], jobs: list[JobDocs], path: str) -> int:
+    """Ray task: each job's documents left after the dedup steps (kept minus the rows of its drop
+    files, from their footers) into `path` (.npy, one int64 a job). Returns the total."""
+    n = np.array([j.kept - sum(pq.ParquetFile(p).metadata.num_rows for s in steps
+                               if (p := files.drops(s, j.name)).is_file()) for j in jobs], dtype=np.int64)
+    np.save(path, n)
+    return int(n.sum())
+
+
+def _write_shard(out_dir: str, index: int, shard_docs: int, files: Files, steps: list[str], jobs: list[JobDocs],
+                 kept_path: str) -> dict:
+    """Output shard `index`: output rows [index·shard_docs, (index+1)·shard_docs) of the jobs' parts
+    laid end to end without the dropped positions, found from the kept counts per job."""
     from tasks.core.documents import ShardWriter, iter_docs
 
+    kept = np.load(kept_path)
+    ends = np.cumsum(kept)
+    lo, hi = index * shard_docs, min((index + 1) * shard_docs, int(ends[-1]))
     languages, sources = Counter(), Counter()
     nbytes = 0
     with ShardWriter(out_dir, prefix="shard", shard_docs=shard_docs, start_index=index) as w:
-        for parts, offset, skip, take, drop_files in spans:
+        for k in range(int(np.searchsorted(ends, lo, side="right")), len(jobs)):
+            start = int(ends[k] - kept[k])
+            if start >= hi:
+                break
+            skip, take = max(0, lo - start), min(int(ends[k]), hi) - max(lo, start)
+            if take <= 0:
+                continue
+            job = jobs[k]
             gone = set()
-            for f in drop_files:
-                gone.update(pq.read_table(f, columns=["pos"]).column(0).to_pylist())
-            pos, seen = offset - 1, 0
-            for doc in iter_docs(parts):
+            for s in steps:
+                if (f := files.drops(s, job.name)).is_file():
+                    gone.update(pq.read_table(f, columns=["pos"]).column(0).to_pylist())
+            pos, seen = job.offset - 1, 0
+            for doc in iter_docs(list(job.docs)):
                 pos += 1
                 if pos in gone:
                     continue
@@ -506,23 +594,15 @@ def _write_shard(out_dir: str, index: int, shard_docs: int, spans: list[tuple[li
 
 
 def filter_pass(stages: DedupStages, out_dir: Path, shard_docs: int) -> dict:
-    """The curated shards (a Ray task per shard) and their counters."""
+    """The curated shards (a Ray task per shard: each finds its rows from the kept counts per job,
+    which a Ray task writes to a file) and their counters."""
     ray = stages.ray
-    spans_of: list[list] = []
-    row = 0
-    for job in stages.jobs:
-        n = job.kept - stages.dropped_per_job[job.name]
-        drops = [str(p) for s in stages.done if (p := stages.files.drops(s, job.name)).is_file()]
-        done = 0
-        while done < n:
-            k = row // shard_docs
-            take = min(n - done, (k + 1) * shard_docs - row)
-            while len(spans_of) <= k:
-                spans_of.append([])
-            spans_of[k].append((list(job.docs), job.offset, done, take, drops))
-            done, row = done + take, row + take
+    jobs = ray.put(stages.jobs)  # once into the object store, not once per shard task
+    kept_path = str(stages.files.root / "kept_per_job.npy")
+    total = ray.get(ray.remote(num_cpus=1)(_kept_per_job).remote(stages.files, list(stages.done), jobs, kept_path))
     task = ray.remote(num_cpus=1)(_write_shard)
-    got = ray.get([task.remote(str(out_dir), k, shard_docs, spans) for k, spans in enumerate(spans_of)])
+    got = ray.get([task.remote(str(out_dir), k, shard_docs, stages.files, list(stages.done), jobs, kept_path)
+                   for k in range(-(-total // shard_docs))])
     out = {"shards": [p for g in got for p in g["paths"]], "docs": sum(g["docs"] for g in got),
            "bytes": sum(g["bytes"] for g in got), "languages": Counter(), "sources": Counter()}
     for g in got:
@@ -531,26 +611,153 @@ def filter_pass(stages: DedupStages, out_dir: Path, shard_docs: int) -> dict:
     return out
 
 
-def dedup_report_task(drop_files: list[str], docs_by_source: dict[str, int], n_docs: int, jobs: list[JobDocs],
-                      mh, ngram: int) -> dict:
-    """Ray task: `tasks.dedup.report.report_from_drops` over the drop files, with the example
-    pairs' signature and text Jaccard read from the meta and part files."""
-    from tasks.dedup.report import add_text_jaccard, example_ids, report_from_drops
-    from tasks.dedup.verify import ParquetTexts
+REPORT_FILES_PER_TASK = 64  # drop files one report task reads first (each ≤ one job's drops of one step)
+_ORDER_SHIFT = 40  # a drop's order: step index << 40 | position (drops.jsonl's order: step, then corpus)
 
-    t = pa.concat_tables([pq.read_table(f) for f in drop_files]) if drop_files else DROP_SCHEMA.empty_table()
-    steps = []
+
+def _spill_table(t: pa.Table, key_col: str, partitions: int, spill_dir: Path, task_no: int) -> None:
+    """`t`'s rows into `spill_dir/p-XXXXX/` by the hash of their id column `key_col`."""
+    from tasks.dedup.cluster import spill_partitioned
+    from tasks.dedup.index import id_hashes
+
+    if t.num_rows:
+        spill_partitioned({c: t.column(c).to_numpy(zero_copy_only=False) for c in t.column_names},
+                          id_hashes(t.column(key_col).to_pylist()), partitions, spill_dir, task_no)
+
+
+def _read_partition(d: Path, schema: pa.Schema) -> pa.Table:
+    parts = sorted(d.glob("s-*.parquet")) if d.is_dir() else []
+    return pa.concat_tables([pq.read_table(p).cast(schema) for p in parts]) if parts else schema.empty_table()
+
+
+_CHAIN = pa.schema([("id", pa.string()), ("source", pa.string()), ("order", pa.int64()), ("pos", pa.int64()),
+                    ("target", pa.string()), ("tpos", pa.int64()), ("tsrc", pa.string())])
+_LINK = pa.schema([("m_id", pa.string()), ("m_dup_of", pa.string()), ("m_dup_pos", pa.int64()),
+                   ("m_dup_src", pa.string())])
+
+
+def _report_rows(drop_files: list[str], step_index: dict[str, int], partitions: int, root: str,
+                 task_no: int) -> Counter:
+    """Report task, first pass: the drops of these files as chain rows (partitioned by the id they
+    point to) and as links id → duplicate_of (partitioned by id). Returns drops per (source, step)."""
+    counts: Counter = Counter()
+    chains, links = [], []
     for f in drop_files:
-        steps += [Path(f).parent.name] * pq.ParquetFile(f).metadata.num_rows
-    drops = list(zip(t.column("id").to_pylist(), steps, t.column("dup_of").to_pylist()))
-    pos_of = {d: p for d, p in zip(t.column("id").to_pylist(), t.column("pos").to_pylist())}
-    pos_of.update({d: p for d, p in zip(t.column("dup_of").to_pylist(), t.column("dup_pos").to_pylist())
-                   if p is not None and p >= 0})
-    report = report_from_drops(docs_by_source, n_docs, drops, t.column("source").to_pylist(), pos_of,
-                               {d: s for d, s in zip(t.column("dup_of").to_pylist(), t.column("dup_source").to_pylist())
-                                if s is not None})
-    want = sorted(i for i in example_ids(report) if i in pos_of)
+        step = Path(f).parent.name
+        t = pq.read_table(f)
+        srcs = t.column("source").to_pylist()
+        counts.update((s or "", step) for s in srcs)
+        order = (np.int64(step_index[step]) << np.int64(_ORDER_SHIFT)) + t.column("pos").to_numpy()
+        chains.append(pa.table([t.column("id"), t.column("source"), pa.array(order), t.column("pos"), t.column("dup_of"),
+                                t.column("dup_pos"), t.column("dup_source")], schema=_CHAIN))
+        links.append(pa.table([t.column("id"), t.column("dup_of"), t.column("dup_pos"), t.column("dup_source")],
+                              schema=_LINK))
+    if chains:
+        _spill_table(pa.concat_tables(chains), "target", partitions, Path(root) / "chain-0", task_no)
+        _spill_table(pa.concat_tables(links), "m_id", partitions, Path(root) / "links", task_no)
+    return counts
+
+
+def _report_hop(root: str, partition: int, rnd: int, partitions: int) -> int:
+    """Report task, one round per partition: each chain row whose target was itself dropped points
+    on to that one's duplicate_of (a copy of a document later dropped as a near duplicate joins its
+    survivor's cluster); rows re-partitioned by their new target. Returns how many moved on."""
+    import pyarrow.compute as pc
+
+    name = f"p-{partition:05d}"
+    chain = _read_partition(Path(root) / f"chain-{rnd}" / name, _CHAIN)
+    if chain.num_rows == 0:
+        return 0
+    links = _read_partition(Path(root) / "links" / name, _LINK)
+    j = chain.join(links, keys="target", right_keys="m_id", join_type="left outer")
+    hit = j.column("m_dup_of").is_valid()
+    out = pa.table([j.column("id"), j.column("source"), j.column("order"), j.column("pos"),
+                    pc.if_else(hit, j.column("m_dup_of"), j.column("target")),
+                    pc.if_else(hit, j.column("m_dup_pos"), j.column("tpos")),
+                    pc.if_else(hit, j.column("m_dup_src"), j.column("tsrc"))], schema=_CHAIN)
+    _spill_table(out, "target", partitions, Path(root) / f"chain-{rnd + 1}", partition)
+    return int(pc.sum(hit.cast(pa.int64())).as_py() or 0)
+
+
+def _report_clusters(root: str, partition: int, rnd: int, n_docs: int, steps: list[str], max_examples: int) -> dict:
+    """Report task, last pass per partition (rows grouped by final survivor): cluster sizes, their
+    count and largest, and the partition's best example candidates (largest clusters first, then
+    the survivor's position, then the first drop's order: the in-process report's order)."""
+    from tasks.dedup.report import size_bucket
+
+    t = _read_partition(Path(root) / f"chain-{rnd}" / f"p-{partition:05d}", _CHAIN)
+    if t.num_rows == 0:
+        return {"sizes": Counter(), "clusters": 0, "largest": 1, "examples": []}
+    g = t.group_by("target").aggregate([("order", "min"), ("order", "count")])
+    counts = g.column("order_count").to_numpy()
+    sizes = Counter(size_bucket(int(c) + 1) for c in counts)
+    firsts = t.join(g.select(["target", "order_min"]), keys=["target", "order"], right_keys=["target", "order_min"],
+                    join_type="inner")
+    firsts = firsts.join(g.select(["target", "order_count"]), keys="target")
+    tpos = firsts.column("tpos").to_numpy(zero_copy_only=False)
+    kept_pos = np.where(tpos >= 0, tpos, n_docs)
+    order = firsts.column("order").to_numpy()
+    best = np.lexsort((order, kept_pos, -firsts.column("order_count").to_numpy()))[:max_examples]
+    ex = []
+    for k in best:
+        r = {c: firsts.column(c)[int(k)].as_py() for c in ("target", "id", "source", "tsrc", "order_count", "pos")}
+        ex.append({"key": (-r["order_count"], int(kept_pos[k]), int(order[k])), "kept_pos": int(tpos[k]),
+                   "dup_pos": r["pos"],
+                   "example": {"kept": r["target"], "duplicate": r["id"], "step": steps[int(order[k]) >> _ORDER_SHIFT],
+                               "cluster_size": r["order_count"] + 1, "source_kept": r["tsrc"] or "",
+                               "source_duplicate": r["source"] or ""}})
+    return {"sizes": sizes, "clusters": len(counts), "largest": int(counts.max()) + 1, "examples": ex}
+
+
+def dedup_report_task(drop_files: list[str], docs_by_source: dict[str, int], n_docs: int, jobs: list[JobDocs],
+                      mh, ngram: int, max_examples: int = 10) -> dict:
+    """Ray task: the dedup report (`tasks.dedup.report`) from the drop files, partitioned so no
+    task holds more than ~`KEY_PARTITION_ROWS` drops (or 1/`partitions` of them): Ray tasks turn the
+    drops into chain rows, follow each to its final survivor in rounds (one per dedup step at most)
+    and count clusters per partition of the survivor; this task merges their counters and best
+    examples, then reads the examples' signatures and texts for their Jaccard."""
+    import ray
+
+    from tasks.dedup.report import add_text_jaccard, assemble_report
+
+    steps = list(dict.fromkeys(Path(f).parent.name for f in drop_files))
+    n_drops = sum(pq.ParquetFile(f).metadata.num_rows for f in drop_files)
+    if n_drops == 0:
+        return assemble_report(docs_by_source, n_docs, {}, 0, {}, 0, 1, [])
+    partitions = mh.partitions or max(1, -(-n_drops // KEY_PARTITION_ROWS))
+    root = Path(drop_files[0]).parent.parent / "_report"
+    shutil.rmtree(root, ignore_errors=True)
+    task = ray.remote(num_cpus=1)
+    index = {s: k for k, s in enumerate(steps)}
+    step_counts: Counter = Counter()
+    for c in ray.get([task(_report_rows).remote(drop_files[i:i + REPORT_FILES_PER_TASK], index, partitions,
+                                                str(root), i // REPORT_FILES_PER_TASK)
+                      for i in range(0, len(drop_files), REPORT_FILES_PER_TASK)]):
+        step_counts.update(c)
+    rnd = 0  # a chain is at most one link per step: a round more means a cycle, left as it is
+    while True:
+        moved = sum(ray.get([task(_report_hop).remote(str(root), p, rnd, partitions) for p in range(partitions)]))
+        rnd += 1
+        if not moved or rnd > len(steps):
+            break  # chain-<rnd>: the rows partitioned by their final survivor
+    got = ray.get([task(_report_clusters).remote(str(root), p, rnd, n_docs, steps, max_examples)
+                   for p in range(partitions)])
+    shutil.rmtree(root, ignore_errors=True)
+    sizes: Counter = Counter()
+    for g in got:
+        sizes.update(g["sizes"])
+    cands = sorted((e for g in got for e in g["examples"]), key=lambda e: e["key"])[:max_examples]
+    report = assemble_report(docs_by_source, n_docs, step_counts, n_drops, sizes, sum(g["clusters"] for g in got),
+                             max(g["largest"] for g in got), [e["example"] for e in cands])
+    pos_of = {}
+    for e in cands:
+        pos_of[e["example"]["duplicate"]] = e["dup_pos"]
+        if e["kept_pos"] >= 0:
+            pos_of[e["example"]["kept"]] = e["kept_pos"]
+    want = sorted(pos_of)
     if want:
+        from tasks.dedup.verify import ParquetTexts
+
         rows = np.array([pos_of[i] for i in want], dtype=np.int64)
         parts = [(p, n) for j in jobs for p, n in zip(j.docs, part_counts(j))]
         texts = dict(zip(want, ParquetTexts([p for p, _ in parts], [n for _, n in parts]).read(rows)))
