@@ -504,3 +504,65 @@ def test_curate_incremental_index_dedups_a_later_run_against_earlier_ones(verify
 
     s3 = run_curate(cfg, write_docs(first, tmp_path / "in3"), tmp_path / "out3")  # the same corpus again
     assert s3["docs_out"] == s1["docs_out"] and "minhash_index" not in s3["dropped"]
+
+
+def test_partitioned_dedup_report_equals_the_in_process_report(ray_session, tmp_path):
+    """The curate stage's report (Ray tasks over drop files, 3 partitions, chains followed in
+    rounds) equals `report_from_drops` over the same drops: exact copies of documents that a
+    later step drops join their survivor's cluster, index drops point outside the corpus."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.dedup.report import report_from_drops
+    from tasks.dedup.stages import DROP_SCHEMA, META_SCHEMA, JobDocs, dedup_report_task, write_meta
+
+    rng = random.Random(7)
+    n, per_job = 240, 60
+    ids = [f"d{i:04d}" for i in range(n)]
+    srcs = [rng.choice(["web", "books", "code"]) for _ in range(n)]
+    texts = [" ".join(rng.choice(["alpha", "beta", "gamma", "delta", "eps"]) for _ in range(30)) for _ in range(n)]
+    jobs = []
+    for j in range(n // per_job):
+        lo = j * per_job
+        part = tmp_path / f"part-{j}.parquet"
+        pq.write_table(pa.table({"id": ids[lo:lo + per_job], "text": texts[lo:lo + per_job]}), part)
+        meta = tmp_path / f"meta-{j}.parquet"
+        write_meta(meta, {c: ([None] * per_job if c not in ("id", "source", "nbytes") else
+                              ids[lo:lo + per_job] if c == "id" else srcs[lo:lo + per_job] if c == "source" else
+                              [100] * per_job) for c in META_SCHEMA.names})
+        jobs.append(JobDocs(f"{j:03d}", str(meta), (str(part),), per_job, lo))
+    alive = set(range(n))
+    drops, files = [], []
+    for step in ("url_dedup", "exact_dedup", "minhash_dedup", "minhash_index"):
+        gone, picked = {}, sorted(rng.sample(sorted(alive), 25))
+        for p in picked:  # a step's survivors are documents it keeps
+            if step == "minhash_index":
+                gone[p] = (-1, f"old-{rng.randrange(5)}", None)  # earlier runs' documents
+            else:
+                q = rng.choice(sorted(alive - set(picked)))
+                gone[p] = (q, ids[q], srcs[q])
+        alive -= set(gone)
+        for job in jobs:
+            rows = [p for p in sorted(gone) if job.offset <= p < job.offset + job.kept]
+            if not rows:
+                continue
+            f = tmp_path / "_dedup" / step / f"j-{job.name}.parquet"
+            f.parent.mkdir(parents=True, exist_ok=True)
+            pq.write_table(pa.table({"pos": rows, "id": [ids[p] for p in rows], "dup_pos": [gone[p][0] for p in rows],
+                                     "dup_of": [gone[p][1] for p in rows], "source": [srcs[p] for p in rows],
+                                     "dup_source": [gone[p][2] for p in rows], "nbytes": [100] * len(rows)},
+                                    schema=DROP_SCHEMA), f)
+            files.append(str(f))
+            drops += [(ids[p], step, gone[p][1], srcs[p]) for p in rows]
+    by_source = dict(Counter(srcs))
+    want = report_from_drops(by_source, n, [d[:3] for d in drops], [d[3] for d in drops],
+                             dict(zip(ids, range(n))), dict(zip(ids, srcs)))
+    assert want["largest_cluster"] > 3  # chains across steps are in the data
+    got = dedup_report_task(files, by_source, n, jobs, SimpleNamespace(partitions=3, scheme="affine32"), 5)
+    assert all("jaccard" in e for e in got["examples"] if not e["kept"].startswith("old-"))
+    for e in got["examples"]:
+        e.pop("jaccard", None)
+    assert got == want
