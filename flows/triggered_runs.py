@@ -4,7 +4,7 @@ run's checkpoints through Prefect's client and hand what those runs recorded to 
 stages as inputs (StageInputs.triggered), which report it instead of doing the work again.
 
     evaluate-checkpoint run of a checkpoint   found by deployment and its `checkpoint` parameter,
-                                              waited on (flow-run state events) until it is final;
+                                              its state read until it is final;
                                               COMPLETED: its signed report (tasks/deploy/triggered.py)
     deploy-model run of each passing one      the same; all COMPLETED: their signed deploy records
 
@@ -25,8 +25,6 @@ from prefect.client.orchestration import PrefectClient, get_client
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
 from prefect.client.schemas.objects import FlowRun
 from prefect.client.schemas.sorting import FlowRunSort
-from prefect.exceptions import FlowRunWaitTimeout
-from prefect.flow_runs import wait_for_flow_run
 from prefect.states import Cancelling
 from prefect.utilities.asyncutils import run_coro_as_sync
 
@@ -39,7 +37,7 @@ from tasks.deploy.triggered import passing_triggered_checkpoints, triggered_depl
 
 log = logging.getLogger("crucible.triggers")
 
-APPEAR_POLL = 2.0  # seconds between looks for a flow run the automation has not created yet
+POLL = 2.0  # seconds between reads of a flow run (or of the runs, until the automation has created it)
 RECENT_RUNS = 200  # the newest flow runs of a deployment searched for a checkpoint's
 
 
@@ -61,19 +59,23 @@ async def _final_run(deployment: str, checkpoint: str | Path, timeout: float) ->
     async with get_client() as client:
         run = await find_flow_run(client, deployment, checkpoint)
         while run is None and time.monotonic() < deadline:  # the automation creates it after the event
-            await anyio.sleep(APPEAR_POLL)
+            await anyio.sleep(POLL)
             run = await find_flow_run(client, deployment, checkpoint)
         if run is None:
             log.warning("triggered: no %s flow run for %s after %.0f s", deployment, checkpoint, timeout)
             return None
-        try:
-            return await wait_for_flow_run(run.id, timeout=max(1, int(deadline - time.monotonic())), client=client)
-        except FlowRunWaitTimeout:
-            # cancelled, so that it never does the work the stage now does itself
-            await client.set_flow_run_state(run.id, Cancelling(message=f"not final after {timeout:.0f} s: the "
-                                                               "pretrain flow does the work itself"), force=True)
-            log.warning("triggered: %s flow run %s not final after %.0f s; cancelled", deployment, run.name, timeout)
-            return None
+        # its state, read through the client (not Prefect's wait_for_flow_run: its subscription to the
+        # server's event stream hung a pretrain run on the stack's loaded SQLite server, the DB locked)
+        while not (run.state and run.state.is_final()) and time.monotonic() < deadline:
+            await anyio.sleep(POLL)
+            run = await client.read_flow_run(run.id)
+        if run.state and run.state.is_final():
+            return run
+        # cancelled, so that it never does the work the stage now does itself
+        await client.set_flow_run_state(run.id, Cancelling(message=f"not final after {timeout:.0f} s: the "
+                                                           "pretrain flow does the work itself"), force=True)
+        log.warning("triggered: %s flow run %s not final after %.0f s; cancelled", deployment, run.name, timeout)
+        return None
 
 
 def completed_flow_run(deployment: str, checkpoint: str | Path, timeout: float) -> FlowRun | None:

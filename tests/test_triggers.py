@@ -222,7 +222,7 @@ def test_the_pretrain_flow_waits_on_triggered_flow_runs_through_prefect(tmp_path
             with get_client(sync_client=True) as other:
                 other.set_flow_run_state(runs["late"].id, Completed(), force=True)
 
-        # completes while the flow waits on its state events (the thread gets the harness's settings)
+        # completes while the flow waits on its state (the thread gets the harness's settings)
         finish = threading.Timer(3, contextvars.copy_context().run, args=(complete_late,))
         finish.start()
         try:
