@@ -130,7 +130,10 @@ fi
 
 LOCK="$LOCK_DEMO"
 [ "$MODE" = tests ] && LOCK="$LOCK_TESTS"
-uvi() { run_logged "$UV" pip install --python "$PY" "${FIND_LINKS[@]}" --no-deps "$@"; }
+# --compile-bytecode, as pip does: uv leaves it to the first import by default, and where
+# PYTHONDONTWRITEBYTECODE is set (it is in this project's sessions) every process would compile its
+# imports again: Ray's agents then start too slowly on a loaded machine and ray.init() fails.
+uvi() { run_logged "$UV" pip install --python "$PY" "${FIND_LINKS[@]}" --no-deps --compile-bytecode "$@"; }
 # KenLM compiles (CPU) while uv downloads and installs (network, disk). The build's sdist download
 # reads the package's metadata with the venv's setuptools and wheel: those two first, at the lock's
 # pins and hashes (the lock's install then finds them in place and leaves them).
