@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import anyio
-
 from prefect.client.orchestration import PrefectClient, get_client
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
 from prefect.client.schemas.objects import FlowRun
@@ -32,7 +31,8 @@ from flows.run_context import RunContext
 from flows.stage_task import model_server_status
 from infra.settings import CrucibleConfig
 from tasks.core.constants import DEPLOY_FLOW, EVAL_FLOW
-from tasks.core.storage import is_remote, run_uri
+from tasks.core.fs import is_remote
+from tasks.core.storage import run_uri
 from tasks.deploy.triggered import passing_triggered_checkpoints, triggered_deployment, triggered_evaluation
 
 log = logging.getLogger("crucible.triggers")
