@@ -235,6 +235,15 @@ def memory_model(runs: list[dict]) -> dict:
                      "intercept_bytes": round(a), "bytes_per_doc": round(b, 3),
                      "at_target_bytes": round(a + b * capped),
                      "linear_at_target_bytes": round(a + b * TARGET_DOCS)}
+    # what the driver receives per document (the jobs' results: counters and paths), measured: the
+    # driver's state that grows with the corpus, next to the fitted slope (an RSS difference of a
+    # few MB between small runs is allocator noise as much as state)
+    if all(r.get("result_bytes") for r in runs):
+        rb = max(r["result_bytes"] / r["docs"] for r in runs)
+        a = out["driver"]["intercept_bytes"]
+        out["driver"]["result_bytes_per_doc"] = round(rb, 3)
+        out["driver"]["results_formula"] = f"driver_peak_rss_bytes = {a:.4g} + {rb:.3g} * docs"
+        out["driver"]["results_at_target_bytes"] = round(a + rb * TARGET_DOCS)
     return out
 
 
