@@ -88,6 +88,7 @@ from tasks.core.layout import CHECKPOINTS_DIR
 from tasks.core.signing import SignatureError, dumps_signed, loads_signed
 from tasks.core.storage import store_of_path
 from tasks.train.model import GPT, GPTConfig
+from tasks.train.torch_private import private
 
 META_FILE = "crucible_checkpoint.json"
 MANIFEST = "checkpoints.json"
@@ -326,7 +327,7 @@ def _dcp_target(ckpt_dir: Path | str, storage_options: dict | None) -> dict:
 
     if not is_remote(ckpt_dir):
         return {"storage_writer": HuggingFaceStorageWriter(str(ckpt_dir), save_distributed=True)}
-    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem  # not re-exported by the package
+    FileSystem = private("FileSystem")  # not re-exported by the package
 
     writer = HuggingFaceStorageWriter(ckpt_dir, save_distributed=True)
     writer.fs = FileSystem()  # as DCP's FsspecWriter does for its torch.save files
@@ -579,7 +580,7 @@ def checkpoint_tensors(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     through DCP's loader), each rank's shards placed at the offsets in their header. For inspection and
     tests; it verifies nothing (safetensors and JSON only, so a bad file can at worst fail to parse)."""
     from safetensors import safe_open
-    from torch.distributed.checkpoint._hf_utils import CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY
+    CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY = private("CUSTOM_METADATA_KEY"), private("SAVED_OFFSETS_KEY")
 
     parts: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
     for f in sorted(Path(ckpt_dir).glob("*.safetensors")):

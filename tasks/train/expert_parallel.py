@@ -85,7 +85,10 @@ def expert_mesh(mesh, dims):
     is ep consecutive dp_shard ranks). Collective: creates the process groups."""
     if dims.cp > 1:  # ParallelDims.check refuses cp > 1 before any process starts
         raise NotImplementedError("expert parallelism with context parallelism")
-    return mesh._unflatten("dp_shard", (dims.dp_shard // dims.ep, dims.ep), ("dp_shard_mod_ep", "ep"))
+    from tasks.train.torch_private import private
+
+    return private("DeviceMesh._unflatten")(mesh, "dp_shard", (dims.dp_shard // dims.ep, dims.ep),
+                                            ("dp_shard_mod_ep", "ep"))
 
 
 def apply_ep(model: nn.Module, mesh, dims, *, mp_policy=None, reshard_after_forward: bool = True) -> None:

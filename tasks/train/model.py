@@ -368,14 +368,22 @@ class GPT(nn.Module):
         else:
             cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
         mask = None if doc_ids is None else document_causal_mask(doc_ids)
-        x = self.drop(self.tok_emb(idx))
-        for block in self.blocks:
-            x = block(x, cos, sin, mask)
-        logits = self._head(self.norm(x))
+        logits = self._trunk(idx, cos, sin, mask)
         loss = None
         if targets is not None:
             loss = cross_entropy(logits, targets)
         return logits, loss
+
+    def _trunk(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
+               layers: list[int] | None = None) -> torch.Tensor:
+        """The forward's middle, shared with a pipeline stage (tasks/train/pipeline.GPTStage calls it
+        on itself): the embedding of token ids if this module holds it (else `h` is hidden states),
+        the blocks `layers` (default all), then the final norm and head if it holds them (else the
+        hidden states are returned)."""
+        x = self.drop(self.tok_emb(h)) if self.tok_emb is not None else h
+        for i in range(len(self.blocks)) if layers is None else layers:
+            x = self.blocks[i](x, cos, sin, mask)
+        return x if self.norm is None else GPT._head(self, self.norm(x))
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

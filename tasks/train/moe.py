@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tasks.train.mlp import SwiGLU
+from tasks.train.torch_private import private
 
 
 @dataclass
@@ -140,7 +141,7 @@ class GroupedExperts(nn.Module):
 def _in_backward() -> bool:
     """True while autograd's engine runs a backward (activation checkpointing recomputes the
     forward then): the recomputation must not count tokens a second time."""
-    return torch._C._current_graph_task_id() != -1
+    return private("_current_graph_task_id")() != -1
 
 
 _uncounted = 0  # > 0 inside `uncounted()`

@@ -165,8 +165,11 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        from tasks.train.torch_private import private
+
+        flatten = private("DeviceMesh._flatten")
+        flatten(mesh["dp_replicate", "dp_shard"], "dp")
+        flatten(mesh["dp_shard", "cp"], "dp_shard_cp")
         return mesh
 
 

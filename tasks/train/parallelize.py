@@ -21,6 +21,9 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tasks.train.moe import MoE
+from tasks.train.torch_private import private
+
 
 def _blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
     """(index, block) of the transformer blocks this model (or pipeline stage) holds: a stage's
@@ -66,7 +69,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = True) -> None:
             # DTensors whose gradients sum over the head shards
             plan.update({"attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
                          "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
-        if _is_moe(block.mlp):
+        if isinstance(block.mlp, MoE):
             # a sparse MLP runs whole on every tp rank of a replica, on the gathered sequence: routing,
             # expert-load counts, router losses and (under ep) the all-to-alls are exactly those of
             # one process, and its gradients need no tp reduction; the experts are sharded by ep
@@ -104,10 +107,6 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = True) -> None:
     model.register_forward_hook(gather_logits)
 
 
-def _is_moe(mlp: nn.Module) -> bool:
-    return hasattr(mlp, "experts")
-
-
 # ---------------------------------------------------------------------- activation checkpointing
 
 def _selective_policy_fn():
@@ -115,15 +114,14 @@ def _selective_policy_fn():
     attention, reduce-scatters), except every second matmul, and recompute everything else (norms,
     RoPE, activations, elementwise) in the backward. A fresh counter per checkpointed forward, so the
     recomputation makes the same save/recompute choice as the forward did."""
-    from torch.utils import checkpoint as ckpt
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     # profiler markers compute nothing, but FSDP opens a different number of them in a forward and in
     # its recomputation (a one-rank FSDP group, as the experts' under ep with dp_shard == ep, skips its
     # all-gather in one only): counted, the recomputation finds no saved entry for them and stops.
     # torch ignores aten.detach for the same reason; add the markers to that set
-    ckpt.SAC_IGNORED_OPS |= {torch.ops.profiler._record_function_enter_new.default,
-                             torch.ops.profiler._record_function_exit._RecordFunction}
+    private("SAC_IGNORED_OPS").update({torch.ops.profiler._record_function_enter_new.default,
+                                      torch.ops.profiler._record_function_exit._RecordFunction})
     aten = torch.ops.aten
     save = {aten.mm.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
             aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default,
@@ -151,7 +149,7 @@ def apply_ac(model: nn.Module, mode: str) -> None:
         return
     if mode not in ("full", "selective"):
         raise ValueError(f"train.activation_checkpointing: unknown mode {mode!r}")
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    CheckpointImpl, checkpoint_wrapper = private("CheckpointImpl"), private("checkpoint_wrapper")
 
     for i, block in _blocks(model):
         kw = {"context_fn": _selective_policy_fn} if mode == "selective" else {}
@@ -213,7 +211,7 @@ def parallelize_model(model: nn.Module, dims, mesh, tcfg, device: torch.device) 
             # the embedding's output is an AsyncCollectiveTensor (its reduce in flight); a compiled
             # block given one as input returns a wrong input gradient (torch 2.13): hand it a plain copy
             model.tok_emb.register_forward_hook(lambda module, args, out: out.clone())
-    if dims.ep > 1 and any(_is_moe(b.mlp) for _, b in _blocks(model)):
+    if dims.ep > 1 and any(isinstance(b.mlp, MoE) for _, b in _blocks(model)):
         from tasks.train.expert_parallel import apply_ep
 
         apply_ep(model, mesh, dims, mp_policy=mp_policy(tcfg), reshard_after_forward=dims.pp == 1)
@@ -254,8 +252,8 @@ def describe_built(model: nn.Module, wrapped: nn.Module) -> str:
     if isinstance(wrapped, DDP):
         how = f"DDP over {wrapped.process_group.size()} ranks"
     elif isinstance(model, FSDPModule):
-        fsdp_mesh = model._get_fsdp_state()._fsdp_param_group.mesh_info.mesh if model._get_fsdp_state()._fsdp_param_group \
-            else None
+        group = private("FSDPModule._get_fsdp_state")(model)._fsdp_param_group
+        fsdp_mesh = group.mesh_info.mesh if group else None
         dims = "x".join(f"{n} {s}" for n, s in zip(fsdp_mesh.mesh_dim_names or ("dp",), fsdp_mesh.shape)) \
             if fsdp_mesh is not None else "?"
         how = f"{'HSDP' if fsdp_mesh is not None and fsdp_mesh.ndim == 2 else 'FSDP2'} on {dims}"
