@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from tasks.train.model import GPT, GPTConfig
 from tasks.train.moe import uncounted
+from tasks.train.torch_private import private
 
 SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B", "gpipe": "ScheduleGPipe"}
 
@@ -70,7 +71,8 @@ def stage_layout(pp: int, stages_per_rank: int, n_layer: int) -> list[dict]:
 class GPTStage(nn.Module):
     """One pipeline stage of a GPT, holding the full model's own modules (not copies) for its
     layers. forward: token ids (first stage) or the previous stage's hidden states -> hidden states,
-    or logits on the last stage. Mirrors GPT.forward without document masks (refused with pp)."""
+    or logits on the last stage. Runs GPT.forward's own middle (GPT._trunk) without document masks
+    (refused with pp)."""
 
     def __init__(self, model: GPT, layers: range, first: bool, last: bool):
         super().__init__()
@@ -100,13 +102,7 @@ class GPTStage(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         T = self.seq_len
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        x = self.drop(self.tok_emb(h)) if self.tok_emb is not None else h
-        for i in self.layers:
-            x = self.blocks[i](x, cos, sin)
-        if self.norm is None:
-            return x
-        return GPT._head(self, self.norm(x))  # the GPT's own head: separate weight, soft cap
+        return GPT._trunk(self, h, self.rope_cos[:T], self.rope_sin[:T], layers=self.layers)  # GPT.forward's own code
 
 
 def split_model(model: GPT, pp_rank: int, pp: int, stages_per_rank: int) -> list[tuple[int, GPTStage]]:
@@ -170,6 +166,7 @@ class Pipeline:
                                          loss_fn=self._loss, scale_grads=False)
             # the first step infers the stages' shapes by running them (forward and loss) once on
             # the first micro-batch: not a training forward, so MoE layers must not count its tokens
+            private("_PipelineSchedule._initialize_pp_stages")  # a clear error if torch dropped it
             infer = schedule._initialize_pp_stages
 
             def initialize_uncounted(*args, **kwargs):
@@ -219,15 +216,16 @@ class Pipeline:
 
 def build_pipeline(model: GPT, dims, mesh, device: torch.device, compute_loss: LossFn,
                    parallelize_fn: Callable[[nn.Module], nn.Module] | None = None) -> Pipeline:
-    """This rank's stages of `model` (built whole, same seed on every rank), each passed through
-    parallelize_fn (TP / FSDP / activation checkpointing; it may return the module it wraps in),
+    """This rank's stages of `model` (on the meta device, or built whole with the same seed on every
+    rank), each passed through parallelize_fn (TP / FSDP / activation checkpointing; it may return the module it wraps in),
     run by PipelineStages on mesh["pp"] under the dims.pp_schedule schedule over
     dims.pp_microbatches micro-batches. compute_loss(logits, targets) -> (loss, ce, z or None)."""
     pp_mesh = mesh["pp"]
     pp_rank, pp_group = pp_mesh.get_local_rank(), pp_mesh.get_group()
     parts, indices = [], []
     for index, part in split_model(model, pp_rank, dims.pp, dims.stages_per_rank):
-        part = part.to(device)
+        if not any(t.is_meta for t in part.parameters()):  # meta: allocated after sharding (meta_init)
+            part = part.to(device)
         if parallelize_fn is not None:
             part = parallelize_fn(part) or part
         parts.append(part)

@@ -52,6 +52,7 @@ from tasks.train.data import GlobalWindows
 from tasks.train.events import EventSink, NoEvents
 from tasks.train.flops import flops_per_token
 from tasks.train.grad_norm import clip_grad_norm_
+from tasks.train.meta_init import build_on_meta, materialize
 from tasks.train.metrics import LAYOUT_FILE, SPIKE_LOG, TRAIN_LOG, MetricsLogger, rank_layout
 from tasks.train.model import GPT, GPTConfig, lm_loss
 from tasks.train.moe import balance_experts, moe_metrics, set_moe_loss_scale
@@ -175,14 +176,24 @@ class Trainer:
         self.full_samples, self.ramp_tokens = self.global_samples, 0
         self.ramp = BatchRamp.for_layout(tcfg, self.dims, self.gcfg.seq_len)
         torch.manual_seed(tcfg.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
-        self.model = GPT(self.gcfg).to(self.device)  # the whole model; parallelizing may split or shard it
+        self.init_record = None
+        if self.dims.legacy_ddp:  # DDP replicates the whole model anyway
+            self.model = GPT(self.gcfg).to(self.device)
+        else:  # shapes only: built, sharded, then filled shard by shard (tasks/train/meta_init.py)
+            self.model, self.init_record = build_on_meta(self.gcfg, tcfg.seed)
         self.n_params = self.model.num_params()
         self.flops_per_token = flops_per_token(self.model.num_active_params(), self.gcfg.n_layer,
                                                self.gcfg.n_head, self.gcfg.head_dim, self.gcfg.seq_len)
         self.moe_stats: dict = {}  # the last step's balance_experts stats (MoE layers)
         self.layout_info: dict = {}  # extra fields for layout.json (e.g. the pipeline's stages)
         self.pipeline = None  # pp > 1: this rank's stages and schedule (tasks/train/pipeline.py)
+        # params still on the meta device when sharded: no rank ever holds the whole model
+        built_on_meta = self.init_record is not None and all(t.is_meta for t in self.model.parameters())
+        model_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
         self.model_parts, self.wrapped = self.build_model_parts()
+        if self.init_record is not None:
+            self.layout_info["init"] = {"built_on_meta": built_on_meta, "model_param_bytes": model_bytes,
+                                        **materialize(self.model_parts, self.init_record, self.gcfg, self.device)}
         self.optimizer = OptimizersContainer(self.model_parts, tcfg)
         # per-rank RNG streams after the shared init, saved in checkpoints: dropout differs per
         # data-parallel replica and pipeline stage, and is the same on the tp / cp ranks of one replica
