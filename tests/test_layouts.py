@@ -86,6 +86,12 @@ def test_dp_shard_4_full_checkpointing_matches_one_process(base, ref):
     assert r0["params"]["blocks.0.mlp.w1.weight"]["local_shape"] == [HIDDEN // 4, D]
     assert sorted(r["dp_rank"] for r in run.layout["ranks"]) == [0, 1, 2, 3]  # four slices of each batch
     assert "layout dp_shard 4" in run.log
+    # meta-device init (tasks/train/meta_init.py): sharded while still on meta, then a rank allocates
+    # only its quarter, generating one whole tensor at a time; the losses above equal the 1-process
+    # run's, whose model is built whole (the `ddp` shorthand): same seed, same weights
+    init = run.layout["init"]
+    assert init["built_on_meta"] and init["rank_param_bytes"] * 4 == init["model_param_bytes"]
+    assert init["largest_init_tensor_bytes"] == VOCAB * D * 4 < init["model_param_bytes"] / 4
 
 
 def test_dp_shard_2_tp_2_selective_checkpointing_matches_one_process(base, ref, monkeypatch):
