@@ -340,8 +340,17 @@ class DedupStages:
         """Continued pretraining: this run's kept documents against the index of earlier runs, in a
         Ray actor that opens the index, reads the jobs' meta files itself and keeps the additions
         until `IndexHandle.save` (the driver passes file names only)."""
+        from tasks.core.storage import is_remote
+
         ray, t0 = self.ray, time.perf_counter()
-        actor = ray.remote(num_cpus=1)(_IndexWriter).remote()
+        opts = {}
+        if not is_remote(str(mh.index_dir)):  # a local index_dir is a path on the driver's machine
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                         soft=False)
+        # no CPU held while it waits for `save` (the filter pass and the report need both)
+        actor = ray.remote(_IndexWriter).options(**opts).remote()
         ray.get(actor.open.remote(mh.index_dir, mh.bands, mh.rows, mh.seed, mh.scheme, mh.hash, storage))
         alive = ray.get(actor.add_jobs.remote(self.files, list(self.done), self.jobs, self.blocks, _sig_dtype(mh)))
         self._finish("minhash_index", t0, [alive])
