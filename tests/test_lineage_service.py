@@ -229,7 +229,7 @@ def test_provenance_report_json_and_markdown(client, sample):
     kinds = [s["kind"] for s in rep["stages"]]
     assert {"ingest", "curate", "tokenizer", "tokens", "train", "evaluate", "deploy"} <= set(kinds)
     assert rep["pipelineRuns"][0]["root"] and rep["pipelineRuns"][0]["job"] == "pretrain"
-    assert rep["pipelineRuns"][0]["links"][0]["url"].startswith("http://127.0.0.1:4200/runs/flow-run/")
+    assert rep["pipelineRuns"][0]["links"][0]["url"].startswith("http://127.0.0.1:4200/login?redirect=/runs/flow-run/")
     assert rep["warnings"] == []
     assert any(a["name"] == "models/crucible-tiny/2" for a in rep["artifacts"])
     md = client.get("/api/v1/crucible/report", params={**params, "format": "md", "download": "true"})

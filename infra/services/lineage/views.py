@@ -13,6 +13,7 @@ from urllib.parse import quote
 
 from infra.services.lineage.fastjson import Fragment, dumps_bytes, loads
 from infra.services.lineage.store import LineageStore, Walk, node_id
+from tasks.tracking.links import prefect_page
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,8 @@ def run_links(run_id: str, job_type: str | None, run_facets: dict, links: Links)
     engine = run_facets.get("processing_engine") or run_facets.get("processingEngine") or {}
     if links.prefect_ui_url and isinstance(engine, dict) and str(engine.get("name", "")).lower() == "prefect":
         kind = "flow-run" if job_type == "FLOW" else "task-run"
-        out.append({"label": f"Prefect {kind}", "url": f"{links.prefect_ui_url.rstrip('/')}/runs/{kind}/{run_id}"})
+        # through the Prefect UI's login route: a bare deep link fails in a browser not yet logged in
+        out.append({"label": f"Prefect {kind}", "url": prefect_page(links.prefect_ui_url, f"/runs/{kind}/{run_id}")})
     return unique_links(out + facet_urls({k: v for k, v in run_facets.items() if k != "parent"}))
 
 
