@@ -120,6 +120,56 @@ def test_cli_commands_sign_with_the_key_of_the_stacks_state_dir(tmp_path, monkey
     assert not (tmp_path / ".crucible").exists()
 
 
+def test_run_verifies_the_records_up_signed_and_refuses_another_keys(tmp_path, monkeypatch):
+    """`crucible up` signs the stack's service records (run/<svc>.json) with the key of its state dir
+    (here stack.state_dir from the config). A later `crucible run` process from a plain shell, same
+    config, checks the pid files in `stack.up`: it must verify them with that key (else it refuses
+    the running services' records and starts them again), and still refuse one signed with another key."""
+    import argparse
+    from dataclasses import replace
+
+    import pytest
+
+    from infra import stack
+    from infra.cli import commands
+    from tasks.core.signing import SIGNING_KEY_FILE_ENV, ensure_key_file
+
+    monkeypatch.delenv(SIGNING_KEY_FILE_ENV)
+    monkeypatch.delenv(stack.STATE_DIR_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    overrides = [f"stack.state_dir={tmp_path / 'state'}"]
+    # `crucible up`'s process: its records, for a live process (this one) as the service
+    stack_cfg = commands._stack_configs(argparse.Namespace(config=TINY, overrides=overrides, ray=False))[0]
+    run = stack.state_dir(stack_cfg) / "run"
+    run.mkdir(parents=True)
+    genuine = stack.ServiceSpec(name="prefect", cmd=["true"], host="127.0.0.1", port=free_port(), health_path="/",
+                                url="http://127.0.0.1/", marker=[stack.process_cmdline(os.getpid()).split()[0]])
+    stack.write_spec(stack_cfg, genuine)
+    # a record the stack never signed: written with some other key
+    monkeypatch.setenv(SIGNING_KEY_FILE_ENV, str(ensure_key_file(tmp_path / "other" / "signing.key")))
+    stack.write_spec(stack_cfg, replace(genuine, name="mlflow"))
+    for name in ("prefect", "mlflow"):
+        (run / f"{name}.pid").write_text(f"{os.getpid()}\n")
+
+    # a later `crucible run` process: no key in its environment; stopped where `up` checks the pid files
+    monkeypatch.delenv(SIGNING_KEY_FILE_ENV)
+    seen = {}
+
+    class Checked(Exception):
+        pass
+
+    def checking_up(cfg, **_):
+        seen.update({name: stack.running_pid(cfg, name) for name in ("prefect", "mlflow")})
+        raise Checked
+
+    monkeypatch.setattr(stack, "up", checking_up)
+    with pytest.raises(Checked):
+        commands.cmd_run(argparse.Namespace(config=TINY, overrides=overrides, cycle=False, summary=None,
+                                            run_name=None))
+    assert seen == {"prefect": os.getpid(), "mlflow": None}
+    assert not (tmp_path / ".crucible").exists()  # no key made up under the working directory
+
+
 def test_plan_subcommand_prints_the_plan_as_json():
     r = _crucible("plan", "--params", "7e9", "--json")
     assert r.returncode == 0, r.stderr

@@ -25,7 +25,17 @@ def fail(msg: str, code: int = 2) -> int:
 def _load(path: str, overrides: list[str]):
     from infra.settings import load_config
 
-    return load_config(path, overrides)
+    cfg = load_config(path, overrides)
+    _use_stack_key(cfg.stack)
+    return cfg
+
+
+def _use_stack_key(stack_cfg) -> None:
+    """What a command signs or verifies in this process (the service records `stack.up` checks before
+    it starts anything, run roots, a replayed lineage log) uses the stack's key, wherever its state dir
+    is, not one found relative to the working directory: `run` in a fresh shell must verify what `up`
+    signed, or it refuses the running services' records and starts them again."""
+    os.environ[SIGNING_KEY_FILE_ENV] = str(stack.signing_key_path(stack_cfg))
 
 
 def _stack_configs(args):
@@ -58,9 +68,7 @@ def _stack_sections(args):
         raw = apply_overrides({}, args.overrides)
         sections = (StackConfig.model_validate(raw.get("stack", {})), DeployConfig.model_validate(raw.get("deploy", {})),
                     LineageConfig.model_validate(raw.get("lineage", {})))
-    # what a command signs or verifies in this process (run roots, a replayed lineage log) uses the
-    # stack's key, wherever its state dir is, not one found relative to the working directory
-    os.environ[SIGNING_KEY_FILE_ENV] = str(stack.signing_key_path(sections[0]))
+        _use_stack_key(sections[0])  # (_load does it for a config)
     return sections
 
 
