@@ -60,6 +60,8 @@ def build_on_meta(cfg: GPTConfig, seed: int) -> tuple[GPT, InitRecord]:
     for func, t, kwargs in raw:
         if kwargs.get("generator") is not None:
             raise ValueError(f"{func.__name__} with its own generator cannot be replayed from the seed")
+        if id(t) not in names:  # e.g. an init of a buffer or a temporary: not replayable by name
+            raise ValueError(f"{func.__name__} on a tensor that is not a parameter of the GPT cannot be replayed")
         record.calls.append((func, names[id(t)], tuple(t.shape), t.dtype, kwargs))
     return model, record
 
