@@ -684,14 +684,15 @@ class DeployConfig(Section):
     request_timeout: float = Field(default=300.0, gt=0)  # seconds a non-streamed completion may take (503 after)
 
 
-# Dense BF16 peaks from the vendors' datasheets; prices are rough on-demand USD per GPU-hour.
+# Dense BF16 peaks and board power (TDP) from the vendors' datasheets (SXM/OAM modules); prices
+# are rough on-demand USD per GPU-hour.
 DEFAULT_GPUS: dict[str, dict[str, float]] = {
-    "h100": {"peak_bf16_flops": 989e12, "memory_gb": 80, "price_per_hour": 3.00},  # SXM
-    "h200": {"peak_bf16_flops": 989e12, "memory_gb": 141, "price_per_hour": 3.80},  # SXM
-    "b200": {"peak_bf16_flops": 2250e12, "memory_gb": 180, "price_per_hour": 5.50},
-    "a100": {"peak_bf16_flops": 312e12, "memory_gb": 80, "price_per_hour": 1.80},  # SXM 80 GB
-    "l40s": {"peak_bf16_flops": 362e12, "memory_gb": 48, "price_per_hour": 1.00},
-    "mi300x": {"peak_bf16_flops": 1307e12, "memory_gb": 192, "price_per_hour": 2.50},
+    "h100": {"peak_bf16_flops": 989e12, "memory_gb": 80, "price_per_hour": 3.00, "tdp_w": 700},  # SXM
+    "h200": {"peak_bf16_flops": 989e12, "memory_gb": 141, "price_per_hour": 3.80, "tdp_w": 700},  # SXM
+    "b200": {"peak_bf16_flops": 2250e12, "memory_gb": 180, "price_per_hour": 5.50, "tdp_w": 1000},
+    "a100": {"peak_bf16_flops": 312e12, "memory_gb": 80, "price_per_hour": 1.80, "tdp_w": 400},  # SXM 80 GB
+    "l40s": {"peak_bf16_flops": 362e12, "memory_gb": 48, "price_per_hour": 1.00, "tdp_w": 350},
+    "mi300x": {"peak_bf16_flops": 1307e12, "memory_gb": 192, "price_per_hour": 2.50, "tdp_w": 750},
 }
 
 
@@ -701,6 +702,9 @@ class GpuSpec(Section):
     peak_bf16_flops: float = Field(gt=0)  # dense BF16 FLOP/s per GPU (datasheet, without 2:4 sparsity)
     memory_gb: float = Field(gt=0)  # device memory per GPU, 1 GB = 1e9 bytes
     price_per_hour: float = Field(ge=0)  # USD per GPU-hour: a ballpark on-demand figure, set your own
+    # board power in watts: `crucible plan`'s energy estimate (the boards at TDP while training) and
+    # the meter's power for a board that reports neither power.draw nor power.limit; None: unknown
+    tdp_w: float | None = Field(default=None, gt=0)
 
 
 class CuratePlanConfig(Section):
@@ -775,9 +779,13 @@ class EnergyConfig(Section):
     # where readable, else 85 W (CodeCarbon's default for an unknown CPU) over the socket's threads
     cpu_tdp_w: float | None = Field(default=None, gt=0)
     cpu_tdp_threads: int | None = Field(default=None, gt=0)
-    gpu_tdp_w: float | None = Field(default=None, gt=0)  # None: the board's power limit, else the TDP table
+    # watts of a board that reports no power.draw (x its utilization.gpu), in place of its
+    # power.limit; a measured power.draw always wins. `crucible plan` also takes it in place of
+    # plan.gpus[...].tdp_w. None: the board's power.limit, else the table's tdp_w
+    gpu_tdp_w: float | None = Field(default=None, gt=0)
     # the price-table entry (plan.gpus) GPU-hours are priced at; None: plan.gpu. CPU-core-hours are
-    # priced at plan.curate.node_price_per_hour / plan.curate.cores_per_node
+    # priced at plan.curate.node_price_per_hour / plan.curate.cores_per_node. Checked against
+    # plan.gpus when the config loads
     gpu: str | None = None
     sample_interval_s: float = Field(default=0.5, gt=0)  # process-tree and GPU power sampling
 
@@ -894,6 +902,17 @@ class PipelineConfig(Section):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if k in cls.model_fields or k not in INFRA_SECTIONS}
         return data
+
+    @model_validator(mode="after")
+    def _energy_gpu_priced(self) -> "PipelineConfig":
+        # energy.gpu names the price-table entry every stage's GPU-hours are costed at: a typo fails here
+        if self.energy.gpu is not None:
+            key = self.energy.gpu.lower()
+            if key not in self.plan.gpus:
+                raise ValueError(f"energy.gpu {self.energy.gpu!r} is not in plan.gpus "
+                                 f"({', '.join(sorted(self.plan.gpus))})")
+            self.energy.gpu = key
+        return self
 
     @model_validator(mode="after")
     def _layout_fits(self) -> "PipelineConfig":

@@ -114,13 +114,109 @@ def test_gpus_from_nvidia_smi_power_draw_else_limit_x_utilisation(tmp_path, monk
     # GPU 0 reports its draw, GPU 1 only its limit: 400 W x 50 %
     assert r["gpu_kwh"] == pytest.approx((250.5 + 200.0) * r["seconds"] / 3.6e6, rel=1e-6)
     assert r["gpu_hours"] == pytest.approx(2 * r["seconds"] / 3600)
-    assert "2 GPU(s): board power limit" in r["method"]
+    assert "2 GPU(s): energy.gpu_tdp_w, else the board's power.limit" in r["method"]
     assert r["cost_usd"] >= r["gpu_hours"] * cfg_price()
+    # energy.gpu_tdp_w stands in for a missing reading only: GPU 0's measured draw is kept
+    with E.measure_energy(_cfg(sample_interval_s=0.1, gpu_tdp_w=300.0)) as meter:
+        time.sleep(0.3)
+    assert meter.record["gpu_kwh"] == pytest.approx((250.5 + 150.0) * meter.record["seconds"] / 3.6e6, rel=1e-6)
+    # neither power.draw nor power.limit: the price table's tdp_w (one table for planner and meter)
+    assert E.gpu_watts((None, None, 50.0), None, tiny_cfg().plan.gpus["h100"].tdp_w) == (350.0, False)
     assert E.parse_nvidia_smi("0, [Not Supported], [N/A], 0\n") == {0: (None, None, 0.0)}
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # every GPU hidden from the stage: none measured
     with E.measure_energy(_cfg()) as meter:
         pass
     assert meter.record["gpu_kwh"] == 0 and meter.record["gpu_hours"] == 0
+
+
+def _fake_smi(tmp_path, monkeypatch) -> None:
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_overlapping_blocks_charge_the_boards_once(tmp_path, monkeypatch):
+    """A triggered evaluate running while train measures the same boards: the boards' time goes to
+    the block that claimed them first; the later block gets only the time nobody else covered."""
+    _fake_smi(tmp_path, monkeypatch)
+    cfg, log = _cfg(sample_interval_s=0.1), tmp_path / "run" / "energy.jsonl"
+    with E.measure_energy(cfg, log, "train") as train:
+        with E.measure_energy(cfg, log, "evaluate") as inner:  # wholly inside train's block
+            time.sleep(0.3)
+    assert inner.record["gpu_hours"] == 0 and inner.record["gpu_kwh"] == 0
+    assert train.record["gpu_hours"] == pytest.approx(2 * train.record["seconds"] / 3600)
+    assert "no earlier-started block of the run on this host measured them" in inner.record["method"]
+    # partly overlapping: the later block is charged the part after the earlier one ended
+    a = E.EnergyMeter(cfg, E.claims_path(log)).start()
+    b = E.EnergyMeter(cfg, E.claims_path(log)).start()
+    time.sleep(0.3)
+    ra = a.stop()
+    time.sleep(0.3)
+    rb = b.stop()
+    assert ra["gpu_hours"] == pytest.approx(2 * ra["seconds"] / 3600)
+    assert 0 < rb["gpu_hours"] < 2 * rb["seconds"] / 3600
+    lines = [json.loads(x) for x in E.claims_path(log).read_text().splitlines()]
+    start = {x["id"]: x["start"] for x in lines if "start" in x}
+    end = {x["id"]: x["end"] for x in lines if "end" in x}
+    union = max(end[b.claims.id], end[a.claims.id]) - start[a.claims.id]
+    assert ra["gpu_hours"] + rb["gpu_hours"] == pytest.approx(2 * union / 3600, rel=0.05)
+    # a block whose process died without closing claims nothing
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    with E.claims_path(log).open("a") as f:
+        f.write(json.dumps({"id": "0", "host": a.claims.host, "pid": int(dead.stdout), "ticks": 1, "start": 0.0,
+                            "resources": ["gpu:0", "gpu:1"]}) + "\n")
+    with E.measure_energy(cfg, log, "deploy") as alone:
+        time.sleep(0.2)
+    assert alone.record["gpu_hours"] == pytest.approx(2 * alone.record["seconds"] / 3600)
+
+
+RAY_WORKER = """import subprocess, sys
+code = "open('/proc/self/comm', 'w').write('ray::burn')\\nimport time\\nt = time.time()\\nwhile time.time() - t < 30: pass\\n"
+print(subprocess.Popen([sys.executable, '-c', code], start_new_session=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL).pid)
+"""
+
+
+def test_an_attached_clusters_ray_workers_are_charged_once(tmp_path, monkeypatch):
+    """Attached to a Ray cluster, every concurrent block would count this node's `ray::` workers."""
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # ray_attached; nothing connects to it
+    worker = int(subprocess.run([sys.executable, "-c", RAY_WORKER], capture_output=True, text=True,
+                                check=True).stdout)  # its parent exited: nobody's child here
+    try:
+        while (E._stat(worker) or (0, 0, ""))[2] != "ray::burn":
+            time.sleep(0.02)
+        cfg, log = _cfg(cpu_tdp_w=100.0, sample_interval_s=0.1), tmp_path / "energy.jsonl"
+        with E.measure_energy(cfg, log, "train") as outer:
+            with E.measure_energy(cfg, log, "evaluate") as inner:
+                time.sleep(0.5)
+        assert outer.record["cpu_core_seconds"] >= 0.3  # the worker's burn: counted by the first block
+        assert inner.record["cpu_core_seconds"] < 0.2  # and not again by the overlapping one
+        assert "Ray workers (attached cluster)" in inner.record["scope"]
+    finally:
+        os.kill(worker, 9)
+
+
+def test_a_failing_block_is_recorded_as_failed(tmp_path):
+    log = tmp_path / "energy.jsonl"
+    with pytest.raises(RuntimeError, match="boom"):
+        with E.measure_energy(_cfg(), log, "train"):
+            sum(i * i for i in range(200_000))
+            raise RuntimeError("boom")
+    (rec,) = E.read_log(log)
+    assert rec["stage"] == "train" and rec["status"] == "failed" and rec["cpu_core_seconds"] > 0
+    assert E.run_energy([rec])["total"]["kwh"] == pytest.approx(rec["kwh"])  # the run summary counts it
+
+
+def test_a_child_started_before_the_block_is_charged_only_its_time_inside(tmp_path):
+    """A child that burned CPU before the block and is reaped in it: os.times adds its whole life."""
+    child = subprocess.Popen([sys.executable, "-c", BURN.format(s=0.5) + "time.sleep(0.5)\n"])
+    while (E._stat(child.pid) or (0, 1.0))[1] < 0.5:
+        time.sleep(0.02)
+    with E.measure_energy(_cfg(sample_interval_s=0.1)) as meter:
+        child.wait()
+    assert meter.record["cpu_core_seconds"] < 0.3
 
 
 def cfg_price() -> float:
@@ -158,18 +254,31 @@ def test_model_card_shows_the_runs_energy(tmp_path):
 
 
 def test_plan_estimates_energy_with_the_same_constants():
-    from tasks.config import EnergyConfig
+    from tasks.config import EnergyConfig, PlanConfig
     from tasks.plan import make_plan
     from tasks.plan.report import format_plan
 
     plan = make_plan(params=1e9, tokens=2e10, gpus=8, gpu="h100")
-    assert plan["energy_kwh"] == pytest.approx(plan["gpu_hours"] * E.GPU_TDP_W["h100"] / 1000)
+    assert plan["energy_kwh"] == pytest.approx(plan["gpu_hours"] * PlanConfig().gpus["h100"].tdp_w / 1000)
     assert plan["co2e_kg"] == pytest.approx(plan["energy_kwh"] * EnergyConfig().grid_gco2e_per_kwh / 1000)
     assert any("700 W board TDP" in a for a in plan["assumptions"])
     clean = make_plan(params=1e9, tokens=2e10, gpus=8, gpu="h100", energy=EnergyConfig(grid_gco2e_per_kwh=50))
     assert clean["co2e_kg"] == pytest.approx(clean["energy_kwh"] * 50 / 1000)
     assert f"{plan['energy_kwh']:,.0f} kWh" in format_plan(plan)
+    # the planner reads the one GPU table (plan.gpus[...].tdp_w) the meter falls back on
+    own = make_plan(params=1e9, tokens=2e10, gpus=8, gpu="h100", cfg=PlanConfig(gpus={"h100": {"tdp_w": 350}}))
+    assert own["energy_kwh"] == pytest.approx(plan["energy_kwh"] / 2)
     out = subprocess.run([sys.executable, "-m", "infra.cli", "plan", "--params", "1e9", "--tokens", "2e10",
                           "--gpus", "8", "--json"], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parent.parent)
     assert json.loads(out.stdout)["energy_kwh"] == pytest.approx(plan["energy_kwh"])
+
+
+def test_energy_gpu_is_checked_against_the_price_table_at_load():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"energy.gpu 'h1000' is not in plan.gpus"):
+        tiny_cfg(energy={"gpu": "h1000"})
+    assert tiny_cfg(energy={"gpu": "A100"}).energy.gpu == "a100"
+    assert tiny_cfg(energy={"gpu": "mygpu"}, plan={"gpus": {"mygpu": {"peak_bf16_flops": 1e15, "memory_gb": 80,
+                                                                       "price_per_hour": 1.0}}}).energy.gpu == "mygpu"

@@ -17,13 +17,19 @@ What a stage's record counts (its `method` says which path was taken):
   CodeCarbon does without RAPL: `cpu_tdp_w` x tree CPU-seconds / the threads the TDP covers (85 W,
   CodeCarbon's default for an unknown CPU, over the socket's hardware threads unless configured).
 * GPU: `nvidia-smi` board power (power.draw) of the visible GPUs, the mean of samples every
-  interval x the stage's wall time (whole boards: idle power included, as the run pays for it);
-  a board without a power reading: its power limit (or `gpu_tdp_w`) x utilization.gpu.
+  interval x the board's charged time (whole boards: idle power included, as the run pays for it);
+  a board without a power reading: `energy.gpu_tdp_w`, else its power limit, else the price
+  table's `plan.gpus[...].tdp_w`, x utilization.gpu.
+* Overlapping blocks (a triggered evaluate or deploy while train runs): the GPU boards and an
+  attached cluster's Ray workers are shared, so each is charged once: to the block of the run that
+  started measuring it first; a later block is charged only the part of its wall time no earlier
+  one covered (the run's ledger energy-claims.jsonl, class Claims; `method` says so).
+* A block that raises is recorded with "status": "failed" (its energy was spent; totals count it).
 * Not counted: memory, disks, network, cooling (no PUE factor).
 
 CO2e = kWh x `energy.grid_gco2e_per_kwh` / 1000. Cost, from the planner's price table
 (tasks/config.py `plan`): CPU-core-hours x plan.curate.node_price_per_hour / cores_per_node plus
-GPU-hours (visible GPUs x wall time) x plan.gpus[energy.gpu or plan.gpu].price_per_hour.
+GPU-hours (the visible GPUs' charged time) x plan.gpus[energy.gpu or plan.gpu].price_per_hour.
 """
 from __future__ import annotations
 
@@ -32,8 +38,10 @@ import os
 import re
 import shutil
 import subprocess
+import socket
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -41,10 +49,6 @@ from typing import Iterator
 from tasks.config import EnergyConfig, PipelineConfig, PlanConfig
 
 DEFAULT_CPU_TDP_W = 85.0  # CodeCarbon's power for a CPU it does not find in its table
-# Board power (TDP) of the planner's accelerators, keyed as plan.gpus: vendors' datasheets (SXM/OAM
-# modules); `crucible plan` assumes the boards draw it while training
-GPU_TDP_W: dict[str, float] = {"h100": 700.0, "h200": 700.0, "b200": 1000.0, "a100": 400.0, "l40s": 350.0,
-                               "mi300x": 750.0}
 RAPL_ROOT = Path("/sys/class/powercap")
 PROC = Path("/proc")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -121,6 +125,7 @@ class ProcessTree:
         self.last: dict[tuple[int, int], float] = {}
         self.parent: dict[tuple[int, int], int] = {}
         self.live: set[tuple[int, int]] = set()
+        self.ray_keys: set[tuple[int, int]] = set()  # Ray workers that are not this tree's descendants
         self.own0 = self.own = self.reaped0 = self.reaped = 0.0
 
     def _members(self) -> dict[tuple[int, int], tuple[float, int]]:
@@ -138,17 +143,24 @@ class ProcessTree:
                 continue
             stats[pid] = st
             children.setdefault(st[0], []).append(pid)
-        out, todo = {}, list(children.get(self.root, []))
+        out, seen = {}, {self.root}
+
+        def walk(todo: list[int]) -> set[tuple[int, int]]:
+            keys = set()
+            while todo:
+                pid = todo.pop()
+                if pid in seen or pid not in stats:
+                    continue
+                seen.add(pid)
+                key = (pid, stats[pid][3])
+                out[key] = (stats[pid][1], stats[pid][0])
+                keys.add(key)
+                todo += children.get(pid, [])
+            return keys
+
+        walk(list(children.get(self.root, [])))
         if self.ray_workers:  # an attached cluster's workers on this node are nobody's children here
-            todo += [p for p, st in stats.items() if st[2].startswith("ray::") and _owner(p) == uid]
-        seen = {self.root}
-        while todo:
-            pid = todo.pop()
-            if pid in seen or pid not in stats:
-                continue
-            seen.add(pid)
-            out[(pid, stats[pid][3])] = (stats[pid][1], stats[pid][0])
-            todo += children.get(pid, [])
+            self.ray_keys |= walk([p for p, st in stats.items() if st[2].startswith("ray::") and _owner(p) == uid])
         return out
 
     def _times(self) -> None:
@@ -168,7 +180,8 @@ class ProcessTree:
         for k, (cpu, ppid) in members.items():
             self.last[k], self.parent[k] = cpu, ppid
 
-    def cpu_seconds(self) -> float:
+    def cpu_seconds(self, ray_share: float = 1.0) -> float:
+        """The tree's CPU-seconds since start, the attached cluster's Ray workers' x `ray_share`."""
         # a process first seen after start began during the stage: all of its time is the stage's
         used = {k: max(0.0, v - self.base.get(k, 0.0)) for k, v in self.last.items()}
         gone_pids = {k[0]: k for k in self.last if k not in self.live}
@@ -182,8 +195,11 @@ class ProcessTree:
             if p == self.root:
                 reaped.update(chain)
         sampled_reaped = sum(used[k] for k in reaped)
-        rest = sum(v for k, v in used.items() if k not in reaped)
-        return (self.own - self.own0) + rest + max(sampled_reaped, self.reaped - self.reaped0)
+        # os.times adds a reaped child's whole life: what it had used before start is not the stage's
+        reaped_delta = self.reaped - self.reaped0 - sum(self.base.get(k, 0.0) for k in reaped)
+        rest = sum(v for k, v in used.items() if k not in reaped and k not in self.ray_keys)
+        ray = sum(v for k, v in used.items() if k not in reaped and k in self.ray_keys)
+        return (self.own - self.own0) + rest + ray * ray_share + max(sampled_reaped, reaped_delta)
 
 
 def _owner(pid: int) -> int | None:
@@ -255,12 +271,15 @@ def visible_gpus() -> str | None:
     return None if v is None else v.strip()
 
 
-def gpu_watts(row: tuple[float | None, float | None, float | None], tdp_override: float | None) -> tuple[float, bool]:
-    """(watts, measured) of one nvidia-smi row: the board's reading, else TDP x utilisation."""
+def gpu_watts(row: tuple[float | None, float | None, float | None], tdp_override: float | None,
+              table_tdp: float | None = None) -> tuple[float, bool]:
+    """(watts, measured) of one nvidia-smi row: the board's power.draw when it reports one; else a
+    TDP x utilization.gpu, the TDP being energy.gpu_tdp_w, else the board's power.limit, else the
+    price-table entry's tdp_w."""
     draw, limit, util = row
-    if draw is not None and tdp_override is None:
+    if draw is not None:
         return draw, True
-    tdp = tdp_override or limit or 0.0
+    tdp = tdp_override or limit or table_tdp or 0.0
     return tdp * (util or 0.0) / 100.0, False
 
 
@@ -300,16 +319,90 @@ class GpuSampler:
                 self.proc.kill()
             self.reader.join(timeout=5)
 
-    def joules(self, seconds: float, tdp_override: float | None) -> tuple[float, int, bool]:
-        """(joules, GPUs, every reading measured): per GPU the mean power of its samples x seconds."""
-        if self.proc is None:
-            return 0.0, 0, True
+    def joules(self, seconds: dict[int, float], tdp_override: float | None, table_tdp: float | None
+               ) -> tuple[float, bool]:
+        """(joules, every reading measured): per GPU the mean power of its samples x its `seconds`."""
         total, measured = 0.0, True
-        for gpu in self.gpus:
-            watts = [gpu_watts(r[gpu], tdp_override) for r in self.rows if gpu in r]
+        for gpu in self.gpus if self.proc is not None else ():
+            watts = [gpu_watts(r[gpu], tdp_override, table_tdp) for r in self.rows if gpu in r]
             measured &= all(m for _, m in watts)
-            total += sum(w for w, _ in watts) / max(1, len(watts)) * seconds
-        return total, len(self.gpus), measured
+            total += sum(w for w, _ in watts) / max(1, len(watts)) * seconds[gpu]
+        return total, measured
+
+    @property
+    def boards(self) -> list[int]:
+        return self.gpus if self.proc is not None else []
+
+
+# ---------------------------------------------------------------------------- claims ledger
+
+RAY_WORKERS = "ray-workers"
+
+
+class Claims:
+    """The run's ledger of measured intervals of shared resources (this host's GPU boards, an attached
+    cluster's Ray workers on it), next to its energy.jsonl: stage blocks that overlap (a triggered
+    evaluate or deploy while train runs) would each charge the same boards for the same time, so a
+    resource's time goes to the block that started measuring it first. A block is charged, per
+    resource, the part of its interval that no earlier-started block of the run on this host
+    covered (a block still open counts as covering up to now; one whose process died without
+    closing is ignored). Lines: {"id", "host", "pid", "ticks", "start", "resources"} at start,
+    {"id", "end"} at stop."""
+
+    def __init__(self, path: Path, resources: list[str]):
+        self.path, self.resources = path, resources
+        self.id, self.host, self.start = uuid.uuid4().hex, socket.gethostname(), time.time()
+        st = _stat(os.getpid())
+        self._append({"id": self.id, "host": self.host, "pid": os.getpid(), "ticks": st[3] if st else None,
+                      "start": self.start, "resources": resources})
+
+    def _append(self, line: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:  # one short appended line per write: concurrent writers interleave whole lines
+            f.write(json.dumps(line) + "\n")
+
+    def close(self, seconds: float) -> dict[str, float]:
+        """{resource: share (0..1) of this block's interval charged to it}; records the block's end
+        (start + the meter's `seconds`: the interval the record's wall time is)."""
+        end = self.start + seconds
+        self._append({"id": self.id, "end": end})
+        opened, ended = {}, {}
+        for line in self.path.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else {}
+            if "start" in rec:
+                opened[rec["id"]] = rec
+            elif "end" in rec:
+                ended[rec["id"]] = rec["end"]
+        covering: dict[str, list[tuple[float, float]]] = {r: [] for r in self.resources}
+        for cid, rec in opened.items():
+            if (rec["start"], cid) >= (self.start, self.id) or rec["host"] != self.host:
+                continue
+            if cid not in ended and not _alive(rec["pid"], rec["ticks"]):
+                continue  # died without closing: it records nothing, so it claims nothing
+            span = (max(rec["start"], self.start), min(ended.get(cid, end), end))
+            for r in set(rec["resources"]) & set(self.resources):
+                if span[1] > span[0]:
+                    covering[r].append(span)
+        length = max(end - self.start, 1e-9)
+        return {r: max(0.0, 1.0 - _union(spans) / length) for r, spans in covering.items()}
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def _alive(pid: int, ticks: int | None) -> bool:
+    st = _stat(pid)
+    return st is not None and (ticks is None or st[3] == ticks)
+
+
+def claims_path(log: Path) -> Path:
+    return log.with_name("energy-claims.jsonl")
 
 
 # ------------------------------------------------------------------------------------ meter
@@ -318,10 +411,11 @@ class GpuSampler:
 class EnergyMeter:
     """Measures one stage: `start()`, then `stop()` returns its record (see the module docstring)."""
 
-    def __init__(self, cfg: PipelineConfig):
-        self.cfg, self.energy = cfg, cfg.energy
+    def __init__(self, cfg: PipelineConfig, claims: Path | None = None):
+        self.cfg, self.energy, self.claims_path = cfg, cfg.energy, claims
         self.gpu_key, self.gpu_price = gpu_price_per_hour(self.energy, cfg.plan)
         self.record: dict | None = None
+        self.claims: Claims | None = None
         self._stop = threading.Event()
 
     def start(self) -> "EnergyMeter":
@@ -330,6 +424,9 @@ class EnergyMeter:
         self.rapl = Rapl(packages) if packages else None
         self.busy0 = node_busy_seconds() if self.rapl else 0.0
         self.gpu = GpuSampler(self.energy.sample_interval_s)
+        shared = [f"gpu:{g}" for g in self.gpu.boards] + ([RAY_WORKERS] if self.tree.ray_workers else [])
+        if self.claims_path is not None and shared:
+            self.claims = Claims(self.claims_path, shared)
         self.t0 = time.perf_counter()
         self.tree.start()
         self.thread = threading.Thread(target=self._loop, daemon=True, name="energy-meter")
@@ -342,20 +439,21 @@ class EnergyMeter:
             if self.rapl:
                 self.rapl.sample()
 
-    def stop(self) -> dict:
+    def stop(self, status: str = "ok") -> dict:
         self._stop.set()
         self.thread.join()
         self.tree.sample()
         seconds = time.perf_counter() - self.t0
         self.gpu.stop()
-        cpu_s = self.tree.cpu_seconds()
+        share = self.claims.close(seconds) if self.claims else {}
+        cpu_s = self.tree.cpu_seconds(share.get(RAY_WORKERS, 1.0))
         if self.rapl:
             self.rapl.sample()
             busy = node_busy_seconds() - self.busy0
-            share = min(1.0, cpu_s / busy) if busy > 0 else 0.0
-            cpu_j = self.rapl.joules * share
+            tree_share = min(1.0, cpu_s / busy) if busy > 0 else 0.0
+            cpu_j = self.rapl.joules * tree_share
             cpu_method = (f"RAPL package energy ({len(self.rapl.packages)} package(s)) x the process tree's "
-                          f"share ({share:.3f}) of the node's busy CPU time")
+                          f"share ({tree_share:.3f}) of the node's busy CPU time")
         else:
             tdp = self.energy.cpu_tdp_w or DEFAULT_CPU_TDP_W
             threads = self.energy.cpu_tdp_threads or cpu_threads_per_socket()
@@ -363,17 +461,25 @@ class EnergyMeter:
             cpu_method = (f"CPU TDP x utilisation: {tdp:g} W over {threads} hardware threads x the process tree's "
                           f"CPU-seconds" + ("" if self.energy.cpu_tdp_w else " (TDP: CodeCarbon's default, RAPL "
                                                                                "not readable)"))
-        gpu_j, n_gpus, measured = self.gpu.joules(seconds, self.energy.gpu_tdp_w)
-        gpu_method = ("no GPU" if not n_gpus else
-                      f"{n_gpus} GPU(s): nvidia-smi board power.draw, mean of samples x wall time" if measured else
-                      f"{n_gpus} GPU(s): board power limit (or energy.gpu_tdp_w) x utilization.gpu")
+        boards = self.gpu.boards
+        gpu_s = {g: seconds * share.get(f"gpu:{g}", 1.0) for g in boards}
+        gpu_j, measured = self.gpu.joules(gpu_s, self.energy.gpu_tdp_w, self.cfg.plan.gpus[self.gpu_key].tdp_w)
+        gpu_method = ("no GPU" if not boards else
+                      f"{len(boards)} GPU(s): nvidia-smi board power.draw, mean of samples x the boards' charged "
+                      "time" if measured else
+                      f"{len(boards)} GPU(s): energy.gpu_tdp_w, else the board's power.limit, else "
+                      f"plan.gpus.{self.gpu_key}.tdp_w, x utilization.gpu where no power.draw, x the charged time")
+        if boards or self.tree.ray_workers:
+            gpu_method += ("; shared resources (GPU boards, Ray workers) charged only for the part of the wall "
+                           "time no earlier-started block of the run on this host measured them"
+                           + ("" if self.claims else " (no run ledger: the whole wall time)"))
         kwh = (cpu_j + gpu_j) / J_PER_KWH
-        gpu_hours = n_gpus * seconds / 3600.0
+        gpu_hours = sum(gpu_s.values()) / 3600.0
         self.record = {
             "kwh": kwh, "cpu_kwh": cpu_j / J_PER_KWH, "gpu_kwh": gpu_j / J_PER_KWH,
             "co2e_kg": co2e_kg(kwh, self.energy),
             "cost_usd": cpu_s / 3600.0 * cpu_core_price_per_hour(self.cfg.plan) + gpu_hours * self.gpu_price,
-            "cpu_core_seconds": cpu_s, "gpu_hours": gpu_hours, "seconds": seconds,
+            "cpu_core_seconds": cpu_s, "gpu_hours": gpu_hours, "seconds": seconds, "status": status,
             "grid_gco2e_per_kwh": self.energy.grid_gco2e_per_kwh,
             "method": f"{cpu_method}; {gpu_method}; memory, disk and network not counted",
             "scope": "process tree" + (" + this node's Ray workers (attached cluster)" if self.tree.ray_workers else ""),
@@ -387,23 +493,27 @@ class EnergyMeter:
 def measure_energy(cfg: PipelineConfig, log: Path | None = None, stage: str | None = None
                    ) -> Iterator[EnergyMeter | None]:
     """Measure the block; afterwards `meter.record` holds the record, also appended to `log` (the
-    run's energy.jsonl, which the model card reads) as {"stage", **record}. Yields None when
-    energy.enabled is off. A block that raises records nothing."""
+    run's energy.jsonl, which the model card reads) as {"stage", **record}; overlapping blocks of
+    the run share its GPU boards and Ray workers through the ledger next to `log` (Claims). Yields
+    None when energy.enabled is off. A block that raises is recorded too, with "status": "failed"
+    (the energy was spent: the run totals and the model card count it), and the exception goes on."""
     if not cfg.energy.enabled:
         yield None
         return
-    meter = EnergyMeter(cfg).start()
+    meter = EnergyMeter(cfg, claims_path(log) if log is not None else None).start()
     try:
         yield meter
     except BaseException:
-        meter._stop.set()
-        meter.gpu.stop()
+        _append_record(log, stage, meter.stop("failed"))
         raise
-    meter.stop()
+    _append_record(log, stage, meter.stop())
+
+
+def _append_record(log: Path | None, stage: str | None, record: dict) -> None:
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("a") as f:
-            f.write(json.dumps({"stage": stage, **meter.record}) + "\n")
+            f.write(json.dumps({"stage": stage, **record}) + "\n")
 
 
 # ------------------------------------------------------------------------------ aggregates
@@ -417,8 +527,9 @@ def total(records: list[dict]) -> dict:
 
 def run_energy(records: list[dict]) -> dict | None:
     """The run's energy from its energy.jsonl records: per stage (a stage run several times, e.g.
-    evaluate once per checkpoint, in the pipeline or in the event-triggered flows: summed) and the
-    total; None when nothing was recorded (energy.enabled off)."""
+    evaluate once per checkpoint, in the pipeline or in the event-triggered flows, and failed
+    attempts ("status": "failed"): summed) and the total; None when nothing was recorded
+    (energy.enabled off)."""
     per: dict[str, list[dict]] = {}
     for r in records:
         per.setdefault(r.get("stage") or "?", []).append(r)
@@ -452,14 +563,15 @@ def card_section(records: list[dict]) -> str:
 # ------------------------------------------------------------------------------ planning
 
 
-def plan_energy(gpu_hours: float, gpu: str, energy: EnergyConfig | None = None) -> dict:
+def plan_energy(gpu_hours: float, gpu: str, tdp_w: float | None, energy: EnergyConfig | None = None) -> dict:
     """Energy and CO2e of a planned run: its GPU-hours at the board's TDP (`energy.gpu_tdp_w`, else
-    GPU_TDP_W), the same grid intensity as the measured runs; host CPUs, memory and cooling aside."""
+    `tdp_w`, the plan.gpus entry's), the same grid intensity as the measured runs; host CPUs, memory
+    and cooling aside."""
     energy = energy or EnergyConfig()
-    tdp = energy.gpu_tdp_w or GPU_TDP_W.get(gpu.lower())
+    tdp = energy.gpu_tdp_w or tdp_w
     if tdp is None:
         return {"energy_kwh": None, "co2e_kg": None, "gpu_tdp_w": None,
-                "energy_assumption": f"no TDP known for {gpu!r}: set energy.gpu_tdp_w"}
+                "energy_assumption": f"no TDP known for {gpu!r}: set plan.gpus.{gpu}.tdp_w or energy.gpu_tdp_w"}
     kwh = gpu_hours * tdp / 1000.0
     return {"energy_kwh": kwh, "co2e_kg": co2e_kg(kwh, energy), "gpu_tdp_w": tdp,
             "energy_assumption": f"energy = gpu_hours x {tdp:g} W board TDP (the boards at TDP while training; "

@@ -279,7 +279,7 @@ def _time_cost_energy(flops: float, gpus: int, spec: GpuSpec, mfu: float, key: s
     """_timing plus the energy and CO2e of its GPU-hours (tasks.core.energy.plan_energy: the constants
     the stages' measurements use); its assumption appended."""
     timing = _timing(flops, gpus, spec, mfu)
-    footprint = plan_energy(timing["gpu_hours"], key, energy)
+    footprint = plan_energy(timing["gpu_hours"], key, spec.tdp_w, energy)
     assumptions.append(footprint.pop("energy_assumption"))
     return {**timing, **footprint}
 
