@@ -317,6 +317,7 @@ def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run
     """Evaluate one checkpoint (one at a time per run), gate it, emit crucible.eval.completed."""
     from prefect.concurrency.sync import concurrency
 
+    from flows.stage_task import stage_energy
     from tasks.deploy.registry import record_gate
     from tasks.deploy.triggered import write_gate
     from tasks.deploy.yardstick import gate_at_evaluation
@@ -330,8 +331,10 @@ def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run
         ensure_limit(limit)
         with concurrency(limit, occupy=1, strict=True):
             report = retried(evaluate_task, cfg.stack)(paths, run_id)
-        # against the champion of now, on the fixed yardstick; deploy-model re-gates if the champion changes
-        decision, yardstick = gate_at_evaluation(cfg, _tracking_uri(cfg), report, paths["tokenizer"])
+        # against the champion of now, on the fixed yardstick; deploy-model re-gates if the champion changes.
+        # Scoring champion and challenger is the evaluate stage's work, as in the pipeline's evaluate stage
+        with stage_energy(cfg, RunLayout(paths["run_dir"]), "evaluate", active):  # the run summary counts it
+            decision, yardstick = gate_at_evaluation(cfg, _tracking_uri(cfg), report, paths["tokenizer"])
         active.inputs.extend(_checkpoint_with_sources([dataset_for_path(paths["checkpoint"]),
                                                        dataset_for_path(paths["tokenizer"]),
                                                        dataset_for_path(report["report_path"])], paths, training))

@@ -560,13 +560,15 @@ def test_triggered_flow_runs_emit_lineage_parented_to_the_training_run(tmp_path,
     assert task_done["run"]["facets"]["parent"]["run"]["runId"] == eval_flow
     assert task_done["run"]["facets"]["parent"]["root"]["run"]["runId"] == root.run_id
     assert task_done["run"]["facets"]["crucible_links"]["prefect_task_run_id"] == evaluate
-    # the evaluation's energy: its run facet and the run's energy.jsonl, which the run summary totals
-    # (the refused deploy did no work and recorded none)
+    # the evaluation's energy: its run facet and the run's energy.jsonl, which the run summary totals;
+    # then the gate's (scoring champion and challenger, part of the pipeline's evaluate stage too), on
+    # the flow's run (the refused deploy did no work and recorded none)
     from tasks.core.energy import read_log
 
-    (measured,) = read_log(RunLayout(run_dir).energy_log)
-    assert measured["stage"] == "evaluate" and measured["kwh"] > 0
+    measured, gate = read_log(RunLayout(run_dir).energy_log)
+    assert measured["stage"] == gate["stage"] == "evaluate" and measured["kwh"] > 0 and gate["kwh"] > 0
     assert task_done["run"]["facets"]["crucible_energy"]["energy_kwh"] == measured["kwh"]
+    assert by_run[eval_flow][-1]["run"]["facets"]["crucible_energy"]["energy_kwh"] == gate["kwh"]
     inputs = {i["name"]: i for i in task_done["inputs"]}
     assert {str(ckpts[0]), str(run_dir / "tokenizer" / "tokenizer.json"), str(run_dir / "tokens" / "val.bin")} <= set(inputs)
     # the checkpoint carries the licences of what its training run read (its COMPLETE is yet to come)
