@@ -3,6 +3,7 @@ the stage wrapper's tree withholds the others, and the lineage `crucible_config`
 the named ones."""
 from __future__ import annotations
 
+import copy
 import pickle
 from typing import Annotated
 
@@ -52,8 +53,13 @@ def test_withheld_sections_still_serialise_with_their_values():
     assert given.model_dump(mode="json") == cfg.model_dump(mode="json")
     assert CrucibleConfig.model_validate_json(given.model_dump_json()) == cfg
     assert pickle.loads(pickle.dumps(given)).deploy.model_name == "m"
-    with pytest.raises(UndeclaredSection):
-        given.model_copy(deep=True).deploy.model_name
+    for copied in (given.model_copy(deep=True), given.model_copy(), copy.deepcopy(given)):  # copies stay withheld
+        with pytest.raises(UndeclaredSection):
+            copied.deploy.model_name
+        with pytest.raises(UndeclaredSection, match="'sources'"):
+            list(copied.sources)
+        assert copied.model_dump(mode="json") == cfg.model_dump(mode="json")
+    assert pickle.loads(pickle.dumps(given)).sources[0].name == "test"
 
 
 def test_every_stage_names_its_sections_and_the_facet_records_exactly_those():
@@ -81,3 +87,25 @@ def test_the_declaration_is_checked():
         stage_sections(NoDeclaration())
     with pytest.raises(ValueError, match="stack"):
         Reads("train", "stack")  # the stack's sections are infra's, never a stage's
+
+
+def test_the_stage_wrapper_hands_the_stage_the_narrowed_tree(tmp_path, monkeypatch):
+    """flows/stage_task.py's run_stage itself (its Prefect task body), with a registered stage that
+    reads a section it does not declare: it raises UndeclaredSection; handed the whole tree it would not."""
+    import types
+    import uuid
+
+    import flows.stage_task as stage_task
+    from flows.run_context import RunContext
+    from tasks.core.stage import StageInputs
+
+    monkeypatch.setitem(STAGES, "train_only", TrainOnly())
+    # only Prefect's runtime ids stand in (no flow run here); MLflow, lineage and energy are the real ones
+    monkeypatch.setattr(stage_task, "flow_run", types.SimpleNamespace(flow_name="train", id=str(uuid.uuid4())))
+    monkeypatch.setattr(stage_task, "task_run", types.SimpleNamespace(task_name="train_only", id=str(uuid.uuid4())))
+    run = RunContext(run_name="r", run_dir=str(tmp_path / "run"), lineage_log=str(tmp_path / "run" / "lineage.jsonl"),
+                     tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="e", mlflow_parent_run_id="",
+                     root_run_id=str(uuid.uuid4()))
+    cfg = tiny_cfg(deploy={"model_name": "m"})
+    with pytest.raises(UndeclaredSection, match="train_only stage read config section 'deploy'"):
+        stage_task.run_stage.fn("train_only", cfg, run, StageInputs())

@@ -11,6 +11,7 @@ The run's identity (name, data_root, run_root, resolve_uri) is no section and is
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, get_type_hints
 
@@ -105,7 +106,15 @@ class WithheldList(list):
     def __bool__(self) -> bool:
         raise _refusal(self._section, self._stage)
 
-    def __reduce__(self):  # copies (model_copy(deep=True), pickling) are the plain list
+    # copies (copy.copy, model_copy(deep=True)) stay withheld, like the withheld model sections;
+    # a pickled copy (a Ray task's) is the plain list, like theirs
+    def __copy__(self) -> "WithheldList":
+        return WithheldList(list(list.__iter__(self)), self._section, self._stage)
+
+    def __deepcopy__(self, memo: dict) -> "WithheldList":
+        return WithheldList(copy.deepcopy(list(list.__iter__(self)), memo), self._section, self._stage)
+
+    def __reduce__(self):
         return list, (list(list.__iter__(self)),)
 
 
