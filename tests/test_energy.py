@@ -185,7 +185,9 @@ def test_an_attached_clusters_ray_workers_are_charged_once(tmp_path, monkeypatch
     worker = int(subprocess.run([sys.executable, "-c", RAY_WORKER], capture_output=True, text=True,
                                 check=True).stdout)  # its parent exited: nobody's child here
     try:
-        while (E._stat(worker) or (0, 0, ""))[2] != "ray::burn":
+        for _ in range(1500):  # until it has named itself (at most ~30 s)
+            if (E._stat(worker) or (0, 0, ""))[2] == "ray::burn":
+                break
             time.sleep(0.02)
         cfg, log = _cfg(cpu_tdp_w=100.0, sample_interval_s=0.1), tmp_path / "energy.jsonl"
         with E.measure_energy(cfg, log, "train") as outer:
@@ -212,7 +214,7 @@ def test_a_failing_block_is_recorded_as_failed(tmp_path):
 def test_a_child_started_before_the_block_is_charged_only_its_time_inside(tmp_path):
     """A child that burned CPU before the block and is reaped in it: os.times adds its whole life."""
     child = subprocess.Popen([sys.executable, "-c", BURN.format(s=0.5) + "time.sleep(0.5)\n"])
-    while (E._stat(child.pid) or (0, 1.0))[1] < 0.5:
+    while child.poll() is None and (E._stat(child.pid) or (0, 1.0))[1] < 0.5:
         time.sleep(0.02)
     with E.measure_energy(_cfg(sample_interval_s=0.1)) as meter:
         child.wait()
