@@ -28,7 +28,7 @@ from tasks.lineage.emitter import lineage_page, model_version_node
 from tasks.lineage.facets import CrucibleLinksRunFacet
 from tasks.registry import FLOW_DOCS
 from tasks.tracking import Tracker
-from tasks.tracking.links import mlflow_run_page, prefect_page
+from tasks.tracking.links import mlflow_run_page, prefect_page, prefect_ui_base
 
 log = logging.getLogger("crucible.lineage")
 
@@ -105,13 +105,6 @@ def default_tracking_uri(cfg: PipelineConfig) -> str:
     root = local_run_root(cfg)
     root.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{root / 'mlflow.db'}"
-
-
-def prefect_ui_base() -> str | None:
-    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
-
-    ui = PREFECT_UI_URL.value() or (PREFECT_API_URL.value() or "").removesuffix("/api")
-    return ui.rstrip("/") or None
 
 
 def prefect_ui_url(flow_run_id: str) -> str | None:

@@ -26,6 +26,7 @@ def test_parent_and_nested_stage_runs(tmp_path):
 def test_stage_datasets_are_the_runs_mlflow_inputs_with_their_lineage_identity(tmp_path):
     """A stage's lineage inputs and outputs reach its MLflow run as datasets (mlflow.log_input):
     name, the content hash as digest, the source URI, the lineage node and page."""
+    from flows.stage_task import node_of
     from tasks.core.hashing import sha256_tree
     from tasks.lineage.emitter import dataset_for_path
     from tasks.tracking.datasets import LINEAGE_NODE_TAG, LINEAGE_PAGE_TAG
@@ -38,9 +39,8 @@ def test_stage_datasets_are_the_runs_mlflow_inputs_with_their_lineage_identity(t
     ckpt.write_text("weights")
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "tiny")
     run = tracker.start_run("train")
-    node = lambda ds: f"dataset:{ds.namespace}:{ds.name}"  # noqa: E731 - as flows/stage_task.py names them
     inputs = [dataset_for_path(index), dataset_for_path(shard)]
-    tracker.log_datasets(run, inputs + inputs[:1], [dataset_for_path(ckpt, output=True)], node,
+    tracker.log_datasets(run, inputs + inputs[:1], [dataset_for_path(ckpt, output=True)], node_of,
                          page=lambda n: f"http://127.0.0.1:5055/#node={n}")
     logged = tracker.client.get_run(run).inputs.dataset_inputs
     by_name = {d.dataset.name: d for d in logged}
@@ -57,6 +57,53 @@ def test_stage_datasets_are_the_runs_mlflow_inputs_with_their_lineage_identity(t
     assert {t.key: t.value for t in out.tags}["mlflow.data.context"] == "output"
     # the experiment opens in MLflow's model-training view, not its GenAI view
     assert tracker.client.get_experiment(tracker.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_a_dataset_without_version_facet_gets_its_content_hash_as_digest(tmp_path):
+    """MLflow would make a digest up from the source URI: a local dataset without a version facet is
+    hashed instead, one that cannot be hashed here is refused."""
+    import pytest
+    from openlineage.client.event_v2 import InputDataset
+
+    from tasks.core.hashing import sha256_tree
+    from tasks.tracking.datasets import mlflow_dataset
+
+    data = tmp_path / "shard.bin"
+    data.write_bytes(b"abc" * 100)
+    entity = mlflow_dataset(InputDataset(namespace="file", name=str(data), facets={}), "n", None)
+    assert entity.digest == sha256_tree(data)[:36]
+    with pytest.raises(ValueError, match="no version facet"):
+        mlflow_dataset(InputDataset(namespace="s3://bucket", name="raw/x.jsonl", facets={}), "n", None)
+
+
+def test_prefect_view_at_line_is_rewritten_for_every_flow_entry_point():
+    """Importing the flows package (every flow entry point does) installs the filter; it reads the UI
+    from Prefect's settings when the line is logged and takes a loopback alias of it as the same UI."""
+    import logging
+
+    from prefect.settings import PREFECT_UI_URL, temporary_settings
+
+    import flows  # noqa: F401 - the import installs the filter
+    from tasks.tracking.links import PrefectLoginLinks
+
+    logger = logging.getLogger("prefect.flow_runs")
+    installed = [f for f in logger.filters if isinstance(f, PrefectLoginLinks)]
+    assert len(installed) == 1 and installed[0].ui_base is None
+
+    def shown(message: str) -> str:
+        record = logger.makeRecord(logger.name, logging.INFO, __file__, 1, message, (), None)
+        assert installed[0].filter(record)
+        return record.getMessage()
+
+    with temporary_settings({PREFECT_UI_URL: "http://127.0.0.1:4200"}):
+        assert shown("View at http://127.0.0.1:4200/runs/flow-run/f-1") == \
+            "View at http://127.0.0.1:4200/login?redirect=/runs/flow-run/f-1"
+        assert shown("View at http://localhost:4200/runs/flow-run/f-2") == \
+            "View at http://localhost:4200/login?redirect=/runs/flow-run/f-2"
+        # another server, another port, an already rewritten line: as they are
+        for other in ("View at http://example.org:4200/runs/flow-run/f-3", "View at http://localhost:4300/runs/x",
+                      "View at http://127.0.0.1:4200/login?redirect=/runs/flow-run/f-1"):
+            assert shown(other) == other
 
 
 def test_printed_links_open_after_one_login():
@@ -82,9 +129,11 @@ def test_printed_links_open_after_one_login():
     handler, level, filters = Keep(), logger.level, list(logger.filters)
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    logger.filters[:] = []  # (the flows package's import may have installed one already)
     try:
         rewrite_prefect_log_links(ui)
         rewrite_prefect_log_links(ui)  # installed once
+        assert len(logger.filters) == 1
         logging.LoggerAdapter(logger, {}).info("View at http://127.0.0.1:4200/runs/flow-run/f-2")
     finally:
         logger.removeHandler(handler)

@@ -12,7 +12,7 @@ from infra import stack
 from tasks.core.constants import MLFLOW_USERNAME, REPO_ROOT
 from tasks.core.signing import SIGNING_KEY_FILE_ENV
 from tasks.core.storage import local_run_root, store_for
-from tasks.tracking.links import mlflow_run_page, rewrite_prefect_log_links
+from tasks.tracking.links import mlflow_run_page
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 
@@ -163,7 +163,6 @@ def _stack_for(cfg) -> None:
     res = stack.up(cfg.stack, lineage_cfg=cfg.lineage)
     _print_status({k: v for k, v in res.items() if isinstance(v, dict)})
     stack.use_stack(cfg.stack, cfg.lineage)
-    rewrite_prefect_log_links(stack.prefect_ui_url(cfg.stack))  # Prefect's own "View at" line, too
     _attach_stack_ray(cfg)
     _register_run_root(cfg.stack, cfg)
 

@@ -40,6 +40,20 @@ def _facet(dataset, key: str):
     return (getattr(dataset, "facets", None) or {}).get(key)
 
 
+def content_version(dataset) -> str:
+    """The sha256 of a dataset that has no version facet (as tasks/lineage/emitter.py versions a
+    local file or directory). Without one MLflow's MetaDataset would make up a digest from the source
+    URI, the same for every content: a dataset that is no local path is refused instead."""
+    from tasks.core.hashing import sha256_tree
+
+    path = Path(dataset.name)
+    if dataset.namespace == "file" and path.exists():
+        return sha256_tree(path)
+    raise ValueError(f"dataset {dataset_uri(dataset.namespace, dataset.name)} has no version facet and is no "
+                     f"local path to hash: its MLflow digest would not be its content hash (give it the "
+                     f"version facet, as tasks/lineage/emitter.py's datasets have)")
+
+
 def mlflow_dataset(dataset, node: str, page: str | None):
     """The MLflow Dataset entity of one lineage dataset: mlflow.data's source for its URI (a
     LocalArtifact/S3 source; MLflow has none for other schemes, which then keep their URI under
@@ -50,19 +64,19 @@ def mlflow_dataset(dataset, node: str, page: str | None):
     from mlflow.exceptions import MlflowException
 
     uri = dataset_uri(dataset.namespace, dataset.name)
-    version = getattr(_facet(dataset, "version"), "datasetVersion", None)
+    version = getattr(_facet(dataset, "version"), "datasetVersion", None) or content_version(dataset)
     quality = _facet(dataset, "dataQualityMetrics")
     profile = {"lineage_node": node, "lineage_page": page, "sha256": version,
                "rows": getattr(quality, "rowCount", None), "bytes": getattr(quality, "bytes", None),
                "files": getattr(quality, "fileCount", None)}
     profile = json.dumps({k: v for k, v in profile.items() if v is not None})
-    name, digest = display_name(dataset.name), (version or "")[:MAX_DIGEST] or None
+    name, digest = display_name(dataset.name), version[:MAX_DIGEST]
     try:
         with warnings.catch_warnings():  # a local path matches two registered local sources, both alike
             warnings.simplefilter("ignore", UserWarning)
             source = resolve_dataset_source(uri)
     except MlflowException:
-        return Dataset(name=name, digest=digest or "unknown", source_type="lineage",
+        return Dataset(name=name, digest=digest, source_type="lineage",
                        source=json.dumps({"uri": uri}), profile=profile)
     entity = MetaDataset(source=source, name=name, digest=digest)._to_mlflow_entity()
     entity._profile = profile

@@ -9,7 +9,7 @@ browser asks for the login once; the run page is opened in MLflow 3's model-trai
 (`workflowType=machine_learning`), not the GenAI view a fresh browser defaults to."""
 from __future__ import annotations
 
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 MLFLOW_WORKFLOW = "workflowType=machine_learning"
 
@@ -30,27 +30,62 @@ def mlflow_run_page(tracking_uri: str, experiment_id: str | None, run_id: str | 
     return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{MLFLOW_WORKFLOW}"
 
 
+# names of this machine's loopback interface: a UI printed as one is the same server as the other
+_LOOPBACK = {"localhost", "127.0.0.1", "::1", "0.0.0.0"}
+
+
+def prefect_ui_base() -> str | None:
+    """The Prefect UI this process's client names (PREFECT_UI_URL, else the API URL without /api):
+    the one base of every Prefect link Crucible prints, and of Prefect's own (its url_for reads the
+    same settings)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+
+    ui = PREFECT_UI_URL.value() or (PREFECT_API_URL.value() or "").removesuffix("/api")
+    return ui.rstrip("/") or None
+
+
+def _origin(url: str) -> tuple[str, str, int | None, str]:
+    """(scheme, host with loopback aliases folded, port, path) of a URL."""
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, "127.0.0.1" if host in _LOOPBACK else host, port, parts.path.rstrip("/")
+
 
 class PrefectLoginLinks:
     """A logging filter for Prefect's `prefect.flow_runs` logger: its "View at <UI>/runs/flow-run/<id>"
-    line (printed by `crucible run`) names the page through the UI's login route, like every other
-    link Crucible prints."""
+    line names the page through the UI's login route, like every other link Crucible prints. The UI
+    is `ui_base`, else prefect_ui_base() when the line is logged; a line naming it by another
+    loopback alias (localhost for 127.0.0.1) is the same UI."""
 
-    def __init__(self, ui_base: str):
-        self.ui_base = ui_base.rstrip("/")
+    def __init__(self, ui_base: str | None = None):
+        self.ui_base = ui_base
 
     def filter(self, record) -> bool:
         message = record.getMessage()
-        prefix = f"View at {self.ui_base}/"
-        if message.startswith(prefix) and "/login?" not in message:
-            record.msg, record.args = f"View at {prefect_page(self.ui_base, message[len(prefix):])}", ()
+        if not message.startswith("View at ") or "/login?" in message:
+            return True
+        url = message[len("View at "):].strip()
+        try:
+            base = self.ui_base or prefect_ui_base()
+            if not base or " " in url:
+                return True
+            scheme, host, port, path = _origin(url)
+            b_scheme, b_host, b_port, b_path = _origin(base)
+        except ValueError:  # a line that names no URL (e.g. a bad port) is left as it is, never raised
+            return True
+        if (scheme, host, port) == (b_scheme, b_host, b_port) and path.startswith(b_path + "/"):
+            # the login route on the origin the line names: a browser keeps the login per origin
+            origin = f"{scheme}://{urlsplit(url).netloc}"
+            record.msg, record.args = f"View at {prefect_page(origin + b_path, path[len(b_path):])}", ()
         return True
 
 
-def rewrite_prefect_log_links(ui_base: str | None) -> None:
-    """Install PrefectLoginLinks on Prefect's flow-run logger (a no-op without a UI or when installed)."""
+def rewrite_prefect_log_links(ui_base: str | None = None) -> None:
+    """Install PrefectLoginLinks on Prefect's flow-run logger, once (flows/__init__.py does, so every
+    flow entry point has it)."""
     import logging
 
     logger = logging.getLogger("prefect.flow_runs")
-    if ui_base and not any(isinstance(f, PrefectLoginLinks) for f in logger.filters):
+    if not any(isinstance(f, PrefectLoginLinks) for f in logger.filters):
         logger.addFilter(PrefectLoginLinks(ui_base))
