@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
@@ -493,31 +494,39 @@ def test_printed_links_open_in_a_fresh_browser_after_one_login(run, tmp_path):
     flow_name = httpx.get(f"{api}/flow_runs/{s['flow_run_id']}", headers=run["prefect_headers"], timeout=30).json()["name"]
     shots = artifacts_dir(tmp_path, "printed_links")
     browser = chromium(tmp_path / "chromium-profile")
+
+    @contextmanager
+    def step(name: str):
+        try:
+            yield
+        finally:  # passed or failed, the page as the step left it (a failing step's is the one that matters)
+            with suppress(Exception):  # a dead browser must not hide the step's own error
+                browser.save_screenshot(str(shots / f"{name}.png"))
+
     try:
         wait = WebDriverWait(browser, 120)  # a loaded 2-core machine renders slowly
         body = lambda: browser.find_element(By.TAG_NAME, "body").text  # noqa: E731
-        # Prefect: the link shows its UI's login form; with the auth string, the flow run's page
-        browser.get(flow_url)
-        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "input[type=password]")).send_keys(
-            login["prefect"]["auth_string"])
-        browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
-        wait.until(lambda d: d.current_url.endswith(f"/runs/flow-run/{s['flow_run_id']}") and flow_name in body())
-        browser.save_screenshot(str(shots / "prefect_flow_run.png"))
+        with step("prefect_flow_run"):  # the link shows Prefect's login form; with the auth string, the page
+            browser.get(flow_url)
+            wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "input[type=password]")).send_keys(
+                login["prefect"]["auth_string"])
+            browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+            wait.until(lambda d: d.current_url.endswith(f"/runs/flow-run/{s['flow_run_id']}") and flow_name in body())
         # MLflow answers with HTTP Basic: the browser's login dialog, which headless Chromium cannot
         # show; the user and password `crucible login` printed go in as the dialog would send them
         basic = base64.b64encode(f"{login['mlflow']['user']}:{login['mlflow']['password']}".encode()).decode()
         browser.execute_cdp_cmd("Network.enable", {})
         browser.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": {"Authorization": f"Basic {basic}"}})
-        browser.get(mlflow_url)
-        wait.until(lambda d: s["run_name"] in body() and s["mlflow"]["run_id"] in body())
-        assert "Evaluation runs" not in body()  # the model-training view, not the GenAI one
-        browser.save_screenshot(str(shots / "mlflow_pipeline_run.png"))
-        browser.get(train_url)  # the train run's page lists the datasets it read: the first, then "+N" more
-        wait.until(lambda d: s["stages"]["train"]["mlflow_run_id"] in body() and "tokens/index.json" in body())
-        browser.find_element(By.XPATH, "//*[normalize-space(text())='Datasets']/following::*"
-                                       "[starts-with(normalize-space(text()), '+')][1]").click()
-        wait.until(lambda d: "tokens/train.bin" in body() and "tokens/val.bin" in body())
-        browser.save_screenshot(str(shots / "mlflow_train_run.png"))
+        with step("mlflow_pipeline_run"):
+            browser.get(mlflow_url)
+            wait.until(lambda d: s["run_name"] in body() and s["mlflow"]["run_id"] in body())
+            assert "Evaluation runs" not in body()  # the model-training view, not the GenAI one
+        with step("mlflow_train_run"):  # the train run's page lists the datasets it read: the first, then "+N"
+            browser.get(train_url)
+            wait.until(lambda d: s["stages"]["train"]["mlflow_run_id"] in body() and "tokens/index.json" in body())
+            browser.find_element(By.XPATH, "//*[normalize-space(text())='Datasets']/following::*"
+                                           "[starts-with(normalize-space(text()), '+')][1]").click()
+            wait.until(lambda d: "tokens/train.bin" in body() and "tokens/val.bin" in body())
     finally:
         browser.quit()
     for name in ("prefect_flow_run.png", "mlflow_pipeline_run.png", "mlflow_train_run.png"):
