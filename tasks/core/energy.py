@@ -128,7 +128,7 @@ class ProcessTree:
         self.ray_keys: set[tuple[int, int]] = set()  # Ray workers that are not this tree's descendants
         self.own0 = self.own = self.reaped0 = self.reaped = 0.0
 
-    def _members(self) -> dict[tuple[int, int], tuple[float, int]]:
+    def members(self) -> dict[tuple[int, int], tuple[float, int]]:
         """(pid, start ticks) -> (CPU seconds, ppid) of every descendant of root (and Ray workers if asked)."""
         stats, children = {}, {}
         uid = os.getuid()
@@ -174,7 +174,7 @@ class ProcessTree:
         self.base = dict(self.last)
 
     def sample(self) -> None:
-        members = self._members()
+        members = self.members()
         self._times()
         self.live = set(members)
         for k, (cpu, ppid) in members.items():
