@@ -4,9 +4,9 @@ A corpus is generated from the real paragraphs of ../shared/data/text/gutenberg 
 each document is random passages (≥ 60 words of consecutive lines) up to ~3.6 KB; 10 % of the documents are near
 duplicates of an earlier one (3 % of the words replaced) and 2 % exact copies. It is written as
 ingested shards (Parquet, 500-row groups, like `tasks.ingest`) and run through the real
-`run_curate` in a fresh process per size, on local Ray. That process (the driver) samples its own
-RSS every 0.2 s and reports its peak (and `ru_maxrss`), the wall time, docs/s per core, the
-result bytes the jobs sent to the driver, and the dedup counts.
+`run_curate` in a fresh process per size, on local Ray. That process's (the driver's)
+RSS is sampled every 0.2 s (its peak is reported, with its own `ru_maxrss`), with the wall time,
+docs/s per core, the result bytes the jobs sent to the driver, and the dedup counts.
 
 `--filters dedup` (the default) keeps the text filters off so the run measures the dedup stages
 and the driver (the filters run inside the workers and add no driver state); `--filters all`
@@ -15,10 +15,11 @@ before issue 26, `git archive 0893e0b tasks | tar -x -C /tmp/old`) on the same c
 
     .venv/bin/python benchmarks/curate_scale.py --docs 20000 100000 [--code /tmp/old] [--out results.json]
 
-Each Ray worker's peak RSS is its kernel high-water mark (`VmHWM`), sampled every 0.2 s for the
-workers descended from the driver (other Ray sessions on the machine are not counted); the
-largest is reported. `memory_model` fits driver and worker peak RSS to a + b·docs over the
-measured sizes and extrapolates to 100 M documents (the formula is in the JSON).
+This process samples, every 0.2 s, the driver's RSS and each Ray worker's kernel high-water mark
+(`VmHWM`) for the workers descended from the driver (energy's process-tree walk: other Ray
+sessions on the machine are not counted); the largest worker peak is reported. `memory_model`
+states the figures at 100 M documents, each labelled measured or assumed, with what it excludes
+(the JSON's `memory_model`); `--refit-only results.json` recomputes it from stored runs.
 """
 from __future__ import annotations
 
@@ -29,60 +30,14 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
-import json, os, resource, sys, threading, time
+import json, resource, sys, time
 from pathlib import Path
-
-peak = [0]
-workers = {}  # pid of a Ray worker descended from this driver -> its VmHWM (peak RSS, kernel-tracked)
-def status(pid):
-    out = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                out[k] = v.split()
-    except OSError:
-        pass
-    return out
-def descendants():
-    # /proc/<pid>/stat field 4 is the parent: the driver's tree only (other Ray sessions may run on this machine)
-    parent = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    tree, grew = {os.getpid()}, True
-    while grew:
-        new = {p for p, pp in parent.items() if pp in tree and p not in tree}
-        tree |= new
-        grew = bool(new)
-    return tree - {os.getpid()}
-def sample():
-    while True:
-        st = status("self")
-        if "VmRSS" in st:
-            peak[0] = max(peak[0], int(st["VmRSS"][0]) * 1024)
-        for pid in descendants():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmd = f.read()
-            except OSError:
-                continue
-            # Ray's task / actor workers (their title is "ray::<task>" once they run one); not raylet, GCS, dashboard
-            if cmd.startswith(b"ray::") or b"default_worker.py" in cmd:
-                hwm = status(pid).get("VmHWM")
-                if hwm:
-                    workers[pid] = max(workers.get(pid, 0), int(hwm[0]) * 1024)
-        time.sleep(0.2)
-threading.Thread(target=sample, daemon=True).start()
 
 from tasks.config import PipelineConfig
 from tasks.curate import run_curate
@@ -91,14 +46,48 @@ cfg = PipelineConfig.model_validate(args["cfg"])
 t0 = time.perf_counter()
 s = run_curate(cfg, [Path(p) for p in args["shards"]], Path(args["out"]))
 wall = time.perf_counter() - t0
-time.sleep(0.5)  # one more sample of the workers (they outlive run_curate until ray.shutdown)
-print("RESULT " + json.dumps({"wall_s": round(wall, 2), "driver_peak_rss_bytes": peak[0],
-      "worker_peak_rss_bytes": max(workers.values(), default=0), "workers_seen": len(workers),
+time.sleep(0.5)  # one more sample of the workers by the parent (they outlive run_curate until ray.shutdown)
+print("RESULT " + json.dumps({"wall_s": round(wall, 2),
       "driver_ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
       "docs_in": s["docs_in"], "docs_out": s["docs_out"], "dropped": s["dropped"],
       "result_bytes": s.get("timings", {}).get("jobs", {}).get("result_bytes"),
       "timings": {k: v for k, v in s.get("timings", {}).items() if k != "jobs"}}))
 """
+
+
+def _status_bytes(pid: int, key: str) -> int | None:
+    """A /proc/<pid>/status memory field (VmRSS, VmHWM) in bytes; None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def watch(driver: int, stop, seen: dict) -> None:
+    """Every 0.2 s until `stop`: the driver's RSS and the VmHWM (kernel-tracked peak RSS) of each
+    Ray worker descended from it (energy's process-tree walk: other Ray sessions are not counted)."""
+    from tasks.core.energy import ProcessTree
+
+    tree, workers = ProcessTree(root=driver), seen.setdefault("workers", {})
+    while not stop.is_set():
+        rss = _status_bytes(driver, "VmRSS")
+        seen["driver"] = max(seen.get("driver", 0), rss or 0)
+        for pid, _start in tree.members():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            # Ray's task / actor workers (titled "ray::<task>" once they run one); not raylet, GCS, dashboard
+            if cmd.startswith(b"ray::") or b"default_worker.py" in cmd:
+                hwm = _status_bytes(pid, "VmHWM")
+                if hwm:
+                    workers[pid] = max(workers.get(pid, 0), hwm)
+        stop.wait(0.2)
 
 
 def paragraphs(words: int = 60) -> list[str]:
@@ -172,8 +161,13 @@ def main() -> None:
     ap.add_argument("--cpus", type=int, default=2)
     ap.add_argument("--code", default=str(ROOT), help="the checkout whose `tasks` runs (default: this one)")
     ap.add_argument("--out", help="write the results here (JSON)")
+    ap.add_argument("--refit-only", metavar="JSON",
+                    help="recompute the memory model of stored results from their runs (nothing is run)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    if args.refit_only:
+        print(json.dumps(refit(Path(args.refit_only)), indent=1))
+        return
     from tasks.core.documents import ShardWriter
 
     results = []
@@ -184,12 +178,22 @@ def main() -> None:
             payload = {"cfg": config(args.filters, args.cpus), "shards": [str(p) for p in w.paths],
                        "out": str(Path(d) / "out")}
             env = {**os.environ, "PYTHONPATH": args.code}
-            proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(payload)], cwd=args.code, env=env,
-                                  capture_output=True, text=True)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            proc = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(payload)], cwd=args.code, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            # sampled from here, with this checkout's code: `--code` may be one without tasks.core.energy
+            stop, seen = threading.Event(), {}
+            sampler = threading.Thread(target=watch, args=(proc.pid, stop, seen), daemon=True)
+            sampler.start()
+            stdout, stderr = proc.communicate()
+            stop.set()
+            sampler.join()
+            line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
-                sys.exit(f"run with {n} docs failed:\n{proc.stderr[-4000:]}")
-            res = {"docs": n, "filters": args.filters, "code": args.code, **json.loads(line[7:])}
+                sys.exit(f"run with {n} docs failed:\n{stderr[-4000:]}")
+            res = {"docs": n, "filters": args.filters, "code": args.code, **json.loads(line[7:]),
+                   "driver_peak_rss_bytes": seen.get("driver", 0),
+                   "worker_peak_rss_bytes": max(seen["workers"].values(), default=0),
+                   "workers_seen": len(seen["workers"])}
             res["docs_per_s_per_core"] = round(n / res["wall_s"] / args.cpus, 1)
             print(json.dumps(res), flush=True)
             results.append(res)
@@ -217,34 +221,100 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def slope_t(xs: list[float], ys: list[float], a: float, b: float) -> float | None:
+    """The slope's t statistic (b over its standard error); None with fewer than 3 points (no
+    residual degree of freedom: a line through 2 points fits any noise exactly)."""
+    n = len(xs)
+    if n < 3:
+        return None
+    mx = sum(xs) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    rss = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys))
+    se = (rss / (n - 2) / sxx) ** 0.5 if sxx else 0.0
+    return b / se if se else float("inf")
+
+
 def memory_model(runs: list[dict]) -> dict:
-    """Driver and worker peak RSS as a + b·docs, fitted to the measured runs, and what the line
-    gives at 100 M documents. The driver's b should be ~0 (nothing per document on it); a worker's
-    is bounded in the stage by its block (`tasks.dedup.stages.BLOCK_DOCS` documents a block task)
-    and partition sizes, so beyond one block the worker line is the model's upper bound, not a
-    prediction: at sizes below one block every block task reads the whole corpus."""
+    """Driver and worker peak RSS at 100 M documents, each figure labelled `measured` or `assumed`.
+
+    Measured: each run's peaks and the result bytes the map jobs sent to the driver. The straight
+    line a + b·docs through the runs is reported as a fit only, with whether its slope is
+    significant: through two points it has no error estimate, and a few MB between runs is what a
+    Python / Ray process's RSS varies by from run to run (allocator arenas, threads, imports). The
+    stated extrapolation of the driver is byte-accounted instead: its largest measured peak plus the
+    measured result bytes per document times the documents."""
+    from tasks.config import MinHashConfig
     from tasks.dedup.stages import BLOCK_DOCS
 
-    xs = [float(r["docs"]) for r in runs]
-    out: dict = {"target_docs": TARGET_DOCS, "fitted_on_docs": [r["docs"] for r in runs], "block_docs": BLOCK_DOCS}
+    docs = [r["docs"] for r in runs]
+    xs = [float(d) for d in docs]
+    biggest = max(runs, key=lambda r: r["docs"])
+    ray_min = MinHashConfig().ray_min_docs  # the runs' config leaves it at its default
+    out: dict = {
+        "target_docs": TARGET_DOCS, "measured_docs": docs, "block_docs": BLOCK_DOCS,
+        "basis": f"{len(runs)} measured runs ({', '.join(f'{d:,}' for d in docs)} documents), the largest "
+                 f"{TARGET_DOCS // max(docs):,}x below the target"
+                 + (f" and below block_docs ({BLOCK_DOCS:,}) and minhash.ray_min_docs ({ray_min:,}): the runs "
+                    f"took the local MinHash clustering path (one task); at the target the partitioned path "
+                    f"(spill, connected components, survivors per partition) runs, which they did not exercise"
+                    if max(docs) < min(BLOCK_DOCS, ray_min) else ""),
+        "excluded": [
+            "the index actor (continued pretraining: it holds the run's additions to the MinHash index "
+            "until save, growing with the run's kept documents); these runs open no index",
+            "the partitioned MinHash path's survivors tasks and the report's merge task (their memory "
+            "follows the clustered documents per partition and the drops, not block_docs); not run at "
+            "these sizes",
+            "the dedup stages' own returns to the driver (per-block and per-partition counters, the "
+            "report): result_bytes counts the map jobs' results only; they grow with blocks "
+            f"({TARGET_DOCS // BLOCK_DOCS:,} at the target) and partitions, not per document",
+        ]}
     for name, key in (("driver", "driver_peak_rss_bytes"), ("worker", "worker_peak_rss_bytes")):
-        a, b = _fit(xs, [float(r[key]) for r in runs])
-        capped = TARGET_DOCS if name == "driver" else min(TARGET_DOCS, BLOCK_DOCS)
-        out[name] = {"formula": f"{name}_peak_rss_bytes = {a:.4g} + {b:.4g} * "
-                                f"{'docs' if name == 'driver' else 'min(docs, block_docs)'}",
-                     "intercept_bytes": round(a), "bytes_per_doc": round(b, 3),
-                     "at_target_bytes": round(a + b * capped),
-                     "linear_at_target_bytes": round(a + b * TARGET_DOCS)}
-    # what the driver receives per document (the jobs' results: counters and paths), measured: the
-    # driver's state that grows with the corpus, next to the fitted slope (an RSS difference of a
-    # few MB between small runs is allocator noise as much as state)
+        ys = [float(r[key]) for r in runs]
+        a, b = _fit(xs, ys)
+        t = slope_t(xs, ys, a, b)
+        spread = max(ys) - min(ys)
+        # |t| > 4.3: the two-sided 5 % level at 2 degrees of freedom, conservative for more
+        why = (f"{len(runs)} points: a line through them fits any noise exactly, so the slope has no error "
+               f"estimate; the {spread / 1e6:.1f} MB ({spread / min(ys):.1%}) between the runs is of the size a "
+               f"Python / Ray process's RSS varies by from run to run, and cannot be told from 0"
+               if t is None else f"slope / standard error = {t:.2f} over {len(runs)} points")
+        out[name] = {
+            "measured_peak_rss_bytes": {str(r["docs"]): r[key] for r in runs},
+            "fit": {"formula": f"{name}_peak_rss_bytes = {a:.4g} + {b:.4g} * docs", "intercept_bytes": round(a),
+                    "bytes_per_doc": round(b, 3), "points": len(runs),
+                    "significant": t is not None and abs(t) > 4.3, "why": why}}
+    # the stated driver figure: what the driver receives per document, measured, on the largest measured peak
     if all(r.get("result_bytes") for r in runs):
         rb = max(r["result_bytes"] / r["docs"] for r in runs)
-        a = out["driver"]["intercept_bytes"]
-        out["driver"]["result_bytes_per_doc"] = round(rb, 3)
-        out["driver"]["results_formula"] = f"driver_peak_rss_bytes = {a:.4g} + {rb:.3g} * docs"
-        out["driver"]["results_at_target_bytes"] = round(a + rb * TARGET_DOCS)
+        base = biggest["driver_peak_rss_bytes"]
+        out["driver"]["extrapolation"] = {
+            "formula": f"driver_peak_rss_bytes = {base:.4g} + {rb:.3g} * docs",
+            "at_target_bytes": round(base + rb * TARGET_DOCS),
+            "measured": f"base = the driver's peak RSS at {biggest['docs']:,} documents; {rb:.3g} = the "
+                        f"largest result bytes per document the map jobs sent it (counters and paths)",
+            "assumed": "nothing else on the driver grows with the documents (the stage keeps every "
+                       "per-document list in files; checked only up to the measured sizes) and the "
+                       "results are held at once (an upper bound where they are released per job); "
+                       "their Python objects' size over the serialized bytes is not measured"}
+    w = out["worker"]["fit"]
+    out["worker"]["extrapolation"] = {
+        "formula": f"worker_peak_rss_bytes = {w['intercept_bytes']:.4g} + {w['bytes_per_doc']:.4g} * "
+                   f"min(docs, block_docs)",
+        "at_target_bytes": round(w["intercept_bytes"] + w["bytes_per_doc"] * min(TARGET_DOCS, BLOCK_DOCS)),
+        "assumed": "an assumed bound, not a measurement: by design a block task reads block_docs "
+                   "documents' dedup columns at most, so the worker line stops at block_docs; the slope "
+                   f"is the fit's ({'significant' if w['significant'] else 'not significant'}) and "
+                   + ("no run reached block_docs" if max(docs) < BLOCK_DOCS else "runs reached block_docs")}
     return out
+
+
+def refit(path: Path) -> dict:
+    """The stored results at `path` with their memory model computed again from the stored runs
+    (no run is repeated)."""
+    data = json.loads(path.read_text())
+    data["memory_model"] = memory_model(data["runs"])
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return data["memory_model"]
 
 
 if __name__ == "__main__":
