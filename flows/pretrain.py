@@ -29,7 +29,7 @@ from prefect import flow
 from flows.cli import run_flow_cli
 from flows.run_context import RunContext, new_run_name, open_run, pretrain_scope
 from flows.stage_task import flow_lineage, run_stage_task
-from flows.triggered_runs import collect_deployment, collect_evaluation
+from flows.triggered_runs import collect_deployment, collect_evaluation, flow_run_started, wait_deadline
 from flows.triggers import triggers_active
 from infra.settings import CrucibleConfig
 from tasks.config import PipelineConfig
@@ -73,11 +73,15 @@ def evaluate(cfg: PipelineConfig, run: RunContext, checkpoints: list[str], token
              train_run_id: str | None = None) -> list[EvalResult]:
     with flow_lineage(cfg, run):
         # with the stack's triggered flows on, each checkpoint's evaluate-checkpoint run evaluated it:
-        # its report, once that run completed, is the stage's input (flows/triggered_runs.py)
+        # its report, once that run completed, is the stage's input (flows/triggered_runs.py). All are
+        # collected first, within one stack.triggered_timeout for the subflow, then the stage tasks run
+        triggered = [None] * len(checkpoints)
+        if run.triggered:
+            deadline, since = wait_deadline(cfg), flow_run_started(run.root_run_id)
+            triggered = [collect_evaluation(cfg, run, c, deadline, since) for c in checkpoints]
         return [run_stage_task("evaluate", cfg, run, StageInputs(
             checkpoint=c, tokenizer=tokenizer, tokens_index=tokens_index, train_run_id=train_run_id,
-            triggered=collect_evaluation(cfg, run, c) if run.triggered else None))
-            for c in checkpoints]
+            triggered=t)) for c, t in zip(checkpoints, triggered)]
 
 
 @flow(name="deploy")
@@ -87,7 +91,8 @@ def deploy(cfg: PipelineConfig, run: RunContext, evaluations: list[EvalResult], 
         best = min(evaluations, key=lambda e: e.val_loss)
         return run_stage_task("deploy", cfg, run, StageInputs(
             evaluation=best.data, tokenizer=tokenizer, train_run_id=train_run_id,
-            triggered=collect_deployment(cfg, run, best.data) if run.triggered else None))
+            triggered=collect_deployment(cfg, run, best.data, flow_run_started(run.root_run_id))
+            if run.triggered else None))
 
 
 @flow(name=PRETRAIN_FLOW)

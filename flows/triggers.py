@@ -42,7 +42,8 @@ With the stack up (`crucible run`, or a run of the pretrain deployment), the pre
 evaluation and deployment to these flows (triggers_active), waits on their flow runs through
 Prefect's client and hands what they recorded to its evaluate and deploy stage tasks
 (flows/triggered_runs.py). Without it (plain `python -m flows.pretrain`) none of this runs: those
-stage tasks evaluate and deploy the checkpoints themselves.
+stage tasks evaluate and deploy the checkpoints themselves. A flow run that starts after the pretrain
+flow stopped waiting for it and does the work itself (its takeover marker) does nothing and ends CANCELLED.
 """
 from __future__ import annotations
 
@@ -311,6 +312,20 @@ def retried(evaluate, stack_cfg):
         backoff_factor=stack_cfg.eval_retry_backoff)(stack_cfg.eval_retries))
 
 
+def _held_off(deployment: str, checkpoint: str):
+    """A CANCELLED state when the pretrain flow run of this checkpoint's run does this flow's work
+    itself (its takeover marker, flows/triggered_runs.py: it stopped waiting for this run), before
+    any of the work is done; None: do it."""
+    from prefect.states import Cancelled
+
+    from flows.triggered_runs import taken_over
+
+    if why := taken_over(deployment, checkpoint):
+        get_run_logger().warning("not running %s for %s: %s", deployment, checkpoint, why)
+        return Cancelled(message=f"taken over: {why}")
+    return None
+
+
 @flow(name=EVAL_FLOW, log_prints=True)
 def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run_name: str | None = None,
                              run_id: str | None = None) -> dict:
@@ -323,6 +338,8 @@ def evaluate_checkpoint_flow(checkpoint: str, step: str | int | None = None, run
     from tasks.deploy.yardstick import gate_at_evaluation
 
     run_id, run_name = _none(run_id), _none(run_name)
+    if (held := _held_off(EVAL_FLOW, checkpoint)) is not None:
+        return held
     paths = trusted_run_paths(checkpoint)  # nothing, lineage included, is written for an untrusted claim
     run_name = run_name or Path(paths["run_dir"]).name
     cfg = _load_cfg(paths)
@@ -368,6 +385,8 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
     from tasks.deploy.triggered import ForgedClaim, evaluation_claim_problem, write_deploy_record
 
     run_id, run_name = _none(run_id), _none(run_name)
+    if (held := _held_off(DEPLOY_FLOW, checkpoint)) is not None:
+        return held
     paths = trusted_run_paths(checkpoint)  # nothing, lineage included, is written for an untrusted claim
     cfg = _load_cfg(paths)
     recorded = RunLayout(paths["run_dir"]).triggered_eval_report(paths["checkpoint"])  # not the event's path

@@ -189,35 +189,69 @@ def test_checkpoint_table_and_triggered_handover_files(tmp_path):
     assert got["gate"] == {"passed": False, "reason": "val_loss too high"}
     assert checkpoint_rows(run_dir)[0]["gate"] == "failed: val_loss too high"
 
+    # the deploy stage deploys a best checkpoint itself when the pretrain flow evaluated it (its triggered
+    # evaluation failed or was taken over) and it passed its gate: no deploy-model run was triggered for it
+    from flows.triggered_runs import deploys_itself
+    from tasks.deploy.triggered import EVALUATED_BY
+
+    passed = {"checkpoint": str(ckpt), "gate": {"passed": True, "reason": "no champion yet"}}
+    assert deploys_itself(passed, []) and deploys_itself(passed, [str(ckpt.with_name("step-000020"))])
+    assert not deploys_itself({**passed, "evaluated_by": EVALUATED_BY}, [str(ckpt)])  # its deploy-model run's
+    assert not deploys_itself({**passed, "gate": {"passed": False, "reason": "worse"}}, [])
+    assert not deploys_itself(passed, [str(ckpt)])  # its triggered evaluation passed too: deploy-model deployed it
+
 
 @pytest.mark.e2e
 def test_the_pretrain_flow_waits_on_triggered_flow_runs_through_prefect(tmp_path, monkeypatch):
     """The pretrain flow's wait (flows/triggered_runs.py), against a real temporary Prefect server:
-    a checkpoint's flow run is found by deployment and `checkpoint` parameter and waited on until it
-    is final (a run completing during the wait is taken); FAILED gives nothing to take; one still
-    running at the timeout is cancelled, so the stage that then does the work never races it."""
+    a checkpoint's flow run is found by deployment, `checkpoint` parameter and a start after the
+    pretrain flow run's (an earlier attempt's is not taken), and waited on until it is final (a run
+    completing during the wait is taken); FAILED gives nothing to take; one still running at the
+    timeout is cancelled (never forced: a COMPLETED run stays so) and read until it is CANCELLED, so
+    that the stage that then does the work never races it; a run started after the pretrain flow took
+    over (its takeover marker) does nothing."""
+    import asyncio
     import contextvars
+    import logging
     import threading
+    from datetime import timedelta
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
-    from prefect.states import Completed, Failed, Running
+    from prefect.states import Cancelled, Completed, Failed, Running
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.triggered_runs import completed_flow_run
-    from tasks.core.constants import EVAL_FLOW
+    from flows import triggered_runs
+    from flows.run_context import RunContext
+    from flows.triggered_runs import collect_deployment, completed_flow_run, taken_over
+    from flows.triggers import evaluate_checkpoint_flow
+    from tasks.core.constants import DEPLOY_FLOW, EVAL_FLOW
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
-    ckpt = {name: tmp_path / "runs" / "r" / "train" / "checkpoints" / name for name in ("done", "late", "failed", "stuck")}
+    monkeypatch.setattr(triggered_runs, "POLL", 0.5)
+    monkeypatch.setattr(triggered_runs, "CANCEL_GRACE", 60.0)
+    names = ("stale", "done", "late", "failed", "stuck", "hung")
+    ckpt = {name: tmp_path / "runs" / "r" / "train" / "checkpoints" / name for name in names}
     with prefect_test_harness(server_startup_timeout=180), get_client(sync_client=True) as client:
         deployment = client.create_deployment(client.create_flow_from_name(EVAL_FLOW), EVAL_FLOW)
-        runs = {name: client.create_flow_run_from_deployment(deployment, parameters={"checkpoint": str(path)})
-                for name, path in ckpt.items()}
-        for name, final in (("done", Completed()), ("late", None), ("failed", Failed()), ("stuck", None)):
+        pretrain = client.create_flow_run_from_deployment(
+            client.create_deployment(client.create_flow_from_name("pretrain"), "pretrain"), parameters={})
+        client.set_flow_run_state(pretrain.id, Running(), force=True)
+        runs = {}
+        for name in names:  # "stale": an earlier attempt's, before this pretrain flow run started
+            runs[name] = client.create_flow_run_from_deployment(deployment, parameters={"checkpoint": str(ckpt[name])})
+            if name == "stale":
+                since = client.read_flow_run(runs[name].id).expected_start_time + timedelta(milliseconds=1)
+                time.sleep(0.01)
+        for name, final in (("stale", Completed()), ("done", Completed()), ("late", None), ("failed", Failed()),
+                            ("stuck", None), ("hung", None)):
             client.set_flow_run_state(runs[name].id, Running(), force=True)
             if final:
                 client.set_flow_run_state(runs[name].id, final, force=True)
-        assert completed_flow_run(EVAL_FLOW, ckpt["done"], 30).id == runs["done"].id
+        owner = str(pretrain.id)
+        assert completed_flow_run(EVAL_FLOW, ckpt["done"], 30, since, owner).id == runs["done"].id
+        assert completed_flow_run(EVAL_FLOW, ckpt["stale"], 3, since, owner) is None  # not this attempt's
+        assert completed_flow_run(EVAL_FLOW, ckpt["stale"], 3).id == runs["stale"].id  # what `since` filters out
         def complete_late():
             with get_client(sync_client=True) as other:
                 other.set_flow_run_state(runs["late"].id, Completed(), force=True)
@@ -226,14 +260,67 @@ def test_the_pretrain_flow_waits_on_triggered_flow_runs_through_prefect(tmp_path
         finish = threading.Timer(3, contextvars.copy_context().run, args=(complete_late,))
         finish.start()
         try:
-            assert completed_flow_run(EVAL_FLOW, ckpt["late"], 120).id == runs["late"].id
+            assert completed_flow_run(EVAL_FLOW, ckpt["late"], 120, since, owner).id == runs["late"].id
         finally:
             finish.join()
-        assert completed_flow_run(EVAL_FLOW, ckpt["failed"], 30) is None
-        assert completed_flow_run(EVAL_FLOW, tmp_path / "never-saved", 3) is None  # no run appears
-        assert completed_flow_run(EVAL_FLOW, ckpt["stuck"], 3) is None
-        assert client.read_flow_run(runs["stuck"].id).state.type in (StateType.CANCELLING, StateType.CANCELLED)
+        assert completed_flow_run(EVAL_FLOW, ckpt["failed"], 30, since, owner) is None
+
+        # no run appears: the takeover marker holds off the one the automation creates later
+        never = tmp_path / "runs" / "r" / "train" / "checkpoints" / "never-saved"
+        assert completed_flow_run(EVAL_FLOW, never, 3, since, owner) is None
+        assert owner in taken_over(EVAL_FLOW, str(never))
+        assert evaluate_checkpoint_flow(checkpoint=str(never), return_state=True).is_cancelled()
+
+        # cancelling is not forced: a run that has just COMPLETED is left so, and taken
+        async def cancel(run_id):
+            async with get_client() as c:
+                return await triggered_runs._cancel(c, await c.read_flow_run(run_id), EVAL_FLOW, "test")
+        assert asyncio.run(cancel(runs["done"].id)).state.is_completed()
+        assert client.read_flow_run(runs["done"].id).state.type == StateType.COMPLETED
+
+        # a run still going at the timeout is cancelled and read until it is CANCELLED (as its worker
+        # ends it once it sees CANCELLING), before the stage does the work
+        def worker_cancels():
+            with get_client(sync_client=True) as other:
+                deadline = time.monotonic() + 60
+                while other.read_flow_run(runs["stuck"].id).state.type != StateType.CANCELLING:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+                time.sleep(2)
+                other.set_flow_run_state(runs["stuck"].id, Cancelled(), force=True)
+
+        worker = threading.Thread(target=contextvars.copy_context().run, args=(worker_cancels,))
+        worker.start()
+        try:
+            assert completed_flow_run(EVAL_FLOW, ckpt["stuck"], 3, since, owner) is None
+            assert client.read_flow_run(runs["stuck"].id).state.type == StateType.CANCELLED  # waited for it
+        finally:
+            worker.join()
+        # one that is not CANCELLED within the grace period: logged as an error
+        monkeypatch.setattr(triggered_runs, "CANCEL_GRACE", 2.0)
+        caplog = []
+        handler = logging.Handler()
+        handler.emit = caplog.append
+        triggered_runs.log.addHandler(handler)
+        try:
+            assert completed_flow_run(EVAL_FLOW, ckpt["hung"], 1, since, owner) is None
+        finally:
+            triggered_runs.log.removeHandler(handler)
+        assert any(r.levelno == logging.ERROR and "still CANCELLING" in r.getMessage() for r in caplog)
         assert client.read_flow_run(runs["failed"].id).state.type == StateType.FAILED  # a final run is left alone
+
+        # the deploy stage deploys a best checkpoint the pretrain flow evaluated itself (passing) and
+        # holds off a deploy-model run of it
+        from lm_helpers import tiny_cfg
+
+        run_dir = tmp_path / "runs" / "r"
+        run = RunContext(run_name="r", run_dir=str(run_dir), lineage_log=str(run_dir / "lineage.jsonl"),
+                         tracking_uri="", experiment="r", mlflow_parent_run_id="", root_run_id=owner, triggered=True)
+        best = {"checkpoint": str(ckpt["done"]), "gate": {"passed": True, "reason": "no champion yet"}}
+        assert collect_deployment(tiny_cfg(stack={"triggered_timeout": 3}), run, best, since) is None
+        assert owner in taken_over(DEPLOY_FLOW, str(ckpt["done"]))
+        client.set_flow_run_state(pretrain.id, Completed(), force=True)
+        assert taken_over(DEPLOY_FLOW, str(ckpt["done"])) is None  # a finished flow run's marker holds nothing
 
 
 def _make_run(base: Path, root: Path, store: str) -> tuple[Path, list[Path]]:
