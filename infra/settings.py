@@ -33,7 +33,8 @@ class StackConfig(Section):
     # a failed event-triggered evaluation is retried this often, with exponential backoff (seconds)
     eval_retries: int = Field(default=2, ge=0)
     eval_retry_backoff: float = Field(default=10.0, gt=0)
-    # how long the pretrain flow waits on a triggered flow run before cancelling it and doing the work itself
+    # how long the pretrain flow's evaluate (or deploy) subflow waits on its triggered flow runs, all of them
+    # together, before cancelling those not final and doing their work itself (flows/triggered_runs.py)
     triggered_timeout: float = Field(default=1800.0, gt=0)
     # Ray: "local" (each run starts its own in-process Ray) or "cluster" (`crucible up --ray`): a
     # head (`ray start --head`, ray_head_cpus CPUs, GCS on ray_port) plus ray_workers worker nodes
