@@ -17,6 +17,7 @@ from typing import Iterator
 
 from pydantic import BaseModel
 
+from flows import prefect_ui_base
 from tasks.config import PipelineConfig
 from tasks.core.constants import LINEAGE_URL_ENV
 from tasks.core.energy import read_log, run_energy
@@ -28,7 +29,7 @@ from tasks.lineage.emitter import lineage_page, model_version_node
 from tasks.lineage.facets import CrucibleLinksRunFacet
 from tasks.registry import FLOW_DOCS
 from tasks.tracking import Tracker
-from tasks.tracking.links import mlflow_run_page, prefect_page, prefect_ui_base
+from tasks.tracking.links import mlflow_run_page, prefect_page
 
 log = logging.getLogger("crucible.lineage")
 

@@ -83,12 +83,12 @@ def test_prefect_view_at_line_is_rewritten_for_every_flow_entry_point():
 
     from prefect.settings import PREFECT_UI_URL, temporary_settings
 
-    import flows  # noqa: F401 - the import installs the filter
+    import flows  # the import installs the filter
     from tasks.tracking.links import PrefectLoginLinks
 
     logger = logging.getLogger("prefect.flow_runs")
     installed = [f for f in logger.filters if isinstance(f, PrefectLoginLinks)]
-    assert len(installed) == 1 and installed[0].ui_base is None
+    assert len(installed) == 1 and installed[0].ui_base is flows.prefect_ui_base
 
     def shown(message: str) -> str:
         record = logger.makeRecord(logger.name, logging.INFO, __file__, 1, message, (), None)

@@ -9,6 +9,7 @@ browser asks for the login once; the run page is opened in MLflow 3's model-trai
 (`workflowType=machine_learning`), not the GenAI view a fresh browser defaults to."""
 from __future__ import annotations
 
+from typing import Callable
 from urllib.parse import quote, urlsplit
 
 MLFLOW_WORKFLOW = "workflowType=machine_learning"
@@ -34,16 +35,6 @@ def mlflow_run_page(tracking_uri: str, experiment_id: str | None, run_id: str | 
 _LOOPBACK = {"localhost", "127.0.0.1", "::1", "0.0.0.0"}
 
 
-def prefect_ui_base() -> str | None:
-    """The Prefect UI this process's client names (PREFECT_UI_URL, else the API URL without /api):
-    the one base of every Prefect link Crucible prints, and of Prefect's own (its url_for reads the
-    same settings)."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
-
-    ui = PREFECT_UI_URL.value() or (PREFECT_API_URL.value() or "").removesuffix("/api")
-    return ui.rstrip("/") or None
-
-
 def _origin(url: str) -> tuple[str, str, int | None, str]:
     """(scheme, host with loopback aliases folded, port, path) of a URL."""
     parts = urlsplit(url)
@@ -55,10 +46,11 @@ def _origin(url: str) -> tuple[str, str, int | None, str]:
 class PrefectLoginLinks:
     """A logging filter for Prefect's `prefect.flow_runs` logger: its "View at <UI>/runs/flow-run/<id>"
     line names the page through the UI's login route, like every other link Crucible prints. The UI
-    is `ui_base`, else prefect_ui_base() when the line is logged; a line naming it by another
-    loopback alias (localhost for 127.0.0.1) is the same UI."""
+    is `ui_base`, or what the function `ui_base` returns when the line is logged (flows/__init__.py
+    passes its prefect_ui_base); a line naming it by another loopback alias (localhost for
+    127.0.0.1) is the same UI."""
 
-    def __init__(self, ui_base: str | None = None):
+    def __init__(self, ui_base: str | Callable[[], str | None]):
         self.ui_base = ui_base
 
     def filter(self, record) -> bool:
@@ -67,7 +59,7 @@ class PrefectLoginLinks:
             return True
         url = message[len("View at "):].strip()
         try:
-            base = self.ui_base or prefect_ui_base()
+            base = self.ui_base() if callable(self.ui_base) else self.ui_base
             if not base or " " in url:
                 return True
             scheme, host, port, path = _origin(url)
@@ -81,11 +73,11 @@ class PrefectLoginLinks:
         return True
 
 
-def rewrite_prefect_log_links(ui_base: str | None = None) -> None:
+def rewrite_prefect_log_links(ui_base: str | Callable[[], str | None]) -> None:
     """Install PrefectLoginLinks on Prefect's flow-run logger, once (flows/__init__.py does, so every
     flow entry point has it)."""
     import logging
 
     logger = logging.getLogger("prefect.flow_runs")
-    if not any(isinstance(f, PrefectLoginLinks) for f in logger.filters):
+    if ui_base and not any(isinstance(f, PrefectLoginLinks) for f in logger.filters):
         logger.addFilter(PrefectLoginLinks(ui_base))
