@@ -391,6 +391,76 @@ def _node_json(nid: str, data: bytes, in_edges: list, out_edges: list) -> bytes:
                      data, b',"inEdges":', dumps_bytes(in_edges), b',"outEdges":', dumps_bytes(out_edges), b"}"))
 
 
+def _node_data(walk: Walk, order: LineageOrder, nid: str, ds_encoded: dict, jobs: dict) -> Any:
+    """A page node's Marquez `data` with Crucible's walk facts under data.crucible."""
+    node_type, key = order.kinds[nid]
+    if node_type == "DATASET":
+        info = walk.datasets[key]
+        crucible = {"hop": info["hop"], "sides": sorted(info["sides"]),
+                    "versions": sorted(info["versions"])[:LISTED], "versionCount": len(info["versions"]),
+                    "via": order.via[nid]}
+        obj = ds_encoded.get(key)
+        return _closed_with(obj, "crucible", crucible) if obj is not None else {
+            "id": {"namespace": key[0], "name": key[1]}, "name": key[1], "namespace": key[0], "facets": {},
+            "crucible": crucible}
+    info = walk.jobs[key]
+    data = jobs.get(key) or {"id": {"namespace": key[0], "name": key[1]}, "name": key[1],
+                             "namespace": key[0], "facets": {}}
+    data["crucible"] = {"hop": info["hop"], "sides": sorted(info["sides"]),
+                        "runs": sorted(info["runs"])[:LISTED], "runCount": len(info["runs"]), "via": order.via[nid]}
+    return data
+
+
+def _page_edges(order: LineageOrder, page_ids: list[str], neighbours: dict) -> tuple[dict, list]:
+    """(inEdges, outEdges) per page node for the edges within the page, and the edges to earlier
+    pages' nodes; each edge is listed by its later end only, so no page repeats another's."""
+    in_page = set(page_ids)
+    nodes: dict[str, tuple[list, list]] = {nid: ([], []) for nid in page_ids}
+    earlier = []
+    for nid in page_ids:
+        mine = order.index[nid]
+        for other, edge in neighbours[nid]:
+            if order.index[other] > mine:
+                continue  # the later node lists it
+            if other in in_page:
+                e = {"origin": edge[0], "destination": edge[1]}
+                nodes[edge[0]][1].append(e)
+                nodes[edge[1]][0].append(e)
+            else:
+                earlier.append({"origin": edge[0], "destination": edge[1]})
+    return nodes, earlier
+
+
+def _page_groups(order: LineageOrder, page_ids: list[str], end: int, neighbours: dict,
+                 cursor_for: Callable[[int], str] | None) -> list[dict]:
+    """One group per (page node, direction) whose children in the order come after the page."""
+    groups: dict[tuple[str, str], dict] = {}
+    seen: dict[tuple[str, str], set] = {}
+    index, via = order.index, order.via
+    for nid in page_ids:
+        for other, _ in neighbours[nid]:
+            at = index[other]
+            if at < end or via[other] != nid:
+                continue
+            direction = "downstream" if (nid, other) in order.outgoing else "upstream"
+            g = groups.get((nid, direction))
+            if g is None:
+                g = groups[(nid, direction)] = {"id": f"group:{direction}:{nid}", "parent": nid,
+                                                "direction": direction, "count": 0, "types": {}, "offset": at}
+                seen[(nid, direction)] = set()
+            if other in seen[(nid, direction)]:  # two edges between the same nodes (a job read and wrote it)
+                continue
+            seen[(nid, direction)].add(other)
+            g["count"] += 1
+            t = order.kinds[other][0]
+            g["types"][t] = g["types"].get(t, 0) + 1
+            g["offset"] = min(g["offset"], at)
+    for g in groups.values():
+        g["types"] = dict(sorted(g["types"].items()))
+        g["cursor"] = cursor_for(g["offset"]) if cursor_for else None
+    return list(groups.values())
+
+
 def graph_page(store: LineageStore, walk: Walk, encoded: EncodedDatasets | None = None, *, offset: int = 0,
                limit: int = DEFAULT_LIMIT, fanout: int = DEFAULT_FANOUT, max_bytes: int = DEFAULT_MAX_BYTES,
                order: LineageOrder | None = None, cursor_for: Callable[[int], str] | None = None) -> bytes:
@@ -419,25 +489,8 @@ def graph_page(store: LineageStore, walk: Walk, encoded: EncodedDatasets | None 
     data_of: dict[str, Any] = {}
     used, end = 0, offset
     for nid in candidates:
-        node_type, key = order.kinds[nid]
-        if node_type == "DATASET":
-            info = walk.datasets[key]
-            crucible = {"hop": info["hop"], "sides": sorted(info["sides"]),
-                        "versions": sorted(info["versions"])[:LISTED], "versionCount": len(info["versions"]),
-                        "via": order.via[nid]}
-            obj = ds_encoded.get(key)
-            data = _closed_with(obj, "crucible", crucible) if obj is not None else {
-                "id": {"namespace": key[0], "name": key[1]}, "name": key[1], "namespace": key[0], "facets": {},
-                "crucible": crucible}
-        else:
-            info = walk.jobs[key]
-            data = jobs.get(key) or {"id": {"namespace": key[0], "name": key[1]}, "name": key[1],
-                                     "namespace": key[0], "facets": {}}
-            data["crucible"] = {"hop": info["hop"], "sides": sorted(info["sides"]),
-                                "runs": sorted(info["runs"])[:LISTED], "runCount": len(info["runs"]),
-                                "via": order.via[nid]}
         # the node, its edges to nodes placed before it (in this page: listed on both ends), its group
-        data = dumps_bytes(data)
+        data = dumps_bytes(_node_data(walk, order, nid, ds_encoded, jobs))
         size = len(data) + len(nid) + 200
         mine = order.index[nid]
         for other, _ in neighbours[nid]:
@@ -449,51 +502,15 @@ def graph_page(store: LineageStore, walk: Walk, encoded: EncodedDatasets | None 
         data_of[nid] = data
         end += 1
     page_ids = order.ids[offset:end]
-    in_page = set(page_ids)
-    nodes = {nid: ([], []) for nid in page_ids}  # (inEdges, outEdges)
-    earlier = []
-    for nid in page_ids:
-        mine = order.index[nid]
-        for other, edge in neighbours[nid]:
-            if order.index[other] > mine:
-                continue  # the later node lists it
-            if other in in_page:
-                e = {"origin": edge[0], "destination": edge[1]}
-                nodes[edge[0]][1].append(e)
-                nodes[edge[1]][0].append(e)
-            else:
-                earlier.append({"origin": edge[0], "destination": edge[1]})
-    groups: dict[tuple[str, str], dict] = {}
-    index, via = order.index, order.via
-    for nid in page_ids:
-        for other, _ in neighbours[nid]:
-            at = index[other]
-            if at >= end and via[other] == nid:
-                direction = "downstream" if (nid, other) in order.outgoing else "upstream"
-                g = groups.get((nid, direction))
-                if g is None:
-                    g = groups[(nid, direction)] = {"id": f"group:{direction}:{nid}", "parent": nid,
-                                                    "direction": direction, "count": 0, "types": {}, "offset": at,
-                                                    "_seen": set()}
-                if other in g["_seen"]:  # two edges between the same nodes (a job read and wrote it)
-                    continue
-                g["_seen"].add(other)
-                g["count"] += 1
-                t = order.kinds[other][0]
-                g["types"][t] = g["types"].get(t, 0) + 1
-                if at < g["offset"]:
-                    g["offset"] = at
+    nodes, earlier = _page_edges(order, page_ids, neighbours)
+    groups = _page_groups(order, page_ids, end, neighbours, cursor_for)
     next_offset = end if end < len(order.ids) else None
-    for g in groups.values():
-        del g["_seen"]
-        g["types"] = dict(sorted(g["types"].items()))
-        g["cursor"] = cursor_for(g["offset"]) if cursor_for else None
     parts = [_node_json(nid, data_of[nid], *nodes[nid]) for nid in page_ids]
     page = {"offset": offset, "nodes": len(page_ids), "totalNodes": len(order.ids), "nextOffset": next_offset,
             "nextCursor": cursor_for(next_offset) if cursor_for and next_offset is not None else None,
             "limit": limit, "fanout": fanout, "maxBytes": max_bytes, "truncated": walk.truncated,
             "earlierEdges": earlier}
-    body = b"".join((b'{"graph":[', b",".join(parts), b'],"groups":', dumps_bytes(list(groups.values())),
+    body = b"".join((b'{"graph":[', b",".join(parts), b'],"groups":', dumps_bytes(groups),
                      b',"page":', dumps_bytes(page), b"}"))
     if len(body) > max_bytes and len(page_ids) > 1:  # the estimate fell short: cut the page further
         return graph_page(store, walk, encoded, offset=offset, limit=max(1, len(page_ids) * 3 // 4), fanout=fanout,
