@@ -518,3 +518,32 @@ def test_default_graph_answer_stays_under_2mb_and_names_what_it_left_out(tmp_pat
         assert group["count"] == group["types"]["DATASET"] == 702 - len(answer["graph"])
         small = c.get("/api/v1/lineage", params={"nodeId": "dataset:file:/raw", "maxBytes": 100_000})
         assert len(small.content) <= 100_000 and 1 < small.json()["page"]["nodes"] < 25
+
+
+def test_ingesting_process_keeps_the_walk_index_current(sample, tmp_path):
+    """A store that ingests a batch adds its run_io rows to the walks' index itself (no read-back
+    by the next walk), unless another process wrote in between; either way walks agree with a
+    store that reads the whole database afresh."""
+    _, log, (_, second) = sample
+    events = read_events(log)
+    db = tmp_path / "l.db"
+    mine, other = LineageStore(db), LineageStore(db)
+    half = len(events) // 2
+    mine.ingest_batch(events[:half // 2])
+    top = lambda: mine.query("SELECT max(id) FROM events")[0][0]  # noqa: E731
+    assert mine._io_index.loaded and mine._io_index.seen == top()  # advanced by the ingest, before any walk
+    other.ingest_batch(events[half // 2:half])  # another process: mine's index is now behind
+    mine.ingest_batch(events[half:])
+    assert mine._io_index.seen < top()  # not advanced past the other's writes: left to the next walk
+    model = split_node_id(second.model_version_node)[0]
+    for direction in ("upstream", "downstream", "both"):
+        walk, fresh = mine.walk(model, 20, direction), LineageStore(db).walk(model, 20, direction)
+        assert (walk.edges, walk.jobs, walk.datasets) == (fresh.edges, fresh.jobs, fresh.datasets)
+    assert mine._io_index.seen == top()
+    raw = split_node_id(second.file_node(second.raw_files[0]))[0]
+    again = LineageStore(db)
+    again.ingest_batch(events)  # all duplicates: nothing to add
+    assert again._io_index.seen == 0 and not again._io_index.loaded
+    again.warm()
+    assert again._io_index.loaded and again._io_index.seen == top()
+    assert again.walk(raw, 20, "downstream").edges == mine.walk(raw, 20, "downstream").edges

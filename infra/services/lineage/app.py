@@ -121,6 +121,7 @@ def create_app(db_path: str | Path, *, prefect_ui_url: str | None = None, mlflow
     write_token: what a POST must send (None: writes refused); read_token: what API reads must send
     (None: public reads; the write token also reads)."""
     store = LineageStore(db_path)
+    store.warm()  # the walks' run_io index, read here rather than by the first graph query
     links = Links(prefect_ui_url=prefect_ui_url, mlflow_ui_url=mlflow_ui_url)
     app = FastAPI(title="Crucible lineage", version="1.0",
                   description="OpenLineage store with a Marquez-compatible API and provenance reports.")

@@ -368,6 +368,7 @@ class _IoIndex:
 
     def __init__(self) -> None:
         self.seen = 0  # the highest event id the index reflects
+        self.loaded = False  # run_io read in (seen 0 may mean an empty store or nothing read yet)
         # direction -> dataset key -> run id -> (version, job key); direction -> run id -> key -> version
         self.by_dataset: dict[str, dict[tuple, dict[str, tuple]]] = {"in": {}, "out": {}}
         self.by_run: dict[str, dict[str, dict[tuple, str]]] = {"in": {}, "out": {}}
@@ -530,6 +531,7 @@ class LineageStore:
             conn = self._conn()
             conn.execute("BEGIN IMMEDIATE")
             try:
+                before = conn.execute("SELECT max(id) FROM events").fetchone()[0] or 0
                 seen = set(self._existing(conn, "events", ("run_id", "event_type", "event_time"),
                                           list({(p.key_run, p.event_type, p.time) for p in parsed})))
                 new = []
@@ -543,17 +545,37 @@ class LineageStore:
                     " payload) VALUES (?, ?, ?, ?, ?, ?, ?)",
                     [(p.key_run, p.event_type, p.time, p.job_namespace, p.job_name, received, _dumps(p.raw))
                      for p in new])
-                if new:
-                    self._derive(conn, sorted(new, key=lambda p: p.time))
+                io_rows = self._derive(conn, sorted(new, key=lambda p: p.time)) if new else []
+                after = conn.execute("SELECT max(id) FROM events").fetchone()[0] or 0
                 conn.execute("COMMIT")
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
             if new:
                 self._namespaces = None
+                self._io_index_advance(before, after, io_rows)
         return {"received": len(parsed), "ingested": len(new), "duplicates": len(parsed) - len(new)}
 
-    def _derive(self, conn: sqlite3.Connection, events: list[_Parsed]) -> None:
+    def _io_index_advance(self, before: int, after: int, io_rows: list[tuple]) -> None:
+        """Bring the run_io index along with a batch this process just committed (events `before`
+        < id <= `after`), so the first walk after ingestion finds it current instead of reading
+        the new runs back (or, in a fresh process, all of run_io: ~1 s at 100,000 events). Only
+        when the index was current up to the batch: another process's writes in between leave it
+        to _io_index_current."""
+        with self._io_index_lock:
+            index = self._io_index
+            if index.seen == before and (before == 0 or index.loaded):
+                index.load(io_rows, ())  # run_io rows are only ever added or replaced, key by key
+                index.seen, index.loaded = after, True
+
+    def warm(self) -> None:
+        """Load the run_io index now (a server's start) rather than in the first graph query."""
+        with self._io_index_lock:
+            self._io_index_current()
+
+    def _derive(self, conn: sqlite3.Connection, events: list[_Parsed]) -> list[tuple]:
+        """Write the rows the events change; returns the run_io rows written, as _IoIndex.load
+        takes them."""
         namespaces: dict[str, list[str]] = {}
         jobs: dict[tuple, dict] = {}
         runs: dict[str, dict] = {}
@@ -632,7 +654,7 @@ class LineageStore:
         self._write_runs(conn, runs)
         self._write_datasets(conn, datasets)
         self._write_versions(conn, versions)
-        self._write_io(conn, io)
+        return self._write_io(conn, io)
 
     def _existing(self, conn: sqlite3.Connection, table: str, key_cols: tuple[str, ...],
                   keys: list[tuple]) -> dict[tuple, sqlite3.Row]:
@@ -724,7 +746,7 @@ class LineageStore:
             rows.append((*key, _dumps(v["facets"]), v["created"], v["updated"], v["run"]))
         conn.executemany("INSERT OR REPLACE INTO dataset_versions VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
 
-    def _write_io(self, conn, io: dict[tuple, dict]) -> None:
+    def _write_io(self, conn, io: dict[tuple, dict]) -> list[tuple]:
         old = self._existing(conn, "run_io", ("run_id", "direction", "namespace", "name"), list(io))
         rows = []
         for key, e in io.items():
@@ -736,6 +758,7 @@ class LineageStore:
                 e["time"] = max(e["time"], o["event_time"])
             rows.append((*key, e["version"], *e["job"], _dumps(e["facets"]), e["time"]))
         conn.executemany("INSERT OR REPLACE INTO run_io VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+        return [row[:7] for row in rows]  # run_id, direction, namespace, name, version, job_namespace, job_name
 
     # -- node ids ------------------------------------------------------------------------------
 
@@ -837,6 +860,7 @@ class LineageStore:
                                                f" ({', '.join('?' * len(chunk))})", chunk).fetchall()
                     index.load(rows, runs)
                 index.seen = top
+            index.loaded = True
         finally:
             conn.execute("COMMIT")
         return index
