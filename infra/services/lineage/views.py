@@ -302,6 +302,7 @@ class LineageOrder:
     via: dict[str, str | None]
     kinds: dict[str, tuple[str, tuple[str, str]]]  # node id -> (type, key)
     outgoing: set[tuple[str, str]]  # the walk's edges (origin, destination)
+    edges_of: dict[str, list[tuple[str, tuple[str, str]]]]  # node id -> (neighbour, edge) per edge of it
 
     @classmethod
     def of(cls, walk: Walk, fanout: int) -> "LineageOrder":
@@ -318,7 +319,11 @@ class LineageOrder:
                 if "start" in sides or "upstream" in sides:
                     against.add(nid)
         away: dict[str, list[str]] = {nid: [] for nid in kinds}
-        for a, b in walk.edges:
+        edges_of: dict[str, list[tuple[str, tuple[str, str]]]] = {nid: [] for nid in kinds}
+        for edge in walk.edges:
+            a, b = edge
+            edges_of[a].append((b, edge))
+            edges_of[b].append((a, edge))
             if a in along:
                 away[a].append(b)
             if b in against:
@@ -341,18 +346,13 @@ class LineageOrder:
                 level.extend((n, nid) for n in fresh[:fanout])
                 later.extend((n, nid) for n in fresh[fanout:])
             level, later = later, deque()
-        return cls(ids, index, via, kinds, walk.edges)
+        return cls(ids, index, via, kinds, walk.edges, edges_of)
 
     def incident(self, nodes: set[str]) -> dict[str, list[tuple[str, tuple[str, str]]]]:
-        """(neighbour, edge) per edge of each of `nodes` (a page's: one pass over the edges)."""
-        out: dict[str, list[tuple[str, tuple[str, str]]]] = {nid: [] for nid in nodes}
-        for edge in self.outgoing:
-            a, b = edge
-            if a in out:
-                out[a].append((b, edge))
-            if b in out:
-                out[b].append((a, edge))
-        return out
+        """(neighbour, edge) per edge of each of `nodes`: held per node since the order was made,
+        so a page costs its own nodes' edges, not a pass over the walk's (~0.4-0.7 s per page for a
+        raw file's 53,000-node walk at 100,000 events)."""
+        return {nid: self.edges_of[nid] for nid in nodes}
 
 
 class WalkOrders:
