@@ -547,3 +547,37 @@ def test_ingesting_process_keeps_the_walk_index_current(sample, tmp_path):
     again.warm()
     assert again._io_index.loaded and again._io_index.seen == top()
     assert again.walk(raw, 20, "downstream").edges == mine.walk(raw, 20, "downstream").edges
+
+
+def test_replay_reads_ahead_while_the_server_stores_a_batch():
+    """replay's batches come from a reader thread that runs ahead of the POSTs, in order; a read
+    error is raised at its place; leaving early stops the reader."""
+    import threading
+    import time
+
+    from tasks.lineage.replay import _prefetched
+
+    produced = []
+
+    def items():
+        for i in range(5):
+            produced.append(i)
+            yield i
+        raise ValueError("a bad line")
+
+    it = _prefetched(items(), depth=2)
+    assert next(it) == 0
+    deadline = time.monotonic() + 10
+    while len(produced) < 3 and time.monotonic() < deadline:  # read ahead with nobody asking
+        time.sleep(0.01)
+    assert len(produced) >= 3
+    got = []
+    with pytest.raises(ValueError, match="a bad line"):
+        for i in it:
+            got.append(i)
+    assert got == [1, 2, 3, 4]
+
+    endless = _prefetched(iter(int, 1))  # never ends
+    assert next(endless) == 0
+    endless.close()
+    assert not any(t.name == "replay-reader" for t in threading.enumerate())
