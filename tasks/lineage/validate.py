@@ -21,6 +21,7 @@ from tasks.lineage.facets import CUSTOM_FACET_SCHEMA_BASE, FACET_SCHEMA_DIR
 
 SPEC_URL = "https://openlineage.io/spec/"
 EVENT_SCHEMA = SPEC_URL + "2-0-2/OpenLineage.json"
+_DEFAULT_SPEC_DIR = str(DEFAULT_DATA_ROOT / "openlineage-spec")  # made once: the service validates every event
 
 
 @lru_cache(maxsize=4)
@@ -99,7 +100,7 @@ def event_errors(event: dict, spec_dir: str | Path | None = None) -> list[str]:
     """Schema errors for one event (empty list when valid). Checked first by compiled validators
     (jsonschema_rs: the lineage service validates every event it stores); an event they refuse is
     checked again by jsonschema, whose messages name the failing fields."""
-    spec_dir = str(spec_dir or DEFAULT_DATA_ROOT / "openlineage-spec")
+    spec_dir = str(spec_dir) if spec_dir else _DEFAULT_SPEC_DIR
     if _fast_valid(event, spec_dir):
         return []
     errors = [f"event {e.json_path}: {e.message}" for e in _validator(spec_dir, EVENT_SCHEMA).iter_errors(event)]
