@@ -16,8 +16,8 @@ MixedPrecisionPolicy, or DDP + autocast; torch.compile per block), AdamW from
 build_optimizer, gradient accumulation to the config's global batch, grad clipping, optimizer step.
 Batches are uniform random token ids: the data loader is not part of the GPU's work, and throughput
 does not depend on the token values. Warm-up steps (compilation, allocator) are not timed; the
-figure is the median timed step. MFU = flops_per_token (6N + 12·L·H·Q·T, torchtitan's count, as
-the worker logs it) x tokens/s per GPU / peak FLOP/s per GPU, the peak from `train.peak_flops_per_s`
+figure is the median timed step. MFU = flops_per_token (6N + 12·L·H·Q·T, torchtitan's count, N the active matmul parameters
+(MoE: top_k of n_experts routed), as the worker logs it) x tokens/s per GPU / peak FLOP/s per GPU, the peak from `train.peak_flops_per_s`
 or else the config's planner table (`plan.gpus[--gpu]`).
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ def run(cfg, args, device_type: str) -> dict:
         G, accum = dims.global_batch(tcfg, gcfg.seq_len)
         torch.manual_seed(tcfg.seed)
         model = GPT(gcfg).to(device)
-        n_params, n_matmul = model.num_params(), model.num_matmul_params()
+        n_params, n_matmul, n_active = model.num_params(), model.num_matmul_params(), model.num_active_params()
         wrapped = parallelize_model(model, dims, mesh, tcfg, device)
         optimizer = build_optimizer(model, tcfg)
         gen = torch.Generator(device=device).manual_seed(tcfg.seed + rank)
@@ -119,7 +119,7 @@ def run(cfg, args, device_type: str) -> dict:
         median = statistics.median(timed)
         tokens_per_step = G * T
         tps = tokens_per_step / median
-        fpt = flops_per_token(n_matmul, gcfg.n_layer, gcfg.n_head, gcfg.head_dim, T)
+        fpt = flops_per_token(n_active, gcfg.n_layer, gcfg.n_head, gcfg.head_dim, T)
         peak, peak_source = peak_flops(cfg, args.gpu)
         result = {
             "device": torch.cuda.get_device_name(device) if device_type == "cuda" else platform.processor() or "cpu",
@@ -127,7 +127,7 @@ def run(cfg, args, device_type: str) -> dict:
             "settings": {"parallelism": tcfg.parallelism, "dtype": tcfg.dtype, "compile": tcfg.compile,
                          "micro_batch_size": B, "grad_accum_steps": accum, "global_batch_sequences": G,
                          "seq_len": T, "tokens_per_step": tokens_per_step},
-            "model": {**gcfg.to_dict(), "params": n_params, "matmul_params": n_matmul},
+            "model": {**gcfg.to_dict(), "params": n_params, "matmul_params": n_matmul, "active_params": n_active},
             "flops_per_token": fpt,
             "peak_flops_per_gpu": peak, "peak_source": peak_source,
             "warmup_steps": args.warmup, "first_step_s": round(warm[0], 3) if warm else None,
