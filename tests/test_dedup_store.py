@@ -3,8 +3,8 @@ auth on) and the stack's 2-node Ray cluster (a 0-CPU head, where this driver run
 workers): the MinHash clustering (with the exact-Jaccard verifier reading the part files) and the
 line counting take their Ray path and give the in-process result, while their spill files go from
 task to task through the bucket (never the driver's working copy; deleted at the end) and the
-worker nodes read their inputs from the store into caches of their own; a shuffle's job on the
-driver's node writes through the store too. `index_dir` as an s3://
+worker nodes read their inputs on the store directly (ranged GETs, no copies staged on the node);
+spill files written to a store prefix read back as the local ones. `index_dir` as an s3://
 URI: the index is written to the bucket, and a second run on another machine (a fresh working
 copy) reads it back and drops the duplicates; a bucket that does not exist fails naming the
 setting. The bucket keeps versions, so the spill objects written and deleted stay visible."""
@@ -14,10 +14,12 @@ import gzip
 import json
 import os
 import random
-import shutil
+import re
 import tempfile
 import time
 import uuid
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -105,21 +107,35 @@ def _written_and_deleted(s3, prefix: str) -> set[str]:
     return written
 
 
-def _staged_on_workers(rel: str) -> dict[str, list[Path]]:
-    """Per node (cache folder) other than this driver's: the files it staged in under the run_root
-    key `rel`; the caches are removed."""
-    from tasks.core.ray_utils import current_node_id
+@contextmanager
+def _object_reads():
+    """The keys of the objects read (GET) from the moto server while the body runs, with their
+    count: its request log (the worker nodes' requests reach this process's server)."""
+    import logging
 
+    got: Counter = Counter()
+
+    class Reads(logging.Handler):
+        def emit(self, record):
+            m = re.search(r'"(?:\x1b\[[0-9;]*m)*GET /runs/([^ ?]+)', record.getMessage())  # colours: a 206
+            if m:
+                got[m.group(1)] += 1
+
+    logger, handler = logging.getLogger("werkzeug"), Reads()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield got
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _nothing_staged() -> None:
+    """No node kept a copy of a run file: the tasks read the store directly."""
     base = Path(tempfile.gettempdir()) / "crucible-stage"
-    driver = storage.node_root(current_node_id()).name
-    found = {}
-    for node in base.glob("*"):
-        files = [p for p in node.glob(f"in/*/{rel}/*") if not p.name.endswith(".crucible-store-version")]
-        if files:
-            found[node.name] = files
-            shutil.rmtree(node, ignore_errors=True)
-    assert driver not in found, "a task ran staged on the driver's node, whose head has no CPUs"
-    return found
+    assert not [p for p in base.glob("*/in/*/run-*/**/*") if p.is_file()], "a task staged its inputs into a node cache"
 
 
 def test_minhash_clustering_on_two_nodes_spills_through_the_store(s3, run_store, cluster):
@@ -137,8 +153,9 @@ def test_minhash_clustering_on_two_nodes_spills_through_the_store(s3, run_store,
     # the part files the verifier reads: written on this node, in the working copy only
     files = write_docs([{"id": str(i), "text": t} for i, t in enumerate(corpus)], parts_dir, shard_docs=15, prefix="part")
     texts = ParquetTexts(files, [15, 15, len(corpus) - 30])
-    got, stats = cluster_signatures(sigs, 14, 8, method="ray", work_dir=parts_dir, partitions=3,
-                                    verify=JaccardVerifier(texts, 0.8), representative_threshold=0.7)
+    with _object_reads() as reads:
+        got, stats = cluster_signatures(sigs, 14, 8, method="ray", work_dir=parts_dir, partitions=3,
+                                        verify=JaccardVerifier(texts, 0.8), representative_threshold=0.7)
     assert got == local
     assert stats["candidate_pairs"] > 0 and stats["representative_check"]["pairs_checked"] > 0
     # every partition's spill files went through the bucket and were deleted there; none were in
@@ -148,10 +165,13 @@ def test_minhash_clustering_on_two_nodes_spills_through_the_store(s3, run_store,
     assert not (parts_dir / "_lsh").exists()
     recorded = {k for p in (run_store.local_root / ".crucible-store").glob("*.json") for k in json.loads(p.read_text())}
     assert not [k for k in recorded if "/_lsh/" in k]
-    # the worker nodes read the part files from the store (the driver pushed them first)
+    # the worker nodes read the part files on the store (the driver pushed them first) and the
+    # spill files there: every partition's, and no copy was staged on a node
     assert {f"crucible/{run}/curate/_parts/{f.name}" for f in files} <= set(s3.keys("runs", f"crucible/{run}/"))
-    staged = _staged_on_workers(f"{run}/curate/_parts")
-    assert staged and all({p.name for p in fs} <= {f.name for f in files} for fs in staged.values()), staged
+    read = {k.split(f"crucible/{run}/curate/_parts/", 1)[-1] for k in reads}
+    assert {f.name for f in files} & read, read
+    assert {k.split("/")[1] for k in read if k.startswith("_lsh/")} == {"p-00000", "p-00001", "p-00002"}, read
+    _nothing_staged()
     print(f"\nMinHash clustering through the store: {time.monotonic() - t0:.1f}s, {stats}")
 
 
@@ -172,47 +192,42 @@ def _line_counts_locally_and_on_ray(run_store, n_texts: int, shard_docs: int, pa
 
 def test_line_counts_on_two_nodes_spill_through_the_store(s3, run_store, cluster):
     t0 = time.monotonic()
-    run, shards, local, on_ray = _line_counts_locally_and_on_ray(run_store, 60, 20, 3)
+    with _object_reads() as reads:
+        run, shards, local, on_ray = _line_counts_locally_and_on_ray(run_store, 60, 20, 3)
     work = run_store.local_root / run / "curate" / "_parts"
     assert len(local.hashes) >= 2 and np.array_equal(on_ray.hashes, local.hashes)
     assert on_ray.stats["line_rows"] == local.stats["line_rows"] and on_ray.stats["spill_tasks"] == 3
     spilled = _written_and_deleted(s3, f"crucible/{run}/curate/_parts/_lines/")
     assert {k.split("/")[0] for k in spilled} == {"p-00000", "p-00001", "p-00002"}, spilled
     assert not (work / "_lines").exists()
-    staged = _staged_on_workers(f"{run}/ingest")  # the input shards, read from the store
-    assert sorted({p.name for fs in staged.values() for p in fs}) == sorted(p.name for p in shards)
+    # every input shard was read on the store by the tasks (ranged GETs), none staged on a node
+    assert {f"crucible/{run}/ingest/{p.name}" for p in shards} <= set(reads), sorted(reads)
+    _nothing_staged()
     print(f"\nline counts through the store: {time.monotonic() - t0:.1f}s")
 
 
-def test_a_shuffle_job_on_the_driver_node_goes_through_the_store_too(s3, run_store, tmp_path):
-    """On the driver's node a shuffle's job reads its working-copy inputs in place but writes its
-    spill files to the store (a job of the next phase may run on another node), and a partition
-    is read back from the store; the same pairs as without a store."""
-    from tasks.core.storage import InputDir, Staging, node_root
-    from tasks.dedup.cluster import partition_pairs, spill_shard
+def test_spill_files_on_a_store_prefix_read_back_as_the_local_ones(s3, run_store, tmp_path):
+    """A shuffle's spill written to a prefix on the store (each file one PUT) and a partition read
+    back from there give the pairs of a local spill; dropping the spill deletes the prefix."""
+    from tasks.dedup.cluster import drop_spill, partition_pairs, spill_shard
 
     corpus = _near_copies(_texts(20), 20, seed=3)
     sigs = np.stack(MinHasher(seed=1).signatures(corpus))
     run = f"run-{uuid.uuid4().hex[:8]}"
-    source = run_store.local_root / run / "sigs.npy"
-    source.parent.mkdir(parents=True)
+    source = tmp_path / "sigs.npy"
     np.save(source, sigs)
-    staging, node = Staging((run_store,), "driver"), "driver"
-    spill = run_store.local_root / run / "_lsh"
-    try:
-        rows, written = staging.run(spill_shard, (str(source), 0, 14, 8, 2, str(spill), 0), node, shuffle=True)
-        assert rows == 14 * len(corpus) and not spill.exists()
-        assert sorted(k for _, k in written) == [f"{run}/_lsh/p-0000{p}/s-000000.parquet" for p in (0, 1)]
-        assert not list(node_root(node).rglob("sigs.npy"))  # the input was read in place, not staged
-        on_store = [staging.run(partition_pairs, (InputDir(spill / f"p-{p:05d}"),), node, shuffle=True)[0]
-                    for p in (0, 1)]
-    finally:
-        shutil.rmtree(node_root(node), ignore_errors=True)
+    s3.client.put_object(Bucket="runs", Key=f"crucible/{run}/sigs.npy", Body=source.read_bytes())
+    spill = run_store.uri(f"{run}/_lsh")
+    rows = spill_shard(run_store.uri(f"{run}/sigs.npy"), 0, 14, 8, 2, spill, 0, run_store.options)
+    assert rows == 14 * len(corpus) and not (run_store.local_root / run).exists()  # nothing in the working copy
+    assert sorted(s3.keys("runs", f"crucible/{run}/_lsh/")) == [f"crucible/{run}/_lsh/p-0000{p}/s-000000.parquet"
+                                                               for p in (0, 1)]
+    on_store = [partition_pairs(f"{spill}/p-{p:05d}", run_store.options) for p in (0, 1)]
     spill_shard(str(source), 0, 14, 8, 2, str(tmp_path / "lsh"), 0)
     local = [partition_pairs(str(tmp_path / "lsh" / f"p-{p:05d}")) for p in (0, 1)]
     assert sum(len(p) for p in local) > 0
     assert all(np.array_equal(a, b) for a, b in zip(on_store, local))
-    staging.discard(spill)
+    drop_spill(spill, run_store.options)
     assert not s3.keys("runs", f"crucible/{run}/_lsh/")
 
 

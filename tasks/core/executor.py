@@ -22,8 +22,8 @@ comes back with the id of the node that ran it and the seconds its body took the
 (compute in the jobs vs the map's wall time on its workers, and the bytes of results moved).
 
 Ray tasks outside a JobRunner (the dedup shuffles, `tasks.dedup.cluster` and `tasks.dedup.lines`)
-are made by `staged_remote`: with a remote run_root their files go through the store like a job's;
-`shuffle_staging` prepares a shuffle's spill folder and inputs.
+read and write the store directly where their nodes do not share the driver's disk
+(`task_location`, `for_any_node`).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 from tasks.config import RayConfig
 from tasks.core.ray_utils import cluster_cpus, current_node_id, init_ray, tasks_per_node
 from tasks.core.resume import MANIFEST, JobStore, remove_temp_files, verify_manifest, write_manifest
-from tasks.core.storage import Staging, node_root, pull_outputs
+from tasks.core.storage import Staging, map_paths, node_root, pull_outputs, store_of_path
 
 
 def start_ray(cfg: RayConfig | None) -> int:
@@ -138,41 +138,52 @@ def _node_reporting_class(cls: type, staging: Staging | None) -> type:
     return NodeReporting
 
 
-def staged_remote(fn: Callable, staging: Staging | None, shuffle: bool = False, **options):
-    """`fn` as a Ray remote function (`options`: ray.remote's) returning fn's own result; for jobs
-    outside a JobRunner, whose writes are not pulled into the working copy. With `staging` (a
-    remote run_root) its files go through the store (`Staging.run`; a `shuffle`'s jobs on the
-    driver's node too). Without, it is `ray.remote(fn)` itself."""
-    import ray
-
-    if staging is None:
-        return ray.remote(**options)(fn)
-
-    def run(*args):
-        return staging.run(fn, args, current_node_id(), shuffle)[0]
-
-    run.__name__ = run.__qualname__ = getattr(fn, "__name__", "job")
-    return ray.remote(**options)(run)
-
-
-def shuffle_staging(spill_dir: Path, inputs: Any) -> Staging | None:
-    """The staging of a shuffle whose jobs read `inputs` (`tasks.core.storage.map_paths`' values)
-    and spill under `spill_dir`: None when `spill_dir` is in no store's working copy (the jobs use
-    the paths themselves). Else the spill files go from job to job through the store (never the
-    driver's working copy; read back as `InputDir`s, deleted with `Staging.discard`), so the
-    store's leftovers of a shuffle that died there are deleted first, and the input files this
-    driver's node wrote are pushed. On a Ray of the driver's node alone every job shares its disk,
-    so the spill stays there (deleted by the shuffle, never pushed); the nodes are counted when the
-    shuffle starts."""
+def task_location(path: str | Path) -> tuple[Path | str, dict | None]:
+    """(where a Ray task on any node reads or writes `path`, the fsspec options to do it with):
+    the path itself when every task shares this driver's disk (a local run_root, or a Ray of this
+    node alone), else, for a path in a remote run_root's working copy, its object URI on the store
+    and the store's options (their "${ENV}" references resolved by the task, in its own
+    environment). Spill files between the phases of a shuffle go there directly, as datatrove's
+    steps pass files on a DataFolder."""
     from tasks.core.ray_utils import only_this_node
 
-    staging = Staging.for_driver(str(spill_dir))
-    if staging is not None and only_this_node():
-        return None
-    if staging is not None:
-        staging.discard(spill_dir)
-        staging.push_inputs(inputs)
-    return staging
+    store = store_of_path(path)
+    if store is None or only_this_node():
+        return Path(path), None
+    return store.uri(store.rel(path)), store.options
+
+
+def for_any_node(obj: Any) -> tuple[Any, dict | None]:
+    """(`obj` as a Ray task on any node reads it, the store's options): `task_location` applied to
+    every path `map_paths` finds in `obj` (lists, dicts, a text verifier's part files); the
+    folders of working-copy files named are pushed first, so their objects are there to read."""
+    from tasks.core.ray_utils import only_this_node
+
+    if only_this_node():
+        return obj, None
+    stores: dict[str, Any] = {}
+    folders: set[str] = set()
+
+    def note(p):
+        if (store := store_of_path(p)) is not None:
+            stores[store.root] = store
+            folders.add(str(Path(p).parent))
+        return p
+
+    map_paths(obj, note)
+    if not stores:
+        return obj, None
+    if len(stores) > 1:
+        raise ValueError(f"a task's inputs lie in several stores ({', '.join(stores)}): it has one set of options")
+    store = next(iter(stores.values()))
+    for folder in sorted(folders):
+        store.push(folder)
+
+    def to_uri(p):
+        rel = store.rel(p)
+        return p if rel is None else store.uri(rel)
+
+    return map_paths(obj, to_uri, store.options), store.options
 
 
 def _lost_worker_errors() -> tuple[type, ...]:

@@ -26,8 +26,8 @@ s3:// needs the optional extra `s3` (s3fs); without it `S3ExtraMissing` says so.
 
 Paths under run_root, local or on a store, share one access layer (the rest of this module): a
 location is a local `Path` or, on a store, a URI string (`location` turns a command-line or config
-value into one), and `join`, `name_of`, `parent_of`, `is_file`, `read_text`, `write_text`, `remove`,
-`files`, `sha256`, `remove_tree`, `download`, `download_file` and `upload` take either, so code that
+value into one), and `join`, `name_of`, `parent_of`, `is_file`, `read_text`, `write_text`, `read_bytes`,
+`write_bytes`, `remove`, `files`, `sha256`, `remove_tree`, `download`, `download_file` and `upload` take either, so code that
 reads and writes run files (training's checkpoints, the triggered flows) is written once, as
 datatrove's DataFolder is one fsspec wrapper for local and remote folders. On a store they use the
 fsspec file system of `storage.options` with fresh listings: other ranks, nodes and machines write
@@ -41,6 +41,7 @@ import hashlib
 import io
 import os
 import re
+import shutil
 import threading
 import uuid
 from pathlib import Path, PurePosixPath
@@ -48,6 +49,7 @@ from typing import Any
 
 from tasks.config import ENV_REF
 from tasks.core.hashing import sha256_file
+from tasks.core.io import atomic_write_bytes
 
 _URL = re.compile(r"^([a-z][a-z0-9+.\-]*)://")
 _CHUNK = 1 << 20
@@ -334,11 +336,27 @@ def sha256(loc: Path | str, options: dict | None = None) -> str:
     return h.hexdigest()
 
 
-def remove_tree(uri: str, options: dict | None = None) -> None:
-    """Delete every object under the prefix `uri`."""
-    keys = [join(uri, rel) for rel in files(uri, options)]
+def remove_tree(loc: Path | str, options: dict | None = None) -> None:
+    """Delete the directory `loc` (on a store: every object under the prefix); none is fine."""
+    if not is_remote(loc):
+        shutil.rmtree(loc, ignore_errors=True)
+        return
+    keys = [join(loc, rel) for rel in files(loc, options)]
     if keys:
-        store_fs(uri, options).rm(keys)
+        store_fs(loc, options).rm(keys)
+
+
+def read_bytes(loc: Path | str, options: dict | None = None) -> bytes:
+    return store_fs(loc, options).cat_file(loc) if is_remote(loc) else Path(loc).read_bytes()
+
+
+def write_bytes(loc: Path | str, data: bytes, options: dict | None = None) -> None:
+    """A file whole or not at all: on a store one PUT (the object appears complete), locally a
+    temporary file renamed into place (its directory made)."""
+    if is_remote(loc):
+        store_fs(loc, options).pipe_file(loc, data)
+    else:
+        atomic_write_bytes(loc, data, fsync=False)
 
 
 def download(uri: str, dest: Path, options: dict | None = None) -> Path:

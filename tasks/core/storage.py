@@ -17,7 +17,9 @@ Ray workers on other nodes never read the driver's disk: `Staging` maps a job's 
 in the working copy to the node's own cache, downloading each input file from the store (once per
 node and ETag), runs the job in a job directory of its own, uploads what the job wrote to the store,
 and hands the driver the keys, which the driver pulls into its working copy before merging. A job on
-the driver's own node (local Ray) uses the working copy directly.
+the driver's own node (local Ray) uses the working copy directly. Ray tasks outside the stages' job
+runners (the dedup shuffles, a text verifier) stage nothing: they read and write the store
+directly through `tasks.core.fs` (`tasks.core.executor.task_location`).
 
 Credentials are never stored: `storage.options` holds "${ENV_VAR}" references, resolved where the
 file system is made (`tasks.core.fs.filesystem`); workers resolve them in their own environment.
@@ -485,26 +487,19 @@ def node_root(node_id: str) -> Path:
     return Path(tempfile.gettempdir()) / "crucible-stage" / node_id[:16]
 
 
-class InputDir(str):
-    """A job argument naming a folder the job reads whole (a partition of a shuffle): staged, every
-    object under its prefix in the store is downloaded into the job's own input folder first (read
-    once, so not kept in the node's cache). Unstaged it is the path itself. (A plain path is an
-    input only when the store holds a file of that name; any other is an output location.)"""
-    __slots__ = ()
-
-
-def map_paths(obj: Any, fn) -> Any:
+def map_paths(obj: Any, fn, options: dict | None = None) -> Any:
     """`obj` with `fn` applied to every path (str or Path) in it, through lists, tuples, dicts and
-    objects that name files themselves: `obj.stage_paths(f)` gives a copy with its paths mapped
-    by `f` (a text verifier reading Parquet files)."""
+    objects that name files themselves: `obj.stage_paths(f, options)` gives a copy with its paths
+    mapped by `f` (a text verifier reading Parquet files), read with the fsspec `options` when
+    they are given (its paths become a store's URIs)."""
     if isinstance(obj, (list, tuple)):
-        return type(obj)(map_paths(o, fn) for o in obj)
+        return type(obj)(map_paths(o, fn, options) for o in obj)
     if isinstance(obj, dict):
-        return {k: map_paths(v, fn) for k, v in obj.items()}
+        return {k: map_paths(v, fn, options) for k, v in obj.items()}
     if isinstance(obj, (str, Path)):
         return fn(obj)
     if hasattr(obj, "stage_paths"):
-        return obj.stage_paths(lambda v: map_paths(v, fn))
+        return obj.stage_paths(lambda v: map_paths(v, fn, options), options)
     return obj
 
 
@@ -532,31 +527,27 @@ class Staging:
                 return store, path[len(root) + 1:]
         return None
 
-    def stage_in(self, obj: Any, job_dir: Path, cache: Path, back: dict[str, str], local: bool = False) -> Any:
+    def stage_in(self, obj: Any, job_dir: Path, cache: Path, back: dict[str, str]) -> Any:
         """`obj` (`map_paths`' values) with each working-copy path replaced by the node's: an object
-        in the store is downloaded to the node's input cache, an `InputDir` into the job's input
-        folder (`_inputs_of`); any other path is an output location inside `job_dir`. `local`: the
-        job runs on the driver's node and reads the working copy's files in place. `back` collects
-        node path -> driver path."""
+        in the store is downloaded to the node's input cache; any other path is an output location
+        inside `job_dir`. `back` collects node path -> driver path."""
         done: dict[str, Any] = {}  # a path named many times (a shard per row group) is looked up once
 
         def stage(p: str | Path) -> Any:
             if str(p) not in done:
-                done[str(p)] = self._stage_path(p, job_dir, cache, back, local)
+                done[str(p)] = self._stage_path(p, job_dir, cache, back)
             return done[str(p)]
 
         return map_paths(obj, stage)
 
-    def _stage_path(self, p: str | Path, job_dir: Path, cache: Path, back: dict[str, str], local: bool) -> Any:
+    def _stage_path(self, p: str | Path, job_dir: Path, cache: Path, back: dict[str, str]) -> Any:
         owned = self._owner(str(p))
-        if owned is None or (local and not isinstance(p, InputDir) and os.path.isfile(p)):
+        if owned is None:
             return p
         store, rel = owned
         safe_join(store.local_root, rel)  # a working-copy path with '..' names no object of the store
         fs = store.fs()
         uri = store.uri(rel)
-        if isinstance(p, InputDir):
-            return str(_fetch_dir(fs, uri, _inputs_of(job_dir) / _store_key(store) / rel))
         info = _info(fs, uri)
         if info is not None and info.get("type") == "file":
             cached = _fetch_cached(fs, uri, info, cache / "in" / _store_key(store) / rel)
@@ -581,56 +572,22 @@ class Staging:
             out.append((store.root, rel))
         return out
 
-    def run(self, fn, args: tuple, node_id: str, shuffle: bool = False) -> tuple[Any, list[tuple[str, str]]]:
+    def run(self, fn, args: tuple, node_id: str) -> tuple[Any, list[tuple[str, str]]]:
         """fn(*args) on this node with its files staged; (result with driver paths, keys written).
-        On the driver's node a job uses the working copy directly, unless it is part of a `shuffle`:
-        what it writes then goes to the store as well (the next phase's jobs may run on any node,
-        reading it through `InputDir`s), while it reads the working copy's files in place."""
-        local = node_id == self.driver_node
-        if local and not shuffle:
+        On the driver's node a job uses the working copy directly."""
+        if node_id == self.driver_node:
             return fn(*args), []
         cache = node_root(node_id)
         job_dir = cache / "jobs" / uuid.uuid4().hex
         back: dict[str, str] = {}
         try:
-            staged = self.stage_in(args, job_dir, cache, back, local)
+            staged = self.stage_in(args, job_dir, cache, back)
             result = fn(*staged)
             written = self.stage_out(job_dir) if job_dir.exists() else []
         finally:
             shutil.rmtree(job_dir, ignore_errors=True)
             shutil.rmtree(_inputs_of(job_dir), ignore_errors=True)
         return _replace_paths(result, back), written
-
-    def push_inputs(self, obj: Any) -> None:
-        """On the driver, before jobs that may run on other nodes: push the folders of the
-        working-copy files `obj` names (`map_paths`' values), so that the store has what jobs on
-        the driver's node wrote there without uploading. A folder at a time: one push each."""
-        folders: dict[str, RunStore] = {}
-
-        def visit(p: str | Path) -> str | Path:
-            owned = self._owner(str(p))
-            if owned is not None and os.path.isfile(p):
-                folders.setdefault(str(Path(p).parent), owned[0])
-            return p
-
-        map_paths(obj, visit)
-        for folder, store in folders.items():
-            store.push(folder)
-
-    def discard(self, path: str | Path) -> None:
-        """Delete the store's objects under a working-copy path (a shuffle's spill files, which
-        never enter the working copy)."""
-        owned = self._owner(str(path))
-        if owned is None:
-            return
-        store, rel = owned
-        fs, uri = store.fs(), store.uri(rel)
-        fs.invalidate_cache(uri)
-        try:
-            fs.rm(uri, recursive=True)
-        except FileNotFoundError:
-            pass
-
 
 def pull_outputs(written: list[tuple[str, str]]) -> None:
     """On the driver: bring the files a job on another node wrote into the working copy."""
@@ -653,7 +610,7 @@ def _store_key(store: RunStore) -> str:
 
 
 def _inputs_of(job_dir: Path) -> Path:
-    """A job's input folders (`InputDir`): beside its job folder, whose files are all uploaded."""
+    """A job's pinned inputs (`_pinned`): beside its job folder, whose files are all uploaded."""
     return job_dir.with_name(job_dir.name + ".in")
 
 
@@ -699,25 +656,6 @@ def _pinned(cached: Path, link: Path) -> Path:
     except OSError:
         return cached
     return link
-
-
-def _fetch_dir(fs, uri: str, dest: Path) -> Path:
-    """Every object under the prefix `uri` at its relative path under `dest`, downloaded
-    concurrently (an empty folder when there is none)."""
-    fs.invalidate_cache(uri)  # a fresh listing: the worker's file system instance outlives its jobs
-    try:
-        found = fs.find(uri)
-    except FileNotFoundError:
-        found = []
-    dest.mkdir(parents=True, exist_ok=True)
-    base = uri.split("://", 1)[-1].rstrip("/") + "/"
-    sources = {p.split("://", 1)[-1][len(base):]: p for p in found}
-    places = _listed(dest, sources)
-    for t in places.values():
-        t.parent.mkdir(parents=True, exist_ok=True)
-    if places:
-        fs.get([sources[k] for k in places], [str(t) for t in places.values()])
-    return dest
 
 
 def _replace_paths(obj: Any, back: dict[str, str]) -> Any:

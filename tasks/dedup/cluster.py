@@ -37,18 +37,18 @@ e.g. the exact shingle Jaccard, reading the texts itself) each partition's pairs
 inside its step-2 Ray task, before the reduction to a forest — the verifier is put into the
 object store once and never runs in the driver (as the in-process path joins only verified
 pairs, its components are those of the verified pairs too).
-With an object-store run_root (`work_dir` in its working copy) the spill files of step 1 are
-uploaded to the store by the tasks that write them and each step-2 task downloads its partition
-from there (`tasks.core.storage.Staging`, `InputDir`), on the driver's node too, so the tasks of
-the two steps may run on different machines; the driver's working copy never holds them, and
-their prefix is deleted from the store when step 2 is done. A text verifier's part files are
-staged into each node's cache the same way (pushed by the driver first).
+With an object-store run_root (`work_dir` in its working copy) on a cluster of several nodes the
+spill files of step 1 are written to the store by the tasks that make them and each step-2 task
+reads its partition from there (`tasks.core.executor.task_location`), so the tasks of the two
+steps may run on different machines; the driver's working copy never holds them, and their
+prefix is deleted from the store when step 2 is done. A text verifier reads its part files on
+the store the same way (pushed by the driver first, `for_any_node`).
 `memory_estimate` gives the bytes of each part; `cluster_signatures` prints it before running.
 """
 from __future__ import annotations
 
+import io
 import math
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -57,6 +57,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from tasks.core.fs import files, is_remote, join, location, read_bytes, remove_tree, write_bytes
 from tasks.dedup.minhash import fmix64
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -221,32 +222,36 @@ def small_star(partitions: int, *parts: np.ndarray):
 
 # ------------------------------------------------------------------ spill and pairs
 
-def _load(source) -> np.ndarray:
+def _load(source, options: dict | None = None) -> np.ndarray:
     if callable(source):
         return source()
+    if is_remote(source):  # a .npy object on the store (`task_location`)
+        return np.load(io.BytesIO(read_bytes(source, options)))
     if isinstance(source, (str, Path)):
         return np.load(source, mmap_mode="r")
     return source
 
 
 def spill_shard(source, doc_offset: int, bands: int, rows: int, partitions: int, spill_dir: str,
-                shard_no: int) -> int:
-    """Band keys of one signature shard → `spill_dir/p-XXXXX/s-XXXXXX.parquet`; returns rows."""
-    sigs = _load(source)
+                shard_no: int, options: dict | None = None) -> int:
+    """Band keys of one signature shard → `spill_dir/p-XXXXX/s-XXXXXX.parquet` (a local folder or
+    a prefix on a store, written with the fsspec `options`); returns rows."""
+    sigs = _load(source, options)
     n = len(sigs)
     if n == 0:
         return 0
     keys = band_hashes(sigs, bands, rows).ravel()
     doc = np.repeat(np.arange(doc_offset, doc_offset + n, dtype=np.uint32), bands)
     band = np.tile(np.arange(bands, dtype=np.uint8), n)
-    spill_partitioned({"band": band, "key": keys, "doc": doc}, keys, partitions, spill_dir, shard_no)
+    spill_partitioned({"band": band, "key": keys, "doc": doc}, keys, partitions, spill_dir, shard_no, options)
     return n * bands
 
 
 def spill_partitioned(columns: dict[str, np.ndarray], keys: np.ndarray, partitions: int, spill_dir: str | Path,
-                      task_no: int) -> None:
+                      task_no: int, options: dict | None = None) -> None:
     """Rows (`columns`, equal lengths) → `spill_dir/p-XXXXX/s-<task_no>.parquet`, each row in the
-    partition of its uint64 key (`_partition_of`); written through a temporary file and a rename."""
+    partition of its uint64 key (`_partition_of`); each file whole or not at all (`fs.write_bytes`:
+    a rename, or one PUT where `spill_dir` is a store's prefix)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -258,22 +263,32 @@ def spill_partitioned(columns: dict[str, np.ndarray], keys: np.ndarray, partitio
         lo, hi = bounds[p], bounds[p + 1]
         if lo == hi:
             continue
-        d = Path(spill_dir) / f"p-{p:05d}"
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".s-{task_no:06d}.tmp"
-        pq.write_table(pa.table({name: col[lo:hi] for name, col in columns.items()}), tmp, compression="none")
-        tmp.replace(d / f"s-{task_no:06d}.parquet")
+        buf = io.BytesIO()
+        pq.write_table(pa.table({name: col[lo:hi] for name, col in columns.items()}), buf, compression="none")
+        write_bytes(join(location(spill_dir), f"p-{p:05d}", f"s-{task_no:06d}.parquet"), buf.getvalue(), options)
 
 
-def partition_pairs(part_dir: str) -> np.ndarray:
-    """Candidate pairs (first document of a (band, key) group, another member) of one partition,
-    as a (k, 2) int64 array, unique."""
+def read_spilled(part_dir: str | Path, options: dict | None = None):
+    """One partition's spill files (`s-*.parquet` under a local folder or a store's prefix) as
+    one table, in file order; None when there are none."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    files = sorted(Path(part_dir).glob("s-*.parquet"))
-    if not files:
+    loc = location(part_dir)
+    names = sorted(n for n in files(loc, options) if "/" not in n and n.startswith("s-") and n.endswith(".parquet"))
+    if not names:
+        return None
+    if not is_remote(loc):
+        return pq.read_table([str(join(loc, n)) for n in names])
+    return pa.concat_tables([pq.read_table(io.BytesIO(read_bytes(join(loc, n), options))) for n in names])
+
+
+def partition_pairs(part_dir: str, options: dict | None = None) -> np.ndarray:
+    """Candidate pairs (first document of a (band, key) group, another member) of one partition,
+    as a (k, 2) int64 array, unique."""
+    t = read_spilled(part_dir, options)
+    if t is None:
         return np.empty((0, 2), np.int64)
-    t = pq.read_table(files)
     key = t.column("key").to_numpy()
     band = t.column("band").to_numpy()
     doc = t.column("doc").to_numpy()
@@ -299,24 +314,22 @@ def _pairs_to_forest(pairs: np.ndarray, partitions: int) -> list[np.ndarray]:
     return _both_directions(nodes[keep], roots[keep], partitions)
 
 
-def _forest_task(part_dir: str, partitions: int):
-    pairs = partition_pairs(part_dir)
+def _forest_task(part_dir: str, partitions: int, options: dict | None = None):
+    pairs = partition_pairs(part_dir, options)
     return (len(pairs), *_pairs_to_forest(pairs, partitions))
 
 
-def _verified_forest_task(part_dir: str, partitions: int, verifier):
+def _verified_forest_task(part_dir: str, partitions: int, verifier, options: dict | None = None):
     """Step 2 with verification: the partition's candidate pairs, checked by `verifier.mask`
     here in the Ray task, reduced to the forest of the verified ones."""
-    pairs = partition_pairs(part_dir)
+    pairs = partition_pairs(part_dir, options)
     ok = np.asarray(verifier.mask(pairs), dtype=bool) if len(pairs) else np.zeros(0, bool)
     return (len(pairs), int(ok.sum()), *_pairs_to_forest(pairs[ok], partitions))
 
 
-def drop_spill(spill: Path, staging) -> None:
-    """Remove the spill files: the local folder, and with a store (`staging`) its prefix there."""
-    shutil.rmtree(spill, ignore_errors=True)
-    if staging is not None:
-        staging.discard(spill)
+def drop_spill(spill: Path | str, options: dict | None = None) -> None:
+    """Remove the spill files: the local folder, or the prefix on the store."""
+    remove_tree(location(spill), options)
 
 
 # ------------------------------------------------------------------ driver
@@ -341,13 +354,13 @@ def cluster_ray(shards: Sequence[tuple[int, object]], n_docs: int, bands: int, r
     """Cluster the signatures given as `shards`: (first doc index, signatures (n, num_perm)
     ndarray, .npy path, or a picklable callable returning one). Ray must be initialised (or is
     started locally). Spill files live under `work_dir/_lsh` and are removed at the end; when
-    `work_dir` is in the working copy of a remote run_root they live in the store instead, under
-    the same key (`tasks.core.executor.shuffle_staging`), and every task reads its inputs from
-    there, wherever it runs. `verify`: a picklable batch verifier (`mask(pairs)`) or
+    `work_dir` is in the working copy of a remote run_root and the cluster has other nodes, they
+    are written to and read from the store directly, under the same key, and every task reads its
+    inputs there too (`tasks.core.executor.task_location`, `for_any_node`). `verify`: a picklable batch verifier (`mask(pairs)`) or
     `verify(a, b) -> bool` callable, run in the per-partition Ray tasks."""
     import ray
 
-    from tasks.core.executor import shuffle_staging, staged_remote
+    from tasks.core.executor import for_any_node, task_location
     from tasks.core.ray_utils import init_ray
     from tasks.dedup.verify import batch_verifier
 
@@ -357,23 +370,23 @@ def cluster_ray(shards: Sequence[tuple[int, object]], n_docs: int, bands: int, r
         raise ValueError("spilled rows hold the band in a uint8, the document in a uint32; partitions < 65536")
     init_ray()
     partitions = max(2, partitions or default_partitions(n_docs, bands))  # ≥ 2: tuple returns stay lists
-    spill = Path(work_dir) / "_lsh"
-    shutil.rmtree(spill, ignore_errors=True)
-    spill.mkdir(parents=True)
+    spill, options = task_location(Path(work_dir) / "_lsh")
+    drop_spill(spill, options)  # what a shuffle that died here left
     stats: dict = {"partitions": partitions, "docs": n_docs}
     t0 = time.perf_counter()
-    # with a remote run_root the spill files go from task to task through the store
-    staging = shuffle_staging(spill, ([src for _, src in shards], verifier))
+    # the signature files and a text verifier's part files, where tasks on any node read them
+    (sources, verifier), _ = for_any_node(([src for _, src in shards], verifier))
     try:
-        spill_task = staged_remote(spill_shard, staging, True, num_cpus=1)
+        spill_task = ray.remote(num_cpus=1)(spill_shard)
         refs = [spill_task.remote(src if not isinstance(src, np.ndarray) else ray.put(src), off, bands, rows,
-                                  partitions, str(spill), k) for k, (off, src) in enumerate(shards)]
+                                  partitions, str(spill), k, options)
+                for k, ((off, _), src) in enumerate(zip(shards, sources))]
         stats["band_key_rows"] = int(sum(ray.get(refs)))
         t1 = time.perf_counter()
         stats["spill_s"] = round(t1 - t0, 3)
-        final = ray.get(spilled_components(spill, partitions, verifier, stats, staging, max_rounds, t1))
+        final = ray.get(spilled_components(spill, partitions, verifier, stats, options, max_rounds, t1))
     finally:
-        drop_spill(spill, staging)
+        drop_spill(spill, options)
     e = np.concatenate(final) if final else np.empty((0, 2), np.int64)
     leaves, roots = e[:, 0], e[:, 1]
     centers = np.unique(roots)
@@ -387,34 +400,32 @@ def cluster_ray(shards: Sequence[tuple[int, object]], n_docs: int, bands: int, r
     return ClusterResult(nodes[order], np.concatenate([roots, centers])[order], stats)
 
 
-def spilled_components(spill: Path, partitions: int, verifier, stats: dict, staging=None, max_rounds: int = 200,
-                       started: float | None = None) -> list:
-    """Steps 2-3 on spilled band keys (`spill/p-XXXXX/*.parquet`): candidate pairs per partition
-    (verified there), then the large-star / small-star rounds. Returns the object refs of each
-    partition's final (leaf, root) edges: the caller gets them, or hands them to a task, without
-    the driver holding them. Fills `stats` (candidate / verified pairs, rounds, seconds)."""
+def spilled_components(spill: Path | str, partitions: int, verifier, stats: dict, options: dict | None = None,
+                       max_rounds: int = 200, started: float | None = None) -> list:
+    """Steps 2-3 on spilled band keys (`spill/p-XXXXX/*.parquet`, a local folder or a store's prefix
+    read with the fsspec `options`): candidate pairs per partition (verified there), then the
+    large-star / small-star rounds. Returns the object refs of each partition's final (leaf, root)
+    edges: the caller gets them, or hands them to a task, without the driver holding them. Fills
+    `stats` (candidate / verified pairs, rounds, seconds)."""
     import ray
 
-    from tasks.core.executor import staged_remote
-    from tasks.core.storage import InputDir
-
     t1 = time.perf_counter() if started is None else started
-    part_dirs = [InputDir(Path(spill) / f"p-{p:05d}") for p in range(partitions)]
+    part_dirs = [str(join(location(spill), f"p-{p:05d}")) for p in range(partitions)]
     if verifier is None:
-        task = staged_remote(_forest_task, staging, True, num_cpus=1, num_returns=partitions + 1)
-        outs = [task.remote(d, partitions) for d in part_dirs]
+        task = ray.remote(num_cpus=1, num_returns=partitions + 1)(_forest_task)
+        outs = [task.remote(d, partitions, options) for d in part_dirs]
         stats["candidate_pairs"] = int(sum(ray.get([o[0] for o in outs])))
         forest = [o[1:] for o in outs]
     else:  # each partition's pairs are verified in its own task; the verifier is shipped once
         verifier_ref = ray.put(verifier)
-        task = staged_remote(_verified_forest_task, staging, True, num_cpus=1, num_returns=partitions + 2)
-        outs = [task.remote(d, partitions, verifier_ref) for d in part_dirs]
+        task = ray.remote(num_cpus=1, num_returns=partitions + 2)(_verified_forest_task)
+        outs = [task.remote(d, partitions, verifier_ref, options) for d in part_dirs]
         stats["candidate_pairs"] = int(sum(ray.get([o[0] for o in outs])))
         stats["verified_pairs"] = int(sum(ray.get([o[1] for o in outs])))
         forest = [o[2:] for o in outs]
     t2 = time.perf_counter()
     stats["pairs_s"] = round(t2 - t1, 3)
-    drop_spill(Path(spill), staging)
+    drop_spill(spill, options)
 
     ls = ray.remote(num_cpus=1, num_returns=partitions + 2)(large_star)
     ss = ray.remote(num_cpus=1, num_returns=partitions)(small_star)
@@ -469,13 +480,10 @@ def _pair_checker(verifier, on_ray: bool) -> Callable[[np.ndarray], np.ndarray]:
         return lambda pairs: np.concatenate([np.asarray(verifier.mask(c), bool) for c in chunks(pairs)])
     import ray
 
-    from tasks.core.executor import staged_remote
-    from tasks.core.storage import Staging
+    from tasks.core.executor import for_any_node
 
-    staging = Staging.for_driver(verifier)  # texts in a store's working copy: read from the store on other nodes
-    if staging is not None:
-        staging.push_inputs(verifier)
-    ref, task = ray.put(verifier), staged_remote(_mask_task, staging, num_cpus=1)
+    verifier, _ = for_any_node(verifier)  # texts in a store's working copy: read on the store by other nodes
+    ref, task = ray.put(verifier), ray.remote(num_cpus=1)(_mask_task)
     return lambda pairs: np.concatenate(ray.get([task.remote(ref, c) for c in chunks(pairs)]))
 
 

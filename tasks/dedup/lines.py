@@ -25,9 +25,9 @@ rows into `partitions` Parquet directories chosen by the hash (`cluster.spill_pa
 default about 4 M rows each, estimated from the documents and their text bytes), then a task per
 partition counts its hashes and returns the frequent ones; no process holds more than one
 row-group group or one partition. With an object-store run_root (`work_dir` in its working copy)
-the input shards and the spill files are read from the store on every node (the spill files
-never enter the driver's working copy and are deleted from the store at the end), as in
-`tasks.dedup.cluster`.
+on a cluster of several nodes the tasks read the input shards and write and read the spill files
+on the store directly (the spill files never enter the driver's working copy and are deleted from
+the store at the end), as in `tasks.dedup.cluster`.
 Both paths return the same sorted uint64 array of frequent hashes (8 bytes per frequent line:
 what the driver holds and ships to the workers through the object store once).
 """
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import shutil
 import time
 import unicodedata
 from collections import Counter
@@ -113,32 +112,38 @@ def default_partitions(n_docs: int, text_bytes: int = 0) -> int:
 Chunk = list[tuple[str, list[int]]]  # (input shard, its row groups) read by one spill task
 
 
-def _chunk_texts(chunk: Chunk) -> Iterable[str]:
+def _chunk_texts(chunk: Chunk, options: dict | None = None) -> Iterable[str]:
+    """The texts of a chunk's row groups; a shard given as a store's URI is read there (ranged
+    reads with the fsspec `options`)."""
+    from contextlib import nullcontext
+
     from tasks.core.documents import iter_doc_batches
+    from tasks.core.fs import is_remote, open_random
 
     for shard, row_groups in chunk:
-        for batch in iter_doc_batches([shard], batch_size=500, columns=["text"], row_groups=row_groups):
-            yield from (d["text"] for d in batch)
+        with open_random(shard, options) if is_remote(shard) else nullcontext(shard) as source:
+            for batch in iter_doc_batches([source], batch_size=500, columns=["text"], row_groups=row_groups):
+                yield from (d["text"] for d in batch)
 
 
-def spill_chunk(chunk: Chunk, partitions: int, spill_dir: str, task_no: int) -> int:
-    """The (hash, document) rows of one chunk → `spill_dir/p-XXXXX/s-XXXXXX.parquet`; returns rows."""
+def spill_chunk(chunk: Chunk, partitions: int, spill_dir: str, task_no: int, options: dict | None = None) -> int:
+    """The (hash, document) rows of one chunk → `spill_dir/p-XXXXX/s-XXXXXX.parquet` (a local
+    folder or a store's prefix, with the fsspec `options`); returns rows."""
     from tasks.dedup.cluster import spill_partitioned
 
-    hashes, docs = line_rows(_chunk_texts(chunk))
+    hashes, docs = line_rows(_chunk_texts(chunk, options))
     # partitioned by the line hash itself: blake2b output is uniform already
-    spill_partitioned({"hash": hashes, "doc": docs}, hashes, partitions, spill_dir, task_no)
+    spill_partitioned({"hash": hashes, "doc": docs}, hashes, partitions, spill_dir, task_no, options)
     return len(hashes)
 
 
-def count_partition(part_dir: str, max_docs: int) -> tuple[np.ndarray, int]:
+def count_partition(part_dir: str, max_docs: int, options: dict | None = None) -> tuple[np.ndarray, int]:
     """`frequent_hashes` over one partition's spilled rows."""
-    import pyarrow.parquet as pq
+    from tasks.dedup.cluster import read_spilled
 
-    files = sorted(Path(part_dir).glob("s-*.parquet"))
-    if not files:
+    t = read_spilled(part_dir, options)
+    if t is None:
         return np.empty(0, np.uint64), 0
-    t = pq.read_table(files)
     return frequent_hashes(t.column("hash").to_numpy(), t.column("doc").to_numpy(), max_docs)
 
 
@@ -210,26 +215,27 @@ def _count_on_ray(chunks: list[Chunk], partitions: int, max_docs: int, spill: Pa
                   stats: dict) -> np.ndarray:
     import ray
 
-    from tasks.core.executor import shuffle_staging, staged_remote
+    from tasks.core.executor import for_any_node, task_location
+    from tasks.core.fs import join
     from tasks.core.ray_utils import init_ray
-    from tasks.core.storage import InputDir
     from tasks.dedup.cluster import drop_spill
 
     init_ray(ray_cfg)
-    shutil.rmtree(spill, ignore_errors=True)
-    spill.mkdir(parents=True)
     stats["partitions"] = partitions
-    staging = shuffle_staging(spill, chunks)  # a remote run_root: the spill files go through the store
+    # a remote run_root on several nodes: the shards and the spill files are read and written on the store
+    spill_at, options = task_location(spill)
+    drop_spill(spill_at, options)  # what a shuffle that died here left
+    chunks, _ = for_any_node(chunks)
     try:
-        spill_task = staged_remote(spill_chunk, staging, True, num_cpus=1)
-        stats["line_rows"] = int(sum(ray.get([spill_task.remote(c, partitions, str(spill), k)
+        spill_task = ray.remote(num_cpus=1)(spill_chunk)
+        stats["line_rows"] = int(sum(ray.get([spill_task.remote(c, partitions, str(spill_at), k, options)
                                               for k, c in enumerate(chunks)])))
-        count_task = staged_remote(count_partition, staging, True, num_cpus=1, num_returns=2)
-        outs = [count_task.remote(InputDir(spill / f"p-{p:05d}"), max_docs) for p in range(partitions)]
+        count_task = ray.remote(num_cpus=1, num_returns=2)(count_partition)
+        outs = [count_task.remote(str(join(spill_at, f"p-{p:05d}")), max_docs, options) for p in range(partitions)]
         parts = ray.get([o[0] for o in outs])
         stats["distinct_lines"] = int(sum(ray.get([o[1] for o in outs])))
     finally:
-        drop_spill(spill, staging)
+        drop_spill(spill_at, options)
     return np.sort(np.concatenate(parts)) if parts else np.empty(0, np.uint64)
 
 

@@ -15,7 +15,7 @@ The texts come from a `TextSource`:
 - `ParquetTexts`: the `text` column of Parquet part files (the curate stage, whose driver holds
   no texts): document k is row k of the files laid end to end, and a task reads only the row
   groups holding the rows it needs, one file at a time. With an object-store run_root a task on
-  another node reads the node's copies of the files, staged from the store (`stage_paths`).
+  another node reads the files' objects on the store directly (`stage_paths`).
 
 `SignatureVerifier` checks pairs by their signatures alone (estimated Jaccard); the clustering
 uses it, when there is no text verifier, to check each member against its cluster's kept
@@ -28,10 +28,12 @@ more such mapping.
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from typing import Callable, Sequence
 
 import numpy as np
 
+from tasks.core.fs import is_remote, open_random
 from tasks.dedup.minhash import jaccard, shingles
 
 
@@ -59,15 +61,18 @@ class ParquetTexts:
         self.files = [str(f) for f in files]
         self.starts = np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))])
         self.column = column
+        self.storage_options: dict | None = None  # fsspec's, for files given as a store's URIs
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def stage_paths(self, fn: Callable) -> "ParquetTexts":
-        """A copy reading `fn(files)` (`tasks.core.storage.map_paths`: on another Ray node, the
-        node's copies of a remote run_root's files)."""
+    def stage_paths(self, fn: Callable, storage_options: dict | None = None) -> "ParquetTexts":
+        """A copy reading `fn(files)` (`tasks.core.storage.map_paths`; with `storage_options`, the
+        files' objects on a store, read there directly by a Ray task on another node)."""
         out = copy.copy(self)
         out.files = [str(f) for f in fn(self.files)]
+        if storage_options is not None:
+            out.storage_options = storage_options
         return out
 
     def read(self, rows: np.ndarray) -> list[str]:
@@ -81,18 +86,20 @@ class ParquetTexts:
         for f in np.unique(file_of):
             sel = np.flatnonzero(file_of == f)
             local = rows[sel] - self.starts[f]
-            pf = pq.ParquetFile(self.files[f])
-            try:
-                meta = pf.metadata
-                if meta.num_rows != self.starts[f + 1] - self.starts[f]:
-                    raise ValueError(f"{self.files[f]}: {meta.num_rows} rows, expected "
-                                     f"{self.starts[f + 1] - self.starts[f]}")
-                rg_starts = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
-                rg_of = np.searchsorted(rg_starts, local, side="right") - 1
-                groups = np.unique(rg_of)
-                col = pf.read_row_groups(groups.tolist(), columns=[self.column]).column(0)
-            finally:
-                pf.close()
+            remote = is_remote(self.files[f])  # a store's object: ranged reads
+            with open_random(self.files[f], self.storage_options) if remote else nullcontext(self.files[f]) as src:
+                pf = pq.ParquetFile(src)
+                try:
+                    meta = pf.metadata
+                    if meta.num_rows != self.starts[f + 1] - self.starts[f]:
+                        raise ValueError(f"{self.files[f]}: {meta.num_rows} rows, expected "
+                                         f"{self.starts[f + 1] - self.starts[f]}")
+                    rg_starts = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+                    rg_of = np.searchsorted(rg_starts, local, side="right") - 1
+                    groups = np.unique(rg_of)
+                    col = pf.read_row_groups(groups.tolist(), columns=[self.column]).column(0)
+                finally:
+                    pf.close()
             # row r of row group g sits at (rows of the groups read before g) + (r − start of g)
             before = np.cumsum([0] + [rg_starts[g + 1] - rg_starts[g] for g in groups[:-1]])
             pos = before[np.searchsorted(groups, rg_of)] + local - rg_starts[rg_of]
@@ -118,12 +125,12 @@ class JaccardVerifier:
         """The verifier whose document k is this one's document `sub[k]`."""
         return _reindexed(self, sub)
 
-    def stage_paths(self, fn: Callable) -> "JaccardVerifier":
+    def stage_paths(self, fn: Callable, storage_options: dict | None = None) -> "JaccardVerifier":
         """A copy whose texts are read from `fn`'s paths (`ParquetTexts.stage_paths`)."""
         if not hasattr(self.texts, "stage_paths"):
             return self
         out = copy.copy(self)
-        out.texts = self.texts.stage_paths(fn)
+        out.texts = self.texts.stage_paths(fn, storage_options)
         return out
 
     def similarities(self, pairs: np.ndarray) -> np.ndarray:
