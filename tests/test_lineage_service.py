@@ -581,3 +581,44 @@ def test_replay_reads_ahead_while_the_server_stores_a_batch():
     assert next(endless) == 0
     endless.close()
     assert not any(t.name == "replay-reader" for t in threading.enumerate())
+
+
+def test_replay_keeps_two_batches_in_flight_and_stops_at_a_refused_one(sample):
+    """After the first batch (alone: it tells whether the server takes arrays), replay posts the next
+    batch while the server still stores the previous one; counts add up, and a refused batch raises
+    with nothing posted past the batches already in flight."""
+    import threading
+    import time
+
+    _, log, _ = sample
+    n = len(read_events(log))
+    lock, state = threading.Lock(), {"now": 0, "most": 0, "posted": 0}
+
+    def handler(refuse_at: int | None):
+        def handle(request: httpx.Request) -> httpx.Response:
+            with lock:
+                state["posted"] += 1
+                number = state["posted"]
+                state["now"] += 1
+                state["most"] = max(state["most"], state["now"])
+            time.sleep(0.05)  # storing
+            with lock:
+                state["now"] -= 1
+            if number == refuse_at:
+                return httpx.Response(400, json={"detail": "refused"})
+            events = loads(request.content)
+            return httpx.Response(201, json={"received": len(events), "ingested": len(events), "duplicates": 0})
+        return handle
+
+    with httpx.Client(transport=httpx.MockTransport(handler(None))) as c:
+        result = replay(log, "http://lineage", client=c, batch_size=5, in_flight=2)
+    assert result["ingested"] == result["events"] == n and result["requests"] == state["posted"] == -(-n // 5)
+    assert state["most"] == 2
+    state.update(now=0, most=0, posted=0)
+    with httpx.Client(transport=httpx.MockTransport(handler(None))) as c:
+        replay(log, "http://lineage", client=c, batch_size=5, in_flight=1)
+    assert state["most"] == 1
+    state.update(now=0, most=0, posted=0)
+    with httpx.Client(transport=httpx.MockTransport(handler(3))) as c, pytest.raises(ReplayError, match="400"):
+        replay(log, "http://lineage", client=c, batch_size=5, in_flight=2)
+    assert state["posted"] <= 4 < -(-n // 5)

@@ -20,6 +20,8 @@ import json
 import queue
 import sys
 import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 from urllib.parse import urlsplit
@@ -107,11 +109,15 @@ def _batches(lines: Iterator[bytes], size: int) -> Iterator[list[bytes]]:
 
 
 def replay(jsonl_path: str | Path, url: str, *, batch_size: int = 500, timeout: float = 60.0,
-           client: httpx.Client | None = None, single: bool = False, token: str | None = None) -> dict:
+           client: httpx.Client | None = None, single: bool = False, token: str | None = None,
+           in_flight: int | None = None) -> dict:
     """POST every signed event of `jsonl_path` to `url`; returns counts (ingested/duplicates when the
     server reports them; refused: lines without a valid signature, never sent). Signed lines are
     sent as they are (the server checks them); a refused batch raises ReplayError with the server's answer. `client`: an httpx.Client to use (e.g. FastAPI's
-    TestClient). `token`: the service's write token (default: lineage_token(), from the environment)."""
+    TestClient). `token`: the service's write token (default: lineage_token(), from the environment).
+    `in_flight`: batches posted at once after the first (default 2 with replay's own client, 1 with
+    a given one): the service parses and validates the next batch while SQLite writes the previous
+    one (the store orders each run's events by time, whatever order they arrive in)."""
     from tasks.lineage.transport import lineage_token
 
     if batch_size < 1:
@@ -148,23 +154,46 @@ def replay(jsonl_path: str | Path, url: str, *, batch_size: int = 500, timeout: 
                 raise ReplayError(f"{endpoint} answered {resp.status_code}: {resp.text[:500]}")
             count(resp, 1)
 
+    def settle(resp: httpx.Response, n: int) -> None:
+        if resp.status_code >= 300:
+            raise ReplayError(f"{endpoint} answered {resp.status_code}: {resp.text[:500]}")
+        count(resp, n)
+
+    in_flight = max(1, in_flight if in_flight is not None else (2 if own else 1))
     batches = _prefetched(_batches(_lines(jsonl_path, refused), batch_size))
+    pool = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="replay-post") if in_flight > 1 else None
+    pending: deque = deque()  # (future answer, events), oldest first: answers are settled in order
     try:
         for batch in batches:
             if summary["mode"] == "single":
                 send_single(batch)
                 continue
-            resp = post(b"[" + b",".join(batch) + b"]")
-            if resp.status_code < 300:
-                count(resp, len(batch))
+            body = b"[" + b",".join(batch) + b"]"
+            if summary["requests"] == 0:  # the first batch alone: it tells whether arrays are taken
+                resp = post(body)
+                if resp.status_code in (400, 404, 405, 415, 422):
+                    # maybe a server that takes one event per request (Marquez): try that
+                    summary["mode"] = "single"
+                    send_single(batch)
+                else:
+                    settle(resp, len(batch))
                 continue
-            if resp.status_code in (400, 404, 405, 415, 422) and summary["requests"] == 1:
-                # maybe a server that takes one event per request (Marquez): try that
-                summary["mode"] = "single"
-                send_single(batch)
+            if pool is None:
+                settle(post(body), len(batch))
                 continue
-            raise ReplayError(f"{endpoint} answered {resp.status_code}: {resp.text[:500]}")
+            summary["requests"] += 1
+            pending.append((pool.submit(client.post, endpoint, content=body, headers=headers), len(batch)))
+            if len(pending) >= in_flight:
+                future, n = pending.popleft()
+                settle(future.result(), n)
+        while pending:
+            future, n = pending.popleft()
+            settle(future.result(), n)
     finally:
+        if pool is not None:
+            for future, _ in pending:
+                future.cancel()
+            pool.shutdown(wait=True)
         batches.close()  # the reader thread stopped (and done with `refused`) before it is counted
         summary["refused"] = len(refused)
         if own:

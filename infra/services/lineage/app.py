@@ -172,10 +172,9 @@ def _ingest_router(store: LineageStore, spec_dir: str | Path | None) -> APIRoute
     """POST /api/v1/lineage: one event or a JSON array, optionally checked against the schemas."""
     router = APIRouter(responses=ERRORS)
 
-    @router.post(f"{API}/lineage", status_code=201)
-    async def post_lineage(request: Request, validate: bool = True) -> JSONResponse:
+    def parse_check_store(raw: bytes, validate: bool) -> JSONResponse:
         try:
-            body = loads(await request.body())
+            body = loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise HTTPException(400, f"body is not JSON: {e}") from None
         events = body if isinstance(body, list) else [body]
@@ -190,10 +189,16 @@ def _ingest_router(store: LineageStore, spec_dir: str | Path | None) -> APIRoute
                                                f"{first[1][0]}",
                                      "errors": {str(i): errs[:20] for i, errs in errors.items()}}, 400)
         try:
-            result = await run_in_threadpool(store.ingest_batch, events)
+            return JSONResponse(store.ingest_batch(events), 201)
         except EventError as e:
             raise HTTPException(400, str(e)) from None
-        return JSONResponse(result, 201)
+
+    @router.post(f"{API}/lineage", status_code=201)
+    async def post_lineage(request: Request, validate: bool = True) -> JSONResponse:
+        # parsed, validated and stored on a worker thread: the event loop meanwhile receives the
+        # next request's body, and SQLite (which lets go of the GIL) writes one batch while the
+        # next is parsed and validated (replay keeps two batches in flight)
+        return await run_in_threadpool(parse_check_store, await request.body(), validate)
 
     return router
 
