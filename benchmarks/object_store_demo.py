@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -90,15 +91,25 @@ def bucket_size(endpoint: str) -> dict:
     return {"objects": n, "bytes": size}
 
 
+def _children_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def run_demo(config: Path, sets: list[str], summary: Path, env: dict) -> dict:
-    t0 = time.perf_counter()
+    """One `crucible run`: its wall time, and the CPU seconds (user + sys) of that process and the
+    children it waited for (torchrun's ranks, a local Ray; not the stack's own processes: its Ray
+    cluster and workers run outside the process tree), next to the wall time because the
+    machine may be loaded by other work."""
+    t0, cpu0 = time.perf_counter(), _children_cpu_s()
     proc = subprocess.run(CRUCIBLE + ["run", str(config), *sets, "--summary", str(summary)], cwd=REPO, env=env,
                           capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, _children_cpu_s() - cpu0
     if proc.returncode != 0:
         raise RuntimeError(f"crucible run failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
     s = json.loads(summary.read_text())
-    return {"wall_s": round(wall, 2), "stages_s": s["timings_s"],
+    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "load_avg_1m": round(os.getloadavg()[0], 2),
+            "stages_s": s["timings_s"],
             "curated_docs": s["stages"]["curate"].get("docs_out"), "steps": s["stages"]["train"].get("steps")}
 
 
@@ -127,7 +138,8 @@ def main() -> int:
                 root = str(tmp / f"runs-{i}") if kind == "local" else f"s3://runs/bench-{i}"
                 r = run_demo(config, sets + ["--set", f"run_root={root}"], tmp / f"summary-{kind}-{i}.json", env)
                 runs[kind].append(r)
-                print(f"{kind} #{i + 1}: {r['wall_s']:.1f} s  stages {r['stages_s']}", flush=True)
+                print(f"{kind} #{i + 1}: {r['wall_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU  stages {r['stages_s']}",
+                      flush=True)
         stored = bucket_size(endpoint)
     finally:
         subprocess.run(CRUCIBLE + ["down", *sets], cwd=REPO, env=env, capture_output=True)
@@ -135,6 +147,7 @@ def main() -> int:
         moto.wait(timeout=10)
         shutil.rmtree(tmp, ignore_errors=True)
     med = {k: statistics.median(r["wall_s"] for r in v) for k, v in runs.items()}
+    med_cpu = {k: statistics.median(r["cpu_s"] for r in v) for k, v in runs.items()}
     ratio = med["s3"] / med["local"]
     same = all(a["curated_docs"] == b["curated_docs"] and a["steps"] == b["steps"]
                for a, b in zip(runs["local"], runs["s3"]))
@@ -143,7 +156,10 @@ def main() -> int:
                  for st in stages}
     result = {"benchmark": "object_store_demo", "command": "crucible run configs/tiny.yaml (sources + run_root on S3 vs local)",
               "store": "moto_server (separate process, HTTP, SigV4)", "repeats": args.repeats,
-              "median_wall_s": med, "ratio": round(ratio, 3), "target_ratio": TARGET_RATIO,
+              "code_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                            text=True).stdout.strip(), "cpus": os.cpu_count(),
+              "median_wall_s": med, "median_cpu_s_run_process_tree": med_cpu,
+              "ratio": round(ratio, 3), "target_ratio": TARGET_RATIO,
               "within_target": ratio <= TARGET_RATIO, "outputs_agree": same, "per_stage_median_s": per_stage,
               "bucket_after_s3_runs": stored, "runs": runs}
     write_result(args.out, result)

@@ -511,10 +511,9 @@ class Staging:
     driver_node: str
 
     @classmethod
-    def for_driver(cls, *within: Any) -> "Staging | None":
-        """The staging of this driver's jobs: None without a store, or, given `within` (values as
-        `map_paths` walks them), when none of its paths lies in a working copy."""
-        if not _STORES or (within and not any(s is not None for s in _owners(within))):
+    def for_driver(cls) -> "Staging | None":
+        """The staging of this driver's jobs: None without a store."""
+        if not _STORES:
             return None
         from tasks.core.ray_utils import current_node_id
 
@@ -596,13 +595,6 @@ def pull_outputs(written: list[tuple[str, str]]) -> None:
         by_root.setdefault(root, []).append(key)
     for root, keys in by_root.items():
         _STORES[root].pull("", keys=keys)
-
-
-def _owners(within: Any) -> list[RunStore | None]:
-    """The registered store of each path in `within` (None: in no working copy)."""
-    found: list[RunStore | None] = []
-    map_paths(within, lambda p: found.append(store_of_path(p)) or p)
-    return found
 
 
 def _store_key(store: RunStore) -> str:
