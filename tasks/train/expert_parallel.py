@@ -1,6 +1,6 @@
 """Expert parallelism (train.parallel.ep): each MoE layer's experts sharded over ep ranks.
 
-    world = pp x dp_replicate x dp_shard x cp x tp,   dp_shard -> (dp_shard_mod_ep, ep)
+    world = pp x dp_replicate x dp_shard x cp x tp,   dp_shard -> (dp_shard_mod_ep, ep)   (cp 1)
 
 The ep ranks are carved out of dp_shard (torchtitan borrows them from the data-parallel ranks): an
 ep group holds E/ep experts per rank and its ranks see different tokens. In each MoE layer a rank
@@ -83,8 +83,8 @@ class ExpertDispatcher:
 def expert_mesh(mesh, dims):
     """The world mesh with dp_shard split into ("dp_shard_mod_ep", "ep"), ep innermost (an ep group
     is ep consecutive dp_shard ranks). Collective: creates the process groups."""
-    if dims.cp > 1:  # ParallelDims.check refuses cp > 1 before any process starts
-        raise NotImplementedError("expert parallelism with context parallelism")
+    if dims.cp > 1:  # ParallelDims.check refuses it before any process starts (ep is carved from dp_shard)
+        raise NotImplementedError("train.parallel.ep > 1 with train.parallel.cp > 1")
     from tasks.train.torch_private import private
 
     return private("DeviceMesh._unflatten")(mesh, "dp_shard", (dims.dp_shard // dims.ep, dims.ep),

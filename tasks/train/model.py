@@ -184,6 +184,9 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.q_norm = RMSNorm(cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim) if cfg.qk_norm else None
+        # context parallelism (tasks/train/context_parallel.py): x is this rank's slice of the
+        # sequence; keys and values are gathered from the other cp ranks
+        self.context_parallel = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -192,7 +195,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self._qkv_heads(x)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         dropout = self.dropout if self.training else 0.0
-        if mask is None:
+        if self.context_parallel is not None:  # document masks are refused with cp (ParallelDims.check)
+            y = self.context_parallel.attend(q, k, v, dropout)
+        elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
@@ -309,6 +314,7 @@ class GPT(nn.Module):
         cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.context_parallel = None  # set by context_parallel.apply_cp: idx is then this rank's slice
         self.apply(self._init_weights)
         # GPT-2: scale the residual output projections by 1/sqrt(2 * n_layer)
         # (the MoE's expert and shared down projections are residual outputs too)
@@ -363,7 +369,10 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
-        if positions is None:
+        if positions is None and self.context_parallel is not None:  # the slice's global positions
+            at = self.context_parallel.positions.to(self.rope_cos.device)
+            cos, sin = self.rope_cos[at], self.rope_sin[at]
+        elif positions is None:
             cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         else:
             cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]

@@ -1,6 +1,6 @@
 """The training layout as one DeviceMesh of named dimensions (torchtitan's ParallelDims).
 
-    world = pp x dp_replicate x dp_shard x cp x tp        ep borrows ranks from dp_shard x cp
+    world = pp x dp_replicate x dp_shard x cp x tp        ep borrows ranks from dp_shard
 
 `ParallelDims.from_config` resolves train.parallel (and the `parallelism: ddp | fsdp2` shorthand)
 against the world size and the model, and refuses a layout that cannot run (heads or layers not
@@ -77,9 +77,7 @@ class ParallelDims:
         tcfg, mcfg = cfg.train, cfg.model
         moe = mcfg.moe
         if self.cp > 1:
-            raise LayoutError("train.parallel.cp: context parallelism is not supported by this trainer yet "
-                              "(torch's context_parallel needs CUDA's flash/efficient attention; gloo on CPU "
-                              "cannot run it); use tp with sequence parallelism for long sequences")
+            check_cp(self, tcfg, mcfg)
         if self.tp > 1:
             if mcfg.n_head % self.tp:
                 raise LayoutError(f"train.parallel.tp ({self.tp}) must divide model.n_head ({mcfg.n_head})")
@@ -87,9 +85,10 @@ class ParallelDims:
             if hidden % self.tp:
                 raise LayoutError(f"train.parallel.tp ({self.tp}) must divide the MLP hidden size ({hidden}, "
                                   f"from model.d_model and model.mlp_ratio)")
-            if self.sequence_parallel and mcfg.seq_len % self.tp:
-                raise LayoutError(f"train.parallel.tp ({self.tp}) must divide model.seq_len ({mcfg.seq_len}) "
-                                  f"with sequence parallelism (train.parallel.sequence_parallel)")
+            if self.sequence_parallel and (mcfg.seq_len // self.cp) % self.tp:
+                per_cp = f" / cp ({self.cp}), the tokens a cp rank holds," if self.cp > 1 else ""
+                raise LayoutError(f"train.parallel.tp ({self.tp}) must divide model.seq_len ({mcfg.seq_len})"
+                                  f"{per_cp} with sequence parallelism (train.parallel.sequence_parallel)")
             if tcfg.compile and tcfg.activation_checkpointing == "full":
                 # torch 2.13: the compiled tensor-parallel block saves a DeviceMesh for its backward,
                 # which the checkpoint's saved-tensor check rejects at the first step
@@ -101,9 +100,9 @@ class ParallelDims:
                 raise LayoutError("train.parallel.ep > 1 needs a mixture-of-experts model (model.moe.n_experts)")
             if moe.n_experts % self.ep:
                 raise LayoutError(f"train.parallel.ep ({self.ep}) must divide model.moe.n_experts ({moe.n_experts})")
-            if (self.dp_shard * self.cp) % self.ep:
-                raise LayoutError(f"train.parallel.ep ({self.ep}) must divide dp_shard x cp "
-                                  f"({self.dp_shard} x {self.cp}): expert parallelism borrows those ranks")
+            if self.dp_shard % self.ep:
+                raise LayoutError(f"train.parallel.ep ({self.ep}) must divide dp_shard ({self.dp_shard}): "
+                                  f"expert parallelism borrows those ranks")
         if self.pp > 1:
             stages = self.pp * self.stages_per_rank
             if mcfg.n_layer % stages:
@@ -161,7 +160,8 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str):
         """The world DeviceMesh with every dimension named (size-1 ones included), plus the flattened
-        "dp" (dp_replicate x dp_shard: data loading, loss averaging) and "dp_shard_cp" (FSDP) meshes."""
+        "dp" (dp_replicate x dp_shard: data loading), "dp_shard_cp" (FSDP) and "dp_cp" (the ranks that
+        see different tokens: loss averaging, expert loads) meshes."""
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
@@ -170,7 +170,26 @@ class ParallelDims:
         flatten = private("DeviceMesh._flatten")
         flatten(mesh["dp_replicate", "dp_shard"], "dp")
         flatten(mesh["dp_shard", "cp"], "dp_shard_cp")
+        flatten(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
         return mesh
+
+
+def check_cp(dims: ParallelDims, tcfg, mcfg) -> None:
+    """Context parallelism (tasks/train/context_parallel.py) against the model and the other
+    dimensions; raises LayoutError naming the field."""
+    if mcfg.seq_len % (2 * dims.cp):
+        raise LayoutError(f"train.parallel.cp ({dims.cp}): model.seq_len ({mcfg.seq_len}) must be a multiple of "
+                          f"2 x cp = {2 * dims.cp} (each cp rank takes two of 2 x cp equal chunks of every sequence)")
+    if dims.pp > 1:
+        raise LayoutError("train.parallel.cp > 1 with train.parallel.pp > 1 is not supported: use cp with "
+                          "dp_shard / dp_replicate / tp")
+    if dims.ep > 1:
+        raise LayoutError("train.parallel.cp > 1 with train.parallel.ep > 1 is not supported: expert "
+                          "parallelism borrows its ranks from dp_shard only; use ep 1 (the experts are then "
+                          "FSDP-sharded like every layer) or cp 1")
+    if tcfg.doc_mask:
+        raise LayoutError("train.doc_mask is not supported with train.parallel.cp > 1 (the cp ranks' "
+                          "attention masks are plain causal)")
 
 
 def step_granularity(dims: ParallelDims, tcfg) -> int:

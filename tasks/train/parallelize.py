@@ -1,5 +1,6 @@
 """How the model is parallelized on the training layout's DeviceMesh, in torchtitan's order:
 
+    context parallelism (K/V all-gather)          mesh["cp"]              tasks.train.context_parallel.apply_cp
     tensor parallelism (+ sequence parallelism)   mesh["tp"]              apply_tp
     expert parallelism (MoE)                      the ep mesh             tasks.train.expert_parallel.apply_ep
     activation checkpointing                      per block               apply_ac
@@ -205,6 +206,10 @@ def parallelize_model(model: nn.Module, dims, mesh, tcfg, device: torch.device) 
     Collective: every rank calls it."""
     if dims.legacy_ddp:
         return parallelize(model, tcfg, device)
+    if dims.cp > 1:  # before the wrappers: it marks the attention modules themselves
+        from tasks.train.context_parallel import apply_cp
+
+        apply_cp(model, mesh["cp"], model.cfg.seq_len)
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], dims.sequence_parallel)
         if tcfg.compile and model.tok_emb is not None:

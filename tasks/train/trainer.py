@@ -165,8 +165,11 @@ class Trainer:
         self.mesh = None if self.dims.legacy_ddp else self.dims.build_mesh(self.device.type)
         # the data-parallel coordinates: which slice of each global batch this rank reads
         self.dp_rank, self.dp_size, self.pp_rank = data_parallel_coords(self.mesh, self.rank, self.world)
-        # the data-parallel ranks' group (losses, expert loads): looked up once, not per step
-        self.dp_group = dist.group.WORLD if self.mesh is None else self.mesh["dp"].get_group()
+        # the ranks that see different tokens (losses, expert loads; looked up once, not per step): the
+        # data-parallel ranks, and their cp ranks (each holds a slice of every sequence)
+        self.tokens_group = dist.group.WORLD if self.mesh is None else self.mesh["dp_cp"].get_group()
+        self.tokens_ranks = dist.get_world_size(self.tokens_group)
+        self.cp_rank = 0 if self.mesh is None else self.mesh["cp"].get_local_rank()
         self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
         self.data = GlobalWindows(tokens_index, "train", self.gcfg.seq_len, tcfg.micro_batch_size,
                                   seed=tcfg.seed, documents=tcfg.doc_mask)
@@ -191,13 +194,19 @@ class Trainer:
         built_on_meta = self.init_record is not None and all(t.is_meta for t in self.model.parameters())
         model_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
         self.model_parts, self.wrapped = self.build_model_parts()
+        # cp > 1 (tasks/train/context_parallel.py): micro_batch keeps this rank's slice of each sequence
+        self.context_parallel = getattr(self.model_parts[0], "context_parallel", None)
+        if self.context_parallel is not None:
+            self.layout_info["context_parallel"] = {"cp": self.dims.cp, "seq_len": self.gcfg.seq_len,
+                                                    "local_seq_len": self.context_parallel.local_len,
+                                                    "sharding": "load-balanced: chunks i and 2 cp - 1 - i"}
         if self.init_record is not None:
             self.layout_info["init"] = {"built_on_meta": built_on_meta, "model_param_bytes": model_bytes,
                                         **materialize(self.model_parts, self.init_record, self.gcfg, self.device)}
         self.optimizer = OptimizersContainer(self.model_parts, tcfg)
         # per-rank RNG streams after the shared init, saved in checkpoints: dropout differs per
         # data-parallel replica and pipeline stage, and is the same on the tp / cp ranks of one replica
-        seed_rank_streams(rank_stream_seed(tcfg.seed, self.dp_rank, self.dp_size, self.pp_rank))
+        seed_rank_streams(rank_stream_seed(tcfg.seed, *self.stream_coords, self.pp_rank))
         self.data_rng = np.random.default_rng([tcfg.seed, self.rank])  # per-rank data stream, checkpointed
         self.detector = SpikeDetector(tcfg.spike_window, tcfg.spike_min_history, tcfg.spike_sigma,
                                       tcfg.spike_rollback_after, loss_ratio=tcfg.spike_loss_ratio,
@@ -233,6 +242,12 @@ class Trainer:
         self.layout_info["pipeline"] = self.pipeline.record()
         parts = self.pipeline.model_parts
         return parts, parts[0]
+
+    @property
+    def stream_coords(self) -> tuple[int, int]:
+        """(index, count) of this rank's dropout stream among the ranks computing different activations:
+        the data-parallel replicas and, within one, the cp ranks (their slices differ); tp ranks share."""
+        return self.dp_rank + self.dp_size * self.cp_rank, self.dp_size * self.dims.cp
 
     @property
     def storage(self) -> dict:
@@ -271,7 +286,7 @@ class Trainer:
         if rng is not None:
             restore_rng_state(rng, self.data_rng)
         else:  # another layout: the per-rank streams cannot carry over; derive fresh ones
-            seed_rank_streams(rank_stream_seed(self.tcfg.seed, self.dp_rank, self.dp_size, self.pp_rank, step))
+            seed_rank_streams(rank_stream_seed(self.tcfg.seed, *self.stream_coords, self.pp_rank, step))
             self.data_rng.bit_generator.state = np.random.default_rng(
                 [self.tcfg.seed, self.rank, step]).bit_generator.state
         return step
@@ -390,14 +405,15 @@ class Trainer:
         """MoE: the step's tokens per expert summed over the data-parallel ranks, the experts' selection
         bias moved towards balance (not for a skipped batch), counts reset; per-layer stats for the log.
         Collective (dp group, and pp group for the other stages' layers)."""
-        return balance_experts(self.model_parts, self.dp_group, self.pp_group, update_bias=update)
+        return balance_experts(self.model_parts, self.tokens_group, self.pp_group, update_bias=update)
 
     def reduce_losses(self, loss_sum: torch.Tensor) -> tuple[float, float]:
         """(cross-entropy, z-loss) of the step: this rank's micro-batch mean, averaged over the
-        data-parallel ranks (the tp / cp ranks of a replica hold the same values)."""
+        data-parallel and cp ranks (the tp ranks of a replica hold the same values; the cp ranks the
+        means over their slices, each as many tokens, so their mean is the sequence's)."""
         loss_avg = loss_sum / self.accum
-        dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM, group=self.dp_group)  # gloo has no AVG
-        return loss_avg[0].item() / self.dp_size, loss_avg[1].item() / self.dp_size
+        dist.all_reduce(loss_avg, op=dist.ReduceOp.SUM, group=self.tokens_group)  # gloo has no AVG
+        return loss_avg[0].item() / self.tokens_ranks, loss_avg[1].item() / self.tokens_ranks
 
     def grad_sync(self, last_micro: bool) -> contextlib.AbstractContextManager:
         """Gradients are reduced across data-parallel ranks only on the last micro-batch of a step."""
@@ -444,8 +460,12 @@ class Trainer:
 
     def micro_batch(self, pos: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of this rank's micro-batch `micro` of the step starting at `pos`: the slice
-        of its data-parallel rank (every tp / pp / cp rank of a replica reads the same)."""
-        return self.data.micro_batch(pos, micro, self.dp_rank, self.dp_size)
+        of its data-parallel rank (every tp / pp / cp rank of a replica reads the same); with cp > 1
+        this rank's positions of each sequence."""
+        x, y = self.data.micro_batch(pos, micro, self.dp_rank, self.dp_size)
+        if self.context_parallel is not None:
+            x, y = self.context_parallel.shard(x), self.context_parallel.shard(y)
+        return x, y
 
     def compute_loss(self, logits: torch.Tensor, targets: torch.Tensor):
         """(loss to backpropagate, cross-entropy, z-loss or None) of one micro-batch."""
@@ -562,6 +582,8 @@ class Trainer:
         `layout_info` (fields other parts of the trainer add, such as pipeline stages)."""
         mine = {**rank_layout(self.model_parts, self.rank, self.mesh),
                 "dp_rank": self.dp_rank, "pp_rank": self.pp_rank}
+        if self.context_parallel is not None:  # the sequence positions this rank's attention queries hold
+            mine["context_parallel"] = self.context_parallel.record()
         gathered = [None] * self.world if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if self.rank == 0:

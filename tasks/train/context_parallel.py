@@ -1,0 +1,97 @@
+"""Context parallelism (train.parallel.cp): the sequence of every sample split over the cp ranks.
+
+All-gather context parallelism, as in the Llama 3 paper and torchtitan's "allgather" rotate method:
+each cp rank holds a slice of every sequence (its inputs, targets, residual stream and activations),
+and in each attention layer the keys and values of the whole sequence are all-gathered over the cp
+group (one collective per layer, K and V stacked; its backward reduce-scatters the K/V gradients
+back to the ranks that computed them); the rank's queries attend to them under the causal mask at
+their global positions, and RoPE rotates each token by its global position. Everything outside
+attention (norms, MLP, MoE routing, the loss) is per token and runs unchanged on the local slice.
+
+Load-balanced causal sharding: the sequence is cut into 2 x cp chunks and rank i takes chunks i and
+2 x cp - 1 - i, so every rank's queries see the same number of keys in total (an early chunk with
+a late one) and the causal work is even.
+
+The loss: each rank's cross-entropy is the mean over its seq_len / cp targets, the same count on
+every rank, so the mean over the cp ranks is the 1-process mean. FSDP2 shards over dp_shard x cp
+and averages the gradients over those ranks, which is that mean's gradient: rank r's gradient holds
+its own tokens' terms plus, through the K/V reduce-scatter, every rank's queries' terms for its
+keys and values. The trainer averages the logged loss over dp x cp (the "dp_cp" mesh).
+
+Unlike torch's `context_parallel` (ring attention through CUDA's flash / efficient SDPA kernels) this
+runs on any backend and attention kernel (gloo on CPU included); its cost is one all-gather of the
+whole sequence's K/V per layer, which the Llama 3 paper found acceptable for GQA models.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def load_balanced_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The sequence positions cp rank `rank` holds: chunks rank and 2 cp - 1 - rank of 2 cp equal
+    chunks (int64, ascending). seq_len must be a multiple of 2 cp (ParallelDims.check)."""
+    chunk = seq_len // (2 * cp)
+    if chunk * 2 * cp != seq_len or not 0 <= rank < cp:
+        raise ValueError(f"seq_len {seq_len} does not split into 2 x cp ({2 * cp}) chunks (rank {rank})")
+    early, late = rank * chunk, (2 * cp - 1 - rank) * chunk
+    return torch.cat([torch.arange(early, early + chunk), torch.arange(late, late + chunk)])
+
+
+class ContextParallel:
+    """One cp rank's part of every sequence of length seq_len, and attention over the whole sequence.
+    Installed on every CausalSelfAttention and on the GPT itself (`apply_cp`); the trainer calls
+    `shard` on each micro-batch's inputs and targets."""
+
+    def __init__(self, group, seq_len: int):
+        self.group, self.seq_len = group, seq_len
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.positions = load_balanced_positions(seq_len, self.cp, self.rank)  # this rank's queries
+        # the all-gather concatenates the ranks' slices in rank order: the keys' positions then
+        keys = torch.cat([load_balanced_positions(seq_len, self.cp, r) for r in range(self.cp)])
+        self.mask = keys[None, :] <= self.positions[:, None]  # (local, seq_len): query may attend key
+        self.gathers = 0  # K/V all-gathers run (forward passes of attention layers), for the layout record
+
+    @property
+    def local_len(self) -> int:
+        return self.positions.numel()
+
+    def shard(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's positions of a whole-sequence tensor (inputs, targets: (B, seq_len))."""
+        if t.size(dim) != self.seq_len:
+            raise ValueError(f"context parallelism splits sequences of {self.seq_len} tokens, got {t.size(dim)}")
+        return t.index_select(dim, self.positions.to(t.device))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+        """Causal attention of the local queries (B, heads, local, head_dim) over the whole sequence's
+        keys and values, gathered from the cp ranks (the local k and v: (B, heads, local, head_dim))."""
+        import torch.distributed._functional_collectives as funcol
+
+        # one all-gather for K and V, along dim 0 (the only gather dim the autograd version takes)
+        kv = torch.stack((k, v)).permute(3, 0, 1, 2, 4).contiguous()  # (local, 2, B, heads, head_dim)
+        kv = funcol.all_gather_single_autograd(kv, 0, self.group)  # backward: reduce-scatter (sum)
+        k, v = kv.permute(1, 2, 3, 0, 4).unbind(0)  # (B, heads, seq_len, head_dim) each, ranks' order
+        self.gathers += 1
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask.to(q.device), dropout_p=dropout_p)
+
+    def record(self) -> dict:
+        return {"cp": self.cp, "cp_rank": self.rank, "local_seq_len": self.local_len,
+                "positions": self.positions.tolist()}
+
+
+def apply_cp(model: nn.Module, cp_mesh, seq_len: int) -> ContextParallel:
+    """Context parallelism over `cp_mesh` (the world mesh's "cp" dimension) on a GPT, in place: every
+    attention layer gathers K/V over it, the model rotates by the slice's global positions. Returns
+    the ContextParallel whose `shard` the trainer applies to inputs and targets. Collective-free."""
+    from tasks.train.model import CausalSelfAttention
+
+    context = ContextParallel(cp_mesh.get_group(), seq_len)
+    attention = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
+    if not attention:
+        raise ValueError("train.parallel.cp > 1 but the model has no attention layer")
+    for m in attention:
+        m.context_parallel = context
+    model.context_parallel = context
+    return context

@@ -1,0 +1,75 @@
+"""Context parallelism (train.parallel.cp, tasks/train/context_parallel.py) against one process: real
+4-process torchrun runs (gloo, CPU, fp32) whose first 10 steps' losses equal the 1-process run on the
+same global batch within 1e-4 relative and whose grad norms agree within 1e-3 (tests/layout_helpers.py).
+
+Each run also proves cp was on: every rank's layout record holds its load-balanced slice of the
+sequence (chunks i and 2 cp - 1 - i: half the positions, disjoint between the cp ranks of a replica,
+together the whole sequence), so a run that left the sequences whole would fail; and attention that
+did not gather the other ranks' keys and values would not reach the 1-process losses.
+A checkpoint saved under cp 2 x dp_shard 2 resumes in one process where the 1-process run was.
+"""
+from __future__ import annotations
+
+import pytest
+
+from layout_helpers import (GLOBAL_SAMPLES, LAYOUT_MODEL, assert_matches_reference, copy_at_step, reference_run,
+                            run_layout)
+from tasks.train.checkpoint import read_meta
+
+SEQ = LAYOUT_MODEL["seq_len"]
+SAVE_STEP = 6
+
+
+@pytest.fixture(scope="module")
+def ref(base):
+    return reference_run(base).rows
+
+
+def assert_context_parallel(layout: dict, cp: int) -> None:
+    """Every rank attends from its own cp slice: chunks c and 2 cp - 1 - c of the sequence (c its cp
+    coordinate), seq_len / cp positions; the cp ranks of one replica (same dp and tp coordinates)
+    hold disjoint slices that make up the whole sequence, and read the same samples."""
+    assert layout["dims"]["cp"] == cp and layout["context_parallel"]["local_seq_len"] == SEQ // cp
+    chunk = SEQ // (2 * cp)
+    replicas: dict[tuple, list[int]] = {}
+    for r in layout["ranks"]:
+        rec, c = r["context_parallel"], r["coords"]["cp"]
+        assert (rec["cp"], rec["cp_rank"], rec["local_seq_len"]) == (cp, c, SEQ // cp), rec
+        want = [*range(c * chunk, (c + 1) * chunk), *range((2 * cp - 1 - c) * chunk, (2 * cp - c) * chunk)]
+        assert rec["positions"] == want, rec
+        key = (r["dp_rank"], r["coords"]["tp"])
+        replicas.setdefault(key, []).extend(rec["positions"])
+    for positions in replicas.values():
+        assert sorted(positions) == list(range(SEQ))
+    # FSDP2 shards every parameter over dp_shard x cp
+    for r in layout["ranks"]:
+        for name, p in r["params"].items():
+            dims = dict(zip(p["mesh_dims"], p["placements"]))
+            assert dims.get("dp_shard_cp", "R") != "R", (name, p)
+
+
+def test_cp_2_dp_shard_2_matches_one_process_and_resumes_in_one(base, ref, tmp_path):
+    run = run_layout(base, 4, train={"parallel": {"dp_shard": 2, "cp": 2}, "checkpoint_every": SAVE_STEP})
+    assert_matches_reference(run.rows, ref)
+    assert_context_parallel(run.layout, 2)
+    assert sorted({r["dp_rank"] for r in run.layout["ranks"]}) == [0, 1]  # two replicas' slices of each batch
+    assert "layout dp_shard 2 x cp 2" in run.log
+    # the step-6 checkpoint resumes in one process: steps 7-10 are the 1-process run's
+    ckpt = [c for c in run.checkpoints if read_meta(c)["step"] == SAVE_STEP]
+    assert ckpt and read_meta(ckpt[0])["layout"]["cp"] == 2
+    out = copy_at_step(run.out_dir, tmp_path / "resumed", SAVE_STEP)
+    resumed = run_layout(base, 1, train={"resume": True}, out_dir=out, name="resumed")
+    assert f"at step {SAVE_STEP}, data position {SAVE_STEP * GLOBAL_SAMPLES}" in resumed.log
+    assert_matches_reference(resumed.rows, ref)
+
+
+def test_cp_2_tp_2_selective_checkpointing_matches_one_process(base, ref):
+    """cp with tensor (+ sequence) parallelism: each tp rank's heads attend over the K/V its cp
+    peers gathered, the residual stream holds 1 / (cp x tp) of the sequence."""
+    run = run_layout(base, 4, train={"parallel": {"cp": 2, "tp": 2}, "activation_checkpointing": "selective"})
+    assert_matches_reference(run.rows, ref)
+    assert_context_parallel(run.layout, 2)
+    r0 = next(r for r in run.layout["ranks"] if r["rank"] == 0)
+    wq = r0["params"]["blocks.0.attn.wq.weight"]
+    assert dict(zip(wq["mesh_dims"], wq["placements"]))["tp"] == "S(0)"
+    assert {r["dp_rank"] for r in run.layout["ranks"]} == {0}  # one replica: cp and tp split its sequences
