@@ -52,14 +52,14 @@ from infra.services.lineage.views import (
     dataset_links,
     dataset_obj,
     facet_urls,
-    graph_page,
+    graph_answer,
     io_for_runs,
     jobs_objs,
     run_links,
     run_obj,
     unique_links,
     version_obj,
-    WalkOrders,
+    PagedWalks,
     _ms,
 )
 
@@ -203,27 +203,27 @@ def _ingest_router(store: LineageStore, spec_dir: str | Path | None) -> APIRoute
     return router
 
 
-def _cursor(node: Node, depth: int, direction: str, fanout: int, offset: int) -> str:
-    """An opaque cursor: the offset in the query's node order, tied to the query it pages."""
+def _cursor(node: Node, depth: int, direction: str, fanout: int, at: str) -> str:
+    """An opaque cursor: a position in the query's pages (views.parse_position), tied to the query."""
     query = hashlib.sha256(f"{node.id}|{depth}|{direction}|{fanout}".encode()).hexdigest()[:16]
-    return base64.urlsafe_b64encode(f"{offset}.{query}".encode()).decode().rstrip("=")
+    return base64.urlsafe_b64encode(f"{at}.{query}".encode()).decode().rstrip("=")
 
 
-def _cursor_offset(cursor: str, node: Node, depth: int, direction: str, fanout: int) -> int:
+def _cursor_position(cursor: str, node: Node, depth: int, direction: str, fanout: int) -> str:
     try:
-        offset = int(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode().split(".", 1)[0])
+        at = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode().rsplit(".", 1)[0]
     except (ValueError, UnicodeDecodeError):
         raise HTTPException(400, "cursor is not one this service gave") from None
-    if offset < 0 or _cursor(node, depth, direction, fanout, offset) != cursor:
+    if _cursor(node, depth, direction, fanout, at) != cursor:
         raise HTTPException(400, "cursor belongs to another query (nodeId, depth, direction and fanout must match)")
-    return offset
+    return at
 
 
 def _graph_router(store: LineageStore) -> APIRouter:
     """GET /api/v1/lineage: Marquez's lineage graph around a node, one bounded page at a time."""
     router = APIRouter(responses=ERRORS)
     encoded = EncodedDatasets()
-    walks = WalkOrders()
+    walks = PagedWalks()
 
     @router.get(f"{API}/lineage")
     def get_lineage(node_id_value: str = Query(..., alias="nodeId"), depth: int = Query(20, ge=0, le=MAX_DEPTH),
@@ -236,11 +236,13 @@ def _graph_router(store: LineageStore) -> APIRouter:
                     cursor: str | None = Query(None, max_length=200,
                                                description="page.nextCursor or a group's cursor")) -> Response:
         node = _node_or_error(store, node_id_value)
-        offset = _cursor_offset(cursor, node, depth, direction, fanout) if cursor else 0
-        walk, order = walks.get(store, node, depth, direction, fanout)
-        body = graph_page(store, walk, encoded, offset=offset, limit=limit, fanout=fanout, max_bytes=max_bytes,
-                          order=order,
-                          cursor_for=lambda at: _cursor(node, depth, direction, fanout, at))
+        at = _cursor_position(cursor, node, depth, direction, fanout) if cursor else "0"
+        try:
+            body = graph_answer(store, walks, encoded, node, depth=depth, direction=direction, fanout=fanout, at=at,
+                                limit=limit, max_bytes=max_bytes,
+                                cursor_for=lambda pos: _cursor(node, depth, direction, fanout, pos))
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
         return Response(body, media_type="application/json")
 
     return router

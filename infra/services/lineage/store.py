@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import sqlite3
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -465,6 +466,162 @@ class _IoIndex:
         return frontier
 
 
+class PagedWalk:
+    """A walk from `start` taken one node at a time, in the order graph pages list them, only as far
+    as the pages asked for so far (`advance`): at 100,000 events a raw file's downstream walk is
+    ~53,000 nodes and ~117,000 edges (~2 s of CPU to walk and order), while its first page is 200.
+
+    Order: breadth-first from the start, a node's fan-out (its neighbours away from the start that
+    no one found before) sorted jobs first, then by id; its first `fanout` come at once, the rest
+    after everything reachable that way (then again in the same manner), so a page reaches as
+    deep as the walk before it lists one job's thousandth output. A node's `via` is the node whose
+    fan-out found it. The steps are the walk's (store.walk): run by run, dataset version by
+    version, `depth` job hops per side; a node is expanded with the runs (job) or versions
+    (dataset) that reached it when it is placed, and again with any that reach it later (their
+    nodes go after everything found so far; a shorter path found later lowers its hop and lets
+    it go deeper). Each edge is listed once: at the later of its ends' places, or at the step
+    that found it when both were placed before. Until `done`, counts (a fan-out's remaining
+    nodes, the nodes found, a job's runs) are what the pages so far have found: lower bounds."""
+
+    def __init__(self, start: Node, start_runs: list[str], depth: int, direction: str, fanout: int,
+                 revision: int):
+        self.start, self.depth, self.fanout, self.revision = start, max(depth, 0), max(fanout, 1), revision
+        self.ids: list[str] = []  # placed, in page order
+        self.pos: dict[str, int] = {}
+        self.kinds: dict[str, tuple[str, tuple[str, str]]] = {}  # every node found: (type, key)
+        self.via: dict[str, str | None] = {}
+        self.hops: dict[tuple[str, str], int] = {}  # (node, side) -> job hops from the start
+        self.reach: dict[tuple[str, str], set] = {}  # (node, side) -> runs (job) / versions (dataset) reaching it
+        self.followed: dict[tuple[str, str], set] = {}  # ... of which expanded
+        self.children: dict[str, list[tuple[str, str]]] = {}  # node -> (node, side) it found, in order
+        self.edges_at: list[list[tuple[str, str]]] = []  # per place: the edges listed there
+        self.pending: dict[str, list[tuple[str, str]]] = {}  # unplaced node -> its edges to list
+        self.edge_seen: set[tuple[str, str]] = set()
+        self.level: deque = deque()
+        self.later: deque = deque()
+        self.truncated = False
+        self.done = False
+        self._fresh: list[tuple[str, str]] = []  # found by the step now being taken (split by fanout)
+        self.lock = threading.Lock()  # held while a request takes it further or reads a page of it
+        sid = start.id
+        self.kinds[sid], self.via[sid] = (start.type, start.key), None
+        self.children[sid] = []
+        sides = ("upstream", "downstream") if direction == "both" else (direction,)
+        for side in sides:
+            self.hops[(sid, side)] = 0
+            self.reach[(sid, side)] = set(start_runs) if start.type == "JOB" else {None}
+            self.followed[(sid, side)] = set()
+        self.level.append(sid)
+
+    # -- what a page reads ---------------------------------------------------------------------
+
+    def sides(self, nid: str) -> list[str]:
+        return sorted(side for side in ("downstream", "upstream") if (nid, side) in self.hops)
+
+    def hop(self, nid: str) -> int:
+        return min(self.hops[(nid, side)] for side in ("upstream", "downstream") if (nid, side) in self.hops)
+
+    def items(self, nid: str) -> set:
+        """The runs (job) or versions (dataset; None: any) that reached a node, on either side."""
+        return self.reach.get((nid, "upstream"), set()) | self.reach.get((nid, "downstream"), set())
+
+    # -- taking steps --------------------------------------------------------------------------
+
+    def advance(self, index: "_IoIndex", count: int) -> None:
+        """Place nodes until `count` are placed or the walk is done (call with the index current
+        for `revision` and locked)."""
+        while len(self.ids) < count and not self.done:
+            if not self.level:
+                self.level, self.later = self.later, deque()
+                if not self.level:
+                    self.done = True
+                    break
+            nid = self.level.popleft()
+            if nid in self.pos:
+                continue
+            self.pos[nid] = len(self.ids)
+            self.ids.append(nid)
+            self.edges_at.append(self.pending.pop(nid, []))
+            self._fresh = []
+            for side in self.sides(nid):
+                self._expand(index, nid, side)
+            fresh = sorted(self._fresh, key=lambda f: (self.kinds[f[0]][0] != "JOB", f[0]))
+            self.level.extend(n for n, _ in fresh[:self.fanout])
+            self.later.extend(n for n, _ in fresh[self.fanout:])
+
+    def _expand(self, index: "_IoIndex", nid: str, side: str) -> None:
+        """Follow what reached (nid, side) and was not followed yet; what that reaches anew and was
+        placed before is followed in turn (worklist)."""
+        work = [(nid, side)]
+        while work:
+            node, s = work.pop()
+            key = (node, s)
+            node_type, nkey = self.kinds[node]
+            hop = self.hops[key]
+            if node_type == "DATASET" and hop >= self.depth:
+                if index.by_dataset["out" if s == "upstream" else "in"].get(nkey):
+                    self.truncated = True
+                continue
+            new = self.reach[key] - self.followed[key]
+            if not new:
+                continue
+            self.followed[key] |= new
+            for child, child_key, item, edge in self._neighbours(index, node_type, nkey, node, s, new):
+                self._edge(edge)
+                ckey = (child, s)
+                child_hop = hop + 1 if node_type == "DATASET" else hop
+                if child not in self.kinds:
+                    self.kinds[child] = ("JOB" if node_type == "DATASET" else "DATASET", child_key)
+                    self.via[child] = node
+                    self.children[child] = []
+                    self.children[node].append((child, s))
+                    if node == self.ids[-1]:
+                        self._fresh.append((child, s))
+                    else:  # found by a node placed before: after everything found so far
+                        self.later.append(child)
+                if ckey not in self.hops:
+                    self.hops[ckey], self.reach[ckey], self.followed[ckey] = child_hop, set(), set()
+                grew = item not in self.reach[ckey]
+                self.reach[ckey].add(item)
+                if child_hop < self.hops[ckey]:  # a shorter path: it may now go deeper
+                    self.hops[ckey] = child_hop
+                    self.followed[ckey] = set()
+                    grew = True
+                if grew and child in self.pos:
+                    work.append(ckey)
+
+    def _neighbours(self, index: "_IoIndex", node_type: str, nkey: tuple, node: str, side: str, new: set):
+        """(node id, key, run or version, edge) one step away from `node` on `side`, through `new`."""
+        up = side == "upstream"
+        if node_type == "DATASET":
+            runs = index.by_dataset["out" if up else "in"].get(nkey) or {}
+            items = runs.items()
+            if None not in new:
+                exact = [r for r in items if r[1][0] in new or not r[1][0]]
+                # upstream: a producer that recorded another hash still wrote this name; downstream
+                # a reader of another version did not read this one
+                items = exact or (items if up else [])
+            for run_id, (_, job_key) in items:
+                job = index.job_ids[job_key]
+                yield job, job_key, run_id, ((job, node) if up else (node, job))
+        else:
+            by_run = index.by_run["in" if up else "out"]
+            for run_id in new:
+                for key, version in (by_run.get(run_id) or {}).items():
+                    ds = index.ids[key]
+                    yield ds, key, version or None, ((ds, node) if up else (node, ds))
+
+    def _edge(self, edge: tuple[str, str]) -> None:
+        if edge in self.edge_seen:
+            return
+        self.edge_seen.add(edge)
+        unplaced = [n for n in edge if n not in self.pos]
+        if unplaced:
+            self.pending.setdefault(unplaced[0], []).append(edge)
+        else:
+            self.edges_at[-1].append(edge)
+
+
 # ----------------------------------------------------------------------------------------------
 # The store
 
@@ -831,6 +988,27 @@ class LineageStore:
         else:
             walk.add_job(start.key, None, 0, "start")
         return walk
+
+    def paged_walk(self, start: Node, depth: int, direction: str, fanout: int) -> PagedWalk:
+        """A PagedWalk from `start` at the store's current revision, no node placed yet."""
+        if direction not in ("both", "upstream", "downstream"):
+            raise ValueError("direction must be both, upstream or downstream")
+        start_runs = ([r[0] for r in self._conn().execute(
+            "SELECT run_id FROM runs WHERE job_namespace = ? AND job_name = ?", start.key)]
+            if start.type == "JOB" else [])
+        with self._io_index_lock:
+            revision = self._io_index_current().seen
+        return PagedWalk(start, start_runs, depth, direction, fanout, revision)
+
+    def advance(self, walk: PagedWalk, count: int) -> bool:
+        """Place `walk`'s nodes up to `count`; False (nothing done) when the store has changed since
+        the walk began (its pages would no longer agree: begin again)."""
+        with self._io_index_lock:
+            index = self._io_index_current()
+            if index.seen != walk.revision:
+                return False
+            walk.advance(index, count)
+        return True
 
     def revision(self) -> int:
         """The highest stored event id (any process's): walks from the same start agree while it holds."""

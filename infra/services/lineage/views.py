@@ -5,15 +5,14 @@ from __future__ import annotations
 import re
 import sqlite3
 import threading
-from collections import OrderedDict, deque
-from bisect import bisect_left
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Callable
 from urllib.parse import quote
 
 from infra.services.lineage.fastjson import Fragment, dumps_bytes, loads
-from infra.services.lineage.store import LineageStore, Walk, node_id
+from infra.services.lineage.store import LineageStore, PagedWalk, node_id
 from tasks.tracking.links import prefect_page
 
 
@@ -289,121 +288,37 @@ _EDGE_BYTES = 32  # {"origin":"","destination":""}, beside the two ids
 LISTED = 100  # run ids of a job node, versions of a dataset node (and their count): 33,400 runs at 100,000 events
 
 
-@dataclass
-class LineageOrder:
-    """The nodes of a walk in the order pages are cut from: breadth-first from the start along the
-    walk's direction (a node's fan-out: its neighbours away from the start, the way the walk found
-    them), where a node's first `fanout` unplaced neighbours (fewest hops, jobs first, then by id)
-    come at once and the rest of its fan-out only after everything reachable that way (then again
-    in the same manner). So a page reaches as deep as the walk (the chain to a model) before it
-    lists the thousandth output of one job. `via[n]`: the node whose fan-out holds n."""
-
-    ids: list[str]
-    index: dict[str, int]
-    via: dict[str, str | None]
-    kinds: dict[str, tuple[str, tuple[str, str]]]  # node id -> (type, key)
-    outgoing: set[tuple[str, str]]  # the walk's edges (origin, destination)
-    edges_of: dict[str, list[tuple[str, tuple[str, str]]]]  # node id -> (neighbour, edge) per edge of it
-    fan: dict[str, dict[str, list[int]]]  # node id -> direction -> order positions of the nodes it is via of
-    _memo: dict[str, tuple[list, dict]] = field(default_factory=dict, repr=False)  # see sides()
-
-    @classmethod
-    def of(cls, walk: Walk, fanout: int) -> "LineageOrder":
-        kinds: dict[str, tuple[str, tuple[str, str]]] = {}
-        rank: dict[str, tuple] = {}
-        along, against = set(), set()  # downstream the walk stepped along edges, upstream against them
-        for node_type, infos, first in (("DATASET", walk.datasets, 1), ("JOB", walk.jobs, 0)):
-            for key, info in infos.items():
-                nid = node_id(node_type, *key)
-                kinds[nid], rank[nid] = (node_type, key), (info["hop"], first, nid)
-                sides = info["sides"]
-                if "start" in sides or "downstream" in sides:
-                    along.add(nid)
-                if "start" in sides or "upstream" in sides:
-                    against.add(nid)
-        away: dict[str, list[str]] = {nid: [] for nid in kinds}
-        edges_of: dict[str, list[tuple[str, tuple[str, str]]]] = {nid: [] for nid in kinds}
-        for edge in walk.edges:
-            a, b = edge
-            edges_of[a].append((b, edge))
-            edges_of[b].append((a, edge))
-            if a in along:
-                away[a].append(b)
-            if b in against:
-                away[b].append(a)
-        start = walk.start.id
-        ids: list[str] = []
-        index: dict[str, int] = {}
-        via: dict[str, str | None] = {}
-        fan: dict[str, dict[str, list[int]]] = {}
-        level, later = deque([(start, None)]), deque()
-        fanout = max(fanout, 1)
-        while level:
-            while level:
-                nid, parent = level.popleft()
-                if nid in index:
-                    continue
-                index[nid] = len(ids)
-                ids.append(nid)
-                via[nid] = parent
-                if parent is not None:  # placed in order: each list ascends
-                    side = "downstream" if (parent, nid) in walk.edges else "upstream"
-                    fan.setdefault(parent, {}).setdefault(side, []).append(index[nid])
-                fresh = sorted({n for n in away[nid] if n not in index}, key=rank.__getitem__)
-                level.extend((n, nid) for n in fresh[:fanout])
-                later.extend((n, nid) for n in fresh[fanout:])
-            level, later = later, deque()
-        return cls(ids, index, via, kinds, walk.edges, edges_of, fan)
-
-    def sides(self, nid: str) -> tuple[list[tuple[str, tuple[str, str]]], dict[str, tuple[list[int], list[int]]]]:
-        """(its edges to nodes before it in the order; per direction, the order positions of its
-        fan-out (the nodes it is `via` of), ascending, with how many of them from each position
-        on are datasets). Made once per node a page shows and kept with the order: a job of the
-        100,000-event benchmark has ~50,000 outputs, and each page passing over them all took
-        ~0.25 s; a page now looks its groups up by position (bisect)."""
-        memo = self._memo.get(nid)
-        if memo is not None:
-            return memo
-        index, mine, ids, kinds = self.index, self.index[nid], self.ids, self.kinds
-        earlier = [(other, edge) for other, edge in self.edges_of[nid] if index[other] < mine]
-        groups: dict[str, tuple[list[int], list[int]]] = {}
-        for direction, at in sorted(self.fan.get(nid, {}).items()):
-            datasets_from = [0] * (len(at) + 1)
-            for i in range(len(at) - 1, -1, -1):
-                datasets_from[i] = datasets_from[i + 1] + (kinds[ids[at[i]]][0] == "DATASET")
-            groups[direction] = (at, datasets_from)
-        memo = self._memo[nid] = (earlier, groups)
-        return memo
-
-
-class WalkOrders:
-    """The walks and their page orders of recent graph queries, reused while the store's revision
-    holds: the pages after the first (a cursor, a group's nodes) and repeated queries are cut from
-    the same order instead of walking again (at 100,000 events a raw file's downstream walk and its
-    order take most of the answer's time: ~2 s of CPU there). Bounded by the nodes held (~1 kB each: the
-    ten walks from the raw files of the 100,000-event benchmark are ~530,000)."""
+class PagedWalks:
+    """The PagedWalks of recent graph queries, continued by their later pages (a cursor, a group)
+    and reused by repeated queries while the store's revision holds; a walk placed as far as a
+    page needs. Bounded by the nodes the walks have found (~1 kB each)."""
 
     def __init__(self, max_nodes: int = 400_000):
         self.max_nodes = max_nodes
-        self._entries: OrderedDict[tuple, tuple[int, Walk, LineageOrder]] = OrderedDict()
+        self._entries: OrderedDict[tuple, PagedWalk] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, store: LineageStore, start, depth: int, direction: str, fanout: int) -> tuple[Walk, LineageOrder]:
+    def placed(self, store: LineageStore, start, depth: int, direction: str, fanout: int, count: int) -> PagedWalk:
+        """The query's walk with at least `count` nodes placed (fewer: all there are); its `lock`
+        is held by the caller while reading it (another request may be taking it further)."""
         key = (start.id, depth, direction, fanout)
-        revision = store.revision()
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry[0] == revision:
+        for _ in range(5):  # each try begins again when a write lands meanwhile
+            revision = store.revision()
+            with self._lock:
+                walk = self._entries.get(key)
+                if walk is None or walk.revision != revision:
+                    walk = self._entries[key] = store.paged_walk(start, depth, direction, fanout)
                 self._entries.move_to_end(key)
-                return entry[1], entry[2]
-        walk = store.walk(start, depth, direction)
-        order = LineageOrder.of(walk, fanout)
+            with walk.lock:
+                if store.advance(walk, count):
+                    break
+        self._trim()
+        return walk
+
+    def _trim(self) -> None:
         with self._lock:
-            self._entries[key] = (revision, walk, order)
-            self._entries.move_to_end(key)
-            while len(self._entries) > 1 and sum(len(e[2].ids) for e in self._entries.values()) > self.max_nodes:
+            while len(self._entries) > 1 and sum(len(w.kinds) for w in self._entries.values()) > self.max_nodes:
                 self._entries.popitem(last=False)
-        return walk, order
 
 
 def _node_json(nid: str, data: bytes, in_edges: list, out_edges: list) -> bytes:
@@ -412,110 +327,189 @@ def _node_json(nid: str, data: bytes, in_edges: list, out_edges: list) -> bytes:
                      data, b',"inEdges":', dumps_bytes(in_edges), b',"outEdges":', dumps_bytes(out_edges), b"}"))
 
 
-def _node_data(walk: Walk, order: LineageOrder, nid: str, ds_encoded: dict, jobs: dict) -> Any:
+def _node_data(walk: PagedWalk, nid: str, ds_encoded: dict, jobs: dict) -> Any:
     """A page node's Marquez `data` with Crucible's walk facts under data.crucible."""
-    node_type, key = order.kinds[nid]
+    node_type, key = walk.kinds[nid]
+    items = walk.items(nid)
+    common = {"hop": walk.hop(nid), "sides": ["start"] if nid == walk.start.id else walk.sides(nid)}
     if node_type == "DATASET":
-        info = walk.datasets[key]
-        crucible = {"hop": info["hop"], "sides": sorted(info["sides"]),
-                    "versions": sorted(info["versions"])[:LISTED], "versionCount": len(info["versions"]),
-                    "via": order.via[nid]}
+        versions = sorted(v for v in items if v)
+        crucible = {**common, "versions": versions[:LISTED], "versionCount": len(versions), "via": walk.via[nid]}
         obj = ds_encoded.get(key)
         return _closed_with(obj, "crucible", crucible) if obj is not None else {
             "id": {"namespace": key[0], "name": key[1]}, "name": key[1], "namespace": key[0], "facets": {},
             "crucible": crucible}
-    info = walk.jobs[key]
     data = jobs.get(key) or {"id": {"namespace": key[0], "name": key[1]}, "name": key[1],
                              "namespace": key[0], "facets": {}}
-    data["crucible"] = {"hop": info["hop"], "sides": sorted(info["sides"]),
-                        "runs": sorted(info["runs"])[:LISTED], "runCount": len(info["runs"]), "via": order.via[nid]}
+    runs = sorted(items)
+    data["crucible"] = {**common, "runs": runs[:LISTED], "runCount": len(runs), "via": walk.via[nid]}
     return data
 
 
-def _page_edges(order: LineageOrder, page_ids: list[str]) -> tuple[dict, list]:
-    """(inEdges, outEdges) per page node for the edges within the page, and the edges to earlier
-    pages' nodes; each edge is listed by its later end only, so no page repeats another's."""
+def _node_edges(walk: PagedWalk, nid: str) -> list[tuple[str, str]]:
+    """The edges listed with a node: at its place, or (not placed yet) those found so far."""
+    at = walk.pos.get(nid)
+    return walk.edges_at[at] if at is not None else walk.pending.get(nid, [])
+
+
+def _page_edges(walk: PagedWalk, page_ids: list[str], loaded: Callable[[str], bool]) -> tuple[dict, list]:
+    """(inEdges, outEdges) per page node for the edges within the page, and its edges to nodes
+    `loaded` before (earlier pages); each edge is listed at one place only, so no page repeats
+    another's."""
     in_page = set(page_ids)
     nodes: dict[str, tuple[list, list]] = {nid: ([], []) for nid in page_ids}
     earlier = []
     for nid in page_ids:
-        for other, edge in order.sides(nid)[0]:  # an edge to a later node: that node lists it
-            if other in in_page:
-                e = {"origin": edge[0], "destination": edge[1]}
-                nodes[edge[0]][1].append(e)
-                nodes[edge[1]][0].append(e)
-            else:
-                earlier.append({"origin": edge[0], "destination": edge[1]})
+        for origin, destination in _node_edges(walk, nid):
+            e = {"origin": origin, "destination": destination}
+            if origin in in_page and destination in in_page:
+                nodes[origin][1].append(e)
+                nodes[destination][0].append(e)
+            elif (origin in in_page or loaded(origin)) and (destination in in_page or loaded(destination)):
+                earlier.append(e)
     return nodes, earlier
 
 
-def _page_groups(order: LineageOrder, page_ids: list[str], end: int,
-                 cursor_for: Callable[[int], str] | None) -> list[dict]:
-    """One group per (page node, direction) whose fan-out has nodes after the page: how many, of
-    which types, and where the first of them is."""
+def _fan_outs(walk: PagedWalk, nid: str, end: int) -> dict[str, list[str]]:
+    """Per side, the nodes `nid`'s fan-out found that are not placed before `end`: those placed
+    since in page order, then the rest (jobs first, by id)."""
+    out: dict[str, list[str]] = {}
+    pos, kinds, never = walk.pos, walk.kinds, len(walk.kinds)
+    for child, side in walk.children[nid]:
+        at = pos.get(child)
+        if at is None or at >= end:
+            out.setdefault(side, []).append(child)
+    for members in out.values():
+        members.sort(key=lambda n: (pos.get(n, never), kinds[n][0] != "JOB", n))
+    return out
+
+
+def _group(walk: PagedWalk, parent: str, side: str, members: list[str], cursor: str | None) -> dict:
+    """An "N more" group: `count` nodes of `parent`'s fan-out on `side` still to come, at least that
+    many (`atLeast`) until the walk is done."""
+    datasets = sum(1 for m in members if walk.kinds[m][0] == "DATASET")
+    types = {"DATASET": datasets, "JOB": len(members) - datasets}
+    return {"id": f"group:{side}:{parent}", "parent": parent, "direction": side, "count": len(members),
+            "atLeast": not walk.done, "types": {t: n for t, n in types.items() if n},
+            "offset": walk.pos.get(members[0]), "cursor": cursor}
+
+
+def _page_groups(walk: PagedWalk, page_ids: list[str], end: int, cursor_for: Callable[[str], str] | None) -> list[dict]:
+    """One group per (page node, side) whose fan-out has nodes after the page."""
     groups = []
     for nid in page_ids:
-        for direction, (at, datasets_from) in order.sides(nid)[1].items():
-            first = bisect_left(at, end)
-            count = len(at) - first
-            if not count:
-                continue
-            types = {"DATASET": datasets_from[first], "JOB": count - datasets_from[first]}
-            groups.append({"id": f"group:{direction}:{nid}", "parent": nid, "direction": direction, "count": count,
-                           "types": {t: n for t, n in types.items() if n}, "offset": at[first],
-                           "cursor": cursor_for(at[first]) if cursor_for else None})
+        for side, members in sorted(_fan_outs(walk, nid, end).items()):
+            at = f"g{walk.pos[nid]}:{side[0]}:{end}:0"
+            groups.append(_group(walk, nid, side, members, cursor_for(at) if cursor_for else None))
     return groups
 
 
-def graph_page(store: LineageStore, walk: Walk, encoded: EncodedDatasets | None = None, *, offset: int = 0,
-               limit: int = DEFAULT_LIMIT, fanout: int = DEFAULT_FANOUT, max_bytes: int = DEFAULT_MAX_BYTES,
-               order: LineageOrder | None = None, cursor_for: Callable[[int], str] | None = None) -> bytes:
-    """One page of Marquez's LineageGraph, encoded JSON.
-
-    {"graph": [{id, type, data, inEdges, outEdges}]} holds the nodes order.ids[offset:] up to
-    `limit` nodes and `max_bytes` of JSON (at least one node), with the edges among them. Added
-    for Crucible (Marquez clients ignore them): `groups`, one per fan-out of a page node whose
-    remaining nodes come on later pages ({id, parent, direction, count, types, offset, cursor}:
-    where the first of them is); `page` {offset, nodes, totalNodes, nextOffset, nextCursor, limit,
-    fanout, maxBytes, earlierEdges: edges from this page's nodes to nodes of earlier pages,
-    truncated: the walk stopped at `depth`}; data.crucible = {hop, sides, runs and runCount |
-    versions and versionCount (the first LISTED, sorted), via}.
-    Following nextCursor from the first page lists every node of the walk once. `cursor_for`
-    makes a cursor from an offset (None: no cursors)."""
-    order = order or LineageOrder.of(walk, fanout)
-    offset = min(max(offset, 0), len(order.ids))
-    candidates = order.ids[offset:offset + max(limit, 1)]
-    ds_keys = [order.kinds[n][1] for n in candidates if order.kinds[n][0] == "DATASET"]
-    job_keys = [order.kinds[n][1] for n in candidates if order.kinds[n][0] == "JOB"]
+def _encoded_nodes(store: LineageStore, walk: PagedWalk, candidates: list[str], encoded: EncodedDatasets | None,
+                   max_bytes: int) -> dict[str, bytes]:
+    """The encoded data of the first `candidates` that fit in `max_bytes` (at least one)."""
+    ds_keys = [walk.kinds[n][1] for n in candidates if walk.kinds[n][0] == "DATASET"]
+    job_keys = [walk.kinds[n][1] for n in candidates if walk.kinds[n][0] == "JOB"]
     ds_encoded = (encoded or EncodedDatasets()).get(store, ds_keys)
     job_rows = store.rows_by_keys("jobs", ("namespace", "name"), job_keys)
     jobs = {tuple(o["id"].values()): o for o in jobs_objs(store, list(job_rows.values()))}
     budget = max_bytes - 4096  # the envelope and `page`, beside the nodes and groups
-    data_of: dict[str, Any] = {}
-    used, end = 0, offset
+    data_of: dict[str, bytes] = {}
+    used = 0
     for nid in candidates:
-        # the node, its edges to nodes placed before it (in this page: listed on both ends), its group
-        data = dumps_bytes(_node_data(walk, order, nid, ds_encoded, jobs))
-        size = len(data) + len(nid) + 200
-        for other, _ in order.sides(nid)[0]:
-            size += (len(nid) + len(other) + _EDGE_BYTES) * 2
-        if used + size > budget and end > offset:
+        # the node and the edges listed with it (within the page: on both ends)
+        data = dumps_bytes(_node_data(walk, nid, ds_encoded, jobs))
+        size = len(data) + len(nid) + 200 + sum((len(a) + len(b) + _EDGE_BYTES) * 2 for a, b in _node_edges(walk, nid))
+        if used + size > budget and data_of:
             break
         used += size
         data_of[nid] = data
-        end += 1
-    page_ids = order.ids[offset:end]
-    nodes, earlier = _page_edges(order, page_ids)
-    groups = _page_groups(order, page_ids, end, cursor_for)
-    next_offset = end if end < len(order.ids) else None
+    return data_of
+
+
+def graph_page(store: LineageStore, walk: PagedWalk, encoded: EncodedDatasets | None = None, *, offset: int = 0,
+               limit: int = DEFAULT_LIMIT, max_bytes: int = DEFAULT_MAX_BYTES,
+               cursor_for: Callable[[str], str] | None = None) -> bytes:
+    """One page of Marquez's LineageGraph, encoded JSON (the walk placed up to offset + limit).
+
+    {"graph": [{id, type, data, inEdges, outEdges}]} holds the nodes walk.ids[offset:] up to
+    `limit` nodes and `max_bytes` of JSON (at least one node), with the edges among them. Added
+    for Crucible (Marquez clients ignore them): `groups`, one per fan-out of a page node whose
+    remaining nodes come on later pages ({id, parent, direction, count, atLeast, types, offset,
+    cursor}: the cursor opens a page of those nodes); `page` {offset, nodes, totalNodes (found so
+    far), complete, nextOffset, nextCursor, limit, fanout, maxBytes, earlierEdges: edges from this
+    page's nodes to nodes of earlier pages, truncated: the walk stopped at `depth`};
+    data.crucible = {hop, sides, runs and runCount | versions and versionCount (the first
+    LISTED, sorted), via}. Following nextCursor from the first page lists every node of the
+    walk once and every edge once. `cursor_for` makes a cursor from a position (None: no cursors)."""
+    offset = min(max(offset, 0), len(walk.ids))
+    data_of = _encoded_nodes(store, walk, walk.ids[offset:offset + max(limit, 1)], encoded, max_bytes)
+    end = offset + len(data_of)
+    page_ids = walk.ids[offset:end]
+    nodes, earlier = _page_edges(walk, page_ids, lambda n: walk.pos.get(n, end) < offset)
+    groups = _page_groups(walk, page_ids, end, cursor_for)
+    next_offset = end if end < len(walk.ids) else None
     parts = [_node_json(nid, data_of[nid], *nodes[nid]) for nid in page_ids]
-    page = {"offset": offset, "nodes": len(page_ids), "totalNodes": len(order.ids), "nextOffset": next_offset,
-            "nextCursor": cursor_for(next_offset) if cursor_for and next_offset is not None else None,
-            "limit": limit, "fanout": fanout, "maxBytes": max_bytes, "truncated": walk.truncated,
+    page = {"offset": offset, "nodes": len(page_ids), "totalNodes": len(walk.kinds), "complete": walk.done,
+            "nextOffset": next_offset,
+            "nextCursor": cursor_for(str(next_offset)) if cursor_for and next_offset is not None else None,
+            "limit": limit, "fanout": walk.fanout, "maxBytes": max_bytes, "truncated": walk.truncated,
             "earlierEdges": earlier}
     body = b"".join((b'{"graph":[', b",".join(parts), b'],"groups":', dumps_bytes(groups),
                      b',"page":', dumps_bytes(page), b"}"))
     if len(body) > max_bytes and len(page_ids) > 1:  # the estimate fell short: cut the page further
-        return graph_page(store, walk, encoded, offset=offset, limit=max(1, len(page_ids) * 3 // 4), fanout=fanout,
-                          max_bytes=max_bytes, order=order, cursor_for=cursor_for)
+        return graph_page(store, walk, encoded, offset=offset, limit=max(1, len(page_ids) * 3 // 4),
+                          max_bytes=max_bytes, cursor_for=cursor_for)
     return body
+
+
+def group_page(store: LineageStore, walk: PagedWalk, encoded: EncodedDatasets | None, parent_at: int, side: str,
+               end: int, skip: int, *, limit: int = DEFAULT_LIMIT, max_bytes: int = DEFAULT_MAX_BYTES,
+               cursor_for: Callable[[str], str] | None = None) -> bytes:
+    """The nodes of an "N more" group (the fan-out on `side` of the node placed at `parent_at`, not
+    placed before `end`) from the `skip`-th on, as a graph page: their edges to each other and to
+    the nodes placed before `end`, and the group again for the rest."""
+    if parent_at >= len(walk.ids) or side not in ("upstream", "downstream"):
+        raise ValueError("the group's cursor no longer matches the graph: ask for the graph again")
+    parent = walk.ids[parent_at]
+    members = _fan_outs(walk, parent, end).get(side, [])
+    skip = min(max(skip, 0), len(members))
+    data_of = _encoded_nodes(store, walk, members[skip:skip + max(limit, 1)], encoded, max_bytes)
+    page_ids = members[skip:skip + len(data_of)]
+    nodes, earlier = _page_edges(walk, page_ids, lambda n: walk.pos.get(n, end) < end)
+    rest = members[skip + len(page_ids):]
+    at = f"g{parent_at}:{side[0]}:{end}:{skip + len(page_ids)}"
+    groups = [_group(walk, parent, side, rest, cursor_for(at) if cursor_for else None)] if rest else []
+    parts = [_node_json(nid, data_of[nid], *nodes[nid]) for nid in page_ids]
+    page = {"group": f"group:{side}:{parent}", "offset": skip, "nodes": len(page_ids), "totalNodes": len(walk.kinds),
+            "complete": walk.done, "nextOffset": None, "nextCursor": None, "limit": limit, "fanout": walk.fanout,
+            "maxBytes": max_bytes, "truncated": walk.truncated, "earlierEdges": earlier}
+    return b"".join((b'{"graph":[', b",".join(parts), b'],"groups":', dumps_bytes(groups),
+                     b',"page":', dumps_bytes(page), b"}"))
+
+
+def parse_position(at: str) -> tuple:
+    """A cursor's position: ("page", offset) or ("group", parent place, side, end, skip)."""
+    if at.isdigit():
+        return ("page", int(at))
+    parent, side, end, skip = at[1:].split(":") if at.startswith("g") else ("",) * 4
+    if not (parent.isdigit() and end.isdigit() and skip.isdigit() and side in ("u", "d")):
+        raise ValueError("cursor is not one this service gave")
+    return ("group", int(parent), "upstream" if side == "u" else "downstream", int(end), int(skip))
+
+
+def graph_answer(store: LineageStore, walks: PagedWalks, encoded: EncodedDatasets, start, *, depth: int,
+                 direction: str, fanout: int, at: str = "0", limit: int = DEFAULT_LIMIT,
+                 max_bytes: int = DEFAULT_MAX_BYTES, cursor_for: Callable[[str], str] | None = None) -> bytes:
+    """The page a query and a cursor position ask for, the walk taken only as far as it needs."""
+    position = parse_position(at)
+    if position[0] == "page":
+        # one node past the page: whether a next page exists is known
+        walk = walks.placed(store, start, depth, direction, fanout, position[1] + max(limit, 1) + 1)
+        with walk.lock:
+            return graph_page(store, walk, encoded, offset=position[1], limit=limit, max_bytes=max_bytes,
+                              cursor_for=cursor_for)
+    _, parent_at, side, end, skip = position
+    walk = walks.placed(store, start, depth, direction, fanout, end)
+    with walk.lock:
+        return group_page(store, walk, encoded, parent_at, side, end, skip, limit=limit, max_bytes=max_bytes,
+                          cursor_for=cursor_for)
