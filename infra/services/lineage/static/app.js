@@ -90,9 +90,10 @@ function nodeKind(n) {
   return "dataset";
 }
 
-function groupText(g) {  // "558 more datasets", "3 more (2 datasets, 1 job)"
+function groupText(g) {  // "558 more datasets", "3+ more (2 datasets, 1 job)": "+" while the walk has more to find
   const kinds = Object.entries(g.types).map(([t, c]) => `${c} ${t.toLowerCase()}${c === 1 ? "" : "s"}`);
-  return kinds.length === 1 ? `${g.count} more ${kinds[0].replace(/^\d+ /, "")}` : `${g.count} more (${kinds.join(", ")})`;
+  const count = `${g.count}${g.atLeast ? "+" : ""}`;
+  return kinds.length === 1 ? `${count} more ${kinds[0].replace(/^\d+ /, "")}` : `${count} more (${kinds.join(", ")})`;
 }
 
 function nodeLabel(n) {
@@ -407,7 +408,9 @@ function showGraph() {  // lay out what is loaded, each remaining fan-out as one
   // the toolbar first: its height decides the box's, which the fit reads
   const total = state.page ? state.page.totalNodes : state.nodes.size;
   $("graph-more").hidden = !(state.page && state.page.nextCursor);
-  $("graph-count").textContent = `${state.nodes.size} of ${total} nodes`;
+  // the walk goes only as far as the pages loaded: until it is done the total is what it has found
+  const more = state.page && !state.page.complete ? "+" : "";
+  $("graph-count").textContent = `${state.nodes.size} of ${total}${more} nodes`;
   state.graph = graph;
   state.layout = graph.length ? layout(graph) : null;
   fitScale();
