@@ -9,7 +9,8 @@ states.
 The layout (train.parallel, tasks/train/parallel_dims.py) is one DeviceMesh of (pp, dp_replicate,
 dp_shard, cp, tp); the `parallelism: ddp` shorthand keeps plain DDP over all ranks. The data is split
 over the data-parallel ranks only (the "dp" mesh dimension: the tp / pp / cp ranks of one replica read
-the same samples), the loss is averaged over them, the gradient norm is reduced over every mesh its
+the same samples; a cp rank keeps its slice of each sequence, tasks/train/context_parallel.py), the
+loss is averaged over them and the cp ranks, the gradient norm is reduced over every mesh its
 gradients live on (tasks/train/grad_norm.py). A rank holds `model_parts` (one module, or its pipeline
 stages) and one optimizer per part; checkpoints merge the parts' state dicts, so a checkpoint moves
 between layouts (DCP reshards on load). Rank 0 writes out_dir/layout.json: what was built on every
@@ -630,6 +631,10 @@ class Trainer:
               f"train split {train_tokens:,} tokens | steps {self.start_step + 1}..{tcfg.max_steps}",
               flush=True)
         print(f"[train] {describe_built(self.model_parts[0], self.wrapped)}", flush=True)
+        if self.context_parallel is not None:
+            cp = self.context_parallel
+            print(f"[train] context parallel: cp {cp.cp}, each rank attends from {cp.local_len} of {cp.seq_len} "
+                  f"positions (load-balanced chunks), K/V all-gathered per attention layer", flush=True)
 
     def log_step(self, r: StepResult) -> None:
         if self.metrics is None:
