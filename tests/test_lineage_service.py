@@ -469,6 +469,11 @@ def test_graph_pages_list_every_node_once_with_their_fan_out_groups(client, samp
         assert len(full) > 30 and not everything[0]["groups"]
         walk = client.app.state.store.walk(split_node_id(node)[0], 20, direction)  # taken whole, at once
         assert full_edges == walk.edges and len(full) == len(walk.jobs) + len(walk.datasets)
+        for n in full.values():  # the same hops, runs and versions as the whole walk's
+            info = (walk.jobs if n["type"] == "JOB" else walk.datasets)[split_node_id(n["id"])[0].key]
+            listed = n["data"]["crucible"]["runs" if n["type"] == "JOB" else "versions"]
+            assert (n["data"]["crucible"]["hop"], listed) == (info["hop"], sorted(info["runs" if n["type"] == "JOB"
+                                                                                        else "versions"]))
         pages = _pages(client, node, direction=direction, limit=6, fanout=2)
         assert len(pages) == -(-len(full) // 6) and all(p["page"]["nodes"] <= 6 for p in pages)
         seen = [n["id"] for p in pages for n in p["graph"]]

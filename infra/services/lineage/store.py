@@ -475,13 +475,14 @@ class PagedWalk:
     no one found before) sorted jobs first, then by id; its first `fanout` come at once, the rest
     after everything reachable that way (then again in the same manner), so a page reaches as
     deep as the walk before it lists one job's thousandth output. A node's `via` is the node whose
-    fan-out found it. The steps are the walk's (store.walk): run by run, dataset version by
-    version, `depth` job hops per side; a node is expanded with the runs (job) or versions
-    (dataset) that reached it when it is placed, and again with any that reach it later (their
-    nodes go after everything found so far; a shorter path found later lowers its hop and lets
-    it go deeper). Each edge is listed once: at the later of its ends' places, or at the step
-    that found it when both were placed before. Until `done`, counts (a fan-out's remaining
-    nodes, the nodes found, a job's runs) are what the pages so far have found: lower bounds."""
+    fan-out found it. The steps are the walk's (store.walk): run by run and dataset version by
+    version, each with its own hop (a job's runs lie at different hops along a chain of resumed
+    trainings), `depth` job hops per side. A node is expanded with the runs (job) or versions
+    (dataset) that reached it when it is placed, and again with any that reach it later or by a
+    shorter path (what those find comes after everything found so far). Each edge is listed once:
+    at the later of its ends' places, or at the step that found it when both were placed before.
+    Taken to its end it is the whole walk (same nodes, edges and hops). Until `done`, counts (a
+    fan-out's remaining nodes, the nodes found, a job's runs) are what it has found: lower bounds."""
 
     def __init__(self, start: Node, start_runs: list[str], depth: int, direction: str, fanout: int,
                  revision: int):
@@ -490,9 +491,9 @@ class PagedWalk:
         self.pos: dict[str, int] = {}
         self.kinds: dict[str, tuple[str, tuple[str, str]]] = {}  # every node found: (type, key)
         self.via: dict[str, str | None] = {}
-        self.hops: dict[tuple[str, str], int] = {}  # (node, side) -> job hops from the start
-        self.reach: dict[tuple[str, str], set] = {}  # (node, side) -> runs (job) / versions (dataset) reaching it
-        self.followed: dict[tuple[str, str], set] = {}  # ... of which expanded
+        # (node, side) -> run (job) or version (dataset; None: any) that reached it -> its hop
+        self.reach: dict[tuple[str, str], dict] = {}
+        self.followed: dict[tuple[str, str], dict] = {}  # ... expanded, at that hop
         self.children: dict[str, list[tuple[str, str]]] = {}  # node -> (node, side) it found, in order
         self.edges_at: list[list[tuple[str, str]]] = []  # per place: the edges listed there
         self.pending: dict[str, list[tuple[str, str]]] = {}  # unplaced node -> its edges to list
@@ -506,24 +507,22 @@ class PagedWalk:
         sid = start.id
         self.kinds[sid], self.via[sid] = (start.type, start.key), None
         self.children[sid] = []
-        sides = ("upstream", "downstream") if direction == "both" else (direction,)
-        for side in sides:
-            self.hops[(sid, side)] = 0
-            self.reach[(sid, side)] = set(start_runs) if start.type == "JOB" else {None}
-            self.followed[(sid, side)] = set()
+        for side in ("upstream", "downstream") if direction == "both" else (direction,):
+            self.reach[(sid, side)] = dict.fromkeys(start_runs, 0) if start.type == "JOB" else {None: 0}
+            self.followed[(sid, side)] = {}
         self.level.append(sid)
 
     # -- what a page reads ---------------------------------------------------------------------
 
     def sides(self, nid: str) -> list[str]:
-        return sorted(side for side in ("downstream", "upstream") if (nid, side) in self.hops)
+        return [side for side in ("downstream", "upstream") if (nid, side) in self.reach]
 
     def hop(self, nid: str) -> int:
-        return min(self.hops[(nid, side)] for side in ("upstream", "downstream") if (nid, side) in self.hops)
+        return min(h for side in ("upstream", "downstream") for h in self.reach.get((nid, side), {}).values())
 
     def items(self, nid: str) -> set:
         """The runs (job) or versions (dataset; None: any) that reached a node, on either side."""
-        return self.reach.get((nid, "upstream"), set()) | self.reach.get((nid, "downstream"), set())
+        return set(self.reach.get((nid, "upstream"), ())) | set(self.reach.get((nid, "downstream"), ()))
 
     # -- taking steps --------------------------------------------------------------------------
 
@@ -550,66 +549,69 @@ class PagedWalk:
             self.later.extend(n for n, _ in fresh[self.fanout:])
 
     def _expand(self, index: "_IoIndex", nid: str, side: str) -> None:
-        """Follow what reached (nid, side) and was not followed yet; what that reaches anew and was
-        placed before is followed in turn (worklist)."""
+        """Follow what reached (nid, side) and was not followed yet (or at a greater hop); what that
+        reaches anew, or by a shorter path, and was placed before is followed in turn (worklist)."""
         work = [(nid, side)]
         while work:
             node, s = work.pop()
             key = (node, s)
             node_type, nkey = self.kinds[node]
-            hop = self.hops[key]
-            if node_type == "DATASET" and hop >= self.depth:
+            followed, dataset = self.followed[key], node_type == "DATASET"
+            new = {item: hop for item, hop in self.reach[key].items() if hop < followed.get(item, hop + 1)}
+            if dataset and any(hop >= self.depth for hop in new.values()):
                 if index.by_dataset["out" if s == "upstream" else "in"].get(nkey):
                     self.truncated = True
-                continue
-            new = self.reach[key] - self.followed[key]
+                new = {item: hop for item, hop in new.items() if hop < self.depth}
             if not new:
                 continue
-            self.followed[key] |= new
-            for child, child_key, item, edge in self._neighbours(index, node_type, nkey, node, s, new):
-                self._edge(edge)
-                ckey = (child, s)
-                child_hop = hop + 1 if node_type == "DATASET" else hop
-                if child not in self.kinds:
-                    self.kinds[child] = ("JOB" if node_type == "DATASET" else "DATASET", child_key)
-                    self.via[child] = node
-                    self.children[child] = []
-                    self.children[node].append((child, s))
-                    if node == self.ids[-1]:
-                        self._fresh.append((child, s))
-                    else:  # found by a node placed before: after everything found so far
-                        self.later.append(child)
-                if ckey not in self.hops:
-                    self.hops[ckey], self.reach[ckey], self.followed[ckey] = child_hop, set(), set()
-                grew = item not in self.reach[ckey]
-                self.reach[ckey].add(item)
-                if child_hop < self.hops[ckey]:  # a shorter path: it may now go deeper
-                    self.hops[ckey] = child_hop
-                    self.followed[ckey] = set()
-                    grew = True
-                if grew and child in self.pos:
-                    work.append(ckey)
+            followed.update(new)
+            # a dataset's versions step together per hop, as the whole walk's frontier does
+            groups = {}
+            for item, hop in new.items():
+                groups.setdefault(hop if dataset else item, {})[item] = hop
+            for items in groups.values():
+                for child, child_key, item, hop, edge in self._neighbours(index, node_type, nkey, node, s, items):
+                    self._edge(edge)
+                    ckey = (child, s)
+                    if child not in self.kinds:
+                        self.kinds[child] = ("JOB" if dataset else "DATASET", child_key)
+                        self.via[child] = node
+                        self.children[child] = []
+                        self.children[node].append((child, s))
+                        if node == self.ids[-1]:
+                            self._fresh.append((child, s))
+                        else:  # found by a node placed before: after everything found so far
+                            self.later.append(child)
+                    if ckey not in self.reach:
+                        self.reach[ckey], self.followed[ckey] = {}, {}
+                    reached = self.reach[ckey]
+                    if hop < reached.get(item, hop + 1):
+                        reached[item] = hop
+                        if child in self.pos:
+                            work.append(ckey)
 
-    def _neighbours(self, index: "_IoIndex", node_type: str, nkey: tuple, node: str, side: str, new: set):
-        """(node id, key, run or version, edge) one step away from `node` on `side`, through `new`."""
+    def _neighbours(self, index: "_IoIndex", node_type: str, nkey: tuple, node: str, side: str, items: dict):
+        """(node id, key, run or version, its hop, edge) one step from `node` on `side` through
+        `items` (runs of a job, or versions of a dataset reached at one hop)."""
         up = side == "upstream"
         if node_type == "DATASET":
+            hop = next(iter(items.values())) + 1
             runs = index.by_dataset["out" if up else "in"].get(nkey) or {}
-            items = runs.items()
-            if None not in new:
-                exact = [r for r in items if r[1][0] in new or not r[1][0]]
+            found = runs.items()
+            if None not in items:
+                exact = [r for r in found if r[1][0] in items or not r[1][0]]
                 # upstream: a producer that recorded another hash still wrote this name; downstream
                 # a reader of another version did not read this one
-                items = exact or (items if up else [])
-            for run_id, (_, job_key) in items:
+                found = exact or (found if up else [])
+            for run_id, (_, job_key) in found:
                 job = index.job_ids[job_key]
-                yield job, job_key, run_id, ((job, node) if up else (node, job))
+                yield job, job_key, run_id, hop, ((job, node) if up else (node, job))
         else:
             by_run = index.by_run["in" if up else "out"]
-            for run_id in new:
+            for run_id, hop in items.items():
                 for key, version in (by_run.get(run_id) or {}).items():
                     ds = index.ids[key]
-                    yield ds, key, version or None, ((ds, node) if up else (node, ds))
+                    yield ds, key, version or None, hop, ((ds, node) if up else (node, ds))
 
     def _edge(self, edge: tuple[str, str]) -> None:
         if edge in self.edge_seen:
