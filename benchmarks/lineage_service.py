@@ -10,15 +10,19 @@ training from the previous run's last checkpoint, so the model versions form one
 runs and artifacts, all sharing the same raw files. Measured per size:
 
 - ingestion into the store directly (ingest_batch) and over HTTP into a real uvicorn process
-  (replay, every event validated), plus re-ingestion of the same log (all duplicates);
+  (`replay`, as `crucible lineage replay` sends a log: signatures checked, batches of 500, two in
+  flight; every event validated by the service), plus re-ingestion of the same log (all
+  duplicates); with the CPU time per event of the store, the service and the client;
 - GET /api/v1/lineage at depth 20 with the default bounds (one page: 200 nodes, 2 MB), as a
   client sees it: from sending the request to the parsed JSON, one figure. Every kind of query:
   upstream, downstream and both from `--queries` randomly chosen (seeded) raw files and model
   versions each, and both from the newest model version. Unbounded, downstream from a raw file
-  reaches every run (5,354 nodes and 21.9 MB at 10,000 events). The first queries meet cold
-  caches, as after any ingestion; the service keeps the walks of recent queries while the store
-  is unchanged (the next pages are cut from them), so the first query from each start is also
-  reported apart (`first_query_per_start_*`: the sample has 5 raw files). `service_cpu_ms_per_query`: the service process's CPU time
+  reaches every run (5,354 nodes and 21.9 MB at 10,000 events; 53,450 nodes at 100,000). A page
+  takes the walk only as far as it shows (`total_nodes`: the nodes found by then, `complete`:
+  the walk done). The first queries meet cold caches, as after any ingestion; the service keeps
+  the walks of recent queries while the store is unchanged (the next pages continue them), so the
+  first query from each start is also reported apart (`first_query_per_start_*`: the sample has
+  5 raw files). `service_cpu_ms_per_query`: the service process's CPU time
   (/proc, 10 ms ticks) over the series divided by its queries, a figure other work on a shared
   machine inflates far less than latency;
 - the trace and provenance report of the newest model version.
@@ -160,9 +164,12 @@ def _run(args: argparse.Namespace, pipelines: int, work: Path, n_queries: int) -
     (work / "token").write_text("bench-token\n")
     proc, base = start_service(work / "http.db", free_port(), timeout=60, token_file=work / "token")
     try:
+        # validated, as every write; replay as `crucible lineage replay` runs it (two batches in flight)
+        cpu0, client0, load_http = _cpu_seconds(proc.pid), time.process_time(), os.getloadavg()
         t0 = time.perf_counter()
-        http = replay(log, base, batch_size=args.batch_size, token="bench-token")  # validated, as every write
+        http = replay(log, base, batch_size=args.batch_size, token="bench-token")
         http_s = time.perf_counter() - t0
+        service_cpu_s, client_cpu_s = _cpu_seconds(proc.pid) - cpu0, time.process_time() - client0
         assert http["ingested"] == n, http
         queries, stats = _query_service(base, LineageStore(work / "http.db"), args, n_queries, proc.pid)
     finally:
@@ -187,6 +194,13 @@ def _run(args: argparse.Namespace, pipelines: int, work: Path, n_queries: int) -
         "generate_s": round(gen_s, 1) if gen_s else None,
         "ingest_s": {"direct": round(direct_s, 2), "http": round(http_s, 2), "reingest": round(again_s, 2)},
         "events_per_s": rates,
+        # CPU time per event (what other work on the machine inflates far less than the rates):
+        # direct: store only; http: the service process (parse, validate, store) and the client
+        # (read, check signatures, post), with the load average when the HTTP replay began
+        "cpu_us_per_event": {"direct_ingest_batch": round(direct_cpu_s / n * 1e6),
+                             "http_service": round(service_cpu_s / n * 1e6),
+                             "http_client": round(client_cpu_s / n * 1e6)},
+        "load_avg_http_replay": [round(x, 2) for x in load_http],
         "queries": queries,
         "targets": {"events_per_s": events_per_s, "graph_depth20_median_ms": median_ms,
                     "graph_depth20_p99_ms": p99_ms, "graph_answer_bytes": DEFAULT_MAX_BYTES},
@@ -266,7 +280,8 @@ def _graph_series(client: httpx.Client, nodes: list[str], direction: str, pid: i
         first.setdefault(node, times[-1])
         graph, page = answer["graph"], answer["page"]
         sizes.append({"nodes": len(graph), "jobs": sum(1 for x in graph if x["type"] == "JOB"),
-                      "groups": len(answer["groups"]), "total_nodes": page["totalNodes"], "bytes": len(resp.content)})
+                      "groups": len(answer["groups"]), "total_nodes": page["totalNodes"],
+                      "complete": page["complete"], "bytes": len(resp.content)})
     client_cpu_ms = round((time.process_time() - client_cpu) * 1000 / len(nodes), 1)
     cpu_after = _cpu_seconds(pid)
     cpu_ms = None if cpu_before is None or cpu_after is None else round((cpu_after - cpu_before) * 1000 / len(nodes), 1)
@@ -289,6 +304,8 @@ def _print_summary(result: dict) -> None:
     print(f"{'ingestion':<40}{'events/s':>10}")
     for k, v in rates.items():
         print(f"{k:<40}{v:>10}")
+    print(f"CPU us per event: {result['cpu_us_per_event']} (load average at the HTTP replay"
+          f" {result['load_avg_http_replay']})")
     print(f"{'query':<44}{'runs':>5}{'median ms':>10}{'p99 ms':>9}{'cpu ms':>8}   last result")
     for k, v in queries.items():
         print(f"{k:<44}{v['runs']:>5}{v['median_ms']:>10}{v['p99_ms']:>9}"

@@ -3,6 +3,7 @@
 The event log is written by Crucible's own emitter (infra.services.lineage.sample drives it through
 two `pretrain` runs, the second resuming training from the first's checkpoint)."""
 import sqlite3
+import threading
 import uuid
 from urllib.parse import quote
 
@@ -596,6 +597,29 @@ def test_ingesting_process_keeps_the_walk_index_current(sample, tmp_path):
     again.warm()
     assert again._io_index.loaded and again._io_index.seen == top()
     assert again.walk(raw, 20, "downstream").edges == mine.walk(raw, 20, "downstream").edges
+
+
+def test_checkpoints_run_on_their_own_thread(sample, tmp_path, monkeypatch):
+    """Every CHECKPOINT_EVENTS stored events the store's checkpointer thread copies the WAL into the
+    database (not the writer, whose own autocheckpoint stays the bound); a fresh reader sees it all."""
+    import time
+
+    from infra.services.lineage import store as store_module
+
+    _, log, _ = sample
+    events = read_events(log)
+    monkeypatch.setattr(store_module, "CHECKPOINT_EVENTS", 10)
+    store = LineageStore(tmp_path / "l.db")
+    store.ingest_batch(events[:5])
+    assert store._checkpointer is None  # fewer events than CHECKPOINT_EVENTS: not woken
+    store.ingest_batch(events[5:])
+    deadline = time.monotonic() + 30
+    while not store.checkpoints and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store._checkpointer.is_alive() and store._checkpointer is not threading.current_thread()
+    busy, frames, copied = store.checkpoints[-1]
+    assert busy == 0 and frames > 0 and copied == frames
+    assert LineageStore(tmp_path / "l.db").counts()["events"] == len(events)
 
 
 def test_replay_reads_ahead_while_the_server_stores_a_batch():
