@@ -132,7 +132,6 @@ def test_tp_4_matches_one_process(base, ref):
     (2, {"cp": 2}, {"seq_len": 30}, "train.parallel.cp (2): model.seq_len (30) must be a multiple of 2 x cp = 4"),
     (8, {"cp": 2, "tp": 4}, {"seq_len": 36}, "train.parallel.tp (4) must divide model.seq_len (36) / cp (2)"),
     (4, {"cp": 2, "pp": 2}, {"tie_embeddings": False}, "train.parallel.cp > 1 with train.parallel.pp > 1 is not supported"),
-    (4, {"cp": 2, "ep": 2}, {"moe": {"n_experts": 4}}, "train.parallel.cp > 1 with train.parallel.ep > 1 is not supported"),
 ])
 def test_bad_layouts_fail_at_config_load_naming_the_field(world, parallel, model, message):
     with pytest.raises(pydantic.ValidationError, match=re.escape(message)):

@@ -6,7 +6,8 @@ and in each attention layer the keys and values of the whole sequence are all-ga
 group (one collective per layer, K and V stacked; its backward reduce-scatters the K/V gradients
 back to the ranks that computed them); the rank's queries attend to them under the causal mask at
 their global positions, and RoPE rotates each token by its global position. Everything outside
-attention (norms, MLP, MoE routing, the loss) is per token and runs unchanged on the local slice.
+attention (norms, MLP, MoE routing, the loss) is per token and runs unchanged on the local slice;
+only the MoE Switch loss, whose expert fractions are batch statistics, counts them over the cp group.
 
 Load-balanced causal sharding: the sequence is cut into 2 x cp chunks and rank i takes chunks i and
 2 x cp - 1 - i, so every rank's queries see the same number of keys in total (an early chunk with
@@ -84,8 +85,10 @@ class ContextParallel:
 def apply_cp(model: nn.Module, cp_mesh, seq_len: int) -> ContextParallel:
     """Context parallelism over `cp_mesh` (the world mesh's "cp" dimension) on a GPT, in place: every
     attention layer gathers K/V over it, the model rotates by the slice's global positions. Returns
-    the ContextParallel whose `shard` the trainer applies to inputs and targets. Collective-free."""
+    the ContextParallel whose `shard` the trainer applies to inputs and targets; each MoE layer's
+    Switch loss counts its expert fractions over the cp group. Collective-free."""
     from tasks.train.model import CausalSelfAttention
+    from tasks.train.moe import MoE
 
     context = ContextParallel(cp_mesh.get_group(), seq_len)
     attention = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
@@ -93,5 +96,8 @@ def apply_cp(model: nn.Module, cp_mesh, seq_len: int) -> ContextParallel:
         raise ValueError("train.parallel.cp > 1 but the model has no attention layer")
     for m in attention:
         m.context_parallel = context
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.sequence_group = context.group
     model.context_parallel = context
     return context

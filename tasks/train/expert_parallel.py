@@ -1,6 +1,6 @@
 """Expert parallelism (train.parallel.ep): each MoE layer's experts sharded over ep ranks.
 
-    world = pp x dp_replicate x dp_shard x cp x tp,   dp_shard -> (dp_shard_mod_ep, ep)   (cp 1)
+    world = pp x dp_replicate x dp_shard x cp x tp,   dp_shard -> (dp_shard_mod_ep, ep)
 
 The ep ranks are carved out of dp_shard (torchtitan borrows them from the data-parallel ranks): an
 ep group holds E/ep experts per rank and its ranks see different tokens. In each MoE layer a rank
@@ -11,12 +11,12 @@ results back (the reverse all-to-all, also the backward of the first). Nothing i
 Expert weights become DTensors Shard(0) on the ep mesh, so a DCP checkpoint records the global
 (E, ...) tensors and loads into any layout (one process, FSDP, another ep). Gradients: a rank's
 expert gradient sums the loss gradients of its whole ep group's tokens; the expert weights'
-_ScaleGrad(1/ep) and FSDP's averaging over the remaining data-parallel ranks (dp_replicate x
-dp_shard_mod_ep, which see other tokens and hold the same experts) make it the average over all
-dp ranks, exactly what every other parameter gets.
+_ScaleGrad(1/ep) and FSDP's averaging over the remaining ranks that see other tokens and hold the
+same experts (dp_replicate x dp_shard_mod_ep x cp) make it the average over all dp x cp ranks,
+exactly what every other parameter gets.
 
 `apply_ep` runs after tensor parallelism and before FSDP (tasks/train/parallelize.py): it shards
-the experts, wraps each GroupedExperts in its own fully_shard over dp_replicate x dp_shard_mod_ep
+the experts, wraps each GroupedExperts in its own fully_shard over dp_replicate x dp_shard_mod_ep x cp
 (even a single rank's: FSDP then leaves them alone when it wraps the block and the root, and casts
 them like the rest under the mixed-precision policy), and installs the dispatchers.
 """
@@ -82,13 +82,16 @@ class ExpertDispatcher:
 
 def expert_mesh(mesh, dims):
     """The world mesh with dp_shard split into ("dp_shard_mod_ep", "ep"), ep innermost (an ep group
-    is ep consecutive dp_shard ranks). Collective: creates the process groups."""
-    if dims.cp > 1:  # ParallelDims.check refuses it before any process starts (ep is carved from dp_shard)
-        raise NotImplementedError("train.parallel.ep > 1 with train.parallel.cp > 1")
+    is ep consecutive dp_shard ranks), plus "dp_shard_mod_ep_cp", the ranks that hold the same experts
+    and see other tokens within a replica: dp_shard_mod_ep, and the cp ranks (each with its own ep
+    groups, over its slice of the sequences), registered on the world mesh (look it up there, with
+    "dp_replicate" beside it for HSDP). Collective: creates the process groups."""
     from tasks.train.torch_private import private
 
-    return private("DeviceMesh._unflatten")(mesh, "dp_shard", (dims.dp_shard // dims.ep, dims.ep),
-                                            ("dp_shard_mod_ep", "ep"))
+    emesh = private("DeviceMesh._unflatten")(mesh, "dp_shard", (dims.dp_shard // dims.ep, dims.ep),
+                                             ("dp_shard_mod_ep", "ep"))
+    private("DeviceMesh._flatten")(emesh["dp_shard_mod_ep", "cp"], "dp_shard_mod_ep_cp")
+    return emesh
 
 
 def apply_ep(model: nn.Module, mesh, dims, *, mp_policy=None, reshard_after_forward: bool = True) -> None:
@@ -106,7 +109,8 @@ def apply_ep(model: nn.Module, mesh, dims, *, mp_policy=None, reshard_after_forw
         raise ValueError("train.parallel.ep > 1 but the model has no MoE layer")
     emesh = expert_mesh(mesh, dims)
     ep_mesh = emesh["ep"]
-    fsdp_mesh = emesh["dp_replicate", "dp_shard_mod_ep"] if dims.dp_replicate > 1 else emesh["dp_shard_mod_ep"]
+    shard_dim = "dp_shard_mod_ep_cp"  # dp_shard_mod_ep x cp: the same experts, other tokens
+    fsdp_mesh = mesh["dp_replicate", shard_dim] if dims.dp_replicate > 1 else mesh[shard_dim]
     for _, moe in layers:
         experts = moe.experts
         for name in ("w1", "w3", "w2"):

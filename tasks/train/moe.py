@@ -28,6 +28,7 @@ import contextlib
 from dataclasses import asdict, dataclass, fields
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -183,6 +184,9 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.int64), persistent=False)
         self.dispatcher = None  # expert_parallel.ExpertDispatcher under expert parallelism
         self.loss_scale = 1.0  # gradient the aux and z losses get (set_moe_loss_scale: 1 / micro-batches)
+        # context parallelism: the cp group, whose ranks hold the rest of these sequences; the Switch
+        # loss's expert fractions are counted over it (context_parallel.apply_cp)
+        self.sequence_group = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(router logits (N, E), scores (N, E) (at least fp32), chosen experts (N, k), weights (N, k))."""
@@ -234,6 +238,12 @@ class MoE(nn.Module):
         total = None
         if a.aux_loss:
             probs = scores / scores.sum(dim=-1, keepdim=True)
+            if self.sequence_group is not None:
+                # f over the whole sequences (not differentiable): each cp rank's f x its own P, averaged
+                # over the cp ranks with the gradients, is then the whole batch's loss
+                counts = counts.clone()
+                dist.all_reduce(counts, group=self.sequence_group)
+                n_tokens *= dist.get_world_size(self.sequence_group)
             f = counts.to(probs.dtype) / (n_tokens * self.top_k)
             total = a.aux_loss * self.n_experts * (f * probs.mean(dim=0)).sum()
         if a.router_z_loss:

@@ -183,10 +183,6 @@ def check_cp(dims: ParallelDims, tcfg, mcfg) -> None:
     if dims.pp > 1:
         raise LayoutError("train.parallel.cp > 1 with train.parallel.pp > 1 is not supported: use cp with "
                           "dp_shard / dp_replicate / tp")
-    if dims.ep > 1:
-        raise LayoutError("train.parallel.cp > 1 with train.parallel.ep > 1 is not supported: expert "
-                          "parallelism borrows its ranks from dp_shard only; use ep 1 (the experts are then "
-                          "FSDP-sharded like every layer) or cp 1")
     if tcfg.doc_mask:
         raise LayoutError("train.doc_mask is not supported with train.parallel.cp > 1 (the cp ranks' "
                           "attention masks are plain causal)")

@@ -20,7 +20,7 @@ PRIVATE_APIS: dict[str, tuple[str, str, str]] = {
     "DeviceMesh._flatten": ("torch.distributed.device_mesh", "DeviceMesh._flatten",
                             "the flattened dp and dp_shard_cp meshes (parallel_dims.build_mesh)"),
     "DeviceMesh._unflatten": ("torch.distributed.device_mesh", "DeviceMesh._unflatten",
-                              "the ep mesh carved from dp_shard (expert_parallel.expert_mesh)"),
+                              "the ep mesh carved from dp_shard, the experts' FSDP mesh (expert_parallel.expert_mesh)"),
     "_current_graph_task_id": ("torch._C", "_current_graph_task_id",
                                "MoE token counts skipping activation recomputation (moe._in_backward)"),
     "SAC_IGNORED_OPS": ("torch.utils.checkpoint", "SAC_IGNORED_OPS",
