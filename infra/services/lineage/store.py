@@ -525,7 +525,8 @@ class PagedWalk:
         return [side for side in ("downstream", "upstream") if (nid, side) in self.reach]
 
     def hop(self, nid: str) -> int:
-        return min(h for side in ("upstream", "downstream") for h in self.reach.get((nid, side), {}).values())
+        return min((h for side in ("upstream", "downstream") for h in self.reach.get((nid, side), {}).values()),
+                   default=0)  # a job without runs is only ever the start
 
     def items(self, nid: str) -> set:
         """The runs (job) or versions (dataset; None: any) that reached a node, on either side."""
