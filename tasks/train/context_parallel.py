@@ -53,7 +53,14 @@ class ContextParallel:
         # the all-gather concatenates the ranks' slices in rank order: the keys' positions then
         keys = torch.cat([load_balanced_positions(seq_len, self.cp, r) for r in range(self.cp)])
         self.mask = keys[None, :] <= self.positions[:, None]  # (local, seq_len): query may attend key
-        self.gathers = 0  # K/V all-gathers run (forward passes of attention layers), for the layout record
+        self._on_device: dict = {}  # (name, device) -> the tensor there: copied to an accelerator once
+
+    def on(self, name: str, device: torch.device) -> torch.Tensor:
+        """self.positions or self.mask on `device` (cached)."""
+        key = (name, device)
+        if key not in self._on_device:
+            self._on_device[key] = getattr(self, name).to(device)
+        return self._on_device[key]
 
     @property
     def local_len(self) -> int:
@@ -63,7 +70,7 @@ class ContextParallel:
         """This rank's positions of a whole-sequence tensor (inputs, targets: (B, seq_len))."""
         if t.size(dim) != self.seq_len:
             raise ValueError(f"context parallelism splits sequences of {self.seq_len} tokens, got {t.size(dim)}")
-        return t.index_select(dim, self.positions.to(t.device))
+        return t.index_select(dim, self.on("positions", t.device))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
         """Causal attention of the local queries (B, heads, local, head_dim) over the whole sequence's
@@ -74,8 +81,7 @@ class ContextParallel:
         kv = torch.stack((k, v)).permute(3, 0, 1, 2, 4).contiguous()  # (local, 2, B, heads, head_dim)
         kv = funcol.all_gather_single_autograd(kv, 0, self.group)  # backward: reduce-scatter (sum)
         k, v = kv.permute(1, 2, 3, 0, 4).unbind(0)  # (B, heads, seq_len, head_dim) each, ranks' order
-        self.gathers += 1
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask.to(q.device), dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.on("mask", q.device), dropout_p=dropout_p)
 
     def record(self) -> dict:
         return {"cp": self.cp, "cp_rank": self.rank, "local_seq_len": self.local_len,

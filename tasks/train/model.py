@@ -370,7 +370,7 @@ class GPT(nn.Module):
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
         if positions is None and self.context_parallel is not None:  # the slice's global positions
-            at = self.context_parallel.positions.to(self.rope_cos.device)
+            at = self.context_parallel.on("positions", self.rope_cos.device)
             cos, sin = self.rope_cos[at], self.rope_sin[at]
         elif positions is None:
             cos, sin = self.rope_cos[:T], self.rope_sin[:T]
