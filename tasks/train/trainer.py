@@ -122,7 +122,8 @@ def data_parallel_coords(mesh, rank: int, world: int) -> tuple[int, int, int]:
 
 def rank_stream_seed(seed: int, dp_rank: int, dp_size: int, pp_rank: int, step: int = 0) -> int:
     """The seed of a rank's dropout streams: distinct per data-parallel replica and pipeline stage,
-    shared by the tp / cp ranks of one replica (they compute the same replicated activations);
+    shared by the tp ranks of one replica (they compute the same replicated activations; the trainer
+    counts its cp ranks as replicas here: they compute other positions);
     `step` > 0 derives fresh ones on a resume whose saved streams do not fit the layout."""
     return seed + 1 + dp_rank + dp_size * pp_rank + 7919 * step
 
@@ -206,7 +207,7 @@ class Trainer:
                                         **materialize(self.model_parts, self.init_record, self.gcfg, self.device)}
         self.optimizer = OptimizersContainer(self.model_parts, tcfg)
         # per-rank RNG streams after the shared init, saved in checkpoints: dropout differs per
-        # data-parallel replica and pipeline stage, and is the same on the tp / cp ranks of one replica
+        # data-parallel replica, cp slice and pipeline stage, and is the same on the tp ranks of one replica
         seed_rank_streams(rank_stream_seed(tcfg.seed, *self.stream_coords, self.pp_rank))
         self.data_rng = np.random.default_rng([tcfg.seed, self.rank])  # per-rank data stream, checkpointed
         self.detector = SpikeDetector(tcfg.spike_window, tcfg.spike_min_history, tcfg.spike_sigma,
@@ -403,7 +404,7 @@ class Trainer:
         return StepResult(step, pos, end, lr, loss_val, z_val, grad_norm, spike, time.perf_counter() - t0)
 
     def balance_experts(self, update: bool) -> dict:
-        """MoE: the step's tokens per expert summed over the data-parallel ranks, the experts' selection
+        """MoE: the step's tokens per expert summed over the data-parallel and cp ranks, the experts' selection
         bias moved towards balance (not for a skipped batch), counts reset; per-layer stats for the log.
         Collective (dp group, and pp group for the other stages' layers)."""
         return balance_experts(self.model_parts, self.tokens_group, self.pp_group, update_bias=update)
