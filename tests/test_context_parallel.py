@@ -26,7 +26,7 @@ SAVE_STEP = MOE_TRAIN["checkpoint_every"]
 
 def assert_context_parallel(layout: dict, cp: int) -> None:
     """Every rank attends from its own cp slice: chunks c and 2 cp - 1 - c of the sequence (c its cp
-    coordinate), seq_len / cp positions; the cp ranks of one replica (same dp and tp coordinates)
+    coordinate), seq_len / cp positions; the cp ranks of one replica (same dp, tp and pp coordinates)
     hold disjoint slices that make up the whole sequence, and read the same samples."""
     assert layout["dims"]["cp"] == cp and layout["context_parallel"]["local_seq_len"] == SEQ // cp
     chunk = SEQ // (2 * cp)
@@ -36,7 +36,7 @@ def assert_context_parallel(layout: dict, cp: int) -> None:
         assert (rec["cp"], rec["cp_rank"], rec["local_seq_len"]) == (cp, c, SEQ // cp), rec
         want = [*range(c * chunk, (c + 1) * chunk), *range((2 * cp - 1 - c) * chunk, (2 * cp - c) * chunk)]
         assert rec["positions"] == want, rec
-        key = (r["dp_rank"], r["coords"]["tp"])
+        key = (r["dp_rank"], r["coords"]["tp"], r["coords"]["pp"])
         replicas.setdefault(key, []).extend(rec["positions"])
     for positions in replicas.values():
         assert sorted(positions) == list(range(SEQ))
@@ -73,13 +73,27 @@ def test_cp_2_dp_shard_2_ep_2_moe_matches_one_process_and_resumes_in_one(base, t
     assert_matches_reference(resumed.rows, ref)
 
 
-def test_cp_2_tp_2_selective_checkpointing_matches_one_process(base):
-    """cp with tensor (+ sequence) parallelism: each tp rank's heads attend over the K/V its cp
-    peers gathered, the residual stream holds 1 / (cp x tp) of the sequence."""
-    run = run_layout(base, 4, train={"parallel": {"cp": 2, "tp": 2}, "activation_checkpointing": "selective"})
-    assert_matches_reference(run.rows, reference_run(base).rows)
+@pytest.mark.parametrize("parallel, extra", [
+    ({"cp": 2, "tp": 2}, {"activation_checkpointing": "selective", "doc_mask": True}),
+    ({"pp": 2, "cp": 2, "dp_shard": 1, "pp_microbatches": 2}, {}),
+], ids=["cp2_tp2_selective_doc_mask", "pp2_cp2"])
+def test_cp_with_tp_or_pp_matches_one_process(base, parallel, extra):
+    """cp with tensor (+ sequence) parallelism and packed-sequence document masks: each tp rank's heads
+    attend over the K/V its cp peers gathered, within each document, the residual stream holds
+    1 / (cp x tp) of the sequence; with a pipeline (1f1b): each stage's attention gathers over cp, the
+    stages hold disjoint layers."""
+    run = run_layout(base, 4, train={"parallel": parallel, **extra})
+    ref = reference_run(base, train=extra).rows  # the 1-process run with the same doc_mask
+    assert_matches_reference(run.rows, ref)
+    if extra.get("doc_mask"):  # the masks mattered: some batch crossed a document boundary
+        assert any(r["loss"] != q["loss"] for r, q in zip(ref, reference_run(base).rows))
     assert_context_parallel(run.layout, 2)
+    assert {r["dp_rank"] for r in run.layout["ranks"]} == {0}  # one replica: the other dims split its sequences
     r0 = next(r for r in run.layout["ranks"] if r["rank"] == 0)
-    wq = r0["params"]["blocks.0.attn.wq.weight"]
-    assert dict(zip(wq["mesh_dims"], wq["placements"]))["tp"] == "S(0)"
-    assert {r["dp_rank"] for r in run.layout["ranks"]} == {0}  # one replica: cp and tp split its sequences
+    if parallel.get("tp"):
+        wq = r0["params"]["blocks.0.attn.wq.weight"]
+        assert dict(zip(wq["mesh_dims"], wq["placements"]))["tp"] == "S(0)"
+        assert all(b["selective"] for b in r0["blocks"].values())
+    else:
+        stages = [st["layers"] for rank in run.layout["pipeline"]["ranks"] for st in rank["stages"]]
+        assert sorted(sum(stages, [])) == list(range(LAYOUT_MODEL["n_layer"])) and all(len(st) == 2 for st in stages)

@@ -131,17 +131,11 @@ def test_tp_4_matches_one_process(base, ref):
     (2, {"ep": 2}, {}, "train.parallel.ep > 1 needs a mixture-of-experts model (model.moe.n_experts)"),
     (2, {"cp": 2}, {"seq_len": 30}, "train.parallel.cp (2): model.seq_len (30) must be a multiple of 2 x cp = 4"),
     (8, {"cp": 2, "tp": 4}, {"seq_len": 36}, "train.parallel.tp (4) must divide model.seq_len (36) / cp (2)"),
-    (4, {"cp": 2, "pp": 2}, {"tie_embeddings": False}, "train.parallel.cp > 1 with train.parallel.pp > 1 is not supported"),
 ])
 def test_bad_layouts_fail_at_config_load_naming_the_field(world, parallel, model, message):
     with pytest.raises(pydantic.ValidationError, match=re.escape(message)):
         layout_cfg(world, train={"parallel": parallel}, model=model)
 
-
-def test_context_parallel_with_document_masks_is_refused():
-    with pytest.raises(pydantic.ValidationError, match=re.escape("train.doc_mask is not supported with "
-                                                                 "train.parallel.cp > 1")):
-        layout_cfg(2, train={"parallel": {"cp": 2}, "doc_mask": True})
 
 
 def test_shorthands_resolve_to_layouts():

@@ -51,8 +51,8 @@ class ContextParallel:
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.positions = load_balanced_positions(seq_len, self.cp, self.rank)  # this rank's queries
         # the all-gather concatenates the ranks' slices in rank order: the keys' positions then
-        keys = torch.cat([load_balanced_positions(seq_len, self.cp, r) for r in range(self.cp)])
-        self.mask = keys[None, :] <= self.positions[:, None]  # (local, seq_len): query may attend key
+        self.keys = torch.cat([load_balanced_positions(seq_len, self.cp, r) for r in range(self.cp)])
+        self.mask = self.keys[None, :] <= self.positions[:, None]  # (local, seq_len): query may attend key
         self._on_device: dict = {}  # (name, device) -> the tensor there: copied to an accelerator once
 
     def on(self, name: str, device: torch.device) -> torch.Tensor:
@@ -72,16 +72,28 @@ class ContextParallel:
             raise ValueError(f"context parallelism splits sequences of {self.seq_len} tokens, got {t.size(dim)}")
         return t.index_select(dim, self.on("positions", t.device))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    def document_mask(self, doc_ids: torch.Tensor) -> torch.Tensor:
+        """The (B, 1, local, seq_len) "may attend" mask of packed sequences (model.document_causal_mask
+        for this rank's queries and the gathered keys): causal and within one document. doc_ids: the
+        whole sequences' (B, seq_len), which every cp rank of a replica reads."""
+        device = doc_ids.device
+        doc_q = doc_ids.index_select(1, self.on("positions", device))
+        doc_k = doc_ids.index_select(1, self.on("keys", device))
+        return (self.on("mask", device) & (doc_q[:, :, None] == doc_k[:, None, :]))[:, None]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of the local queries (B, heads, local, head_dim) over the whole sequence's
-        keys and values, gathered from the cp ranks (the local k and v: (B, heads, local, head_dim))."""
+        keys and values, gathered from the cp ranks (the local k and v: (B, heads, local, head_dim));
+        `mask`: document_mask's, for packed sequences."""
         import torch.distributed._functional_collectives as funcol
 
         # one all-gather for K and V, along dim 0 (the only gather dim the autograd version takes)
         kv = torch.stack((k, v)).permute(3, 0, 1, 2, 4).contiguous()  # (local, 2, B, heads, head_dim)
         kv = funcol.all_gather_single_autograd(kv, 0, self.group)  # backward: reduce-scatter (sum)
         k, v = kv.permute(1, 2, 3, 0, 4).unbind(0)  # (B, heads, seq_len, head_dim) each, ranks' order
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.on("mask", q.device), dropout_p=dropout_p)
+        mask = self.on("mask", q.device) if mask is None else mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
     def record(self) -> dict:
         return {"cp": self.cp, "cp_rank": self.rank, "local_seq_len": self.local_len,
@@ -89,8 +101,9 @@ class ContextParallel:
 
 
 def apply_cp(model: nn.Module, cp_mesh, seq_len: int) -> ContextParallel:
-    """Context parallelism over `cp_mesh` (the world mesh's "cp" dimension) on a GPT, in place: every
-    attention layer gathers K/V over it, the model rotates by the slice's global positions. Returns
+    """Context parallelism over `cp_mesh` (the world mesh's "cp" dimension) on a GPT or a pipeline
+    stage of one, in place: every attention layer gathers K/V over it, the model (stage) rotates by
+    the slice's global positions. Returns
     the ContextParallel whose `shard` the trainer applies to inputs and targets; each MoE layer's
     Switch loss counts its expert fractions over the cp group. Collective-free."""
     from tasks.train.model import CausalSelfAttention

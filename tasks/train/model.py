@@ -195,8 +195,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self._qkv_heads(x)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         dropout = self.dropout if self.training else 0.0
-        if self.context_parallel is not None:  # document masks are refused with cp (ParallelDims.check)
-            y = self.context_parallel.attend(q, k, v, dropout)
+        if self.context_parallel is not None:  # mask: ContextParallel.document_mask's (local, seq_len) one
+            y = self.context_parallel.attend(q, k, v, dropout, mask)
         elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         else:
@@ -365,7 +365,8 @@ class GPT(nn.Module):
 
         doc_ids (B, T): document of each token in a packed sequence; attention then stays inside
         each document. positions (B, T): RoPE position of each token (default 0..T-1), restarting
-        at 0 in every document for packed sequences (see data.GlobalWindows.documents)."""
+        at 0 in every document for packed sequences (see data.GlobalWindows.documents). Under context
+        parallelism idx and positions are this rank's slice of the sequence, doc_ids the whole one's."""
         B, T = idx.shape
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
@@ -376,7 +377,12 @@ class GPT(nn.Module):
             cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         else:
             cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
-        mask = None if doc_ids is None else document_causal_mask(doc_ids)
+        if doc_ids is None:
+            mask = None
+        elif self.context_parallel is not None:  # doc_ids: the whole sequences', positions: the slice's
+            mask = self.context_parallel.document_mask(doc_ids)
+        else:
+            mask = document_causal_mask(doc_ids)
         logits = self._trunk(idx, cos, sin, mask)
         loss = None
         if targets is not None:

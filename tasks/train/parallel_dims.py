@@ -77,7 +77,7 @@ class ParallelDims:
         tcfg, mcfg = cfg.train, cfg.model
         moe = mcfg.moe
         if self.cp > 1:
-            check_cp(self, tcfg, mcfg)
+            check_cp(self, mcfg)
         if self.tp > 1:
             if mcfg.n_head % self.tp:
                 raise LayoutError(f"train.parallel.tp ({self.tp}) must divide model.n_head ({mcfg.n_head})")
@@ -174,18 +174,12 @@ class ParallelDims:
         return mesh
 
 
-def check_cp(dims: ParallelDims, tcfg, mcfg) -> None:
-    """Context parallelism (tasks/train/context_parallel.py) against the model and the other
-    dimensions; raises LayoutError naming the field."""
+def check_cp(dims: ParallelDims, mcfg) -> None:
+    """Context parallelism (tasks/train/context_parallel.py) against the model (it composes with
+    every other dimension and with document masks); raises LayoutError naming the field."""
     if mcfg.seq_len % (2 * dims.cp):
         raise LayoutError(f"train.parallel.cp ({dims.cp}): model.seq_len ({mcfg.seq_len}) must be a multiple of "
                           f"2 x cp = {2 * dims.cp} (each cp rank takes two of 2 x cp equal chunks of every sequence)")
-    if dims.pp > 1:
-        raise LayoutError("train.parallel.cp > 1 with train.parallel.pp > 1 is not supported: use cp with "
-                          "dp_shard / dp_replicate / tp")
-    if tcfg.doc_mask:
-        raise LayoutError("train.doc_mask is not supported with train.parallel.cp > 1 (the cp ranks' "
-                          "attention masks are plain causal)")
 
 
 def step_granularity(dims: ParallelDims, tcfg) -> int:

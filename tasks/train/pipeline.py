@@ -91,6 +91,7 @@ class GPTStage(nn.Module):
         # tokens per sequence of the current step: a later stage's input may be sequence-sharded
         # (tensor parallelism with sequence parallelism), so its own width is not the sequence length
         self.seq_len = cfg.seq_len
+        self.context_parallel = None  # context_parallel.apply_cp: the stage sees this rank's slice of the sequence
 
     @property
     def is_first(self) -> bool:
@@ -101,8 +102,12 @@ class GPTStage(nn.Module):
         return self.lm_head is not None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        T = self.seq_len
-        return GPT._trunk(self, h, self.rope_cos[:T], self.rope_sin[:T], layers=self.layers)  # GPT.forward's own code
+        if self.context_parallel is not None:  # RoPE at the slice's global positions, as GPT.forward
+            at = self.context_parallel.on("positions", self.rope_cos.device)
+            cos, sin = self.rope_cos[at], self.rope_sin[at]
+        else:
+            cos, sin = self.rope_cos[:self.seq_len], self.rope_sin[:self.seq_len]
+        return GPT._trunk(self, h, cos, sin, layers=self.layers)  # GPT.forward's own code
 
 
 def split_model(model: GPT, pp_rank: int, pp: int, stages_per_rank: int) -> list[tuple[int, GPTStage]]:

@@ -439,6 +439,8 @@ class Trainer:
             if tcfg.doc_mask:
                 doc_ids, positions = (t.to(device) for t in
                                       self.data.micro_batch_documents(pos, micro, self.dp_rank, self.dp_size))
+                if self.context_parallel is not None:  # the mask needs every key's document: doc_ids stay whole
+                    positions = self.context_parallel.shard(positions)
             x, y = x.to(device), y.to(device)
             with self.grad_sync(micro == accum - 1):
                 with autocast_context(tcfg, device, self.wrapped):
