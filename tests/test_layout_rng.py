@@ -1,6 +1,6 @@
 """Per-rank RNG (dropout) streams under the training layouts, at the unit level: each rank's mesh
 coordinates come from the real DeviceMesh of 4 ranks, built in one process on torch's fake process
-group (no collectives run). tp ranks of one replica share a stream, replicas and stages differ; a
+group (no collectives run). tp ranks of one replica share a stream, replicas, cp slices and stages differ; a
 checkpoint's saved streams are reused only under the same mesh, not merely the same world size."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tasks.train.parallel_dims import ParallelDims
-from tasks.train.trainer import data_parallel_coords, rank_stream_seed, saved_streams_fit
+from tasks.train.trainer import rank_stream_seed, saved_streams_fit, stream_coords
 from tests.lm_helpers import tiny_cfg
 
 SEED, STEP = 1337, 10
@@ -29,7 +29,7 @@ def _seeds(dims: ParallelDims, step: int) -> list[int]:
         dist.init_process_group("fake", rank=rank, world_size=dims.world, store=FakeStore())
         try:
             mesh = None if dims.legacy_ddp else dims.build_mesh("cpu")
-            seeds.append(rank_stream_seed(SEED, *data_parallel_coords(mesh, rank, dims.world), step))
+            seeds.append(rank_stream_seed(SEED, *stream_coords(mesh, rank, dims.world), step))
         finally:
             dist.destroy_process_group()
     return seeds
@@ -41,6 +41,9 @@ def test_rank_streams_follow_the_layout_on_start_and_resume():
         assert a == b and c == d and a != c  # tp peers share, the two replicas differ
         assert len(set(_seeds(_dims(dp_shard=4), step))) == 4
         assert len(set(_seeds(_dims(pp=2, dp_shard=2), step))) == 4  # replicas x stages
+        assert len(set(_seeds(_dims(dp_shard=2, cp=2), step))) == 4  # cp slices hold other positions
+        a, b, c, d = _seeds(_dims(cp=2, tp=2), step)
+        assert a == b and c == d and a != c  # tp peers share, the two cp slices differ
     assert _seeds(_dims("ddp"), 0) == [SEED + 1 + r for r in range(4)]  # the legacy formula, unchanged
     assert set(_seeds(_dims(dp_shard=2, tp=2), STEP)).isdisjoint(_seeds(_dims(dp_shard=2, tp=2), 0))
 

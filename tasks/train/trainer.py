@@ -120,10 +120,21 @@ def data_parallel_coords(mesh, rank: int, world: int) -> tuple[int, int, int]:
     return mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["pp"].get_local_rank()
 
 
+def stream_coords(mesh, rank: int, world: int) -> tuple[int, int, int]:
+    """(stream index, stream count, pp_rank) of this rank's dropout stream: one per data-parallel
+    replica, and within a replica per cp rank (its slice holds other positions); the tp ranks of one
+    replica share theirs. (rank, world, 0) for the legacy DDP shorthand."""
+    dp_rank, dp_size, pp_rank = data_parallel_coords(mesh, rank, world)
+    if mesh is None:
+        return dp_rank, dp_size, pp_rank
+    cp = mesh["cp"]
+    return dp_rank + dp_size * cp.get_local_rank(), dp_size * cp.size(), pp_rank
+
+
 def rank_stream_seed(seed: int, dp_rank: int, dp_size: int, pp_rank: int, step: int = 0) -> int:
-    """The seed of a rank's dropout streams: distinct per data-parallel replica and pipeline stage,
-    shared by the tp ranks of one replica (they compute the same replicated activations; the trainer
-    counts its cp ranks as replicas here: they compute other positions);
+    """The seed of a rank's dropout streams: distinct per data-parallel replica (and cp slice:
+    `stream_coords`) and pipeline stage, shared by the tp ranks of one replica (they compute the same
+    replicated activations);
     `step` > 0 derives fresh ones on a resume whose saved streams do not fit the layout."""
     return seed + 1 + dp_rank + dp_size * pp_rank + 7919 * step
 
@@ -171,7 +182,6 @@ class Trainer:
         # data-parallel ranks, and their cp ranks (each holds a slice of every sequence)
         self.tokens_group = dist.group.WORLD if self.mesh is None else self.mesh["dp_cp"].get_group()
         self.tokens_ranks = dist.get_world_size(self.tokens_group)
-        self.cp_rank = 0 if self.mesh is None else self.mesh["cp"].get_local_rank()
         self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
         self.data = GlobalWindows(tokens_index, "train", self.gcfg.seq_len, tcfg.micro_batch_size,
                                   seed=tcfg.seed, documents=tcfg.doc_mask)
@@ -208,7 +218,7 @@ class Trainer:
         self.optimizer = OptimizersContainer(self.model_parts, tcfg)
         # per-rank RNG streams after the shared init, saved in checkpoints: dropout differs per
         # data-parallel replica, cp slice and pipeline stage, and is the same on the tp ranks of one replica
-        seed_rank_streams(rank_stream_seed(tcfg.seed, *self.stream_coords, self.pp_rank))
+        seed_rank_streams(rank_stream_seed(tcfg.seed, *stream_coords(self.mesh, self.rank, self.world)))
         self.data_rng = np.random.default_rng([tcfg.seed, self.rank])  # per-rank data stream, checkpointed
         self.detector = SpikeDetector(tcfg.spike_window, tcfg.spike_min_history, tcfg.spike_sigma,
                                       tcfg.spike_rollback_after, loss_ratio=tcfg.spike_loss_ratio,
@@ -244,12 +254,6 @@ class Trainer:
         self.layout_info["pipeline"] = self.pipeline.record()
         parts = self.pipeline.model_parts
         return parts, parts[0]
-
-    @property
-    def stream_coords(self) -> tuple[int, int]:
-        """(index, count) of this rank's dropout stream among the ranks computing different activations:
-        the data-parallel replicas and, within one, the cp ranks (their slices differ); tp ranks share."""
-        return self.dp_rank + self.dp_size * self.cp_rank, self.dp_size * self.dims.cp
 
     @property
     def storage(self) -> dict:
@@ -288,7 +292,7 @@ class Trainer:
         if rng is not None:
             restore_rng_state(rng, self.data_rng)
         else:  # another layout: the per-rank streams cannot carry over; derive fresh ones
-            seed_rank_streams(rank_stream_seed(self.tcfg.seed, *self.stream_coords, self.pp_rank, step))
+            seed_rank_streams(rank_stream_seed(self.tcfg.seed, *stream_coords(self.mesh, self.rank, self.world), step))
             self.data_rng.bit_generator.state = np.random.default_rng(
                 [self.tcfg.seed, self.rank, step]).bit_generator.state
         return step
