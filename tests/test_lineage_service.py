@@ -695,3 +695,54 @@ def test_replay_keeps_two_batches_in_flight_and_stops_at_a_refused_one(sample):
     with httpx.Client(transport=httpx.MockTransport(handler(3))) as c, pytest.raises(ReplayError, match="400"):
         replay(log, "http://lineage", client=c, batch_size=5, in_flight=2)
     assert state["posted"] <= 4 < -(-n // 5)
+
+
+def test_replay_verifies_by_the_fast_encoding_and_falls_back_to_canonical_json(tmp_path, monkeypatch):
+    """Lines are verified over orjson's sorted encoding when it is canonical()'s (the emitter's
+    lines), over canonical() when the two differ (a float written 1e-07 by json, 1e-7 by orjson);
+    an altered line is refused either way."""
+    import json
+
+    from tasks.lineage import signed
+    from tasks.lineage.replay import iter_events
+
+    base = {"eventType": "START", "eventTime": "2026-01-01T00:00:00Z", "producer": PRODUCER,
+            "schemaURL": "https://openlineage.io/spec/2-0-2/OpenLineage.json#/$defs/RunEvent",
+            "job": {"namespace": "crucible", "name": "j"}}
+    plain = signed.sign_event({**base, "run": {"runId": str(uuid.uuid4())}})
+    tiny_float = signed.sign_event({**base, "run": {"runId": str(uuid.uuid4()), "facets": {"x": {"v": 1e-7}}}})
+    altered = json.loads(json.dumps(plain))
+    altered["job"]["name"] = "other"
+    log = tmp_path / "lineage.jsonl"
+    log.write_text("".join(json.dumps(e) + "\n" for e in (plain, tiny_float, altered)))
+    fast = []
+    real = signed._signs_sorted_orjson
+    monkeypatch.setattr(signed, "_signs_sorted_orjson", lambda *a: fast.append(real(*a)) or fast[-1])
+    refused: list[int] = []
+    got = list(iter_events(log, refused))
+    assert [e["run"]["runId"] for e in got] == [plain["run"]["runId"], tiny_float["run"]["runId"]]
+    assert refused == [3] and fast == [True, False, False]
+
+
+def test_validation_remembers_only_facets_that_passed(monkeypatch):
+    """A facet seen valid before is not checked again (same encoding, same schema); the same facet
+    made invalid, or under another schema, is checked and refused."""
+    from tasks.lineage import validate
+
+    monkeypatch.setattr(validate, "_VALID_FACETS", set())
+    doc = {"_producer": PRODUCER, "_schemaURL": "https://openlineage.io/spec/facets/1-1-0/"
+                                                "DocumentationJobFacet.json#/$defs/DocumentationJobFacet",
+           "description": "d"}
+    event = {"eventType": "START", "eventTime": "2026-01-01T00:00:00Z", "producer": PRODUCER,
+             "schemaURL": "https://openlineage.io/spec/2-0-2/OpenLineage.json#/$defs/RunEvent",
+             "run": {"runId": str(uuid.uuid4())},
+             "job": {"namespace": "crucible", "name": "j", "facets": {"documentation": doc}}}
+    assert validate.event_errors(event) == []
+    assert [url for _, url, _ in validate._VALID_FACETS] == [doc["_schemaURL"]]
+    assert validate.event_errors(event) == []
+    bad = {**doc, "description": 5}
+    errors = validate.event_errors({**event, "job": {**event["job"], "facets": {"documentation": bad}}})
+    assert any("description" in e for e in errors), errors
+    other = {**doc, "_schemaURL": "https://openlineage.io/spec/facets/2-0-4/JobTypeJobFacet.json#/$defs/JobTypeJobFacet"}
+    assert validate.event_errors({**event, "job": {**event["job"], "facets": {"jobType": other}}})
+    assert len(validate._VALID_FACETS) == 1

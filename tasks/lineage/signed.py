@@ -15,13 +15,14 @@ another file.
 from __future__ import annotations
 
 import errno
+import hmac
 import json
 import logging
 import os
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-from tasks.core.signing import SignatureError, canonical, sign_bytes, signing_key, verify_bytes
+from tasks.core.signing import SignatureError, _mac, canonical, sign_bytes, signing_key, verify_bytes
 
 try:
     import orjson
@@ -97,8 +98,25 @@ def verify_event(event: Any, what: str = "lineage line", key: bytes | None = Non
         log.warning("refused: %s is not a JSON object", what)
         raise SignatureError(f"{what} is not a JSON object")
     body, signature = _split(event)
+    if _signs_sorted_orjson(body, signature, key):
+        return event
     verify_bytes(canonical(body), signature, PURPOSE, what, key)
     return event
+
+
+def _signs_sorted_orjson(body: dict, signature: Any, key: bytes | None) -> bool:
+    """True when `signature` signs orjson's sorted, compact encoding of `body`: for a line of the
+    stack's emitter these are canonical()'s bytes, made ~8x faster (a replay's main cost per line
+    after parsing). Sound: bytes that verify were signed as canonical(x) for an x whose JSON is
+    those bytes, i.e. x == body; when the encodings differ (floats written otherwise, say) the
+    caller checks canonical() itself."""
+    if orjson is None or key is None or not isinstance(signature, str):
+        return False
+    try:
+        data = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # a value orjson does not encode (e.g. an integer beyond 64 bits)
+        return False
+    return hmac.compare_digest(signature, _mac(PURPOSE, data, key))
 
 
 def _loads(line: bytes) -> Any:
