@@ -57,6 +57,38 @@ def test_words_follow_spacy_english_rules():
     assert not is_symbol_word("°")  # not in the reference's punctuation set
 
 
+def _spacy_words(text: str) -> list[str]:
+    """The reference: the whole text through spaCy's tokenizer, whitespace tokens dropped."""
+    from tasks.curate.text import _english
+
+    return [w for w in (t.text.strip() for t in _english().tokenizer(text)) if w]
+
+
+def test_words_per_chunk_match_the_whole_text(monkeypatch):
+    """`words` tokenizes each whitespace-separated chunk once and reuses it; where spaCy's
+    special-case matcher could straddle a space and hide a match inside a chunk ("' ''I'" keeps
+    "'", "'", while the chunk alone gives "''") it checks the run of chunks, and on a difference
+    tokenizes the whole text: always spaCy's words of the whole text."""
+    from tasks.curate import text as T
+
+    whole = []
+    monkeypatch.setattr(T._english(), "tokens", lambda t, f=T._english().tokens: whole.append(t) or f(t))
+    plain = "Don't split e.g. well-known words , he said : it 's (really) fine ; Dr. Who ' s 10 a.m. "
+    tricky = "Had not I reason to cry now , Carlo ? ' ''I' ll go this minute"
+    assert _spacy_words(tricky).count("'") > T._chunk_entry("''I'")[0].count("'")  # context matters here
+    whole.clear()
+    T._words.cache_clear()
+    for text in (plain * 3, tricky, plain + "\n" + tricky + "  " + plain):
+        assert words(text) == _spacy_words(text), text
+    assert whole[:2] == [tricky, plain + "\n" + tricky + "  " + plain]  # only the tricky texts went through whole
+    assert T._CHUNK_WORDS["it"][0] == ("it",) and T._CHUNK_WORDS["well-known"][0] == ("well", "-", "known")
+    rng = __import__("random").Random(0)
+    pieces = list(T._english().straddle.specials) + ["''I'", "word", "I", "Dr.", "'s", ":", "-", ")", "("]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) + rng.choice([" ", "", " ", "\n", "  "]) for _ in range(rng.randint(1, 10)))
+        assert words(text) == _spacy_words(text), text
+
+
 def test_sentences_follow_the_sentencizer():
     """A sentence ends after . ! ? (and other sentence punctuation) once a non-punctuation token
     follows; abbreviations spaCy keeps whole (Dr., p.m., e.g.) do not end one."""
@@ -170,6 +202,51 @@ def test_repetition_helpers():
     # n-grams are concatenated: "ab" seen at 0, "ba" at 1, "ab" again at 2 → counted, jump to 4
     assert duplicated_ngram_chars(toks, 2) == 2 + 2
     assert top_ngram_chars(["x"], 2) == 0
+
+
+def _top_ngram_reference(toks: list[str], n: int) -> int:
+    from collections import Counter
+
+    grams = [" ".join(toks[i:i + n]) for i in range(len(toks) - n + 1)]
+    if not grams:
+        return 0
+    gram, count = Counter(grams).most_common(1)[0]
+    return len(gram) * count
+
+
+def _duplicated_ngram_reference(toks: list[str], n: int) -> int:
+    grams = ["".join(toks[i:i + n]) for i in range(len(toks) - n + 1)]
+    seen, chars, i = set(), 0, 0
+    while i < len(grams):
+        if grams[i] in seen:
+            chars += len(grams[i])
+            i += n
+        else:
+            seen.add(grams[i])
+            i += 1
+    return chars
+
+
+@pytest.mark.parametrize("collide", [False, True])
+def test_repetition_counts_by_hash_match_the_strings(monkeypatch, collide):
+    """The n-gram rules count by hash but confirm with the strings: the same figures as counting
+    the strings, on token lists whose concatenations coincide ("ab"+"c" = "a"+"bc"), and also
+    when every n-gram hashes alike (a forced collision)."""
+    import random
+
+    from tasks.curate import filters as F
+
+    if collide:
+        real = F._Joined.grams
+        monkeypatch.setattr(F._Joined, "grams", lambda self, n, spaced: (0 * real(self, n, spaced)[0],
+                                                                          *real(self, n, spaced)[1:]))
+    rng = random.Random(3)
+    vocab = ["a", "b", "ab", "ba", "c", "bc", "abc", "é", "x"]
+    for _ in range(1500):
+        toks = [rng.choice(vocab[:rng.randint(1, len(vocab))]) for _ in range(rng.randint(0, 30))]
+        for n in range(1, 8):
+            assert top_ngram_chars(toks, n) == _top_ngram_reference(toks, n), (toks, n)
+            assert duplicated_ngram_chars(toks, n) == _duplicated_ngram_reference(toks, n), (toks, n)
 
 
 def test_gopher_repetition_dup_para_frac():

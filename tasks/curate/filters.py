@@ -27,7 +27,8 @@ from __future__ import annotations
 import re
 from bisect import bisect_left
 from collections import Counter
-from itertools import accumulate
+
+import numpy as np
 
 from tasks.config import C4Config, CurateConfig, FineWebConfig, GopherQualityConfig, GopherRepetitionConfig
 from tasks.core.steps import Filter
@@ -48,15 +49,60 @@ def duplicates(items: list[str]) -> tuple[int, int]:
 
 
 class _Joined:
-    """Tokens joined once (with and without spaces) so an n-gram is one string slice."""
+    """Tokens joined once, with and without spaces, and a polynomial hash of every prefix of both
+    joined strings, so that the n-grams' hashes (and lengths) come as numpy vectors: the repetition
+    rules count n-grams by hash, then confirm with the strings themselves whatever decides a
+    result, so a hash collision can cost time but never change a count."""
 
     def __init__(self, toks: list[str]):
         self.n_toks = len(toks)
         self.cat = "".join(toks)
         self.cat_sp = " ".join(toks)
-        self.ends = list(accumulate(len(t) for t in toks))  # end of token i in `cat`
-        self.starts = [0] + self.ends[:-1]
-        # n-gram of tokens i..i+k: cat[starts[i]:ends[i+k]]; space-joined: shift by i (spaces before)
+        self.ends = np.cumsum(np.fromiter(map(len, toks), np.int64, len(toks)))  # end of token i in `cat`
+        self.starts = self.ends - np.fromiter(map(len, toks), np.int64, len(toks))
+        self._prefix: dict[bool, np.ndarray] = {}
+
+    def grams(self, n: int, spaced: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(hash, start, end) of each n-gram in the joined string (`spaced`: with spaces)."""
+        k = n - 1
+        st, en = self.starts[:self.n_toks - k], self.ends[k:]
+        if spaced:  # i spaces before token i
+            st, en = st + np.arange(len(st)), en + np.arange(k, self.n_toks)
+        if spaced not in self._prefix:
+            self._prefix[spaced] = _prefix_hashes(self.cat_sp if spaced else self.cat)
+        h = self._prefix[spaced]
+        pw_inv = _powers(len(h))[1]
+        with np.errstate(over="ignore"):  # arithmetic mod 2^64
+            keys = (h[en] - h[st]) * pw_inv[st] + (en - st).astype(np.uint64) * _LENGTH_MIX
+        return keys, st, en
+
+
+# Polynomial hashing mod 2^64 (numpy's wrapping uint64 arithmetic): an odd base has an inverse,
+# so substring [a, b) hashes to (H[b] - H[a]) * B^-a, independent of where it sits
+_BASE = np.uint64(0x9E3779B97F4A7C15)
+_LENGTH_MIX = np.uint64(0xC2B2AE3D27D4EB4F)
+_POWERS: list[np.ndarray] = [np.ones(1, np.uint64), np.ones(1, np.uint64)]
+
+
+def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """B^j and B^-j for j < n (at least), grown by doubling."""
+    if len(_POWERS[0]) < n:
+        size = max(n, 2 * len(_POWERS[0]), 4096)
+        inv = np.uint64(pow(int(_BASE), -1, 1 << 64))
+        with np.errstate(over="ignore"):
+            for i, b in enumerate((_BASE, inv)):
+                pw = np.full(size, b, np.uint64)
+                pw[0] = 1
+                _POWERS[i] = np.cumprod(pw, dtype=np.uint64)
+    return _POWERS[0], _POWERS[1]
+
+
+def _prefix_hashes(s: str) -> np.ndarray:
+    codes = np.frombuffer(s.encode("utf-32-le", "surrogatepass"), np.uint32).astype(np.uint64)
+    out = np.zeros(len(codes) + 1, np.uint64)
+    with np.errstate(over="ignore"):
+        np.cumsum(codes * _powers(len(codes) + 1)[0][:len(codes)], out=out[1:])
+    return out
 
 
 def top_ngram_chars(toks: list[str] | _Joined, n: int) -> int:
@@ -65,7 +111,20 @@ def top_ngram_chars(toks: list[str] | _Joined, n: int) -> int:
     j = toks if isinstance(toks, _Joined) else _Joined(toks)
     if j.n_toks < n:
         return 0
-    cat, st, en, k = j.cat_sp, j.starts, j.ends, n - 1
+    keys, st, en = j.grams(n, spaced=True)
+    _, first, inverse, counts = np.unique(keys, return_index=True, return_inverse=True, return_counts=True)
+    best = counts.max()
+    at = int(first[counts == best].min())  # the first n-gram with the top count
+    members = np.flatnonzero(inverse == inverse[at])
+    cat = j.cat_sp
+    gram = cat[st[at]:en[at]]
+    if any(cat[a:b] != gram for a, b in zip(st[members].tolist(), en[members].tolist())):
+        return _top_ngram_chars_exact(j, n)  # a hash collision: count the strings
+    return len(gram) * int(best)
+
+
+def _top_ngram_chars_exact(j: _Joined, n: int) -> int:
+    cat, st, en, k = j.cat_sp, j.starts.tolist(), j.ends.tolist(), n - 1
     gram, count = Counter(cat[st[i] + i:en[i + k] + i + k] for i in range(j.n_toks - k)).most_common(1)[0]
     return len(gram) * count
 
@@ -73,16 +132,17 @@ def top_ngram_chars(toks: list[str] | _Joined, n: int) -> int:
 def duplicated_ngram_chars(toks: list[str] | _Joined, n: int) -> int:
     """Characters in n-grams that repeat an earlier n-gram, scanning left to right and jumping
     past a repeat so overlapping repeats are not counted twice (n-gram = tokens concatenated).
-    Only positions whose n-gram occurs more than once can matter, so the scan visits just those."""
+    Only positions whose n-gram occurs more than once can matter, so the scan visits just those
+    (found by hash: equal strings hash alike, and a position visited needlessly changes nothing)."""
     j = toks if isinstance(toks, _Joined) else _Joined(toks)
     if j.n_toks < n:
         return 0
-    cat, st, en, k = j.cat, j.starts, j.ends, n - 1
-    grams = [cat[st[i]:en[i + k]] for i in range(j.n_toks - k)]
-    counts = Counter(grams)
-    if len(counts) == len(grams):
+    keys, st, en = j.grams(n, spaced=False)
+    _, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
+    if len(counts) == len(keys):
         return 0
-    candidates = [i for i, g in enumerate(grams) if counts[g] > 1]
+    candidates = np.flatnonzero(counts[inverse] > 1).tolist()
+    cat, st, en = j.cat, st.tolist(), en.tolist()
     seen: set[str] = set()
     chars = nxt = 0  # nxt: the first token index still to consider
     while True:
@@ -90,7 +150,7 @@ def duplicated_ngram_chars(toks: list[str] | _Joined, n: int) -> int:
         if ci >= len(candidates):
             return chars
         i = candidates[ci]
-        gram = grams[i]
+        gram = cat[st[i]:en[i]]
         if gram in seen:
             chars += len(gram)
             nxt = i + n

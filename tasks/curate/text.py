@@ -30,6 +30,7 @@ and the default config keeps English only.
 from __future__ import annotations
 
 import array
+import re
 import string
 import sys
 import unicodedata
@@ -71,6 +72,44 @@ def _torch_hidden():
             del sys.modules["torch"]
 
 
+class _Straddle:
+    """Which neighbouring chunks could form a special-case match across the space between them.
+
+    spaCy's matcher looks for the special cases that contain affix characters, each as its
+    pattern: the tokens it splits into without special cases. A straddling match needs the last
+    matcher-stage token of one chunk and the first of the next to be consecutive in a pattern
+    (`pairs`). The matcher-stage token at a chunk's end is its last word, or, where the matcher
+    rewrote the end, the last pattern token of a special case the chunk ends with (`ends` lists
+    both, kept to those that occur in a pair; likewise at the start). Such a match only matters
+    where it overlaps a match inside one of the two chunks, which needs a special case in it."""
+
+    def __init__(self, nlp, tok):
+        from spacy.tokenizer import Tokenizer
+
+        plain = Tokenizer(nlp.vocab, rules={}, prefix_search=tok.prefix_search, suffix_search=tok.suffix_search,
+                          infix_finditer=tok.infix_finditer, token_match=tok.token_match, url_match=tok.url_match)
+        self.patterns: dict[str, list[str]] = {}
+        for special in tok.rules:
+            if tok.find_prefix(special) or tok.find_infix(special) or tok.find_suffix(special) or " " in special:
+                self.patterns[special] = [t.text for t in plain(special)]
+        self.pairs = frozenset(p for pattern in self.patterns.values() for p in zip(pattern, pattern[1:]))
+        self.lefts = frozenset(x for x, _ in self.pairs)
+        self.rights = frozenset(y for _, y in self.pairs)
+        self.specials = tuple(self.patterns)
+        self._any_special = re.compile("|".join(re.escape(s) for s in sorted(self.specials, key=len, reverse=True)))
+
+    def ends(self, chunk: str, words: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        last, first = {words[-1]}, {words[0]}
+        if chunk.endswith(self.specials):
+            last.update(p[-1] for s, p in self.patterns.items() if chunk.endswith(s))
+        if chunk.startswith(self.specials):
+            first.update(p[0] for s, p in self.patterns.items() if chunk.startswith(s))
+        return tuple(last & self.lefts), tuple(first & self.rights)
+
+    def holds_special(self, chunk: str) -> bool:
+        return self._any_special.search(chunk) is not None
+
+
 class _English:
     """spaCy's English tokenizer (replaced by a fresh one past `_MAX_LEXEMES`, see `_english`)."""
 
@@ -85,6 +124,7 @@ class _English:
         self.nlp.vocab.lex_attr_getters = {}
         self.tokenizer = self.nlp.tokenizer
         self.sentence_punct = frozenset(Sentencizer.default_punct_chars)
+        self.straddle = _Straddle(self.nlp, self.tokenizer)
 
     def tokens(self, text: str) -> list[str]:
         """All tokens, whitespace tokens included (as the sentencizer sees them)."""
@@ -101,9 +141,59 @@ def _english() -> _English:
     return _ENGLISH
 
 
+# Words per whitespace-separated chunk, cached. spaCy tokenizes each maximal run of non-space
+# characters (str.split's chunks: the same isspace test) on its own, then re-applies its special
+# cases with a phrase matcher over the whole document. A match that straddles a space changes
+# nothing itself (no rule has that text) but can hide an overlapping match inside a chunk ("' ''I"
+# keeps "'", "'" where "''I" alone gives "''"). So a text's words are its chunks' words laid end
+# to end, except where neighbouring chunks could form a straddling match (`_Straddle`): each run
+# of such chunks that holds a special case is tokenized joined by spaces (the most straddling
+# matches; fewer can hide no more) and, if that differs, the whole text goes through spaCy as
+# before. A dict lookup per chunk replaces spaCy's Doc and a Token object per token (~75 % of
+# Gopher repetition's time).
+_CHUNK_WORDS: dict[str, tuple] = {}  # chunk (or run of chunks) -> (words, last / first matcher tokens, has a special)
+_MAX_CHUNKS = 1_000_000  # ~200 MB per process at most; cleared past it (the cache only memoises)
+
+
+def _chunk_entry(chunk: str) -> tuple:
+    eng = _english()
+    if len(_CHUNK_WORDS) >= _MAX_CHUNKS:
+        _CHUNK_WORDS.clear()
+    toks = tuple(t.text for t in eng.tokenizer(chunk) if not t.is_space)
+    entry = _CHUNK_WORDS[chunk] = (toks, *eng.straddle.ends(chunk, toks), eng.straddle.holds_special(chunk))
+    return entry
+
+
+def _runs_agree(chunks: list[str], entries: list[tuple], joined: list[int]) -> bool:
+    """Each run of chunks joined by a possible straddling match (`joined`: i where chunks i-1, i
+    could be) that holds a special case, tokenized as one text, gives its chunks' words."""
+    get = _CHUNK_WORDS.get
+    start = 0
+    for k, i in enumerate(joined):
+        if k + 1 < len(joined) and joined[k + 1] == i + 1:
+            continue  # the run goes on
+        first = joined[start] - 1
+        start = k + 1
+        run = entries[first:i + 1]
+        if not any(e[3] for e in run):
+            continue
+        text = " ".join(chunks[first:i + 1])
+        if (get(text) or _chunk_entry(text))[0] != tuple(w for e in run for w in e[0]):
+            return False
+    return True
+
+
 @lru_cache(maxsize=4)
 def _words(text: str) -> tuple[str, ...]:
-    return tuple(w for w in (t.strip() for t in _english().tokens(text)) if w)
+    get = _CHUNK_WORDS.get
+    chunks = text.split()
+    entries = [get(chunk) or _chunk_entry(chunk) for chunk in chunks]
+    pairs = _english().straddle.pairs
+    joined = [i for i in range(1, len(entries)) if entries[i - 1][1] and entries[i][2]
+              and any((x, y) in pairs for x in entries[i - 1][1] for y in entries[i][2])]
+    if joined and not _runs_agree(chunks, entries, joined):
+        return tuple(w for w in (t.strip() for t in _english().tokens(text)) if w)
+    return tuple(w for entry in entries for w in entry[0])
 
 
 def words(text: str) -> list[str]:
