@@ -746,3 +746,23 @@ def test_validation_remembers_only_facets_that_passed(monkeypatch):
     other = {**doc, "_schemaURL": "https://openlineage.io/spec/facets/2-0-4/JobTypeJobFacet.json#/$defs/JobTypeJobFacet"}
     assert validate.event_errors({**event, "job": {**event["job"], "facets": {"jobType": other}}})
     assert len(validate._VALID_FACETS) == 1
+
+
+def test_the_service_serves_with_the_collector_tuned_for_ingestion(tmp_path, monkeypatch):
+    """The server process runs with a gen0 threshold far above the default 700 (a posted batch is
+    ~100,000 acyclic containers), cycles still collected."""
+    import gc
+
+    import uvicorn
+
+    from infra.services.lineage import __main__ as service_main
+
+    seen = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.append((gc.get_threshold(), gc.isenabled())))
+    before = gc.get_threshold()
+    try:
+        assert service_main.main(["--db", str(tmp_path / "l.db")]) == 0
+    finally:
+        gc.set_threshold(*before)
+        gc.unfreeze()
+    assert seen == [(service_main.GC_THRESHOLDS, True)] and service_main.GC_THRESHOLDS[0] >= 50_000

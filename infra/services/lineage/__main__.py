@@ -9,6 +9,8 @@ from pathlib import Path
 
 from infra.settings import LineageConfig
 
+GC_THRESHOLDS = (100_000, 20, 100)  # gen0 allocations, gen0 runs per gen1, gen1 runs per gen2
+
 
 def main(argv: list[str] | None = None) -> int:
     defaults = LineageConfig()
@@ -69,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     # What start-up made (modules, the app) stays for good: out of the collector's way, a large graph
     # query's allocations no longer make it traverse all of that (a third of such a query's time)
     gc.freeze()
+    # A posted batch is ~100,000 acyclic containers (500 parsed events) that refcounting frees; at
+    # the default gen0 threshold (700) the collector ran ~140 times per batch, re-traversing the live
+    # batch and, in older generations, the growing walk index: ~14% of ingestion's CPU at 30,000
+    # events (measured against the collector off, which this matches). Cycles are still collected.
+    gc.set_threshold(*GC_THRESHOLDS)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
