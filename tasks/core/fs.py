@@ -26,10 +26,11 @@ s3:// needs the optional extra `s3` (s3fs); without it `S3ExtraMissing` says so.
 
 Paths under run_root, local or on a store, share one access layer (the rest of this module): a
 location is a local `Path` or, on a store, a URI string (`location` turns a command-line or config
-value into one), and `join`, `name_of`, `parent_of`, `is_file`, `read_text`, `write_text`, `read_bytes`,
-`write_bytes`, `remove`, `files`, `sha256`, `remove_tree`, `download`, `download_file` and `upload` take either, so code that
-reads and writes run files (training's checkpoints, the triggered flows) is written once, as
-datatrove's DataFolder is one fsspec wrapper for local and remote folders. On a store they use the
+value into one), and `join`, `name_of`, `parent_of`, `is_file`, `read_text`, `write_text`,
+`read_bytes`, `write_bytes`, `remove`, `files`, `sha256`, `remove_tree`, `download`, `download_file`
+and `upload` take either, so code that reads and writes run files (training's checkpoints, the
+triggered flows, the dedup shuffles' spill files) is written once, as datatrove's DataFolder is one
+fsspec wrapper for local and remote folders. On a store they use the
 fsspec file system of `storage.options` with fresh listings: other ranks, nodes and machines write
 under the same prefix, and fsspec would otherwise answer from its listing cache. Keys from a
 listing become local paths only through `safe_join`.
