@@ -165,6 +165,25 @@ def real_word_count(text: str) -> int:
     return sum(1 for w in words(text) if not is_symbol_word(w))
 
 
+# A word's kind, cached per word (a document repeats most of its words): set bits for "every
+# character a symbol" and "has a letter"; _KNOWN is set on every entry so that none is falsy
+_SYMBOL, _ALPHA, _KNOWN = 1, 2, 4
+_WORD_KINDS: dict[str, int] = {}
+
+
+def _word_kinds(toks: list[str]) -> list[int]:
+    get = _WORD_KINDS.get
+    return [get(w) or _word_kind(w) for w in toks]
+
+
+def _word_kind(w: str) -> int:
+    if len(_WORD_KINDS) >= 1_000_000:  # bounded; the cache only memoises
+        _WORD_KINDS.clear()
+    kind = _WORD_KINDS[w] = (_KNOWN | (_SYMBOL if is_symbol_word(w) else 0)
+                             | (_ALPHA if any(ch.isalpha() for ch in w) else 0))
+    return kind
+
+
 class GopherQualityFilter(Filter):
     name = "gopher_quality"
 
@@ -176,7 +195,8 @@ class GopherQualityFilter(Filter):
         c, text = self.cfg, doc["text"]
         toks = words(text)
         n_words = len(toks)
-        real = [w for w in toks if not is_symbol_word(w)]
+        kinds = _word_kinds(toks)
+        real = [w for w, k in zip(toks, kinds) if not k & _SYMBOL]
         n_real = len(real)
         if c.min_doc_words and n_real < c.min_doc_words:
             return "gopher_quality:gopher_short_doc"
@@ -205,7 +225,8 @@ class GopherQualityFilter(Filter):
                     return "gopher_quality:gopher_too_many_end_ellipsis"
         counted = toks if c.alpha_words == "tokens" else text.split()
         if counted and c.max_non_alpha_words_ratio:
-            alpha = sum(1 for w in counted if any(ch.isalpha() for ch in w))
+            kinds = kinds if counted is toks else _word_kinds(counted)
+            alpha = sum(1 for k in kinds if k & _ALPHA)
             if alpha / len(counted) < c.max_non_alpha_words_ratio:
                 return "gopher_quality:gopher_below_alpha_threshold"
         if c.min_stop_words and len(self.stop_words.intersection(toks)) < c.min_stop_words:  # distinct ones
