@@ -4,6 +4,7 @@ benchmarks/results/train_layouts.json.
 
     .venv/bin/python benchmarks/train_layouts.py [--steps 14 --warmup 4 --nproc 4 --threads 1
         --n-layer 4 --d-model 256 --n-head 8 --seq-len 128 --batch 16] [--only ddp4,tp4,...]
+    .venv/bin/python benchmarks/train_layouts.py --only cp2_dp_shard2,cp4 --merge [--note "..."]
 
 What runs: `run_training` (torchrun, gloo, `--nproc` processes, the trainer the worker builds) on real
 text (the tokenizer and token files tests/lm_helpers builds from shared/data/text, vocab 512), one
@@ -17,6 +18,8 @@ the same seed. The default size keeps the 13 runs within about 15 minutes on the
   moe_ep1 / moe_ep2 / moe_ep4: 8 experts, top-2, expert hidden half the dense MLP's (the same active
       FLOPs per token as the dense model, 4x its MLP parameters), dp_shard 4
   dp_shard4_ac_selective / dp_shard4_ac_full: activation checkpointing
+  cp2_dp_shard2 / cp4: context parallelism (each cp rank holds seq_len / cp tokens of every sequence;
+      seq_len must be a multiple of 2 x cp), FSDP over dp_shard x cp
 
 - tokens/s: steady state, from rank 0's train_log.jsonl: the global batch's tokens over the summed step
   times of the steps after `--warmup` (first steps: allocator, thread pools, gloo connections).
@@ -27,12 +30,17 @@ the same seed. The default size keeps the 13 runs within about 15 minutes on the
 - `model_state_mb`: the bytes of weights, gradients and AdamW moments each rank holds (local shards).
 - each layout is checked to have been built as asked (tp: parameters are DTensors on the tp mesh
   dimension; pp: no rank holds every block; ep: DTensors on the ep mesh dimension; MoE: MoE layers
-  exist; checkpointing: wrapped blocks); a layout that failed (its config refused, the trainer raised)
+  exist; checkpointing: wrapped blocks; cp: every rank's trainer holds seq_len / cp positions); a layout that failed (its config refused, the trainer raised)
   is reported with its error and the others go on.
 
 Relative figures compare against ddp4 (and dp_shard4, the MoE layouts also against moe_ep1) of the same
 run. On a shared 2-core machine the processes compete for the cores: absolute figures move with other
 load (load_avg in the result), compare rows of one run.
+
+`--merge` runs only the `--only` layouts and merges their rows into the existing `--out` file (same
+shape required), keeping the other rows. Every row carries the run it came from (`run`: code commit,
+date, load average, `--note`); each `vs_<baseline>` ratio says whether the baseline row is of the same
+run (`same_run`): a tokens/s ratio across runs compares different loads, the memory ratios hold.
 """
 from __future__ import annotations
 
@@ -42,6 +50,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -74,6 +83,8 @@ LAYOUTS: dict[str, tuple[dict, dict, bool]] = {
     "moe_ep4": ({"dp_shard": 4, "ep": 4}, {}, True),
     "dp_shard4_ac_selective": ({"dp_shard": 4}, {"activation_checkpointing": "selective"}, False),
     "dp_shard4_ac_full": ({"dp_shard": 4}, {"activation_checkpointing": "full"}, False),
+    "cp2_dp_shard2": ({"cp": 2, "dp_shard": 2}, {}, False),
+    "cp4": ({"cp": 4, "dp_shard": 1}, {}, False),
 }
 
 
@@ -82,8 +93,10 @@ def layout_config(name: str, a: argparse.Namespace):
     from lm_helpers import tiny_cfg
 
     parallel, extra, moe = LAYOUTS[name]
-    dims = {"pp": 1, "tp": 1, "dp_replicate": 1, **parallel}
-    dp = a.nproc if extra.get("parallelism") == "ddp" else a.nproc // (dims["pp"] * dims["tp"] * dims["dp_replicate"])
+    dims = {"pp": 1, "tp": 1, "cp": 1, "dp_replicate": 1, **parallel}
+    # the global batch splits over the data-parallel ranks only (tp, pp and cp ranks share samples)
+    dp = a.nproc if extra.get("parallelism") == "ddp" else a.nproc // (
+        dims["pp"] * dims["tp"] * dims["cp"] * dims["dp_replicate"])
     model = {"n_layer": a.n_layer, "n_head": a.n_head, "d_model": a.d_model, "seq_len": a.seq_len,
              "tie_embeddings": False}  # untied: the pipeline puts embedding and head on different stages
     if moe:
@@ -127,6 +140,8 @@ def check_built(cfg, ranks: list[dict]) -> list[str]:
         problems.append("ep: expert weights are not DTensors on an ep mesh dimension on every rank")
     if moe.n_experts and not all(b["moe_layers"] > 0 for b in built):
         problems.append("moe: no MoE layer in the model")
+    if p.cp > 1 and not all(b.get("cp_local_seq_len") == cfg.model.seq_len // p.cp for b in built):
+        problems.append(f"cp: not every rank's trainer holds seq_len / cp = {cfg.model.seq_len // p.cp} positions")
     if cfg.train.activation_checkpointing != "none" and not all(b["checkpoint_wrappers"] > 0 for b in built):
         problems.append("activation_checkpointing: no checkpoint-wrapped module")
     if not ParallelDims.from_config(cfg).legacy_ddp and p.dp_shard > 1 and not all(
@@ -189,8 +204,48 @@ def run_layout(name: str, a: argparse.Namespace, tokens_index: Path, work: Path)
     return row
 
 
+def code_commit() -> str:
+    """The checked-out commit (+ "-dirty" where the training code or this benchmark has uncommitted changes;
+    other helpers' edits elsewhere in the checkout do not run here)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        dirty = git("status", "--porcelain", "--", "tasks/train", "tasks/config.py", "tasks/core",
+                    "benchmarks/train_layouts.py", "benchmarks/train_layouts_worker.py", "tests/lm_helpers.py")
+        return git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+
+
+def legacy_run(previous: dict, path: Path) -> dict:
+    """The run of a row written before rows carried their own (`run`): the file's date and load average;
+    its code commit was not recorded, so the HEAD the file was committed on, said as such."""
+    try:
+        committed = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h^ (%cI)", "--", str(path)],
+                                   capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        committed = ""
+    machine = previous.get("machine", {})
+    return {"when": previous.get("when"), "code_commit": None,
+            "code_commit_note": "not recorded by the run; the result file was committed on top of "
+                                + (committed or "an unknown commit"),
+            "load_avg_1m_start": machine.get("load_avg_1m_start"), "load_avg_1m_end": machine.get("load_avg_1m_end"),
+            "note": previous.get("note")}
+
+
+def merge_rows(previous: dict, rows: dict, run: dict, path: Path) -> dict:
+    """The previous file's rows (each tagged with its run) with `rows` replacing those of the same name."""
+    old = previous.get("results", {})
+    legacy = legacy_run(previous, path)
+    merged = {n: {**r, "run": r.get("run") or legacy} for n, r in old.items() if n not in rows}
+    merged.update({n: {**r, "run": run} for n, r in rows.items()})
+    return {n: merged[n] for n in [*LAYOUTS, *sorted(set(merged) - set(LAYOUTS))] if n in merged}
+
+
 def relative(rows: dict) -> None:
-    """Ratios against the baselines of the same run, in place."""
+    """Ratios against the baselines, in place; `same_run` False where the baseline row is of another run
+    (its tokens/s ran under another load: only the memory ratios compare)."""
     for name, row in rows.items():
         if not row.get("ok"):
             continue
@@ -200,6 +255,7 @@ def relative(rows: dict) -> None:
             if peer == name or not (base and base.get("ok")):
                 continue
             row[f"vs_{peer}"] = {
+                "same_run": row.get("run", {}).get("when") == base.get("run", {}).get("when"),
                 "tokens_per_s": round(row["tokens_per_s"] / base["tokens_per_s"], 3),
                 "peak_mb_max": round(row["memory"]["peak_mb_max"] / base["memory"]["peak_mb_max"], 3),
                 "train_mb_max": round(row["memory"]["train_mb_max"] / base["memory"]["train_mb_max"], 3),
@@ -228,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated layout names (default: all): " + ", ".join(LAYOUTS))
     ap.add_argument("--work-dir", type=Path, default=None, help="runs and token files (default: a temporary folder)")
     ap.add_argument("--out", type=Path, default=RESULT)
+    ap.add_argument("--merge", action="store_true",
+                    help="merge the --only layouts' rows into the existing --out file (same shape), keeping its other rows")
+    ap.add_argument("--note", default="", help="a remark stored with this run's rows (e.g. the machine's load)")
     a = ap.parse_args(argv)
     names = [n.strip() for n in a.only.split(",") if n.strip()] or list(LAYOUTS)
     unknown = [n for n in names if n not in LAYOUTS]
@@ -235,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown layout(s) {unknown}; known: {', '.join(LAYOUTS)}")
     if a.warmup >= a.steps:
         ap.error("--warmup must be below --steps")
+    previous = json.loads(a.out.read_text()) if a.merge and a.out.exists() else None
+    if a.merge and previous is None:
+        ap.error(f"--merge: {a.out} does not exist")
 
     work = a.work_dir or Path(tempfile.mkdtemp(prefix="crucible-layouts-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -245,7 +307,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     tokens = tokens_artifact(work / "data")
-    load_start = os.getloadavg()[0]
+    shape = {"n_layer": a.n_layer, "d_model": a.d_model, "n_head": a.n_head, "seq_len": a.seq_len,
+             "vocab": tokens.get("vocab_size"), "global_batch_sequences": a.batch,
+             "tokens_per_step": a.batch * a.seq_len, "steps": a.steps, "warmup_steps_excluded": a.warmup,
+             "dtype": "fp32", "tie_embeddings": False}
+    if previous is not None and (previous.get("shape") != shape or previous["machine"]["processes"] != a.nproc
+                                 or previous["machine"]["threads_per_process"] != a.threads):
+        ap.error(f"--merge: {a.out} was measured at another shape or process count "
+                 f"({previous.get('shape')}, {previous['machine'].get('processes')} processes); rows would not compare")
+    commit, started, load_start = code_commit(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), os.getloadavg()[0]
     rows: dict[str, dict] = {}
     for name in names:
         print(f"=== {name}", flush=True)
@@ -253,17 +323,19 @@ def main(argv: list[str] | None = None) -> int:
         row = rows[name]
         print(f"=== {name}: " + (f"{row['tokens_per_s']:,.0f} tokens/s, peak {row['memory']['peak_mb_max']:,.0f} MB"
                                   if "tokens_per_s" in row else "FAILED") + f" ({row['seconds']} s)", flush=True)
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    load_end = os.getloadavg()[0]
+    run = {"when": when, "started": started, "code_commit": commit, "load_avg_1m_start": load_start,
+           "load_avg_1m_end": load_end, "layouts": names, "note": a.note or None}
+    rows = merge_rows(previous, rows, run, a.out) if previous is not None else {n: {**r, "run": run} for n, r in rows.items()}
     relative(rows)
     out = {
         "benchmark": "train_layouts",
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "when": when,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "processes": a.nproc, "threads_per_process": a.threads, "backend": "gloo",
-                    "load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0]},
-        "shape": {"n_layer": a.n_layer, "d_model": a.d_model, "n_head": a.n_head, "seq_len": a.seq_len,
-                  "vocab": tokens.get("vocab_size"), "global_batch_sequences": a.batch,
-                  "tokens_per_step": a.batch * a.seq_len, "steps": a.steps, "warmup_steps_excluded": a.warmup,
-                  "dtype": "fp32", "tie_embeddings": False},
+                    "load_avg_1m_start": load_start, "load_avg_1m_end": load_end},
+        "shape": shape,
         "method": {"tokens_per_s": "rank 0's train_log.jsonl: tokens per step x steps / summed step seconds, "
                                    f"steps after the first {a.warmup}",
                    "memory": "each rank's VmHWM (/proc/self/status) read by the rank itself after its last "
@@ -271,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
                              "rank's VmRSS before the trainer was built",
                    "baseline": f"{BASELINE} (DistributedDataParallel over all ranks) of the same run; also "
                                f"{FSDP_BASELINE}, and {MOE_BASELINE} for the MoE layouts"},
-        "note": "shared 2-core machine, 4 processes: absolute figures move with other load; compare rows of one run",
+        "note": "shared 2-core machine, 4 processes: absolute figures move with other load; compare rows of one "
+                "run (each row's `run`; `machine.load_avg_*` is the latest run's)",
+        "runs": list({r["run"]["when"]: r["run"] for r in rows.values()}.values()),  # each run once
         "results": rows,
         "failed": {n: r["error"] for n, r in rows.items() if not r.get("ok")},
     }

@@ -12,7 +12,7 @@ Each rank writes <out_dir>/layout_ranks/rank<r>.json:
                      shards of DTensors), counted from the tensors after the last step
   built              what the trainer really built on this rank: DTensor mesh dimensions of its
                      parameters, parameter elements held here against the model's, checkpoint
-                     wrappers, MoE layers (so a layout the trainer ignored is caught, not timed as if it ran)
+                     wrappers, MoE layers, the sequence positions a cp rank holds (so a layout the trainer ignored is caught, not timed as if it ran)
   cuda_max_allocated_gb, cuda_max_reserved_gb   on a GPU: torch.cuda's peaks over the whole run
 The memory is the process's own (/proc/self/status), read by the process itself: nothing samples it
 from outside, so no peak between two samples is missed.
@@ -81,7 +81,9 @@ def built_summary(trainer) -> dict:
             cls = type(m).__name__
             ckpt_wrappers += "CheckpointWrapper" in cls
             moe_layers += cls == "MoE"
+    cp = getattr(trainer, "context_parallel", None)  # set by the trainer when train.parallel.cp > 1
     return {"trainer": type(trainer).__name__, "dtensor_mesh_dims": sorted(mesh_dims),
+            "cp_local_seq_len": None if cp is None else cp.local_len,
             "param_elements_here": int(local), "param_elements_of_modules_here": int(logical),
             "blocks_here": len(layers), "checkpoint_wrappers": int(ckpt_wrappers), "moe_layers": int(moe_layers)}
 
