@@ -34,7 +34,9 @@ CREATE TABLE IF NOT EXISTS events (
     job_name TEXT,
     received_at TEXT NOT NULL,
     payload TEXT NOT NULL,
-    UNIQUE (run_id, event_type, event_time)
+    -- time first: ingestion appends near the index's end, where (run_id, ...) first wrote a
+    -- random leaf page per run to each batch's WAL (lookups use all three columns either way)
+    UNIQUE (event_time, run_id, event_type)
 );
 CREATE INDEX IF NOT EXISTS events_time ON events (event_time);
 CREATE TABLE IF NOT EXISTS namespaces (
