@@ -322,6 +322,101 @@ def test_a_save_on_a_stale_generation_of_the_store_is_refused(s3, run_store, tmp
     assert meta["generation"] == 2 and meta["docs"] == 3
 
 
+def _dedup_jobs(folder: Path, corpus: list[str], per_job: int) -> list:
+    """The curate jobs' files of `corpus` under `folder` (meta with exact keys, URL keys, MinHash
+    signatures; one part file a job): documents 28.. share their URL with 8.., exact copies of
+    the first three at the end."""
+    import hashlib
+
+    from tasks.dedup.stages import JobDocs, write_meta
+
+    sigs = MinHasher(seed=1).signatures(corpus)
+    jobs = []
+    for j, lo in enumerate(range(0, len(corpus), per_job)):
+        rows = range(lo, min(lo + per_job, len(corpus)))
+        part = write_docs([{"id": f"d{i}", "text": corpus[i]} for i in rows], folder, shard_docs=per_job,
+                          prefix=f"part-{j:03d}")[0]
+        meta = folder / f"meta-{j:03d}.parquet"
+        write_meta(meta, {"id": [f"d{i}" for i in rows], "key": [hashlib.sha256(corpus[i].encode()).digest() for i in rows],
+                          "nbytes": [len(corpus[i].encode()) for i in rows], "source": ["web"] * len(rows),
+                          "score": [None] * len(rows),
+                          "url_key": [hashlib.sha256(f"https://ex.com/{i if i < 28 else i - 20}".encode()).digest() for i in rows],
+                          "crawl_time": [float(i) for i in rows], "sig": [sigs[i].tobytes() for i in rows]})
+        jobs.append(JobDocs(f"{j:03d}", str(meta), (str(part),), len(rows), lo))
+    return jobs
+
+
+def _run_dedup_stages(jobs: list, parts_dir: Path, out_dir: Path, after_start=None) -> dict:
+    """The curate stage's URL, exact and MinHash (Ray clustering, exact-Jaccard verifier) dedup
+    over `jobs`, its filter pass and report: what they decided and wrote."""
+    import ray
+
+    from tasks.config import MinHashConfig
+    from tasks.dedup.stages import DedupStages, dedup_report_task, filter_pass, part_counts
+    from tasks.dedup.verify import JaccardVerifier, ParquetTexts
+
+    stages = DedupStages(jobs, parts_dir / "_dedup", partitions=3, block_docs=12)
+    if after_start:
+        after_start()
+    stages.key_step("url_dedup", "url_key", "url")
+    stages.key_step("exact_dedup", "key", "first")
+    mh = MinHashConfig(clustering="ray", partitions=3)
+    parts = [(p, n) for j in jobs for p, n in zip(j.docs, part_counts(j))]
+    verify = JaccardVerifier(ParquetTexts([p for p, _ in parts], [n for _, n in parts]), 0.8)
+    clustering = stages.minhash_step(mh, verify, "ray")
+    out = filter_pass(stages, out_dir, 10)
+    report = ray.get(ray.remote(num_cpus=1)(dedup_report_task).remote(
+        stages.drop_files(), {"web": sum(j.kept for j in jobs)}, sum(j.kept for j in jobs), stages.jobs, mh, mh.ngram))
+    lines = b"".join(Path(p).read_bytes() for p in stages.dropped_lines())
+    from tasks.core.documents import iter_docs
+
+    return {"steps": [st.to_dict() | {"seconds": 0} for st in stages.steps], "lines": lines,
+            "kept": [d["id"] for d in iter_docs(out["shards"])], "report": report,
+            "pairs": clustering["candidate_pairs"]}
+
+
+def test_dedup_stages_on_two_nodes_pass_their_files_through_the_store(s3, run_store, cluster, tmp_path):
+    """Curate's URL, exact and MinHash dedup stages, filter pass and report on the 2-node cluster
+    with run_root on the bucket decide as on a local disk, while every per-job and per-partition
+    file of theirs goes through the store: the jobs' meta and part files are removed from the
+    working copy once the stages start (a node elsewhere never had them), the partition tasks
+    read their spill files on the bucket, and nothing of `_dedup` is left in the working copy."""
+    t0 = time.monotonic()
+    corpus = _near_copies(_texts(24), 24, seed=4)
+    corpus += corpus[:3]  # exact copies
+    local = _run_dedup_stages(_dedup_jobs(tmp_path / "local", corpus, 12), tmp_path / "local", tmp_path / "out-local")
+    assert {"url_dedup", "exact_dedup", "minhash_dedup"} <= {s for st in local["steps"] for s in st["dropped"]}
+
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    parts_dir = run_store.local_root / run / "curate" / "_parts"
+    jobs = _dedup_jobs(parts_dir, corpus, 12)
+
+    def working_copy_gone():  # the jobs' files, pushed by the stages: only the store has them now
+        for j in jobs:
+            for f in (j.meta, *j.docs):
+                Path(f).unlink()
+
+    with _object_reads() as reads:
+        got = _run_dedup_stages(jobs, parts_dir, tmp_path / "out-store", working_copy_gone)
+    assert got == local
+    prefix = f"crucible/{run}/curate/_parts/_dedup/"
+    written = {v["Key"][len(prefix):] for v in
+               s3.client.list_object_versions(Bucket="runs", Prefix=prefix).get("Versions", [])}
+    for step in ("url_dedup", "exact_dedup", "minhash_dedup"):  # every partition spilled on the store
+        assert {k.split("/")[2] for k in written if k.startswith(f"{step}/_spill/")} == {
+            "p-00000", "p-00001", "p-00002"}, sorted(written)
+        assert {k[len(prefix):].split("/")[2] for k in reads if k.startswith(f"{prefix}{step}/_spill/")} == {
+            "p-00000", "p-00001", "p-00002"}, sorted(reads)
+    assert {"url_dedup/j-000.parquet", "minhash_dedup/j-000.jsonl", "kept_per_job.npy"} <= written, sorted(written)
+    assert any(k.startswith("_report/chain-0/") for k in written), sorted(written)
+    assert not [k for k in s3.keys("runs", prefix) if "_spill/" in k or "_report/" in k]  # dropped once read
+    assert {f"crucible/{run}/curate/_parts/meta-000.parquet"} <= set(reads)  # the jobs' files, read there
+    left = [p for p in (parts_dir / "_dedup").rglob("*") if p.is_file()]
+    assert [p.name for p in left] == ["dropped-lines.jsonl"], left  # only what the driver fetched to write
+    _nothing_staged()
+    print(f"\ndedup stages through the store: {time.monotonic() - t0:.1f}s, {got['steps']}")
+
+
 def test_on_a_one_node_ray_the_shuffle_spills_on_the_driver_disk_not_the_store(s3, run_store):
     """A local Ray shares the driver's disk: the line counts' spill files stay there (the same
     counts), and nothing of the shuffle goes to the bucket. Runs last: it leaves the cluster."""

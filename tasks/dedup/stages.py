@@ -31,20 +31,31 @@ After each step a collect task per block sorts the step's drops by position and 
 `filter_pass` then writes the curated shards (a task per output shard: the jobs' parts without the
 dropped positions; shard k holds output rows [k·shard_docs, (k+1)·shard_docs), so the shards equal
 a sequential write) and `dedup_report_task` the report, from the drop files.
+
+Where the tasks read and write: with a remote run_root and a Ray of several nodes, a node other
+than the driver's does not see the driver's working copy, so every file above (drops, pieces,
+spill partitions, kept counts, the report's partitions) lives under the store prefix of
+`_parts/_dedup` and the jobs' meta and part files are read on the store (`Files`, `JobDocs.options`;
+`tasks.core.executor.task_location` / `for_any_node`, as the shuffles of `tasks.dedup.cluster`); on
+a local run_root or a Ray of this node alone they stay on the local disk.
 """
 from __future__ import annotations
 
+import io
+import json
 import shutil
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tasks.core.fs import (files as listing, is_remote, join, location, name_of, open_random, parent_of, read_bytes,
+                           remove_tree, write_bytes)
 from tasks.core.steps import StepStats
 
 META_SCHEMA = pa.schema([("id", pa.string()), ("key", pa.binary()), ("nbytes", pa.int64()), ("source", pa.string()),
@@ -65,12 +76,56 @@ def write_meta(path: Path, rows: dict[str, list]) -> None:
 
 @dataclass(frozen=True)
 class JobDocs:
-    """One curate job's kept documents: meta file, part files, how many, the first one's position."""
+    """One curate job's kept documents: meta file, part files, how many, the first one's position;
+    `options`: fsspec's, where meta and parts are a store's URIs (`stage_paths`)."""
     name: str
     meta: str
     docs: tuple[str, ...]
     kept: int
     offset: int
+    options: dict | None = field(default=None, compare=False)
+
+    def stage_paths(self, fn, options: dict | None = None) -> "JobDocs":
+        """A copy naming `fn`'s paths (`tasks.core.storage.map_paths`), read with `options`."""
+        return replace(self, meta=str(fn(self.meta)), docs=tuple(str(d) for d in fn(list(self.docs))),
+                       options=self.options if options is None else options)
+
+
+def read_table(loc: Path | str, options: dict | None = None, columns: list[str] | None = None) -> pa.Table | None:
+    """A Parquet file (a local path, or a store's object in one GET); None when it is not there."""
+    if not is_remote(loc):
+        return pq.read_table(loc, columns=columns) if Path(loc).is_file() else None
+    try:
+        return pq.read_table(io.BytesIO(read_bytes(loc, options)), columns=columns)
+    except FileNotFoundError:
+        return None
+
+
+def write_table(loc: Path | str, table: pa.Table, options: dict | None = None) -> None:
+    """`table` as Parquet, whole or not at all (a rename locally, one PUT on a store)."""
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    write_bytes(loc, buf.getvalue(), options)
+
+
+def num_rows(loc: Path | str, options: dict | None = None) -> int:
+    """Rows of a Parquet file from its footer (ranged reads on a store)."""
+    if not is_remote(loc):
+        return pq.ParquetFile(loc).metadata.num_rows
+    with open_random(str(loc), options) as f:
+        return pq.ParquetFile(f).metadata.num_rows
+
+
+def iter_job_docs(job: JobDocs) -> Iterator[dict]:
+    """The job's kept documents in part order (a store's parts by ranged reads)."""
+    from tasks.core.documents import iter_docs
+
+    for p in job.docs:
+        if not is_remote(p):
+            yield from iter_docs([p])
+            continue
+        with open_random(p, job.options) as f:
+            yield from iter_docs([f])
 
 
 def blocks_of(jobs: Sequence[JobDocs], block_docs: int) -> list[list[int]]:
@@ -87,34 +142,45 @@ def blocks_of(jobs: Sequence[JobDocs], block_docs: int) -> list[list[int]]:
 
 
 class Files:
-    """Where the dedup steps keep their files (under the stage's `_parts`)."""
+    """Where the dedup steps keep their files (under the stage's `_parts`): a local folder, or a
+    store's prefix written and read with the fsspec `options` (`task_location`)."""
 
-    def __init__(self, root: Path):
-        self.root = Path(root)
+    def __init__(self, root: Path | str, options: dict | None = None):
+        self.root = location(root)
+        self.options = options
 
-    def step(self, step: str) -> Path:
-        return self.root / step
+    def step(self, step: str) -> Path | str:
+        return join(self.root, step)
 
-    def drops(self, step: str, job: str) -> Path:
-        return self.root / step / f"j-{job}.parquet"
+    def drops(self, step: str, job: str) -> Path | str:
+        return join(self.root, step, f"j-{job}.parquet")
 
-    def lines(self, step: str, job: str) -> Path:
-        return self.root / step / f"j-{job}.jsonl"
+    def lines(self, step: str, job: str) -> Path | str:
+        return join(self.root, step, f"j-{job}.jsonl")
 
-    def pieces(self, step: str, block: int) -> Path:
-        return self.root / step / f"b-{block:05d}"
+    def pieces(self, step: str, block: int) -> Path | str:
+        return join(self.root, step, f"b-{block:05d}")
+
+    def spill(self, step: str) -> Path | str:
+        return join(self.root, step, "_spill")
+
+    def names(self, folder: Path | str) -> list[str]:
+        """The files directly in `folder` (sorted names; none when it is not there)."""
+        return [n for n in listing(folder, self.options) if "/" not in n]
 
 
 def _dropped_before(files: Files, steps: Sequence[str], job: JobDocs) -> np.ndarray:
     """Positions of `job` that the earlier `steps` dropped (sorted)."""
-    got = [pq.read_table(p, columns=["pos"]).column(0).to_numpy()
-           for s in steps if (p := files.drops(s, job.name)).is_file()]
+    got = [t.column(0).to_numpy() for s in steps
+           if (t := read_table(files.drops(s, job.name), files.options, ["pos"])) is not None]
     return np.sort(np.concatenate(got)) if got else np.empty(0, np.int64)
 
 
 def read_alive(files: Files, steps: Sequence[str], job: JobDocs, columns: list[str]) -> tuple[np.ndarray, pa.Table]:
     """(positions, meta columns) of the job's documents the earlier `steps` kept."""
-    t = pq.read_table(job.meta, columns=columns)
+    t = read_table(job.meta, job.options, columns)
+    if t is None:
+        raise FileNotFoundError(f"job {job.name}: its meta file {job.meta} is not there")
     if t.num_rows != job.kept:
         raise RuntimeError(f"job {job.name}: {t.num_rows} rows in {job.meta}, {job.kept} kept")
     pos = np.arange(job.offset, job.offset + job.kept, dtype=np.int64)
@@ -134,21 +200,16 @@ def _write_pieces(files: Files, step: str, drops: pa.Table, jobs: Sequence[JobDo
     bounds = np.array([jobs[b[0]].offset for b in blocks] + [jobs[blocks[-1][-1]].offset + jobs[blocks[-1][-1]].kept])
     block_of = np.searchsorted(bounds, pos, side="right") - 1
     for b in np.unique(block_of):
-        d = files.pieces(step, int(b))
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".{name}.tmp"
-        pq.write_table(drops.filter(pa.array(block_of == b)), tmp, compression="zstd")
-        tmp.replace(d / f"{name}.parquet")
+        write_table(join(files.pieces(step, int(b)), f"{name}.parquet"), drops.filter(pa.array(block_of == b)),
+                    files.options)
 
 
 def _collect(files: Files, step: str, block: int, jobs: Sequence[JobDocs], reason: str) -> dict[str, list[int]]:
     """The step's drops of one block, by position, per job: `<step>/j-<job>.parquet` and `.jsonl`.
     Returns [drops, bytes dropped] of the block (the driver sums a counter per block, not per job)."""
-    from tasks.core.documents import AtomicJsonlWriter
-
     d = files.pieces(step, block)
-    pieces = sorted(d.glob("*.parquet")) if d.is_dir() else []
-    t = pa.concat_tables([pq.read_table(p) for p in pieces]) if pieces else DROP_SCHEMA.empty_table()
+    pieces = [read_table(join(d, n), files.options) for n in files.names(d) if n.endswith(".parquet")]
+    t = pa.concat_tables(pieces) if pieces else DROP_SCHEMA.empty_table()
     t = t.take(pa.array(np.argsort(t.column("pos").to_numpy(), kind="stable")))
     pos = t.column("pos").to_numpy()
     out = [0, 0]
@@ -157,12 +218,12 @@ def _collect(files: Files, step: str, block: int, jobs: Sequence[JobDocs], reaso
         if not sel.any():
             continue
         part = t.filter(pa.array(sel))
-        tmp = files.drops(step, job.name).with_name(f".j-{job.name}.tmp")
-        pq.write_table(part, tmp, compression="zstd")
-        tmp.replace(files.drops(step, job.name))
-        with AtomicJsonlWriter(files.lines(step, job.name)) as w:
-            for doc_id, dup_of in zip(part.column("id").to_pylist(), part.column("dup_of").to_pylist()):
-                w.write({"id": doc_id, "step": reason, "reason": reason, "duplicate_of": dup_of})
+        write_table(files.drops(step, job.name), part, files.options)
+        # AtomicJsonlWriter's lines, whole file in one write (a job's drops of one step)
+        text = "".join(json.dumps({"id": doc_id, "step": reason, "reason": reason, "duplicate_of": dup_of},
+                                  ensure_ascii=False, sort_keys=True) + "\n"
+                       for doc_id, dup_of in zip(part.column("id").to_pylist(), part.column("dup_of").to_pylist()))
+        write_bytes(files.lines(step, job.name), text.encode("utf-8"), files.options)
         out[0] += part.num_rows
         out[1] += int(part.column("nbytes").to_numpy().sum())
     return out
@@ -205,7 +266,7 @@ def _spill_keys(files: Files, step: str, prior: list[str], jobs: list[JobDocs], 
     if cols["pos"]:
         arrays = {k: (np.concatenate(v) if k not in ("id", "source") else np.array(v, dtype=object))
                   for k, v in cols.items()}
-        spill_partitioned(arrays, fmix64(arrays["k0"].copy()), partitions, files.step(step) / "_spill", block)
+        spill_partitioned(arrays, fmix64(arrays["k0"].copy()), partitions, files.spill(step), block, files.options)
     return [n, nbytes]
 
 
@@ -213,11 +274,11 @@ def _resolve_keys(files: Files, step: str, partition: int, rule: str, jobs: list
                   blocks: list[list[int]]) -> None:
     """Partition task: per key the survivor (`rule` "first": smallest position; "url": newest
     crawl, then most bytes, then first), the other documents dropped as its duplicates."""
-    d = files.step(step) / "_spill" / f"p-{partition:05d}"
-    parts = sorted(d.glob("s-*.parquet")) if d.is_dir() else []
-    if not parts:
+    from tasks.dedup.cluster import read_spilled
+
+    t = read_spilled(join(files.spill(step), f"p-{partition:05d}"), files.options)
+    if t is None:
         return
-    t = pq.read_table(parts)
     pos, k0, k1 = (t.column(c).to_numpy() for c in ("pos", "k0", "k1"))
     if rule == "url":
         tm = t.column("t").to_numpy(zero_copy_only=False).astype(np.float64)
@@ -246,11 +307,17 @@ class DedupStages:
     def __init__(self, jobs: list[JobDocs], work_dir: Path, partitions: int = 0, block_docs: int | None = None):
         import ray
 
+        from tasks.core.executor import for_any_node, task_location
+
         self.ray = ray
-        self.jobs = jobs
-        self.files = Files(work_dir)
-        shutil.rmtree(self.files.root, ignore_errors=True)
-        self.files.root.mkdir(parents=True)
+        # where tasks on any node read the jobs' files and keep the steps' (the store, when the
+        # cluster's nodes do not share this working copy)
+        self.jobs, _ = for_any_node(jobs)
+        self.files = Files(*task_location(work_dir))
+        self.local = Path(work_dir)  # the driver's own folder (dropped lines fetched from a store)
+        shutil.rmtree(self.local, ignore_errors=True)
+        remove_tree(self.files.root, self.files.options)  # what a killed run left
+        self.local.mkdir(parents=True)
         self.blocks = blocks_of(jobs, block_docs or BLOCK_DOCS)
         self.partitions = partitions
         self.done: list[str] = []  # steps run, in order
@@ -274,7 +341,7 @@ class DedupStages:
         if n:
             st.dropped[step] = n
         st.docs_out, st.bytes_out = st.docs_in - n, st.bytes_in - b
-        shutil.rmtree(self.files.step(step) / "_spill", ignore_errors=True)
+        remove_tree(self.files.spill(step), self.files.options)
         st.seconds = time.perf_counter() - t0
         self.done.append(step)
         self.steps.append(st)
@@ -297,6 +364,11 @@ class DedupStages:
         """MinHash clustering of the alive documents (see the module docstring); its stats."""
         ray, t0 = self.ray, time.perf_counter()
         step = "minhash_dedup"
+        if verifier is not None:  # a text verifier's part files (the jobs', pushed at the start), where tasks read them
+            from tasks.core.executor import task_location
+            from tasks.core.storage import map_paths
+
+            verifier = map_paths(verifier, lambda p: task_location(p)[0], self.files.options)
         if method == "local":
             alive, stats = ray.get(self._task(_minhash_local).remote(
                 self.files, list(self.done), self.jobs, self.blocks, mh, verifier))
@@ -310,7 +382,7 @@ class DedupStages:
         from tasks.dedup.cluster import default_partitions, memory_estimate, format_estimate, spilled_components
 
         ray = self.ray
-        spill_dir = self.files.step("minhash_dedup") / "_spill"
+        spill_dir = self.files.spill("minhash_dedup")
         n_total = sum(j.kept for j in self.jobs)
         if n_total >= 1 << 32:
             raise ValueError("spilled rows hold the document position in a uint32")
@@ -324,7 +396,7 @@ class DedupStages:
         print(format_estimate(est, "ray"), flush=True)
         stats: dict = {"method": "ray", "memory_estimate": est, "partitions": partitions, "docs": n_valid}
         t1 = time.perf_counter()
-        final_refs = spilled_components(spill_dir, partitions, verifier, stats) if n_valid >= 2 else []
+        final_refs = spilled_components(spill_dir, partitions, verifier, stats, self.files.options) if n_valid >= 2 else []
         stats["seconds"] = round(time.perf_counter() - t1, 3)
         # survivors per partition of the component roots: a component's edges all name its root, so
         # each task holds whole components, ~1/partitions of the clustered documents (not the corpus')
@@ -356,12 +428,30 @@ class DedupStages:
         self._finish("minhash_index", t0, [alive])
         return IndexHandle(actor)
 
+    def _written(self, kind: str) -> list[Path | str]:
+        """The steps' per-job files of `kind` ("parquet" drops, "jsonl" lines) there are: per step,
+        per job, in corpus order (one listing per step)."""
+        out = []
+        for s in self.done:
+            there = set(self.files.names(self.files.step(s)))
+            out += [join(self.files.step(s), n) for j in self.jobs if (n := f"j-{j.name}.{kind}") in there]
+        return out
+
     def dropped_lines(self) -> list[Path]:
-        """dropped.jsonl's dedup lines: per step, per job, in corpus order."""
-        return [p for s in self.done for j in self.jobs if (p := self.files.lines(s, j.name)).is_file()]
+        """dropped.jsonl's dedup lines: per step, per job, in corpus order; from a store, fetched
+        into one local file (the driver writes dropped.jsonl)."""
+        found = self._written("jsonl")
+        if not is_remote(self.files.root):
+            return found
+        out = self.local / "dropped-lines.jsonl"
+        with open(out, "wb") as w:
+            for loc in found:
+                w.write(read_bytes(loc, self.files.options))
+        return [out]
 
     def drop_files(self) -> list[str]:
-        return [str(p) for s in self.done for j in self.jobs if (p := self.files.drops(s, j.name)).is_file()]
+        """The steps' drop files (read by `dedup_report_task` with the jobs' options)."""
+        return [str(p) for p in self._written("parquet")]
 
 
 class _IndexWriter:
@@ -444,7 +534,7 @@ def _spill_bands(files: Files, prior: list[str], jobs: list[JobDocs], bands: int
         valid = len(docs)
         spill_partitioned({"band": np.tile(np.arange(bands, dtype=np.uint8), valid), "key": keys,
                            "doc": np.repeat(np.asarray(docs, dtype=np.uint32), bands)}, keys, partitions, spill_dir,
-                          block)
+                          block, files.options)
     return [n, nbytes, valid]
 
 
@@ -523,6 +613,7 @@ def _ray_survivors(files: Files, jobs: list[JobDocs], blocks: list[list[int]], m
         return stats
     comp = np.searchsorted(nodes, comp_pos)  # each node's component root, as an index into nodes
     metas = ParquetTexts([j.meta for j in jobs], [j.kept for j in jobs], column="id")
+    metas.storage_options = files.options
     ids = metas.read(nodes)
     metas.column = "source"
     srcs = metas.read(nodes)
@@ -553,9 +644,12 @@ def _ray_survivors(files: Files, jobs: list[JobDocs], blocks: list[list[int]], m
 def _kept_per_job(files: Files, steps: list[str], jobs: list[JobDocs], path: str) -> int:
     """Ray task: each job's documents left after the dedup steps (kept minus the rows of its drop
     files, from their footers) into `path` (.npy, one int64 a job). Returns the total."""
-    n = np.array([j.kept - sum(pq.ParquetFile(p).metadata.num_rows for s in steps
-                               if (p := files.drops(s, j.name)).is_file()) for j in jobs], dtype=np.int64)
-    np.save(path, n)
+    there = {s: set(files.names(files.step(s))) for s in steps}
+    n = np.array([j.kept - sum(num_rows(files.drops(s, j.name), files.options) for s in steps
+                               if f"j-{j.name}.parquet" in there[s]) for j in jobs], dtype=np.int64)
+    buf = io.BytesIO()
+    np.save(buf, n)
+    write_bytes(location(path), buf.getvalue(), files.options)
     return int(n.sum())
 
 
@@ -563,9 +657,9 @@ def _write_shard(out_dir: str, index: int, shard_docs: int, files: Files, steps:
                  kept_path: str) -> dict:
     """Output shard `index`: output rows [index·shard_docs, (index+1)·shard_docs) of the jobs' parts
     laid end to end without the dropped positions, found from the kept counts per job."""
-    from tasks.core.documents import ShardWriter, iter_docs
+    from tasks.core.documents import ShardWriter
 
-    kept = np.load(kept_path)
+    kept = np.load(io.BytesIO(read_bytes(location(kept_path), files.options)))
     ends = np.cumsum(kept)
     lo, hi = index * shard_docs, min((index + 1) * shard_docs, int(ends[-1]))
     languages, sources = Counter(), Counter()
@@ -579,12 +673,9 @@ def _write_shard(out_dir: str, index: int, shard_docs: int, files: Files, steps:
             if take <= 0:
                 continue
             job = jobs[k]
-            gone = set()
-            for s in steps:
-                if (f := files.drops(s, job.name)).is_file():
-                    gone.update(pq.read_table(f, columns=["pos"]).column(0).to_pylist())
+            gone = set(_dropped_before(files, steps, job).tolist())
             pos, seen = job.offset - 1, 0
-            for doc in iter_docs(list(job.docs)):
+            for doc in iter_job_docs(job):
                 pos += 1
                 if pos in gone:
                     continue
@@ -607,7 +698,7 @@ def filter_pass(stages: DedupStages, out_dir: Path, shard_docs: int) -> dict:
     which a Ray task writes to a file) and their counters."""
     ray = stages.ray
     jobs = ray.put(stages.jobs)  # once into the object store, not once per shard task
-    kept_path = str(stages.files.root / "kept_per_job.npy")
+    kept_path = str(join(stages.files.root, "kept_per_job.npy"))
     total = ray.get(ray.remote(num_cpus=1)(_kept_per_job).remote(stages.files, list(stages.done), jobs, kept_path))
     task = ray.remote(num_cpus=1)(_write_shard)
     got = ray.get([task.remote(str(out_dir), k, shard_docs, stages.files, list(stages.done), jobs, kept_path)
@@ -624,19 +715,22 @@ REPORT_FILES_PER_TASK = 64  # drop files one report task reads first (each ≤ o
 _ORDER_SHIFT = 40  # a drop's order: step index << 40 | position (drops.jsonl's order: step, then corpus)
 
 
-def _spill_table(t: pa.Table, key_col: str, partitions: int, spill_dir: Path, task_no: int) -> None:
+def _spill_table(t: pa.Table, key_col: str, partitions: int, spill_dir: Path | str, task_no: int,
+                 options: dict | None = None) -> None:
     """`t`'s rows into `spill_dir/p-XXXXX/` by the hash of their id column `key_col`."""
     from tasks.dedup.cluster import spill_partitioned
     from tasks.dedup.index import id_hashes
 
     if t.num_rows:
         spill_partitioned({c: t.column(c).to_numpy(zero_copy_only=False) for c in t.column_names},
-                          id_hashes(t.column(key_col).to_pylist()), partitions, spill_dir, task_no)
+                          id_hashes(t.column(key_col).to_pylist()), partitions, spill_dir, task_no, options)
 
 
-def _read_partition(d: Path, schema: pa.Schema) -> pa.Table:
-    parts = sorted(d.glob("s-*.parquet")) if d.is_dir() else []
-    return pa.concat_tables([pq.read_table(p).cast(schema) for p in parts]) if parts else schema.empty_table()
+def _read_partition(d: Path | str, schema: pa.Schema, options: dict | None = None) -> pa.Table:
+    """A partition's spill files, each cast to `schema` first (a column all None reads as null)."""
+    names = [n for n in listing(d, options) if "/" not in n and n.startswith("s-") and n.endswith(".parquet")]
+    parts = [read_table(join(d, n), options).cast(schema) for n in names]
+    return pa.concat_tables(parts) if parts else schema.empty_table()
 
 
 _CHAIN = pa.schema([("id", pa.string()), ("source", pa.string()), ("order", pa.int64()), ("pos", pa.int64()),
@@ -646,14 +740,14 @@ _LINK = pa.schema([("m_id", pa.string()), ("m_dup_of", pa.string()), ("m_dup_pos
 
 
 def _report_rows(drop_files: list[str], step_index: dict[str, int], partitions: int, root: str,
-                 task_no: int) -> Counter:
+                 task_no: int, options: dict | None = None) -> Counter:
     """Report task, first pass: the drops of these files as chain rows (partitioned by the id they
     point to) and as links id → duplicate_of (partitioned by id). Returns drops per (source, step)."""
     counts: Counter = Counter()
     chains, links = [], []
     for f in drop_files:
-        step = Path(f).parent.name
-        t = pq.read_table(f)
+        step = name_of(parent_of(f))
+        t = read_table(location(f), options)
         srcs = t.column("source").to_pylist()
         counts.update((s or "", step) for s in srcs)
         order = (np.int64(step_index[step]) << np.int64(_ORDER_SHIFT)) + t.column("pos").to_numpy()
@@ -662,39 +756,40 @@ def _report_rows(drop_files: list[str], step_index: dict[str, int], partitions: 
         links.append(pa.table([t.column("id"), t.column("dup_of"), t.column("dup_pos"), t.column("dup_source")],
                               schema=_LINK))
     if chains:
-        _spill_table(pa.concat_tables(chains), "target", partitions, Path(root) / "chain-0", task_no)
-        _spill_table(pa.concat_tables(links), "m_id", partitions, Path(root) / "links", task_no)
+        _spill_table(pa.concat_tables(chains), "target", partitions, join(location(root), "chain-0"), task_no, options)
+        _spill_table(pa.concat_tables(links), "m_id", partitions, join(location(root), "links"), task_no, options)
     return counts
 
 
-def _report_hop(root: str, partition: int, rnd: int, partitions: int) -> int:
+def _report_hop(root: str, partition: int, rnd: int, partitions: int, options: dict | None = None) -> int:
     """Report task, one round per partition: each chain row whose target was itself dropped points
     on to that one's duplicate_of (a copy of a document later dropped as a near duplicate joins its
     survivor's cluster); rows re-partitioned by their new target. Returns how many moved on."""
     import pyarrow.compute as pc
 
     name = f"p-{partition:05d}"
-    chain = _read_partition(Path(root) / f"chain-{rnd}" / name, _CHAIN)
+    chain = _read_partition(join(location(root), f"chain-{rnd}", name), _CHAIN, options)
     if chain.num_rows == 0:
         return 0
-    links = _read_partition(Path(root) / "links" / name, _LINK)
+    links = _read_partition(join(location(root), "links", name), _LINK, options)
     j = chain.join(links, keys="target", right_keys="m_id", join_type="left outer")
     hit = j.column("m_dup_of").is_valid()
     out = pa.table([j.column("id"), j.column("source"), j.column("order"), j.column("pos"),
                     pc.if_else(hit, j.column("m_dup_of"), j.column("target")),
                     pc.if_else(hit, j.column("m_dup_pos"), j.column("tpos")),
                     pc.if_else(hit, j.column("m_dup_src"), j.column("tsrc"))], schema=_CHAIN)
-    _spill_table(out, "target", partitions, Path(root) / f"chain-{rnd + 1}", partition)
+    _spill_table(out, "target", partitions, join(location(root), f"chain-{rnd + 1}"), partition, options)
     return int(pc.sum(hit.cast(pa.int64())).as_py() or 0)
 
 
-def _report_clusters(root: str, partition: int, rnd: int, n_docs: int, steps: list[str], max_examples: int) -> dict:
+def _report_clusters(root: str, partition: int, rnd: int, n_docs: int, steps: list[str], max_examples: int,
+                     options: dict | None = None) -> dict:
     """Report task, last pass per partition (rows grouped by final survivor): cluster sizes, their
     count and largest, and the partition's best example candidates (largest clusters first, then
     the survivor's position, then the first drop's order: the in-process report's order)."""
     from tasks.dedup.report import size_bucket
 
-    t = _read_partition(Path(root) / f"chain-{rnd}" / f"p-{partition:05d}", _CHAIN)
+    t = _read_partition(join(location(root), f"chain-{rnd}", f"p-{partition:05d}"), _CHAIN, options)
     if t.num_rows == 0:
         return {"sizes": Counter(), "clusters": 0, "largest": 1, "examples": []}
     g = t.group_by("target").aggregate([("order", "min"), ("order", "count")])
@@ -729,29 +824,31 @@ def dedup_report_task(drop_files: list[str], docs_by_source: dict[str, int], n_d
 
     from tasks.dedup.report import add_text_jaccard, assemble_report
 
-    steps = list(dict.fromkeys(Path(f).parent.name for f in drop_files))
-    n_drops = sum(pq.ParquetFile(f).metadata.num_rows for f in drop_files)
+    options = jobs[0].options if jobs else None  # the drop files lie beside the jobs' (one store)
+    steps = list(dict.fromkeys(name_of(parent_of(f)) for f in drop_files))
+    n_drops = sum(num_rows(location(f), options) for f in drop_files)
     if n_drops == 0:
         return assemble_report(docs_by_source, n_docs, {}, 0, {}, 0, 1, [])
     partitions = mh.partitions or max(1, -(-n_drops // KEY_PARTITION_ROWS))
-    root = Path(drop_files[0]).parent.parent / "_report"
-    shutil.rmtree(root, ignore_errors=True)
+    root = join(parent_of(parent_of(location(drop_files[0]))), "_report")
+    remove_tree(root, options)
     task = ray.remote(num_cpus=1)
     index = {s: k for k, s in enumerate(steps)}
     step_counts: Counter = Counter()
     for c in ray.get([task(_report_rows).remote(drop_files[i:i + REPORT_FILES_PER_TASK], index, partitions,
-                                                str(root), i // REPORT_FILES_PER_TASK)
+                                                str(root), i // REPORT_FILES_PER_TASK, options)
                       for i in range(0, len(drop_files), REPORT_FILES_PER_TASK)]):
         step_counts.update(c)
     rnd = 0  # a chain is at most one link per step: a round more means a cycle, left as it is
     while True:
-        moved = sum(ray.get([task(_report_hop).remote(str(root), p, rnd, partitions) for p in range(partitions)]))
+        moved = sum(ray.get([task(_report_hop).remote(str(root), p, rnd, partitions, options)
+                             for p in range(partitions)]))
         rnd += 1
         if not moved or rnd > len(steps):
             break  # chain-<rnd>: the rows partitioned by their final survivor
-    got = ray.get([task(_report_clusters).remote(str(root), p, rnd, n_docs, steps, max_examples)
+    got = ray.get([task(_report_clusters).remote(str(root), p, rnd, n_docs, steps, max_examples, options)
                    for p in range(partitions)])
-    shutil.rmtree(root, ignore_errors=True)
+    remove_tree(root, options)
     sizes: Counter = Counter()
     for g in got:
         sizes.update(g["sizes"])
@@ -769,8 +866,10 @@ def dedup_report_task(drop_files: list[str], docs_by_source: dict[str, int], n_d
 
         rows = np.array([pos_of[i] for i in want], dtype=np.int64)
         parts = [(p, n) for j in jobs for p, n in zip(j.docs, part_counts(j))]
-        texts = dict(zip(want, ParquetTexts([p for p, _ in parts], [n for _, n in parts]).read(rows)))
+        texts = ParquetTexts([p for p, _ in parts], [n for _, n in parts])
         metas = ParquetTexts([j.meta for j in jobs], [j.kept for j in jobs], column="sig")
+        texts.storage_options = metas.storage_options = options
+        texts = dict(zip(want, texts.read(rows)))
         dtype = _sig_dtype(mh)
         sigs = {i: (None if s is None else np.frombuffer(s, dtype=dtype)) for i, s in zip(want, metas.read(rows))}
         for ex in report["examples"]:
@@ -784,7 +883,7 @@ def dedup_report_task(drop_files: list[str], docs_by_source: dict[str, int], n_d
 def part_counts(job: JobDocs) -> list[int]:
     if len(job.docs) == 1:
         return [job.kept]
-    return [pq.ParquetFile(p).metadata.num_rows for p in job.docs]
+    return [num_rows(p, job.options) for p in job.docs]
 
 
 def concat_files(paths: Sequence[Path | str], out: Path) -> None:
