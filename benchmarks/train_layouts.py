@@ -6,6 +6,13 @@ benchmarks/results/train_layouts.json.
         --n-layer 4 --d-model 256 --n-head 8 --seq-len 128 --batch 16] [--only ddp4,tp4,...]
     .venv/bin/python benchmarks/train_layouts.py --only cp2_dp_shard2,cp4 --merge [--note "..."]
 
+At a fixed global batch a cp rank holds as many tokens as a data-parallel rank (fewer of each sequence,
+more sequences), so the default run cannot show what cp is for: a sequence too long for one rank.
+That comparison is two runs at one sequence per rank against one sequence over 4 cp ranks:
+
+    ... --only dp_shard4 --seq-len 1024 --batch 4 --steps 8 --warmup 3 --out benchmarks/results/train_layouts_seq1024_dp_shard4.json
+    ... --only cp4 --seq-len 1024 --batch 1 --steps 8 --warmup 3 --out benchmarks/results/train_layouts_seq1024_cp4.json
+
 What runs: `run_training` (torchrun, gloo, `--nproc` processes, the trainer the worker builds) on real
 text (the tokenizer and token files tests/lm_helpers builds from shared/data/text, vocab 512), one
 fresh run per layout, all at the same model, the same global batch (`--batch` sequences of `--seq-len`
