@@ -25,14 +25,21 @@ Corpus: `curate_scale.corpus` (real Gutenberg passages, fixed seed, ~3.6 KB Engl
   "affine32"), as a user runs them: the hash family changes only which copies a random draw finds,
   and a sha1 run measured a speed the user does not get. What still differs is in `SHINGLING_DIFFERENCES`.
 
-Both are timed by wall clock from process start to exit. Reported: docs/s and the ratio, kept
+Both are timed by wall clock from process start to exit, and by the CPU seconds (user + system)
+of each one's whole process tree (Ray's processes, datatrove's pool): on a loaded machine the two
+tools' process mixes slow down differently, so the CPU ratio is the steadier guide there; the
+target is the wall-clock one on a quiet machine. Near-duplicate recall varies by chance on one
+corpus (~0.02 over its ~300 copies), so the recall target compares the mean over `--recall-seeds`
+corpora (seeds 0..N-1) of each side's MinHash dedup alone, its own code path, every document in
+(datatrove: signature, buckets, cluster, filter steps; Crucible: ingest + the curate stage with
+every other step off); the main run's recall is reported too. Reported: docs/s and the ratio, kept
 counts, per-document agreement of the language + filter keep/drop decisions (documents that
 Crucible's own extra steps dropped, line dedup's too-short and decontamination, are counted apart),
 near-duplicate recall against the generator's known copies (per duplicate group: the copies that
 passed the tool's filters, minus the one kept, are the ones to remove) and false dedup drops, and
 Crucible's time per step (ingest, line counts, each filter's CPU seconds in the map, dedup, write).
 
-    .venv/bin/python benchmarks/curate_vs_datatrove.py [--docs 3000] [--work DIR]
+    .venv/bin/python benchmarks/curate_vs_datatrove.py [--docs 3000] [--recall-seeds 4] [--work DIR]
 
 Writes benchmarks/results/curate_vs_datatrove.json.
 """
@@ -133,16 +140,19 @@ def datatrove_process(spec_path: str) -> None:
                 self._model = _FastText(spec["lid_model"])
             return self._model
 
-    LanguageFilter._requires_dependencies = [("fasttext", "fasttext-numpy2-wheel")]  # fasteners: download lock only
     _xxhash_takes_str()
-    lid = LanguageFilter(languages=list(spec["languages"]), language_threshold=spec["languages"]["en"],
-                         exclusion_writer=JsonlWriter(f"{out}/excluded/langid", compression=None))
-    lid.model = LocalFT176(lid.languages)
+    filters = []
+    if not spec.get("minhash_only"):  # the recall runs: MinHash dedup alone, every document in
+        LanguageFilter._requires_dependencies = [("fasttext", "fasttext-numpy2-wheel")]  # fasteners: download lock only
+        lid = LanguageFilter(languages=list(spec["languages"]), language_threshold=spec["languages"]["en"],
+                             exclusion_writer=JsonlWriter(f"{out}/excluded/langid", compression=None))
+        lid.model = LocalFT176(lid.languages)
+        filters = [lid, *datatrove_chain(spec["sections"],
+                                         lambda name: JsonlWriter(f"{out}/excluded/{name}", compression=None))]
     mh = MinhashConfig(n_grams=spec["minhash"]["ngram"], num_buckets=spec["minhash"]["bands"],
                        hashes_per_bucket=spec["minhash"]["rows"], seed=spec["minhash"]["seed"])
-    chain = datatrove_chain(spec["sections"], lambda name: JsonlWriter(f"{out}/excluded/{name}", compression=None))
     run = dict(start_method="fork")
-    LocalPipelineExecutor(pipeline=[JsonlReader(spec["input"]), lid, *chain,
+    LocalPipelineExecutor(pipeline=[JsonlReader(spec["input"]), *filters,
                                     JsonlWriter(f"{out}/filtered", compression=None),
                                     MinhashDedupSignature(output_folder=f"{out}/sigs", config=mh)],
                           tasks=tasks, workers=workers, **run, **_logs(out, "1")).run()
@@ -194,8 +204,13 @@ def datatrove_outcome(out: Path) -> tuple[dict[str, str | None], set[str], set[s
 
 # ------------------------------------------------------------------ Crucible's side
 
-def crucible_config(files_glob: str) -> dict:
-    """The default curate config (every step on) over the JSONL files, 2 Ray CPUs, no resume."""
+def crucible_config(files_glob: str, minhash_only: bool = False) -> dict:
+    """The default curate config (every step on) over the JSONL files, 2 Ray CPUs, no resume;
+    `minhash_only`: every step off but MinHash dedup (the recall runs)."""
+    curate: dict = {"resume": False, "dedup": {"minhash": dict(CRUCIBLE_MINHASH)}}
+    if minhash_only:
+        curate.update({name: {"enabled": False} for name in ("langid", *_FILTERS[1:], "decontam", "pii")})
+        curate["dedup"].update(exact=False, url={"enabled": False}, lines={"enabled": False})
     return {"name": "curate-vs-datatrove", "ray": {"num_cpus": WORKERS},
             "sources": [{"name": "bench", "uri": files_glob, "format": "jsonl", "licence": "public domain",
                          "provenance": "shared/data/text/gutenberg via benchmarks/curate_scale.py"}],
@@ -203,7 +218,7 @@ def crucible_config(files_glob: str) -> dict:
             # datatrove's LSH (CRUCIBLE_MINHASH); Crucible's default representative_threshold 0.7 would
             # also ask each dropped member for an estimated Jaccard >= 0.7 to the kept one (fewer false
             # drops, lower recall at this corpus's ~0.75): 0 is datatrove's keep-one-per-component rule
-            "curate": {"resume": False, "dedup": {"minhash": dict(CRUCIBLE_MINHASH)}}}
+            "curate": curate}
 
 
 def crucible_outcome(res: dict, id_of: dict[str, str]) -> tuple[dict[str, str | None], set[str], set[str], Counter]:
@@ -292,14 +307,32 @@ def crucible_steps(res: dict) -> dict:
 
 # ------------------------------------------------------------------ running
 
-def _timed(cmd: list[str], log: Path, env: dict | None = None) -> tuple[float, str]:
+def _timed(cmd: list[str], log: Path, env: dict | None = None) -> tuple[float, float, str]:
+    """Run `cmd`: wall seconds, CPU seconds (user + system) of its whole process tree (Ray's
+    processes, datatrove's pool; `tasks.core.energy.ProcessTree`, sampled every 0.2 s), stdout."""
+    import threading
+
+    from tasks.core.energy import ProcessTree
+
+    tree, stop = ProcessTree(), threading.Event()
+    tree.start()
+
+    def sample() -> None:
+        while not stop.wait(0.2):
+            tree.sample()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
+    stop.set()
+    sampler.join()
+    tree.sample()
+    cpu = tree.cpu_seconds() - (tree.own - tree.own0)  # this process's own time is not the child's
     log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         sys.exit(f"{cmd[:3]} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return wall, proc.stdout
+    return wall, cpu, proc.stdout
 
 
 def write_files(docs: list[dict], folder: Path, parts: int) -> None:
@@ -311,7 +344,7 @@ def write_files(docs: list[dict], folder: Path, parts: int) -> None:
                 f.write(json.dumps({"id": d["id"], "text": d["text"]}, ensure_ascii=False) + "\n")
 
 
-def run_datatrove(work: Path, inp: Path) -> float:
+def run_datatrove(work: Path, inp: Path, minhash_only: bool = False) -> tuple[float, float]:
     from tasks.config import CurateConfig
     from tasks.curate.langid import lid_model_path
     from filters_vs_datatrove import _DT_NAMES
@@ -319,30 +352,65 @@ def run_datatrove(work: Path, inp: Path) -> float:
     cur = CurateConfig()
     spec = work / "datatrove.spec.json"
     spec.write_text(json.dumps({
-        "input": str(inp), "out": str(work / "dt"), "tasks": FILES, "workers": WORKERS,
+        "input": str(inp), "out": str(work / "dt"), "tasks": FILES, "workers": WORKERS, "minhash_only": minhash_only,
         "lid_model": str(lid_model_path()), "languages": cur.langid.languages,
         "sections": cur.model_dump(include=set(_DT_NAMES)),
         "minhash": {"ngram": DATATROVE_MINHASH["n_grams"], "bands": DATATROVE_MINHASH["num_buckets"],
                     "rows": DATATROVE_MINHASH["hashes_per_bucket"], "seed": DATATROVE_MINHASH["seed"]}}))
-    wall, _ = _timed([sys.executable, str(Path(__file__).resolve()), "--datatrove-process", str(spec)],
-                     work / "datatrove.log")
-    return wall
+    wall, cpu, _ = _timed([sys.executable, str(Path(__file__).resolve()), "--datatrove-process", str(spec)],
+                          work / "datatrove.log")
+    return wall, cpu
 
 
-def run_crucible(work: Path, inp: Path) -> tuple[float, dict]:
+def run_crucible(work: Path, inp: Path, minhash_only: bool = False) -> tuple[float, float, dict]:
     spec = work / "crucible.spec.json"
-    spec.write_text(json.dumps({"cfg": crucible_config(str(inp / "*.jsonl")), "out": str(work / "crucible")}))
+    spec.write_text(json.dumps({"cfg": crucible_config(str(inp / "*.jsonl"), minhash_only),
+                                "out": str(work / "crucible")}))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    wall, stdout = _timed([sys.executable, "-c", CRUCIBLE_CHILD, str(spec), repr(time.time())],
-                          work / "crucible.log", env)
+    wall, cpu, stdout = _timed([sys.executable, "-c", CRUCIBLE_CHILD, str(spec), repr(time.time())],
+                               work / "crucible.log", env)
     line = next(x for x in stdout.splitlines() if x.startswith("RESULT "))
-    return wall, json.loads(line[7:])
+    return wall, cpu, json.loads(line[7:])
+
+
+def recall_runs(n: int, seeds: list[int], work: Path) -> dict:
+    """Near-duplicate recall of each side's MinHash dedup alone (its own code path: datatrove's
+    signature/buckets/cluster/filter steps, Crucible's curate stage with every other step off) on
+    corpora of `seeds`, every document in: one corpus's recall varies by chance (~0.02 over ~300
+    copies), the mean over several is the fair comparison."""
+    from curate_scale import corpus
+    from tasks.core.documents import make_doc_id
+
+    per_seed = []
+    for seed in seeds:
+        origins: dict[str, tuple[str, str]] = {}
+        docs = corpus(n, seed=seed, origins=origins)
+        run_dir = work / f"recall-{seed}"
+        inp = run_dir / "input"
+        write_files(docs, inp, FILES)
+        ids = {d["id"] for d in docs}
+        run_datatrove(run_dir, inp, minhash_only=True)
+        _, _, kept_dt = datatrove_outcome(run_dir / "dt")
+        _, _, cr = run_crucible(run_dir, inp, minhash_only=True)
+        _, _, kept_cr, _ = crucible_outcome(cr, {i: make_doc_id("bench", i) for i in ids})
+        groups = dup_groups(origins)
+        per_seed.append({"seed": seed, "datatrove": dedup_quality(groups, ids, kept_dt),
+                         "crucible": dedup_quality(groups, ids, kept_cr)})
+        print(f"  recall seed {seed}: crucible {per_seed[-1]['crucible']['recall']} datatrove "
+              f"{per_seed[-1]['datatrove']['recall']}", file=sys.stderr, flush=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    mean = {side: round(sum(r[side]["recall"] for r in per_seed) / len(per_seed), 4) for side in ("crucible", "datatrove")}
+    return {"documents": n, "seeds": seeds, "per_seed": per_seed, "mean_recall": mean,
+            "mean_false_drops": {side: round(sum(r[side]["false_drops"] for r in per_seed) / len(per_seed), 2)
+                                 for side in ("crucible", "datatrove")}}
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--docs", type=int, default=3000)
     p.add_argument("--work", default=None, help="scratch directory (default: a temporary one, removed)")
+    p.add_argument("--recall-seeds", type=int, default=4,
+                   help="corpora (seeds 0..N-1) for the MinHash-only recall runs (0: none)")
     p.add_argument("--out", default=str(HERE / "results" / "curate_vs_datatrove.json"))
     p.add_argument("--datatrove-process", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -368,26 +436,34 @@ def main(argv=None) -> dict:
         inp = work / "input"
         write_files(docs, inp, FILES)
         print(f"{len(docs)} documents in {FILES} files; datatrove ...", file=sys.stderr, flush=True)
-        dt_wall = run_datatrove(work, inp)
-        print(f"  datatrove {dt_wall:.1f} s; crucible ...", file=sys.stderr, flush=True)
-        cr_wall, cr = run_crucible(work, inp)
-        print(f"  crucible {cr_wall:.1f} s", file=sys.stderr, flush=True)
+        load0 = os.getloadavg()
+        dt_wall, dt_cpu = run_datatrove(work, inp)
+        print(f"  datatrove {dt_wall:.1f} s ({dt_cpu:.1f} CPU s); crucible ...", file=sys.stderr, flush=True)
+        cr_wall, cr_cpu, cr = run_crucible(work, inp)
+        print(f"  crucible {cr_wall:.1f} s ({cr_cpu:.1f} CPU s)", file=sys.stderr, flush=True)
+        load1 = os.getloadavg()
         ids = [d["id"] for d in docs]
         dt_dec, dt_passed, dt_kept = datatrove_outcome(work / "dt")
         cr_dec, cr_passed, cr_kept, extra = crucible_outcome(cr, {i: make_doc_id("bench", i) for i in ids})
+        recall = recall_runs(len(docs), list(range(args.recall_seeds)), work) if args.recall_seeds else None
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    result = report(len(docs), origins, dt_wall, cr_wall, cr, (dt_dec, dt_passed, dt_kept),
-                    (cr_dec, cr_passed, cr_kept, extra), ids)
+    result = report(len(docs), origins, (dt_wall, dt_cpu), (cr_wall, cr_cpu), cr, (dt_dec, dt_passed, dt_kept),
+                    (cr_dec, cr_passed, cr_kept, extra), ids, recall)
+    result["machine"]["load_avg_before"], result["machine"]["load_avg_after_main_runs"] = load0, load1
     write_result(args.out, result, indent=1)
     print(f"wrote {args.out}")
     return result
 
 
-def report(n, origins, dt_wall, cr_wall, cr, dt, crs, ids) -> dict:
+def report(n, origins, dt_time, cr_time, cr, dt, crs, ids, recall: dict | None = None) -> dict:
+    """The JSON: each side's wall and CPU seconds (whole process tree), the wall-clock speed-up
+    (the target) and the CPU one (steadier on a loaded machine), agreement, near-dup quality of
+    the main run and, with `recall`, the MinHash-only runs' mean recall (the recall target)."""
     from importlib.metadata import version
 
+    (dt_wall, dt_cpu), (cr_wall, cr_cpu) = dt_time, cr_time
     groups = dup_groups(origins)
     speedup = round(dt_wall / cr_wall, 2)
     agree = agreement(ids, crs[0], dt[0])
@@ -399,9 +475,9 @@ def report(n, origins, dt_wall, cr_wall, cr, dt, crs, ids) -> dict:
                    "exact_copies": sum(k == "exact" for _, k in origins.values()), "duplicate_groups": len(groups)},
         "machine": {"cores_usable": len(os.sched_getaffinity(0)), "load_avg_at_end": os.getloadavg()},
         "datatrove_version": version("datatrove"),
-        "datatrove": {"wall_s": round(dt_wall, 2), "docs_per_s": round(n / dt_wall, 2),
+        "datatrove": {"wall_s": round(dt_wall, 2), "cpu_s": round(dt_cpu, 2), "docs_per_s": round(n / dt_wall, 2),
                       "passed_filters": len(dt[1]), "kept": len(dt[2]), "near_dup": dq_dt},
-        "crucible": {"wall_s": round(cr_wall, 2), "docs_per_s": round(n / cr_wall, 2),
+        "crucible": {"wall_s": round(cr_wall, 2), "cpu_s": round(cr_cpu, 2), "docs_per_s": round(n / cr_wall, 2),
                      "passed_filters": len(crs[1]), "kept": len(crs[2]),
                      "kept_reported": cr["curate"]["docs_out"], "dropped": cr["curate"]["dropped"],
                      "dropped_by_own_extra_steps": dict(crs[3]), "near_dup": dq_cr, "time": crucible_steps(cr)},
@@ -412,12 +488,17 @@ def report(n, origins, dt_wall, cr_wall, cr, dt, crs, ids) -> dict:
                          "rule": "LSH connected component keeps one (representative_threshold 0)"},
             "shingling_differences": SHINGLING_DIFFERENCES},
         "speedup": speedup,
+        "cpu_speedup": round(dt_cpu / cr_cpu, 2),
         "filter_agreement": agree,
-        "targets": targets(speedup, agree["keep_drop_agreement"], dq_cr["recall"], dq_dt["recall"]),
+        "near_dup_recall_minhash_only": recall,
+        "targets": targets(speedup, agree["keep_drop_agreement"],
+                           *((recall["mean_recall"]["crucible"], recall["mean_recall"]["datatrove"]) if recall
+                             else (dq_cr["recall"], dq_dt["recall"]))),
     }
     result["within_target"] = all(t["pass"] for t in result["targets"].values())
     print(f"{n} docs: datatrove {dt_wall:.1f} s ({n / dt_wall:.1f} docs/s, {len(dt[2])} kept), crucible "
-          f"{cr_wall:.1f} s ({n / cr_wall:.1f} docs/s, {len(crs[2])} kept) -> {speedup}x; agreement "
+          f"{cr_wall:.1f} s ({n / cr_wall:.1f} docs/s, {len(crs[2])} kept) -> {speedup}x (CPU s {dt_cpu:.1f} vs "
+          f"{cr_cpu:.1f}: {result['cpu_speedup']}x); agreement "
           f"{agree['keep_drop_agreement']}; near-dup recall crucible {dq_cr['recall']} vs datatrove {dq_dt['recall']}")
     for name, t in result["targets"].items():
         print(f"  {name}: {t['value']} (target {t['target']}) {'PASS' if t['pass'] else 'FAIL'}")
