@@ -713,15 +713,18 @@ def test_replay_verifies_by_the_fast_encoding_and_falls_back_to_canonical_json(t
     tiny_float = signed.sign_event({**base, "run": {"runId": str(uuid.uuid4()), "facets": {"x": {"v": 1e-7}}}})
     altered = json.loads(json.dumps(plain))
     altered["job"]["name"] = "other"
+    with_null = signed.sign_event({**base, "run": {"runId": str(uuid.uuid4()), "facets": {"x": {"v": None}}}})
+    nan_for_null = json.dumps(with_null).replace('"v": null', '"v": NaN')  # orjson would write NaN as null
+    assert "NaN" in nan_for_null
     log = tmp_path / "lineage.jsonl"
-    log.write_text("".join(json.dumps(e) + "\n" for e in (plain, tiny_float, altered)))
+    log.write_text("".join(json.dumps(e) + "\n" for e in (plain, tiny_float, altered)) + nan_for_null + "\n")
     fast = []
     real = signed._signs_sorted_orjson
     monkeypatch.setattr(signed, "_signs_sorted_orjson", lambda *a: fast.append(real(*a)) or fast[-1])
     refused: list[int] = []
     got = list(iter_events(log, refused))
     assert [e["run"]["runId"] for e in got] == [plain["run"]["runId"], tiny_float["run"]["runId"]]
-    assert refused == [3] and fast == [True, False, False]
+    assert refused == [3, 4] and fast == [True, False, False, False]
 
 
 def test_validation_remembers_only_facets_that_passed(monkeypatch):
@@ -745,6 +748,9 @@ def test_validation_remembers_only_facets_that_passed(monkeypatch):
     assert any("description" in e for e in errors), errors
     other = {**doc, "_schemaURL": "https://openlineage.io/spec/facets/2-0-4/JobTypeJobFacet.json#/$defs/JobTypeJobFacet"}
     assert validate.event_errors({**event, "job": {**event["job"], "facets": {"jobType": other}}})
+    assert len(validate._VALID_FACETS) == 1
+    with_null = {**doc, "description": "n", "x": None}  # orjson writes NaN as null too: never kept
+    assert validate.event_errors({**event, "job": {**event["job"], "facets": {"documentation": with_null}}}) == []
     assert len(validate._VALID_FACETS) == 1
 
 

@@ -108,7 +108,8 @@ def _fast_valid(event: dict, spec_dir: str) -> bool:
 # Facets that passed their schema, by (spec dir, schema URL, encoded facet): ~88% of a log's facets
 # repeat one seen before (a job's documentation and code location in each of its events, a raw
 # file's source in every run that reads it), and encoding one is ~10x cheaper than checking it.
-# Same bytes, same value, same verdict; only passes are kept. Bounded: cleared when full.
+# Same bytes, same value, same verdict (orjson writes NaN and infinities as null, so a facet with a
+# null is never looked up nor kept); only passes are kept. Bounded: cleared when full.
 _VALID_FACETS: set[tuple[str, str, bytes]] = set()
 _VALID_FACETS_MAX = 4096
 _VALID_FACET_BYTES_MAX = 16384  # bigger facets are checked each time (the cache stays <= 64 MB)
@@ -118,6 +119,8 @@ def _facet_valid(validator, spec_dir: str, url: str, facet) -> bool:
     try:
         key = (spec_dir, url, orjson.dumps(facet)) if orjson is not None else None
     except TypeError:  # a value orjson does not encode: checked, not cached
+        key = None
+    if key is not None and b"null" in key[2]:
         key = None
     if key is not None and key in _VALID_FACETS:
         return True
