@@ -22,8 +22,8 @@ comes back with the id of the node that ran it and the seconds its body took the
 (compute in the jobs vs the map's wall time on its workers, and the bytes of results moved).
 
 Ray tasks outside a JobRunner (the dedup shuffles, `tasks.dedup.cluster` and `tasks.dedup.lines`,
-and curate's dedup stages, `tasks.dedup.stages`) read and write the store directly where their nodes do not share the driver's disk
-(`task_location`, `for_any_node`).
+and curate's dedup stages, `tasks.dedup.stages`) read and write the store directly where their
+nodes do not share the driver's disk (`task_location`, `for_any_node`).
 """
 from __future__ import annotations
 
