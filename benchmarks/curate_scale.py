@@ -44,6 +44,9 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from _common import code_commit, data_root  # noqa: E402
 
 CHILD = r"""
 import json, sys, time
@@ -128,7 +131,7 @@ def watch(driver: int, stop, seen: dict) -> None:
 def paragraphs(words: int = 60) -> list[str]:
     """Passages of ≥ `words` words: consecutive lines of the Gutenberg texts (one sentence or
     verse per line there, no blank lines between paragraphs)."""
-    data = Path(os.environ.get("CRUCIBLE_DATA_ROOT") or ROOT.parent / "shared" / "data")
+    data = data_root()
     out = []
     for p in sorted((data / "text" / "gutenberg").glob("*.txt")):
         cur: list[str] = []
@@ -210,18 +213,6 @@ def write_input(docs: list[dict], folder: Path, ingest: bool) -> list[str]:
     return [str(folder / "*.jsonl")]
 
 
-def commit(code: str) -> str:
-    """The checked-out commit of `code` (+ "-dirty" with uncommitted changes under tasks/), else the path."""
-    try:
-        head = subprocess.run(["git", "-C", code, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", code, "status", "--porcelain", "--", "tasks"], capture_output=True,
-                               text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return code
-    return head + ("-dirty" if dirty else "")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--docs", type=int, nargs="+", default=[20_000, 100_000])
@@ -234,7 +225,6 @@ def main() -> None:
     ap.add_argument("--refit-only", metavar="JSON",
                     help="recompute the memory model of stored results from their runs (nothing is run)")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     if args.refit_only:
         print(json.dumps(refit(Path(args.refit_only)), indent=1))
         return
@@ -273,7 +263,7 @@ def run_size(n: int, tmp: Path, args) -> dict:
         sys.exit(f"run with {n} docs failed:\n{stderr[-4000:]}")
     child = json.loads(line[7:])
     peak_worker = max(seen["workers"].values(), default=(0, None))
-    res = {"docs": n, "filters": args.filters, "ingest": args.ingest, "code": commit(args.code), **child,
+    res = {"docs": n, "filters": args.filters, "ingest": args.ingest, "code": code_commit(args.code, "tasks") or args.code, **child,
            # the kernel's peak; the 0.2 s samples can miss a short spike
            "driver_peak_rss_bytes": max(child["driver_vmhwm_bytes"], seen.get("driver", 0)),
            "driver_sampled_peak_rss_bytes": seen.get("driver", 0),

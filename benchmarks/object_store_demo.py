@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from _common import data_root, write_result
+from _common import code_commit, data_root, write_result
 from tasks.core.net import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -91,10 +91,6 @@ def bucket_size(endpoint: str) -> dict:
     return {"objects": n, "bytes": size}
 
 
-def _commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-
-
 def _children_cpu_s() -> float:
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return ru.ru_utime + ru.ru_stime
@@ -122,7 +118,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=str(HERE / "results" / "object_store_demo.json"))
     args = ap.parse_args()
-    commit = _commit()
+    commit = code_commit()
     tmp = Path(tempfile.mkdtemp(prefix="crucible-bench-s3-"))
     moto, endpoint = start_moto(tmp)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "AWS_"))}
@@ -162,7 +158,7 @@ def main() -> int:
     result = {"benchmark": "object_store_demo", "command": "crucible run configs/tiny.yaml (sources + run_root on S3 vs local)",
               "store": "moto_server (separate process, HTTP, SigV4)", "repeats": args.repeats,
               # both ends: a shared checkout may move while the runs go (each run imports the code it finds)
-              "code_commit": {"start": commit, "end": _commit()}, "cpus": os.cpu_count(),
+              "code_commit": {"start": commit, "end": code_commit()}, "cpus": os.cpu_count(),
               "median_wall_s": med, "median_cpu_s_run_process_tree": med_cpu,
               "ratio": round(ratio, 3), "target_ratio": TARGET_RATIO,
               "within_target": ratio <= TARGET_RATIO, "outputs_agree": same, "per_stage_median_s": per_stage,

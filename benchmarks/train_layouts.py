@@ -68,7 +68,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # lm_helpers: the real-text tokenizer and token files the LM tests use
 
-from _common import add_int_options, write_result  # noqa: E402
+from _common import add_int_options, code_commit, write_result  # noqa: E402
 
 RESULT = REPO / "benchmarks" / "results" / "train_layouts.json"
 WORKER = "benchmarks.train_layouts_worker"
@@ -211,20 +211,6 @@ def run_layout(name: str, a: argparse.Namespace, tokens_index: Path, work: Path)
     return row
 
 
-def code_commit() -> str:
-    """The checked-out commit (+ "-dirty" where the training code or this benchmark has uncommitted changes;
-    other helpers' edits elsewhere in the checkout do not run here)."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout.strip()
-
-    try:
-        dirty = git("status", "--porcelain", "--", "tasks/train", "tasks/config.py", "tasks/core",
-                    "benchmarks/train_layouts.py", "benchmarks/train_layouts_worker.py", "tests/lm_helpers.py")
-        return git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
-
-
 def legacy_run(previous: dict, path: Path) -> dict:
     """The run of a row written before rows carried their own (`run`): the file's date and load average;
     its code commit was not recorded, so the HEAD the file was committed on, said as such."""
@@ -322,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
                                  or previous["machine"]["threads_per_process"] != a.threads):
         ap.error(f"--merge: {a.out} was measured at another shape or process count "
                  f"({previous.get('shape')}, {previous['machine'].get('processes')} processes); rows would not compare")
-    commit, started, load_start = code_commit(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), os.getloadavg()[0]
+    commit = code_commit(REPO, "tasks/train", "tasks/config.py", "tasks/core", "benchmarks/train_layouts.py",
+                         "benchmarks/train_layouts_worker.py", "tests/lm_helpers.py") or "unknown (not a git checkout)"
+    started, load_start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), os.getloadavg()[0]
     rows: dict[str, dict] = {}
     for name in names:
         print(f"=== {name}", flush=True)
