@@ -151,7 +151,7 @@ def _english() -> _English:
 # matches; fewer can hide no more) and, if that differs, the whole text goes through spaCy as
 # before. A dict lookup per chunk replaces spaCy's Doc and a Token object per token (~75 % of
 # Gopher repetition's time).
-_CHUNK_WORDS: dict[str, tuple] = {}  # chunk (or run of chunks) -> (words, last / first matcher tokens, has a special)
+_CHUNK_WORDS: dict[str, tuple] = {}  # chunk (or run of chunks) -> (words, last / first matcher tokens)
 _MAX_CHUNKS = 1_000_000  # ~200 MB per process at most; cleared past it (the cache only memoises)
 
 
@@ -160,7 +160,7 @@ def _chunk_entry(chunk: str) -> tuple:
     if len(_CHUNK_WORDS) >= _MAX_CHUNKS:
         _CHUNK_WORDS.clear()
     toks = tuple(t.text for t in eng.tokenizer(chunk) if not t.is_space)
-    entry = _CHUNK_WORDS[chunk] = (toks, *eng.straddle.ends(chunk, toks), eng.straddle.holds_special(chunk))
+    entry = _CHUNK_WORDS[chunk] = (toks, *eng.straddle.ends(chunk, toks))
     return entry
 
 
@@ -175,7 +175,7 @@ def _runs_agree(chunks: list[str], entries: list[tuple], joined: list[int]) -> b
         first = joined[start] - 1
         start = k + 1
         run = entries[first:i + 1]
-        if not any(e[3] for e in run):
+        if not any(map(_english().straddle.holds_special, chunks[first:i + 1])):
             continue
         text = " ".join(chunks[first:i + 1])
         if (get(text) or _chunk_entry(text))[0] != tuple(w for e in run for w in e[0]):
