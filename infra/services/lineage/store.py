@@ -73,7 +73,6 @@ CREATE TABLE IF NOT EXISTS runs (
     facets TEXT NOT NULL
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS runs_job ON runs (job_namespace, job_name, created_at);
-CREATE INDEX IF NOT EXISTS runs_parent ON runs (parent_run_id);
 CREATE TABLE IF NOT EXISTS datasets (
     namespace TEXT NOT NULL,
     name TEXT NOT NULL,
@@ -113,10 +112,13 @@ CREATE TABLE IF NOT EXISTS run_io (
 # highest event id when the row was last written: the graph view caches each dataset's encoded
 # object per revision. The walks' steps from datasets to runs read run_io through a covering
 # index, not its rows (the same row order as the former run_io_dataset index, which it replaces).
+# runs_parent (runs by parent_run_id) served no query and wrote a random leaf page per run to each
+# batch's WAL: dropped.
 _ADDED_COLUMNS = {"datasets": {"revision": "INTEGER NOT NULL DEFAULT 0"}}
 _INDEXES = """
 CREATE INDEX IF NOT EXISTS datasets_revision ON datasets (namespace, name, revision);
 DROP INDEX IF EXISTS run_io_dataset;
+DROP INDEX IF EXISTS runs_parent;
 CREATE INDEX IF NOT EXISTS run_io_by_dataset ON run_io (namespace, name, direction, run_id, version, job_namespace,
                                                         job_name);
 """
