@@ -337,10 +337,11 @@ def _dedup_jobs(folder: Path, corpus: list[str], per_job: int) -> list:
         part = write_docs([{"id": f"d{i}", "text": corpus[i]} for i in rows], folder, shard_docs=per_job,
                           prefix=f"part-{j:03d}")[0]
         meta = folder / f"meta-{j:03d}.parquet"
-        write_meta(meta, {"id": [f"d{i}" for i in rows], "key": [hashlib.sha256(corpus[i].encode()).digest() for i in rows],
+        digest = (lambda text: hashlib.sha256(text.encode()).digest())
+        write_meta(meta, {"id": [f"d{i}" for i in rows], "key": [digest(corpus[i]) for i in rows],
                           "nbytes": [len(corpus[i].encode()) for i in rows], "source": ["web"] * len(rows),
                           "score": [None] * len(rows),
-                          "url_key": [hashlib.sha256(f"https://ex.com/{i if i < 28 else i - 20}".encode()).digest() for i in rows],
+                          "url_key": [digest(f"https://ex.com/{i if i < 28 else i - 20}") for i in rows],
                           "crawl_time": [float(i) for i in rows], "sig": [sigs[i].tobytes() for i in rows]})
         jobs.append(JobDocs(f"{j:03d}", str(meta), (str(part),), len(rows), lo))
     return jobs

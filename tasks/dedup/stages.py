@@ -310,12 +310,12 @@ class DedupStages:
         from tasks.core.executor import for_any_node, task_location
 
         self.ray = ray
+        self.local = Path(work_dir)  # the driver's own folder (dropped lines fetched from a store)
+        shutil.rmtree(self.local, ignore_errors=True)  # first: the jobs' folder is pushed next, recursively
         # where tasks on any node read the jobs' files and keep the steps' (the store, when the
         # cluster's nodes do not share this working copy)
         self.jobs, _ = for_any_node(jobs)
         self.files = Files(*task_location(work_dir))
-        self.local = Path(work_dir)  # the driver's own folder (dropped lines fetched from a store)
-        shutil.rmtree(self.local, ignore_errors=True)
         remove_tree(self.files.root, self.files.options)  # what a killed run left
         self.local.mkdir(parents=True)
         self.blocks = blocks_of(jobs, block_docs or BLOCK_DOCS)
@@ -396,7 +396,8 @@ class DedupStages:
         print(format_estimate(est, "ray"), flush=True)
         stats: dict = {"method": "ray", "memory_estimate": est, "partitions": partitions, "docs": n_valid}
         t1 = time.perf_counter()
-        final_refs = spilled_components(spill_dir, partitions, verifier, stats, self.files.options) if n_valid >= 2 else []
+        final_refs = (spilled_components(spill_dir, partitions, verifier, stats, self.files.options)
+                      if n_valid >= 2 else [])
         stats["seconds"] = round(time.perf_counter() - t1, 3)
         # survivors per partition of the component roots: a component's edges all name its root, so
         # each task holds whole components, ~1/partitions of the clustered documents (not the corpus')
