@@ -20,7 +20,9 @@ ONE="--set train.parallel.dp_shard=1 --set train.parallel.tp=1 --set train.paral
 run() {  # name, seconds allowed, gpu_mfu arguments
   local name=$1 limit=$2; shift 2
   echo "== $name"
-  timeout "$limit" "$PY" benchmarks/gpu_mfu.py --out "$OUT/gpu_mfu_$name.json" "$@" 2>&1 | grep -v Warning | tail -4
+  timeout "$limit" "$PY" benchmarks/gpu_mfu.py --out "$OUT/gpu_mfu_$name.json" "$@" > "$OUT/.last.log" 2>&1 \
+    || echo "FAILED $name (exit $?; its JSON, if any, says why)"
+  grep -v Warning "$OUT/.last.log" | tail -4
 }
 PART=${1:-all}
 if [ "$PART" != trainer ]; then
@@ -33,13 +35,16 @@ run moe8x_2layers_eager 80 --config configs/moe-8x.yaml $ONE --set model.n_layer
 run dense8b_8layers_sac_compile 120 --config configs/dense-8b.yaml $ONE --set model.n_layer=8 --set train.micro_batch_size=2 \
   --set train.batch_tokens=32768 --set train.activation_checkpointing=selective --warmup 4 --steps 8
 fi
-[ "$PART" = mfu ] && exit 0
+[ "$PART" = mfu ] && { rm -f "$OUT/.last.log"; exit 0; }
 trainer() {  # name, seconds allowed, gpu_layouts arguments
   local name=$1 limit=$2; shift 2
   echo "== trainer $name"
-  timeout "$limit" "$PY" benchmarks/gpu_layouts.py --gpus 1 --layouts planner --out "$OUT/trainer_$name.json" "$@" 2>&1 \
-    | grep -v Warning | grep -v "^step " | tail -4
-  pkill -f torch.distributed.run; sleep 2  # a run cut by its limit leaves no rank holding the GPU
+  # its own process group: a run cut by its limit takes its torchrun and ranks with it, and nothing else
+  setsid timeout -k 10 "$limit" "$PY" benchmarks/gpu_layouts.py --gpus 1 --layouts planner \
+    --out "$OUT/trainer_$name.json" "$@" > "$OUT/.last.log" 2>&1 &
+  local pid=$!
+  wait "$pid" || { echo "FAILED trainer $name (exit $?)"; kill -- -"$pid" 2>/dev/null; }
+  grep -v Warning "$OUT/.last.log" | grep -v "^step " | tail -4
 }
 trainer h100_1b3_compile 120 --config configs/h100.yaml --steps 16 --warmup 6 --batch 32
 trainer moe8x_2layers_eager 80 --config configs/moe-8x.yaml --steps 12 --warmup 4 --batch 4 --no-compile \
@@ -47,3 +52,4 @@ trainer moe8x_2layers_eager 80 --config configs/moe-8x.yaml --steps 12 --warmup 
 trainer dense8b_8layers_sac_compile 130 --config configs/dense-8b.yaml --steps 12 --warmup 4 --batch 4 \
   --set model.n_layer=8 --set train.parallel.dp_shard=1 --set train.parallel.tp=1 --set train.nproc_per_node=1 \
   --set train.activation_checkpointing=selective --set train.micro_batch_size=2
+rm -f "$OUT/.last.log"

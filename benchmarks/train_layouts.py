@@ -57,7 +57,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -211,27 +210,9 @@ def run_layout(name: str, a: argparse.Namespace, tokens_index: Path, work: Path)
     return row
 
 
-def legacy_run(previous: dict, path: Path) -> dict:
-    """The run of a row written before rows carried their own (`run`): the file's date and load average;
-    its code commit was not recorded, so the HEAD the file was committed on, said as such."""
-    try:
-        committed = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h^ (%cI)", "--", str(path)],
-                                   capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        committed = ""
-    machine = previous.get("machine", {})
-    return {"when": previous.get("when"), "code_commit": None,
-            "code_commit_note": "not recorded by the run; the result file was committed on top of "
-                                + (committed or "an unknown commit"),
-            "load_avg_1m_start": machine.get("load_avg_1m_start"), "load_avg_1m_end": machine.get("load_avg_1m_end"),
-            "note": previous.get("note")}
-
-
-def merge_rows(previous: dict, rows: dict, run: dict, path: Path) -> dict:
+def merge_rows(previous: dict, rows: dict, run: dict) -> dict:
     """The previous file's rows (each tagged with its run) with `rows` replacing those of the same name."""
-    old = previous.get("results", {})
-    legacy = legacy_run(previous, path)
-    merged = {n: {**r, "run": r.get("run") or legacy} for n, r in old.items() if n not in rows}
+    merged = {n: r for n, r in previous.get("results", {}).items() if n not in rows}  # each carries its run
     merged.update({n: {**r, "run": run} for n, r in rows.items()})
     return {n: merged[n] for n in [*LAYOUTS, *sorted(set(merged) - set(LAYOUTS))] if n in merged}
 
@@ -322,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     load_end = os.getloadavg()[0]
     run = {"when": when, "started": started, "code_commit": commit, "load_avg_1m_start": load_start,
            "load_avg_1m_end": load_end, "layouts": names, "note": a.note or None}
-    rows = merge_rows(previous, rows, run, a.out) if previous is not None else {n: {**r, "run": run} for n, r in rows.items()}
+    rows = merge_rows(previous, rows, run) if previous is not None else {n: {**r, "run": run} for n, r in rows.items()}
     relative(rows)
     out = {
         "benchmark": "train_layouts",

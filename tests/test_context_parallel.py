@@ -35,9 +35,10 @@ def assert_context_parallel(layout: dict, cp: int) -> None:
         rec, c = r["context_parallel"], r["coords"]["cp"]
         assert (rec["cp"], rec["cp_rank"], rec["local_seq_len"]) == (cp, c, SEQ // cp), rec
         want = [*range(c * chunk, (c + 1) * chunk), *range((2 * cp - 1 - c) * chunk, (2 * cp - c) * chunk)]
-        assert rec["positions"] == want, rec
+        held = [pos for start, stop in rec["position_runs"] for pos in range(start, stop)]
+        assert held == want, rec
         key = (r["dp_rank"], r["coords"]["tp"], r["coords"]["pp"])
-        replicas.setdefault(key, []).extend(rec["positions"])
+        replicas.setdefault(key, []).extend(held)
     for positions in replicas.values():
         assert sorted(positions) == list(range(SEQ))
     # FSDP2 shards every parameter over dp_shard x cp (experts under ep: over the cp ranks holding them)

@@ -89,15 +89,22 @@ class ContextParallel:
         import torch.distributed._functional_collectives as funcol
 
         # one all-gather for K and V, along dim 0 (the only gather dim the autograd version takes)
-        kv = torch.stack((k, v)).permute(3, 0, 1, 2, 4).contiguous()  # (local, 2, B, heads, head_dim)
+        kv = torch.stack((k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)), dim=1)  # (local, 2, B, heads, head_dim), one copy
         kv = funcol.all_gather_single_autograd(kv, 0, self.group)  # backward: reduce-scatter (sum)
         k, v = kv.permute(1, 2, 3, 0, 4).unbind(0)  # (B, heads, seq_len, head_dim) each, ranks' order
         mask = self.on("mask", q.device) if mask is None else mask
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
     def record(self) -> dict:
-        return {"cp": self.cp, "cp_rank": self.rank, "local_seq_len": self.local_len,
-                "positions": self.positions.tolist()}
+        """What this rank really holds, its positions as [start, stop) runs (two per rank, not
+        seq_len / cp integers: the record is gathered into layout.json at any context length)."""
+        runs: list[list[int]] = []
+        for pos in self.positions.tolist():
+            if runs and runs[-1][1] == pos:
+                runs[-1][1] = pos + 1
+            else:
+                runs.append([pos, pos + 1])
+        return {"cp": self.cp, "cp_rank": self.rank, "local_seq_len": self.local_len, "position_runs": runs}
 
 
 def apply_cp(model: nn.Module, cp_mesh, seq_len: int) -> ContextParallel:

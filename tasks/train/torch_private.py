@@ -18,9 +18,10 @@ WRITTEN_FOR = "2.13"  # the pinned torch (pyproject.toml) these uses were writte
 # name -> (module, attribute path, what the trainer uses it for)
 PRIVATE_APIS: dict[str, tuple[str, str, str]] = {
     "DeviceMesh._flatten": ("torch.distributed.device_mesh", "DeviceMesh._flatten",
-                            "the flattened dp and dp_shard_cp meshes (parallel_dims.build_mesh)"),
+                            "the flattened dp, dp_shard_cp and dp_cp meshes (parallel_dims.build_mesh), "
+                            "the experts' FSDP mesh dp_shard_mod_ep_cp (expert_parallel.expert_mesh)"),
     "DeviceMesh._unflatten": ("torch.distributed.device_mesh", "DeviceMesh._unflatten",
-                              "the ep mesh carved from dp_shard, the experts' FSDP mesh (expert_parallel.expert_mesh)"),
+                              "the ep mesh carved from dp_shard (expert_parallel.expert_mesh)"),
     "_current_graph_task_id": ("torch._C", "_current_graph_task_id",
                                "MoE token counts skipping activation recomputation (moe._in_backward)"),
     "SAC_IGNORED_OPS": ("torch.utils.checkpoint", "SAC_IGNORED_OPS",
