@@ -82,6 +82,10 @@ def test_words_per_chunk_match_the_whole_text(monkeypatch):
         assert words(text) == _spacy_words(text), text
     assert whole[:2] == [tricky, plain + "\n" + tricky + "  " + plain]  # only the tricky texts went through whole
     assert T._CHUNK_WORDS["it"][0] == ("it",) and T._CHUNK_WORDS["well-known"][0] == ("well", "-", "known")
+    # a long chunk (a URL, base64) is tokenized but not kept: the cache's memory is bounded per entry
+    blob = "https://example.org/" + "aB3/" * 40 + "?q=1,2"
+    assert words(f"see {blob} now") == _spacy_words(f"see {blob} now")
+    assert blob not in T._CHUNK_WORDS and "see" in T._CHUNK_WORDS
     rng = __import__("random").Random(0)
     pieces = list(T._english().straddle.specials) + ["''I'", "word", "I", "Dr.", "'s", ":", "-", ")", "("]
     for _ in range(3000):

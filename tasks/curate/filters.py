@@ -81,20 +81,27 @@ class _Joined:
 # so substring [a, b) hashes to (H[b] - H[a]) * B^-a, independent of where it sits
 _BASE = np.uint64(0x9E3779B97F4A7C15)
 _LENGTH_MIX = np.uint64(0xC2B2AE3D27D4EB4F)
-_POWERS: list[np.ndarray] = [np.ones(1, np.uint64), np.ones(1, np.uint64)]
+_POWERS: tuple[np.ndarray, np.ndarray] = (np.ones(1, np.uint64), np.ones(1, np.uint64))
+_POWERS_KEPT = 1 << 20  # tables up to this length are kept for the next documents (16 MB); longer, per call
 
 
 def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
     """B^j and B^-j for j < n (at least), grown by doubling."""
-    if len(_POWERS[0]) < n:
-        size = max(n, 2 * len(_POWERS[0]), 4096)
-        inv = np.uint64(pow(int(_BASE), -1, 1 << 64))
-        with np.errstate(over="ignore"):
-            for i, b in enumerate((_BASE, inv)):
-                pw = np.full(size, b, np.uint64)
-                pw[0] = 1
-                _POWERS[i] = np.cumprod(pw, dtype=np.uint64)
-    return _POWERS[0], _POWERS[1]
+    global _POWERS
+    if len(_POWERS[0]) >= n:
+        return _POWERS
+    size = max(n, 2 * len(_POWERS[0]), 4096)
+    inv = np.uint64(pow(int(_BASE), -1, 1 << 64))
+    with np.errstate(over="ignore"):
+        tables = []
+        for b in (_BASE, inv):
+            pw = np.full(size, b, np.uint64)
+            pw[0] = 1
+            tables.append(np.cumprod(pw, dtype=np.uint64))
+    powers = (tables[0], tables[1])
+    if size <= _POWERS_KEPT:  # one assignment: another thread never sees tables of two lengths
+        _POWERS = powers
+    return powers
 
 
 def _prefix_hashes(s: str) -> np.ndarray:
@@ -169,6 +176,7 @@ def real_word_count(text: str) -> int:
 # character a symbol" and "has a letter"; _KNOWN is set on every entry so that none is falsy
 _SYMBOL, _ALPHA, _KNOWN = 1, 2, 4
 _WORD_KINDS: dict[str, int] = {}
+_CACHED_WORD_CHARS = 64
 
 
 def _word_kinds(toks: list[str]) -> list[int]:
@@ -177,10 +185,12 @@ def _word_kinds(toks: list[str]) -> list[int]:
 
 
 def _word_kind(w: str) -> int:
-    if len(_WORD_KINDS) >= 1_000_000:  # bounded; the cache only memoises
-        _WORD_KINDS.clear()
-    kind = _WORD_KINDS[w] = (_KNOWN | (_SYMBOL if is_symbol_word(w) else 0)
-                             | (_ALPHA if any(ch.isalpha() for ch in w) else 0))
+    kind = (_KNOWN | (_SYMBOL if is_symbol_word(w) else 0)
+            | (_ALPHA if any(ch.isalpha() for ch in w) else 0))
+    if len(w) <= _CACHED_WORD_CHARS:  # long tokens (URLs, base64) rarely repeat and would fill memory
+        if len(_WORD_KINDS) >= 1_000_000:  # bounded; the cache only memoises
+            _WORD_KINDS.clear()
+        _WORD_KINDS[w] = kind
     return kind
 
 

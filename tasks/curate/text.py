@@ -151,23 +151,26 @@ def _english() -> _English:
 # matches; fewer can hide no more) and, if that differs, the whole text goes through spaCy as
 # before. A dict lookup per chunk replaces spaCy's Doc and a Token object per token (~75 % of
 # Gopher repetition's time).
-_CHUNK_WORDS: dict[str, tuple] = {}  # chunk (or run of chunks) -> (words, last / first matcher tokens)
-_MAX_CHUNKS = 1_000_000  # ~200 MB per process at most; cleared past it (the cache only memoises)
+_CHUNK_WORDS: dict[str, tuple] = {}  # chunk -> (words, last / first matcher tokens)
+_MAX_CHUNKS = 1_000_000  # ~330 B an entry of a short chunk: ~330 MB per process at most; cleared past it
+_CACHED_CHUNK_CHARS = 64  # longer chunks (URLs, base64, minified code) rarely repeat: tokenized, not kept
 
 
-def _chunk_entry(chunk: str) -> tuple:
+def _chunk_entry(chunk: str, keep: bool = True) -> tuple:
+    """`keep` False: a joined run of chunks (`_runs_agree`), mostly seen once, is not cached."""
     eng = _english()
-    if len(_CHUNK_WORDS) >= _MAX_CHUNKS:
-        _CHUNK_WORDS.clear()
     toks = tuple(t.text for t in eng.tokenizer(chunk) if not t.is_space)
-    entry = _CHUNK_WORDS[chunk] = (toks, *eng.straddle.ends(chunk, toks))
+    entry = (toks, *eng.straddle.ends(chunk, toks))
+    if keep and len(chunk) <= _CACHED_CHUNK_CHARS:
+        if len(_CHUNK_WORDS) >= _MAX_CHUNKS:
+            _CHUNK_WORDS.clear()
+        _CHUNK_WORDS[chunk] = entry
     return entry
 
 
 def _runs_agree(chunks: list[str], entries: list[tuple], joined: list[int]) -> bool:
     """Each run of chunks joined by a possible straddling match (`joined`: i where chunks i-1, i
     could be) that holds a special case, tokenized as one text, gives its chunks' words."""
-    get = _CHUNK_WORDS.get
     start = 0
     for k, i in enumerate(joined):
         if k + 1 < len(joined) and joined[k + 1] == i + 1:
@@ -178,7 +181,7 @@ def _runs_agree(chunks: list[str], entries: list[tuple], joined: list[int]) -> b
         if not any(map(_english().straddle.holds_special, chunks[first:i + 1])):
             continue
         text = " ".join(chunks[first:i + 1])
-        if (get(text) or _chunk_entry(text))[0] != tuple(w for e in run for w in e[0]):
+        if _chunk_entry(text, keep=False)[0] != tuple(w for e in run for w in e[0]):
             return False
     return True
 
