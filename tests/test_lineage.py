@@ -596,6 +596,34 @@ def test_a_forged_or_altered_line_is_never_replayed_nor_trusted(tmp_path, caplog
     assert "crucible_source" not in last["outputs"][0]["facets"]
 
 
+def test_a_hostile_line_is_refused_and_the_log_read_goes_on(tmp_path, caplog):
+    """A line whose signature has a non-ASCII character (hmac.compare_digest raised TypeError) or
+    whose content has a lone surrogate escape (its canonical bytes raised UnicodeEncodeError) is
+    refused with a reason like any unsigned line; the lines after it are still read."""
+    from tasks.core.signing import SignatureError, verify_bytes
+    from tasks.lineage.replay import iter_events
+
+    log = tmp_path / "lineage.jsonl"
+    em = LineageEmitter(log, "crucible", PRODUCER)
+    with em.run(_ref("pretrain"), job_type="FLOW"):
+        pass
+    genuine = read_events(log)
+    non_ascii = json.loads(json.dumps(genuine[1]))
+    non_ascii["run"]["runId"] = str(uuid.uuid4())
+    non_ascii["run"]["facets"]["crucible_signature"]["signature"] = "hmac-sha256:" + "\u00e9" * 64
+    surrogate = json.dumps(genuine[1]).replace('"pretrain', '"\\ud800pretrain', 1)
+    assert "\\ud800" in surrogate
+    text = log.read_text()
+    log.write_text(json.dumps(non_ascii) + "\n" + surrogate + "\n" + text)
+    refused: list = []
+    assert [e["run"]["runId"] for e in iter_events(log, refused)] == [e["run"]["runId"] for e in genuine]
+    assert refused == [1, 2]
+    assert caplog.text.count("refused") >= 2
+    for signature in ("\u00e9" * 64, b"hmac", 7):
+        with pytest.raises(SignatureError, match="not an ASCII"):
+            verify_bytes(b"{}", signature, "lineage-line")
+
+
 def test_a_symlinked_log_never_makes_the_pipeline_write_to_its_target(tmp_path):
     """lineage.jsonl replaced by a link (or the run directory by one) makes the emit fail: the
     pipeline's events are never appended to the file the link names."""

@@ -116,7 +116,9 @@ def verify_bytes(data: bytes, signature: str | None, purpose: str, what: str = "
     signing_key() a caller checking many records resolved once (finding it costs more than the HMAC)."""
     if not signature:
         _refuse(f"{what} is unsigned")
-    if not hmac.compare_digest(str(signature), _mac(purpose, data, key)):
+    if not isinstance(signature, str) or not signature.isascii():  # compare_digest raises on non-ASCII
+        _refuse(f"{what} has a signature that is not an ASCII string")
+    if not hmac.compare_digest(signature, _mac(purpose, data, key)):
         _refuse(f"{what} has a signature that does not verify (forged, or altered after signing)")
 
 

@@ -111,7 +111,7 @@ def _signs_sorted_orjson(body: dict, signature: Any, key: bytes | None) -> bool:
     those bytes, i.e. x == body; when the encodings differ (floats written otherwise, say) the
     caller checks canonical() itself. orjson writes NaN and infinities as null (lossy): bytes with a
     null are left to canonical(), which writes them apart (the emitter writes no null)."""
-    if orjson is None or key is None or not isinstance(signature, str):
+    if orjson is None or key is None or not isinstance(signature, str) or not signature.isascii():
         return False
     try:
         data = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
@@ -122,7 +122,9 @@ def _signs_sorted_orjson(body: dict, signature: Any, key: bytes | None) -> bool:
 
 def _loads(line: bytes) -> Any:
     """orjson when installed (a Prefect dependency; ~4x the standard parser on a lineage line), the
-    standard library for what orjson refuses (integers beyond 64 bits, NaN): the same values either way."""
+    standard library for what it refuses (NaN, lone surrogates). Not the same values either way:
+    orjson parses an integer beyond 64 bits as a float, so such a line's canonical() bytes differ
+    from what was signed and the line is refused."""
     if orjson is not None:
         try:
             return orjson.loads(line)
@@ -140,7 +142,10 @@ def verified_line(line: bytes, what: str, key: bytes | None = None) -> dict | No
         return None
     try:
         return verify_event(event, what, key)
-    except SignatureError:
+    except SignatureError:  # logged by verify_event / verify_bytes
+        return None
+    except (TypeError, ValueError) as e:  # e.g. a lone surrogate escape: canonical() cannot encode it
+        log.warning("refused: %s cannot be checked (%s)", what, type(e).__name__)
         return None
 
 

@@ -141,12 +141,17 @@ class EventError(ValueError):
     """An event that is not a usable OpenLineage event (the message says which field)."""
 
 
+# already the stored form but for a "+00:00" suffix (what the emitter writes); anything else (a 't' or
+# ' ' separator, a week date, an offset) is converted, so that equal times are equal text
+_UTC_MICROS = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}(Z|\+00:00)")
+
+
 def utc_time(value: Any, what: str = "eventTime") -> str:
     """An ISO-8601 timestamp normalised to UTC with microseconds, so that text order is time order."""
     if not isinstance(value, str) or not value:
         raise EventError(f"{what} must be an ISO-8601 string")
-    if len(value) in (27, 32) and value[19] == "." and value[26:] in ("Z", "+00:00"):
-        try:  # already UTC with microseconds (what the emitter writes): checked, not converted
+    if _UTC_MICROS.fullmatch(value):
+        try:  # checked (a real date and time), not converted
             datetime.fromisoformat(value[:26])
             return value[:26] + "Z"
         except ValueError:
@@ -657,6 +662,7 @@ class LineageStore:
         self._io_index_lock = threading.Lock()
         self._checkpoint_due = threading.Event()
         self._checkpointer: threading.Thread | None = None
+        self._checkpoint_stop = threading.Event()  # the running checkpointer's; each thread gets its own
         self._since_checkpoint = 0  # events stored since the checkpointer was last woken
         self.checkpoints: list[tuple[int, int, int]] = []  # the checkpointer's (busy, WAL frames, copied), last few
         conn = self._conn()
@@ -686,10 +692,16 @@ class LineageStore:
         return conn
 
     def close(self) -> None:
+        """Close this thread's connection and stop the checkpointer thread (a later ingestion starts another)."""
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
             self._local.conn = None
+        checkpointer, self._checkpointer = self._checkpointer, None
+        if checkpointer is not None:
+            self._checkpoint_stop.set()
+            self._checkpoint_due.set()
+            checkpointer.join(timeout=5)  # a checkpoint under way finishes first; PASSIVE never waits long
 
     # -- ingestion -----------------------------------------------------------------------------
 
@@ -741,7 +753,7 @@ class LineageStore:
         into the database and both synced) run by the committing writer was ~40 us of each
         event's ~220 us of CPU and its fsyncs were waited for; on its own thread (SQLite lets go of
         the GIL) it overlaps the next batches' parsing and validation. The writer's own
-        autocheckpoint at 64 MB stays as the bound if this thread falls behind."""
+        autocheckpoint at 32,768 pages (128 MB) stays as the bound if this thread falls behind."""
         if self.path == ":memory:":
             return
         self._since_checkpoint += events
@@ -749,22 +761,28 @@ class LineageStore:
             return
         self._since_checkpoint = 0
         if self._checkpointer is None:
-            self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="lineage-checkpoint",
-                                                  daemon=True)
+            self._checkpoint_stop = threading.Event()
+            self._checkpointer = threading.Thread(target=self._checkpoint_loop, args=(self._checkpoint_stop,),
+                                                  name="lineage-checkpoint", daemon=True)
             self._checkpointer.start()
         self._checkpoint_due.set()
 
-    def _checkpoint_loop(self) -> None:
+    def _checkpoint_loop(self, stop: threading.Event) -> None:
         conn = sqlite3.connect(self.path, isolation_level=None, timeout=30)
-        conn.execute("PRAGMA busy_timeout=30000")
-        while True:
-            self._checkpoint_due.wait()
-            self._checkpoint_due.clear()
-            try:  # PASSIVE: never blocks the writer or readers; what it cannot copy yet waits for the next
-                self.checkpoints = self.checkpoints[-9:] + [tuple(conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-                                                                  .fetchone())]
-            except sqlite3.Error:  # e.g. the database busy or gone: the writer's autocheckpoint remains
-                continue
+        try:
+            conn.execute("PRAGMA busy_timeout=30000")
+            while True:
+                self._checkpoint_due.wait()
+                self._checkpoint_due.clear()
+                if stop.is_set():  # close()
+                    return
+                try:  # PASSIVE: never blocks the writer or readers; what it cannot copy yet waits for the next
+                    self.checkpoints = self.checkpoints[-9:] + [tuple(conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                                                                      .fetchone())]
+                except sqlite3.Error:  # e.g. the database busy or gone: the writer's autocheckpoint remains
+                    continue
+        finally:
+            conn.close()
 
     def _io_index_advance(self, before: int, after: int, io_rows: list[tuple]) -> None:
         """Bring the run_io index along with a batch this process just committed (events `before`
