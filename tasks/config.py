@@ -99,7 +99,12 @@ class IngestConfig(Section):
     extractor: Literal["trafilatura", "resiliparse"] = "resiliparse"
     favour_precision: bool = True
     max_doc_bytes: int = Field(default=1_000_000, gt=0)
-    shard_docs: int = Field(default=2000, gt=0)  # documents per output Parquet shard
+    # at most this many documents per output Parquet shard (a job's documents are cut into shards of
+    # this many, its last one shorter: shards follow the jobs, their concatenation is the corpus order)
+    shard_docs: int = Field(default=2000, gt=0)
+    # hash partitions of the document ids for duplicate-id detection: each job writes its ids into
+    # this many files, one Ray task per partition resolves them (memory ~40 B x documents / partitions)
+    id_partitions: int = Field(default=8, gt=0)
     normalise_nfc: bool = True
     normalise_whitespace: bool = True  # collapse runs of spaces, strip lines, at most one blank line
     extract_metadata: bool = True  # page date via htmldate (+ trafilatura's title); off: <title> and WARC-Date
