@@ -18,6 +18,11 @@ directly. Per candidate record, in order:
 Records are indexed 0, 1, 2... in file order counting candidates only (not skipped record types);
 a call handles indices `start <= i < stop` so the driver can cap a source at `max_docs` and split
 a file between workers while the output order stays the file order.
+
+A job (`part_dir` given) writes everything per document to files, never into its result: the kept
+documents to part files of at most `ingest.shard_docs` rows (they become the output shards), the
+quarantine entries to a JSONL part, and each kept document's id digest, row and UTF-8 size to
+`ingest.id_partitions` files by id hash (`tasks.ingest.ids`), for the duplicate-id check.
 """
 from __future__ import annotations
 
@@ -28,8 +33,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from tasks.config import IngestConfig, SourceConfig
-from tasks.core.documents import ShardWriter, make_doc_id
+from tasks.core.documents import AtomicJsonlWriter, ShardWriter, make_doc_id
 from tasks.ingest.extract import HTML_MEDIA_TYPES, DecodeFailed, decode_html, extract_html, media_type
+from tasks.ingest.ids import IdSpill
 from tasks.ingest.normalise import normalise_text
 from tasks.ingest.readers import RawRecord, Skipped, iter_records
 
@@ -151,10 +157,14 @@ def process_file_range(source: SourceConfig, path: str, ingest: IngestConfig, st
                        part_name: str = "part") -> dict:
     """Process candidate records `start <= i < stop` of one raw file.
 
-    Kept documents go to `<part_dir>/<part_name>-00000.parquet` (when `part_dir` is given,
-    else they are returned under "docs"). Returns counts, the quarantine entries, `consumed`
-    (candidate records handled), `eof` (the file ended before `stop`) and `bytes_unread` (bytes of
-    the file the reader skipped over damage, each span in its quarantine entry's `unread_range`).
+    With `part_dir`, kept documents go to `<part_dir>/<part_name>-00000.parquet`, `-00001`, ... (at
+    most `ingest.shard_docs` rows each: "shards"), quarantine entries to
+    `<part_name>-quarantine.jsonl` ("quarantine_file") and the kept ids to `<part_name>-ids/`
+    ("ids", see `tasks.ingest.ids`); "parts" lists every file (`JobStore` checks their sha256).
+    Without it they are returned under "docs" and "quarantine". Returns counts besides,
+    `consumed` (candidate records handled), `eof` (the file ended before `stop`) and
+    `bytes_unread` (bytes of the file the reader skipped over damage, each span in its quarantine
+    entry's `unread_range`).
     """
     t0 = time.perf_counter()
     res = {
@@ -163,7 +173,11 @@ def process_file_range(source: SourceConfig, path: str, ingest: IngestConfig, st
         "dropped": Counter(), "quarantined": Counter(), "skipped": Counter(),
         "quarantine": [], "parts": [], "docs": [], "eof": True, "bytes_unread": 0,
     }
-    writer = ShardWriter(part_dir, prefix=part_name, shard_docs=1 << 40) if part_dir else None
+    writer = qwriter = ids = None
+    if part_dir:
+        writer = ShardWriter(part_dir, prefix=part_name, shard_docs=ingest.shard_docs)
+        qwriter = AtomicJsonlWriter(Path(part_dir) / f"{part_name}-quarantine.jsonl")
+        ids = IdSpill(Path(part_dir) / f"{part_name}-ids", ingest.id_partitions)
     idx = 0
     try:
         for rec in iter_records(path, source.format, ingest.max_record_bytes, source.storage_options,
@@ -182,10 +196,12 @@ def process_file_range(source: SourceConfig, path: str, ingest: IngestConfig, st
             res["bytes_in"] += len(rec.payload) if rec.payload is not None else len((rec.text or "").encode("utf-8", "surrogatepass"))
             outcome, reason, doc, detail = record_to_doc(rec, source, ingest, path)
             if outcome == "kept":
+                n_bytes = len(doc["text"].encode("utf-8"))
                 res["docs_out"] += 1
-                res["bytes_out"] += len(doc["text"].encode("utf-8"))
+                res["bytes_out"] += n_bytes
                 if writer is not None:
                     writer.write(doc)
+                    ids.add(doc["id"], n_bytes)
                 else:
                     res["docs"].append(doc)
             elif outcome == "dropped":
@@ -198,12 +214,19 @@ def process_file_range(source: SourceConfig, path: str, ingest: IngestConfig, st
                 # the line, the record's byte range in the (decompressed) stream, the file bytes not read
                 entry.update({k: rec.extra[k] for k in _ENTRY_EXTRAS if k in rec.extra})
                 res["bytes_unread"] += rec.extra.get("unread_bytes", 0)
-                res["quarantine"].append(entry)
+                if qwriter is not None:
+                    qwriter.write(entry)
+                else:
+                    res["quarantine"].append(entry)
         if writer is not None:
-            res["parts"] = [str(p) for p in writer.close()]
+            res["shards"] = [str(p) for p in writer.close()]
+            res["quarantine_file"] = str(qwriter.close())
+            res["ids"] = [str(p) for p in ids.close()]
+            res["parts"] = res["shards"] + [res["quarantine_file"]] + res["ids"]
     except BaseException:
-        if writer is not None:
-            writer.abort()
+        for w in (writer, qwriter):
+            if w is not None:
+                w.abort()
         raise
     res["consumed"] = res["docs_in"]
     res["seconds"] = time.perf_counter() - t0

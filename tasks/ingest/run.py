@@ -3,9 +3,17 @@
 Work is split into Ray tasks (`process.process_file_range`), one per source file. A source
 with `max_docs` is read file by file (sorted glob order) and each of its files is split into
 one record range per worker, so a small cap still uses every CPU and no record past the cap
-is read. Each task writes its documents to a part file; the driver then concatenates the parts
-in (source, file, record) order into `shard-00000.parquet`, ... of `ingest.shard_docs` rows.
-The output is therefore the same whatever the number of workers.
+is read. Each task writes everything per document to files (issue 26: the driver schedules and
+merges counters, it never reads a document nor holds a list per document): its documents to part
+files of at most `ingest.shard_docs` rows, its quarantine entries to a JSONL part, its documents'
+id digests to `ingest.id_partitions` files by id hash. Then, on Ray (`tasks.ingest.ids`): a task
+per id partition finds the ids seen earlier in (source, file, record) order (the first occurrence
+is kept, the others dropped as "duplicate_id"), and a task per job that lost documents rewrites
+its parts without them. The output shards `shard-00000.parquet`, ... are the jobs' parts in
+(source, file, record) order, linked into place (no copy) where nothing was dropped, and
+`quarantine.jsonl` is the jobs' quarantine parts concatenated. The documents and their order are
+therefore the same whatever the number of workers; the shard boundaries follow the jobs (a
+capped source's ranges depend on the workers), each shard at most `ingest.shard_docs` rows.
 
 Counting (`docs_in == docs_out + sum(dropped) + sum(quarantined)`): `docs_in` is the number of
 candidate records read (WARC responses, WET conversions, JSONL lines, text files, Parquet
@@ -23,8 +31,8 @@ with the `s3` extra), streaming.
 Resumable (`tasks.core.executor` and `tasks.core.resume`, the machinery curate uses): each job's result is stored in
 `_parts/<job>.job.json` with the sha256 of its part file and a key (ingest config, source entry, the
 file's size and change stamp, the record range); a re-run reuses every job whose key matches
-and whose part verifies, and reads only the other source files. The merged shards and
-`quarantine.jsonl` are written atomically, then `manifest.json` (sha256 per file, the run key,
+and whose parts verify, and reads only the other source files; the duplicate-id tasks run
+again from the jobs' files. The shards and `quarantine.jsonl` are written atomically, then `manifest.json` (sha256 per file, the run key,
 the summary, which lists the jobs each Ray node ran: `nodes`) last; a re-run whose manifest verifies returns the stored summary at once. A run
 killed at any point (SIGKILL included) re-runs to byte-identical output. `ingest.resume:
 false` redoes everything.
@@ -32,18 +40,21 @@ false` redoes everything.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.config import IngestConfig, PipelineConfig, SourceConfig
-from tasks.core.documents import AtomicJsonlWriter, ShardWriter, iter_docs
 from tasks.core.executor import Job, JobRunner, RayTasks, ResumableOutput, start_ray
 from tasks.core.progress import Progress
 from tasks.core.resume import digest
 from tasks.core.steps import StepStats
-from tasks.core.fs import expand_uri, file_identity
+from tasks.core.fs import expand_uri, file_identity, is_remote, join, name_of, remove_tree
+from tasks.dedup.stages import concat_files
+from tasks.ingest.ids import resolve_partition, write_without
 from tasks.ingest.process import process_file_range
 
 QUARANTINE = "quarantine.jsonl"
@@ -127,7 +138,7 @@ def run_ingest(cfg: PipelineConfig, out_dir: Path, progress: Progress | None = N
     with JobRunner(RayTasks(process_file_range, cfg.ray), store) as runner:
         results = _IngestJobs(cfg, plan, output.parts_dir, workers, runner, progress).run()
 
-    summary = _merge(cfg, plan, results, output.dir)
+    summary = _merge(cfg, plan, results, output.dir, output.parts_dir)
     summary["jobs"] = len(results)
     summary["workers"] = workers
     summary["nodes"] = runner.node_report()  # jobs run per Ray node (resumed ones not included)
@@ -170,7 +181,7 @@ class _IngestJobs:
 
     def launch(self, si: int, fi: int, start: int, stop: int | None) -> None:
         source, files = self.plan.sources[si]
-        name = f"{si:03d}-{fi:05d}-{start:010d}"
+        name = job_name(si, fi, start)
         key = digest([self.plan.base, source.model_dump(), self.plan.idents[files[fi]], start, stop])
         self.slots[name] = (si, fi, start)
         stored = self.runner.submit(Job(name, key, (source, files[fi], self.cfg.ingest, start, stop,
@@ -204,61 +215,165 @@ class _IngestJobs:
         self.report(len(self.files_done), self.plan.n_files, note)
 
 
-def _merge(cfg: PipelineConfig, plan: _Plan, results: dict, out_dir: Path) -> dict:
+def job_name(si: int, fi: int, start: int) -> str:
+    """A job's name (and the prefix of its files): sorts as (source, file, first record)."""
+    return f"{si:03d}-{fi:05d}-{start:010d}"
+
+
+def _merge(cfg: PipelineConfig, plan: _Plan, results: dict, out_dir: Path, parts_dir: Path) -> dict:
+    """The jobs' counters per source, the duplicate ids dropped (`tasks.ingest.ids`), the jobs'
+    part files as the shards in corpus order, their quarantine parts concatenated."""
+    order = sorted(results)  # (source, file, start): the corpus order
+    names = [job_name(*k) for k in order]
+    ids = _DuplicateIds(cfg, parts_dir)
+    drops = ids.resolve([results[k] for k in order], names)
+    shards = ids.shards([results[k] for k in order], names, out_dir)
+    quarantine_path = out_dir / QUARANTINE
+    concat_files([results[k]["quarantine_file"] for k in order], quarantine_path)
     total = StepStats("ingest")
     skipped: Counter = Counter()
     files_unread: Counter = Counter()
     per_source: dict[str, dict] = {}
-    seen_ids: set[bytes] = set()
-    quarantine_path = out_dir / QUARANTINE
-    with ShardWriter(out_dir, prefix="shard", shard_docs=cfg.ingest.shard_docs) as writer, \
-            AtomicJsonlWriter(quarantine_path) as qwriter:
-        for si, (source, files) in enumerate(plan.sources):
-            st = StepStats(source.name)
-            src_skipped: Counter = Counter()
-            unread: Counter = Counter()  # file -> bytes skipped over damage (see readers)
-            read_files: list[str] = []
-            for key in sorted(k for k in results if k[0] == si):
-                r = results[key]
-                if r["docs_in"] or r["skipped"]:
-                    if r["file"] not in read_files:
-                        read_files.append(r["file"])
-                st.docs_in += r["docs_in"]
-                st.bytes_in += r["bytes_in"]
-                st.dropped.update(r["dropped"])
-                st.quarantined.update(r["quarantined"])
-                src_skipped.update(r["skipped"])
-                if r.get("bytes_unread"):
-                    unread[r["file"]] += r["bytes_unread"]
-                for entry in r["quarantine"]:
-                    qwriter.write(entry)
-                for doc in iter_docs(r["parts"]):
-                    id_digest = bytes.fromhex(doc["id"].replace("-", ""))
-                    if id_digest in seen_ids:
-                        st.dropped["duplicate_id"] += 1
-                        continue
-                    seen_ids.add(id_digest)
-                    writer.write(doc)
-                    st.docs_out += 1
-                    st.bytes_out += len(doc["text"].encode("utf-8"))
-            per_source[source.name] = {
-                "files": read_files, "licence": source.licence, "provenance": source.provenance,
-                "docs_in": st.docs_in, "docs_out": st.docs_out,
-                "dropped": dict(sorted(st.dropped.items())),
-                "quarantined": dict(sorted(st.quarantined.items())),
-                "skipped_records": dict(sorted(src_skipped.items())),
-                "bytes_unread": dict(sorted(unread.items())),
-            }
-            total.merge(st)
-            skipped.update(src_skipped)
-            files_unread.update(unread)
+    for si, (source, files) in enumerate(plan.sources):
+        st = StepStats(source.name)
+        src_skipped: Counter = Counter()
+        unread: Counter = Counter()  # file -> bytes skipped over damage (see readers)
+        read_files: list[str] = []
+        for key, name in zip(order, names):
+            if key[0] != si:
+                continue
+            r = results[key]
+            if r["docs_in"] or r["skipped"]:
+                if r["file"] not in read_files:
+                    read_files.append(r["file"])
+            st.docs_in += r["docs_in"]
+            st.bytes_in += r["bytes_in"]
+            st.dropped.update(r["dropped"])
+            st.quarantined.update(r["quarantined"])
+            src_skipped.update(r["skipped"])
+            if r.get("bytes_unread"):
+                unread[r["file"]] += r["bytes_unread"]
+            n_dup = sum(d[0] for d in drops.get(name, {}).values())
+            if n_dup:
+                st.dropped["duplicate_id"] += n_dup
+            st.docs_out += r["docs_out"] - n_dup
+            st.bytes_out += r["bytes_out"] - sum(d[1] for d in drops.get(name, {}).values())
+        per_source[source.name] = {
+            "files": read_files, "licence": source.licence, "provenance": source.provenance,
+            "docs_in": st.docs_in, "docs_out": st.docs_out,
+            "dropped": dict(sorted(st.dropped.items())),
+            "quarantined": dict(sorted(st.quarantined.items())),
+            "skipped_records": dict(sorted(src_skipped.items())),
+            "bytes_unread": dict(sorted(unread.items())),
+        }
+        total.merge(st)
+        skipped.update(src_skipped)
+        files_unread.update(unread)
     assert total.balanced(), total.to_dict()
     return {
         **total.counts(),
         "skipped_records": dict(sorted(skipped.items())),
         "bytes_unread": sum(files_unread.values()),
         "files_unread": dict(sorted(files_unread.items())),
-        "shards": [str(p) for p in writer.paths],
+        "shards": shards,
         "quarantine_file": str(quarantine_path),
         "sources": per_source,
     }
+
+
+ID_DROPS = "_id_drops"  # under `_parts`: the duplicate ids' rows, per job and partition
+
+
+class _DuplicateIds:
+    """The Ray tasks of `tasks.ingest.ids` over the jobs' files, and the shards they leave. Holds
+    counters per job and part file that lost documents, never a list per document."""
+
+    def __init__(self, cfg: PipelineConfig, parts_dir: Path):
+        from tasks.core.executor import for_any_node
+
+        self.cfg, self.parts_dir = cfg, parts_dir
+        # where tasks on any node read the jobs' files and keep the drops (the store's prefix, when
+        # the cluster's nodes do not share this working copy)
+        (self.root,), self.options = for_any_node([str(parts_dir)])
+        self.drop_root = str(join(self.root, ID_DROPS))
+        remove_tree(self.drop_root, self.options)  # what a killed run left
+        self.drops: dict[str, dict[int, list[int]]] = {}  # job -> part index -> [drops, bytes]
+        self.partitions: dict[str, list[int]] = {}  # job -> the id partitions that dropped some of its rows
+
+    def _at(self, path: str) -> str:
+        """A file under `_parts` as the tasks read it."""
+        return str(join(self.root, *Path(path).relative_to(self.parts_dir).parts))
+
+    def resolve(self, results: list[dict], names: list[str]) -> dict[str, dict[int, list[int]]]:
+        """A Ray task per id partition (`ids.resolve_partition`); {job: {part index: [drops, bytes]}}
+        for the jobs that lost documents."""
+        import ray
+
+        from tasks.core.executor import TASK_RETRIES
+
+        by_partition: list[list[tuple[str, str]]] = [[] for _ in range(self.cfg.ingest.id_partitions)]
+        for r, name in zip(results, names):
+            for f in r["ids"]:  # <job>-ids/p-XXXXX/s-000000.parquet
+                by_partition[int(Path(f).parent.name[2:])].append((name, self._at(f)))
+        task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(resolve_partition)
+        todo = [k for k, jobs in enumerate(by_partition) if jobs]
+        got = ray.get([task.remote(by_partition[k], k, self.cfg.ingest.shard_docs, self.drop_root, self.options)
+                       for k in todo])
+        for k, g in zip(todo, got):
+            for name, per_part in g.items():
+                self.partitions.setdefault(name, []).append(k)
+                for p, n, nbytes in per_part:
+                    d = self.drops.setdefault(name, {}).setdefault(p, [0, 0])
+                    d[0] += n
+                    d[1] += nbytes
+        return self.drops
+
+    def shards(self, results: list[dict], names: list[str], out_dir: Path) -> list[str]:
+        """`shard-00000.parquet`, ...: each job's part files in corpus order, a part that lost no
+        document linked into place (no copy), the others written without their duplicates by a Ray
+        task per job (`ids.write_without`); a part left empty gives no shard."""
+        import ray
+
+        from tasks.core.executor import TASK_RETRIES, task_location
+
+        shard_docs = self.cfg.ingest.shard_docs
+        shards: list[str] = []
+        rewrites = []  # per job that lost documents: ([(part, its index, shard index)], its drop files)
+        for r, name in zip(results, names):
+            lost = self.drops.get(name, {})
+            todo = []
+            for p, part in enumerate(r["shards"]):
+                n_drop = lost.get(p, [0, 0])[0]
+                if n_drop == min(shard_docs, r["docs_out"] - p * shard_docs):
+                    continue  # every document of the part was a duplicate
+                target = out_dir / f"shard-{len(shards):05d}.parquet"
+                if n_drop:
+                    todo.append((self._at(part), p, len(shards)))
+                else:
+                    _link(Path(part), target)
+                shards.append(str(target))
+            if todo:
+                rewrites.append((todo, [str(join(self.drop_root, name, f"p-{k:05d}.parquet"))
+                                        for k in self.partitions[name]]))
+        if rewrites:
+            out_root, out_options = task_location(out_dir)
+            task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(write_without)
+            got = ray.get([task.remote(todo, drop_files, shard_docs, str(out_root), self.options, out_options)
+                           for todo, drop_files in rewrites])
+            if is_remote(out_root):  # written on the store by the tasks: into the working copy too
+                from tasks.core.storage import store_of_path
+
+                store = store_of_path(out_dir)
+                store.pull("", keys=[store.rel(out_dir / name_of(p)) for g in got for p in g])
+        remove_tree(self.drop_root, self.options)  # a store's copy too (`_parts` goes with the manifest)
+        return shards
+
+
+def _link(part: Path, target: Path) -> None:
+    """`target` (atomically) as the same file as `part`: a hard link, a copy where links fail."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        os.link(part, tmp)
+    except OSError:
+        shutil.copyfile(part, tmp)
+    os.replace(tmp, target)

@@ -1,0 +1,136 @@
+"""Duplicate document ids, found on the workers: the ingest driver holds nothing per document (issue 26).
+
+A document id is the uuid5 of "<source>:<record key>" (`tasks.core.documents.make_doc_id`), so the
+same record read twice (a file copied under two names, a crawl fetched twice) gives the same id; the
+first occurrence in corpus order ((source, file, first record) of the job, then the row in the job)
+is kept, the later ones are dropped as "duplicate_id". Three steps, each on the workers:
+
+1. `IdSpill` (inside each ingest job, `process_file_range`): the job's kept documents' (row in the
+   job, 128-bit id digest, UTF-8 size) into `ingest.id_partitions` Parquet files by a hash of the id
+   (`tasks.dedup.cluster.spill_partitioned`, as curate's key dedup spills its keys):
+   `<job>-ids/p-XXXXX/s-000000.parquet` beside the job's part files.
+2. `resolve_partition` (a Ray task per partition): the partition's files of every job, read in the
+   jobs' corpus order, sorted by (id, job, row); per id every row after the first is a drop, written
+   per job (`<drops>/<job>/p-XXXXX.parquet`: the rows) and counted per part file of the job (drops,
+   bytes). Its memory is ~40 bytes per document of the partition.
+3. `write_without` (a Ray task per job with drops): the job's part files that lost rows, written as
+   the output shards without those rows (a part that lost none is linked into place by the driver).
+
+Paths are the ones a task on any node reads (`tasks.core.executor.for_any_node` / `task_location`:
+the store's URIs where the cluster's nodes do not share the driver's disk).
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+import uuid
+from array import array
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from tasks.core.documents import ShardWriter
+from tasks.core.fs import is_remote, join, read_bytes, write_bytes
+
+
+class IdSpill:
+    """The kept documents' ids of one ingest job, spilled by id hash when the job ends. Holds 24
+    bytes per document of the job until then (the digest and the size), not the ids' strings."""
+
+    def __init__(self, folder: Path, partitions: int):
+        self.folder, self.partitions = Path(folder), partitions
+        self.digests = bytearray()
+        self.sizes = array("q")
+
+    def add(self, doc_id: str, n_bytes: int) -> None:
+        self.digests += uuid.UUID(doc_id).bytes
+        self.sizes.append(n_bytes)
+
+    def close(self) -> list[Path]:
+        """Write the partition files (only the non-empty ones); their paths, sorted."""
+        from tasks.dedup.cluster import spill_partitioned
+        from tasks.dedup.minhash import fmix64
+
+        shutil.rmtree(self.folder, ignore_errors=True)  # an earlier attempt's, maybe of other partitions
+        n = len(self.sizes)
+        if not n:
+            return []
+        key = np.frombuffer(bytes(self.digests), dtype="<u8").reshape(n, 2)
+        cols = {"row": np.arange(n, dtype=np.int64), "k0": key[:, 0].copy(), "k1": key[:, 1].copy(),
+                "nbytes": np.frombuffer(self.sizes, dtype=np.int64).copy()}
+        spill_partitioned(cols, fmix64(cols["k0"].copy()), self.partitions, self.folder, 0)
+        return sorted(self.folder.glob("p-*/s-*.parquet"))
+
+
+def _read(loc: str, options: dict | None, columns: list[str] | None = None) -> pa.Table:
+    from tasks.dedup.stages import read_table
+
+    t = read_table(loc, options, columns)
+    if t is None:
+        raise FileNotFoundError(f"ingest: {loc} is not there")
+    return t
+
+
+def resolve_partition(jobs: list[tuple[str, str]], partition: int, shard_docs: int, drops_root: str,
+                      options: dict | None = None) -> dict[str, list[list[int]]]:
+    """Ray task: the later occurrences of each id among `jobs` ([(job name, its file of this
+    partition)], in corpus order). Writes each job's dropped rows to `<drops_root>/<job>/p-XXXXX.parquet`;
+    returns {job: [[part index, drops, bytes], ...]} (part index: row // shard_docs)."""
+    if not jobs:
+        return {}
+    tables = [_read(path, options) for _, path in jobs]
+    job = np.concatenate([np.full(t.num_rows, j, np.int32) for j, t in enumerate(tables)])
+    t = pa.concat_tables(tables)
+    del tables
+    row, k0, k1, nbytes = (t.column(c).to_numpy() for c in ("row", "k0", "k1", "nbytes"))
+    order = np.lexsort((row, job, k1, k0))
+    k0s, k1s = k0[order], k1[order]
+    later = np.r_[False, (k0s[1:] == k0s[:-1]) & (k1s[1:] == k1s[:-1])] if len(order) else np.zeros(0, bool)
+    dup = order[later]
+    dup = dup[np.lexsort((row[dup], job[dup]))]  # by job, then row
+    out: dict[str, list[list[int]]] = {}
+    bounds = np.flatnonzero(np.r_[True, job[dup][1:] != job[dup][:-1]]) if len(dup) else []
+    for lo, hi in zip(bounds, list(bounds[1:]) + [len(dup)]):
+        sel = dup[lo:hi]
+        name = jobs[int(job[sel[0]])][0]
+        write_bytes(join(drops_root, name, f"p-{partition:05d}.parquet"), _parquet(pa.table({"row": row[sel]})),
+                    options)
+        part = row[sel] // shard_docs
+        out[name] = [[int(p), int((part == p).sum()), int(nbytes[sel][part == p].sum())] for p in np.unique(part)]
+    return out
+
+
+def _parquet(t: pa.Table) -> bytes:
+    import io
+
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(t, buf, compression="zstd")
+    return buf.getvalue()
+
+
+def write_without(parts: list[tuple[str, int, int]], drop_files: list[str], shard_docs: int, out_dir: str,
+                  options: dict | None = None, out_options: dict | None = None) -> list[str]:
+    """Ray task: each (part file, its index in the job, output shard index) of one job written as
+    `<out_dir>/shard-<index>.parquet` without the job's dropped rows (`drop_files`, rows in the job);
+    500-row groups as every shard. Returns the shards written."""
+    rows = np.concatenate([_read(f, options, ["row"]).column("row").to_numpy() for f in drop_files])
+    written = []
+    for part, p, index in parts:
+        t = _read(part, options)
+        keep = ~np.isin(np.arange(p * shard_docs, p * shard_docs + t.num_rows), rows)
+        docs = t.filter(pa.array(keep)).to_pylist()
+        del t
+        name = f"shard-{index:05d}.parquet"
+        if not is_remote(out_dir):
+            with ShardWriter(out_dir, prefix="shard", shard_docs=1 << 40, start_index=index) as w:
+                w.write_many(docs)
+        else:  # written here, then one PUT to the store's prefix
+            with tempfile.TemporaryDirectory(prefix="ingest-shard-") as tmp:
+                with ShardWriter(tmp, prefix="shard", shard_docs=1 << 40, start_index=index) as w:
+                    w.write_many(docs)
+                write_bytes(join(out_dir, name), read_bytes(str(Path(tmp) / name)), out_options)
+        written.append(str(join(out_dir, name)))
+    return written
