@@ -98,3 +98,77 @@ def test_cp_with_tp_or_pp_matches_one_process(base, parallel, extra):
     else:
         stages = [st["layers"] for rank in run.layout["pipeline"]["ranks"] for st in rank["stages"]]
         assert sorted(sum(stages, [])) == list(range(LAYOUT_MODEL["n_layer"])) and all(len(st) == 2 for st in stages)
+
+
+def _attend_both_paths(rank: int, world: int, init: str) -> None:
+    """One cp rank: ContextParallel.attend on its slice of a whole-sequence q, k, v, by the chunked
+    lower-right path and by the boolean-mask path, against 1-process causal attention (outputs and
+    the q, k, v gradients, the K/V ones summed back from every rank by the all-gather's backward)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import CausalBias
+    from torch.overrides import TorchFunctionMode
+
+    from tasks.train.context_parallel import ContextParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        seq, chunk = 16, 16 // (2 * world)
+        cp = ContextParallel(dist.group.WORLD, seq)
+        gen = torch.Generator().manual_seed(0)
+        q, k, v, w = (torch.randn(2, 3, seq, 8, generator=gen) for _ in range(4))  # the same on every rank
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*whole, is_causal=True)
+        (ref * w).sum().backward()
+        pos = cp.positions
+
+        def run(**kw):
+            local = [t.index_select(2, pos).requires_grad_() for t in (q, k, v)]
+            y = cp.attend(*local, **kw)
+            (y * w.index_select(2, pos)).sum().backward()
+            return y, [t.grad for t in local]
+
+        calls = []  # every SDPA call's query and key lengths and its mask
+
+        class RecordAttention(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func is F.scaled_dot_product_attention:
+                    calls.append((args[0].size(2), args[1].size(2), kwargs.get("attn_mask")))
+                return func(*args, **kwargs)
+
+        with RecordAttention():
+            y, grads = run()
+        assert cp.attention_calls == {"causal_lower_right": 1}, cp.attention_calls
+        assert "mask" not in vars(cp), "the (local, seq_len) boolean mask was built"
+        # one call per query chunk (global chunks rank and 2 cp - 1 - rank), over its key prefix only
+        want = [(chunk, (a + 1) * chunk) for a in (rank, 2 * world - 1 - rank)]
+        assert [(n_q, n_k) for n_q, n_k, _ in calls] == want, calls
+        assert all(isinstance(m, CausalBias) and (m.seq_len_q, m.seq_len_kv) == (n_q, n_k)
+                   for n_q, n_k, m in calls), calls
+        torch.testing.assert_close(y, ref.index_select(2, pos), rtol=1e-5, atol=1e-6)
+        for g, t in zip(grads, whole):
+            torch.testing.assert_close(g, t.grad.index_select(2, pos), rtol=1e-5, atol=1e-6)
+        # the boolean-mask path (what doc_mask takes), given the plain causal mask: the same numbers
+        y_mask, grads_mask = run(mask=cp.on("mask", q.device))
+        assert cp.attention_calls == {"causal_lower_right": 1, "boolean_mask": 1}
+        torch.testing.assert_close(y_mask, y, rtol=1e-5, atol=1e-6)
+        for a, b in zip(grads_mask, grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_attention_takes_the_lower_right_prefix_path(world, tmp_path):
+    """Without document masks every cp rank attends per query chunk over its key prefix with
+    torch's lower-right CausalBias (flash / efficient SDPA kernels on GPU): no (local, seq_len)
+    boolean mask is built and the keys past a chunk are not multiplied; outputs and gradients
+    (through the K/V all-gather's reduce-scatter) equal 1-process causal attention and the
+    boolean-mask path (gloo, `world` processes)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_attend_both_paths, args=(world, (tmp_path / "init").as_uri()), nprocs=world,
+                       start_method="spawn")

@@ -19,11 +19,22 @@ and averages the gradients over those ranks, which is that mean's gradient: rank
 its own tokens' terms plus, through the K/V reduce-scatter, every rank's queries' terms for its
 keys and values. The trainer averages the logged loss over dp x cp (the "dp_cp" mesh).
 
+Attention without a materialised mask: the gathered K/V are put in sequence order, and each of the
+rank's two query chunks (global chunk a, c positions) attends in one SDPA call to the key prefix
+K[0 : (a + 1) c] under `causal_lower_right(c, (a + 1) c)`, the causal mask aligned at the bottom
+right. SDPA dispatches that bias to the flash / memory-efficient kernels on GPU (on CPU it builds the
+c x (a + 1) c mask itself), and the keys past a chunk are never multiplied: (2 cp + 1) c keys per
+rank's query pair instead of 2 x 2 cp c. Only packed sequences (`doc_mask`, document boundaries)
+still take one SDPA call with a boolean (local, seq_len) mask over the gathered sequence.
+
 Unlike torch's `context_parallel` (ring attention through CUDA's flash / efficient SDPA kernels) this
-runs on any backend and attention kernel (gloo on CPU included); its cost is one all-gather of the
-whole sequence's K/V per layer, which the Llama 3 paper found acceptable for GQA models.
+runs on any backend (gloo on CPU included); its cost is one all-gather of the whole sequence's K/V
+per layer, which the Llama 3 paper found acceptable for GQA models.
 """
 from __future__ import annotations
+
+from collections import Counter
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -52,11 +63,22 @@ class ContextParallel:
         self.positions = load_balanced_positions(seq_len, self.cp, self.rank)  # this rank's queries
         # the all-gather concatenates the ranks' slices in rank order: the keys' positions then
         self.keys = torch.cat([load_balanced_positions(seq_len, self.cp, r) for r in range(self.cp)])
-        self.mask = self.keys[None, :] <= self.positions[:, None]  # (local, seq_len): query may attend key
+        self.chunk = seq_len // (2 * self.cp)
+        # gathered chunk j (rank j // 2, its early or late half) holds global chunk keys[j c] / c:
+        # the gathered chunks in this order are the sequence in order
+        self.chunk_order = torch.argsort(self.keys[::self.chunk] // self.chunk)
+        self.query_chunks = (self.rank, 2 * self.cp - 1 - self.rank)  # global chunks of the local queries
+        self.attention_calls: Counter = Counter()  # attend() calls per path (tests read it)
         self._on_device: dict = {}  # (name, device) -> the tensor there: copied to an accelerator once
 
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """(local, seq_len) boolean "query may attend key" over the gathered (rank-ordered) keys: built
+        only for document masks (packed sequences); plain causal attention never materialises it."""
+        return self.keys[None, :] <= self.positions[:, None]
+
     def on(self, name: str, device: torch.device) -> torch.Tensor:
-        """self.positions or self.mask on `device` (cached)."""
+        """self.positions, self.keys, self.chunk_order or self.mask on `device` (cached)."""
         key = (name, device)
         if key not in self._on_device:
             self._on_device[key] = getattr(self, name).to(device)
@@ -91,9 +113,30 @@ class ContextParallel:
         # one all-gather for K and V, along dim 0 (the only gather dim the autograd version takes)
         kv = torch.stack((k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)), dim=1)  # (local, 2, B, heads, head_dim), one copy
         kv = funcol.all_gather_single_autograd(kv, 0, self.group)  # backward: reduce-scatter (sum)
-        k, v = kv.permute(1, 2, 3, 0, 4).unbind(0)  # (B, heads, seq_len, head_dim) each, ranks' order
-        mask = self.on("mask", q.device) if mask is None else mask
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        if mask is not None:  # document boundaries: one call, the boolean mask over the rank-ordered keys
+            self.attention_calls["boolean_mask"] += 1
+            k, v = kv.permute(1, 2, 3, 0, 4).unbind(0)  # (B, heads, seq_len, head_dim) each, ranks' order
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        return self._attend_prefixes(q, kv, dropout_p)
+
+    def _attend_prefixes(self, q: torch.Tensor, kv: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        """Causal attention of each local query chunk (global chunk a) over the key prefix
+        K[0 : (a + 1) c] with the lower-right causal bias (flash / efficient kernels on GPU); kv: the
+        gathered (seq_len, 2, B, heads, head_dim) in ranks' order."""
+        from torch.nn.attention.bias import causal_lower_right
+
+        c = self.chunk
+        # into sequence order, one copy (its backward scatters the rows back for the reduce-scatter)
+        kv = kv.unflatten(0, (2 * self.cp, c)).index_select(0, self.on("chunk_order", kv.device)).flatten(0, 1)
+        k, v = kv.permute(1, 2, 3, 0, 4).unbind(0)  # (B, heads, seq_len, head_dim), positions 0..seq_len-1
+        out = []
+        for i, a in enumerate(self.query_chunks):
+            keys = (a + 1) * c
+            out.append(F.scaled_dot_product_attention(
+                q[:, :, i * c:(i + 1) * c], k[:, :, :keys], v[:, :, :keys],
+                attn_mask=causal_lower_right(c, keys), dropout_p=dropout_p))
+        self.attention_calls["causal_lower_right"] += 1
+        return torch.cat(out, dim=2)
 
     def record(self) -> dict:
         """What this rank really holds, its positions as [start, stop) runs (two per rank, not
