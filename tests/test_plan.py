@@ -332,6 +332,42 @@ def test_the_70b_plan_is_accepted_by_the_trainers_config_validation(tmp_path, ca
     assert full.name == load_config("configs/tiny.yaml").name and merged["sources"]
 
 
+@pytest.mark.parametrize("seq_len, gpus, want", [
+    (131072, 8, {"cp": 4, "tp": 1, "dp_shard": 2, "dp_replicate": 1, "ac": "full"}),
+    (131072, 64, {"cp": 4, "tp": 1, "dp_shard": 8, "dp_replicate": 2, "ac": "full"}),
+    (8192, 8, {"cp": 1, "tp": 2, "dp_shard": 4, "dp_replicate": 1, "ac": "none"}),
+], ids=["8b-128k-8gpus", "8b-128k-64gpus", "8b-8k-8gpus"])
+def test_long_context_plans_context_parallelism_the_trainer_accepts(tmp_path, capsys, seq_len, gpus, want):
+    """Llama 3 8B's shape at 128k tokens: even at tp 8 with full activation checkpointing one
+    sequence's activations (its 128k x 128,256 fp32 log-probs alone 67 GB) do not fit in half an
+    H100, so the planner splits the sequence over cp 4 ranks taken from data parallelism; at 8k
+    tokens cp stays 1. The emitted config, unchanged, is accepted by the trainer's validation and
+    builds that layout (FSDP over dp_shard x cp)."""
+    from tasks.plan.planner import activation_bytes
+
+    argv = ["--params", "8.03e9", "--n-layer", "32", "--d-model", "4096", "--gpus", str(gpus),
+            "--seq-len", str(seq_len)]
+    plan, fragment = _emit(tmp_path, capsys, argv)
+    lay = plan["layout"]
+    assert lay["fits"] and (lay["cp"], lay["tp"], lay["dp_shard"], lay["dp_replicate"]) == (
+        want["cp"], want["tp"], want["dp_shard"], want["dp_replicate"])
+    assert lay["tp"] * lay["cp"] * lay["pp"] * lay["dp"] == gpus
+    src = {"name": "x", "sources": [{"name": "a", "uri": "u", "format": "text", "licence": "l", "provenance": "p"}]}
+    cfg, dims = _dims_of({**src, **fragment})
+    assert (dims.cp, dims.tp, dims.dp_shard, dims.dp_replicate, dims.world) == (
+        want["cp"], want["tp"], want["dp_shard"], want["dp_replicate"], gpus)
+    assert cfg.train.activation_checkpointing == want["ac"] and cfg.model.seq_len == seq_len
+    assert cfg.train.batch_tokens == dims.dp * seq_len  # one sequence per data-parallel rank, split over cp
+    half = 80e9 * PlanConfig().usable_memory_fraction / 2
+    fit = activation_bytes(32, seq_len, 4096, tp=lay["tp"], cp=lay["cp"], checkpointed=want["ac"] == "full",
+                           vocab_size=plan["vocab_size"])
+    assert fit <= half and lay["activation_gb_per_gpu"] == pytest.approx(fit / 1e9)
+    if lay["cp"] > 1:  # the smallest cp that fits: half of it does not, at any tp of the node
+        assert all(activation_bytes(32, seq_len, 4096, tp=t, cp=lay["cp"] // 2, checkpointed=True,
+                                    vocab_size=plan["vocab_size"]) > half for t in (1, 2, 4, 8))
+        assert f"cp={lay['cp']}" in lay["rationale"]
+
+
 def test_pipelined_and_moe_plans_validate_as_emitted(tmp_path, capsys):
     plan, fragment = _emit(tmp_path, capsys, ["--params", "1e12", "--gpus", "1024"])
     lay = plan["layout"]

@@ -1,8 +1,9 @@
 """A plan (tasks.plan.planner.make_plan) as the config settings that train it: `crucible plan ...
 --emit-config PATH`.
 
-The fragment holds the planned layout as train.parallel (the planner's tp and pp; its dp as FSDP's
-dp_shard within groups of plan.fsdp_shard_limit, replicated dp_replicate times), the pipeline
+The fragment holds the planned layout as train.parallel (the planner's tp, pp and context parallel
+cp, which a long sequence needs; its dp as FSDP's dp_shard within groups of plan.fsdp_shard_limit,
+replicated dp_replicate times; FSDP shards over dp_shard x cp), the pipeline
 schedule (1f1b, the one the planner's bubble is computed for) and its micro-batches, the
 micro-batch size (one sequence per GPU: what the planner's activation estimate assumes), activation
 checkpointing, the processes (nproc_per_node x nnodes), the model's shape and, for a mixture of
@@ -45,7 +46,8 @@ def config_fragment(plan: dict, gpus_per_node: int, rdzv_endpoint: str | None = 
              "batch_tokens": micro * dp * accum * plan["seq_len"],
              "activation_checkpointing": "full" if lay["activation_checkpointing"] else "none",
              "parallel": {"dp_replicate": lay["dp_replicate"], "dp_shard": lay["dp_shard"], "tp": tp, "pp": pp,
-                          "pp_schedule": "1f1b", "pp_microbatches": lay["microbatches"] if pp > 1 else None}}
+                          "pp_schedule": "1f1b", "pp_microbatches": lay["microbatches"] if pp > 1 else None,
+                          "cp": lay.get("cp", 1)}}
     if plan.get("moe"):
         train["parallel"]["ep"] = plan["moe"].get("ep", 1)
     if nnodes > 1:

@@ -55,7 +55,8 @@ def plan_for_run(cfg: PipelineConfig, vocab_size: int, gpu: str | None = None) -
     active = count_params(cfg, vocab_size, active=True) if m.moe.n_experts else None
     tokens = run_tokens(cfg)
     plan = make_plan(params=params, tokens=tokens, gpu=gpu or cfg.plan.gpu, seq_len=m.seq_len, n_layer=m.n_layer,
-                     d_model=m.d_model, n_head=m.n_head, active_params=active, cfg=cfg.plan, energy=cfg.energy)
+                     d_model=m.d_model, n_head=m.n_head, active_params=active, cfg=cfg.plan, energy=cfg.energy,
+                     vocab_size=vocab_size)
     optimal = cfg.plan.tokens_per_param * (active or params)  # Chinchilla's N: the compute-driving one
     return {"params": params, "active_params": active or params, "tokens": tokens, "vocab_size": vocab_size,
             "compute_optimal_tokens": optimal, "budget_vs_compute_optimal": tokens / optimal,

@@ -40,7 +40,35 @@ from tasks.train.parallel_dims import mlp_hidden
 
 SECONDS_PER_DAY = 86_400.0
 ACT_BYTES_PER_TOKEN_PER_D = 34  # 16-bit activations of one layer: 34·s·b·h bytes (Korthikanti et al. 2022)
-ACT_CHECKPOINT_BYTES_PER_TOKEN_PER_D = 2  # full recompute keeps only each layer's bf16 input
+ACT_VALUE_BYTES = 2  # 16-bit activations: full recompute keeps each layer's input, 2·s·b·h bytes
+LOGIT_BYTES = 4  # the trainer's cross-entropy keeps fp32 log-probs of every position for the backward
+DEFAULT_VOCAB = 128_256  # Llama 3's vocabulary: the output layer's size when a plan gives none
+MAX_CP = 64  # context parallel degrees tried: powers of two up to this
+
+
+def activation_bytes(n_layer: int, seq_len: int, d_model: int, *, tp: int = 1, cp: int = 1,
+                     checkpointed: bool = False, vocab_size: int = 0,
+                     per_token_per_d: float = ACT_BYTES_PER_TOKEN_PER_D, value_bytes: float = ACT_VALUE_BYTES) -> float:
+    """Activation bytes one GPU keeps for the backward of one sequence through n_layer layers and
+    the output layer.
+
+    A layer keeps per_token_per_d · seq_len · d_model / tp bytes (tensor + sequence parallelism
+    splits them all), of which K and V are 2 values per token and width. Context parallelism
+    (tasks/train/context_parallel.py) keeps 1/cp of the rest but the whole sequence's K and V (this
+    rank's heads), all-gathered, saved by attention for the backward: per layer
+    seq_len · d_model / tp · ((per_token_per_d - 2 v) / cp + 2 v), v = value_bytes. Full activation
+    checkpointing keeps each layer's input (value_bytes per token and width, split over tp x cp)
+    plus one layer's activations while it is recomputed. The output layer keeps LOGIT_BYTES per
+    position and vocabulary entry (fp32 log-probs), 1/cp of them on a cp rank but all on each tp
+    rank (the trainer gathers the logits); at long context and a large vocabulary it is the largest
+    term (Llama 3 8B at 128k tokens: 67 GB), what cp splits and tp does not. tests/test_plan.py
+    measures the cp term on CPU."""
+    kv = 2 * value_bytes
+    one_layer = seq_len * d_model / tp * ((per_token_per_d - kv) / cp + kv)
+    logits = LOGIT_BYTES * seq_len * vocab_size / cp
+    if not checkpointed:
+        return n_layer * one_layer + logits
+    return n_layer * value_bytes * seq_len * d_model / (tp * cp) + one_layer + logits
 
 
 class PlanError(ValueError):
@@ -150,21 +178,26 @@ def _largest_tp(gpus: int, n_head: int, d_model: int, cfg: PlanConfig) -> int:
 
 def suggest_layout(*, gpus: int, total_params: float, n_layer: int, d_model: int, seq_len: int,
                    spec: GpuSpec, cfg: PlanConfig, n_head: int | None = None, layers_fixed: bool = True,
-                   moe_params: float = 0.0) -> dict:
-    """Tensor / pipeline / data parallel degrees for `gpus` GPUs, with the reasoning spelled out.
+                   moe_params: float = 0.0, vocab_size: int = DEFAULT_VOCAB) -> dict:
+    """Tensor / context / pipeline / data parallel degrees for `gpus` GPUs, with the reasoning spelled out.
 
-    1. tp: the smallest power of two (at most one node, dividing `gpus`) with which the activations
-       of one sequence through the whole model fit in half the usable memory (a 1F1B pipeline's first
-       stage holds pp in-flight microbatches of L/pp layers, so about L layers' worth whatever pp is).
-       If even a full node of tp is not enough, full activation checkpointing is assumed.
+    1. Activations (activation_bytes) must fit in half the usable memory (a 1F1B pipeline's first
+       stage holds pp in-flight microbatches of L/pp layers, so about L layers' worth whatever pp
+       is). The levers, in order: tensor parallelism within a node; if even a full node of tp is not
+       enough, full activation checkpointing; if the sequence is still too long, context parallelism:
+       cp, the smallest power of two (seq_len a multiple of 2 cp) with which it fits, cp ranks taken
+       from data parallelism (FSDP shards over dp_shard x cp). tp is then the smallest power of two
+       with which the activations fit at that cp. The output layer's logits count too: cp splits
+       them, tp does not.
     2. pp: 1 unless the model states, 16 bytes x total params / (tp·pp), sharded by FSDP over at
-       most `fsdp_shard_limit` data-parallel ranks, plus an all-gathered layer pair, do not fit in
+       most `fsdp_shard_limit` data-parallel ranks (dp_shard; x cp when cp > 1), plus an all-gathered layer pair, do not fit in
        the rest. Before adding a stage tp is raised to a full node (its traffic stays on NVLink,
        while a pipeline adds a bubble); each stage needs at least one layer.
     3. dp: the remaining GPUs, FSDP sharding over dp_shard of them (fsdp_shard) and replicating.
 
-    tp divides the heads (n_head, default heads_for(d_model)) and the MLP width; pp divides n_layer
-    unless `layers_fixed` is False (the planner then rounds the estimated layers to it).
+    tp divides the heads (n_head, default heads_for(d_model)), the MLP width and seq_len / cp
+    (sequence parallelism); pp divides n_layer unless `layers_fixed` is False (the planner then
+    rounds the estimated layers to it).
     """
     mem = spec.memory_gb * 1e9 * cfg.usable_memory_fraction
     state_bytes_per_param = cfg.weight_bytes + cfg.grad_bytes + cfg.master_bytes + cfg.optimizer_bytes
@@ -174,32 +207,46 @@ def suggest_layout(*, gpus: int, total_params: float, n_layer: int, d_model: int
     tp_max = _largest_tp(gpus, n_head, d_model, cfg)
     tp_options = [1 << i for i in range(tp_max.bit_length())]
 
-    def activations(tp: int, checkpointed: bool) -> float:
-        one_layer = ACT_BYTES_PER_TOKEN_PER_D * seq_len * d_model / tp
-        if not checkpointed:
-            return n_layer * one_layer
-        return n_layer * ACT_CHECKPOINT_BYTES_PER_TOKEN_PER_D * seq_len * d_model / tp + one_layer
+    def activations(tp: int, checkpointed: bool, cp: int = 1) -> float:
+        return activation_bytes(n_layer, seq_len, d_model, tp=tp, cp=cp, checkpointed=checkpointed,
+                                vocab_size=vocab_size)
 
     checkpointed = activations(tp_max, False) > mem / 2
-    tp_act = next((t for t in tp_options if activations(t, checkpointed) <= mem / 2), tp_max)
+    cp_options = [c for c in (1 << i for i in range(MAX_CP.bit_length()))
+                  if c == 1 or (seq_len % (2 * c) == 0 and gpus % c == 0)]
+
+    def tps(cp: int) -> list[int]:  # tensor-parallel degrees beside cp: dividing the GPUs and seq_len / cp
+        return [t for t in tp_options if (gpus // cp) % t == 0 and (seq_len // cp) % t == 0]
+
+    def fits_at(cp: int) -> bool:
+        return activations(max(tps(cp)), checkpointed, cp) <= mem / 2
+
+    # the smallest cp with which some tp fits the activations (else the one that leaves the least)
+    cp = next((c for c in cp_options if fits_at(c)), None) or min(
+        cp_options, key=lambda c: activations(max(tps(c)), checkpointed, c))
+    tp_act = next((t for t in tps(cp) if activations(t, checkpointed, cp) <= mem / 2), max(tps(cp)))
+
+    def shard_of(tp: int, pp: int) -> int:  # dp_shard; FSDP shards over dp_shard x cp (the trainer's dp_shard_cp)
+        return fsdp_shard(gpus // (tp * pp * cp), cfg.fsdp_shard_limit)
+
+    def states_per_gpu(tp: int, pp: int) -> float:
+        return model_state_bytes_per_gpu(total_params, tp=tp, pp=pp, dp_shard=shard_of(tp, pp) * cp, cfg=cfg,
+                                         moe_params=moe_params)
 
     def per_gpu(tp: int, pp: int) -> float:
-        shard = fsdp_shard(gpus // (tp * pp), cfg.fsdp_shard_limit)
         gathered = 2 * layer_params * cfg.compute_weight_bytes / tp  # FSDP: current layer + prefetched next
-        return (model_state_bytes_per_gpu(total_params, tp=tp, pp=pp, dp_shard=shard, cfg=cfg,
-                                          moe_params=moe_params) + gathered
-                + activations(tp, checkpointed))
+        return states_per_gpu(tp, pp) + gathered + activations(tp, checkpointed, cp)
 
     def stages_ok(pp: int) -> bool:
         return pp <= n_layer and (not layers_fixed or n_layer % pp == 0)
 
     choice = None
-    for pp in _divisors(gpus):
+    for pp in _divisors(gpus // cp):
         if pp > n_layer:
             break
         if not stages_ok(pp):
             continue
-        for tp in (t for t in tp_options if t >= tp_act and (gpus // pp) % t == 0):
+        for tp in (t for t in tps(cp) if t >= tp_act and (gpus // (pp * cp)) % t == 0):
             if per_gpu(tp, pp) <= mem:
                 choice = (tp, pp)
                 break
@@ -207,46 +254,64 @@ def suggest_layout(*, gpus: int, total_params: float, n_layer: int, d_model: int
             break
     fits = choice is not None
     if not fits:  # report the most model-parallel layout there is, flagged as not fitting
-        pp = max(d for d in _divisors(gpus // tp_max) if stages_ok(d))
-        choice = (tp_max, pp)
+        pp = max(d for d in _divisors(gpus // (max(tps(cp)) * cp)) if stages_ok(d))
+        choice = (max(tps(cp)), pp)
     tp, pp = choice
-    dp = gpus // (tp * pp)
-    dp_shard = fsdp_shard(dp, cfg.fsdp_shard_limit)
+    dp = gpus // (tp * pp * cp)
+    dp_shard = shard_of(tp, pp)
     microbatches = cfg.microbatches_per_stage * pp if pp > 1 else 1
     bubble = (pp - 1) / (microbatches + pp - 1)
     need_gb = per_gpu(tp, pp) / 1e9
+    why = _layout_rationale(locals())
+    return {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "dp_shard": dp_shard, "dp_replicate": dp // dp_shard,
+            "n_head": n_head, "microbatches": microbatches, "bubble_fraction": bubble,
+            "activation_checkpointing": checkpointed, "fits": fits,
+            "activation_gb_per_gpu": activations(tp, checkpointed, cp) / 1e9,
+            "model_state_gb_per_gpu": states_per_gpu(tp, pp) / 1e9,
+            "memory_per_gpu_gb": need_gb, "rationale": "; ".join(why)}
 
+
+def _layout_rationale(v: dict) -> list[str]:
+    """suggest_layout's reasoning, one clause per degree, from its local variables `v`."""
+    tp, tp_act, tp_max, pp, cp, dp, dp_shard = (v[k] for k in ("tp", "tp_act", "tp_max", "pp", "cp", "dp", "dp_shard"))
+    n_layer, mem, cfg, states, gpus = v["n_layer"], v["mem"], v["cfg"], v["states"], v["gpus"]
+    activations, checkpointed, fits = v["activations"], v["checkpointed"], v["fits"]
     why = [f"tp={tp}: " + (
-        f"with tensor (+sequence) parallelism over {tp} GPU(s) of a node, one sequence's activations "
-        f"through all {n_layer} layers take {activations(tp, checkpointed) / 1e9:.1f} GB per GPU, within "
-        f"half of the {mem / 1e9:.0f} GB usable" if tp == tp_act else
+        f"with tensor (+sequence) parallelism over {tp} GPU(s) of a node{f' and cp={cp}' if cp > 1 else ''}, one "
+        f"sequence's activations through all {n_layer} layers take {activations(tp, checkpointed, cp) / 1e9:.1f} GB "
+        f"per GPU, within half of the {mem / 1e9:.0f} GB usable" if tp == tp_act else
         f"raised from {tp_act} to {tp} (tensor parallelism stays on the node's NVLink) before adding "
         "pipeline stages")]
     if checkpointed:
         why.append("full activation checkpointing assumed: without it the activations do not fit even "
                    f"at tp={tp_max}")
+    if cp > 1:
+        why.append(f"cp={cp}: the {v['seq_len']}-token sequence's activations "
+                   f"({activations(tp_max, checkpointed) / 1e9:.1f} GB at tp={tp_max}"
+                   f"{' with checkpointing' if checkpointed else ''}) do not fit in half the memory; split over "
+                   f"{cp} context-parallel ranks (each keeps 1/{cp} of them plus every layer's gathered K/V) "
+                   f"they take {activations(tp, checkpointed, cp) / 1e9:.1f} GB; the cp ranks come from data "
+                   f"parallelism (FSDP shards over dp_shard x cp = {dp_shard * cp})")
+    state_bytes_per_param = v["state_bytes_per_param"]
     why.append(f"pp={pp}: " + (
         f"the most model parallelism {gpus} GPU(s) and {n_layer} layers allow, and still the model states "
-        f"({states / 1e9:.0f} GB = {state_bytes_per_param:g} B x {total_params:.3g} params) do not fit" if not fits
-        else
-        f"model states ({states / 1e9:.0f} GB = {state_bytes_per_param:g} B x {total_params:.3g} params) "
+        f"({states / 1e9:.0f} GB = {state_bytes_per_param:g} B x {v['total_params']:.3g} params) do not fit"
+        if not fits else
+        f"model states ({states / 1e9:.0f} GB = {state_bytes_per_param:g} B x {v['total_params']:.3g} params) "
         f"/ tp, FSDP-sharded over up to {cfg.fsdp_shard_limit} data-parallel ranks, fit next to the "
         "activations, so no pipeline" if pp == 1 else
         f"model states ({states / 1e9:.0f} GB) / (tp·pp), FSDP-sharded over up to {cfg.fsdp_shard_limit} "
         f"data-parallel ranks, only fit with {pp} pipeline stages across nodes; 1F1B with "
-        f"{microbatches} microbatches ({cfg.microbatches_per_stage} per stage) idles "
-        f"(pp-1)/(m+pp-1) = {bubble:.1%} of the time"))
-    why.append(f"dp={dp}: the remaining GPUs replicate the tp x pp model group (FSDP shards within "
-               f"groups of dp_shard={dp_shard}, dp_replicate={dp // dp_shard})")
-    why.append(f"estimated {need_gb:.1f} GB of {spec.memory_gb:g} GB per GPU in use" if fits else
-               f"does NOT fit: about {need_gb:.0f} GB per GPU needed with {spec.memory_gb:g} GB each; "
+        f"{v['microbatches']} microbatches ({cfg.microbatches_per_stage} per stage) idles "
+        f"(pp-1)/(m+pp-1) = {v['bubble']:.1%} of the time"))
+    why.append(f"dp={dp}: the remaining GPUs replicate the tp x pp{' x cp' if cp > 1 else ''} model group (FSDP "
+               f"shards within groups of dp_shard={dp_shard}{f' x cp={cp}' if cp > 1 else ''}, "
+               f"dp_replicate={dp // dp_shard})")
+    spec = v["spec"]
+    why.append(f"estimated {v['need_gb']:.1f} GB of {spec.memory_gb:g} GB per GPU in use" if fits else
+               f"does NOT fit: about {v['need_gb']:.0f} GB per GPU needed with {spec.memory_gb:g} GB each; "
                "use more GPUs, GPUs with more memory, or a smaller model")
-    return {"tp": tp, "pp": pp, "dp": dp, "dp_shard": dp_shard, "dp_replicate": dp // dp_shard,
-            "n_head": n_head, "microbatches": microbatches, "bubble_fraction": bubble,
-            "activation_checkpointing": checkpointed, "fits": fits,
-            "model_state_gb_per_gpu": model_state_bytes_per_gpu(total_params, tp=tp, pp=pp, dp_shard=dp_shard,
-                                                                 cfg=cfg, moe_params=moe_params) / 1e9,
-            "memory_per_gpu_gb": need_gb, "rationale": "; ".join(why)}
+    return why
 
 
 def _timing(flops: float, gpus: int, spec: GpuSpec, mfu: float) -> dict:
@@ -352,12 +417,14 @@ def _hardware_assumptions(key: str, spec: GpuSpec, mfu: float, cfg: PlanConfig) 
         f"cost = gpu_hours x ${spec.price_per_hour:g}/GPU-hour (a ballpark on-demand price; set plan.gpus)",
         f"checkpoint = params x ({cfg.weight_bytes:g} weights + {cfg.master_bytes:g} separate master + "
         f"{cfg.optimizer_bytes:g} Adam m, v) bytes; model states in memory also hold "
-        f"{cfg.grad_bytes:g}-byte gradients ({state_bytes:g} bytes per param, sharded over tp x pp x dp_shard, "
+        f"{cfg.grad_bytes:g}-byte gradients ({state_bytes:g} bytes per param, sharded over tp x pp x dp_shard x cp, "
         "a mixture of experts' MoE layers over pp x dp_shard only; "
         f"FSDP2 keeps fp32 sharded weights as the master copy and gathers {cfg.compute_weight_bytes:g}-byte "
         "compute copies one layer at a time)",
-        "layout: tp inside a node sized by activations, pp across nodes only when FSDP-sharded model "
-        "states do not fit, dp for the rest; bubble = (pp-1)/(microbatches+pp-1) for 1F1B",
+        "layout: tp inside a node sized by activations, then full activation checkpointing, then context "
+        "parallelism cp for a sequence still too long (activations / cp plus each layer's gathered K/V; the "
+        f"output layer's fp32 log-probs, {LOGIT_BYTES} B x seq_len x vocab, / cp), pp across nodes only when "
+        "FSDP-sharded model states do not fit, dp for the rest; bubble = (pp-1)/(microbatches+pp-1) for 1F1B",
     ]
 
 
@@ -379,7 +446,7 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
               gpus: int | None = None, gpu: str = "h100", mfu: float | None = None, seq_len: int = 4096,
               n_layer: int | None = None, d_model: int | None = None, active_params: float | None = None,
               cfg: PlanConfig | None = None, n_head: int | None = None, n_experts: int | None = None,
-              top_k: int = 2, energy: EnergyConfig | None = None) -> dict:
+              top_k: int = 2, energy: EnergyConfig | None = None, vocab_size: int = DEFAULT_VOCAB) -> dict:
     """A training plan from a parameter count and/or a FLOP budget; see the module docstring.
 
     Give `params` (tokens default to the compute-optimal count, or follow from `flops`), or `flops`
@@ -394,6 +461,7 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
     _positive("n_head", n_head, integer=True)
     _positive("n_experts", n_experts, integer=True)
     _positive("top_k", top_k, integer=True)
+    _positive("vocab_size", vocab_size, integer=True)
     if n_experts is not None and active_params is None:
         raise PlanError("n_experts plans a mixture of experts: give active_params (and params, the total) too")
     if n_head and d_model and (d_model % n_head or (d_model // n_head) % 2):
@@ -427,7 +495,7 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
         moe_params = 0.0 if active_params is None else max(0.0, params - (layers or n_layer) * 4 * d_model**2)
         return suggest_layout(gpus=n, total_params=params, n_layer=layers or n_layer, d_model=d_model,
                               seq_len=seq_len, spec=spec, cfg=cfg, n_head=n_head, layers_fixed=fixed,
-                              moe_params=moe_params)
+                              moe_params=moe_params, vocab_size=vocab_size)
 
     if gpus is None:
         gpus = _pick_gpus(total_flops, spec, mfu, layout_for, cfg)
@@ -463,6 +531,7 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
         "d_model": d_model,
         "n_head": n_head,
         "seq_len": int(seq_len),
+        "vocab_size": int(vocab_size),
         "shape_estimated": not shape_given,
         "gpu": key,
         "gpus": gpus,

@@ -38,7 +38,8 @@ def format_plan(plan: dict) -> str:
                    f"{plan['energy_kwh']:,.0f} kWh, {plan['co2e_kg'] / 1000:,.1f} t CO2e"),
         ("checkpoint", _bytes(plan["checkpoint_bytes"])),
         ("model states", _bytes(plan["model_state_bytes"])),
-        ("layout", f"tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} (dp_shard {lay['dp_shard']} x dp_replicate "
+        ("layout", f"tp={lay['tp']} pp={lay['pp']} " + (f"cp={lay['cp']} " if lay.get("cp", 1) > 1 else "")
+                   + f"dp={lay['dp']} (dp_shard {lay['dp_shard']} x dp_replicate "
                    f"{lay['dp_replicate']}), {lay['microbatches']} microbatch(es), "
                    f"bubble {lay['bubble_fraction']:.1%}" + ("" if lay["fits"] else "  ** does not fit **")),
     ]
