@@ -337,6 +337,56 @@ def test_corrupted_inputs_quarantined_with_reasons(corrupted, ray_session, tmp_p
     assert s["sources"]["bad-warc"]["licence"] == "test-licence"
 
 
+def _refuse_document_reads(monkeypatch) -> None:
+    """In this (the driver's) process, any read of Parquet rows raises; footers stay readable
+    (the manifest's row counts). Ray workers are other processes: they read as usual."""
+    import tasks.core.documents as documents
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the ingest driver read documents")
+
+    for name in ("iter_docs", "iter_doc_batches"):
+        monkeypatch.setattr(documents, name, refuse)
+    monkeypatch.setattr(pq, "read_table", refuse)
+    for name in ("iter_batches", "read", "read_row_group", "read_row_groups"):
+        monkeypatch.setattr(pq.ParquetFile, name, refuse)
+
+
+def test_duplicate_ids_across_jobs_dropped_on_the_workers(ray_session, tmp_path, monkeypatch):
+    """Repeated record ids (the same source and key: the same document id) within a job, across the
+    files of a source and across the record ranges of a capped file: exactly the later occurrences
+    are dropped as "duplicate_id", counted per source; the same key in another source is another
+    document. The driver reads no document (the resolution runs in Ray tasks per id partition), and
+    the shards are the jobs' parts: linked, rewritten where they lost documents, left out where
+    they lost all."""
+    from tasks.core.documents import make_doc_id
+
+    files = {"a/a0.jsonl": ["x0", "x1", "x2", "x3", "x4", "x5", "x2"],  # x2 again in the same job
+             "a/a1.jsonl": ["x1", "x3", "y0", "y1", "x1"],  # earlier file's ids, x1 twice
+             "b/b0.jsonl": ["x0", "x1", "z0", "z2", "z0", "z1", "z9"]}  # capped at 6: ranges [0,3) [3,6)
+    for rel, keys in files.items():
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text("".join(json.dumps({"id": k, "text": f"text of {k} in {rel}"}) + "\n"
+                                            for k in keys))
+    cfg = PipelineConfig(name="dup-ids", sources=[src("a", tmp_path / "a" / "*.jsonl", "jsonl"),
+                                                  src("b", tmp_path / "b" / "*.jsonl", "jsonl", max_docs=6)],
+                         ray=RayConfig(num_cpus=2), ingest=IngestConfig(shard_docs=2, id_partitions=3))
+    _refuse_document_reads(monkeypatch)
+    s = run_ingest(cfg, tmp_path / "out")
+    monkeypatch.undo()
+    want = [make_doc_id("a", k) for k in ("x0", "x1", "x2", "x3", "x4", "x5", "y0", "y1")] + \
+        [make_doc_id("b", k) for k in ("x0", "x1", "z0", "z2", "z1")]
+    assert [d["id"] for d in iter_docs(s["shards"])] == want
+    assert s["sources"]["a"]["dropped"] == {"duplicate_id": 4} and s["sources"]["b"]["dropped"] == {"duplicate_id": 1}
+    assert s["dropped"] == {"duplicate_id": 5} and s["docs_out"] == len(want)
+    for st in (s, *s["sources"].values()):
+        assert st["docs_in"] == st["docs_out"] + sum(st["dropped"].values()) + sum(st["quarantined"].values())
+    # a0's parts (x0 x1)(x2 x3)(x4 x5), a1's (y0 y1) (its (x1 x3) and (x1) are gone), b's first
+    # range (x0 x1)(z0), its second (z2) (rewritten from (z2 z0)) and (z1)
+    assert [count_docs([p]) for p in s["shards"]] == [2, 2, 2, 2, 2, 1, 1, 1]
+    assert s["bytes_out"] == sum(len(d["text"].encode()) for d in iter_docs(s["shards"]))
+
+
 @needs_data
 def test_run_ingest_real_sources_order_and_caps(ray_session, tmp_path):
     cfg = PipelineConfig(
