@@ -499,3 +499,85 @@ def test_planner_memory_matches_the_parallelized_models_shards(cases, dtype, tmp
             assert measured == pytest.approx(estimate, rel=0.10), (parallel, measured, estimate)
         print(f"{parallel} moe {moe}: planner {estimate:,.0f} B per rank, measured "
               f"{[r['params'] + r['grads'] + r['optimizer'] for r in ranks]}")
+
+
+def _measure_activations(rank: int, world: int, init: str, out: str) -> None:
+    """One rank: the bytes autograd saves for the backward (unique storages, parameters and buffers
+    excluded) in the forward and loss of the real GPT at 2 and 4 layers, whole (every rank the same
+    sequence) and under context parallelism over the `world` ranks (tasks/train/context_parallel.py)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lm_helpers import tiny_cfg
+    from tasks.train.context_parallel import apply_cp
+    from tasks.train.model import GPT, GPTConfig, lm_loss
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+        x = torch.randint(0, ACT_VOCAB, (ACT_BATCH, ACT_SEQ), generator=torch.Generator().manual_seed(1))
+        record = {}
+        for n_layer in (2, 4):
+            for cp in (False, True):
+                torch.manual_seed(0)
+                cfg = tiny_cfg(model={"n_layer": n_layer, "n_head": 4, "d_model": ACT_D, "seq_len": ACT_SEQ,
+                                      "dropout": 0.0})
+                model = GPT(GPTConfig.from_model_config(cfg.model, ACT_VOCAB))
+                context = apply_cp(model, mesh, ACT_SEQ) if cp else None
+                idx = context.shard(x) if cp else x
+                skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+                saved: dict[int, int] = {}
+
+                def pack(t):
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr not in skip:
+                        saved[ptr] = t.untyped_storage().nbytes()
+                    return t
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    logits, _ = model(idx)
+                    loss = lm_loss(logits, idx, 0.0)[0]
+                loss.backward()  # the saved graph is a real one
+                record[f"{'cp' if cp else 'whole'}{n_layer}"] = sum(saved.values())
+        Path(out, f"act{rank}.json").write_text(json.dumps(record))
+    finally:
+        dist.destroy_process_group()
+
+
+ACT_BATCH, ACT_SEQ, ACT_D, ACT_VOCAB = 2, 64, 64, 4096
+
+
+def test_planner_cp_activation_term_matches_the_saved_tensors(tmp_path):
+    """The planner's context-parallel activation term (activation_bytes) against what autograd
+    really saves on each of 2 gloo ranks: per layer, 1/cp of the 1-process activations but the whole
+    sequence's K and V (the all-gathered ones attention keeps) and a second copy of the attention
+    output (the query chunks' SDPA outputs and their concatenation), and 1/cp of the output
+    layer's fp32 log-probs, each within 10 % (on CPU SDPA also keeps the lower-right bias it
+    materialises, c x (a + 1) c floats: ~1 % here, nothing with GPU flash attention). The per-layer bytes per token and width (per_token_per_d) are
+    this fp32 model's own, measured in the same run (the planner's 34 is Korthikanti's 16-bit GPT
+    count); the layers' share is the 4-layer model's saved bytes less the 2-layer one's."""
+    import torch.multiprocessing as mp
+
+    from tasks.plan.planner import activation_bytes
+
+    world = 2
+    mp.start_processes(_measure_activations, args=(world, (tmp_path / "init").as_uri(), str(tmp_path)),
+                       nprocs=world, start_method="spawn")
+    per_rank = [json.loads((tmp_path / f"act{r}.json").read_text()) for r in range(world)]
+    unit = ACT_BATCH * ACT_SEQ * ACT_D  # token x width of the whole batch
+    for m in per_rank:
+        layer_whole, layer_cp = (m["whole4"] - m["whole2"]) / 2, (m["cp4"] - m["cp2"]) / 2
+        per_token_per_d = layer_whole / unit
+        predicted = ACT_BATCH * activation_bytes(1, ACT_SEQ, ACT_D, cp=world, per_token_per_d=per_token_per_d,
+                                                 value_bytes=4)
+        assert layer_cp == pytest.approx(predicted, rel=0.10), (layer_cp, predicted, layer_whole, m)
+        assert layer_cp > layer_whole / world * 1.1  # the gathered K/V are really kept: not just 1 / cp
+        # the output layer: the rest of the model, mostly fp32 log-probs of 4,096 entries per position
+        for name, cp in (("whole", 1), ("cp", world)):
+            rest = m[f"{name}2"] - 2 * (layer_whole if cp == 1 else layer_cp)
+            logits = ACT_BATCH * activation_bytes(0, ACT_SEQ, ACT_D, cp=cp, vocab_size=ACT_VOCAB)
+            assert rest == pytest.approx(logits, rel=0.10), (name, rest, logits, m)
+    print(f"per layer: whole {layer_whole:,.0f} B ({per_token_per_d:.1f} B per token x width), cp {world}: "
+          f"{layer_cp:,.0f} B measured, {predicted:,.0f} B planned")

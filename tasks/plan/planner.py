@@ -55,8 +55,10 @@ def activation_bytes(n_layer: int, seq_len: int, d_model: int, *, tp: int = 1, c
     A layer keeps per_token_per_d · seq_len · d_model / tp bytes (tensor + sequence parallelism
     splits them all), of which K and V are 2 values per token and width. Context parallelism
     (tasks/train/context_parallel.py) keeps 1/cp of the rest but the whole sequence's K and V (this
-    rank's heads), all-gathered, saved by attention for the backward: per layer
-    seq_len · d_model / tp · ((per_token_per_d - 2 v) / cp + 2 v), v = value_bytes. Full activation
+    rank's heads), all-gathered, saved by attention for the backward, and one more copy of the
+    attention output (each query chunk's SDPA keeps its own output, the projection their
+    concatenation): per layer seq_len · d_model / tp · ((per_token_per_d - v) / cp + 2 v),
+    v = value_bytes. Full activation
     checkpointing keeps each layer's input (value_bytes per token and width, split over tp x cp)
     plus one layer's activations while it is recomputed. The output layer keeps LOGIT_BYTES per
     position and vocabulary entry (fp32 log-probs), 1/cp of them on a cp rank but all on each tp
@@ -64,7 +66,7 @@ def activation_bytes(n_layer: int, seq_len: int, d_model: int, *, tp: int = 1, c
     term (Llama 3 8B at 128k tokens: 67 GB), what cp splits and tp does not. tests/test_plan.py
     measures the cp term on CPU."""
     kv = 2 * value_bytes
-    one_layer = seq_len * d_model / tp * ((per_token_per_d - kv) / cp + kv)
+    one_layer = seq_len * d_model / tp * (per_token_per_d if cp == 1 else (per_token_per_d - kv + value_bytes) / cp + kv)
     logits = LOGIT_BYTES * seq_len * vocab_size / cp
     if not checkpointed:
         return n_layer * one_layer + logits
