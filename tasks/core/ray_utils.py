@@ -110,7 +110,7 @@ def start_local_ray(num_cpus: int | None = None, **init_kwargs) -> None:
     # Ray's processes copy the environment when they start (the raylet passes its copy on to every
     # worker it spawns later), so the token and the switch are needed only while ray.init runs
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), SINGLE_NODE_ENV: "0"}
-    with _environment(env), _single_node(ray_constants), _any_free_agent_port():
+    with _environment(env), _single_node(ray_constants), _local_node_params(), _no_dashboard_head():
         _reload_auth_settings()
         ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **init_kwargs)
 
@@ -142,10 +142,11 @@ def _single_node(ray_constants):
 
 
 @contextmanager
-def _any_free_agent_port():
-    """The dashboard agent on a port the OS picks, not Ray's fixed 52365 (which ray.init has no
-    setting for): on 127.0.0.1 only, a second Ray on this machine (another run, another user) would
-    find 52365 taken and start its agent without its HTTP server."""
+def _local_node_params():
+    """Node settings ray.init has no argument for. The dashboard agent on a port the OS picks, not
+    Ray's fixed 52365: on 127.0.0.1 only, a second Ray on this machine (another run, another user)
+    would find 52365 taken and start its agent without its HTTP server. No autoscaler monitor: a
+    local Ray has no nodes to add (its Python process cost ~0.5 CPU s per run)."""
     from ray._private import parameter
 
     base = parameter.RayParams
@@ -153,6 +154,7 @@ def _any_free_agent_port():
     class Params(base):
         def __init__(self, *args, **kwargs):
             kwargs.setdefault("dashboard_agent_listen_port", 0)
+            kwargs["no_monitor"] = True
             super().__init__(*args, **kwargs)
 
     parameter.RayParams = Params
@@ -160,6 +162,22 @@ def _any_free_agent_port():
         yield
     finally:
         parameter.RayParams = base
+
+
+@contextmanager
+def _no_dashboard_head():
+    """No dashboard head process on a local Ray. `include_dashboard=False` still starts one (with
+    only its usage-stats module) and ray.init polls until it has registered: ~1 s of every start
+    and ~0.9 CPU s. Nothing here uses its job or state APIs (the node's dashboard agent, which
+    the raylet starts, still runs and still requires the token)."""
+    from ray._private.node import Node
+
+    start = Node.start_api_server
+    Node.start_api_server = lambda self, **_: None  # _webui_url stays None: "no dashboard"
+    try:
+        yield
+    finally:
+        Node.start_api_server = start
 
 
 def _reload_auth_settings() -> None:
