@@ -66,11 +66,13 @@ dedup (`tasks.dedup.report`: duplicate rate per source, cluster sizes, example p
 line_dedup (with line dedup on: the counting stats, and lines, bytes and documents removed per
 source, `lines.line_dedup_summary`),
 dataset_card, manifest, jobs, workers, nodes (jobs run per Ray node), jobs_rerun (after a node was
-lost), resumed_jobs, seconds. The driver holds per-job counters and paths, O(jobs); with
-`minhash.index_dir` the index step still reads this run's kept ids and signatures in the driver.
+lost), resumed_jobs, seconds. The driver folds each job's result into running totals as it arrives
+(`_Totals`) and keeps per job only its name, kept count and number of part files (`JobTable`,
+~40 B a job; the files are found by curate's naming); the decontamination hits are kept per hit.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -78,6 +80,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from tasks.config import CurateConfig, DedupConfig, PipelineConfig
@@ -95,8 +98,8 @@ from tasks.dedup.lines import FrequentLines, LineDedupFilter, count_frequent_lin
 from tasks.dedup.minhash import MinHasher
 from tasks.dedup.cluster import clustering_method
 from tasks.dedup.substring import apply_to_curated
-from tasks.dedup.stages import (META_SCHEMA, DedupStages, IndexHandle, JobDocs, part_counts, concat_files,
-                                 dedup_report_task, filter_pass, job_docs, write_meta)
+from tasks.dedup.stages import (META_SCHEMA, DedupStages, IndexHandle, JobTable, part_counts, concat_files,
+                                 dedup_report_task, filter_pass, write_meta)
 from tasks.dedup.urls import TrackingParams, parse_crawl_date, url_key
 from tasks.dedup.verify import JaccardVerifier, ParquetTexts
 
@@ -278,26 +281,27 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
         job_base = digest([job_base, lines.fingerprint()])
     jobs = plan_jobs(shards, output.parts_dir, job_base)
     store.prune({job.name for job in jobs})
-    mapped = _map_jobs(cfg, jobs, index, store, progress, lines)
+    n_jobs = len(jobs)
+    mapped = _map_jobs(cfg, jobs, index, store, progress, lines, output.parts_dir)
+    del jobs  # the plan's per-job objects: the map's table is what the dedup stages need
 
     t_dedup = time.perf_counter()
-    jobs_docs = job_docs(mapped.results)
-    stages, clustering, mh_index = _dedup(cfg.curate.dedup, jobs_docs, output.parts_dir, cfg.storage)
-    steps = _filter_steps(cfg.curate, mapped.results) + stages.steps
+    totals = mapped.totals
+    stages, clustering, mh_index = _dedup(cfg.curate.dedup, mapped.table, output.parts_dir, cfg.storage)
+    steps = _filter_steps(cfg.curate, totals) + stages.steps
     t_write = time.perf_counter()
-    written = _write_curated(cfg, mapped.results, stages, clustering, output.dir)
+    written = _write_curated(cfg, totals, mapped.table, stages, clustering, output.dir)
     if cfg.curate.dedup.substring.enabled:  # exact-substring dedup of the curated shards, in place
         apply_to_curated(cfg, written, steps, output.parts_dir / "_substring")
     driver_seconds = {"dedup_s": round(t_write - t_dedup, 3), "write_s": round(time.perf_counter() - t_write, 3)}
-    dropped = _check_accounting(steps, sum(r["docs_in"] for r in mapped.results), written.docs_out)
+    dropped = _check_accounting(steps, totals.docs_in, written.docs_out)
     if mh_index is not None:  # only once this run's output is complete
         mh_index.save(cfg.curate.dedup.minhash.index_dir)
 
-    summary = _summary(cfg, mapped.results, steps, dropped, written, index, output.dir)
+    summary = _summary(cfg, totals, steps, dropped, written, index, output.dir)
     if lines is not None:
-        summary["line_dedup"] = line_dedup_summary(
-            lines.stats, [r.get("extras", {}).get("line_dedup", {}) for r in mapped.results])
-    summary.update(jobs=len(jobs), workers=mapped.workers, nodes=mapped.nodes, jobs_rerun=mapped.rerun)
+        summary["line_dedup"] = line_dedup_summary(lines.stats, [totals.line_dedup])
+    summary.update(jobs=n_jobs, workers=mapped.workers, nodes=mapped.nodes, jobs_rerun=mapped.rerun)
     from tasks.curate.card import write_dataset_card
 
     summary["dataset_card"] = str(write_dataset_card(cfg, summary, output.dir / DATASET_CARD))
@@ -313,10 +317,57 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
     return summary
 
 
+class _Totals:
+    """The jobs' results folded as each arrives (the driver keeps none of them): documents in, the
+    filter steps' stats, languages and sources, PII counters, line dedup's removals per source, and
+    the decontamination hits (one entry per hit, for the report: they grow with the hits, not the
+    jobs). Languages keep the order of their first appearance in corpus order, whatever order the
+    jobs finish in, so the summary is the one an in-order merge gives."""
+
+    def __init__(self):
+        self.docs_in = 0
+        self.stats: dict[str, StepStats] = {}
+        self.languages: Counter = Counter()
+        self._first_seen: dict[str, tuple[int, int]] = {}  # language -> (job, rank in its result)
+        self.sources_in: Counter = Counter()
+        self.sources_kept: Counter = Counter()
+        self.pii_repl: dict[str, Counter] = {}
+        self.pii_changed: Counter = Counter()
+        self.line_dedup: dict[str, Counter] = {}
+        self._hits: dict[int, list] = {}  # job -> its decontamination hits
+
+    def add(self, job: int, r: dict) -> None:
+        self.docs_in += r["docs_in"]
+        for name, d in r["stats"].items():
+            self.stats.setdefault(name, StepStats(name)).merge(StepStats.from_dict(d))
+        for rank, (lang, n) in enumerate(r["languages"].items()):
+            self.languages[lang] += n
+            self._first_seen[lang] = min(self._first_seen.get(lang, (job, rank)), (job, rank))
+        self.sources_in.update(r.get("sources_in", {}))
+        self.sources_kept.update(r["sources_kept"])
+        extras = r.get("extras", {})
+        pii = extras.get("pii", {})
+        for src, counts in pii.get("replacements", {}).items():
+            self.pii_repl.setdefault(src, Counter()).update(counts)
+        self.pii_changed.update(pii.get("docs_changed", {}))
+        for src, counts in extras.get("line_dedup", {}).items():
+            self.line_dedup.setdefault(src, Counter()).update(counts)
+        if extras.get("decontam"):
+            self._hits[job] = extras["decontam"]
+
+    def languages_in_order(self) -> dict[str, int]:
+        """Counts, most first; ties in order of first appearance in the corpus."""
+        return dict(sorted(self.languages.items(), key=lambda kv: (-kv[1], self._first_seen[kv[0]])))
+
+    def decontam_hits(self) -> list[dict]:
+        return [h for job in sorted(self._hits) for h in self._hits[job]]
+
+
 @dataclass
 class _Mapped:
-    """The map's outcome: every job's result in corpus order, and how they were obtained."""
-    results: list[dict]
+    """The map's outcome: the jobs' results folded, their kept documents' table, how they were obtained."""
+    totals: _Totals
+    table: JobTable  # per job: name, kept documents, part files (what the dedup stages read)
     resumed: int  # jobs reused from an earlier run
     ran: int  # jobs run now
     ran_docs: int  # documents of the jobs run now
@@ -328,42 +379,57 @@ class _Mapped:
 
 
 def _map_jobs(cfg: PipelineConfig, jobs: list[Job], index, store: JobStore, progress: Progress | None,
-              lines: FrequentLines | None = None) -> _Mapped:
+              lines: FrequentLines | None, parts_dir: Path) -> _Mapped:
     """Reuse the finished jobs, run the others on `CurateWorker` actors (the decontam index and
-    the frequent lines are shipped once)."""
+    the frequent lines are shipped once); each result is folded into `_Totals` as it arrives and
+    only its kept count and number of part files are kept (`JobTable`)."""
     report = progress or (lambda done, total, note: None)
     actors = RayActors(CurateWorker, (cfg.curate, source_policies(cfg), Shared(index) if index is not None else None,
                                       Shared(lines.hashes) if lines is not None else None),
                        "process", cfg.ray)
-    done: dict[str, dict] = {}
+    totals = _Totals()
+    position = {job.name: k for k, job in enumerate(jobs)}
+    kept, parts = np.zeros(len(jobs), np.int64), np.zeros(len(jobs), np.int32)
+
+    def fold(name: str, result: dict) -> None:
+        k = position.pop(name)  # KeyError: a job's result came twice
+        job = JobTable(parts_dir, [name], [0], [len(result["docs"])])[0]  # its files by curate's naming
+        if (result["meta"] != job.meta or list(result["docs"]) != list(job.docs)
+                or result["dropped"] != str(parts_dir / f"{name}-{DROPPED}")):
+            raise RuntimeError(f"curate job {name}: its files {result['meta']}, {result['docs']} are not named "
+                               f"as the dedup stages read them (under {parts_dir})")
+        totals.add(k, result)
+        kept[k], parts[k] = result["kept"], len(result["docs"])
+
     ran_docs = 0
     with JobRunner(actors, store) as runner:
         for job in jobs:
             if (stored := runner.submit(job)) is not None:
-                done[job.name] = stored
+                fold(job.name, stored)
         report(runner.resumed, len(jobs), f"curate: {runner.resumed} jobs resumed" if runner.resumed else "curate")
         t0 = time.perf_counter()
         for job, result in runner.finished():
-            done[job.name] = result
+            fold(job.name, result)
             ran_docs += result["docs_in"]
-            report(len(done), len(jobs), "curate")
-    return _Mapped([done[job.name] for job in jobs], runner.resumed, runner.ran, ran_docs, actors.workers,
-                   time.perf_counter() - t0, runner.node_report(), runner.rerun, runner.job_report())
+            report(len(jobs) - len(position), len(jobs), "curate")
+    if position:
+        raise RuntimeError(f"curate: no result for {len(position)} jobs")
+    return _Mapped(totals, JobTable(parts_dir, [job.name for job in jobs], kept, parts), runner.resumed, runner.ran, ran_docs,
+                   actors.workers, time.perf_counter() - t0, runner.node_report(), runner.rerun, runner.job_report())
 
 
-def _filter_steps(cfg: CurateConfig, results: list[dict]) -> list[StepStats]:
+def _filter_steps(cfg: CurateConfig, totals: _Totals) -> list[StepStats]:
     """The filter steps' stats over every job, in chain order (line dedup first)."""
     steps = []
     for name in (["line_dedup"] if cfg.dedup.lines.enabled else []) + filter_names(cfg):
         st = StepStats(name)
-        for r in results:
-            if name in r["stats"]:
-                st.merge(StepStats.from_dict(r["stats"][name]))
+        if name in totals.stats:
+            st.merge(totals.stats[name])
         steps.append(st)
     return steps
 
 
-def _dedup(cfg: DedupConfig, jobs: list[JobDocs], parts_dir: Path,
+def _dedup(cfg: DedupConfig, jobs: JobTable, parts_dir: Path,
            storage=None) -> tuple[DedupStages, dict | None, IndexHandle | None]:
     """URL dedup, exact dedup, MinHash clustering, then (continued pretraining) the index of the
     documents earlier runs kept, as Ray tasks over the jobs' files (`tasks.dedup.stages`). Returns
@@ -404,20 +470,18 @@ class _Written:
     dedup: dict  # the dedup report with the example pairs' Jaccard and the clustering stats
 
 
-def _write_curated(cfg: PipelineConfig, results: list[dict], stages: DedupStages, clustering: dict | None,
-                   out_dir: Path) -> _Written:
+def _write_curated(cfg: PipelineConfig, totals: _Totals, table: JobTable, stages: DedupStages,
+                   clustering: dict | None, out_dir: Path) -> _Written:
     """`dropped.jsonl` (filter drops per job, then dedup drops per step in corpus order: the
     jobs' and steps' files concatenated), the curated shards (Ray tasks: `stages.filter_pass`)
     and the dedup report (a Ray task over the drop files)."""
     import ray
 
-    concat_files([r["dropped"] for r in results] + stages.dropped_lines(), out_dir / DROPPED)
+    filter_drops = (Path(table.root) / f"{name}-{DROPPED}" for name in table.names)
+    concat_files(itertools.chain(filter_drops, stages.dropped_lines()), out_dir / DROPPED)
     mh = cfg.curate.dedup.minhash
-    docs_by_source: Counter = Counter()
-    for r in results:
-        docs_by_source.update(r["sources_kept"])
     report_ref = ray.remote(num_cpus=1)(dedup_report_task).remote(
-        stages.drop_files(), dict(docs_by_source), sum(j.kept for j in stages.jobs), stages.jobs, mh, mh.ngram)
+        stages.drop_files(), dict(totals.sources_kept), sum(j.kept for j in stages.jobs), stages.jobs, mh, mh.ngram)
     out = filter_pass(stages, out_dir, cfg.curate.shard_docs)
     report = ray.get(report_ref)
     return _Written(out["shards"], out_dir / DROPPED, out["docs"], out["bytes"], out["languages"], out["sources"],
@@ -434,41 +498,30 @@ def _check_accounting(steps: list[StepStats], docs_in: int, docs_out: int) -> Co
     return dropped
 
 
-def _summary(cfg: PipelineConfig, results: list[dict], steps: list[StepStats], dropped: Counter,
+def _summary(cfg: PipelineConfig, totals: _Totals, steps: list[StepStats], dropped: Counter,
              written: _Written, index, out_dir: Path) -> dict:
-    languages: Counter = Counter()
-    sources_in: Counter = Counter()
-    for r in results:
-        languages.update(r["languages"])
-        sources_in.update(r.get("sources_in", {}))
-    sources_out = written.sources_out
+    sources_in, sources_out = totals.sources_in, written.sources_out
     return {
-        "docs_in": sum(r["docs_in"] for r in results),
+        "docs_in": totals.docs_in,
         "docs_out": written.docs_out,
         "bytes_out": written.bytes_out,
         "dropped": dict(sorted(dropped.items())),
         "steps": [st.to_dict() for st in steps],
-        "languages": dict(languages.most_common()),
+        "languages": totals.languages_in_order(),
         "languages_out": {str(k): v for k, v in written.languages_out.most_common()},
         "sources": {s: {"docs_in": sources_in.get(s, 0), "docs_out": sources_out.get(s, 0)}
                     for s in sorted(set(sources_in) | set(sources_out))},
-        "pii": _pii_summary(results, source_policies(cfg)),
-        "decontam": _decontam_summary(index, dropped, results, out_dir),
+        "pii": _pii_summary(totals, source_policies(cfg)),
+        "decontam": _decontam_summary(index, dropped, totals.decontam_hits(), out_dir),
         "dedup": written.dedup,
         "shards": written.shards,
         "dropped_file": str(written.dropped_file),
     }
 
 
-def _pii_summary(results: list[dict], policies: dict[str, str]) -> dict:
+def _pii_summary(totals: _Totals, policies: dict[str, str]) -> dict:
     """Replacements per source and kind, documents changed, the policies."""
-    pii_repl: dict[str, Counter] = {}
-    pii_changed: Counter = Counter()
-    for r in results:
-        pii = r.get("extras", {}).get("pii", {})
-        for src, counts in pii.get("replacements", {}).items():
-            pii_repl.setdefault(src, Counter()).update(counts)
-        pii_changed.update(pii.get("docs_changed", {}))
+    pii_repl, pii_changed = totals.pii_repl, totals.pii_changed
     by_kind: Counter = Counter()
     for c in pii_repl.values():
         by_kind.update(c)
@@ -477,11 +530,10 @@ def _pii_summary(results: list[dict], policies: dict[str, str]) -> dict:
             "policies": policies}
 
 
-def _decontam_summary(index, dropped: Counter, results: list[dict], out_dir: Path) -> dict | None:
+def _decontam_summary(index, dropped: Counter, hits: list[dict], out_dir: Path) -> dict | None:
     """Write `decontam_report.json` (index stats, drops per benchmark, every hit); its summary."""
     if index is None:
         return None
-    hits = [h for r in results for h in r.get("extras", {}).get("decontam", [])]
     per_bench = Counter(r.split(":", 1)[1] for r in dropped.elements() if r.startswith("decontam:"))
     items_hit: dict[str, set] = {}
     for h in hits:

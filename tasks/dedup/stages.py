@@ -41,6 +41,7 @@ a local run_root or a Ray of this node alone they stay on the local disk.
 """
 from __future__ import annotations
 
+import copy
 import io
 import json
 import shutil
@@ -48,7 +49,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -89,6 +90,45 @@ class JobDocs:
         """A copy naming `fn`'s paths (`tasks.core.storage.map_paths`), read with `options`."""
         return replace(self, meta=str(fn(self.meta)), docs=tuple(str(d) for d in fn(list(self.docs))),
                        options=self.options if options is None else options)
+
+
+class JobTable(Sequence[JobDocs]):
+    """The curate jobs' kept documents as columns, what the driver keeps of each job (~40 B: its
+    name, kept count and number of part files, and the running position) instead of a `JobDocs`
+    (~1 KB of path strings). The files follow curate's naming under `root`: `<name>-meta.parquet`,
+    `<name>-00000.parquet`, ...; `table[k]` is job k's `JobDocs`, made on demand."""
+
+    def __init__(self, root: Path | str, names: Sequence[str], kept: Sequence[int], parts: Sequence[int],
+                 options: dict | None = None):
+        self.root = location(root)
+        self.names = np.asarray(names, dtype=str)  # fixed width: no object per name
+        self.kept_counts = np.asarray(kept, dtype=np.int64)
+        self.parts = np.asarray(parts, dtype=np.int32)
+        self.offsets = np.cumsum(self.kept_counts) - self.kept_counts
+        self.options = options
+
+    def meta_path(self, name: str) -> str:
+        return str(join(self.root, f"{name}-meta.parquet"))
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, k) -> JobDocs:
+        name = str(self.names[k])  # an out-of-range k raises IndexError here
+        docs = tuple(str(join(self.root, f"{name}-{i:05d}.parquet")) for i in range(int(self.parts[k])))
+        return JobDocs(name, self.meta_path(name), docs, int(self.kept_counts[k]), int(self.offsets[k]), self.options)
+
+    def __iter__(self) -> Iterator[JobDocs]:
+        return (self[k] for k in range(len(self)))
+
+    def stage_paths(self, fn, options: dict | None = None) -> "JobTable":
+        """A copy whose root is where `fn` maps the files (`map_paths`; called on one job's meta path,
+        so a caller that pushes the folders of the paths it sees pushes `root`)."""
+        probe = self.meta_path(str(self.names[0])) if len(self) else str(join(self.root, "-"))
+        out = copy.copy(self)
+        out.root = parent_of(location(str(fn(probe))))
+        out.options = self.options if options is None else options
+        return out
 
 
 def read_table(loc: Path | str, options: dict | None = None, columns: list[str] | None = None) -> pa.Table | None:
@@ -887,7 +927,7 @@ def part_counts(job: JobDocs) -> list[int]:
     return [num_rows(p, job.options) for p in job.docs]
 
 
-def concat_files(paths: Sequence[Path | str], out: Path) -> None:
+def concat_files(paths: Iterable[Path | str], out: Path) -> None:
     """`out` (atomically): the files' bytes in order, streamed."""
     tmp = out.with_name(f".{out.name}.tmp")
     with open(tmp, "wb") as w:
@@ -895,13 +935,3 @@ def concat_files(paths: Sequence[Path | str], out: Path) -> None:
             with open(p, "rb") as r:
                 shutil.copyfileobj(r, w, 1 << 20)
     tmp.replace(out)
-
-
-def job_docs(results: list[dict]) -> list[JobDocs]:
-    """The jobs' kept documents with their positions (results in corpus order)."""
-    out, off = [], 0
-    for r in results:
-        out.append(JobDocs(r["name"], r["meta"], tuple(r["docs"]), r["kept"], off))
-        off += r["kept"]
-    return out
-
