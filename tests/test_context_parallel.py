@@ -76,11 +76,13 @@ def test_cp_2_dp_shard_2_ep_2_moe_matches_one_process_and_resumes_in_one(base, t
 
 @pytest.mark.parametrize("parallel, extra", [
     ({"cp": 2, "tp": 2}, {"activation_checkpointing": "selective", "doc_mask": True}),
+    ({"cp": 2, "tp": 2}, {}),
     ({"pp": 2, "cp": 2, "dp_shard": 1, "pp_microbatches": 2}, {}),
-], ids=["cp2_tp2_selective_doc_mask", "pp2_cp2"])
+], ids=["cp2_tp2_selective_doc_mask", "cp2_tp2", "pp2_cp2"])
 def test_cp_with_tp_or_pp_matches_one_process(base, parallel, extra):
-    """cp with tensor (+ sequence) parallelism and packed-sequence document masks: each tp rank's heads
-    attend over the K/V its cp peers gathered, within each document, the residual stream holds
+    """cp with tensor (+ sequence) parallelism, with packed-sequence document masks (the boolean-mask
+    path) and without (the lower-right key-prefix path): each tp rank's heads attend over the K/V its
+    cp peers gathered (within each document), the residual stream holds
     1 / (cp x tp) of the sequence; with a pipeline (1f1b): each stage's attention gathers over cp, the
     stages hold disjoint layers."""
     run = run_layout(base, 4, train={"parallel": parallel, **extra})
@@ -94,7 +96,7 @@ def test_cp_with_tp_or_pp_matches_one_process(base, parallel, extra):
     if parallel.get("tp"):
         wq = r0["params"]["blocks.0.attn.wq.weight"]
         assert dict(zip(wq["mesh_dims"], wq["placements"]))["tp"] == "S(0)"
-        assert all(b["selective"] for b in r0["blocks"].values())
+        assert all(b["selective"] for b in r0["blocks"].values()) == bool(extra.get("activation_checkpointing"))
     else:
         stages = [st["layers"] for rank in run.layout["pipeline"]["ranks"] for st in rank["stages"]]
         assert sorted(sum(stages, [])) == list(range(LAYOUT_MODEL["n_layer"])) and all(len(st) == 2 for st in stages)
