@@ -45,6 +45,32 @@ def test_index_over_real_benchmarks(index):
     assert list(index.hashes) == sorted(index.hashes)  # sorted for searchsorted
 
 
+def test_normalisation_is_the_regex_one_on_every_kind_of_character():
+    """normalise_words' translate table gives the words of the regex substitution it replaces."""
+    import regex
+
+    text = "".join(chr(c) for c in range(0x20, 0x3000, 7)) + " A\u00e9\u0301b\u2019c \u00a7d\u00a9 1,5%\u20ac x\u0660y"
+    assert normalise_words(text) == regex.sub(r"[\p{P}\p{S}]+", " ", text.lower()).split()
+
+
+def test_lookup_bit_table_passes_few_and_finds_every_indexed_ngram(index):
+    """The bit table lets through every indexed n-gram and few others; lookup equals a plain
+    binary search over the whole index."""
+    import pickle
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    present = index.hashes[rng.integers(0, len(index), 2000)]
+    absent = rng.integers(0, 2**63, 20_000, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    grams = np.concatenate([present, absent])
+    assert set(index.maybe_present(present).tolist()) == set(range(len(present)))
+    assert len(index.maybe_present(absent)) < 0.05 * len(absent)  # the table does filter
+    pos = np.minimum(np.searchsorted(index.hashes, grams), len(index) - 1)
+    assert np.array_equal(index.lookup(grams), np.where(index.hashes[pos] == grams, pos, -1))
+    assert "_bits" not in pickle.loads(pickle.dumps(index)).__dict__  # rebuilt by each worker
+
+
 def test_embedded_lambada_passage_dropped_clean_kept(index):
     f = DecontamFilter(index)
     passage = read_items(EVAL / "lambada_test.jsonl", "lambada")[1234]

@@ -35,15 +35,19 @@ import regex
 
 from tasks.config import DecontamConfig, PipelineConfig
 from tasks.core.steps import Filter
+from tasks.dedup.minhash import CharTable
 
-_PUNCT = regex.compile(r"[\p{P}\p{S}]+")
+_PUNCT_CHAR = regex.compile(r"[\p{P}\p{S}]")
+# each punctuation/symbol character → a space (the regex's own classes decide, so its Unicode
+# version too): after split() the same words as replacing each run of them by one space
+_PUNCT_TO_SPACE = CharTable(lambda ch: " " if _PUNCT_CHAR.fullmatch(ch) else ch)
 _BASE = np.uint64(0x100000001B3)  # odd multiplier of the rolling hash
 _WORD_CACHE: dict[str, int] = {}
 _WORD_CACHE_MAX = 2_000_000
 
 
 def normalise_words(text: str) -> list[str]:
-    return _PUNCT.sub(" ", text.lower()).split()
+    return text.lower().translate(_PUNCT_TO_SPACE).split()
 
 
 def _word_hashes(words: list[str]) -> np.ndarray:
@@ -118,15 +122,47 @@ class DecontamIndex:
         return h.hexdigest()[:16]
 
     def lookup(self, grams: np.ndarray) -> np.ndarray:
-        """Positions in the index of each gram, -1 where absent."""
+        """Positions in the index of each gram, -1 where absent. Only the grams the bit table
+        lets through (`maybe_present`: nearly none of a clean document's) are binary-searched."""
+        out = np.full(len(grams), -1, dtype=np.int64)
         if not len(grams) or not len(self.hashes):
-            return np.full(len(grams), -1, dtype=np.int64)
-        order = np.argsort(grams, kind="stable")  # sorted needles: cache-friendly binary searches
-        q = grams[order]
-        pos = np.minimum(np.searchsorted(self.hashes, q), len(self.hashes) - 1)
-        out = np.empty(len(grams), dtype=np.int64)
-        out[order] = np.where(self.hashes[pos] == q, pos, -1)
+            return out
+        maybe = self.maybe_present(grams)
+        if len(maybe):
+            q = grams[maybe]
+            pos = np.minimum(np.searchsorted(self.hashes, q), len(self.hashes) - 1)
+            out[maybe] = np.where(self.hashes[pos] == q, pos, -1)
         return out
+
+    def maybe_present(self, grams: np.ndarray) -> np.ndarray:
+        """Indices of the grams whose top `_TABLE_BITS` bits are those of some indexed n-gram (a
+        superset of the present ones; at ~1M n-grams ~1.5 % of absent ones also pass): one
+        gather from an 8 MB bit table instead of ~20 probes of a binary search per gram."""
+        bits = self.__dict__.get("_bits")
+        if bits is None:
+            bits = self._bits = _bit_table(self.hashes)
+        top = grams >> np.uint64(64 - _TABLE_BITS)
+        return np.flatnonzero(bits[top >> np.uint64(3)] & _BIT[top & np.uint64(7)])
+
+    def __getstate__(self) -> dict:
+        """Pickled (to the workers) without the bit table: rebuilt there from the hashes."""
+        return {k: v for k, v in self.__dict__.items() if k != "_bits"}
+
+
+_TABLE_BITS = 26  # 2^26 bits = 8 MB per process
+_BIT = np.array([1 << b for b in range(8)], dtype=np.uint8)
+
+
+def _bit_table(hashes: np.ndarray) -> np.ndarray:
+    """Bit i set when some hash's top `_TABLE_BITS` bits are i. `hashes` is sorted, so their
+    byte positions come in runs: one OR per run (`reduceat`)."""
+    table = np.zeros(1 << (_TABLE_BITS - 3), dtype=np.uint8)
+    if len(hashes):
+        top = hashes >> np.uint64(64 - _TABLE_BITS)
+        byte = top >> np.uint64(3)
+        runs = np.flatnonzero(np.r_[True, byte[1:] != byte[:-1]])
+        table[byte[runs]] = np.bitwise_or.reduceat(_BIT[top & np.uint64(7)], runs)
+    return table
 
 
 def build_index(cfg: DecontamConfig, data_root: PipelineConfig | str | Path) -> DecontamIndex:
