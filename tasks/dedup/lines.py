@@ -48,9 +48,13 @@ import regex
 from tasks.config import LineDedupConfig, RayConfig
 from tasks.core.steps import Filter
 from tasks.dedup.exact import exact_key
+from tasks.dedup.minhash import CharTable
 
-_DROPPED_CHARS = regex.compile(r"[\p{Mn}\p{P}\p{S}\p{Cc}\p{Cf}]+")
+_DROPPED_CHAR = regex.compile(r"[\p{Mn}\p{P}\p{S}\p{Cc}\p{Cf}]")
 _DIGIT = regex.compile(r"\d")
+# digits → 0, the dropped classes deleted, in one translate pass (no character is both; the
+# regexes' own classes decide each one)
+_LINE_TABLE = CharTable(lambda ch: "0" if _DIGIT.fullmatch(ch) else None if _DROPPED_CHAR.fullmatch(ch) else ch)
 _ROWS_PER_PARTITION = 4_000_000  # ≈ 64 MB of (hash, document) rows per partition task
 _LINES_PER_DOC = 40  # guess of distinct lines per document, to size the partitions
 _BYTES_PER_LINE = 64  # ...and of text bytes per line, so long documents (books) get partitions too
@@ -60,9 +64,10 @@ _SPILL_TASK_BYTES = 256 << 20  # and at most about this much text (≈ 4 M lines
 
 def normalise_line(line: str) -> str:
     """CCNet's line normalisation for dedup (see the module docstring)."""
-    s = unicodedata.normalize("NFD", " ".join(line.lower().split()))  # a tab is a space, not a dropped control
-    s = _DROPPED_CHARS.sub("", _DIGIT.sub("0", s))
-    return " ".join(s.split())
+    s = " ".join(line.lower().split())  # a tab is a space, not a dropped control
+    if not s.isascii():  # NFD leaves ASCII as it is
+        s = unicodedata.normalize("NFD", s)
+    return " ".join(s.translate(_LINE_TABLE).split())
 
 
 def line_hash(line: str) -> int | None:
