@@ -138,6 +138,7 @@ def run_ingest(cfg: PipelineConfig, out_dir: Path, progress: Progress | None = N
     with JobRunner(RayTasks(process_file_range, cfg.ray), store) as runner:
         results = _IngestJobs(cfg, plan, output.parts_dir, workers, runner, progress).run()
 
+    t_merge = time.perf_counter()
     summary = _merge(cfg, plan, results, output.dir, output.parts_dir)
     summary["jobs"] = len(results)
     summary["workers"] = workers
@@ -146,7 +147,8 @@ def run_ingest(cfg: PipelineConfig, out_dir: Path, progress: Progress | None = N
     output.publish(summary)
     summary["manifest"] = str(output.manifest)
     summary["resumed_jobs"] = runner.resumed
-    summary["timings"] = {"jobs": runner.job_report()}  # compute vs wall of the jobs, result bytes
+    # compute vs wall of the jobs, result bytes; the duplicate ids, shards and manifest after them
+    summary["timings"] = {"jobs": runner.job_report(), "merge_s": round(time.perf_counter() - t_merge, 3)}
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
 
