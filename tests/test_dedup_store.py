@@ -108,16 +108,16 @@ def _written_and_deleted(s3, prefix: str) -> set[str]:
 
 
 @contextmanager
-def _object_reads():
-    """The keys of the objects read (GET) from the moto server while the body runs, with their
-    count: its request log (the worker nodes' requests reach this process's server)."""
+def _object_reads(method: str = "GET"):
+    """The keys of the objects read (GET; or written: "PUT") on the moto server while the body
+    runs, with their count: its request log (the worker nodes' requests reach this process's server)."""
     import logging
 
     got: Counter = Counter()
 
     class Reads(logging.Handler):
         def emit(self, record):
-            m = re.search(r'"(?:\x1b\[[0-9;]*m)*GET /runs/([^ ?]+)', record.getMessage())  # colours: a 206
+            m = re.search(r'"(?:\x1b\[[0-9;]*m)*' + method + r' /runs/([^ ?]+)', record.getMessage())  # colours: a 206
             if m:
                 got[m.group(1)] += 1
 
@@ -416,6 +416,52 @@ def test_dedup_stages_on_two_nodes_pass_their_files_through_the_store(s3, run_st
     assert [p.name for p in left] == ["dropped-lines.jsonl"], left  # only what the driver fetched to write
     _nothing_staged()
     print(f"\ndedup stages through the store: {time.monotonic() - t0:.1f}s, {got['steps']}")
+
+
+def test_curated_shards_written_on_other_nodes_reach_the_store_and_the_manifest_verifies(s3, run_store, cluster,
+                                                                                         tmp_path):
+    """The filter pass on the 2-node cluster with run_root on the bucket: the working copy is the
+    driver's disk, which the worker nodes do not share, so each shard task writes its curated shard
+    to the store itself (PUT by the tasks, before any push). The driver gets them into its working
+    copy as the store's: the stage's push uploads none again and deletes none (one version each),
+    a stale shard of an earlier, longer run is gone, and the manifest written from the working copy
+    verifies against the store's objects."""
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.core.resume import write_manifest
+
+    corpus = _near_copies(_texts(24), 24, seed=4) + _texts(24)[:3]
+    local = _run_dedup_stages(_dedup_jobs(tmp_path / "local", corpus, 12), tmp_path / "local", tmp_path / "out-local")
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    stage_dir = run_store.local_root / run / "curate"
+    prefix = f"crucible/{run}/curate/"
+    s3.client.put_object(Bucket="runs", Key=f"{prefix}shard-00099.parquet", Body=b"an earlier run's")
+    jobs = _dedup_jobs(stage_dir / "_parts", corpus, 12)
+    with _object_reads("PUT") as puts:
+        got = _run_dedup_stages(jobs, stage_dir / "_parts", stage_dir)
+    assert got["kept"] == local["kept"] and got["steps"] == local["steps"]
+    shards = sorted(stage_dir.glob("shard-*.parquet"))
+    assert len(shards) == -(-len(got["kept"]) // 10) >= 2
+    # written to the store by the shard tasks themselves (the driver has not pushed anything yet)
+    assert {f"{prefix}{p.name}" for p in shards} <= set(puts), sorted(puts)
+    assert f"{prefix}shard-00099.parquet" not in s3.keys("runs", prefix)
+    summary = {"shards": [str(p) for p in shards]}
+    write_manifest(stage_dir, "key", summary, summary["shards"], [])
+    with _object_reads("PUT") as pushed:
+        run_store.push(stage_dir)
+    assert not [k for k in pushed if "/shard-" in k], pushed  # not uploaded again
+    manifest = json.loads(s3.client.get_object(Bucket="runs", Key=f"{prefix}manifest.json")["Body"].read())
+    on_store = {e["path"]: e for e in manifest["files"]}
+    assert sorted(on_store) == [p.name for p in shards]
+    for name, entry in on_store.items():
+        versions = s3.client.list_object_versions(Bucket="runs", Prefix=f"{prefix}{name}")["Versions"]
+        assert len(versions) == 1, versions  # neither overwritten by the push nor deleted
+        body = s3.client.get_object(Bucket="runs", Key=f"{prefix}{name}")["Body"].read()
+        assert hashlib.sha256(body).hexdigest() == entry["sha256"]
+        assert pq.ParquetFile(pa.BufferReader(body)).metadata.num_rows == entry["docs"]
 
 
 def test_on_a_one_node_ray_the_shuffle_spills_on_the_driver_disk_not_the_store(s3, run_store):

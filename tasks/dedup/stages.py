@@ -56,7 +56,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tasks.core.fs import (files as listing, is_remote, join, location, name_of, open_random, parent_of, read_bytes,
-                           remove_tree, write_bytes)
+                           remove, remove_tree, store_fs, upload, write_bytes)
 from tasks.core.steps import StepStats
 
 META_SCHEMA = pa.schema([("id", pa.string()), ("key", pa.binary()), ("nbytes", pa.int64()), ("source", pa.string()),
@@ -695,9 +695,26 @@ def _kept_per_job(files: Files, steps: list[str], jobs: list[JobDocs], path: str
 
 
 def _write_shard(out_dir: str, index: int, shard_docs: int, files: Files, steps: list[str], jobs: list[JobDocs],
-                 kept_path: str) -> dict:
+                 kept_path: str, out_options: dict | None = None) -> dict:
     """Output shard `index`: output rows [index·shard_docs, (index+1)·shard_docs) of the jobs' parts
-    laid end to end without the dropped positions, found from the kept counts per job."""
+    laid end to end without the dropped positions, found from the kept counts per job. `out_dir` on
+    a store (`task_location`): written in a temp folder of this node, uploaded, the folder removed.
+    Returns the shard's file names and counters."""
+    import tempfile
+
+    where = location(out_dir)
+    if not is_remote(where):
+        return _shard_rows(where, index, shard_docs, files, steps, jobs, kept_path)
+    with tempfile.TemporaryDirectory(prefix="crucible-shard-") as tmp:
+        got = _shard_rows(Path(tmp), index, shard_docs, files, steps, jobs, kept_path)
+        for name in got["names"]:  # a multipart upload streamed from the file: one object, whole or none
+            upload(Path(tmp) / name, join(where, name), out_options)
+    return got
+
+
+def _shard_rows(out_dir: Path, index: int, shard_docs: int, files: Files, steps: list[str], jobs: list[JobDocs],
+                kept_path: str) -> dict:
+    """`_write_shard`'s rows into the local folder `out_dir`."""
     from tasks.core.documents import ShardWriter
 
     kept = np.load(io.BytesIO(read_bytes(location(kept_path), files.options)))
@@ -729,22 +746,45 @@ def _write_shard(out_dir: str, index: int, shard_docs: int, files: Files, steps:
                 languages[doc.get("language")] += 1
                 sources[doc.get("source") or ""] += 1
                 nbytes += len(doc["text"].encode("utf-8"))
-    return {"paths": [str(p) for p in w.paths], "docs": w.docs_written, "bytes": nbytes,
+    return {"names": [p.name for p in w.paths], "docs": w.docs_written, "bytes": nbytes,
             "languages": {str(k) if k is not None else "None": v for k, v in languages.items()},
             "sources": dict(sources)}
 
 
 def filter_pass(stages: DedupStages, out_dir: Path, shard_docs: int) -> dict:
     """The curated shards (a Ray task per shard: each finds its rows from the kept counts per job,
-    which a Ray task writes to a file) and their counters."""
+    which a Ray task writes to a file) and their counters. Where the tasks' nodes do not share the
+    driver's working copy (`task_location`), each task writes its shard to the store itself; the
+    driver then removes the store's shards of an earlier run that this one did not write and pulls
+    the new ones into its working copy (recorded as the store's: a push neither uploads them again
+    nor deletes them; the manifest hashes what the store holds), as it does a job's files."""
+    from tasks.core.executor import task_location
+    from tasks.core.resume import MANIFEST
+    from tasks.core.storage import store_of_path
+
     ray = stages.ray
+    out_dir = Path(out_dir).resolve()
+    out_loc, out_options = task_location(out_dir)
+    if is_remote(out_loc):  # the store's manifest first: it no longer describes the shards there
+        remove(join(out_loc, MANIFEST), out_options)
     jobs = ray.put(stages.jobs)  # once into the object store, not once per shard task
     kept_path = str(join(stages.files.root, "kept_per_job.npy"))
     total = ray.get(ray.remote(num_cpus=1)(_kept_per_job).remote(stages.files, list(stages.done), jobs, kept_path))
     task = ray.remote(num_cpus=1)(_write_shard)
-    got = ray.get([task.remote(str(out_dir), k, shard_docs, stages.files, list(stages.done), jobs, kept_path)
-                   for k in range(-(-total // shard_docs))])
-    out = {"shards": [p for g in got for p in g["paths"]], "docs": sum(g["docs"] for g in got),
+    got = ray.get([task.remote(str(out_loc), k, shard_docs, stages.files, list(stages.done), jobs, kept_path,
+                               out_options) for k in range(-(-total // shard_docs))])
+    names = [n for g in got for n in g["names"]]
+    if is_remote(out_loc):
+        fs = store_fs(out_loc, out_options)  # one listing of the stage's top level, not of its _parts
+        try:
+            there = {name_of(p) for p in fs.ls(out_loc, detail=False)}
+        except FileNotFoundError:
+            there = set()
+        for stale in sorted(n for n in there - set(names) if n.startswith("shard-") and n.endswith(".parquet")):
+            remove(join(out_loc, stale), out_options)
+        store = store_of_path(out_dir)
+        store.pull("", keys=[store.rel(out_dir / n) for n in names])
+    out = {"shards": [str(out_dir / n) for n in names], "docs": sum(g["docs"] for g in got),
            "bytes": sum(g["bytes"] for g in got), "languages": Counter(), "sources": Counter()}
     for g in got:
         out["languages"].update(g["languages"])
