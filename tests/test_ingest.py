@@ -381,9 +381,9 @@ def test_duplicate_ids_across_jobs_dropped_on_the_workers(ray_session, tmp_path,
     assert s["dropped"] == {"duplicate_id": 5} and s["docs_out"] == len(want)
     for st in (s, *s["sources"].values()):
         assert st["docs_in"] == st["docs_out"] + sum(st["dropped"].values()) + sum(st["quarantined"].values())
-    # a0's parts (x0 x1)(x2 x3)(x4 x5), a1's (y0 y1) (its (x1 x3) and (x1) are gone), b's first
-    # range (x0 x1)(z0), its second (z2) (rewritten from (z2 z0)) and (z1)
-    assert [count_docs([p]) for p in s["shards"]] == [2, 2, 2, 2, 2, 1, 1, 1]
+    # linked: a0's parts (x0 x1)(x2 x3)(x4 x5), a1's (y0 y1) (its (x1 x3) and (x1) are gone), b's
+    # first range's (x0 x1); written: (z0) and (z2) (its part (z2 z0) without z0) packed; linked: (z1)
+    assert [count_docs([p]) for p in s["shards"]] == [2, 2, 2, 2, 2, 2, 1] and s["shards_written"] == 1
     assert s["bytes_out"] == sum(len(d["text"].encode()) for d in iter_docs(s["shards"]))
 
 

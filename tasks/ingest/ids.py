@@ -13,14 +13,17 @@ is kept, the later ones are dropped as "duplicate_id". Three steps, each on the 
    jobs' corpus order, sorted by (id, job, row); per id every row after the first is a drop, written
    per job (`<drops>/<job>/p-XXXXX.parquet`: the rows) and counted per part file of the job (drops,
    bytes). Its memory is ~40 bytes per document of the partition.
-3. `write_without` (a Ray task per job with drops): the job's part files that lost rows, written as
-   the output shards without those rows (a part that lost none is linked into place by the driver).
+3. `write_shard` (a Ray task per output shard that is not one whole part): parts that lost rows,
+   and runs of consecutive small parts (small files: at most `ingest.shard_docs` rows together),
+   written as one shard without the dropped rows. A whole part alone is linked into place by the
+   driver (no copy), so a corpus of big files is not rewritten at all.
 
 Paths are the ones a task on any node reads (`tasks.core.executor.for_any_node` / `task_location`:
 the store's URIs where the cluster's nodes do not share the driver's disk).
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import uuid
@@ -111,26 +114,25 @@ def _parquet(t: pa.Table) -> bytes:
     return buf.getvalue()
 
 
-def write_without(parts: list[tuple[str, int, int]], drop_files: list[str], shard_docs: int, out_dir: str,
-                  options: dict | None = None, out_options: dict | None = None) -> list[str]:
-    """Ray task: each (part file, its index in the job, output shard index) of one job written as
-    `<out_dir>/shard-<index>.parquet` without the job's dropped rows (`drop_files`, rows in the job);
-    500-row groups as every shard. Returns the shards written."""
-    rows = np.concatenate([_read(f, options, ["row"]).column("row").to_numpy() for f in drop_files])
-    written = []
-    for part, p, index in parts:
-        t = _read(part, options)
-        keep = ~np.isin(np.arange(p * shard_docs, p * shard_docs + t.num_rows), rows)
-        docs = t.filter(pa.array(keep)).to_pylist()
-        del t
-        name = f"shard-{index:05d}.parquet"
-        if not is_remote(out_dir):
-            with ShardWriter(out_dir, prefix="shard", shard_docs=1 << 40, start_index=index) as w:
-                w.write_many(docs)
-        else:  # written here, then one PUT to the store's prefix
-            with tempfile.TemporaryDirectory(prefix="ingest-shard-") as tmp:
-                with ShardWriter(tmp, prefix="shard", shard_docs=1 << 40, start_index=index) as w:
-                    w.write_many(docs)
-                write_bytes(join(out_dir, name), read_bytes(str(Path(tmp) / name)), out_options)
-        written.append(str(join(out_dir, name)))
-    return written
+def write_shard(entries: list[tuple[str, int, list[str]]], index: int, shard_docs: int, out_dir: str,
+                options: dict | None = None, out_options: dict | None = None) -> str:
+    """Ray task: `<out_dir>/shard-<index>.parquet` from `entries` ([(part file, its index in its job,
+    the job's drop files: rows in the job, none when the part lost nothing)]) laid end to end, each
+    without its dropped rows; 500-row groups as every shard. Holds at most `shard_docs` documents."""
+    name = f"shard-{index:05d}.parquet"
+    local = not is_remote(out_dir)
+    dropped: dict[tuple[str, ...], np.ndarray] = {}  # a job's drop files, read once for its parts
+    with (contextlib.nullcontext(out_dir) if local else tempfile.TemporaryDirectory(prefix="ingest-")) as folder:
+        with ShardWriter(folder, prefix="shard", shard_docs=1 << 40, start_index=index) as w:
+            for part, p, drop_files in entries:
+                t = _read(part, options)
+                if drop_files:
+                    if tuple(drop_files) not in dropped:
+                        dropped = {tuple(drop_files): np.concatenate(
+                            [_read(f, options, ["row"]).column("row").to_numpy() for f in drop_files])}
+                    rows = np.arange(p * shard_docs, p * shard_docs + t.num_rows)
+                    t = t.filter(pa.array(~np.isin(rows, dropped[tuple(drop_files)])))
+                w.write_many(t.to_pylist())
+        if not local:  # written here, then one PUT to the store's prefix
+            write_bytes(join(out_dir, name), read_bytes(str(Path(folder) / name)), out_options)
+    return str(join(out_dir, name))

@@ -8,12 +8,15 @@ merges counters, it never reads a document nor holds a list per document): its d
 files of at most `ingest.shard_docs` rows, its quarantine entries to a JSONL part, its documents'
 id digests to `ingest.id_partitions` files by id hash. Then, on Ray (`tasks.ingest.ids`): a task
 per id partition finds the ids seen earlier in (source, file, record) order (the first occurrence
-is kept, the others dropped as "duplicate_id"), and a task per job that lost documents rewrites
-its parts without them. The output shards `shard-00000.parquet`, ... are the jobs' parts in
-(source, file, record) order, linked into place (no copy) where nothing was dropped, and
-`quarantine.jsonl` is the jobs' quarantine parts concatenated. The documents and their order are
-therefore the same whatever the number of workers; the shard boundaries follow the jobs (a
-capped source's ranges depend on the workers), each shard at most `ingest.shard_docs` rows.
+is kept, the others dropped as "duplicate_id"). The output shards `shard-00000.parquet`, ... are
+the jobs' parts in (source, file, record) order without the duplicates, consecutive parts packed
+while they fit `ingest.shard_docs` rows (a corpus of small files still gives full shards, so curate
+does not run a job per file): a shard that is one whole part is linked into place (no copy), the
+others (parts that lost duplicates, runs of small parts) are written by a Ray task each. The
+driver's own work is therefore per job and per shard, never per document: no pass over the corpus
+besides the manifest's sha256. `quarantine.jsonl` is the jobs' quarantine parts concatenated. The
+documents and their order are the same whatever the number of workers; the shard boundaries follow
+the jobs (a capped source's ranges depend on the workers), each shard at most `ingest.shard_docs` rows.
 
 Counting (`docs_in == docs_out + sum(dropped) + sum(quarantined)`): `docs_in` is the number of
 candidate records read (WARC responses, WET conversions, JSONL lines, text files, Parquet
@@ -54,7 +57,7 @@ from tasks.core.resume import digest
 from tasks.core.steps import StepStats
 from tasks.core.fs import expand_uri, file_identity, is_remote, join, name_of, remove_tree
 from tasks.dedup.stages import concat_files
-from tasks.ingest.ids import resolve_partition, write_without
+from tasks.ingest.ids import resolve_partition, write_shard
 from tasks.ingest.process import process_file_range
 
 QUARANTINE = "quarantine.jsonl"
@@ -278,6 +281,7 @@ def _merge(cfg: PipelineConfig, plan: _Plan, results: dict, out_dir: Path, parts
         "bytes_unread": sum(files_unread.values()),
         "files_unread": dict(sorted(files_unread.items())),
         "shards": shards,
+        "shards_written": ids.rewritten,  # by a Ray task: parts that lost duplicates, runs of small parts
         "quarantine_file": str(quarantine_path),
         "sources": per_source,
     }
@@ -301,6 +305,7 @@ class _DuplicateIds:
         remove_tree(self.drop_root, self.options)  # what a killed run left
         self.drops: dict[str, dict[int, list[int]]] = {}  # job -> part index -> [drops, bytes]
         self.partitions: dict[str, list[int]] = {}  # job -> the id partitions that dropped some of its rows
+        self.rewritten = 0  # shards written by a task (the others are parts linked into place)
 
     def _at(self, path: str) -> str:
         """A file under `_parts` as the tasks read it."""
@@ -331,43 +336,49 @@ class _DuplicateIds:
         return self.drops
 
     def shards(self, results: list[dict], names: list[str], out_dir: Path) -> list[str]:
-        """`shard-00000.parquet`, ...: each job's part files in corpus order, a part that lost no
-        document linked into place (no copy), the others written without their duplicates by a Ray
-        task per job (`ids.write_without`); a part left empty gives no shard."""
+        """`shard-00000.parquet`, ...: the jobs' part files in corpus order without their duplicates,
+        consecutive parts packed while they fit `ingest.shard_docs` rows (a corpus of small files
+        does not give one shard, and one curate job, per file). A shard that is one whole part is
+        linked into place (no copy); the others are written by a Ray task each (`ids.write_shard`)."""
         import ray
 
         from tasks.core.executor import TASK_RETRIES, task_location
 
         shard_docs = self.cfg.ingest.shard_docs
-        shards: list[str] = []
-        rewrites = []  # per job that lost documents: ([(part, its index, shard index)], its drop files)
+        groups: list[list] = []  # per shard: [rows, [(part, its index in the job, the job's drop files)]]
         for r, name in zip(results, names):
             lost = self.drops.get(name, {})
-            todo = []
+            drop_files = [str(join(self.drop_root, name, f"p-{k:05d}.parquet")) for k in self.partitions.get(name, [])]
             for p, part in enumerate(r["shards"]):
                 n_drop = lost.get(p, [0, 0])[0]
-                if n_drop == min(shard_docs, r["docs_out"] - p * shard_docs):
+                rows = min(shard_docs, r["docs_out"] - p * shard_docs) - n_drop
+                if not rows:
                     continue  # every document of the part was a duplicate
-                target = out_dir / f"shard-{len(shards):05d}.parquet"
-                if n_drop:
-                    todo.append((self._at(part), p, len(shards)))
+                entry = (part, p, drop_files if n_drop else [])
+                if groups and groups[-1][0] + rows <= shard_docs:
+                    groups[-1][0] += rows
+                    groups[-1][1].append(entry)
                 else:
-                    _link(Path(part), target)
-                shards.append(str(target))
-            if todo:
-                rewrites.append((todo, [str(join(self.drop_root, name, f"p-{k:05d}.parquet"))
-                                        for k in self.partitions[name]]))
-        if rewrites:
+                    groups.append([rows, [entry]])
+        shards = [str(out_dir / f"shard-{i:05d}.parquet") for i in range(len(groups))]
+        writes = []
+        for i, (_, entries) in enumerate(groups):
+            if len(entries) == 1 and not entries[0][2]:
+                _link(Path(entries[0][0]), Path(shards[i]))
+            else:
+                writes.append((i, [(self._at(part), p, files) for part, p, files in entries]))
+        if writes:
             out_root, out_options = task_location(out_dir)
-            task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(write_without)
-            got = ray.get([task.remote(todo, drop_files, shard_docs, str(out_root), self.options, out_options)
-                           for todo, drop_files in rewrites])
+            task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(write_shard)
+            got = ray.get([task.remote(entries, i, shard_docs, str(out_root), self.options, out_options)
+                           for i, entries in writes])
             if is_remote(out_root):  # written on the store by the tasks: into the working copy too
                 from tasks.core.storage import store_of_path
 
                 store = store_of_path(out_dir)
-                store.pull("", keys=[store.rel(out_dir / name_of(p)) for g in got for p in g])
+                store.pull("", keys=[store.rel(out_dir / name_of(p)) for p in got])
         remove_tree(self.drop_root, self.options)  # a store's copy too (`_parts` goes with the manifest)
+        self.rewritten = len(writes)
         return shards
 
 
