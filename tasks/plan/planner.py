@@ -460,10 +460,8 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
     cfg = cfg or PlanConfig()
     mfu, key, spec = _check_inputs(params, tokens, flops, gpus, gpu, mfu, seq_len, n_layer, d_model,
                                    active_params, cfg)
-    _positive("n_head", n_head, integer=True)
-    _positive("n_experts", n_experts, integer=True)
-    _positive("top_k", top_k, integer=True)
-    _positive("vocab_size", vocab_size, integer=True)
+    for name, value in (("n_head", n_head), ("n_experts", n_experts), ("top_k", top_k), ("vocab_size", vocab_size)):
+        _positive(name, value, integer=True)
     if n_experts is not None and active_params is None:
         raise PlanError("n_experts plans a mixture of experts: give active_params (and params, the total) too")
     if n_head and d_model and (d_model % n_head or (d_model // n_head) % 2):
