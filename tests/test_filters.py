@@ -253,6 +253,20 @@ def test_repetition_counts_by_hash_match_the_strings(monkeypatch, collide):
             assert duplicated_ngram_chars(toks, n) == _duplicated_ngram_reference(toks, n), (toks, n)
 
 
+def test_repetition_counts_group_hashes_by_one_sort(monkeypatch):
+    """The n-gram rules group hashes with one argsort (`_hash_groups`; the duplicated-n-gram rule
+    stops at a sort that finds no two alike), never through np.unique's extra inverse pass."""
+    import numpy as np
+
+    def refused(*a, **k):
+        raise AssertionError("np.unique called")
+    monkeypatch.setattr(np, "unique", refused)
+    toks = "the cat sat on the mat and the cat sat on the hat".split()
+    assert top_ngram_chars(toks, 2) == _top_ngram_reference(toks, 2) == len("the cat") * 2
+    assert duplicated_ngram_chars(toks, 3) == _duplicated_ngram_reference(toks, 3) > 0
+    assert duplicated_ngram_chars(toks[:7], 5) == 0
+
+
 def test_gopher_repetition_dup_para_frac():
     text = "\n\n".join([GOOD_LINES[0], "Yes.", GOOD_LINES[1], "Yes.", GOOD_LINES[2], "Yes."])
     check_rule(GopherRepetitionFilter, GR, text, "gopher_repetition:dup_para_frac", {"dup_para_frac": 0},
