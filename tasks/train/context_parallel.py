@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 def load_balanced_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -68,6 +69,9 @@ class ContextParallel:
         # the gathered chunks in this order are the sequence in order
         self.chunk_order = torch.argsort(self.keys[::self.chunk] // self.chunk)
         self.query_chunks = (self.rank, 2 * self.cp - 1 - self.rank)  # global chunks of the local queries
+        # each query chunk's bias over its key prefix, built once: torch.compile traces a prebuilt
+        # CausalBias whole but breaks the graph where one is constructed
+        self.biases = tuple(causal_lower_right(self.chunk, (a + 1) * self.chunk) for a in self.query_chunks)
         self.attention_calls: Counter = Counter()  # attend() calls per path (tests read it)
         self._on_device: dict = {}  # (name, device) -> the tensor there: copied to an accelerator once
 
@@ -123,18 +127,15 @@ class ContextParallel:
         """Causal attention of each local query chunk (global chunk a) over the key prefix
         K[0 : (a + 1) c] with the lower-right causal bias (flash / efficient kernels on GPU); kv: the
         gathered (seq_len, 2, B, heads, head_dim) in ranks' order."""
-        from torch.nn.attention.bias import causal_lower_right
-
         c = self.chunk
         # into sequence order, one copy (its backward scatters the rows back for the reduce-scatter)
         kv = kv.unflatten(0, (2 * self.cp, c)).index_select(0, self.on("chunk_order", kv.device)).flatten(0, 1)
         k, v = kv.permute(1, 2, 3, 0, 4).unbind(0)  # (B, heads, seq_len, head_dim), positions 0..seq_len-1
         out = []
-        for i, a in enumerate(self.query_chunks):
+        for i, (a, bias) in enumerate(zip(self.query_chunks, self.biases)):
             keys = (a + 1) * c
             out.append(F.scaled_dot_product_attention(
-                q[:, :, i * c:(i + 1) * c], k[:, :, :keys], v[:, :, :keys],
-                attn_mask=causal_lower_right(c, keys), dropout_p=dropout_p))
+                q[:, :, i * c:(i + 1) * c], k[:, :, :keys], v[:, :, :keys], attn_mask=bias, dropout_p=dropout_p))
         self.attention_calls["causal_lower_right"] += 1
         return torch.cat(out, dim=2)
 
