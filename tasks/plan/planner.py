@@ -24,6 +24,13 @@ Conventions (each one is also written into the plan's `assumptions`):
   with bf16, FSDP2's mixed precision gathers a bf16 copy of one layer at a time (the `gathered` term,
   plan.compute_weight_bytes); there is no separate master copy (plan.master_bytes 0; 4 for a
   trainer keeping bf16 weights). A checkpoint keeps the weights and Adam states: 12 bytes per parameter.
+* Activations (activation_bytes): Korthikanti et al.'s 34 bytes per token and width per layer,
+  split over tp; full checkpointing keeps each layer's 2-byte input; the output layer keeps fp32
+  log-probs (4 B x seq_len x vocab_size, Llama 3's 128,256 unless given), which tp does not split.
+  A sequence whose activations do not fit in half the memory even at a node's tp with full
+  checkpointing is split over context-parallel ranks (cp, tasks/train/context_parallel.py): 1/cp
+  of everything but each layer's all-gathered K/V; tests/test_plan.py checks that term against
+  the bytes autograd saves.
 * Shape for the trainer: n_head = d_model / 128 (head width 128; an estimated d_model >= 128 x
   gpus_per_node is a multiple of 128 x gpus_per_node, so every tp inside a node divides the heads);
   tp must divide the heads and the MLP width, pp the layers (an estimated n_layer is rounded to a
@@ -290,7 +297,7 @@ def _layout_rationale(v: dict) -> list[str]:
     if cp > 1:
         why.append(f"cp={cp}: the {v['seq_len']}-token sequence's activations "
                    f"({activations(tp_max, checkpointed) / 1e9:.1f} GB at tp={tp_max}"
-                   f"{' with checkpointing' if checkpointed else ''}) do not fit in half the memory; split over "
+                   f"{' with checkpointing' if checkpointed else ''}) do not fit in half the memory: split over "
                    f"{cp} context-parallel ranks (each keeps 1/{cp} of them plus every layer's gathered K/V) "
                    f"they take {activations(tp, checkpointed, cp) / 1e9:.1f} GB; the cp ranks come from data "
                    f"parallelism (FSDP shards over dp_shard x cp = {dp_shard * cp})")
@@ -410,7 +417,7 @@ def _size_and_tokens(params, tokens, flops, active_params, ratio: float,
     return params, tokens, compute_params
 
 
-def _hardware_assumptions(key: str, spec: GpuSpec, mfu: float, cfg: PlanConfig) -> list[str]:
+def _hardware_assumptions(key: str, spec: GpuSpec, mfu: float, cfg: PlanConfig, vocab_size: int) -> list[str]:
     """How time, cost, checkpoint size and layout were computed, as plan assumptions."""
     state_bytes = cfg.weight_bytes + cfg.grad_bytes + cfg.master_bytes + cfg.optimizer_bytes
     return [
@@ -425,7 +432,7 @@ def _hardware_assumptions(key: str, spec: GpuSpec, mfu: float, cfg: PlanConfig) 
         "compute copies one layer at a time)",
         "layout: tp inside a node sized by activations, then full activation checkpointing, then context "
         "parallelism cp for a sequence still too long (activations / cp plus each layer's gathered K/V; the "
-        f"output layer's fp32 log-probs, {LOGIT_BYTES} B x seq_len x vocab, / cp), pp across nodes only when "
+        f"output layer's fp32 log-probs, {LOGIT_BYTES} B x seq_len x vocab_size {vocab_size:,}, / cp), pp across nodes only when "
         "FSDP-sharded model states do not fit, dp for the rest; bubble = (pp-1)/(microbatches+pp-1) for 1F1B",
     ]
 
@@ -510,7 +517,7 @@ def make_plan(params: float | None = None, tokens: float | None = None, flops: f
         n_layer = rounded
         layout = layout_for(gpus, rounded, True)
         flops_6nd, total_flops, attention_fraction = flops_of(n_layer)
-    assumptions += _hardware_assumptions(key, spec, mfu, cfg)
+    assumptions += _hardware_assumptions(key, spec, mfu, cfg, vocab_size)
     if not layout["fits"]:
         assumptions.append(f"WARNING: the model does not fit on {gpus} x {key}: {layout['rationale']}")
     state_bytes = cfg.weight_bytes + cfg.grad_bytes + cfg.master_bytes + cfg.optimizer_bytes
