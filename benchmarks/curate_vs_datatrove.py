@@ -38,8 +38,12 @@ Crucible's own extra steps dropped, line dedup's too-short and decontamination, 
 near-duplicate recall against the generator's known copies (per duplicate group: the copies that
 passed the tool's filters, minus the one kept, are the ones to remove) and false dedup drops, and
 Crucible's time per step (ingest, line counts, each filter's CPU seconds in the map, dedup, write).
+`hash_draws` (JSON `near_dup_candidates_over_hash_draws`) says whether a recall gap is method or
+luck: on the recall corpora, the planted near pairs' shingle Jaccard under each side's own
+shingling, and the share of them that become LSH candidates under each side's own signature code
+for hash seeds 1..`--hash-draws` (the same seeds both sides), with standard errors.
 
-    .venv/bin/python benchmarks/curate_vs_datatrove.py [--docs 3000] [--recall-seeds 4] [--work DIR]
+    .venv/bin/python benchmarks/curate_vs_datatrove.py [--docs 3000] [--recall-seeds 4] [--hash-draws 8] [--work DIR]
 
 Writes benchmarks/results/curate_vs_datatrove.json.
 """
@@ -88,7 +92,9 @@ SHINGLING_DIFFERENCES = [
     "RandomState(1) as all a then all b; Crucible its default 'fast' 32-bit shingle hash (word hashes "
     "combined) and datasketch's 'affine32' permutations. Same candidate probability 1-(1-s^8)^14 for a "
     "pair of Jaccard s, different random permutations: which near copies are found differs by chance "
-    "(recall over ~300 copies at s ~ 0.75 has a standard deviation of ~0.02)",
+    "(recall over ~300 copies at s ~ 0.75 has a standard deviation of ~0.02); `hash_draws` measures both: the "
+    "planted pairs' Jaccard under each side's shingling and their candidate rate under each side's signature "
+    "code over several hash seeds",
 ]
 
 CRUCIBLE_CHILD = r"""
@@ -483,7 +489,7 @@ def main(argv=None) -> dict:
 
     if find_spec("datatrove") is None:
         sys.exit("this benchmark needs the 'bench' extra: .venv/bin/pip install -e '.[bench]'")
-    from _common import write_result
+    from _common import code_commit, write_result
     from curate_scale import corpus
     from tasks.core.documents import make_doc_id
 
@@ -515,6 +521,7 @@ def main(argv=None) -> dict:
     result = report(len(docs), origins, (dt_wall, dt_cpu), (cr_wall, cr_cpu), cr, (dt_dec, dt_passed, dt_kept),
                     (cr_dec, cr_passed, cr_kept, extra), ids, recall)
     result["machine"]["load_avg_before"], result["machine"]["load_avg_after_main_runs"] = load0, load1
+    result["code_commit"] = code_commit(REPO)
     result["near_dup_candidates_over_hash_draws"] = draws
     if draws:
         print(f"near-pair candidate rate over {args.hash_draws} hash seeds x {len(draws['corpora'])} corpora: "
