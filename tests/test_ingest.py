@@ -387,6 +387,34 @@ def test_duplicate_ids_across_jobs_dropped_on_the_workers(ray_session, tmp_path,
     assert s["bytes_out"] == sum(len(d["text"].encode()) for d in iter_docs(s["shards"]))
 
 
+def test_ids_spilled_in_chunks_resolve_across_chunks_and_jobs(tmp_path, monkeypatch):
+    """A job spills its ids every SPILL_DOCS documents; the partition tasks order the chunks' rows
+    as the job's, so the later occurrences are dropped across chunks and jobs, counted per part."""
+    import pyarrow.parquet as pq
+
+    from tasks.core.documents import make_doc_id
+    from tasks.ingest import ids
+
+    monkeypatch.setattr(ids, "SPILL_DOCS", 3)
+    jobs = {"j1": ["a", "b", "a", "c", "d", "b", "e", "a"], "j2": ["c", "f"]}
+    files = {}
+    for name, keys in jobs.items():
+        spill = ids.IdSpill(tmp_path / f"{name}-ids", 2)
+        for k in keys:
+            spill.add(make_doc_id("s", k), len(k) + 10)
+        files[name] = spill.close()
+    assert spill.chunks == 1 and len({p.name for p in files["j1"]}) == 3  # j1: chunks of 3, 3, 2
+    got: dict[str, Counter] = {"j1": Counter(), "j2": Counter()}
+    for k in range(2):
+        per_job = [(name, [str(f) for f in fs if f.parent.name == f"p-{k:05d}"]) for name, fs in files.items()]
+        for name, parts in ids.resolve_partition([j for j in per_job if j[1]], k, 4, str(tmp_path / "drops")).items():
+            got[name].update({p: n for p, n, nbytes in parts})
+    # j1 rows 2 (a), 5 (b), 7 (a): parts 0, 1, 1 of 4 rows; j2 row 0 (c, first in j1)
+    assert got == {"j1": Counter({0: 1, 1: 2}), "j2": Counter({0: 1})}
+    rows = sorted(r for f in (tmp_path / "drops" / "j1").iterdir() for r in pq.read_table(f).column("row").to_pylist())
+    assert rows == [2, 5, 7]
+
+
 @needs_data
 def test_run_ingest_real_sources_order_and_caps(ray_session, tmp_path):
     cfg = PipelineConfig(

@@ -8,7 +8,8 @@ is kept, the later ones are dropped as "duplicate_id". Three steps, each on the 
 1. `IdSpill` (inside each ingest job, `process_file_range`): the job's kept documents' (row in the
    job, 128-bit id digest, UTF-8 size) into `ingest.id_partitions` Parquet files by a hash of the id
    (`tasks.dedup.cluster.spill_partitioned`, as curate's key dedup spills its keys):
-   `<job>-ids/p-XXXXX/s-000000.parquet` beside the job's part files.
+   `<job>-ids/p-XXXXX/s-<chunk>.parquet` beside the job's part files (a chunk every `SPILL_DOCS`
+   documents, so a worker's memory does not grow with the file it reads).
 2. `resolve_partition` (a Ray task per partition): the partition's files of every job, read in the
    jobs' corpus order, sorted by (id, job, row); per id every row after the first is a drop, written
    per job (`<drops>/<job>/p-XXXXX.parquet`: the rows) and counted per part file of the job (drops,
@@ -37,32 +38,44 @@ from tasks.core.documents import ShardWriter
 from tasks.core.fs import is_remote, join, read_bytes, write_bytes
 
 
+SPILL_DOCS = 1_000_000  # ids a job holds before it spills them (24 MB: a worker's bound, whatever the file)
+
+
 class IdSpill:
-    """The kept documents' ids of one ingest job, spilled by id hash when the job ends. Holds 24
-    bytes per document of the job until then (the digest and the size), not the ids' strings."""
+    """The kept documents' ids of one ingest job, spilled by id hash every `SPILL_DOCS` documents and
+    when the job ends (`p-XXXXX/s-<chunk>.parquet`). Holds 24 bytes per document until then (the
+    digest and the size), not the ids' strings."""
 
     def __init__(self, folder: Path, partitions: int):
         self.folder, self.partitions = Path(folder), partitions
+        shutil.rmtree(self.folder, ignore_errors=True)  # an earlier attempt's, maybe of other partitions
         self.digests = bytearray()
         self.sizes = array("q")
+        self.rows = self.chunks = 0  # documents spilled so far, spill files per partition
 
     def add(self, doc_id: str, n_bytes: int) -> None:
         self.digests += uuid.UUID(doc_id).bytes
         self.sizes.append(n_bytes)
+        if len(self.sizes) >= SPILL_DOCS:
+            self._spill()
 
-    def close(self) -> list[Path]:
-        """Write the partition files (only the non-empty ones); their paths, sorted."""
+    def _spill(self) -> None:
         from tasks.dedup.cluster import spill_partitioned
         from tasks.dedup.minhash import fmix64
 
-        shutil.rmtree(self.folder, ignore_errors=True)  # an earlier attempt's, maybe of other partitions
         n = len(self.sizes)
         if not n:
-            return []
+            return
         key = np.frombuffer(bytes(self.digests), dtype="<u8").reshape(n, 2)
-        cols = {"row": np.arange(n, dtype=np.int64), "k0": key[:, 0].copy(), "k1": key[:, 1].copy(),
-                "nbytes": np.frombuffer(self.sizes, dtype=np.int64).copy()}
-        spill_partitioned(cols, fmix64(cols["k0"].copy()), self.partitions, self.folder, 0)
+        cols = {"row": np.arange(self.rows, self.rows + n, dtype=np.int64), "k0": key[:, 0].copy(),
+                "k1": key[:, 1].copy(), "nbytes": np.frombuffer(self.sizes, dtype=np.int64).copy()}
+        spill_partitioned(cols, fmix64(cols["k0"].copy()), self.partitions, self.folder, self.chunks)
+        self.rows, self.chunks = self.rows + n, self.chunks + 1
+        self.digests, self.sizes = bytearray(), array("q")
+
+    def close(self) -> list[Path]:
+        """Spill the rest; the partition files written (only the non-empty ones), sorted."""
+        self._spill()
         return sorted(self.folder.glob("p-*/s-*.parquet"))
 
 
@@ -75,15 +88,19 @@ def _read(loc: str, options: dict | None, columns: list[str] | None = None) -> p
     return t
 
 
-def resolve_partition(jobs: list[tuple[str, str]], partition: int, shard_docs: int, drops_root: str,
+def resolve_partition(jobs: list[tuple[str, list[str]]], partition: int, shard_docs: int, drops_root: str,
                       options: dict | None = None) -> dict[str, list[list[int]]]:
-    """Ray task: the later occurrences of each id among `jobs` ([(job name, its file of this
+    """Ray task: the later occurrences of each id among `jobs` ([(job name, its files of this
     partition)], in corpus order). Writes each job's dropped rows to `<drops_root>/<job>/p-XXXXX.parquet`;
     returns {job: [[part index, drops, bytes], ...]} (part index: row // shard_docs)."""
     if not jobs:
         return {}
-    tables = [_read(path, options) for _, path in jobs]
-    job = np.concatenate([np.full(t.num_rows, j, np.int32) for j, t in enumerate(tables)])
+    tables, owner = [], []
+    for j, (_, paths) in enumerate(jobs):
+        for path in paths:
+            tables.append(_read(path, options))
+            owner.append(np.full(tables[-1].num_rows, j, np.int32))
+    job = np.concatenate(owner)
     t = pa.concat_tables(tables)
     del tables
     row, k0, k1, nbytes = (t.column(c).to_numpy() for c in ("row", "k0", "k1", "nbytes"))

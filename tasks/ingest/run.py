@@ -318,14 +318,14 @@ class _DuplicateIds:
 
         from tasks.core.executor import TASK_RETRIES
 
-        by_partition: list[list[tuple[str, str]]] = [[] for _ in range(self.cfg.ingest.id_partitions)]
+        by_partition: list[dict[str, list[str]]] = [{} for _ in range(self.cfg.ingest.id_partitions)]
         for r, name in zip(results, names):
-            for f in r["ids"]:  # <job>-ids/p-XXXXX/s-000000.parquet
-                by_partition[int(Path(f).parent.name[2:])].append((name, self._at(f)))
+            for f in r["ids"]:  # <job>-ids/p-XXXXX/s-<chunk>.parquet, sorted
+                by_partition[int(Path(f).parent.name[2:])].setdefault(name, []).append(self._at(f))
         task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(resolve_partition)
         todo = [k for k, jobs in enumerate(by_partition) if jobs]
-        got = ray.get([task.remote(by_partition[k], k, self.cfg.ingest.shard_docs, self.drop_root, self.options)
-                       for k in todo])
+        got = ray.get([task.remote(list(by_partition[k].items()), k, self.cfg.ingest.shard_docs, self.drop_root,
+                                   self.options) for k in todo])
         for k, g in zip(todo, got):
             for name, per_part in g.items():
                 self.partitions.setdefault(name, []).append(k)
