@@ -368,6 +368,20 @@ def test_long_context_plans_context_parallelism_the_trainer_accepts(tmp_path, ca
         assert f"cp={lay['cp']}" in lay["rationale"]
 
 
+def test_cli_vocab_sizes_the_log_prob_term_and_the_header_multiplies_out(tmp_path, capsys):
+    """`--vocab`: with a 32k vocabulary the 128k-token log-probs no longer force cp (tp 4 within the node
+    fits), with Llama 3's 128,256 they do; the emitted header names every factor, so it multiplies out
+    to the GPU count."""
+    argv = ["--params", "8.03e9", "--n-layer", "32", "--d-model", "4096", "--gpus", "8", "--seq-len", "131072"]
+    for vocab, cp in ((32000, 1), (128256, 4)):
+        plan, _ = _emit(tmp_path, capsys, [*argv, "--vocab", str(vocab)])
+        lay = plan["layout"]
+        assert plan["vocab_size"] == vocab and lay["cp"] == cp
+        header = (tmp_path / "planned.yaml").read_text().splitlines()[0]
+        assert f"tp {lay['tp']} x pp {lay['pp']} x cp {cp} x dp {lay['dp']}" in header
+        assert lay["tp"] * lay["pp"] * cp * lay["dp"] == 8
+
+
 def test_pipelined_and_moe_plans_validate_as_emitted(tmp_path, capsys):
     plan, fragment = _emit(tmp_path, capsys, ["--params", "1e12", "--gpus", "1024"])
     lay = plan["layout"]

@@ -19,7 +19,7 @@ import json
 import math
 import sys
 
-from tasks.plan.planner import PlanError, make_plan
+from tasks.plan.planner import DEFAULT_VOCAB, PlanError, make_plan
 from tasks.plan.curate import INPUT_FORMATS, make_curate_plan
 from tasks.plan.report import format_curate_plan, format_plan
 
@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size.add_argument("--n-experts", type=_count, metavar="E",
                       help="MoE: routed experts per layer (default: as many as --params holds)")
     size.add_argument("--top-k", type=_count, default=2, metavar="K", help="MoE: experts per token (default 2)")
+    size.add_argument("--vocab", type=_count, default=DEFAULT_VOCAB, metavar="V",
+                      help=f"vocabulary size: the output layer's log-probs count toward activation memory "
+                           f"(default {DEFAULT_VOCAB:,}, Llama 3's)")
     hw = p.add_argument_group("hardware")
     hw.add_argument("--gpus", type=_count, metavar="G",
                     help="GPU count (default: the fewest that finish within plan.target_days)")
@@ -130,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
                          gpu=args.gpu or (cfg.gpu if cfg else "h100"), mfu=args.mfu, seq_len=args.seq_len,
                          n_layer=args.n_layer, d_model=args.d_model, active_params=args.active_params, cfg=cfg,
                          n_head=args.n_head, n_experts=args.n_experts,
-                         top_k=args.top_k if args.active_params else 2, energy=energy)
+                         top_k=args.top_k if args.active_params else 2, energy=energy,
+                         vocab_size=args.vocab)
         if args.emit_config:
             _emit(plan, args, cfg)
     except PlanError as e:
@@ -150,7 +154,7 @@ def _emit(plan: dict, args: argparse.Namespace, cfg) -> None:
                         "(more GPUs, GPUs with more memory, or a smaller model)")
     lay = plan["layout"]
     header = (f"# crucible plan: {plan['params']:.3g} params on {plan['gpus']} x {plan['gpu']}: tp {lay['tp']} x "
-              f"pp {lay['pp']} x dp {lay['dp']} (dp_shard {lay['dp_shard']} x dp_replicate {lay['dp_replicate']})\n"
+              f"pp {lay['pp']} x cp {lay['cp']} x dp {lay['dp']} (dp_shard {lay['dp_shard']} x dp_replicate {lay['dp_replicate']})\n"
               + ("" if args.config else "# a fragment: merge it into a pipeline config (or rerun with --config "
                                         "BASE to write BASE with it merged in)\n"))
     fragment = config_fragment(plan, (cfg or PlanConfig()).gpus_per_node, args.rdzv_endpoint)
