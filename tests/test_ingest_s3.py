@@ -306,3 +306,34 @@ def test_config_file_with_a_literal_credential_fails_without_echoing_it(tmp_path
     assert "hunter2" not in str(e.value)
     cfg.write_text(cfg.read_text().replace("secret: hunter2", "secret: '${MY_SECRET}'"))
     assert load_config(cfg).sources[0].storage_options["secret"] == "${MY_SECRET}"
+
+
+def test_duplicate_id_tasks_read_and_write_a_store_prefix(s3, tmp_path):
+    """The duplicate-id tasks as they run where the cluster's nodes do not share the driver's disk:
+    the jobs' id files and parts read on the store, the drops written there, and a shard packed
+    from two jobs' parts (one without its duplicate) uploaded to the stage's prefix."""
+    import io
+
+    from tasks.core.documents import iter_docs, make_doc_id, write_docs
+    from tasks.core.fs import read_bytes, upload
+    from tasks.ingest import ids
+
+    opts = options(s3)
+    stage = f"s3://{BUCKET}/run/ingest"
+    for name, keys in {"j1": ["a", "b"], "j2": ["b", "c"]}.items():
+        docs = [{"id": make_doc_id("s", k), "text": f"text {k}"} for k in keys]
+        part = write_docs(docs, tmp_path, shard_docs=3, prefix=name)[0]
+        upload(part, f"{stage}/_parts/{part.name}", opts)
+        spill = ids.IdSpill(tmp_path / f"{name}-ids", 1)
+        for d in docs:
+            spill.add(d["id"], 6)
+        upload(spill.close()[0], f"{stage}/_parts/{name}-ids/p-00000/s-000000.parquet", opts)
+    got = ids.resolve_partition([(n, [f"{stage}/_parts/{n}-ids/p-00000/s-000000.parquet"]) for n in ("j1", "j2")],
+                                0, 3, f"{stage}/_parts/_id_drops", opts)
+    assert got == {"j2": [[0, 1, 6]]}  # j2's row 0 (b) is j1's row 1
+    shard = ids.write_shard([(f"{stage}/_parts/j1-00000.parquet", 0, []),
+                             (f"{stage}/_parts/j2-00000.parquet", 0, [f"{stage}/_parts/_id_drops/j2/p-00000.parquet"])],
+                            4, 3, stage, opts, opts)
+    assert shard == f"{stage}/shard-00004.parquet"
+    assert [d["id"] for d in iter_docs([io.BytesIO(read_bytes(shard, opts))])] == \
+        [make_doc_id("s", k) for k in ("a", "b", "c")]

@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 
 from tasks.core.documents import ShardWriter
-from tasks.core.fs import is_remote, join, read_bytes, write_bytes
+from tasks.core.fs import is_remote, join, upload, write_bytes
 
 
 SPILL_DOCS = 1_000_000  # ids a job holds before it spills them (24 MB: a worker's bound, whatever the file)
@@ -150,6 +150,6 @@ def write_shard(entries: list[tuple[str, int, list[str]]], index: int, shard_doc
                     rows = np.arange(p * shard_docs, p * shard_docs + t.num_rows)
                     t = t.filter(pa.array(~np.isin(rows, dropped[tuple(drop_files)])))
                 w.write_many(t.to_pylist())
-        if not local:  # written here, then one PUT to the store's prefix
-            write_bytes(join(out_dir, name), read_bytes(str(Path(folder) / name)), out_options)
+        if not local:  # written here, then uploaded to the store's prefix (one object, whole or none)
+            upload(Path(folder) / name, join(out_dir, name), out_options)
     return str(join(out_dir, name))

@@ -53,9 +53,9 @@ from pathlib import Path
 from tasks.config import IngestConfig, PipelineConfig, SourceConfig
 from tasks.core.executor import Job, JobRunner, RayTasks, ResumableOutput, start_ray
 from tasks.core.progress import Progress
-from tasks.core.resume import digest
+from tasks.core.resume import MANIFEST, digest
 from tasks.core.steps import StepStats
-from tasks.core.fs import expand_uri, file_identity, is_remote, join, name_of, remove_tree
+from tasks.core.fs import expand_uri, file_identity, is_remote, join, name_of, remove, remove_tree
 from tasks.dedup.stages import concat_files
 from tasks.ingest.ids import resolve_partition, write_shard
 from tasks.ingest.process import process_file_range
@@ -369,6 +369,8 @@ class _DuplicateIds:
                 writes.append((i, [(self._at(part), p, files) for part, p, files in entries]))
         if writes:
             out_root, out_options = task_location(out_dir)
+            if is_remote(out_root):  # the store's manifest first: it no longer describes the shards there
+                remove(join(out_root, MANIFEST), out_options)
             task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(write_shard)
             got = ray.get([task.remote(entries, i, shard_docs, str(out_root), self.options, out_options)
                            for i, entries in writes])
