@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 
 from tasks.core.documents import ShardWriter
-from tasks.core.fs import is_remote, join, upload, write_bytes
+from tasks.core.fs import is_remote, join, upload
 
 
 SPILL_DOCS = 1_000_000  # ids a job holds before it spills them (24 MB: a worker's bound, whatever the file)
@@ -93,6 +93,8 @@ def resolve_partition(jobs: list[tuple[str, list[str]]], partition: int, shard_d
     """Ray task: the later occurrences of each id among `jobs` ([(job name, its files of this
     partition)], in corpus order). Writes each job's dropped rows to `<drops_root>/<job>/p-XXXXX.parquet`;
     returns {job: [[part index, drops, bytes], ...]} (part index: row // shard_docs)."""
+    from tasks.dedup.stages import write_table
+
     if not jobs:
         return {}
     tables, owner = [], []
@@ -114,21 +116,10 @@ def resolve_partition(jobs: list[tuple[str, list[str]]], partition: int, shard_d
     for lo, hi in zip(bounds, list(bounds[1:]) + [len(dup)]):
         sel = dup[lo:hi]
         name = jobs[int(job[sel[0]])][0]
-        write_bytes(join(drops_root, name, f"p-{partition:05d}.parquet"), _parquet(pa.table({"row": row[sel]})),
-                    options)
+        write_table(join(drops_root, name, f"p-{partition:05d}.parquet"), pa.table({"row": row[sel]}), options)
         part = row[sel] // shard_docs
         out[name] = [[int(p), int((part == p).sum()), int(nbytes[sel][part == p].sum())] for p in np.unique(part)]
     return out
-
-
-def _parquet(t: pa.Table) -> bytes:
-    import io
-
-    import pyarrow.parquet as pq
-
-    buf = io.BytesIO()
-    pq.write_table(t, buf, compression="zstd")
-    return buf.getvalue()
 
 
 def write_shard(entries: list[tuple[str, int, list[str]]], index: int, shard_docs: int, out_dir: str,
