@@ -210,6 +210,67 @@ def test_job_results_hold_no_per_document_lists(sample_docs, cfg, tmp_path):
     assert sizes[len(sample_docs)] < sizes[60] + 4096, sizes
 
 
+def test_driver_plans_jobs_as_workers_need_them_and_keeps_no_result(sample_docs, cfg, ray_session, tmp_path,
+                                                                     monkeypatch):
+    """Issue 26 (bounded driver): with ~50 one-row-group jobs on 2 CPUs, the driver takes jobs from
+    the plan only as the workers need them (planned but unfinished: at most FEED_AHEAD per CPU
+    queued plus the running ones), and no job's result is alive once the dedup stages start (each
+    was folded into the totals as it came back); the output is the one of larger jobs."""
+    import gc
+    import weakref
+
+    import tasks.curate.run as curate_run
+    from tasks.core.documents import ShardWriter
+    from tasks.core.executor import JobRunner
+
+    class Result(dict):  # a job result the test can hold a weak reference to
+        pass
+
+    planned, folded, outstanding, refs, alive_at_dedup = [0], [0], [], [], []
+    plan, finished, add, dedup = (curate_run.plan_jobs, JobRunner.finished, curate_run._Totals.add,
+                                  curate_run._dedup)
+
+    def counting_plan(*args):
+        for job in plan(*args):
+            planned[0] += 1
+            yield job
+
+    def tracked(self):
+        for job, result in finished(self):
+            result = Result(result)
+            refs.append(weakref.ref(result))
+            yield job, result
+
+    def counting_add(self, k, result):
+        folded[0] += 1
+        outstanding.append(planned[0] - folded[0])
+        return add(self, k, result)
+
+    def checked_dedup(*args):
+        gc.collect()
+        alive_at_dedup.append(sum(r() is not None for r in refs))
+        return dedup(*args)
+
+    monkeypatch.setattr(curate_run, "plan_jobs", counting_plan)
+    monkeypatch.setattr(JobRunner, "finished", tracked)
+    monkeypatch.setattr(curate_run._Totals, "add", counting_add)
+    monkeypatch.setattr(curate_run, "_dedup", checked_dedup)
+    docs = [d for d in sample_docs if d["source"] == "cc-main"][:100]
+    with ShardWriter(tmp_path / "in", shard_docs=len(docs), row_group_docs=2) as w:
+        w.write_many(docs)
+    small = run_curate(cfg, w.paths, tmp_path / "out")
+    assert small["jobs"] == 50 == planned[0] == folded[0] and len(refs) == 50
+    assert max(outstanding) <= (curate_run.FEED_AHEAD + 1) * 2, outstanding
+    assert alive_at_dedup == [0]
+    monkeypatch.undo()
+    big = run_curate(cfg, write_docs(docs, tmp_path / "in-big", shard_docs=len(docs)), tmp_path / "out-big")
+    assert big["jobs"] == 1
+    assert [(d["id"], d["text"]) for d in iter_docs(small["shards"])] == \
+        [(d["id"], d["text"]) for d in iter_docs(big["shards"])]
+    assert {k: small[k] for k in ("docs_in", "docs_out", "dropped", "languages", "sources", "pii")} == \
+        {k: big[k] for k in ("docs_in", "docs_out", "dropped", "languages", "sources", "pii")}
+
+
 # ------------------------------------------------------------------ URL and line dedup (issue 15, items 1-2)
 
 def _frequent_line_docs(texts, frequent) -> int:

@@ -156,7 +156,7 @@ def test_damaged_part_is_redone(setup, tmp_path):
         out = tmp_path / "b"
         parts = out / "_parts"
         parts.mkdir(parents=True)
-        jobs = curate_run.plan_jobs(shards, parts, curate_run.job_base_key(cfg, None))
+        jobs = list(curate_run.plan_jobs(shards, parts, curate_run.job_base_key(cfg, None)))
         worker = curate_run.CurateWorker(cfg.curate, curate_run.source_policies(cfg), None)
         for job in jobs:
             JobStore(parts).save(job.name, job.key, worker.process(*job.args))

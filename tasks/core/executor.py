@@ -335,6 +335,11 @@ class JobRunner:
     def busy(self) -> bool:
         return bool(self._queue or self._pending)
 
+    @property
+    def queued(self) -> int:
+        """Jobs submitted that wait for a worker (a caller planning jobs lazily keeps this short)."""
+        return len(self._queue)
+
     def finished(self) -> Iterator[tuple[Job, dict]]:
         """(job, result) for each queued job, as they finish; jobs submitted meanwhile run too."""
         import ray

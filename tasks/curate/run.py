@@ -79,6 +79,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -88,7 +89,7 @@ from tasks.core.documents import AtomicJsonlWriter, ShardWriter, iter_doc_batche
 from tasks.core.executor import Job, JobRunner, RayActors, ResumableOutput, Shared
 from tasks.core.io import atomic_write_bytes
 from tasks.core.progress import Progress
-from tasks.core.ray_utils import init_ray
+from tasks.core.ray_utils import cluster_cpus, init_ray
 from tasks.core.resume import JobStore, digest, file_identity
 from tasks.core.steps import StepStats, run_filters
 from tasks.curate.filters import filter_names
@@ -213,15 +214,24 @@ def job_key(base: str, shard: str, row_groups: list[int]) -> str:
     return digest([base, file_identity(shard), row_groups])
 
 
-def plan_jobs(shards: list[str], parts_dir: Path, base: str) -> list[Job]:
+def job_name(k: int) -> str:
+    """Job k's name: the prefix of its part files, in corpus order."""
+    return f"{k:05d}"
+
+
+def count_jobs(shards: list[str]) -> int:
+    return sum(pq.ParquetFile(s).metadata.num_row_groups for s in shards)
+
+
+def plan_jobs(shards: list[str], parts_dir: Path, base: str) -> Iterator[Job]:
     """One job per Parquet row group (ingest writes 500-row groups), in corpus order, so a
-    corpus of one shard still spreads over all workers. Arguments: `CurateWorker.process`'s."""
-    jobs: list[Job] = []
+    corpus of one shard still spreads over all workers. Arguments: `CurateWorker.process`'s.
+    Made as they are submitted (a job's key and arguments are ~1 KB in the driver)."""
+    k = 0
     for s in shards:
         for rg in range(pq.ParquetFile(s).metadata.num_row_groups):
-            name = f"{len(jobs):05d}"
-            jobs.append(Job(name, job_key(base, s, [rg]), (s, str(parts_dir), name, [rg])))
-    return jobs
+            yield Job(job_name(k), job_key(base, s, [rg]), (s, str(parts_dir), job_name(k), [rg]))
+            k += 1
 
 
 _INDEX_CACHE: dict[str, object] = {}
@@ -279,11 +289,10 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
     lines_seconds = time.perf_counter() - t_lines
     if lines is not None:  # every job's output depends on the whole corpus's line counts
         job_base = digest([job_base, lines.fingerprint()])
-    jobs = plan_jobs(shards, output.parts_dir, job_base)
-    store.prune({job.name for job in jobs})
-    n_jobs = len(jobs)
-    mapped = _map_jobs(cfg, jobs, index, store, progress, lines, output.parts_dir)
-    del jobs  # the plan's per-job objects: the map's table is what the dedup stages need
+    n_jobs = count_jobs(shards)
+    store.prune({job_name(k) for k in range(n_jobs)})
+    mapped = _map_jobs(cfg, plan_jobs(shards, output.parts_dir, job_base), n_jobs, index, store, progress, lines,
+                       output.parts_dir)
 
     t_dedup = time.perf_counter()
     totals = mapped.totals
@@ -363,6 +372,9 @@ class _Totals:
         return [h for job in sorted(self._hits) for h in self._hits[job]]
 
 
+FEED_AHEAD = 4  # jobs queued per CPU beyond those running: the workers never wait for the plan
+
+
 @dataclass
 class _Mapped:
     """The map's outcome: the jobs' results folded, their kept documents' table, how they were obtained."""
@@ -378,20 +390,25 @@ class _Mapped:
     job_report: dict  # `JobRunner.job_report`: compute vs wall of the jobs, result bytes
 
 
-def _map_jobs(cfg: PipelineConfig, jobs: list[Job], index, store: JobStore, progress: Progress | None,
-              lines: FrequentLines | None, parts_dir: Path) -> _Mapped:
+def _map_jobs(cfg: PipelineConfig, jobs: Iterator[Job], n_jobs: int, index, store: JobStore,
+              progress: Progress | None, lines: FrequentLines | None, parts_dir: Path) -> _Mapped:
     """Reuse the finished jobs, run the others on `CurateWorker` actors (the decontam index and
-    the frequent lines are shipped once); each result is folded into `_Totals` as it arrives and
-    only its kept count and number of part files are kept (`JobTable`)."""
+    the frequent lines are shipped once). Jobs are taken from the plan as the workers need them
+    (`FEED_AHEAD` per CPU queued at most); each result is folded into `_Totals` as it arrives
+    and only its kept count and number of part files are kept (`JobTable`)."""
     report = progress or (lambda done, total, note: None)
     actors = RayActors(CurateWorker, (cfg.curate, source_policies(cfg), Shared(index) if index is not None else None,
                                       Shared(lines.hashes) if lines is not None else None),
                        "process", cfg.ray)
     totals = _Totals()
-    position = {job.name: k for k, job in enumerate(jobs)}
-    kept, parts = np.zeros(len(jobs), np.int64), np.zeros(len(jobs), np.int32)
+    names = np.zeros(n_jobs, dtype=f"U{len(job_name(max(0, n_jobs - 1)))}")
+    kept, parts = np.zeros(n_jobs, np.int64), np.zeros(n_jobs, np.int32)
+    position: dict[str, int] = {}  # the jobs submitted and not yet folded
+    folded = 0
+    ahead = FEED_AHEAD * max(1, cluster_cpus())
 
     def fold(name: str, result: dict) -> None:
+        nonlocal folded
         k = position.pop(name)  # KeyError: a job's result came twice
         job = JobTable(parts_dir, [name], [0], [len(result["docs"])])[0]  # its files by curate's naming
         if (result["meta"] != job.meta or list(result["docs"]) != list(job.docs)
@@ -400,21 +417,31 @@ def _map_jobs(cfg: PipelineConfig, jobs: list[Job], index, store: JobStore, prog
                                f"as the dedup stages read them (under {parts_dir})")
         totals.add(k, result)
         kept[k], parts[k] = result["kept"], len(result["docs"])
+        folded += 1
+
+    def feed(runner: JobRunner) -> None:
+        """Submit planned jobs until `ahead` wait to run (the reused ones are folded at once)."""
+        while runner.queued < ahead and (job := next(jobs, None)) is not None:
+            k = len(position) + folded
+            if len(job.name) > names.itemsize // 4 or k >= n_jobs:
+                raise RuntimeError(f"curate: job {job.name} is not in the plan of {n_jobs} jobs")
+            names[k], position[job.name] = job.name, k
+            if (stored := runner.submit(job)) is not None:
+                fold(job.name, stored)
 
     ran_docs = 0
     with JobRunner(actors, store) as runner:
-        for job in jobs:
-            if (stored := runner.submit(job)) is not None:
-                fold(job.name, stored)
-        report(runner.resumed, len(jobs), f"curate: {runner.resumed} jobs resumed" if runner.resumed else "curate")
+        feed(runner)
+        report(runner.resumed, n_jobs, f"curate: {runner.resumed} jobs resumed" if runner.resumed else "curate")
         t0 = time.perf_counter()
         for job, result in runner.finished():
             fold(job.name, result)
             ran_docs += result["docs_in"]
-            report(len(jobs) - len(position), len(jobs), "curate")
-    if position:
-        raise RuntimeError(f"curate: no result for {len(position)} jobs")
-    return _Mapped(totals, JobTable(parts_dir, [job.name for job in jobs], kept, parts), runner.resumed, runner.ran, ran_docs,
+            feed(runner)
+            report(folded, n_jobs, "curate")
+    if folded != n_jobs:
+        raise RuntimeError(f"curate: {folded} of {n_jobs} jobs gave a result")
+    return _Mapped(totals, JobTable(parts_dir, names, kept, parts), runner.resumed, runner.ran, ran_docs,
                    actors.workers, time.perf_counter() - t0, runner.node_report(), runner.rerun, runner.job_report())
 
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import os
 import shutil
 import time
 from collections import Counter
@@ -107,15 +108,19 @@ class JobTable(Sequence[JobDocs]):
         self.offsets = np.cumsum(self.kept_counts) - self.kept_counts
         self.options = options
 
+    def _file(self, name: str) -> str:
+        # a plain string: no pathlib parse for each of the many jobs (root has no trailing "/")
+        return f"{self.root}/{name}"
+
     def meta_path(self, name: str) -> str:
-        return str(join(self.root, f"{name}-meta.parquet"))
+        return self._file(f"{name}-meta.parquet")
 
     def __len__(self) -> int:
         return len(self.names)
 
     def __getitem__(self, k) -> JobDocs:
         name = str(self.names[k])  # an out-of-range k raises IndexError here
-        docs = tuple(str(join(self.root, f"{name}-{i:05d}.parquet")) for i in range(int(self.parts[k])))
+        docs = tuple(self._file(f"{name}-{i:05d}.parquet") for i in range(int(self.parts[k])))
         return JobDocs(name, self.meta_path(name), docs, int(self.kept_counts[k]), int(self.offsets[k]), self.options)
 
     def __iter__(self) -> Iterator[JobDocs]:
@@ -124,7 +129,7 @@ class JobTable(Sequence[JobDocs]):
     def stage_paths(self, fn, options: dict | None = None) -> "JobTable":
         """A copy whose root is where `fn` maps the files (`map_paths`; called on one job's meta path,
         so a caller that pushes the folders of the paths it sees pushes `root`)."""
-        probe = self.meta_path(str(self.names[0])) if len(self) else str(join(self.root, "-"))
+        probe = self.meta_path(str(self.names[0])) if len(self) else self._file("-")
         out = copy.copy(self)
         out.root = parent_of(location(str(fn(probe))))
         out.options = self.options if options is None else options
@@ -205,8 +210,18 @@ class Files:
         return join(self.root, step, "_spill")
 
     def names(self, folder: Path | str) -> list[str]:
-        """The files directly in `folder` (sorted names; none when it is not there)."""
-        return [n for n in listing(folder, self.options) if "/" not in n]
+        """The files directly in `folder` (sorted names; none when it is not there). One level only:
+        a step's folder also holds its block pieces, which a recursive listing would walk."""
+        if not is_remote(folder):
+            try:
+                return sorted(e.name for e in os.scandir(folder) if e.is_file())
+            except FileNotFoundError:
+                return []
+        try:
+            found = store_fs(folder, self.options).ls(folder, detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted(name_of(f["name"]) for f in found if f.get("type", "file") == "file")
 
 
 def _dropped_before(files: Files, steps: Sequence[str], job: JobDocs) -> np.ndarray:
@@ -775,11 +790,7 @@ def filter_pass(stages: DedupStages, out_dir: Path, shard_docs: int) -> dict:
                                out_options) for k in range(-(-total // shard_docs))])
     names = [n for g in got for n in g["names"]]
     if is_remote(out_loc):
-        fs = store_fs(out_loc, out_options)  # one listing of the stage's top level, not of its _parts
-        try:
-            there = {name_of(p) for p in fs.ls(out_loc, detail=False)}
-        except FileNotFoundError:
-            there = set()
+        there = set(Files(out_loc, out_options).names(out_loc))  # the stage's top level only, not its _parts
         for stale in sorted(n for n in there - set(names) if n.startswith("shard-") and n.endswith(".parquet")):
             remove(join(out_loc, stale), out_options)
         store = store_of_path(out_dir)
