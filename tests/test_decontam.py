@@ -71,6 +71,30 @@ def test_lookup_bit_table_passes_few_and_finds_every_indexed_ngram(index):
     assert "_bits" not in pickle.loads(pickle.dumps(index)).__dict__  # rebuilt by each worker
 
 
+def test_unsorted_or_repeated_index_is_refused(index):
+    """The bit table and the binary search assume strictly increasing hashes: an index whose hashes
+    are out of order (which would miss members: false negatives) is refused when it is built and
+    when it is unpickled, with a clear error."""
+    import pickle
+
+    import numpy as np
+
+    from tasks.curate.decontam import DecontamIndex
+
+    h, b, i = index.hashes[:1000], index.bench[:1000], index.items[:1000]
+    shuffled = np.random.default_rng(0).permutation(len(h))
+    for bad in (h[shuffled], np.r_[h[:10], h[9:999]]):  # out of order; one hash repeated
+        with pytest.raises(ValueError, match="strictly increasing"):
+            DecontamIndex(index.n, index.names, bad, b, i, {})
+    with pytest.raises(ValueError, match="1-D uint64"):
+        DecontamIndex(index.n, index.names, h.astype(np.int64), b, i, {})
+    ok = DecontamIndex(index.n, index.names, h, b, i, {})
+    assert np.array_equal(ok.lookup(h[shuffled]), shuffled)  # a sorted one finds every member
+    ok.hashes = h[shuffled]  # tampered before shipping to a worker: refused on arrival
+    with pytest.raises(ValueError, match="strictly increasing"):
+        pickle.loads(pickle.dumps(ok))
+
+
 def test_embedded_lambada_passage_dropped_clean_kept(index):
     f = DecontamFilter(index)
     passage = read_items(EVAL / "lambada_test.jsonl", "lambada")[1234]

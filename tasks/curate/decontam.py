@@ -111,6 +111,7 @@ class DecontamIndex:
 
     def __init__(self, n: int, names: list[str], hashes: np.ndarray, bench: np.ndarray, items: np.ndarray,
                  stats: dict):
+        _check_index_arrays(hashes, bench, items)
         self.n, self.names, self.hashes, self.bench, self.items, self.stats = n, names, hashes, bench, items, stats
 
     def __len__(self) -> int:
@@ -148,14 +149,35 @@ class DecontamIndex:
         """Pickled (to the workers) without the bit table: rebuilt there from the hashes."""
         return {k: v for k, v in self.__dict__.items() if k != "_bits"}
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling skips __init__: the arrays are checked here too before any lookup trusts them."""
+        _check_index_arrays(state["hashes"], state["bench"], state["items"])
+        self.__dict__.update(state)
+
+
+def _check_index_arrays(hashes: np.ndarray, bench: np.ndarray, items: np.ndarray) -> None:
+    """The lookup's binary search and the bit table's one-OR-per-run (`_bit_table`) both need the
+    hashes strictly increasing: unsorted ones would silently miss members (false negatives = missed
+    contamination), so an index built or read any other way is refused."""
+    if not isinstance(hashes, np.ndarray) or hashes.dtype != np.uint64 or hashes.ndim != 1:
+        raise ValueError(f"decontam index: hashes must be a 1-D uint64 array, got "
+                         f"{getattr(hashes, 'dtype', type(hashes).__name__)}")
+    if len(bench) != len(hashes) or len(items) != len(hashes):
+        raise ValueError(f"decontam index: {len(hashes)} hashes but {len(bench)} benchmark and {len(items)} "
+                         "item entries")
+    bad = np.flatnonzero(hashes[1:] <= hashes[:-1])
+    if len(bad):
+        raise ValueError(f"decontam index: hashes not strictly increasing ({len(bad)} places, first at "
+                         f"{int(bad[0]) + 1}); build it with build_index")
+
 
 _TABLE_BITS = 26  # 2^26 bits = 8 MB per process
 _BIT = np.array([1 << b for b in range(8)], dtype=np.uint8)
 
 
 def _bit_table(hashes: np.ndarray) -> np.ndarray:
-    """Bit i set when some hash's top `_TABLE_BITS` bits are i. `hashes` is sorted, so their
-    byte positions come in runs: one OR per run (`reduceat`)."""
+    """Bit i set when some hash's top `_TABLE_BITS` bits are i. `hashes` is sorted (checked by
+    `_check_index_arrays`), so their byte positions come in runs: one OR per run (`reduceat`)."""
     table = np.zeros(1 << (_TABLE_BITS - 3), dtype=np.uint8)
     if len(hashes):
         top = hashes >> np.uint64(64 - _TABLE_BITS)
