@@ -224,3 +224,20 @@ def test_local_ray_runs_no_dashboard_head_or_autoscaler_monitor(stage_ray):
     assert ray_constants.PROCESS_TYPE_MONITOR not in started
     commands = [_cmdline(p) for p in descendant_pids({os.getpid()})]
     assert not [c for c in commands if "dashboard/dashboard.py" in c or "autoscaler/_private/monitor.py" in c]
+
+
+def test_local_ray_refuses_include_dashboard(monkeypatch):
+    """start_local_ray never starts the dashboard head: include_dashboard=True is refused before
+    any Ray starts, not silently dropped."""
+    import ray
+
+    from tasks.core.ray_utils import start_local_ray
+
+    def no_init(*args, **kwargs):
+        raise AssertionError("ray.init called")
+
+    monkeypatch.setattr(ray, "init", no_init)
+    with pytest.raises(ValueError, match="include_dashboard=True is not supported"):
+        start_local_ray(1, include_dashboard=True)
+    with pytest.raises(AssertionError, match="ray.init called"):  # False still reaches ray.init
+        start_local_ray(1, include_dashboard=False)

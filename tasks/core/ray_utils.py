@@ -103,7 +103,12 @@ def init_ray(cfg: RayConfig | None = None) -> bool:
 def start_local_ray(num_cpus: int | None = None, **init_kwargs) -> None:
     """A new local Ray ("local": never a cluster some `ray start` recorded in /tmp/ray) on
     127.0.0.1 with token authentication and a token of its own (see the module's docstring);
-    `init_kwargs` go to ray.init (init_ray's, or a benchmark's object store size)."""
+    `init_kwargs` go to ray.init (init_ray's, or a benchmark's object store size). A local Ray
+    never runs the dashboard head (`_no_dashboard_head`), so asking for it is an error rather than
+    a silently dashboard-less Ray."""
+    if init_kwargs.get("include_dashboard"):
+        raise ValueError("start_local_ray: include_dashboard=True is not supported: a stage's local Ray "
+                         "runs without the dashboard head (attach to a cluster via ray.address for one)")
     import ray
     from ray._private import ray_constants
 
