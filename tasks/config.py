@@ -103,8 +103,15 @@ class IngestConfig(Section):
     # this many, its last one shorter: shards follow the jobs, their concatenation is the corpus order)
     shard_docs: int = Field(default=2000, gt=0)
     # hash partitions of the document ids for duplicate-id detection: each job writes its ids into
-    # this many files, one Ray task per partition resolves them (memory ~40 B x documents / partitions)
-    id_partitions: int = Field(default=8, gt=0)
+    # this many files, one Ray task per partition resolves them, holding ~60 B per document of its
+    # partition (measured: row, 16-byte digest and size as Parquet columns, the job index, the sort's
+    # permutation). 0: one partition per `id_partition_bytes` of source files (their sizes at planning),
+    # so a task's memory follows this setting, not the corpus. At most 65535 (a uint16 partition number)
+    id_partitions: int = Field(default=0, ge=0, le=65535)
+    # source bytes per id partition when `id_partitions` is 0. Assumes >= 200 source bytes per document
+    # (a compressed WARC response is ~10 KB, a compressed JSONL line of web text ~1 KB): then a task
+    # holds <= 5.4 M documents, ~320 MB at the default
+    id_partition_bytes: int = Field(default=1 << 30, gt=0)
     normalise_nfc: bool = True
     normalise_whitespace: bool = True  # collapse runs of spaces, strip lines, at most one blank line
     extract_metadata: bool = True  # page date via htmldate (+ trafilatura's title); off: <title> and WARC-Date

@@ -415,6 +415,45 @@ def test_ids_spilled_in_chunks_resolve_across_chunks_and_jobs(tmp_path, monkeypa
     assert rows == [2, 5, 7]
 
 
+def test_id_partitions_follow_the_source_bytes_so_a_task_stays_bounded(tmp_path):
+    """`id_partitions: 0`: one id partition per `id_partition_bytes` of source files, so four times
+    the corpus gives four times the partitions and the rows a duplicate-id task loads stay under
+    id_partition_bytes / 200 (the assumed source bytes per document) whatever the corpus; an explicit
+    count is kept, and more than a uint16 partition number is refused."""
+    import pyarrow.parquet as pq
+    from pydantic import ValidationError
+
+    from tasks.ingest.run import _Plan
+
+    ingest = IngestConfig(id_partition_bytes=6000)
+    rows_bound = ingest.id_partition_bytes // 200
+    counts = []
+    for n_files in (3, 12):
+        folder = tmp_path / f"c{n_files}"
+        folder.mkdir()
+        for f in range(n_files):
+            (folder / f"f{f:02d}.jsonl").write_text("".join(
+                json.dumps({"id": f"{f}-{i}", "text": f"document {f}-{i} " + "word " * 120}) + "\n" for i in range(10)))
+        cfg = PipelineConfig(name="parts", sources=[src("s", folder / "*.jsonl", "jsonl")], ingest=ingest)
+        plan = _Plan.of(cfg)
+        counts.append(plan.ingest.id_partitions)
+        per_partition: Counter = Counter()
+        for f, path in enumerate(plan.sources[0][1]):
+            r = process_file_range(plan.sources[0][0], path, plan.ingest, part_dir=str(folder / "_parts"),
+                                   part_name=f"j{f}")
+            for ids_file in r["ids"]:
+                per_partition[Path(ids_file).parent.name] += pq.read_metadata(ids_file).num_rows
+        assert sum(per_partition.values()) == 10 * n_files
+        assert max(per_partition.values()) <= rows_bound, (per_partition, rows_bound)
+    source_bytes = [sum(p.stat().st_size for p in (tmp_path / f"c{n}").glob("*.jsonl")) for n in (3, 12)]
+    assert counts == [-(-b // 6000) for b in source_bytes] and counts[1] >= 4 * counts[0] - 3 and counts[0] > 1
+    cfg = PipelineConfig(name="parts", sources=[src("s", tmp_path / "c3" / "*.jsonl", "jsonl")],
+                         ingest=IngestConfig(id_partitions=5, id_partition_bytes=6000))
+    assert _Plan.of(cfg).ingest.id_partitions == 5
+    with pytest.raises(ValidationError):
+        IngestConfig(id_partitions=65536)
+
+
 @needs_data
 def test_run_ingest_real_sources_order_and_caps(ray_session, tmp_path):
     cfg = PipelineConfig(

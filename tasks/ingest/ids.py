@@ -13,7 +13,8 @@ is kept, the later ones are dropped as "duplicate_id". Three steps, each on the 
 2. `resolve_partition` (a Ray task per partition): the partition's files of every job, read in the
    jobs' corpus order, sorted by (id, job, row); per id every row after the first is a drop, written
    per job (`<drops>/<job>/p-XXXXX.parquet`: the rows) and counted per part file of the job (drops,
-   bytes). Its memory is ~40 bytes per document of the partition.
+   bytes). Its memory is ~60 bytes per document of the partition (measured), and a partition holds
+   at most ~`ingest.id_partition_bytes` of source (`run.id_partitions`), whatever the corpus.
 3. `write_shard` (a Ray task per output shard that is not one whole part): parts that lost rows,
    and runs of consecutive small parts (small files: at most `ingest.shard_docs` rows together),
    written as one shard without the dropped rows. A whole part alone is linked into place by the

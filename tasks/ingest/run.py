@@ -96,17 +96,27 @@ class _CappedSource:
         self.fi += 1  # either the file ended or the cap is reached
 
 
-def _config_key(cfg: PipelineConfig) -> str:
+def _config_key(ingest: IngestConfig) -> str:
     """What every ingest job depends on besides its source and file: the ingest config
     (re-validated, so a default `3` and a loaded `3.0` agree; `resume` excluded)."""
-    return digest(IngestConfig.model_validate(cfg.ingest.model_dump()).model_dump(exclude={"resume"}))
+    return digest(IngestConfig.model_validate(ingest.model_dump()).model_dump(exclude={"resume"}))
+
+
+def id_partitions(ingest: IngestConfig, source_bytes: int) -> int:
+    """`ingest.id_partitions`, or where it is 0 one per `ingest.id_partition_bytes` of the source
+    files (at most 65535): a duplicate-id task's partition grows with this bound, not the corpus."""
+    if ingest.id_partitions:
+        return ingest.id_partitions
+    return min(65535, max(1, -(-source_bytes // ingest.id_partition_bytes)))
 
 
 @dataclass
 class _Plan:
-    """The sources with their files, each file's identity, and the keys of the run."""
+    """The sources with their files, each file's identity, the ingest config the jobs run with (its
+    `id_partitions` resolved from the files' sizes) and the keys of the run."""
     sources: list[tuple[SourceConfig, list[str]]]
     idents: dict[str, list]
+    ingest: IngestConfig
     base: str  # `_config_key`
     run_key: str
 
@@ -114,9 +124,11 @@ class _Plan:
     def of(cls, cfg: PipelineConfig) -> "_Plan":
         sources = [(source, resolve_source_files(cfg, source)) for source in cfg.sources]
         idents = {f: file_identity(f, source.storage_options) for source, files in sources for f in files}
-        base = _config_key(cfg)
+        source_bytes = sum(int(ident[1] or 0) for ident in idents.values())  # size unknown (some http): 0
+        ingest = cfg.ingest.model_copy(update={"id_partitions": id_partitions(cfg.ingest, source_bytes)})
+        base = _config_key(ingest)  # the resolved count: a job's id files are spilled with it
         run_key = digest([base, [[s.model_dump(), [idents[f] for f in files]] for s, files in sources]])
-        return cls(sources, idents, base, run_key)
+        return cls(sources, idents, ingest, base, run_key)
 
     @property
     def n_files(self) -> int:
@@ -189,7 +201,7 @@ class _IngestJobs:
         name = job_name(si, fi, start)
         key = digest([self.plan.base, source.model_dump(), self.plan.idents[files[fi]], start, stop])
         self.slots[name] = (si, fi, start)
-        stored = self.runner.submit(Job(name, key, (source, files[fi], self.cfg.ingest, start, stop,
+        stored = self.runner.submit(Job(name, key, (source, files[fi], self.plan.ingest, start, stop,
                                                     str(self.parts_dir), name)))
         if stored is not None:
             self.results[(si, fi, start)] = stored
@@ -230,7 +242,7 @@ def _merge(cfg: PipelineConfig, plan: _Plan, results: dict, out_dir: Path, parts
     part files as the shards in corpus order, their quarantine parts concatenated."""
     order = sorted(results)  # (source, file, start): the corpus order
     names = [job_name(*k) for k in order]
-    ids = _DuplicateIds(cfg, parts_dir)
+    ids = _DuplicateIds(plan.ingest, parts_dir)
     drops = ids.resolve([results[k] for k in order], names)
     shards = ids.shards([results[k] for k in order], names, out_dir)
     quarantine_path = out_dir / QUARANTINE
@@ -294,10 +306,10 @@ class _DuplicateIds:
     """The Ray tasks of `tasks.ingest.ids` over the jobs' files, and the shards they leave. Holds
     counters per job and part file that lost documents, never a list per document."""
 
-    def __init__(self, cfg: PipelineConfig, parts_dir: Path):
+    def __init__(self, ingest: IngestConfig, parts_dir: Path):
         from tasks.core.executor import for_any_node
 
-        self.cfg, self.parts_dir = cfg, parts_dir
+        self.ingest, self.parts_dir = ingest, parts_dir
         # where tasks on any node read the jobs' files and keep the drops (the store's prefix, when
         # the cluster's nodes do not share this working copy)
         (self.root,), self.options = for_any_node([str(parts_dir)])
@@ -318,13 +330,15 @@ class _DuplicateIds:
 
         from tasks.core.executor import TASK_RETRIES
 
-        by_partition: list[dict[str, list[str]]] = [{} for _ in range(self.cfg.ingest.id_partitions)]
+        by_partition: list[dict[str, list[str]]] = [{} for _ in range(self.ingest.id_partitions)]
         for r, name in zip(results, names):
             for f in r["ids"]:  # <job>-ids/p-XXXXX/s-<chunk>.parquet, sorted
                 by_partition[int(Path(f).parent.name[2:])].setdefault(name, []).append(self._at(f))
+        # all submitted at once: Ray runs as many as the cluster has CPUs (num_cpus=1), the rest wait
+        # in its queue, so at most one partition per CPU is in memory
         task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(resolve_partition)
         todo = [k for k, jobs in enumerate(by_partition) if jobs]
-        got = ray.get([task.remote(list(by_partition[k].items()), k, self.cfg.ingest.shard_docs, self.drop_root,
+        got = ray.get([task.remote(list(by_partition[k].items()), k, self.ingest.shard_docs, self.drop_root,
                                    self.options) for k in todo])
         for k, g in zip(todo, got):
             for name, per_part in g.items():
@@ -344,7 +358,7 @@ class _DuplicateIds:
 
         from tasks.core.executor import TASK_RETRIES, task_location
 
-        shard_docs = self.cfg.ingest.shard_docs
+        shard_docs = self.ingest.shard_docs
         groups: list[list] = []  # per shard: [rows, [(part, its index in the job, the job's drop files)]]
         for r, name in zip(results, names):
             lost = self.drops.get(name, {})
