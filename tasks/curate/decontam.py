@@ -36,7 +36,7 @@ import regex
 
 from tasks.config import DecontamConfig, PipelineConfig
 from tasks.core.steps import Filter
-from tasks.dedup.minhash import CharTable
+from tasks.core.text import CharTable
 
 _PUNCT_CHAR = regex.compile(r"[\p{P}\p{S}]")
 # each punctuation/symbol character → a space (the regex's own classes decide, so its Unicode
@@ -131,9 +131,7 @@ class DecontamIndex:
             return out
         maybe = self.maybe_present(grams)
         if len(maybe):
-            q = grams[maybe]
-            pos = np.minimum(np.searchsorted(self.hashes, q), len(self.hashes) - 1)
-            out[maybe] = np.where(self.hashes[pos] == q, pos, -1)
+            out[maybe] = sorted_positions(self.hashes, grams[maybe])
         return out
 
     def maybe_present(self, grams: np.ndarray) -> np.ndarray:
@@ -156,20 +154,33 @@ class DecontamIndex:
         self.__dict__.update(state)
 
 
-def _check_index_arrays(hashes: np.ndarray, bench: np.ndarray, items: np.ndarray) -> None:
-    """The lookup's binary search and the bit table's one-OR-per-run (`_bit_table`) both need the
-    hashes strictly increasing: unsorted ones would silently miss members (false negatives = missed
-    contamination), so an index built or read any other way is refused."""
+def sorted_positions(hashes: np.ndarray, grams: np.ndarray) -> np.ndarray:
+    """Position of each gram in the strictly increasing `hashes` (see `require_sorted_hashes`),
+    -1 where absent: one binary search per gram."""
+    if not len(hashes):
+        return np.full(len(grams), -1, dtype=np.int64)
+    pos = np.minimum(np.searchsorted(hashes, grams), len(hashes) - 1)
+    return np.where(hashes[pos] == grams, pos, -1)
+
+
+def require_sorted_hashes(hashes: np.ndarray, what: str) -> None:
+    """`sorted_positions`' binary search and the bit table's one-OR-per-run (`_bit_table`) need the
+    hashes a strictly increasing 1-D uint64 array: unsorted ones would silently miss members (false
+    negatives = missed contamination), so an index built or read any other way is refused."""
     if not isinstance(hashes, np.ndarray) or hashes.dtype != np.uint64 or hashes.ndim != 1:
-        raise ValueError(f"decontam index: hashes must be a 1-D uint64 array, got "
+        raise ValueError(f"{what}: hashes must be a 1-D uint64 array, got "
                          f"{getattr(hashes, 'dtype', type(hashes).__name__)}")
+    bad = np.flatnonzero(hashes[1:] <= hashes[:-1])
+    if len(bad):
+        raise ValueError(f"{what}: hashes not strictly increasing ({len(bad)} places, first at "
+                         f"{int(bad[0]) + 1})")
+
+
+def _check_index_arrays(hashes: np.ndarray, bench: np.ndarray, items: np.ndarray) -> None:
+    require_sorted_hashes(hashes, "decontam index (build it with build_index)")
     if len(bench) != len(hashes) or len(items) != len(hashes):
         raise ValueError(f"decontam index: {len(hashes)} hashes but {len(bench)} benchmark and {len(items)} "
                          "item entries")
-    bad = np.flatnonzero(hashes[1:] <= hashes[:-1])
-    if len(bad):
-        raise ValueError(f"decontam index: hashes not strictly increasing ({len(bad)} places, first at "
-                         f"{int(bad[0]) + 1}); build it with build_index")
 
 
 _TABLE_BITS = 26  # 2^26 bits = 8 MB per process

@@ -47,8 +47,8 @@ import regex
 
 from tasks.config import LineDedupConfig, RayConfig
 from tasks.core.steps import Filter
+from tasks.core.text import CharTable
 from tasks.dedup.exact import exact_key
-from tasks.dedup.minhash import CharTable
 
 _DROPPED_CHAR = regex.compile(r"[\p{Mn}\p{P}\p{S}\p{Cc}\p{Cf}]")
 _DIGIT = regex.compile(r"\d")

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from tasks.config import PipelineConfig
-from tasks.curate.decontam import ngram_hashes, normalise_words
+from tasks.curate.decontam import ngram_hashes, normalise_words, require_sorted_hashes, sorted_positions
 from tasks.quality.text import iter_corpus
 
 NGRAM = 13
@@ -40,7 +40,9 @@ def reference_index(patterns: list[str], data_root, files: list[dict], cache_dir
     key = hashlib.sha256(json.dumps(sorted(f["sha256"] for f in files)).encode()).hexdigest()[:16]
     cached = Path(cache_dir) / f"reference-13grams-{key}.npy"
     if cached.is_file():
-        return np.load(cached)
+        index = np.load(cached)
+        require_sorted_hashes(index, f"quality reference index {cached} (delete it to rebuild)")
+        return index
     parts = [ngram_hashes(normalise_words(text), NGRAM) for _, text in iter_corpus(patterns, data_root, 10_000)]
     index = np.unique(np.concatenate(parts)) if parts else np.empty(0, dtype=np.uint64)
     cached.parent.mkdir(parents=True, exist_ok=True)
@@ -55,8 +57,7 @@ def overlap_fraction(text: str, index: np.ndarray) -> float:
     grams = ngram_hashes(normalise_words(text), NGRAM)
     if not len(grams) or not len(index):
         return 0.0
-    pos = np.minimum(np.searchsorted(index, grams), len(index) - 1)
-    return float((index[pos] == grams).mean())
+    return float((sorted_positions(index, grams) >= 0).mean())
 
 
 class OverlapCounter:
