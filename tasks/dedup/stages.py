@@ -36,8 +36,12 @@ Where the tasks read and write: with a remote run_root and a Ray of several node
 than the driver's does not see the driver's working copy, so every file above (drops, pieces,
 spill partitions, kept counts, the report's partitions) lives under the store prefix of
 `_parts/_dedup` and the jobs' meta and part files are read on the store (`Files`, `JobDocs.options`;
-`tasks.core.executor.task_location` / `for_any_node`, as the shuffles of `tasks.dedup.cluster`); on
-a local run_root or a Ray of this node alone they stay on the local disk.
+`tasks.core.executor.task_location` / `for_any_node`, as the shuffles of `tasks.dedup.cluster`), and
+each filter-pass task uploads its curated shard to the stage's store prefix itself (the driver then
+pulls the shards into its working copy, recorded as the store's, for the stages after it); on a
+local run_root or a Ray of this node alone they stay on the local disk.
+
+The driver keeps per job only a `JobTable` row (name, kept documents, part files: ~40 B).
 """
 from __future__ import annotations
 
