@@ -45,12 +45,23 @@ def test_index_over_real_benchmarks(index):
     assert list(index.hashes) == sorted(index.hashes)  # sorted for searchsorted
 
 
-def test_normalisation_is_the_regex_one_on_every_kind_of_character():
-    """normalise_words' translate table gives the words of the regex substitution it replaces."""
+def test_normalisation_is_the_regex_one_on_every_code_point():
+    """normalise_words' translate table gives the words of the regex substitution it replaces, on
+    every code point from U+0020 to U+10FFFF (surrogates and unassigned ones included), one string
+    per 64 Ki block."""
     import regex
 
-    text = "".join(chr(c) for c in range(0x20, 0x3000, 7)) + " A\u00e9\u0301b\u2019c \u00a7d\u00a9 1,5%\u20ac x\u0660y"
-    assert normalise_words(text) == regex.sub(r"[\p{P}\p{S}]+", " ", text.lower()).split()
+    def reference(text: str) -> list[str]:
+        return regex.sub(r"[\p{P}\p{S}]+", " ", text.lower()).split()
+
+    mixed = " A\u00e9\u0301b\u2019c \u00a7d\u00a9 1,5%\u20ac x\u0660y"
+    assert normalise_words(mixed) == reference(mixed) == ["a\u00e9\u0301b", "c", "d", "1", "5", "x\u0660y"]
+    seen = 0
+    for lo in range(0x20, 0x110000, 0x10000):
+        text = "".join(map(chr, range(lo, min(lo + 0x10000, 0x110000))))
+        seen += len(text)
+        assert normalise_words(text) == reference(text), f"block U+{lo:04X}"
+    assert seen == 0x110000 - 0x20
 
 
 def test_lookup_bit_table_passes_few_and_finds_every_indexed_ngram(index):

@@ -28,15 +28,25 @@ def test_normalise_line_is_ccnets():
     assert normalise_line("  Ünïcode Café — 2023 Edition!  ") == "unicode cafe 0000 edition"
     assert normalise_line("Page 12 of 345 »") == normalise_line("page 99 of 100")
     assert normalise_line("|---|---|") == "" and normalise_line("   ") == ""
-    # the translate table gives what CCNet's regex substitutions give, on a wide range of characters
+    # the translate table gives what CCNet's regex substitutions give, on every code point from
+    # U+0020 to U+10FFFF (surrogates and unassigned ones included), one string per 64 Ki block
     import unicodedata
 
     import regex
 
-    text = "".join(chr(c) for c in range(0x20, 0x3000, 5)) + " \tA\u00e9\u0301b 1,5%\u20ac x\u0660y\u200b"
-    s = unicodedata.normalize("NFD", " ".join(text.lower().split()))
-    s = regex.sub(r"[\p{Mn}\p{P}\p{S}\p{Cc}\p{Cf}]+", "", regex.sub(r"\d", "0", s))
-    assert normalise_line(text) == " ".join(s.split())
+    def reference(text: str) -> str:
+        s = unicodedata.normalize("NFD", " ".join(text.lower().split()))
+        s = regex.sub(r"[\p{Mn}\p{P}\p{S}\p{Cc}\p{Cf}]+", "", regex.sub(r"\d", "0", s))
+        return " ".join(s.split())
+
+    mixed = " \tA\u00e9\u0301b 1,5%\u20ac x\u0660y\u200b"
+    assert normalise_line(mixed) == reference(mixed) == "aeb 00 x0y"
+    seen = 0
+    for lo in range(0x20, 0x110000, 0x10000):
+        text = "".join(map(chr, range(lo, min(lo + 0x10000, 0x110000))))
+        seen += len(text)
+        assert normalise_line(text) == reference(text), f"block U+{lo:04X}"
+    assert seen == 0x110000 - 0x20
     assert normalise_line("Home\tabout\u00a0 us") == "home about us"
 
 
