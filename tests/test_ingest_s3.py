@@ -337,3 +337,32 @@ def test_duplicate_id_tasks_read_and_write_a_store_prefix(s3, tmp_path):
     assert shard == f"{stage}/shard-00004.parquet"
     assert [d["id"] for d in iter_docs([io.BytesIO(read_bytes(shard, opts))])] == \
         [make_doc_id("s", k) for k in ("a", "b", "c")]
+
+
+def test_stale_shards_of_a_longer_run_are_removed_from_a_store_run_root(s3, ray_session, tmp_path, monkeypatch):
+    """run_root on a store whose prefix other nodes write to (the shard tasks upload there): a
+    killed earlier run with more shards left `shard-00042.parquet` on the store, which this run's
+    manifest would not list and no push removes; ingest deletes it once its own shards are written,
+    and keeps the store's other objects and the shards the tasks wrote."""
+    import tasks.core.ray_utils as ray_utils
+    from tasks.core import storage
+
+    s3["boto"].create_bucket(Bucket="runs")
+    monkeypatch.setattr(storage, "_STORES", {})
+    store = storage.open_store("s3://runs/crucible", options(s3), str(tmp_path / "cache"), check_timeout=20)
+    prefix = "crucible/r1/ingest/"
+    for key in ("shard-00042.parquet", "shard-00000.parquet", "notes.txt"):
+        s3["boto"].put_object(Bucket="runs", Key=prefix + key, Body=b"an earlier run's")
+    monkeypatch.setattr(ray_utils, "only_this_node", lambda: False)  # tasks write the store's prefix
+    folder = tmp_path / "src"
+    folder.mkdir()
+    for f, keys in enumerate((["a", "b", "c"], ["b", "d"])):  # b again: f1's part is rewritten by a task
+        (folder / f"f{f}.jsonl").write_text("".join(json.dumps({"id": k, "text": f"text {k}"}) + "\n" for k in keys))
+    cfg = PipelineConfig(name="stale", sources=[src("s", folder / "*.jsonl", "jsonl")],
+                         ray=RayConfig(num_cpus=2), ingest=IngestConfig(shard_docs=2))
+    s = run_ingest(cfg, store.local_root / "r1" / "ingest")
+    assert s["shards_written"] >= 1 and s["docs_out"] == 4
+    left = {o["Key"][len(prefix):] for o in s3["boto"].list_objects_v2(Bucket="runs", Prefix=prefix)["Contents"]}
+    assert "shard-00042.parquet" not in left and "notes.txt" in left, sorted(left)
+    shards = sorted(Path(p).name for p in s["shards"])
+    assert {n for n in left if n.startswith("shard-")} <= set(shards), sorted(left)

@@ -27,8 +27,8 @@ s3:// needs the optional extra `s3` (s3fs); without it `S3ExtraMissing` says so.
 Paths under run_root, local or on a store, share one access layer (the rest of this module): a
 location is a local `Path` or, on a store, a URI string (`location` turns a command-line or config
 value into one), and `join`, `name_of`, `parent_of`, `is_file`, `read_text`, `write_text`,
-`read_bytes`, `write_bytes`, `remove`, `files`, `sha256`, `remove_tree`, `download`, `download_file`
-and `upload` take either, so code that reads and writes run files (training's checkpoints, the
+`read_bytes`, `write_bytes`, `remove`, `files`, `file_names`, `remove_stale_shards`, `sha256`, `remove_tree`,
+`download`, `download_file` and `upload` take either, so code that reads and writes run files (training's checkpoints, the
 triggered flows, the dedup shuffles' spill files) is written once, as datatrove's DataFolder is one
 fsspec wrapper for local and remote folders. On a store they use the
 fsspec file system of `storage.options` with fresh listings: other ranks, nodes and machines write
@@ -327,6 +327,34 @@ def files(loc: Path | str, options: dict | None = None) -> dict[str, int]:
     out = {k[len(prefix):]: int(info.get("size") or 0) for k, info in found.items()
            if k.startswith(prefix) and not k.endswith("/") and info.get("type", "file") == "file"}
     return dict(sorted(out.items(), key=lambda kv: PurePosixPath(kv[0]).parts))
+
+
+def file_names(folder: Path | str, options: dict | None = None) -> list[str]:
+    """The files directly in `folder` (sorted names; none when it is not there). One level only: a
+    stage's folder also holds its `_parts`, which a recursive listing would walk."""
+    if not is_remote(folder):
+        try:
+            return sorted(e.name for e in os.scandir(folder) if e.is_file())
+        except FileNotFoundError:
+            return []
+    try:
+        found = store_fs(folder, options).ls(folder, detail=True)
+    except FileNotFoundError:
+        return []
+    return sorted(name_of(f["name"]) for f in found if f.get("type", "file") == "file")
+
+
+def remove_stale_shards(folder: Path | str, keep, options: dict | None = None) -> list[str]:
+    """Delete the `shard-*.parquet` files directly in `folder` whose names are not in `keep` (this
+    run's shards): what a killed earlier run with more shards left beside them, which a manifest
+    written next would not list. Call it once this run's shards are written, before its manifest.
+    Returns the names removed."""
+    keep = set(keep)
+    stale = [n for n in file_names(folder, options) if n.startswith("shard-") and n.endswith(".parquet")
+             and n not in keep]
+    for n in stale:
+        remove(join(folder, n), options)
+    return stale
 
 
 def sha256(loc: Path | str, options: dict | None = None) -> str:

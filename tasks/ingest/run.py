@@ -55,7 +55,8 @@ from tasks.core.executor import Job, JobRunner, RayTasks, ResumableOutput, start
 from tasks.core.progress import Progress
 from tasks.core.resume import MANIFEST, digest
 from tasks.core.steps import StepStats
-from tasks.core.fs import expand_uri, file_identity, is_remote, join, name_of, remove, remove_tree
+from tasks.core.fs import (expand_uri, file_identity, is_remote, join, name_of, remove, remove_stale_shards,
+                           remove_tree)
 from tasks.dedup.stages import concat_files
 from tasks.ingest.ids import resolve_partition, write_shard
 from tasks.ingest.process import process_file_range
@@ -381,10 +382,10 @@ class _DuplicateIds:
                 _link(Path(entries[0][0]), Path(shards[i]))
             else:
                 writes.append((i, [(self._at(part), p, files) for part, p, files in entries]))
+        out_root, out_options = task_location(out_dir)
+        if is_remote(out_root):  # the store's manifest first: it no longer describes the shards there
+            remove(join(out_root, MANIFEST), out_options)
         if writes:
-            out_root, out_options = task_location(out_dir)
-            if is_remote(out_root):  # the store's manifest first: it no longer describes the shards there
-                remove(join(out_root, MANIFEST), out_options)
             task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(write_shard)
             got = ray.get([task.remote(entries, i, shard_docs, str(out_root), self.options, out_options)
                            for i, entries in writes])
@@ -393,6 +394,8 @@ class _DuplicateIds:
 
                 store = store_of_path(out_dir)
                 store.pull("", keys=[store.rel(out_dir / name_of(p)) for p in got])
+        if is_remote(out_root):  # a killed earlier run's extra shards there, which no push would remove
+            remove_stale_shards(out_root, [name_of(p) for p in shards], out_options)
         remove_tree(self.drop_root, self.options)  # a store's copy too (`_parts` goes with the manifest)
         self.rewritten = len(writes)
         return shards
