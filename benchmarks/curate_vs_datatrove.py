@@ -411,22 +411,48 @@ def recall_runs(n: int, seeds: list[int], work: Path) -> dict:
                                  for side in ("crucible", "datatrove")}}
 
 
-def hash_draws(n: int, corpus_seeds: list[int], draws: int) -> dict:
+def _corpus_draws(texts: list[str], a, b, draws: int, sig_dir: Path, rates: dict, jac: dict) -> None:
+    """`hash_draws` on one corpus: appends the pairs (a[k], b[k]) of `texts`' Jaccards to `jac` and
+    each hash seed's candidate rate to `rates`, per side."""
+    import numpy as np
+    from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupSignature
+
+    from tasks.dedup.minhash import MinHasher, simplified_words
+
+    n_gram, bands, rows = CRUCIBLE_MINHASH["ngram"], CRUCIBLE_MINHASH["bands"], CRUCIBLE_MINHASH["rows"]
+    dt_sig = MinhashDedupSignature(output_folder=str(sig_dir), config=MinhashConfig(
+        n_grams=n_gram, num_buckets=bands, hashes_per_bucket=rows, seed=1))
+    dt_shingles = [dt_sig.get_shingles(t) for t in texts]
+    words = [simplified_words(t) for t in texts]
+    cr_sets = [{" ".join(w[i:i + n_gram]) for i in range(len(w) - n_gram + 1)} for w in words]
+    dt_sets = [set(x.ravel().tolist()) for x in dt_shingles]
+    for side, sets in (("crucible", cr_sets), ("datatrove", dt_sets)):
+        jac[side] += [len(sets[x] & sets[y]) / len(sets[x] | sets[y]) for x, y in zip(a, b)]
+
+    def candidates(sigs) -> float:
+        s = np.asarray(sigs).reshape(len(sigs), bands, rows)
+        return float((s[a] == s[b]).all(axis=2).any(axis=1).mean())
+    for seed in range(1, draws + 1):
+        rates["crucible"].append(candidates(MinHasher(bands, rows, seed, n_gram).signatures_from_words(words)))
+        dt_sig.config.seed, dt_sig._parameters = seed, None
+        rates["datatrove"].append(candidates([np.concatenate(dt_sig.get_signature(x)) for x in dt_shingles]))
+
+
+def hash_draws(n: int, corpus_seeds: list[int], draws: int, work: Path) -> dict:
     """Why the two recalls differ: over the planted near copies (copy, original) of the recall
     corpora, each pair's shingle Jaccard under each side's own shingling, and the share of pairs
     that become LSH candidates (share a band) under each side's own signature code (datatrove's
     `MinhashDedupSignature`, Crucible's `MinHasher` with CRUCIBLE_MINHASH's settings) for hash
     seeds 1..`draws` (the same seeds both sides). Equal Jaccards and equal expected candidate
     rates mean the recall gap of one draw (seed 1) is the luck of that draw, not a difference in
-    method; the standard error says how large such luck runs."""
+    method; the standard error says how large such luck runs. datatrove's signature step gets a
+    folder under `work`, removed after each corpus."""
     import numpy as np
-    from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupSignature
 
     from curate_scale import corpus
-    from tasks.dedup.minhash import MinHasher, simplified_words
 
     _xxhash_takes_str()
-    n_gram, bands, rows = CRUCIBLE_MINHASH["ngram"], CRUCIBLE_MINHASH["bands"], CRUCIBLE_MINHASH["rows"]
+    bands, rows = CRUCIBLE_MINHASH["bands"], CRUCIBLE_MINHASH["rows"]
     rates: dict[str, list[float]] = {"crucible": [], "datatrove": []}
     jac: dict[str, list[float]] = {"crucible": [], "datatrove": []}
     for cseed in corpus_seeds:
@@ -438,22 +464,11 @@ def hash_draws(n: int, corpus_seeds: list[int], draws: int) -> dict:
         row = {i: k for k, i in enumerate(need)}
         a, b = np.array([row[x] for x, _ in pairs]), np.array([row[y] for _, y in pairs])
         texts = [docs[i]["text"] for i in need]
-        dt_sig = MinhashDedupSignature(output_folder=tempfile.mkdtemp(prefix="dt-sig-"), config=MinhashConfig(
-            n_grams=n_gram, num_buckets=bands, hashes_per_bucket=rows, seed=1))
-        dt_shingles = [dt_sig.get_shingles(t) for t in texts]
-        words = [simplified_words(t) for t in texts]
-        cr_sets = [{" ".join(w[i:i + n_gram]) for i in range(len(w) - n_gram + 1)} for w in words]
-        dt_sets = [set(x.ravel().tolist()) for x in dt_shingles]
-        for side, sets in (("crucible", cr_sets), ("datatrove", dt_sets)):
-            jac[side] += [len(sets[x] & sets[y]) / len(sets[x] | sets[y]) for x, y in zip(a, b)]
-
-        def candidates(sigs) -> float:
-            s = np.asarray(sigs).reshape(len(sigs), bands, rows)
-            return float((s[a] == s[b]).all(axis=2).any(axis=1).mean())
-        for seed in range(1, draws + 1):
-            rates["crucible"].append(candidates(MinHasher(bands, rows, seed, n_gram).signatures_from_words(words)))
-            dt_sig.config.seed, dt_sig._parameters = seed, None
-            rates["datatrove"].append(candidates([np.concatenate(dt_sig.get_signature(x)) for x in dt_shingles]))
+        sig_dir = work / f"dt-sig-{cseed}"
+        try:
+            _corpus_draws(texts, a, b, draws, sig_dir, rates, jac)
+        finally:
+            shutil.rmtree(sig_dir, ignore_errors=True)
     out: dict = {"corpora": corpus_seeds, "hash_seeds": [1, draws], "near_pairs": len(jac["crucible"])}
     for side in rates:
         r = np.array(rates[side])
@@ -475,7 +490,7 @@ def main(argv=None) -> dict:
     p.add_argument("--docs", type=int, default=3000)
     p.add_argument("--work", default=None, help="scratch directory (default: a temporary one, removed)")
     p.add_argument("--recall-seeds", type=int, default=4,
-                   help="corpora (seeds 0..N-1) for the MinHash-only recall runs (0: none)")
+                   help="corpora (seeds 0..N-1) for the MinHash-only recall runs and `hash_draws` (0: neither)")
     p.add_argument("--hash-draws", type=int, default=8,
                    help="hash seeds per recall corpus for `hash_draws` (why recall differs; 0: skip)")
     p.add_argument("--out", default=str(HERE / "results" / "curate_vs_datatrove.json"))
@@ -513,8 +528,9 @@ def main(argv=None) -> dict:
         dt_dec, dt_passed, dt_kept = datatrove_outcome(work / "dt")
         cr_dec, cr_passed, cr_kept, extra = crucible_outcome(cr, {i: make_doc_id("bench", i) for i in ids})
         recall = recall_runs(len(docs), list(range(args.recall_seeds)), work) if args.recall_seeds else None
-        draws = hash_draws(len(docs), list(range(max(1, args.recall_seeds))), args.hash_draws) \
-            if args.hash_draws else None
+        # on the recall corpora, as documented: none with --recall-seeds 0
+        draws = hash_draws(len(docs), list(range(args.recall_seeds)), args.hash_draws, work) \
+            if args.hash_draws and args.recall_seeds else None
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
