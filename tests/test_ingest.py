@@ -415,6 +415,26 @@ def test_ids_spilled_in_chunks_resolve_across_chunks_and_jobs(tmp_path, monkeypa
     assert rows == [2, 5, 7]
 
 
+def test_whole_parts_become_shards_by_a_hard_link_or_a_copy_where_links_fail(tmp_path, monkeypatch):
+    """`tasks.core.fs.link_or_copy` (ingest's shards, training's verified checkpoint copies): the
+    same file where hard links work, a copy with the same bytes where they fail (another device)."""
+    from tasks.ingest.run import _link
+
+    part = tmp_path / "part.parquet"
+    part.write_bytes(b"rows")
+    _link(part, tmp_path / "shard-00000.parquet")
+    assert (tmp_path / "shard-00000.parquet").stat().st_ino == part.stat().st_ino
+
+    def cross_device(src, dst):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", cross_device)
+    _link(part, tmp_path / "shard-00001.parquet")
+    copy = tmp_path / "shard-00001.parquet"
+    assert copy.read_bytes() == b"rows" and copy.stat().st_ino != part.stat().st_ino
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["part.parquet", "shard-00000.parquet", "shard-00001.parquet"]
+
+
 def test_id_partitions_follow_the_source_bytes_so_a_task_stays_bounded(tmp_path):
     """`id_partitions: 0`: one id partition per `id_partition_bytes` of source files, so four times
     the corpus gives four times the partitions and the rows a duplicate-id task loads stay under

@@ -28,7 +28,7 @@ Paths under run_root, local or on a store, share one access layer (the rest of t
 location is a local `Path` or, on a store, a URI string (`location` turns a command-line or config
 value into one), and `join`, `name_of`, `parent_of`, `is_file`, `read_text`, `write_text`,
 `read_bytes`, `write_bytes`, `remove`, `files`, `file_names`, `remove_stale_shards`, `sha256`, `remove_tree`,
-`download`, `download_file` and `upload` take either, so code that reads and writes run files (training's checkpoints, the
+`download`, `download_file` and `upload` take either (`link_or_copy`: local files only), so code that reads and writes run files (training's checkpoints, the
 triggered flows, the dedup shuffles' spill files) is written once, as datatrove's DataFolder is one
 fsspec wrapper for local and remote folders. On a store they use the
 fsspec file system of `storage.options` with fresh listings: other ranks, nodes and machines write
@@ -355,6 +355,16 @@ def remove_stale_shards(folder: Path | str, keep, options: dict | None = None) -
     for n in stale:
         remove(join(folder, n), options)
     return stale
+
+
+def link_or_copy(src: str | Path, dst: str | Path) -> None:
+    """`dst` as the same file as `src`: a hard link (no bytes copied), a copy (with its metadata)
+    where the file system has none or they are on different devices. `shutil.copytree`'s
+    `copy_function` signature."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def sha256(loc: Path | str, options: dict | None = None) -> str:

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -55,8 +54,8 @@ from tasks.core.executor import Job, JobRunner, RayTasks, ResumableOutput, start
 from tasks.core.progress import Progress
 from tasks.core.resume import MANIFEST, digest
 from tasks.core.steps import StepStats
-from tasks.core.fs import (expand_uri, file_identity, is_remote, join, name_of, remove, remove_stale_shards,
-                           remove_tree)
+from tasks.core.fs import (expand_uri, file_identity, is_remote, join, link_or_copy, name_of, remove,
+                           remove_stale_shards, remove_tree)
 from tasks.dedup.stages import concat_files
 from tasks.ingest.ids import resolve_partition, write_shard
 from tasks.ingest.process import process_file_range
@@ -404,8 +403,6 @@ class _DuplicateIds:
 def _link(part: Path, target: Path) -> None:
     """`target` (atomically) as the same file as `part`: a hard link, a copy where links fail."""
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        os.link(part, tmp)
-    except OSError:
-        shutil.copyfile(part, tmp)
+    tmp.unlink(missing_ok=True)  # a killed run's (a link to an existing name fails)
+    link_or_copy(part, tmp)
     os.replace(tmp, target)

@@ -81,8 +81,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from tasks.core.fs import (download, files, is_file, is_remote, join, location, name_of, parent_of, read_text, remove,
-                           remove_tree, resolve_storage_options, sha256, write_text)
+from tasks.core.fs import (download, files, is_file, is_remote, join, link_or_copy, location, name_of, parent_of,
+                           read_text, remove, remove_tree, resolve_storage_options, sha256, write_text)
 from tasks.core.io import atomic_write_text
 from tasks.core.layout import CHECKPOINTS_DIR
 from tasks.core.signing import SignatureError, dumps_signed, loads_signed
@@ -459,7 +459,7 @@ def verified_copy(ckpt_dir: str | Path, storage_options: dict | None = None,
         with _private_dir(store.cache_dir if store is not None else _run_train_dir(ckpt_dir)) as tmp:
             local = Path(tmp) / Path(ckpt_dir).name
             shutil.copytree(ckpt_dir, local, ignore=shutil.ignore_patterns(".tmp-*"),  # a sync's partial download
-                            copy_function=_link_or_copy)
+                            copy_function=link_or_copy)
             if problem := checkpoint_problem(local, manifest, expected_tree_sha256):
                 raise UnverifiedCheckpoint("refusing to load a checkpoint that does not verify: "
                                            + problem.replace(str(local), str(ckpt_dir)))
@@ -505,13 +505,6 @@ def _private_dir(beside: Path | str | None) -> Iterator[str]:
         tmp = tempfile.TemporaryDirectory(prefix="crucible-verified-")
     with tmp as path:
         yield path
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: str | Path,
