@@ -15,8 +15,11 @@ does not run a job per file): a shard that is one whole part is linked into plac
 others (parts that lost duplicates, runs of small parts) are written by a Ray task each. The
 driver's own work is therefore per job and per shard, never per document: no pass over the corpus
 besides the manifest's sha256. `quarantine.jsonl` is the jobs' quarantine parts concatenated. The
-documents and their order are the same whatever the number of workers; the shard boundaries follow
-the jobs (a capped source's ranges depend on the workers), each shard at most `ingest.shard_docs` rows.
+documents, their order and the counts are the same whatever the number of workers; the shards are
+not where a source is capped: its files are read in one record range per worker, each range's parts
+end where the range ends, so the shard boundaries (and the shard files) depend on the worker count.
+Without capped sources the shards do not depend on it either. Each shard has at most
+`ingest.shard_docs` rows.
 
 Counting (`docs_in == docs_out + sum(dropped) + sum(quarantined)`): `docs_in` is the number of
 candidate records read (WARC responses, WET conversions, JSONL lines, text files, Parquet
@@ -37,8 +40,9 @@ file's size and change stamp, the record range); a re-run reuses every job whose
 and whose parts verify, and reads only the other source files; the duplicate-id tasks run
 again from the jobs' files. The shards and `quarantine.jsonl` are written atomically, then `manifest.json` (sha256 per file, the run key,
 the summary, which lists the jobs each Ray node ran: `nodes`) last; a re-run whose manifest verifies returns the stored summary at once. A run
-killed at any point (SIGKILL included) re-runs to byte-identical output. `ingest.resume:
-false` redoes everything.
+killed at any point (SIGKILL included) and re-run with the same worker count gives byte-identical
+output; re-run with another worker count, the same documents in the same order (and byte-identical
+shards unless a source is capped, see above). `ingest.resume: false` redoes everything.
 """
 from __future__ import annotations
 
