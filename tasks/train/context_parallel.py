@@ -33,7 +33,6 @@ per layer, which the Llama 3 paper found acceptable for GQA models.
 """
 from __future__ import annotations
 
-from collections import Counter
 from functools import cached_property
 
 import torch
@@ -66,13 +65,14 @@ class ContextParallel:
         self.keys = torch.cat([load_balanced_positions(seq_len, self.cp, r) for r in range(self.cp)])
         self.chunk = seq_len // (2 * self.cp)
         # gathered chunk j (rank j // 2, its early or late half) holds global chunk keys[j c] / c:
-        # the gathered chunks in this order are the sequence in order
-        self.chunk_order = torch.argsort(self.keys[::self.chunk] // self.chunk)
+        # the gathered chunks in this order are the sequence in order (Python ints: constants to
+        # torch.compile, where a device copy cached on first use is a guard that forces a recompile)
+        self.chunk_order = torch.argsort(self.keys[::self.chunk] // self.chunk).tolist()
         self.query_chunks = (self.rank, 2 * self.cp - 1 - self.rank)  # global chunks of the local queries
         # each query chunk's bias over its key prefix, built once: torch.compile traces a prebuilt
-        # CausalBias whole but breaks the graph where one is constructed
+        # CausalBias whole but breaks the graph where one is constructed. No mutable Python state is
+        # touched in attend (a call counter was): Dynamo guards on it and recompiles every call
         self.biases = tuple(causal_lower_right(self.chunk, (a + 1) * self.chunk) for a in self.query_chunks)
-        self.attention_calls: Counter = Counter()  # attend() calls per path (tests read it)
         self._on_device: dict = {}  # (name, device) -> the tensor there: copied to an accelerator once
 
     @cached_property
@@ -82,7 +82,7 @@ class ContextParallel:
         return self.keys[None, :] <= self.positions[:, None]
 
     def on(self, name: str, device: torch.device) -> torch.Tensor:
-        """self.positions, self.keys, self.chunk_order or self.mask on `device` (cached)."""
+        """self.positions, self.keys or self.mask on `device` (cached; called outside the compiled blocks)."""
         key = (name, device)
         if key not in self._on_device:
             self._on_device[key] = getattr(self, name).to(device)
@@ -118,7 +118,6 @@ class ContextParallel:
         kv = torch.stack((k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)), dim=1)  # (local, 2, B, heads, head_dim), one copy
         kv = funcol.all_gather_single_autograd(kv, 0, self.group)  # backward: reduce-scatter (sum)
         if mask is not None:  # document boundaries: one call, the boolean mask over the rank-ordered keys
-            self.attention_calls["boolean_mask"] += 1
             k, v = kv.permute(1, 2, 3, 0, 4).unbind(0)  # (B, heads, seq_len, head_dim) each, ranks' order
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         return self._attend_prefixes(q, kv, dropout_p)
@@ -129,14 +128,14 @@ class ContextParallel:
         gathered (seq_len, 2, B, heads, head_dim) in ranks' order."""
         c = self.chunk
         # into sequence order, one copy (its backward scatters the rows back for the reduce-scatter)
-        kv = kv.unflatten(0, (2 * self.cp, c)).index_select(0, self.on("chunk_order", kv.device)).flatten(0, 1)
+        chunks = kv.unflatten(0, (2 * self.cp, c))
+        kv = torch.cat([chunks[j] for j in self.chunk_order])
         k, v = kv.permute(1, 2, 3, 0, 4).unbind(0)  # (B, heads, seq_len, head_dim), positions 0..seq_len-1
         out = []
         for i, (a, bias) in enumerate(zip(self.query_chunks, self.biases)):
             keys = (a + 1) * c
             out.append(F.scaled_dot_product_attention(
                 q[:, :, i * c:(i + 1) * c], k[:, :, :keys], v[:, :, :keys], attn_mask=bias, dropout_p=dropout_p))
-        self.attention_calls["causal_lower_right"] += 1
         return torch.cat(out, dim=2)
 
     def record(self) -> dict:
