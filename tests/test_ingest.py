@@ -371,9 +371,15 @@ def test_duplicate_ids_across_jobs_dropped_on_the_workers(ray_session, tmp_path,
     cfg = PipelineConfig(name="dup-ids", sources=[src("a", tmp_path / "a" / "*.jsonl", "jsonl"),
                                                   src("b", tmp_path / "b" / "*.jsonl", "jsonl", max_docs=6)],
                          ray=RayConfig(num_cpus=2), ingest=IngestConfig(shard_docs=2, id_partitions=3))
+    import tasks.ingest.run as ingest_run
+
+    merge, held = ingest_run._merge, []
+    monkeypatch.setattr(ingest_run, "_merge", lambda plan, results, *a: held.append(results) or merge(plan, results, *a))
     _refuse_document_reads(monkeypatch)
     s = run_ingest(cfg, tmp_path / "out")
     monkeypatch.undo()
+    # the driver kept per job only what the shards need, its counters were folded into its source's
+    assert held and all(set(r) == {"docs_out", "consumed", "shards", "ids", "quarantine_file"} for r in held[0].values())
     want = [make_doc_id("a", k) for k in ("x0", "x1", "x2", "x3", "x4", "x5", "y0", "y1")] + \
         [make_doc_id("b", k) for k in ("x0", "x1", "z0", "z2", "z1")]
     assert [d["id"] for d in iter_docs(s["shards"])] == want

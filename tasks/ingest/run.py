@@ -155,10 +155,11 @@ def run_ingest(cfg: PipelineConfig, out_dir: Path, progress: Progress | None = N
     workers = start_ray(cfg.ray)  # first: an unreachable ray.address fails before the old output is touched
     store = output.start(cfg.ingest.resume)
     with JobRunner(RayTasks(process_file_range, cfg.ray), store) as runner:
-        results = _IngestJobs(cfg, plan, output.parts_dir, workers, runner, progress).run()
+        jobs = _IngestJobs(cfg, plan, output.parts_dir, workers, runner, progress)
+        results = jobs.run()
 
     t_merge = time.perf_counter()
-    summary = _merge(cfg, plan, results, output.dir, output.parts_dir)
+    summary = _merge(plan, results, jobs.tallies, output.dir, output.parts_dir)
     summary["jobs"] = len(results)
     summary["workers"] = workers
     summary["nodes"] = runner.node_report()  # jobs run per Ray node (resumed ones not included)
@@ -180,7 +181,10 @@ class _IngestJobs:
                  progress: Progress | None):
         self.cfg, self.plan, self.parts_dir, self.runner = cfg, plan, parts_dir, runner
         self.report = progress or (lambda done, total, note: None)
-        self.results: dict[tuple[int, int, int], dict] = {}  # (source, file, start) -> job result
+        # (source, file, start) -> what the merge needs of the job (`_kept`); its counters are folded
+        # into its source's tally as it arrives
+        self.results: dict[tuple[int, int, int], dict] = {}
+        self.tallies = [_SourceTally(source.name) for source, _ in plan.sources]
         self.slots: dict[str, tuple[int, int, int]] = {}  # job name -> (source, file, start)
         self.files_done: set[tuple[int, int]] = set()
         self.capped = [_CappedSource(si, s, f, workers) for si, (s, f) in enumerate(plan.sources)
@@ -196,7 +200,7 @@ class _IngestJobs:
             self.start_wave(c)
         self.advance()
         for job, result in self.runner.finished():
-            self.results[self.slots[job.name]] = result
+            self.record(self.slots[job.name], result)
             self.advance()
         return self.results
 
@@ -208,7 +212,11 @@ class _IngestJobs:
         stored = self.runner.submit(Job(name, key, (source, files[fi], self.plan.ingest, start, stop,
                                                     str(self.parts_dir), name)))
         if stored is not None:
-            self.results[(si, fi, start)] = stored
+            self.record((si, fi, start), stored)
+
+    def record(self, key: tuple[int, int, int], result: dict) -> None:
+        self.tallies[key[0]].add(key, result)
+        self.results[key] = {k: result[k] for k in _KEPT}
 
     def start_wave(self, c: _CappedSource) -> None:
         wave = c.next_wave()
@@ -241,9 +249,36 @@ def job_name(si: int, fi: int, start: int) -> str:
     return f"{si:03d}-{fi:05d}-{start:010d}"
 
 
-def _merge(cfg: PipelineConfig, plan: _Plan, results: dict, out_dir: Path, parts_dir: Path) -> dict:
-    """The jobs' counters per source, the duplicate ids dropped (`tasks.ingest.ids`), the jobs'
-    part files as the shards in corpus order, their quarantine parts concatenated."""
+_KEPT = ("docs_out", "consumed", "shards", "ids", "quarantine_file")  # of a job's result, until the merge
+
+
+class _SourceTally:
+    """One source's counters, its jobs' results folded in as they arrive (any order)."""
+
+    def __init__(self, name: str):
+        self.stats = StepStats(name)
+        self.skipped: Counter = Counter()
+        self.unread: Counter = Counter()  # file -> bytes skipped over damage (see readers)
+        self.files: dict[str, tuple] = {}  # file read -> its first job's key: the files in corpus order
+
+    def add(self, key: tuple[int, int, int], r: dict) -> None:
+        st = self.stats
+        if r["docs_in"] or r["skipped"]:
+            self.files[r["file"]] = min(self.files.get(r["file"], key), key)
+        st.docs_in += r["docs_in"]
+        st.bytes_in += r["bytes_in"]
+        st.docs_out += r["docs_out"]
+        st.bytes_out += r["bytes_out"]
+        st.dropped.update(r["dropped"])
+        st.quarantined.update(r["quarantined"])
+        self.skipped.update(r["skipped"])
+        if r.get("bytes_unread"):
+            self.unread[r["file"]] += r["bytes_unread"]
+
+
+def _merge(plan: _Plan, results: dict, tallies: list[_SourceTally], out_dir: Path, parts_dir: Path) -> dict:
+    """The sources' counters less the duplicate ids dropped (`tasks.ingest.ids`), the jobs' part
+    files as the shards in corpus order, their quarantine parts concatenated."""
     order = sorted(results)  # (source, file, start): the corpus order
     names = [job_name(*k) for k in order]
     ids = _DuplicateIds(plan.ingest, parts_dir)
@@ -255,41 +290,26 @@ def _merge(cfg: PipelineConfig, plan: _Plan, results: dict, out_dir: Path, parts
     skipped: Counter = Counter()
     files_unread: Counter = Counter()
     per_source: dict[str, dict] = {}
-    for si, (source, files) in enumerate(plan.sources):
-        st = StepStats(source.name)
-        src_skipped: Counter = Counter()
-        unread: Counter = Counter()  # file -> bytes skipped over damage (see readers)
-        read_files: list[str] = []
-        for key, name in zip(order, names):
-            if key[0] != si:
-                continue
-            r = results[key]
-            if r["docs_in"] or r["skipped"]:
-                if r["file"] not in read_files:
-                    read_files.append(r["file"])
-            st.docs_in += r["docs_in"]
-            st.bytes_in += r["bytes_in"]
-            st.dropped.update(r["dropped"])
-            st.quarantined.update(r["quarantined"])
-            src_skipped.update(r["skipped"])
-            if r.get("bytes_unread"):
-                unread[r["file"]] += r["bytes_unread"]
-            n_dup = sum(d[0] for d in drops.get(name, {}).values())
-            if n_dup:
-                st.dropped["duplicate_id"] += n_dup
-            st.docs_out += r["docs_out"] - n_dup
-            st.bytes_out += r["bytes_out"] - sum(d[1] for d in drops.get(name, {}).values())
+    for key, name in zip(order, names):
+        st = tallies[key[0]].stats
+        n_dup = sum(d[0] for d in drops.get(name, {}).values())
+        if n_dup:
+            st.dropped["duplicate_id"] += n_dup
+        st.docs_out -= n_dup
+        st.bytes_out -= sum(d[1] for d in drops.get(name, {}).values())
+    for (source, _), tally in zip(plan.sources, tallies):
+        st = tally.stats
         per_source[source.name] = {
-            "files": read_files, "licence": source.licence, "provenance": source.provenance,
-            "docs_in": st.docs_in, "docs_out": st.docs_out,
+            "files": sorted(tally.files, key=tally.files.__getitem__), "licence": source.licence,
+            "provenance": source.provenance, "docs_in": st.docs_in, "docs_out": st.docs_out,
             "dropped": dict(sorted(st.dropped.items())),
             "quarantined": dict(sorted(st.quarantined.items())),
-            "skipped_records": dict(sorted(src_skipped.items())),
-            "bytes_unread": dict(sorted(unread.items())),
+            "skipped_records": dict(sorted(tally.skipped.items())),
+            "bytes_unread": dict(sorted(tally.unread.items())),
         }
         total.merge(st)
-        skipped.update(src_skipped)
-        files_unread.update(unread)
+        skipped.update(tally.skipped)
+        files_unread.update(tally.unread)
     assert total.balanced(), total.to_dict()
     return {
         **total.counts(),
