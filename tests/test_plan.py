@@ -368,6 +368,24 @@ def test_long_context_plans_context_parallelism_the_trainer_accepts(tmp_path, ca
         assert f"cp={lay['cp']}" in lay["rationale"]
 
 
+def test_cp_without_recompute_is_preferred_when_tp_x_cp_fits_in_a_node():
+    """1B at 64k on 8 GPUs: tp 8 alone does not fit without recompute, tp 4 x cp 2 does (one node), so
+    the plan takes cp 2 and no checkpointing rather than cp 1 with full recompute (~1/3 more compute);
+    8B at 128k fits no tp x cp within a node without recompute: full checkpointing, then cp 4 (the
+    long-context tests above). The rule is stated in the assumptions."""
+    from tasks.plan.planner import activation_bytes
+
+    plan = make_plan(params=1e9, n_layer=16, d_model=2048, n_head=16, seq_len=65536, gpus=8)
+    lay, half = plan["layout"], 80e9 * PlanConfig().usable_memory_fraction / 2
+    assert (lay["tp"], lay["cp"], lay["activation_checkpointing"], lay["fits"]) == (4, 2, False, True)
+    assert activation_bytes(16, 65536, 2048, tp=8, vocab_size=plan["vocab_size"]) > half  # cp was needed
+    assert lay["activation_gb_per_gpu"] <= half / 1e9
+    assert any("without recompute while tp x cp stays within a node" in a for a in plan["assumptions"])
+    long = make_plan(params=8.03e9, n_layer=32, d_model=4096, seq_len=131072, gpus=8)["layout"]
+    assert (long["cp"], long["activation_checkpointing"]) == (4, True)
+    assert "nor with any cp x tp within a node of 8" in long["rationale"]
+
+
 def test_cli_vocab_sizes_the_log_prob_term_and_the_header_multiplies_out(tmp_path, capsys):
     """`--vocab`: with a 32k vocabulary the 128k-token log-probs no longer force cp (tp 4 within the node
     fits), with Llama 3's 128,256 they do; the emitted header names every factor, so it multiplies out

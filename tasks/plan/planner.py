@@ -27,8 +27,10 @@ Conventions (each one is also written into the plan's `assumptions`):
 * Activations (activation_bytes): Korthikanti et al.'s 34 bytes per token and width per layer,
   split over tp; full checkpointing keeps each layer's 2-byte input; the output layer keeps fp32
   log-probs (4 B x seq_len x vocab_size, Llama 3's 128,256 unless given), which tp does not split.
-  A sequence whose activations do not fit in half the memory even at a node's tp with full
-  checkpointing is split over context-parallel ranks (cp, tasks/train/context_parallel.py): 1/cp
+  A sequence whose activations do not fit in half the memory at a node's tp is split over
+  context-parallel ranks (cp, tasks/train/context_parallel.py) without recompute where some tp x cp
+  within a node fits (the cheaper lever: cp's K/V all-gathers stay on NVLink, full checkpointing
+  costs ~1/3 more compute), else with full checkpointing and the smallest cp that then fits: 1/cp
   of everything but each layer's all-gathered K/V; tests/test_plan.py checks that term against
   the bytes autograd saves.
 * Shape for the trainer: n_head = d_model / 128 (head width 128; an estimated d_model >= 128 x
@@ -38,6 +40,7 @@ Conventions (each one is also written into the plan's `assumptions`):
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from tasks.config import EnergyConfig, GpuSpec, PlanConfig
@@ -193,9 +196,11 @@ def suggest_layout(*, gpus: int, total_params: float, n_layer: int, d_model: int
     1. Activations (activation_bytes) must fit in half the usable memory (a 1F1B pipeline's first
        stage holds pp in-flight microbatches of L/pp layers, so about L layers' worth whatever pp
        is). The levers, in order: tensor parallelism within a node; if even a full node of tp is not
-       enough, full activation checkpointing; if the sequence is still too long, context parallelism:
-       cp, the smallest power of two (seq_len a multiple of 2 cp) with which it fits, cp ranks taken
-       from data parallelism (FSDP shards over dp_shard x cp). tp is then the smallest power of two
+       enough, context parallelism without recompute if some tp x cp within a node fits (cheaper than
+       full checkpointing's ~1/3 more compute; its K/V all-gathers stay on NVLink), else full
+       activation checkpointing and, if the sequence is still too long, context parallelism: in
+       either case cp is the smallest power of two (seq_len a multiple of 2 cp) with which it fits,
+       cp ranks taken from data parallelism (FSDP shards over dp_shard x cp). tp is then the smallest power of two
        with which the activations fit at that cp. The output layer's logits count too: cp splits
        them, tp does not.
     2. pp: 1 unless the model states, 16 bytes x total params / (tp·pp), sharded by FSDP over at
@@ -220,12 +225,21 @@ def suggest_layout(*, gpus: int, total_params: float, n_layer: int, d_model: int
         return activation_bytes(n_layer, seq_len, d_model, tp=tp, cp=cp, checkpointed=checkpointed,
                                 vocab_size=vocab_size)
 
-    checkpointed = activations(tp_max, False) > mem / 2
     cp_options = [c for c in (1 << i for i in range(MAX_CP.bit_length()))
                   if c == 1 or (seq_len % (2 * c) == 0 and gpus % c == 0)]
 
-    def tps(cp: int) -> list[int]:  # tensor-parallel degrees beside cp: dividing the GPUs and seq_len / cp
-        return [t for t in tp_options if (gpus // cp) % t == 0 and (seq_len // cp) % t == 0]
+    def tps(cp: int, in_node: bool = False) -> list[int]:
+        """Tensor-parallel degrees beside cp: dividing the GPUs and seq_len / cp (tp x cp <= a node's GPUs
+        where `in_node`)."""
+        return [t for t in tp_options if (gpus // cp) % t == 0 and (seq_len // cp) % t == 0
+                and (not in_node or t * cp <= cfg.gpus_per_node)]
+
+    # recompute (~1/3 more compute) or cp: no recompute where some cp with tp x cp within a node fits
+    # (its K/V all-gathers stay on NVLink, the mesh puts cp beside tp), else full checkpointing
+    checkpointed = not any(activations(t, False, c) <= mem / 2 for c in cp_options for t in tps(c, True))
+    if not checkpointed:  # cp and its tp kept within a node
+        cp_options = [c for c in cp_options if tps(c, True)]
+        tps = functools.partial(tps, in_node=True)
 
     def fits_at(cp: int) -> bool:
         return activations(max(tps(cp)), checkpointed, cp) <= mem / 2
@@ -293,11 +307,12 @@ def _layout_rationale(v: dict) -> list[str]:
         "pipeline stages")]
     if checkpointed:
         why.append("full activation checkpointing assumed: without it the activations do not fit even "
-                   f"at tp={tp_max}")
+                   f"at tp={tp_max}, nor with any cp x tp within a node of {cfg.gpus_per_node}")
     if cp > 1:
         why.append(f"cp={cp}: the {v['seq_len']}-token sequence's activations "
                    f"({activations(tp_max, checkpointed) / 1e9:.1f} GB at tp={tp_max}"
-                   f"{' with checkpointing' if checkpointed else ''}) do not fit in half the memory: split over "
+                   f"{' with checkpointing' if checkpointed else ', without checkpointing'}) do not fit in "
+                   "half the memory: split over "
                    f"{cp} context-parallel ranks (each keeps 1/{cp} of them plus every layer's gathered K/V) "
                    f"they take {activations(tp, checkpointed, cp) / 1e9:.1f} GB; the cp ranks come from data "
                    f"parallelism (FSDP shards over dp_shard x cp = {dp_shard * cp})")
@@ -430,8 +445,10 @@ def _hardware_assumptions(key: str, spec: GpuSpec, mfu: float, cfg: PlanConfig, 
         "a mixture of experts' MoE layers over pp x dp_shard only; "
         f"FSDP2 keeps fp32 sharded weights as the master copy and gathers {cfg.compute_weight_bytes:g}-byte "
         "compute copies one layer at a time)",
-        "layout: tp inside a node sized by activations, then full activation checkpointing, then context "
-        "parallelism cp for a sequence still too long (activations / cp plus each layer's gathered K/V; the "
+        "layout: tp inside a node sized by activations; a sequence too long for it takes the smallest context "
+        "parallelism cp with which it fits without recompute while tp x cp stays within a node (cp's K/V "
+        "all-gathers on NVLink, cheaper than full checkpointing's ~1/3 more compute), else full activation "
+        "checkpointing and then the smallest cp that fits (activations / cp plus each layer's gathered K/V; the "
         f"output layer's fp32 log-probs, {LOGIT_BYTES} B x seq_len x vocab_size {vocab_size:,}, / cp), pp across nodes only when "
         "FSDP-sharded model states do not fit, dp for the rest; bubble = (pp-1)/(microbatches+pp-1) for 1F1B",
     ]
