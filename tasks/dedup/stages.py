@@ -48,7 +48,6 @@ from __future__ import annotations
 import copy
 import io
 import json
-import os
 import shutil
 import time
 from collections import Counter
@@ -60,8 +59,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.core.fs import (files as listing, is_remote, join, location, name_of, open_random, parent_of, read_bytes,
-                           remove, remove_tree, store_fs, upload, write_bytes)
+from tasks.core.fs import (file_names, files as listing, is_remote, join, location, name_of, open_random, parent_of,
+                           read_bytes, remove, remove_stale_shards, remove_tree, upload, write_bytes)
 from tasks.core.steps import StepStats
 
 META_SCHEMA = pa.schema([("id", pa.string()), ("key", pa.binary()), ("nbytes", pa.int64()), ("source", pa.string()),
@@ -214,18 +213,9 @@ class Files:
         return join(self.root, step, "_spill")
 
     def names(self, folder: Path | str) -> list[str]:
-        """The files directly in `folder` (sorted names; none when it is not there). One level only:
-        a step's folder also holds its block pieces, which a recursive listing would walk."""
-        if not is_remote(folder):
-            try:
-                return sorted(e.name for e in os.scandir(folder) if e.is_file())
-            except FileNotFoundError:
-                return []
-        try:
-            found = store_fs(folder, self.options).ls(folder, detail=True)
-        except FileNotFoundError:
-            return []
-        return sorted(name_of(f["name"]) for f in found if f.get("type", "file") == "file")
+        """The files directly in `folder` (sorted names; none when it is not there): one level, as a
+        step's folder also holds its block pieces."""
+        return file_names(folder, self.options)
 
 
 def _dropped_before(files: Files, steps: Sequence[str], job: JobDocs) -> np.ndarray:
@@ -794,9 +784,7 @@ def filter_pass(stages: DedupStages, out_dir: Path, shard_docs: int) -> dict:
                                out_options) for k in range(-(-total // shard_docs))])
     names = [n for g in got for n in g["names"]]
     if is_remote(out_loc):
-        there = set(Files(out_loc, out_options).names(out_loc))  # the stage's top level only, not its _parts
-        for stale in sorted(n for n in there - set(names) if n.startswith("shard-") and n.endswith(".parquet")):
-            remove(join(out_loc, stale), out_options)
+        remove_stale_shards(out_loc, names, out_options)
         store = store_of_path(out_dir)
         store.pull("", keys=[store.rel(out_dir / n) for n in names])
     out = {"shards": [str(out_dir / n) for n in names], "docs": sum(g["docs"] for g in got),
