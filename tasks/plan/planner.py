@@ -196,11 +196,9 @@ def suggest_layout(*, gpus: int, total_params: float, n_layer: int, d_model: int
     1. Activations (activation_bytes) must fit in half the usable memory (a 1F1B pipeline's first
        stage holds pp in-flight microbatches of L/pp layers, so about L layers' worth whatever pp
        is). The levers, in order: tensor parallelism within a node; if even a full node of tp is not
-       enough, context parallelism without recompute if some tp x cp within a node fits (cheaper than
-       full checkpointing's ~1/3 more compute; its K/V all-gathers stay on NVLink), else full
-       activation checkpointing and, if the sequence is still too long, context parallelism: in
-       either case cp is the smallest power of two (seq_len a multiple of 2 cp) with which it fits,
-       cp ranks taken from data parallelism (FSDP shards over dp_shard x cp). tp is then the smallest power of two
+       enough, cp without recompute if some tp x cp within a node fits (K/V all-gathers on NVLink beat
+       full checkpointing's ~1/3 more compute), else full checkpointing, then cp if still too long:
+       cp the smallest power of two (seq_len a multiple of 2 cp) that fits, from data parallelism. tp is then the smallest power of two
        with which the activations fit at that cp. The output layer's logits count too: cp splits
        them, tp does not.
     2. pp: 1 unless the model states, 16 bytes x total params / (tp·pp), sharded by FSDP over at
@@ -228,9 +226,7 @@ def suggest_layout(*, gpus: int, total_params: float, n_layer: int, d_model: int
     cp_options = [c for c in (1 << i for i in range(MAX_CP.bit_length()))
                   if c == 1 or (seq_len % (2 * c) == 0 and gpus % c == 0)]
 
-    def tps(cp: int, in_node: bool = False) -> list[int]:
-        """Tensor-parallel degrees beside cp: dividing the GPUs and seq_len / cp (tp x cp <= a node's GPUs
-        where `in_node`)."""
+    def tps(cp: int, in_node: bool = False) -> list[int]:  # tp dividing gpus / cp, seq_len / cp (tp x cp in a node)
         return [t for t in tp_options if (gpus // cp) % t == 0 and (seq_len // cp) % t == 0
                 and (not in_node or t * cp <= cfg.gpus_per_node)]
 
