@@ -108,9 +108,10 @@ class IngestConfig(Section):
     # permutation). 0: one partition per `id_partition_bytes` of source files (their sizes at planning),
     # so a task's memory follows this setting, not the corpus. At most 65535 (a uint16 partition number)
     id_partitions: int = Field(default=0, ge=0, le=65535)
-    # source bytes per id partition when `id_partitions` is 0. Assumes >= 200 source bytes per document
-    # (a compressed WARC response is ~10 KB, a compressed JSONL line of web text ~1 KB): then a task
-    # holds <= 5.4 M documents, ~320 MB at the default
+    # source bytes per id partition when `id_partitions` is 0 (a capped source counts at most 200 per
+    # document of its cap). Assumes >= 200 source bytes per document (a compressed WARC response is
+    # ~10 KB, a compressed JSONL line of web text ~1 KB): then a task holds <= 5.4 M documents, ~320 MB
+    # at the default
     id_partition_bytes: int = Field(default=1 << 30, gt=0)
     normalise_nfc: bool = True
     normalise_whitespace: bool = True  # collapse runs of spaces, strip lines, at most one blank line

@@ -449,10 +449,10 @@ def test_id_partitions_follow_the_source_bytes_so_a_task_stays_bounded(tmp_path)
     import pyarrow.parquet as pq
     from pydantic import ValidationError
 
-    from tasks.ingest.run import _Plan
+    from tasks.ingest.run import MIN_DOC_SOURCE_BYTES, _Plan
 
     ingest = IngestConfig(id_partition_bytes=6000)
-    rows_bound = ingest.id_partition_bytes // 200
+    rows_bound = ingest.id_partition_bytes // MIN_DOC_SOURCE_BYTES
     counts = []
     for n_files in (3, 12):
         folder = tmp_path / f"c{n_files}"
@@ -476,6 +476,9 @@ def test_id_partitions_follow_the_source_bytes_so_a_task_stays_bounded(tmp_path)
     cfg = PipelineConfig(name="parts", sources=[src("s", tmp_path / "c3" / "*.jsonl", "jsonl")],
                          ingest=IngestConfig(id_partitions=5, id_partition_bytes=6000))
     assert _Plan.of(cfg).ingest.id_partitions == 5
+    capped = src("s", tmp_path / "c12" / "*.jsonl", "jsonl", max_docs=60)  # 60 x 200 B: 2 partitions, not one per 6000 B of its files
+    cfg = PipelineConfig(name="parts", sources=[capped], ingest=IngestConfig(id_partition_bytes=6000))
+    assert _Plan.of(cfg).ingest.id_partitions == 2
     with pytest.raises(ValidationError):
         IngestConfig(id_partitions=65536)
 

@@ -106,12 +106,17 @@ def _config_key(ingest: IngestConfig) -> str:
     return digest(IngestConfig.model_validate(ingest.model_dump()).model_dump(exclude={"resume"}))
 
 
-def id_partitions(ingest: IngestConfig, source_bytes: int) -> int:
-    """`ingest.id_partitions`, or where it is 0 one per `ingest.id_partition_bytes` of the source
-    files (at most 65535): a duplicate-id task's partition grows with this bound, not the corpus."""
+MIN_DOC_SOURCE_BYTES = 200  # assumed least source bytes per document (`IngestConfig.id_partition_bytes`)
+
+
+def id_partitions(ingest: IngestConfig, sources: list[tuple[SourceConfig, int]]) -> int:
+    """`ingest.id_partitions`, or where it is 0 one per `ingest.id_partition_bytes` of the sources
+    ([(source, its files' bytes)]; a capped source counts at most MIN_DOC_SOURCE_BYTES per document
+    of its cap), at most 65535: a duplicate-id task's partition grows with this bound, not the corpus."""
     if ingest.id_partitions:
         return ingest.id_partitions
-    return min(65535, max(1, -(-source_bytes // ingest.id_partition_bytes)))
+    total = sum(n if s.max_docs is None else min(n, s.max_docs * MIN_DOC_SOURCE_BYTES) for s, n in sources)
+    return min(65535, max(1, -(-total // ingest.id_partition_bytes)))
 
 
 @dataclass
@@ -128,8 +133,8 @@ class _Plan:
     def of(cls, cfg: PipelineConfig) -> "_Plan":
         sources = [(source, resolve_source_files(cfg, source)) for source in cfg.sources]
         idents = {f: file_identity(f, source.storage_options) for source, files in sources for f in files}
-        source_bytes = sum(int(ident[1] or 0) for ident in idents.values())  # size unknown (some http): 0
-        ingest = cfg.ingest.model_copy(update={"id_partitions": id_partitions(cfg.ingest, source_bytes)})
+        sizes = [(s, sum(int(idents[f][1] or 0) for f in files)) for s, files in sources]  # unknown (http): 0
+        ingest = cfg.ingest.model_copy(update={"id_partitions": id_partitions(cfg.ingest, sizes)})
         base = _config_key(ingest)  # the resolved count: a job's id files are spilled with it
         run_key = digest([base, [[s.model_dump(), [idents[f] for f in files]] for s, files in sources]])
         return cls(sources, idents, ingest, base, run_key)
