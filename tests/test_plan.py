@@ -400,6 +400,23 @@ def test_cli_vocab_sizes_the_log_prob_term_and_the_header_multiplies_out(tmp_pat
         assert lay["tp"] * lay["pp"] * cp * lay["dp"] == 8
 
 
+def test_cli_config_vocabulary_sizes_the_plan_unless_vocab_is_given(capsys):
+    """`--config` without `--vocab`: the config's tokenizer.vocab_size (what `crucible run` trains and
+    plan_for_run prices), not Llama 3's 128,256: configs/tiny.yaml's 4,096-token log-probs leave 8B
+    at 128k on 8 GPUs without cp; `--vocab` still wins; the assumptions name the source."""
+    from tasks.config import load_config
+
+    argv = ["--params", "8.03e9", "--n-layer", "32", "--d-model", "4096", "--gpus", "8", "--seq-len", "131072",
+            "--json", "--config", "configs/tiny.yaml"]
+    vocab = load_config("configs/tiny.yaml").tokenizer.vocab_size
+    for extra, want, source in (([], vocab, "tokenizer.vocab_size of configs/tiny.yaml"),
+                                (["--vocab", "128256"], 128256, "--vocab")):
+        assert main([*argv, *extra]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["vocab_size"] == want and f"vocab_size {want:,}: {source}" in plan["assumptions"]
+        assert plan["layout"]["cp"] == (1 if want == vocab else 4)
+
+
 def test_pipelined_and_moe_plans_validate_as_emitted(tmp_path, capsys):
     plan, fragment = _emit(tmp_path, capsys, ["--params", "1e12", "--gpus", "1024"])
     lay = plan["layout"]

@@ -55,9 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size.add_argument("--n-experts", type=_count, metavar="E",
                       help="MoE: routed experts per layer (default: as many as --params holds)")
     size.add_argument("--top-k", type=_count, default=2, metavar="K", help="MoE: experts per token (default 2)")
-    size.add_argument("--vocab", type=_count, default=DEFAULT_VOCAB, metavar="V",
+    size.add_argument("--vocab", type=_count, default=None, metavar="V",
                       help=f"vocabulary size: the output layer's log-probs count toward activation memory "
-                           f"(default {DEFAULT_VOCAB:,}, Llama 3's)")
+                           f"(default: --config's tokenizer.vocab_size, else {DEFAULT_VOCAB:,}, Llama 3's)")
     hw = p.add_argument_group("hardware")
     hw.add_argument("--gpus", type=_count, metavar="G",
                     help="GPU count (default: the fewest that finish within plan.target_days)")
@@ -115,7 +115,7 @@ def _curate_plan(args: argparse.Namespace, cfg) -> dict:
 def run(args: argparse.Namespace) -> int:
     """Plan from parsed arguments; print it; 0 on success, 2 on bad input."""
     try:
-        cfg = energy = None
+        cfg = energy = full = None
         if args.config:
             from infra.settings import load_config
             from tasks.config import ConfigError
@@ -129,12 +129,17 @@ def run(args: argparse.Namespace) -> int:
             plan = _curate_plan(args, cfg)
             print(json.dumps(plan, indent=2) if args.json else format_curate_plan(plan))
             return 0
+        # the vocabulary `crucible run` would train (its tokenizer's size), unless --vocab names one
+        vocab, vocab_from = ((args.vocab, "--vocab") if args.vocab else
+                             (full.tokenizer.vocab_size, f"tokenizer.vocab_size of {args.config}") if full else
+                             (DEFAULT_VOCAB, "default, Llama 3's (give --vocab or --config)"))
         plan = make_plan(params=args.params, tokens=args.tokens, flops=args.flops, gpus=args.gpus,
                          gpu=args.gpu or (cfg.gpu if cfg else "h100"), mfu=args.mfu, seq_len=args.seq_len,
                          n_layer=args.n_layer, d_model=args.d_model, active_params=args.active_params, cfg=cfg,
                          n_head=args.n_head, n_experts=args.n_experts,
                          top_k=args.top_k if args.active_params else 2, energy=energy,
-                         vocab_size=args.vocab)
+                         vocab_size=vocab)
+        plan["assumptions"].append(f"vocab_size {vocab:,}: {vocab_from}")
         if args.emit_config:
             _emit(plan, args, cfg)
     except PlanError as e:
