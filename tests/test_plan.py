@@ -417,6 +417,27 @@ def test_cli_config_vocabulary_sizes_the_plan_unless_vocab_is_given(capsys):
         assert plan["layout"]["cp"] == (1 if want == vocab else 4)
 
 
+def test_cli_warns_when_cp_meets_a_config_with_doc_mask(tmp_path, capsys):
+    """A base config with train.doc_mask planned at cp > 1: the boolean masks that path builds (2 x 128k x
+    32k bytes = 8.6 GB at cp 4) are not in the activation estimate, so the plan says so (stderr and
+    assumptions); the same config without doc_mask, or a plan at cp 1, carries no warning."""
+    import yaml
+
+    argv = ["--params", "8.03e9", "--n-layer", "32", "--d-model", "4096", "--gpus", "8", "--seq-len", "131072",
+            "--json", "--emit-config", str(tmp_path / "planned.yaml")]
+    raw = yaml.safe_load(Path("configs/tiny.yaml").read_text())
+    for doc_mask, vocab, warned in ((True, "128256", True), (False, "128256", False), (True, "32000", False)):
+        base = tmp_path / f"base-{doc_mask}.yaml"
+        base.write_text(yaml.safe_dump({**raw, "train": {**raw.get("train", {}), "doc_mask": doc_mask}}))
+        assert main([*argv, "--config", str(base), "--vocab", vocab]) == 0
+        out = capsys.readouterr()
+        plan = json.loads(out.out)
+        notes = [a for a in plan["assumptions"] if "train.doc_mask with cp=" in a]
+        assert bool(notes) == warned and ("train.doc_mask with cp=4" in out.err) == warned, (doc_mask, vocab)
+        if warned:
+            assert plan["layout"]["cp"] == 4 and "8.6 GB" in notes[0]
+
+
 def test_pipelined_and_moe_plans_validate_as_emitted(tmp_path, capsys):
     plan, fragment = _emit(tmp_path, capsys, ["--params", "1e12", "--gpus", "1024"])
     lay = plan["layout"]

@@ -140,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
                          top_k=args.top_k if args.active_params else 2, energy=energy,
                          vocab_size=vocab)
         plan["assumptions"].append(f"vocab_size {vocab:,}: {vocab_from}")
+        if full and full.train.doc_mask and plan["layout"]["cp"] > 1:
+            _warn_doc_mask_under_cp(plan, args.seq_len)
         if args.emit_config:
             _emit(plan, args, cfg)
     except PlanError as e:
@@ -147,6 +149,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return 0
+
+
+def _warn_doc_mask_under_cp(plan: dict, seq_len: int) -> None:
+    """train.doc_mask with cp > 1: attention then takes the boolean-mask path (tasks/train/context_parallel.py),
+    whose masks the activation estimate does not count; say so on stderr and in the assumptions."""
+    cp = plan["layout"]["cp"]
+    gb = 2 * seq_len * seq_len / cp / 1e9  # bool (local, seq_len) causal mask + (1, 1, local, seq_len) document mask
+    warning = (f"WARNING: train.doc_mask with cp={cp}: each rank also builds a (seq_len/cp, seq_len) boolean "
+               f"causal mask and a (micro_batch, 1, seq_len/cp, seq_len) document mask, {gb:.1f} GB at micro-batch "
+               "1, not counted in the activation estimate (and no flash kernel); turn doc_mask off or leave that room")
+    plan["assumptions"].append(warning)
+    print(f"plan: {warning}", file=sys.stderr)
 
 
 def _emit(plan: dict, args: argparse.Namespace, cfg) -> None:
