@@ -438,6 +438,20 @@ def test_cli_warns_when_cp_meets_a_config_with_doc_mask(tmp_path, capsys):
             assert plan["layout"]["cp"] == 4 and "8.6 GB" in notes[0]
 
 
+def test_expert_parallel_groups_span_cp_x_tp_ranks_within_a_node():
+    """ep ranks sit cp x tp apart in the (pp, dp_replicate, dp_shard, cp, tp) mesh, so ep x cp x tp must
+    fit in a node: 47B/13B-active at 64k plans tp 4 x cp 2 on 8-GPU nodes, which leaves ep 1 (ep 2 would
+    put its all-to-all across nodes); at 128k, tp 2 x cp 4, also ep 1; without cp, tp 2 takes ep 4."""
+    from tasks.plan.planner import expert_parallel
+
+    assert [expert_parallel(8, 8, 2, 8, cp=c) for c in (1, 2, 4)] == [4, 2, 1]
+    for seq_len, tp, cp in ((65536, 4, 2), (131072, 2, 4)):
+        plan = make_plan(params=47e9, active_params=13e9, n_experts=8, gpus=64, seq_len=seq_len)
+        lay = plan["layout"]
+        assert (lay["tp"], lay["cp"], lay["dp_shard"]) == (tp, cp, 8)
+        assert plan["moe"]["ep"] == 1 and plan["moe"]["ep"] * cp * tp <= PlanConfig().gpus_per_node
+
+
 def test_pipelined_and_moe_plans_validate_as_emitted(tmp_path, capsys):
     plan, fragment = _emit(tmp_path, capsys, ["--params", "1e12", "--gpus", "1024"])
     lay = plan["layout"]

@@ -161,11 +161,13 @@ def moe_shape(params: float, active_params: float, n_layer: int, d_model: int, t
             "active_params_of_shape": float(n_layer * (4 * d_model**2 + top_k * expert))}
 
 
-def expert_parallel(n_experts: int, dp_shard: int, tp: int, gpus_per_node: int) -> int:
+def expert_parallel(n_experts: int, dp_shard: int, tp: int, gpus_per_node: int, cp: int = 1) -> int:
     """train.parallel.ep of a mixture of experts: the largest divisor of n_experts that divides dp_shard
-    (the trainer carves the ep ranks out of it), at most 8 and with ep x tp ranks within a node (an ep
-    group is ep consecutive dp_shard ranks, tp apart: its all-to-alls stay on NVLink)."""
-    return max(d for d in _divisors(n_experts) if dp_shard % d == 0 and d <= 8 and d * tp <= gpus_per_node)
+    (the trainer carves the ep ranks out of it), at most 8 and with ep x cp x tp ranks within a node
+    (the mesh is (pp, dp_replicate, dp_shard, cp, tp): an ep group is ep consecutive dp_shard ranks,
+    cp x tp apart, and its all-to-alls stay on NVLink only if the group spans one node)."""
+    return max(d for d in _divisors(n_experts)
+               if dp_shard % d == 0 and d <= 8 and d * cp * tp <= gpus_per_node)
 
 
 def fsdp_shard(dp: int, limit: int) -> int:
@@ -454,7 +456,7 @@ def _moe_plan(params: float, active_params: float, n_layer: int, d_model: int, t
               n_experts: int | None, layout: dict, cfg: PlanConfig, assumptions: list[str]) -> dict:
     """The experts' shape and expert parallelism of a mixture-of-experts plan (assumptions appended)."""
     moe = moe_shape(params, active_params, n_layer, d_model, top_k, n_experts)
-    moe["ep"] = expert_parallel(moe["n_experts"], layout["dp_shard"], layout["tp"], cfg.gpus_per_node)
+    moe["ep"] = expert_parallel(moe["n_experts"], layout["dp_shard"], layout["tp"], cfg.gpus_per_node, layout["cp"])
     assumptions.append(f"expert parallelism ep={moe['ep']}: each rank holds {moe['n_experts'] // moe['ep']} "
                        f"of the {moe['n_experts']} experts per layer, ep groups within a node")
     assumptions.append(f"MoE experts: {moe['n_experts']} routed SwiGLU experts of width {moe['expert_hidden']} "
