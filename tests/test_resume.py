@@ -284,3 +284,26 @@ def test_ingest_changed_source_is_reread(ingest_setup, tmp_path):
         ray.shutdown()
     assert not second.get("resumed_complete")
     assert second["docs_in"] == first["docs_in"] + 1 and second["docs_out"] == first["docs_out"] + 1
+
+
+def test_job_runner_lists_the_parts_folder_once_and_removes_only_each_jobs_leftovers(tmp_path, monkeypatch):
+    """A job that is not reused loses the part files a killed attempt left (`<name>-*.parquet`), and
+    only those: the folder is listed once for all jobs (a glob per job costs jobs x files on a
+    large run), a name that extends another job's (`j1` vs `j10`) keeps its files."""
+    from tasks.core.executor import Job, JobRunner
+    from tasks.core.resume import JobStore
+
+    store = JobStore(tmp_path)
+    names = ["j1-0.parquet", "j1-1.parquet", "j10-0.parquet", "j2-0.parquet", "j2.job.json", "other.parquet"]
+    for n in names:
+        (tmp_path / n).write_text("x")
+    listed = []
+    real_iterdir = Path.iterdir
+    monkeypatch.setattr(Path, "iterdir", lambda self: listed.append(self) or real_iterdir(self))
+    monkeypatch.setattr(Path, "glob", lambda self, pattern: pytest.fail("a glob per job"))
+    runner = JobRunner(workers=None, store=store)
+    for name in ("j1", "j3"):
+        assert runner.submit(Job(name, "key", ())) is None
+    assert listed == [tmp_path]
+    assert sorted(p.name for p in real_iterdir(tmp_path)) == ["j10-0.parquet", "j2-0.parquet", "j2.job.json",
+                                                              "other.parquet"]

@@ -27,6 +27,7 @@ nodes do not share the driver's disk (`task_location`, `for_any_node`).
 """
 from __future__ import annotations
 
+import bisect
 import shutil
 import time
 from collections import Counter
@@ -317,6 +318,18 @@ class JobRunner:
         self._queue: list[Job] = []
         self._pending: dict = {}  # object ref -> job
         self._started = False
+        self._leftovers: list[str] | None = None  # the store's part files when first needed, sorted
+
+    def _remove_leftover_parts(self, name: str) -> None:
+        """Delete the part files `<name>-*.parquet` a killed attempt left: the store's folder is listed
+        once (sorted) and each job's files found by bisection, not one glob of the folder per job."""
+        if self._leftovers is None:
+            self._leftovers = sorted(p.name for p in self.store.dir.iterdir() if p.name.endswith(".parquet"))
+        prefix = f"{name}-"
+        for k in range(bisect.bisect_left(self._leftovers, prefix), len(self._leftovers)):
+            if not self._leftovers[k].startswith(prefix):
+                break
+            (self.store.dir / self._leftovers[k]).unlink(missing_ok=True)
 
     def submit(self, job: Job) -> dict | None:
         """The stored result if the job can be reused, else None: the job is queued to run."""
@@ -325,8 +338,7 @@ class JobRunner:
             if stored is not None:
                 self.resumed += 1
                 return stored
-            for part in self.store.dir.glob(f"{job.name}-*.parquet"):  # left by a killed attempt
-                part.unlink()
+            self._remove_leftover_parts(job.name)
         self._queue.append(job)
         self.ran += 1
         return None
