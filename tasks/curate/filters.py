@@ -60,21 +60,27 @@ class _Joined:
         self.cat_sp = " ".join(toks)
         self.ends = np.cumsum(np.fromiter(map(len, toks), np.int64, len(toks)))  # end of token i in `cat`
         self.starts = self.ends - np.fromiter(map(len, toks), np.int64, len(toks))
-        self._prefix: dict[bool, np.ndarray] = {}
+        self._prefix: dict[bool, tuple[np.ndarray, ...]] = {}
 
     def grams(self, n: int, spaced: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(hash, start, end) of each n-gram in the joined string (`spaced`: with spaces)."""
-        k = n - 1
-        st, en = self.starts[:self.n_toks - k], self.ends[k:]
-        if spaced:  # i spaces before token i
-            st, en = st + np.arange(len(st)), en + np.arange(k, self.n_toks)
-        if spaced not in self._prefix:
-            self._prefix[spaced] = _prefix_hashes(self.cat_sp if spaced else self.cat)
-        h = self._prefix[spaced]
-        pw_inv = _powers(len(h))[1]
+        k, m = n - 1, self.n_toks - n + 1  # m n-grams: tokens [i, i + k] for i < m
+        st, en, h_st, h_en, inv_st = self._bounds(spaced)
+        st, en, h_st, h_en, inv_st = st[:m], en[k:], h_st[:m], h_en[k:], inv_st[:m]
         with np.errstate(over="ignore"):  # arithmetic mod 2^64
-            keys = (h[en] - h[st]) * pw_inv[st] + (en - st).astype(np.uint64) * _LENGTH_MIX
+            keys = (h_en - h_st) * inv_st + (en - st).astype(np.uint64) * _LENGTH_MIX
         return keys, st, en
+
+    def _bounds(self, spaced: bool) -> tuple[np.ndarray, ...]:
+        """Each token's (start, end) in the joined string, the prefix hashes there and B^-start:
+        gathered once per document, so each n's hashes come from slices of them."""
+        if spaced not in self._prefix:
+            st, en = self.starts, self.ends
+            if spaced:  # i spaces before token i
+                st, en = st + np.arange(self.n_toks), en + np.arange(self.n_toks)
+            h = _prefix_hashes(self.cat_sp if spaced else self.cat)
+            self._prefix[spaced] = (st, en, h[st], h[en], _powers(len(h))[1][st])
+        return self._prefix[spaced]
 
 
 # Polynomial hashing mod 2^64 (numpy's wrapping uint64 arithmetic): an odd base has an inverse,
@@ -119,27 +125,27 @@ def top_ngram_chars(toks: list[str] | _Joined, n: int) -> int:
     if j.n_toks < n:
         return 0
     keys, st, en = j.grams(n, spaced=True)
-    order, starts = _hash_groups(keys)
-    counts = np.diff(np.append(starts, len(keys)))
-    best = counts.max()
-    top = np.flatnonzero(counts == best)
-    firsts = order[starts[top]]  # a stable sort puts each group's first occurrence first
-    g = int(top[np.argmin(firsts)])  # the first n-gram with the top count
-    at = int(firsts.min())
-    members = order[starts[g]:starts[g] + best]
+    runs, counts = _sorted_runs(keys)
+    best = int(counts.max())
+    if best == 1:  # no two hashes alike, so no two n-grams alike: the first one wins the tie
+        return int(en[0] - st[0])
+    top = runs[counts == best]  # the hashes of the top count, sorted
+    hit = np.minimum(np.searchsorted(top, keys), len(top) - 1)
+    at = int(np.argmax(top[hit] == keys))  # the first n-gram whose hash has the top count
+    members = np.flatnonzero(keys == keys[at])
     cat = j.cat_sp
     gram = cat[st[at]:en[at]]
     if any(cat[a:b] != gram for a, b in zip(st[members].tolist(), en[members].tolist())):
         return _top_ngram_chars_exact(j, n)  # a hash collision: count the strings
-    return len(gram) * int(best)
+    return len(gram) * best
 
 
-def _hash_groups(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(stable argsort of `keys`, start of each run of equal keys in that order): what
-    np.unique's index/inverse/counts give, without its inverse pass (~2x cheaper here)."""
-    order = np.argsort(keys, kind="stable")
-    k = keys[order]
-    return order, np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+def _sorted_runs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct keys, sorted; how often each occurs): from a plain sort of the keys, ~5x cheaper
+    than the stable argsort that np.unique's index/counts need; positions come back by lookup."""
+    k = np.sort(keys)
+    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+    return k[starts], np.diff(np.append(starts, len(k)))
 
 
 def _top_ngram_chars_exact(j: _Joined, n: int) -> int:
@@ -157,15 +163,13 @@ def duplicated_ngram_chars(toks: list[str] | _Joined, n: int) -> int:
     if j.n_toks < n:
         return 0
     keys, st, en = j.grams(n, spaced=False)
-    order = np.argsort(keys)
-    same = keys[order]
-    same = same[1:] == same[:-1]
+    k = np.sort(keys)
+    same = k[1:] == k[:-1]
     if not same.any():  # no two n-grams hash alike (most documents from n = 6 up)
         return 0
-    repeated = np.zeros(len(keys), dtype=bool)  # in sorted order: a member of a group of two or more
-    repeated[1:] = same
-    repeated[:-1] |= same
-    candidates = np.sort(order[repeated]).tolist()
+    twice = k[1:][same]  # each hash seen more than once (sorted, with repeats)
+    hit = np.minimum(np.searchsorted(twice, keys), len(twice) - 1)
+    candidates = np.flatnonzero(twice[hit] == keys).tolist()
     cat, st, en = j.cat, st.tolist(), en.tolist()
     seen: set[str] = set()
     chars = nxt = 0  # nxt: the first token index still to consider
