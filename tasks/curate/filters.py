@@ -58,8 +58,9 @@ class _Joined:
         self.n_toks = len(toks)
         self.cat = "".join(toks)
         self.cat_sp = " ".join(toks)
-        self.ends = np.cumsum(np.fromiter(map(len, toks), np.int64, len(toks)))  # end of token i in `cat`
-        self.starts = self.ends - np.fromiter(map(len, toks), np.int64, len(toks))
+        lens = np.fromiter(map(len, toks), np.int64, len(toks))
+        self.ends = np.cumsum(lens)  # end of token i in `cat`
+        self.starts = self.ends - lens
         self._prefix: dict[bool, tuple[np.ndarray, ...]] = {}
 
     def grams(self, n: int, spaced: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -144,8 +145,8 @@ def _sorted_runs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(distinct keys, sorted; how often each occurs): from a plain sort of the keys, ~5x cheaper
     than the stable argsort that np.unique's index/counts need; positions come back by lookup."""
     k = np.sort(keys)
-    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
-    return k[starts], np.diff(np.append(starts, len(k)))
+    bounds = np.concatenate(([0], np.flatnonzero(k[1:] != k[:-1]) + 1, [len(k)]))
+    return k[bounds[:-1]], np.diff(bounds)
 
 
 def _top_ngram_chars_exact(j: _Joined, n: int) -> int:
