@@ -110,3 +110,31 @@ def test_the_record_is_kept_per_run_and_a_run_s_updates_leave_the_others_alone(t
         assert (records / "r1.json").stat().st_ino == before
         assert store.recorded("r2/curate/part-1.parquet") and store.recorded("r1/curate/part-0.parquet")
 
+
+
+def test_tree_sha256_of_a_store_prefix_is_the_local_trees_and_downloads_nothing(tmp_path, monkeypatch):
+    """One tree hash for a checkpoint wherever it lives: its objects are streamed, never copied to disk."""
+    from tasks.core import fs
+    from tasks.core.hashing import sha256_tree
+    from tasks.train import checkpoint
+
+    tree = tmp_path / "step-000002"
+    for rel, body in {"a.bin": b"x" * 3000, "b/c.json": b"{}", "b/d/e": b"e", "b10": b"z"}.items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_bytes(body)
+
+    def no_download(*a, **k):
+        raise AssertionError("the tree was downloaded to be hashed")
+
+    monkeypatch.setattr(fs, "download", no_download)
+    monkeypatch.setattr(checkpoint, "download", no_download)
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        for p in tree.rglob("*"):
+            if p.is_file():
+                s3.client.upload_file(str(p), "runs", f"r/step-000002/{p.relative_to(tree).as_posix()}")
+        uri = "s3://runs/r/step-000002"
+        assert fs.tree_sha256(uri, s3.options) == sha256_tree(tree) == fs.tree_sha256(tree)
+        assert fs.tree_sha256(f"{uri}/b/c.json", s3.options) == sha256_tree(tree / "b" / "c.json")
+        (tree / "crucible_checkpoint.json").write_text("{}")  # checkpoint_problem's completeness check
+        s3.client.upload_file(str(tree / "crucible_checkpoint.json"), "runs", "r/step-000002/crucible_checkpoint.json")
+        assert checkpoint.checkpoint_problem(uri, expected_tree_sha256=sha256_tree(tree), storage_options=s3.options) is None

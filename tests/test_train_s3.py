@@ -23,7 +23,8 @@ from lm_helpers import tiny_cfg, tokens_artifact, train_on_nodes
 from s3_helpers import moto_s3
 from tasks.core.net import free_port
 from tasks.train import load_model_for_inference, run_training
-from tasks.train.checkpoint import (META_FILE, UnverifiedCheckpoint, _tree_sha256, checkpoint_problem,
+from tasks.core.fs import tree_sha256
+from tasks.train.checkpoint import (META_FILE, UnverifiedCheckpoint, checkpoint_problem,
                                     latest_checkpoint, list_checkpoints, read_manifest, verify_checkpoint,
                                     weights_sha256)
 from tasks.train.data import GlobalWindows
@@ -198,7 +199,7 @@ def test_a_continued_run_starts_from_a_checkpoint_on_the_store(two_nodes, s3, tm
     ckpt = f"{OUT}/checkpoints/step-000004"
     out = f"s3://{BUCKET}/exp/continued/train"
     res = run_training(_cfg(s3, tmp_path / "node", max_steps=1, checkpoint_every=1, init_from=ckpt,
-                            init_sha256=_tree_sha256(ckpt, s3.options)), two_nodes["tokens"], out, None, None, "cont")
+                            init_sha256=tree_sha256(ckpt, s3.options)), two_nodes["tokens"], out, None, None, "cont")
     assert res["steps"] == 1 and res["checkpoints"] == [f"{out}/checkpoints/step-000001"]
     record = json.loads(_get(s3, "exp/continued/train/init.json"))
     model, _ = load_model_for_inference(ckpt, storage_options=s3.options)

@@ -27,7 +27,8 @@ s3:// needs the optional extra `s3` (s3fs); without it `S3ExtraMissing` says so.
 Paths under run_root, local or on a store, share one access layer (the rest of this module): a
 location is a local `Path` or, on a store, a URI string (`location` turns a command-line or config
 value into one), and `join`, `name_of`, `parent_of`, `is_file`, `read_text`, `write_text`,
-`read_bytes`, `write_bytes`, `remove`, `files`, `file_names`, `remove_stale_shards`, `sha256`, `remove_tree`,
+`read_bytes`, `write_bytes`, `remove`, `files`, `file_names`, `remove_stale_shards`, `sha256`, `tree_sha256`,
+`remove_tree`,
 `download`, `download_file` and `upload` take either (`link_or_copy`: local files only), so code that reads and writes run files (training's checkpoints, the
 triggered flows, the dedup shuffles' spill files) is written once, as datatrove's DataFolder is one
 fsspec wrapper for local and remote folders. On a store they use the
@@ -49,7 +50,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from tasks.config import ENV_REF
-from tasks.core.hashing import sha256_file
+from tasks.core.hashing import sha256_file, sha256_tree, tree_digest
 from tasks.core.io import atomic_write_bytes
 
 _URL = re.compile(r"^([a-z][a-z0-9+.\-]*)://")
@@ -376,6 +377,17 @@ def sha256(loc: Path | str, options: dict | None = None) -> str:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def tree_sha256(loc: Path | str, options: dict | None = None) -> str:
+    """`tasks.core.hashing.sha256_tree` of a file or directory, local or on a store: a checkpoint
+    on a store hashes to what its downloaded copy would, its objects streamed (nothing is kept)."""
+    if not is_remote(loc):
+        return sha256_tree(loc)
+    found = files(loc, options)
+    if not found and is_file(loc, options):
+        return sha256(loc, options)
+    return tree_digest((rel, sha256(join(loc, rel), options)) for rel in found)
 
 
 def remove_tree(loc: Path | str, options: dict | None = None) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Iterable
 
 _CHUNK = 1 << 20
 
@@ -20,11 +21,18 @@ def sha256_tree(path: str | Path) -> str:
     path = Path(path)
     if path.is_file():
         return sha256_file(path)
+    return tree_digest((str(p.relative_to(path)), sha256_file(p))
+                       for p in sorted(q for q in path.rglob("*") if q.is_file()))
+
+
+def tree_digest(entries: Iterable[tuple[str, str]]) -> str:
+    """sha256_tree's digest of (relative path, file sha256) pairs given in path-part order: one
+    definition for a local tree and a store's (tasks.core.fs.tree_sha256)."""
     h = hashlib.sha256()
-    for p in sorted(q for q in path.rglob("*") if q.is_file()):
-        h.update(str(p.relative_to(path)).encode())
+    for rel, file_sha in entries:
+        h.update(rel.encode())
         h.update(b"\0")
-        h.update(sha256_file(p).encode())
+        h.update(file_sha.encode())
         h.update(b"\n")
     return h.hexdigest()
 

@@ -82,7 +82,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tasks.core.fs import (download, files, is_file, is_remote, join, link_or_copy, location, name_of, parent_of,
-                           read_text, remove, remove_tree, resolve_storage_options, sha256, write_text)
+                           read_text, remove, remove_tree, resolve_storage_options, sha256, tree_sha256, write_text)
 from tasks.core.io import atomic_write_text
 from tasks.core.layout import CHECKPOINTS_DIR
 from tasks.core.signing import SignatureError, dumps_signed, loads_signed
@@ -725,16 +725,6 @@ def apply_retention(out_dir: str | Path, new_ckpt: str | Path | None, keep_last:
     return manifest
 
 
-def _tree_sha256(ckpt_dir: Path | str, storage_options: dict | None) -> str:
-    """sha256_tree of the checkpoint; one on a store is hashed as a downloaded copy."""
-    from tasks.core.hashing import sha256_tree
-
-    if not is_remote(ckpt_dir):
-        return sha256_tree(ckpt_dir)
-    with tempfile.TemporaryDirectory(prefix="crucible-checkpoint-") as tmp:
-        return sha256_tree(download(ckpt_dir, Path(tmp) / name_of(ckpt_dir), storage_options))
-
-
 def checkpoint_problem(ckpt_dir: str | Path, manifest: dict | None = None,
                        expected_tree_sha256: str | None = None, storage_options: dict | None = None) -> str | None:
     """Why `ckpt_dir` must not be loaded, or None when it verifies: with `expected_tree_sha256`,
@@ -745,7 +735,7 @@ def checkpoint_problem(ckpt_dir: str | Path, manifest: dict | None = None,
     if not is_file(join(ckpt_dir, META_FILE), storage_options):
         return f"{ckpt_dir} is not a complete checkpoint (no {META_FILE})"
     if expected_tree_sha256 is not None:
-        actual = _tree_sha256(ckpt_dir, storage_options)
+        actual = tree_sha256(ckpt_dir, storage_options)
         return None if actual == expected_tree_sha256 else (
             f"{ckpt_dir} has content hash {actual[:16]}..., not the recorded {expected_tree_sha256[:16]}...")
     if manifest is None:
