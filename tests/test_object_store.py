@@ -173,25 +173,3 @@ def test_lineage_names_objects_by_the_naming_spec_and_raw_sources_keep_their_lic
     facet = raw["facets"]["crucible_source"]
     assert facet["source"] == "cc_net_head" and "Common Crawl" in facet["licence"]
     assert raw["facets"]["version"]["datasetVersion"]  # the ETag
-
-
-def test_the_pretrain_flow_takes_results_a_worker_on_another_machine_pushed(s3_demo, tmp_path):
-    """The triggered flows push what they write; the pretrain flow taking a checkpoint's
-    evaluation finds it in the store when the worker ran on another machine (another working copy)."""
-    from tasks.core import storage
-    from tasks.core.layout import RunLayout
-    from tasks.deploy.triggered import triggered_evaluation
-    from tasks.evaluate.evaluate import write_report
-
-    s3 = s3_demo["s3"]
-    driver = storage.open_store("s3://runs/elsewhere", s3.options, str(tmp_path / "driver"))
-    worker = storage.RunStore("s3://runs/elsewhere", s3.options, str(tmp_path / "worker"))
-    try:
-        ckpt = RunLayout(driver.local_root / "r1").checkpoints_dir / "step-000004"
-        report = RunLayout(worker.local_root / "r1").triggered_eval_report(ckpt)
-        write_report({"gate": {"passed": True, "reason": "first"}, "checkpoint": str(ckpt), "report_path": str(report)})
-        worker.push(report)
-        got = triggered_evaluation(RunLayout(driver.local_root / "r1"), ckpt)
-        assert got is not None and got["gate"]["reason"] == "first"
-    finally:
-        storage._STORES.pop(driver.root, None)

@@ -155,6 +155,41 @@ def test_a_worker_syncs_the_checkpoint_and_the_val_split_but_not_the_train_token
         assert got == set(objects) - {"tokens/train.bin", "tokens/train.doc_starts.npy"}, got
 
 
+def test_the_pretrain_flow_reads_triggered_records_and_checkpoints_of_a_store_run_there(tmp_path, monkeypatch):
+    """A store run's triggered records are written and pushed by a flow on another machine (another
+    working copy); the pretrain flow reads them, and hashes the checkpoint they name, from the store:
+    nothing is synced into its own working copy, and a checkpoint changed on the store since its
+    evaluation is refused."""
+    from s3_helpers import moto_s3
+    from tasks.core import storage
+    from tasks.core.fs import tree_sha256
+    from tasks.deploy.triggered import passing_triggered_checkpoints, triggered_evaluation, write_gate
+    from tasks.evaluate.evaluate import write_report
+
+    monkeypatch.setattr(storage, "_STORES", {})
+    monkeypatch.setattr(storage.RunStore, "sync_down", lambda *a, **k: pytest.fail("synced down"), raising=False)
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        driver = storage.open_store("s3://runs/elsewhere", s3.options, str(tmp_path / "driver"))
+        worker = storage.RunStore("s3://runs/elsewhere", s3.options, str(tmp_path / "worker"))
+        ckpt_key = "elsewhere/r1/train/checkpoints/step-000004"
+        for name, body in {"crucible_checkpoint.json": b"{}", "shard-00001.safetensors": b"w" * 100}.items():
+            s3.client.put_object(Bucket="runs", Key=f"{ckpt_key}/{name}", Body=body)  # DCP writes the store only
+        layout = RunLayout(driver.local_root / "r1")
+        ckpt = layout.checkpoints_dir / "step-000004"
+        report = {"step": 4, "checkpoint": str(ckpt), "checkpoint_sha256": tree_sha256(f"s3://runs/{ckpt_key}", s3.options),
+                  "report_path": str(RunLayout(worker.local_root / "r1").triggered_eval_report(ckpt))}
+        write_report(report)
+        write_gate(report, {"passed": True, "reason": "first"})
+        worker.push(report["report_path"])
+
+        got = triggered_evaluation(layout, ckpt)
+        assert got is not None and got["gate"]["reason"] == "first"
+        assert passing_triggered_checkpoints(layout) == [str(ckpt)]
+        assert not [p for p in driver.local_root.rglob("*") if p.is_file() and "crucible-store" not in p.name]
+        s3.client.put_object(Bucket="runs", Key=f"{ckpt_key}/shard-00001.safetensors", Body=b"x" * 100)
+        assert triggered_evaluation(layout, ckpt) is None  # its tree hash on the store is not the evaluated one
+
+
 def test_checkpoint_table_and_triggered_handover_files(tmp_path):
     """The run's checkpoint table (newest report per step, triggered or direct) and the pretrain
     flow's take of a triggered result once its run completed: a report without its gate verdict is not

@@ -413,6 +413,19 @@ def run_uri(path: str | Path) -> str | None:
     return store.uri(store.rel(path)) if store is not None else None
 
 
+def stored(path: str | Path) -> tuple[Path | str, dict | None]:
+    """Where a run file is read, with the fsspec options to read it: a path in a store's working
+    copy is read as the store's object (other processes and machines write there: what this copy
+    holds may be stale or absent), any other path as itself. A URI is returned as given."""
+    if is_remote(path):
+        store = next((s for s in _STORES.values() if path == s.root or path.startswith(s.root + "/")), None)
+        return str(path), store.options if store is not None else None
+    store = store_of_path(path)
+    if store is None:
+        return Path(path), None
+    return store.uri(store.rel(path)), store.options
+
+
 def push_path(path: str | Path) -> dict | None:
     """Push the working copy under `path` when it belongs to a store (no-op for local run roots)."""
     store = store_of_path(path)

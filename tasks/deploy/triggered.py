@@ -25,7 +25,8 @@ from typing import Callable
 
 from tasks.core.layout import RunLayout
 from tasks.core.signing import SignatureError, loads_signed, write_signed
-from tasks.core.storage import store_of_path
+from tasks.core import fs
+from tasks.core.storage import stored
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,6 @@ def evaluation_claim_problem(checkpoint: str | Path, report_path: str | Path, ru
     as it is now; with a training run id, the hash and val_loss logged on that MLflow run at the
     checkpoint's step must match too. An unsigned or forged report is refused (its signature is
     checked before anything it says is used)."""
-    from tasks.core.hashing import sha256_tree
     from tasks.evaluate.evaluate import REPORT_PURPOSE, eval_hash_tag
 
     ckpt = Path(checkpoint).resolve()
@@ -83,7 +83,7 @@ def evaluation_claim_problem(checkpoint: str | Path, report_path: str | Path, ru
         return None, f"the report at {recorded} is of {report.get('checkpoint')}, not {ckpt}"
     if not report["gate"].get("passed"):
         return None, f"the evaluation did not pass the gate: {report['gate'].get('reason')}"
-    actual = sha256_tree(ckpt)
+    actual = fs.tree_sha256(*stored(ckpt))  # an object-store run's checkpoint: its objects, read there
     if report.get("checkpoint_sha256") != actual:
         return None, "the checkpoint changed since it was evaluated (its tree hash is not the evaluated one)"
     if run_id:
@@ -107,32 +107,23 @@ def evaluation_claim_problem(checkpoint: str | Path, report_path: str | Path, ru
 
 
 def _read(path: Path, purpose: str, key: str | None = None) -> dict | None:
-    """The verified record at `path`; None if there is none, or it lacks `key` (its writer had more
-    to add). SignatureError (logged as refused) if it is unsigned or forged: files are written
-    atomically, so a file that does not verify was never the pipeline's."""
+    """The verified record at `path` (of an object-store run: its object, which the triggered flows
+    push, wherever they ran); None if there is none, or it lacks `key` (its writer had more to add).
+    SignatureError (logged as refused) if it is unsigned or forged: files are written atomically, so
+    a file that does not verify was never the pipeline's."""
     try:
-        text = path.read_bytes()
+        text = fs.read_bytes(*stored(path))
     except OSError:
         return None
     data = loads_signed(text, purpose, what=str(path))
     return data if key is None or key in data else None
 
 
-def _synced(path: Path, always: bool = False) -> Path:
-    """`path` of an object-store run as the store has it, when this working copy lacks it (`always`:
-    also when it has it, e.g. a directory others add to): the triggered flows may run on another
-    machine, and they push what they write."""
-    store = store_of_path(path)
-    if store is not None and (always or not path.exists()):
-        store.sync_down([store.rel(path)])
-    return path
-
-
 def _verified(path: Path, purpose: str, key: str, why_none: str) -> dict | None:
-    """The verified record at `path` (once, as the store has it), else None with the reason logged: a
-    completed flow run wrote it, so a missing, incomplete or unverifiable one is never waited for."""
+    """The verified record at `path` (read once), else None with the reason logged: a completed
+    flow run wrote it, so a missing, incomplete or unverifiable one is never waited for."""
     try:
-        data = _read(_synced(path), purpose, key)
+        data = _read(path, purpose, key)
     except SignatureError as e:  # never trusted: the stage does the work itself
         log.warning("triggered: %s; %s", e, why_none)
         return None
@@ -155,7 +146,6 @@ def triggered_evaluation(layout: RunLayout, checkpoint: str | Path) -> dict | No
     """The triggered evaluation report of `checkpoint` (with its gate verdict), read once its
     evaluate-checkpoint flow run completed; None if there is none or it is refused (the evaluate
     stage then evaluates the checkpoint itself)."""
-    from tasks.core.hashing import sha256_tree
     from tasks.evaluate.evaluate import REPORT_PURPOSE
 
     path = layout.triggered_eval_report(checkpoint)
@@ -163,7 +153,8 @@ def triggered_evaluation(layout: RunLayout, checkpoint: str | Path) -> dict | No
     if report is None:
         return None
     problem = _not_about(report, checkpoint, f"the report at {path}")
-    if problem is None and Path(checkpoint).is_dir() and report.get("checkpoint_sha256") != sha256_tree(checkpoint):
+    ckpt = stored(checkpoint)  # an object-store run's checkpoint: its objects, hashed there
+    if problem is None and fs.files(*ckpt) and report.get("checkpoint_sha256") != fs.tree_sha256(*ckpt):
         problem = f"refused: the report at {path} is of an earlier state of {checkpoint} (its tree hash differs)"
     if problem:
         log.warning("triggered: %s; evaluating directly", problem)
@@ -178,8 +169,8 @@ def passing_triggered_checkpoints(layout: RunLayout) -> list[str] | None:
     from tasks.evaluate.evaluate import REPORT_PURPOSE
 
     passing = []
-    _synced(layout.triggered_eval_dir, always=True)
-    for report_file in sorted(layout.triggered_eval_dir.glob("*.json")):
+    names = fs.file_names(*stored(layout.triggered_eval_dir))  # of an object-store run: the store's listing
+    for report_file in [layout.triggered_eval_dir / n for n in names if n.endswith(".json")]:
         try:
             report = _read(report_file, REPORT_PURPOSE, "gate")
         except SignatureError as e:
