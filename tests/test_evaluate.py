@@ -75,3 +75,47 @@ def test_sample_independent_of_other_prompts(base, run, tmp_path):
                                 Path(tokens_artifact(base)["index_path"]), tmp_path / "alone.json")
     both = _eval(base, run, run["checkpoints"][-1], tmp_path / "both.json")
     assert alone["samples"][0] == both["samples"][1]
+
+
+def test_a_checkpoint_on_a_store_is_evaluated_where_it_lives(base, run, tmp_path):
+    """An object-store run's checkpoint, tokenizer and token index, evaluated by their URIs: the same
+    report as from local files, the checkpoint verified against the run's signed manifest on the
+    store, the val split read and checked against its recorded sha256, the train split never read."""
+    from s3_helpers import moto_s3
+    from tasks.train.checkpoint import UnverifiedCheckpoint
+
+    ckpt = Path(run["checkpoints"][-1])
+    index = Path(tokens_artifact(base)["index_path"])
+    local = _eval(base, run, ckpt, tmp_path / "local.json")
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        def put(path: Path, key: str) -> None:
+            s3.client.upload_file(str(path), "runs", f"r1/{key}")
+
+        for p in ckpt.parent.rglob("*"):  # the checkpoints folder: its manifest and the checkpoints
+            if p.is_file():
+                put(p, f"train/checkpoints/{p.relative_to(ckpt.parent).as_posix()}")
+        put(Path(tokenizer_artifact(base)["path"]), "tokenizer/tokenizer.json")
+        split = json.loads(index.read_text())["splits"]
+        for p in index.parent.iterdir():
+            if p.is_file() and p.name != Path(split["train"]["path"]).name:  # the train split stays local
+                put(p, f"tokens/{p.name}")
+        cfg = tiny_cfg(storage={"options": s3.options, "cache_dir": str(tmp_path / "cache")})
+        uris = {k: f"s3://runs/r1/{k}" for k in ("tokenizer/tokenizer.json", "tokens/index.json")}
+        ckpt_uri = f"s3://runs/r1/train/checkpoints/{ckpt.name}"
+        got = evaluate_checkpoint(cfg, ckpt_uri, uris["tokenizer/tokenizer.json"], uris["tokens/index.json"],
+                                  tmp_path / "store.json")
+        assert got["checkpoint"] == ckpt_uri and got["checkpoint_sha256"] == local["checkpoint_sha256"]
+        assert (got["val_loss"], got["samples"], got["task_metrics"]) == \
+            (local["val_loss"], local["samples"], local["task_metrics"])
+        assert not (tmp_path / "cache").exists()  # no working copy, no cache: read where it lives
+
+        val_key = f"r1/tokens/{Path(split['val']['path']).name}"
+        body = s3.client.get_object(Bucket="runs", Key=val_key)["Body"].read()
+        s3.client.put_object(Bucket="runs", Key=val_key, Body=bytes(reversed(body)))
+        with pytest.raises(ValueError, match="sha256 its token index records"):
+            evaluate_checkpoint(cfg, ckpt_uri, uris["tokenizer/tokenizer.json"], uris["tokens/index.json"],
+                                tmp_path / "x.json")
+        s3.client.put_object(Bucket="runs", Key=f"r1/train/checkpoints/{ckpt.name}/extra.bin", Body=b"x")
+        with pytest.raises(UnverifiedCheckpoint):
+            evaluate_checkpoint(cfg, ckpt_uri, uris["tokenizer/tokenizer.json"], uris["tokens/index.json"],
+                                tmp_path / "y.json")

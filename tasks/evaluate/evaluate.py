@@ -12,6 +12,7 @@ same LAMBADA / HellaSwag subsets are scored through an OpenAI-compatible endpoin
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from tasks.config import PipelineConfig
-from tasks.core.hashing import sha256_file
+from tasks.core import fs
 from tasks.tokenizer.bpe import load_tokenizer
 from tasks.tokens.binfile import load_index, open_split
 from tasks.train.checkpoint import load_model_for_inference
@@ -58,9 +59,34 @@ def val_loss(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_batch
     return total / count, count
 
 
-def evaluate_checkpoint(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Path, tokens_index: Path,
-                        out_path: Path, tracking_uri: str | None = None, run_id: str | None = None) -> dict:
+def val_tokens(tokens_index: Path | str, storage_options: dict | None = None) -> tuple[dict, np.ndarray]:
+    """(the token index, its val split's tokens). An index on a store (an object-store run read
+    where it lives) is read by fsspec: the val split's object once, whole, checked against the sha256
+    the index records; the train split is never read."""
+    if not fs.is_remote(tokens_index):
+        return load_index(tokens_index), open_split(tokens_index, "val")
+    import json
+
+    index = json.loads(fs.read_text(tokens_index, storage_options))
+    val = index["splits"]["val"]
+    dtype = np.dtype(index["dtype"]).newbyteorder("<")
+    if not val["tokens"]:
+        return index, np.zeros(0, dtype=dtype)
+    where = val["path"] if fs.is_remote(val["path"]) else fs.join(fs.parent_of(tokens_index), val["path"])
+    data = fs.read_bytes(where, storage_options)
+    if val.get("sha256") and hashlib.sha256(data).hexdigest() != val["sha256"]:
+        raise ValueError(f"{where} does not have the sha256 its token index records ({val['sha256'][:16]}...)")
+    return index, np.frombuffer(data, dtype=dtype, count=val["tokens"])
+
+
+def evaluate_checkpoint(cfg: PipelineConfig, ckpt_dir: Path | str, tokenizer_path: Path | str,
+                        tokens_index: Path | str, out_path: Path, tracking_uri: str | None = None,
+                        run_id: str | None = None) -> dict:
     """Score the checkpoint on the val split and sample completions of cfg.evaluate.prompts.
+
+    The checkpoint, tokenizer and token index are local paths or, for an object-store run_root,
+    its objects' URIs (read through fsspec with cfg.storage.options; the checkpoint is downloaded
+    to a temporary folder and verified there, as every load from a store is).
 
     Writes the JSON report to out_path and returns it: {"step", "val_loss", "perplexity",
     "samples": [{"prompt", "completion"}], "report_path", "checkpoint", "val_tokens",
@@ -82,21 +108,22 @@ def evaluate_checkpoint(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Pat
     return report
 
 
-def _evaluate(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Path, tokens_index: Path, out_path: Path,
-              tracking_uri: str | None, run_id: str | None) -> dict:
-    ecfg = cfg.evaluate
-    ckpt_dir = Path(ckpt_dir).resolve()
-    model, meta = load_model_for_inference(ckpt_dir)
-    tok = load_tokenizer(tokenizer_path)
-    index = load_index(tokens_index)
+def _evaluate(cfg: PipelineConfig, ckpt_dir: Path | str, tokenizer_path: Path | str, tokens_index: Path | str,
+              out_path: Path, tracking_uri: str | None, run_id: str | None) -> dict:
+    ecfg, options = cfg.evaluate, cfg.storage.options
+    ckpt_dir = fs.location(ckpt_dir)
+    ckpt_dir = ckpt_dir if fs.is_remote(ckpt_dir) else ckpt_dir.resolve()
+    model, meta = load_model_for_inference(ckpt_dir, storage_options=options)
+    tokenizer_path, tokens_index = fs.location(tokenizer_path), fs.location(tokens_index)
+    tok = load_tokenizer(tokenizer_path, options)
+    index, val = val_tokens(tokens_index, options)
     if index["vocab_size"] != model.cfg.vocab_size:
         raise ValueError(f"tokens vocab {index['vocab_size']} != checkpoint vocab {model.cfg.vocab_size}")
-    tok_sha = sha256_file(tokenizer_path)
+    tok_sha = fs.sha256(tokenizer_path, options)
     if meta.get("tokenizer_sha256") and meta["tokenizer_sha256"] != tok_sha:
         raise ValueError(f"tokenizer {tokenizer_path} is not the one the checkpoint was trained with")
 
-    loss, n_scored = val_loss(model, open_split(tokens_index, "val"), model.cfg.seq_len,
-                              ecfg.batch_size, ecfg.max_val_batches)
+    loss, n_scored = val_loss(model, val, model.cfg.seq_len, ecfg.batch_size, ecfg.max_val_batches)
 
     eos_id = meta.get("eos_id", index["eos_id"])
     samples = []
@@ -143,10 +170,8 @@ def _evaluate(cfg: PipelineConfig, ckpt_dir: Path, tokenizer_path: Path, tokens_
     }
     if reference is not None:
         report["reference"] = _finite(reference)
-    from tasks.core.hashing import sha256_tree
-
     # what was evaluated, recorded on the training run too: deploy-model checks a claim against it
-    report["checkpoint_sha256"] = sha256_tree(ckpt_dir)
+    report["checkpoint_sha256"] = fs.tree_sha256(ckpt_dir, options)
     out_path = Path(out_path).resolve()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     report["report_path"] = str(out_path)

@@ -23,6 +23,7 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer, decoders, models, norma
 
 from tasks.core.layout import TOKENIZER_FILE
 from tasks.config import PipelineConfig, TokenizerConfig
+from tasks.core.fs import is_remote, read_text
 from tasks.core.hashing import sha256_file
 from tasks.tokenizer.corpus import iter_doc_columns
 from tasks.tokenizer.probes import load_probe_samples
@@ -81,14 +82,15 @@ def split_of(key: str, tcfg: TokenizerConfig) -> str:
     return "unused"
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
+def load_tokenizer(path: str | Path, storage_options: dict | None = None) -> Tokenizer:
     """Load tokenizer.json for encoding corpus or user text.
 
     `encode_special_tokens` is switched on, so a literal "<|endoftext|>" inside a document is
     encoded as ordinary text and never turns into the EOS id (that flag is not saved in the file).
     Special-token ids are inserted by the caller (e.g. EOS after each document).
     """
-    tok = Tokenizer.from_file(str(path))
+    # on a store (an object-store run read where it lives) the file is read by fsspec with `storage_options`
+    tok = Tokenizer.from_str(read_text(path, storage_options)) if is_remote(path) else Tokenizer.from_file(str(path))
     tok.encode_special_tokens = True
     return tok
 
