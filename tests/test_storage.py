@@ -138,3 +138,29 @@ def test_tree_sha256_of_a_store_prefix_is_the_local_trees_and_downloads_nothing(
         (tree / "crucible_checkpoint.json").write_text("{}")  # checkpoint_problem's completeness check
         s3.client.upload_file(str(tree / "crucible_checkpoint.json"), "runs", "r/step-000002/crucible_checkpoint.json")
         assert checkpoint.checkpoint_problem(uri, expected_tree_sha256=sha256_tree(tree), storage_options=s3.options) is None
+
+
+def test_a_checkpoint_named_by_its_uri_has_its_run_layout_and_lineage_name(tmp_path, monkeypatch):
+    """A checkpoint on a store is named by its URI: its run's files (reports, gate) are laid out in
+    the store's working copy, and lineage names and versions the object without a local copy."""
+    import pytest
+
+    from tasks.core.fs import tree_sha256
+    from tasks.core.layout import RunLayout
+    from tasks.lineage.emitter import dataset_for_path, file_node
+
+    monkeypatch.setattr(storage, "_STORES", {})
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        uri = "s3://runs/crucible/r1/train/checkpoints/step-000002"
+        s3.client.put_object(Bucket="runs", Key="crucible/r1/train/checkpoints/step-000002/a.json", Body=b"{}")
+        assert RunLayout.of_checkpoint(uri) == RunLayout(store.local_root / "r1")
+        for outside in ("s3://runs/crucible/../x/r1/train/checkpoints/step-1", "s3://other/r1/train/checkpoints/step-1"):
+            assert not RunLayout.is_run_checkpoint(outside)
+        ds = dataset_for_path(uri, output=True)
+        assert (ds.namespace, ds.name) == ("s3://runs", "crucible/r1/train/checkpoints/step-000002")
+        assert ds.facets["version"].datasetVersion == tree_sha256(uri, s3.options)
+        assert file_node(uri) == "dataset:s3://runs:crucible/r1/train/checkpoints/step-000002"
+        assert not list(store.local_root.rglob("*.json"))
+        with pytest.raises(ValueError):
+            RunLayout.of_checkpoint("s3://runs/crucible/r1/step-000002")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.core.storage import local_root_of
+from tasks.core.storage import PathEscape, StorageError, is_remote, local_place, local_root_of
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENS_INDEX_FILE = "index.json"
@@ -35,8 +35,12 @@ class RunLayout:
 
     @classmethod
     def of_checkpoint(cls, checkpoint: str | Path) -> "RunLayout":
-        """The run a checkpoint belongs to; refuses a path outside run_dir/train/checkpoints/."""
-        ckpt = Path(checkpoint).resolve()
+        """The run a checkpoint belongs to; refuses a path outside run_dir/train/checkpoints/. A
+        checkpoint named by its object on a store belongs to the run in that store's working copy."""
+        try:
+            ckpt = local_place(checkpoint) if is_remote(checkpoint) else Path(checkpoint).resolve()
+        except (StorageError, PathEscape) as e:
+            raise ValueError(str(e)) from None
         if ckpt.parent.name != CHECKPOINTS_DIR or ckpt.parent.parent.name != "train":
             raise ValueError(f"{ckpt} is not a pipeline checkpoint (run_dir/train/checkpoints/step-N)")
         return cls(ckpt.parents[2])

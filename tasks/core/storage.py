@@ -413,17 +413,31 @@ def run_uri(path: str | Path) -> str | None:
     return store.uri(store.rel(path)) if store is not None else None
 
 
+def _store_holding(uri: str) -> RunStore | None:
+    return next((s for s in _STORES.values() if uri == s.root or uri.startswith(s.root + "/")), None)
+
+
 def stored(path: str | Path) -> tuple[Path | str, dict | None]:
     """Where a run file is read, with the fsspec options to read it: a path in a store's working
     copy is read as the store's object (other processes and machines write there: what this copy
     holds may be stale or absent), any other path as itself. A URI is returned as given."""
     if is_remote(path):
-        store = next((s for s in _STORES.values() if path == s.root or path.startswith(s.root + "/")), None)
+        store = _store_holding(str(path))
         return str(path), store.options if store is not None else None
     store = store_of_path(path)
     if store is None:
         return Path(path), None
     return store.uri(store.rel(path)), store.options
+
+
+def local_place(uri: str) -> Path:
+    """The place in the working copy of an object of a registered store (where this process writes
+    what belongs beside it: a run's reports and gate files); StorageError for a URI of no open store,
+    PathEscape for a key with `..`."""
+    store = _store_holding(uri)
+    if store is None:
+        raise StorageError(f"{uri}: no store open in this process holds it (tasks.core.storage.store_for)")
+    return safe_join(store.local_root, uri[len(store.root) + 1:]) if uri != store.root else store.local_root
 
 
 def push_path(path: str | Path) -> dict | None:

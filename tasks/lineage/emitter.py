@@ -39,8 +39,8 @@ from openlineage.client.facet_v2 import (
     processing_engine_run,
 )
 
-from tasks.core.hashing import sha256_tree
-from tasks.core.storage import lineage_name, uri_lineage_name
+from tasks.core import fs
+from tasks.core.storage import is_remote, lineage_name, stored, uri_lineage_name
 from tasks.lineage.facets import (
     CrucibleSourceDatasetFacet,
     DataQualityMetricsDatasetFacet,
@@ -80,10 +80,12 @@ def dataset_for_path(path: str | Path, *, rows: int | None = None, n_bytes: int 
     Parquet schemas and row counts from the file (footer only) for `schema`, `dataQualityMetrics`
     and, on outputs, `outputStatistics`; `rows`/`n_bytes` override what is read. `facets`: more
     dataset facets by name (e.g. a mix's crucible_token_mix). `version`: the dataset version when
-    hashing the content is not the way to tell versions apart (default: its sha256)."""
-    path = Path(path).resolve()
+    hashing the content is not the way to tell versions apart (default: its sha256). A URI of a store
+    (an object-store run's checkpoint, read where it lives) is named as that object and hashed there."""
+    path = str(path) if fs.is_remote(path) else Path(path).resolve()
     facets: dict[str, DatasetFacet] = {
-        "version": dataset_version_dataset.DatasetVersionDatasetFacet(datasetVersion=version or sha256_tree(path)),
+        "version": dataset_version_dataset.DatasetVersionDatasetFacet(
+            datasetVersion=version or fs.tree_sha256(*stored(path))),
         **(facets or {}),
     }
     if isinstance(source, dict):
@@ -91,7 +93,11 @@ def dataset_for_path(path: str | Path, *, rows: int | None = None, n_bytes: int 
                                                                    source["provenance"])
     elif source is not None:
         facets["crucible_source"] = source
-    stats = file_stats(path) if inspect and path.exists() else {}
+    if fs.is_remote(path):
+        found = fs.files(*stored(path)) if inspect else {}
+        stats = {"files": len(found), "bytes": sum(found.values())} if found else {}
+    else:
+        stats = file_stats(path) if inspect and path.exists() else {}
     rows = rows if rows is not None else stats.get("rows")
     n_bytes = n_bytes if n_bytes is not None else stats.get("bytes")
     if stats.get("columns"):
@@ -103,7 +109,7 @@ def dataset_for_path(path: str | Path, *, rows: int | None = None, n_bytes: int 
         facets["documentation"] = documentation(doc)
     cls = OutputDataset if output else InputDataset
     # a file of a remote run_root's working copy is named as the object it is in the store
-    namespace, name = lineage_name(path) or ("file", str(path))
+    namespace, name = (uri_lineage_name(path) if fs.is_remote(path) else None) or lineage_name(path) or ("file", str(path))
     ds = cls(namespace=namespace, name=name, facets=facets)
     if output and (rows is not None or n_bytes is not None):
         ds.outputFacets = {"outputStatistics": output_statistics_output_dataset.OutputStatisticsOutputDatasetFacet(
@@ -173,6 +179,8 @@ def model_version_node(tracking_uri: str, model_name: str, version: str | int) -
 
 
 def file_node(path: str | Path) -> str:
+    if is_remote(path):  # an object of a store: the dataset dataset_for_path names
+        return "dataset:{}:{}".format(*uri_lineage_name(str(path)))
     return f"dataset:file:{Path(path).resolve()}"
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.core.storage import lineage_name
+from tasks.core.storage import is_remote, lineage_name, uri_lineage_name
 from tasks.lineage.emitter import JobRef
 from tasks.lineage.facets import CrucibleSourceDatasetFacet, source_entries
 from tasks.lineage.signed import signed_lines
@@ -46,8 +46,9 @@ def _is_training(event: dict) -> bool:
 def training_run_of(log_path: str | Path, checkpoint: str | Path) -> TrainingRun:
     """The training run that wrote `checkpoint`: the torchrun run whose COMPLETE lists it, else the
     newest torchrun run started (training still running). An empty TrainingRun when the log has none."""
-    ckpt = str(Path(checkpoint).resolve())
-    named = lineage_name(ckpt)  # an object-store run's checkpoint is named by its key
+    ckpt = str(checkpoint) if is_remote(checkpoint) else str(Path(checkpoint).resolve())
+    # an object-store run's checkpoint (its URI, or its place in the working copy) is named by its key
+    named = uri_lineage_name(ckpt) if is_remote(ckpt) else lineage_name(ckpt)
     names = {ckpt} if named is None else {ckpt, named[1]}
     starts: dict[str, dict] = {}
     producer = None
