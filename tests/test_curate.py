@@ -271,6 +271,48 @@ def test_driver_plans_jobs_as_workers_need_them_and_keeps_no_result(sample_docs,
         {k: big[k] for k in ("docs_in", "docs_out", "dropped", "languages", "sources", "pii")}
 
 
+def test_workers_warm_up_while_the_driver_builds_the_index(sample_docs, cfg, ray_session, tmp_path, monkeypatch):
+    """Issue 26 (speed): `run_curate` starts its actors before it builds the decontamination index
+    (and counts lines); each loads fastText and spaCy's tokenizer (`CurateWorker.warm_up`) before
+    it is built with the index and given a job. The output is the one of actors started cold."""
+    import ray
+
+    import tasks.curate.run as curate_run
+    from tasks.core.executor import RayActors
+
+    def warm_state(actor):  # run in each actor (pickled by value)
+        from tasks.curate import langid, text
+
+        return text.tokenizer_loaded(), langid._MODEL is not None, hasattr(actor, "filters")
+
+    pools, at_index = [], []
+    prestart, build_index = RayActors.prestart, curate_run._decontam_index
+
+    def recording_prestart(self, *args):
+        pools.append(self)
+        return prestart(self, *args)
+
+    def checked_index(c):
+        at_index.append(ray.get([a.__ray_call__.remote(warm_state) for p in pools for a in p._actors]))
+        return build_index(c)
+
+    monkeypatch.setattr(RayActors, "prestart", recording_prestart)
+    monkeypatch.setattr(curate_run, "_decontam_index", checked_index)
+    docs = [d for d in sample_docs if d["source"] == "cc-main"][:120]
+    shards = write_docs(docs, tmp_path / "in", shard_docs=40)
+    warm = run_curate(cfg, shards, tmp_path / "warm")
+    # both actors had booted and warmed up (loaded, not yet built) when the index was being built
+    assert at_index == [[(True, True, False)] * 2]
+    assert warm["timings"]["jobs"]["workers_prestarted"] == 2 == warm["workers"]
+    monkeypatch.undo()
+    monkeypatch.setattr(RayActors, "prestart", lambda self, *args: None)
+    cold = run_curate(cfg, shards, tmp_path / "cold")
+    assert cold["timings"]["jobs"]["workers_prestarted"] == 0
+    assert [(d["id"], d["text"]) for d in iter_docs(warm["shards"])] == \
+        [(d["id"], d["text"]) for d in iter_docs(cold["shards"])]
+    assert Path(warm["dropped_file"]).read_text() == Path(cold["dropped_file"]).read_text()
+
+
 # ------------------------------------------------------------------ URL and line dedup (issue 15, items 1-2)
 
 def _frequent_line_docs(texts, frequent) -> int:

@@ -123,16 +123,34 @@ def _reporting_node(fn: Callable, staging: Staging | None) -> Callable:
 
 def _node_reporting_class(cls: type, staging: Staging | None) -> type:
     """`cls` with `run_job(method, *args)`: `_timed_on_node`'s tuple for the method. Its init
-    arguments are staged in from the store on a node other than the driver's (model files)."""
+    arguments are staged in from the store on a node other than the driver's (model files).
+    Created with `warm=(...)` (`RayActors.prestart`), the actor first runs `cls.warm_up(*warm)`
+    and builds `cls` only when `build(*init_args)` comes; a build error is raised by its jobs."""
     class NodeReporting(cls):
-        def __init__(self, *args):
+        def __init__(self, *args, warm: tuple | None = None):
+            self._build_error: BaseException | None = None
+            if warm is not None:
+                try:
+                    cls.warm_up(*warm)
+                except Exception as e:  # noqa: BLE001 - as a build error (the build likely fails the same way)
+                    self._build_error = e
+                return
+            self.build(*args)
+
+        def build(self, *args) -> None:
+            self._build_error = None
             node = current_node_id()
             if staging is not None and node != staging.driver_node:
                 root = node_root(node)
                 args = staging.stage_in(args, root / "init", root, {})
-            super().__init__(*args)
+            try:
+                super().__init__(*args)
+            except Exception as e:  # noqa: BLE001 - raised again by each job, where the stage sees it
+                self._build_error = e
 
         def run_job(self, method: str, *args):
+            if self._build_error is not None:
+                raise self._build_error
             return _timed_on_node(getattr(self, method), args, staging)
 
     NodeReporting.__name__ = NodeReporting.__qualname__ = cls.__name__
@@ -233,26 +251,51 @@ class Shared:
 class RayActors:
     """Jobs run as `actor.<method>(*job.args)` on a pool of one-CPU actors of `cls(*init_args)`,
     as many as CPUs (at most one per job), each built once. An actor lost with its node is
-    dropped; its job goes to the others (a new actor is started only when none is left)."""
+    dropped; its job goes to the others (a new actor is started only when none is left).
+
+    `prestart(n_jobs, *warm)` starts the actors before their init arguments exist (a stage still
+    building an index): each boots its process and runs `cls.warm_up(*warm)` (imports, models)
+    while the driver works, and is built with `init_args` (set by then) when the jobs start. A new
+    worker process's start-up and a first job's model loading are otherwise the map's first
+    seconds with every CPU idle."""
 
     recovers_lost_workers = True
 
     def __init__(self, cls: type, init_args: tuple, method: str, ray_cfg: RayConfig | None = None):
         self.cls, self.init_args, self.method, self.ray_cfg = cls, init_args, method, ray_cfg
         self.workers = 0
+        self.prestarted = 0  # actors started by `prestart` (warmed up before their jobs)
         self._idle: list = []
         self._busy: dict = {}  # object ref -> actor
         self._actors: list = []
         self._args: list = []  # init_args with each Shared value put once
         self._actor_cls = None
 
-    def start(self, n_jobs: int) -> None:
+    def _define(self, n_jobs: int) -> None:
         import ray
 
         self.workers = max(1, min(start_ray(self.ray_cfg), n_jobs))
-        self._args = [ray.put(a.value) if isinstance(a, Shared) else a for a in self.init_args]
         self._actor_cls = ray.remote(num_cpus=1)(_node_reporting_class(self.cls, Staging.for_driver()))
-        self._actors = [self._actor_cls.remote(*self._args) for _ in range(self.workers)]
+
+    def prestart(self, n_jobs: int, *warm) -> None:
+        """Start the actors now, each running `cls.warm_up(*warm)`; built at `start`."""
+        if n_jobs < 1 or self._actors:
+            return
+        self._define(n_jobs)
+        self._actors = [self._actor_cls.remote(warm=warm) for _ in range(self.workers)]
+        self.prestarted = len(self._actors)
+
+    def start(self, n_jobs: int) -> None:
+        import ray
+
+        if not self._actors:
+            self._define(n_jobs)
+        self._args = [ray.put(a.value) if isinstance(a, Shared) else a for a in self.init_args]
+        if self.prestarted:  # each actor runs its calls in order: built before its first job
+            for actor in self._actors:
+                actor.build.remote(*self._args)
+        else:
+            self._actors = [self._actor_cls.remote(*self._args) for _ in range(self.workers)]
         self._idle = list(self._actors)
 
     def submit(self, args: tuple):
@@ -396,11 +439,13 @@ class JobRunner:
     def job_report(self) -> dict:
         """Where the jobs' time went: `map_wall_s` from the workers' start to the last result,
         `compute_s` summed in the jobs' bodies, `idle_share` of the workers' time not in a body
-        (start-up of workers, scheduling, transfers, waiting for the last jobs), and the bytes of
-        results moved to the driver (`via_object_store`: too big to come inline with the reply)."""
+        (start-up of workers, scheduling, transfers, waiting for the last jobs), the workers started
+        and warmed up before the jobs (`RayActors.prestart`), and the bytes of results moved to the
+        driver (`via_object_store`: too big to come inline with the reply)."""
         wall = max(0.0, self._last_result - self._first_dispatch)
         capacity = wall * max(1, self.workers.workers)
         return {"jobs_run": sum(self.nodes.values()), "workers": self.workers.workers,
+                "workers_prestarted": getattr(self.workers, "prestarted", 0),
                 "map_wall_s": round(wall, 3), "compute_s": round(self.compute_s, 3),
                 "idle_share": round(1 - self.compute_s / capacity, 4) if capacity > 0 else None,
                 "result_bytes": self.result_bytes[0], "result_bytes_via_object_store": self.result_bytes[1]}

@@ -90,7 +90,7 @@ from tasks.core.executor import Job, JobRunner, RayActors, ResumableOutput, Shar
 from tasks.core.io import atomic_write_bytes
 from tasks.core.progress import Progress
 from tasks.core.ray_utils import cluster_cpus, init_ray
-from tasks.core.resume import JobStore, digest, file_identity
+from tasks.core.resume import MANIFEST, JobStore, digest, file_identity
 from tasks.core.steps import StepStats, run_filters
 from tasks.curate.filters import filter_names
 from tasks.dedup.exact import exact_key
@@ -177,7 +177,20 @@ def source_policies(cfg: PipelineConfig) -> dict[str, str]:
 
 class CurateWorker:
     """Ray actor body: builds the filters (and loads the fastText model) once. With
-    `frequent_lines` (line dedup's sorted hashes) line dedup runs first, before language id."""
+    `frequent_lines` (line dedup's sorted hashes) line dedup runs first, before language id.
+    `warm_up(cfg)` loads what the filters and the hasher load (once per process) before the
+    decontamination index and the line counts exist (`RayActors.prestart`)."""
+
+    @staticmethod
+    def warm_up(cfg: CurateConfig) -> None:
+        """Load into this process what a first job would: the fastText model (the language
+        filter), datasketch (the hasher's permutations) and spaCy's tokenizer (the word-based
+        filters)."""
+        from tasks.curate import text
+
+        CurateWorker(cfg)
+        if any(getattr(cfg, name).enabled for name in ("gopher_repetition", "gopher_quality", "c4", "fineweb")):
+            text.load_tokenizer()
 
     def __init__(self, cfg: CurateConfig, policies: dict[str, str] | None = None, decontam_index=None,
                  frequent_lines=None):
@@ -273,6 +286,22 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = [str(Path(s).resolve()) for s in in_shards]
+    n_jobs = count_jobs(shards)
+    # the workers boot and load their models while the driver builds the decontamination index and
+    # counts lines (`RayActors.prestart`); not where a complete earlier run may be returned as it is
+    actors = RayActors(CurateWorker, (), "process", cfg.ray)
+    try:
+        if not (cfg.curate.resume and (out_dir / MANIFEST).is_file()):
+            init_ray(cfg.ray)  # first: an unreachable ray.address fails before the old output is touched
+            actors.prestart(n_jobs, cfg.curate)
+        return _curate(cfg, shards, n_jobs, out_dir, actors, progress, t0)
+    finally:
+        actors.stop()
+
+
+def _curate(cfg: PipelineConfig, shards: list[str], n_jobs: int, out_dir: Path, actors: RayActors,
+            progress: Progress | None, t0: float) -> dict:
+    """`run_curate` once its workers are starting (`actors`, built by `_map_jobs`)."""
     t_index = time.perf_counter()
     index = _decontam_index(cfg)
     index_seconds = time.perf_counter() - t_index
@@ -282,6 +311,7 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
     if cfg.curate.resume and (done := output.completed(t0)) is not None:
         return done
     init_ray(cfg.ray)  # first: an unreachable ray.address fails before the old output is touched
+    actors.prestart(n_jobs, cfg.curate)  # (if not yet) the line counts still overlap
     check_index_store(cfg)  # an object-store index with cfg.storage's options, also when called as a library
     store = output.start(cfg.curate.resume)
     t_lines = time.perf_counter()
@@ -289,10 +319,9 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
     lines_seconds = time.perf_counter() - t_lines
     if lines is not None:  # every job's output depends on the whole corpus's line counts
         job_base = digest([job_base, lines.fingerprint()])
-    n_jobs = count_jobs(shards)
     store.prune({job_name(k) for k in range(n_jobs)})
     mapped = _map_jobs(cfg, plan_jobs(shards, output.parts_dir, job_base), n_jobs, index, store, progress, lines,
-                       output.parts_dir)
+                       output.parts_dir, actors)
 
     t_dedup = time.perf_counter()
     totals = mapped.totals
@@ -391,15 +420,14 @@ class _Mapped:
 
 
 def _map_jobs(cfg: PipelineConfig, jobs: Iterator[Job], n_jobs: int, index, store: JobStore,
-              progress: Progress | None, lines: FrequentLines | None, parts_dir: Path) -> _Mapped:
-    """Reuse the finished jobs, run the others on `CurateWorker` actors (the decontam index and
-    the frequent lines are shipped once). Jobs are taken from the plan as the workers need them
-    (`FEED_AHEAD` per CPU queued at most); each result is folded into `_Totals` as it arrives
-    and only its kept count and number of part files are kept (`JobTable`)."""
+              progress: Progress | None, lines: FrequentLines | None, parts_dir: Path, actors: RayActors) -> _Mapped:
+    """Reuse the finished jobs, run the others on `CurateWorker` actors (`actors`, perhaps started
+    already; the decontam index and the frequent lines are shipped once). Jobs are taken from the
+    plan as the workers need them (`FEED_AHEAD` per CPU queued at most); each result is folded
+    into `_Totals` as it arrives and only its kept count and number of part files are kept (`JobTable`)."""
     report = progress or (lambda done, total, note: None)
-    actors = RayActors(CurateWorker, (cfg.curate, source_policies(cfg), Shared(index) if index is not None else None,
-                                      Shared(lines.hashes) if lines is not None else None),
-                       "process", cfg.ray)
+    actors.init_args = (cfg.curate, source_policies(cfg), Shared(index) if index is not None else None,
+                        Shared(lines.hashes) if lines is not None else None)
     totals = _Totals()
     names = np.zeros(n_jobs, dtype=f"U{len(job_name(max(0, n_jobs - 1)))}")
     kept, parts = np.zeros(n_jobs, np.int64), np.zeros(n_jobs, np.int32)
