@@ -115,9 +115,26 @@ def start_local_ray(num_cpus: int | None = None, **init_kwargs) -> None:
     # Ray's processes copy the environment when they start (the raylet passes its copy on to every
     # worker it spawns later), so the token and the switch are needed only while ray.init runs
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), SINGLE_NODE_ENV: "0"}
+    system = {"num_workers_soft_limit": IDLE_WORKERS_PER_CPU * (num_cpus or _detected_cpus()),
+              **init_kwargs.pop("_system_config", {})}
     with _environment(env), _single_node(ray_constants), _local_node_params(), _no_dashboard_head():
         _reload_auth_settings()
-        ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **init_kwargs)
+        ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, _system_config=system, **init_kwargs)
+
+
+# Idle worker processes a local Ray keeps per CPU. Ray's default keeps as many as there are CPUs
+# free (ray-project/ray#36766): while a stage's actors (curate's, quality's: processes of their
+# own, a task worker never becomes one) hold every CPU, it kills the idle task workers after 1 s,
+# and the tasks after the actor phase (curate's dedup stages) boot theirs again (~1 s each:
+# Python, Ray, the stage's imports) on the stage's critical path. Idle, a worker holds its imports.
+IDLE_WORKERS_PER_CPU = 1
+
+
+def _detected_cpus() -> int:
+    """The CPUs a local Ray detects without `num_cpus` (cgroup limits included)."""
+    from ray._private.utils import get_num_cpus
+
+    return max(1, int(get_num_cpus()))
 
 
 @contextmanager

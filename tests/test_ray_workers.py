@@ -1,0 +1,39 @@
+"""The local Ray a stage starts keeps its worker processes between the stages' phases: the tasks
+after an actor phase (curate's dedup stages after its map) run in the processes that ran the
+tasks before it (ingest's), not in freshly booted ones (`tasks.core.ray_utils.WORKERS_PER_CPU`)."""
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+
+
+def test_task_workers_survive_an_actor_phase():
+    from tasks.core.ray_utils import start_local_ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    start_local_ray(2, include_dashboard=False, ignore_reinit_error=True)
+    try:
+        @ray.remote(num_cpus=1)
+        def pid(_):
+            time.sleep(0.2)
+            return os.getpid()
+
+        @ray.remote(num_cpus=1)
+        class Actor:
+            def pid(self):
+                return os.getpid()
+
+        before = set(ray.get([pid.remote(i) for i in range(4)]))
+        actors = [Actor.remote() for _ in range(2)]
+        actor_pids = set(ray.get([a.pid.remote() for a in actors]))
+        time.sleep(2.5)  # past Ray's idle-worker killing (1 s) for workers beyond its soft limit
+        for a in actors:
+            ray.kill(a)
+        after = set(ray.get([pid.remote(i) for i in range(4)]))
+        assert not actor_pids & before  # an actor takes a process of its own
+        assert after and after <= before, (before, after)
+    finally:
+        ray.shutdown()
