@@ -473,7 +473,8 @@ class DedupStages:
                                                                          soft=False)
         # no CPU held while it waits for `save` (the filter pass and the report need both)
         actor = ray.remote(_IndexWriter).options(**opts).remote()
-        ray.get(actor.open.remote(mh.index_dir, mh.bands, mh.rows, mh.seed, mh.scheme, mh.hash, storage))
+        # the index's own (unverified) banding of the signatures: `MinHashConfig.index_rows`
+        ray.get(actor.open.remote(mh.index_dir, *mh.index_banding(), mh.seed, mh.scheme, mh.hash, storage))
         alive = ray.get(actor.add_jobs.remote(self.files, list(self.done), self.jobs, self.blocks, _sig_dtype(mh)))
         self._finish("minhash_index", t0, [alive])
         return IndexHandle(actor)
