@@ -93,6 +93,24 @@ def test_words_per_chunk_match_the_whole_text(monkeypatch):
         assert words(text) == _spacy_words(text), text
 
 
+def test_new_chunks_of_a_text_go_through_spacy_in_one_call(monkeypatch):
+    """The chunks of a text that are not cached yet are tokenized in one spaCy call (joined by a
+    separator no special case holds), each with the words it gives alone."""
+    from tasks.curate import text as T
+
+    text = "Don't split e.g. well-known words, he said: it's (really) fine; 3,000 items at https://example.org/a?b=1"
+    reference = _spacy_words(text)
+    T._CHUNK_WORDS.clear()
+    T._words.cache_clear()
+    eng, calls = T._english(), []
+    monkeypatch.setattr(eng, "tokenizer", lambda t, f=eng.tokenizer: calls.append(t) or f(t))
+    assert words(text) == reference
+    assert len(calls) == 1 and eng.joins_chunks
+    monkeypatch.undo()
+    for chunk in text.split():
+        assert T._CHUNK_WORDS[chunk] == T._chunk_entry(chunk, keep=False), chunk
+
+
 def test_sentences_follow_the_sentencizer():
     """A sentence ends after . ! ? (and other sentence punctuation) once a non-punctuation token
     follows; abbreviations spaCy keeps whole (Dr., p.m., e.g.) do not end one."""

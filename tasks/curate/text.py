@@ -125,6 +125,9 @@ class _English:
         self.tokenizer = self.nlp.tokenizer
         self.sentence_punct = frozenset(Sentencizer.default_punct_chars)
         self.straddle = _Straddle(self.nlp, self.tokenizer)
+        # new chunks go through spaCy together, joined by _SEP (`_chunk_entries`): a whitespace run
+        # is a token of its own and no special case (hence no matcher pattern) holds it
+        self.joins_chunks = not any(_SEP in rule for rule in self.tokenizer.rules)
 
     def tokens(self, text: str) -> list[str]:
         """All tokens, whitespace tokens included (as the sentencizer sees them)."""
@@ -166,16 +169,43 @@ _MAX_CHUNKS = 1_000_000  # ~330 B an entry of a short chunk: ~330 MB per process
 _CACHED_CHUNK_CHARS = 64  # longer chunks (URLs, base64, minified code) rarely repeat: tokenized, not kept
 
 
+_SEP = "\n\n"  # between the new chunks of a text tokenized in one call
+
+
 def _chunk_entry(chunk: str, keep: bool = True) -> tuple:
     """`keep` False: a joined run of chunks (`_runs_agree`), mostly seen once, is not cached."""
-    eng = _english()
-    toks = tuple(t.text for t in eng.tokenizer(chunk) if not t.is_space)
-    entry = (toks, *eng.straddle.ends(chunk, toks))
+    toks = tuple(t.text for t in _english().tokenizer(chunk) if not t.is_space)
+    return _entry(chunk, toks, keep)
+
+
+def _entry(chunk: str, toks: tuple[str, ...], keep: bool = True) -> tuple:
+    entry = (toks, *_english().straddle.ends(chunk, toks))
     if keep and len(chunk) <= _CACHED_CHUNK_CHARS:
         if len(_CHUNK_WORDS) >= _MAX_CHUNKS:
             _CHUNK_WORDS.clear()
         _CHUNK_WORDS[chunk] = entry
     return entry
+
+
+def _chunk_entries(chunks: list[str]) -> dict[str, tuple]:
+    """`_chunk_entry` of each of `chunks` (distinct) from one tokenizer call over them joined by
+    `_SEP` (spaCy's cost per call, a Doc, is ~30 % of a new chunk's): between two separators lie
+    one chunk's tokens, as it alone gives them, since no special case can match across a separator."""
+    eng = _english()
+    if len(chunks) == 1 or not eng.joins_chunks:
+        return {chunk: _chunk_entry(chunk) for chunk in chunks}
+    per_chunk, toks = [], []
+    for tok in eng.tokenizer(_SEP.join(chunks)):
+        t = tok.text
+        if t == _SEP:
+            per_chunk.append(tuple(toks))
+            toks = []
+        else:
+            toks.append(t)
+    per_chunk.append(tuple(toks))
+    if len(per_chunk) != len(chunks):  # a separator not a token of its own: one call per chunk
+        return {chunk: _chunk_entry(chunk) for chunk in chunks}
+    return {chunk: _entry(chunk, t) for chunk, t in zip(chunks, per_chunk)}
 
 
 def _runs_agree(chunks: list[str], entries: list[tuple], joined: list[int]) -> bool:
@@ -200,7 +230,12 @@ def _runs_agree(chunks: list[str], entries: list[tuple], joined: list[int]) -> b
 def _words(text: str) -> tuple[str, ...]:
     get = _CHUNK_WORDS.get
     chunks = text.split()
-    entries = [get(chunk) or _chunk_entry(chunk) for chunk in chunks]
+    missed: list[str] = []
+    miss = missed.append  # returns None: the chunk's entry is filled in below
+    entries = [get(chunk) or miss(chunk) for chunk in chunks]
+    if missed:
+        new = _chunk_entries(list(dict.fromkeys(missed)))
+        entries = [entry or new[chunk] for entry, chunk in zip(entries, chunks)]
     pairs = _english().straddle.pairs
     joined = [i for i in range(1, len(entries)) if entries[i - 1][1] and entries[i][2]
               and any((x, y) in pairs for x in entries[i - 1][1] for y in entries[i][2])]
