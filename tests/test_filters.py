@@ -111,6 +111,23 @@ def test_new_chunks_of_a_text_go_through_spacy_in_one_call(monkeypatch):
         assert T._CHUNK_WORDS[chunk] == T._chunk_entry(chunk, keep=False), chunk
 
 
+def test_runs_that_could_straddle_are_checked_once(monkeypatch):
+    """A run of chunks a special case could straddle ("it 's") is tokenized once, then cached like a
+    chunk: the next text holding it sends only its new chunks to spaCy."""
+    from tasks.curate import text as T
+
+    later = "and it 's late"
+    reference = _spacy_words(later)
+    T._CHUNK_WORDS.clear()
+    T._words.cache_clear()
+    assert words("so it 's fine") == _spacy_words("so it 's fine")
+    assert "it 's" in T._CHUNK_WORDS
+    eng, calls = T._english(), []
+    monkeypatch.setattr(eng, "tokenizer", lambda t, f=eng.tokenizer: calls.append(t) or f(t))
+    assert words(later) == reference
+    assert calls == [T._SEP.join(["and", "late"])]
+
+
 def test_sentences_follow_the_sentencizer():
     """A sentence ends after . ! ? (and other sentence punctuation) once a non-punctuation token
     follows; abbreviations spaCy keeps whole (Dr., p.m., e.g.) do not end one."""
