@@ -284,3 +284,27 @@ def test_dedup_cli_quality_survivor_and_report(real_docs, tmp_path, capsys):
     assert rep["cluster_sizes"] == {"1": 1, "2": 3}
     assert all(0.8 < e["jaccard"] <= 1.0 for e in rep["examples"])
     assert summary["clustering"] == "local"
+
+
+def test_verifier_jaccard_of_hashed_shingles_equals_the_string_sets(real_docs):
+    """The verifier's Jaccard (sorted 64-bit shingle hashes, `verify.shingle_sets`) is the exact one
+    of `shingles`' byte-string sets: real pages, edited copies, short and empty texts, Unicode."""
+    from tasks.dedup.minhash import jaccard
+    from tasks.dedup.verify import JaccardVerifier, ListTexts
+
+    rng = random.Random(1)
+    edited = []
+    for t in real_docs[:20]:
+        words = t.split()
+        for i in rng.sample(range(len(words)), len(words) // 20):
+            words[i] = "the"
+        edited.append(" ".join(words))
+    texts = real_docs[:20] + edited + ["", "  !! ", "one", "Two words", "a b c d", "a b c d e", "a b c d e f",
+                                       "Héllo wörld ünïcode 1,000.5 ça", "ÉTÉ été ete"]
+    pairs = np.array([(i, j) for i in range(len(texts)) for j in range(i, len(texts))])
+    for ngram in (5, 3):
+        got = JaccardVerifier(ListTexts(texts), 0.7, ngram=ngram).similarities(pairs)
+        sets = [shingles(t, ngram) for t in texts]
+        want = np.array([jaccard(sets[a], sets[b]) for a, b in pairs])
+        assert np.array_equal(got, want)
+        assert 0 < np.mean((want > 0) & (want < 1))  # partial overlaps were compared, not only 0 / 1

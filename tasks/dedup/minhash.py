@@ -31,10 +31,15 @@ Signatures load as `datasketch.LeanMinHash(seed=seed, hashvalues=sig, scheme=sch
 Clustering (`minhash_clusters`): band keys = the bytes of each band's `rows` values; documents
 sharing a key in any band are joined with a union-find, so clusters are connected components;
 each cluster's root is its first document in corpus order (kept, the others are duplicates).
-With 14 bands × 8 rows a pair with Jaccard s becomes a candidate with probability
-1-(1-s^8)^14: ≈ 0.5 at s ≈ 0.68, ≈ 0.92 at s = 0.8, ≈ 0.05 at s = 0.5. This holds every band
-key in one process; at corpus scale `tasks.dedup.cluster` gives the same clusters on Ray with
-bounded memory.
+With b bands × r rows a pair with Jaccard s becomes a candidate with probability 1-(1-s^r)^b:
+FineWeb's 14 × 8 gives ≈ 0.5 at s ≈ 0.68, ≈ 0.92 at s = 0.8, ≈ 0.05 at s = 0.5; the default 28 × 4
+(the same 112 values) ≈ 0.9995 at s = 0.7 and ≈ 0.84 at s = 0.5, its candidates checked by their
+exact Jaccard (`tasks.dedup.verify`, `curate.dedup.minhash.verify`). The candidate rate matches
+that formula at each pair's own Jaccard (no bias from the 32-bit shingle hash or the affine32
+permutations: benchmarks/curate_vs_datatrove.py, `hash_draws`). This holds every band key in one
+process; at corpus scale `tasks.dedup.cluster` gives the same clusters on Ray with bounded memory.
+
+`shingle_hashes(..., full=True)` gives the 64-bit shingle hashes the verifier compares sets of.
 """
 from __future__ import annotations
 
@@ -229,13 +234,18 @@ def word_hash64(word: bytes) -> int:
     return _fmix64_int(h)
 
 
-def _combine_int(word_hashes: Sequence[int]) -> int:
-    """acc = w0; acc = (rotl27(acc) ^ w_k) · GOLDEN for each next word; fmix64; high 32 bits.
+def _combine64(word_hashes: Sequence[int]) -> int:
+    """acc = w0; acc = (rotl27(acc) ^ w_k) · GOLDEN for each next word; fmix64 (64 bits).
     Order-sensitive (the rotation and multiply), so reordered words give another hash."""
     acc = word_hashes[0]
     for w in word_hashes[1:]:
         acc = ((((acc << 27) | (acc >> 37)) & _M64) ^ w) * _GOLDEN & _M64
-    return _fmix64_int(acc) >> 32
+    return _fmix64_int(acc)
+
+
+def _combine_int(word_hashes: Sequence[int]) -> int:
+    """The shingle's 32-bit hash: the high 32 bits of `_combine64`."""
+    return _combine64(word_hashes) >> 32
 
 
 def fast_hash32(shingle: bytes) -> int:
@@ -279,8 +289,9 @@ def _word_hashes(buf: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.nd
     return fmix64(h)
 
 
-def _ngram_hashes(w: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
-    """`_combine_int` of w[s:s+n] for every start s, vectorised (uint64 wraps like & _M64)."""
+def _ngram_hashes(w: np.ndarray, starts: np.ndarray, n: int, full: bool = False) -> np.ndarray:
+    """`_combine_int` of w[s:s+n] for every start s, vectorised (uint64 wraps like & _M64);
+    `full`: all 64 bits of the mixed value (uint64), not its high 32."""
     acc = w[starts]
     r1, r2, g = np.uint64(27), np.uint64(37), np.uint64(_GOLDEN)
     for k in range(1, n):
@@ -289,7 +300,37 @@ def _ngram_hashes(w: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
         acc |= rot
         acc ^= w[starts + k]
         acc *= g
+    if full:
+        return fmix64(acc)
     return (fmix64(acc) >> np.uint64(32)).astype(np.uint32)
+
+
+def shingle_hashes(word_lists: Sequence[list[str]], n: int = 5, full: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The `fast_hash32` (or, `full`, 64-bit) hash of every word n-gram shingle of each word list
+    (a list shorter than n words: one shingle, all of them; an empty one: none), vectorised over
+    the lists: (hashes laid end to end, each list's first index), each word hashed once."""
+    lens = np.array([len(ws) for ws in word_lists], dtype=np.int64)
+    counts = np.where(lens == 0, 0, np.maximum(lens - n + 1, 1))
+    offsets = np.zeros(len(lens), np.int64)
+    np.cumsum(counts[:-1], out=offsets[1:])
+    if not counts.sum():
+        return np.empty(0, np.uint64 if full else np.uint32), offsets
+    # all words, space separated, as one byte buffer (+ 8 bytes of padding)
+    raw = " ".join(chain.from_iterable(word_lists)).encode("utf-8") + bytes(8)
+    buf = np.frombuffer(raw, dtype=np.uint8)
+    spaces = np.flatnonzero(buf[:-8] == 32)
+    w_start = np.r_[0, spaces + 1]
+    w_len = np.r_[spaces, len(raw) - 8] - w_start
+    # + n zeros: the n-gram windows of a list shorter than n words run past the end
+    w = np.concatenate([_word_hashes(buf, w_start, w_len), np.zeros(n, np.uint64)])
+    word_off = np.zeros(len(lens), np.int64)
+    np.cumsum(lens[:-1], out=word_off[1:])
+    starts = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(word_off - offsets, counts)
+    hv = _ngram_hashes(w, starts, n, full)
+    combine = _combine64 if full else _combine_int
+    for k in np.flatnonzero((lens < n) & (lens > 0)):
+        hv[offsets[k]] = combine([int(x) for x in w[word_off[k]:word_off[k] + lens[k]]])
+    return hv, offsets
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,24 +433,7 @@ class MinHasher:
             nonlocal pending, size
             if not pending:
                 return
-            lens = np.array([len(ws) for _, ws in pending], dtype=np.int64)
-            # all words of the batch, space separated, as one byte buffer (+ 8 bytes of padding)
-            raw = " ".join(chain.from_iterable(ws for _, ws in pending)).encode("utf-8") + bytes(8)
-            buf = np.frombuffer(raw, dtype=np.uint8)
-            spaces = np.flatnonzero(buf[:-8] == 32)
-            w_start = np.r_[0, spaces + 1]
-            w_len = np.r_[spaces, len(raw) - 8] - w_start
-            # + n zeros: the n-gram windows of a doc shorter than n words run past the end
-            w = np.concatenate([_word_hashes(buf, w_start, w_len), np.zeros(n, np.uint64)])
-            word_off = np.zeros(len(lens), np.int64)
-            np.cumsum(lens[:-1], out=word_off[1:])
-            counts = np.maximum(lens - n + 1, 1)  # a doc shorter than n words is one shingle
-            offsets = np.zeros(len(lens), np.int64)
-            np.cumsum(counts[:-1], out=offsets[1:])
-            starts = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(word_off - offsets, counts)
-            hv = _ngram_hashes(w, starts, n)
-            for k in np.flatnonzero(lens < n):
-                hv[offsets[k]] = _combine_int([int(x) for x in w[word_off[k]:word_off[k] + lens[k]]])
+            hv, offsets = shingle_hashes([ws for _, ws in pending], n)  # every list non-empty
             for (pos, _), sig in zip(pending, self._permute_min(hv, offsets)):
                 out[pos] = sig.copy()
             pending, size = [], 0

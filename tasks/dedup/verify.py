@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tasks.core.fs import is_remote, open_random
-from tasks.dedup.minhash import jaccard, shingles
+from tasks.dedup.minhash import shingle_hashes, simplified_words
 
 
 class ListTexts:
@@ -140,9 +140,8 @@ class JaccardVerifier:
             return np.empty(0, np.float64)
         docs, inv = np.unique(pairs, return_inverse=True)
         rows = docs if self.index is None else self.index[docs]
-        sets = [shingles(t, self.ngram) for t in self.texts.read(rows)]
-        inv = inv.reshape(-1, 2)
-        return np.array([jaccard(sets[a], sets[b]) for a, b in inv], dtype=np.float64)
+        sets = shingle_sets(self.texts.read(rows), self.ngram)
+        return np.array([set_jaccard(sets[a], sets[b]) for a, b in inv.reshape(-1, 2)], dtype=np.float64)
 
     def with_threshold(self, threshold: float) -> "JaccardVerifier":
         """The same verifier accepting pairs from `threshold` on."""
@@ -156,6 +155,23 @@ class JaccardVerifier:
 
     def __call__(self, j: int, i: int) -> bool:
         return bool(self.mask(np.array([[j, i]]))[0])
+
+
+def shingle_sets(texts: Sequence[str], ngram: int) -> list[np.ndarray]:
+    """Each text's `shingles` as the sorted distinct 64-bit hashes of its word n-grams (the fast
+    shingle hash before its cut to 32 bits), vectorised: ~4x cheaper than sets of byte strings.
+    Their Jaccard is the exact one unless two distinct shingles of a pair collide (p ~ 1e-13
+    for two 3.6 KB documents)."""
+    hv, offsets = shingle_hashes([simplified_words(t) for t in texts], ngram, full=True)
+    return [np.unique(part) for part in np.split(hv, offsets[1:])]
+
+
+def set_jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """Jaccard of two sorted distinct arrays (1.0 for two empty ones, as `minhash.jaccard`)."""
+    if not len(a) and not len(b):
+        return 1.0
+    inter = len(np.intersect1d(a, b, assume_unique=True))
+    return inter / (len(a) + len(b) - inter)
 
 
 class SignatureVerifier:
