@@ -181,11 +181,12 @@ def _continue(cfg: PipelineConfig, run_name: str, champion) -> dict:
 def _trained_share(cfg: PipelineConfig, index_path: str, checkpoints: list[str]) -> dict:
     """The replay share of the tokens the run really trained on (its loader replayed to the last checkpoint)."""
     from tasks.continued.mix import trained_replay_share
+    from tasks.core.storage import stored
     from tasks.train.checkpoint import read_meta
 
     if not checkpoints:
         return {}
-    state = read_meta(checkpoints[-1]).get("trainer") or {}
+    state = read_meta(*stored(checkpoints[-1])).get("trainer") or {}  # an object-store run's: read there
     return trained_replay_share(index_path, cfg.model.seq_len, cfg.train.seed, int(state.get("consumed_samples", 0)),
                                 [tuple(r) for r in state.get("skip_ranges", [])])
 

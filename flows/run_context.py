@@ -233,7 +233,9 @@ def final_output_node(ctx: RunContext, stages: dict) -> str | None:
     evals = stages.get("evaluate")
     evals = evals if isinstance(evals, list) else []
     best = min(evals, key=lambda e: e.get("val_loss", float("inf")), default=None)
-    return f"dataset:file:{Path(best['checkpoint']).resolve()}" if best and best.get("checkpoint") else None
+    from tasks.lineage.emitter import file_node
+
+    return file_node(best["checkpoint"]) if best and best.get("checkpoint") else None  # a store run's: its object
 
 
 def finish_lineage(ctx: RunContext, stages: dict, missed_before: int = 0) -> dict:

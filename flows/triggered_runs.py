@@ -45,7 +45,7 @@ from flows.run_context import RunContext
 from flows.stage_task import model_server_status
 from infra.settings import CrucibleConfig
 from tasks.core.constants import DEPLOY_FLOW, EVAL_FLOW
-from tasks.core.fs import is_remote
+from tasks.core.fs import canonical, is_remote
 from tasks.core.storage import run_uri
 from tasks.deploy.triggered import (EVALUATED_BY, passing_triggered_checkpoints, triggered_deployment,
                                     triggered_evaluation)
@@ -63,8 +63,9 @@ def _checkpoint_param(value: str) -> str:
 
 
 def _checkpoint_names(checkpoint: str | Path) -> set[str]:
-    """How an event names `checkpoint`: its path, or for an object-store run_root its object."""
-    return {str(Path(checkpoint).resolve()), run_uri(checkpoint)} - {None}
+    """How an event names `checkpoint`: its path, or for an object-store run_root its object (the
+    train stage names a store run's checkpoints by their URIs)."""
+    return {str(canonical(checkpoint)), run_uri(checkpoint)} - {None}
 
 
 def _final(run: FlowRun) -> bool:

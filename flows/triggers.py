@@ -61,8 +61,9 @@ from prefect.tasks import exponential_backoff
 from flows.artifacts import publish_eval_table
 from tasks.core.constants import (CHECKPOINT_EVENT, DEPLOY_FLOW, DEPLOYED_EVENT, EVAL_EVENT, EVAL_FLOW,
                                   EVENT_DEPLOYMENTS)
-from tasks.core.layout import CHECKPOINTS_DIR, RunLayout
-from tasks.core.storage import PathEscape, is_remote, open_store, push_path, safe_join, store_of_path
+from tasks.core.layout import RunLayout
+from tasks.core.fs import canonical, files, is_file
+from tasks.core.storage import PathEscape, is_remote, local_place, open_store, push_path, stored, uri_lineage_name
 from tasks.lineage.emitter import ActiveRun, JobRef, dataset_for_path
 from tasks.lineage.outputs import DATASET_DOCS
 
@@ -87,11 +88,21 @@ def _none(v):
 
 def run_paths(checkpoint: str | Path) -> dict:
     """{run_dir, config, tokenizer, tokens_index, checkpoint} of a checkpoint in a pipeline run,
-    all derived from the run's own layout: an event names the checkpoint and nothing else."""
+    all derived from the run's own layout: an event names the checkpoint and nothing else. A
+    checkpoint on a store (its URI) is read there, and so are its run's tokenizer and token index:
+    this worker may not be on the machine that ran the stages (run_dir: where this flow writes its
+    records, in the store's working copy, before it pushes them)."""
     layout = RunLayout.of_checkpoint(checkpoint)
-    return {"run_dir": str(layout.run_dir), "checkpoint": str(Path(checkpoint).resolve()),
-            "config": str(layout.config_file), "tokenizer": str(layout.tokenizer_file),
-            "tokens_index": str(layout.tokens_index)}
+    ckpt = canonical(checkpoint)
+    read_at = (lambda p: str(stored(p)[0])) if is_remote(ckpt) else str
+    return {"run_dir": str(layout.run_dir), "checkpoint": str(ckpt), "config": str(layout.config_file),
+            "tokenizer": read_at(layout.tokenizer_file), "tokens_index": read_at(layout.tokens_index)}
+
+
+def _exists(loc: str | Path) -> bool:
+    """A file, or a folder with files, local or on a store."""
+    at, options = stored(loc)
+    return is_file(at, options) or bool(files(at, options))
 
 
 def trusted_run_paths(checkpoint: str | Path) -> dict:
@@ -103,51 +114,22 @@ def trusted_run_paths(checkpoint: str | Path) -> dict:
 
     stack_cfg = StackConfig()  # the state dir: $CRUCIBLE_STATE_DIR, set for the stack's processes
     stores = [open_store(s["root"], s["options"], s["cache_dir"]) for s in stack.run_stores(stack_cfg)]
-    if is_remote(str(checkpoint)):  # an object on a store: its place in that store's working copy
+    if is_remote(str(checkpoint)):  # an object on a store: read there, its run's records in its working copy
         owner = next((s for s in stores if str(checkpoint).startswith(s.root + "/")), None)
         if owner is None:
             raise ForgedClaim(f"{checkpoint} is not in a run store of this stack "
                               f"({', '.join(s.root for s in stores) or 'none'})")
         try:  # `..` in the key would climb into another registered store's working copy
-            checkpoint = safe_join(owner.local_root, str(checkpoint)[len(owner.root) + 1:])
+            local_place(str(checkpoint))
         except PathEscape as e:
             raise ForgedClaim(f"{checkpoint}: {e}") from None
     paths = run_paths(checkpoint)
     roots = stack.run_roots(stack_cfg)
-    ckpt = Path(paths["checkpoint"])
-    if not any(ckpt.is_relative_to(root) for root in roots):
-        raise ForgedClaim(f"{ckpt} is not under a run root of this stack ({', '.join(map(str, roots)) or 'none'}; "
-                          "`crucible run` registers its config's run_root)")
-    if (store := store_of_path(ckpt)) is not None:
-        _sync_run(store, paths)
+    run_dir = Path(paths["run_dir"])
+    if not any(run_dir.is_relative_to(root) for root in roots):
+        raise ForgedClaim(f"{paths['checkpoint']} is not under a run root of this stack "
+                          f"({', '.join(map(str, roots)) or 'none'}; `crucible run` registers its config's run_root)")
     return paths
-
-
-def _sync_run(store, paths: dict) -> None:
-    """What the triggered flows read of a run on an object store, as the store has it, into the
-    working copy: training writes its checkpoints (and their manifest) to the store only, and this
-    worker may not be on the machine that ran the stages. The checkpoint is then verified against
-    that manifest before anything loads it, as for a local run."""
-    from tasks.train.checkpoint import MANIFEST
-
-    run = store.rel(paths["run_dir"])
-    store.sync_down([store.rel(paths["checkpoint"]), f"{run}/train/{CHECKPOINTS_DIR}/{MANIFEST}",
-                     f"{run}/config.json", f"{run}/lineage.jsonl", f"{run}/tokenizer", f"{run}/tokens/index.json",
-                     f"{run}/evaluate/triggered"])
-    store.sync_down(_val_split_keys(store, Path(paths["tokens_index"])))
-
-
-def _val_split_keys(store, tokens_index: Path) -> list[str]:
-    """The store keys of the val split's files (evaluation and the gate's yardstick read no other
-    split: the train tokens, the bulk of a run, stay on the store)."""
-    from tasks.tokens.binfile import load_index
-    from tasks.train.remote import SPLIT_FILES
-
-    if not tokens_index.is_file():
-        return []
-    val = load_index(tokens_index)["splits"].get("val") or {}
-    keys = [store.rel(val[key]) for key, _ in SPLIT_FILES if val.get(key)]
-    return [k for k in keys if k is not None]
 
 
 def _load_cfg(paths: dict):
@@ -229,9 +211,10 @@ def _emit(event: str, resource: dict, payload: dict) -> None:
 def _checkpoint_with_sources(datasets: list, paths: dict, training) -> list:
     """The checkpoint among `datasets` gets the licences of what its training run read (its own
     producer's COMPLETE, listing it, comes only when training ends)."""
-    ckpt = str(Path(paths["checkpoint"]).resolve())
+    ckpt = paths["checkpoint"]
+    names = {ckpt, uri_lineage_name(ckpt)[1]} if is_remote(ckpt) else {ckpt}  # a store's object: named by its key
     for ds in datasets:
-        if ds.name == ckpt and training.sources is not None:
+        if ds.name in names and training.sources is not None:
             ds.facets["crucible_source"] = training.sources
     return datasets
 
@@ -248,7 +231,10 @@ def triggered_lineage(cfg, paths: dict, mlflow_run_id: str | None, inputs=None,
     from tasks.lineage.runs import training_run_of
 
     layout = RunLayout(paths["run_dir"])
-    training = training_run_of(layout.lineage_log, paths["checkpoint"])
+    # an object-store run's log as the store has it (the train stage pushed the torchrun START before
+    # training): this worker's working copy may not be the one of the machine that ran the stages
+    log_at = stored(layout.lineage_log)[0] if is_remote(paths["checkpoint"]) else layout.lineage_log
+    training = training_run_of(log_at, paths["checkpoint"])
     flow = JobRef(flow_run.flow_name, flow_run.id)
     if task:
         job, up, job_type = JobRef(f"{flow.name}.{task_run.task_name}", task_run.id), flow, "TASK"
@@ -288,7 +274,7 @@ def evaluate_task(paths: dict, run_id: str | None) -> dict:
     cfg = _load_cfg(paths)
     stage = STAGES["evaluate"]
     missing = [f"{key} {paths[key]} does not exist" for key in ("checkpoint", "tokenizer", "tokens_index")
-               if not Path(paths[key]).exists()]
+               if not _exists(paths[key])]
     read = (None if missing else lambda training: _checkpoint_with_sources(stage.input_datasets(cfg, StageInputs(
         checkpoint=paths["checkpoint"], tokenizer=paths["tokenizer"], tokens_index=paths["tokens_index"])),
         paths, training))
@@ -296,9 +282,9 @@ def evaluate_task(paths: dict, run_id: str | None) -> dict:
         if missing:
             raise FileNotFoundError("; ".join(missing))
         with stage_energy(cfg, RunLayout(paths["run_dir"]), "evaluate", active):  # the run summary counts it
-            report = evaluate_checkpoint(cfg, Path(paths["checkpoint"]), Path(paths["tokenizer"]),
-                                         Path(paths["tokens_index"]), RunLayout(paths["run_dir"]).triggered_eval_report(
-                                             paths["checkpoint"]), tracking_uri=_tracking_uri(cfg), run_id=run_id)
+            report = evaluate_checkpoint(cfg, paths["checkpoint"], paths["tokenizer"], paths["tokens_index"],
+                                         RunLayout(paths["run_dir"]).triggered_eval_report(paths["checkpoint"]),
+                                         tracking_uri=_tracking_uri(cfg), run_id=run_id)
         inputs, outputs = report_datasets(cfg, report)
         active.inputs.extend(inputs)
         active.outputs.extend(outputs)
@@ -392,7 +378,7 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
     recorded = RunLayout(paths["run_dir"]).triggered_eval_report(paths["checkpoint"])  # not the event's path
 
     def read(training) -> list:
-        files = [p for p in (paths["checkpoint"], recorded, paths["tokenizer"]) if Path(p).exists()]
+        files = [p for p in (paths["checkpoint"], recorded, paths["tokenizer"]) if _exists(p)]
         return _checkpoint_with_sources([dataset_for_path(p) for p in files], paths, training)
 
     evaluation, problem = evaluation_claim_problem(paths["checkpoint"], report_path, run_id, _tracking_uri(cfg))
@@ -403,7 +389,7 @@ def deploy_model_flow(checkpoint: str, report_path: str, run_name: str | None = 
             log.warning("refusing a forged or stale crucible.eval.completed claim for %s: %s", checkpoint, problem)
             raise ForgedClaim(f"refused: the event's claim does not match the pipeline's records: {problem}")
         with stage_energy(cfg, RunLayout(paths["run_dir"]), "deploy", active):  # the run summary counts it
-            result = deploy_if_better(cfg, _tracking_uri(cfg), evaluation, Path(paths["tokenizer"]), run_id,
+            result = deploy_if_better(cfg, _tracking_uri(cfg), evaluation, paths["tokenizer"], run_id,
                                       serve_model=serve_model, verify_model=verify_model,
                                       server_status=model_server_status(cfg), lineage_namespace=cfg.lineage.namespace)
         record = RunLayout(paths["run_dir"]).triggered_deploy_record(paths["checkpoint"])

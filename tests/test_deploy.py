@@ -480,3 +480,51 @@ def test_model_server_process_start_refresh_status_down(tiny, tmp_path, monkeypa
     assert stack.group_pids(second["pid"]) == []
     st = stack.status(stack_cfg)["model_server"]  # still listed (deployed), but stopped
     assert st["healthy"] is False and st["pid"] is None
+
+
+def test_a_store_runs_checkpoint_is_gated_registered_and_served_by_its_uri(trained, tmp_path, mlflow_store,
+                                                                          monkeypatch):
+    """An object-store run's checkpoints named by their URIs (as the train stage names them): gated
+    on the yardstick (scored on the store), registered with the URI as its checkpoint tag and the
+    same content hash as the local files', verified from the registry; the model server gets a
+    fetched copy with the run's signed manifest (it verifies it as it loads); no working copy."""
+    from mlflow import MlflowClient
+
+    from s3_helpers import moto_s3
+    from tasks.core import storage
+    from tasks.deploy import servable
+    from tasks.deploy.registry import model_content_hash
+    from tasks.train.checkpoint import load_model_for_inference
+
+    monkeypatch.setattr(storage, "_STORES", {})
+    uri = mlflow_store["uri"]
+    name, tok = "crucible-store", Path(trained["tokenizer"])
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        checkpoints = Path(trained[20]).parent
+        for p in checkpoints.rglob("*"):
+            if p.is_file():
+                s3.client.upload_file(str(p), "runs", f"crucible/r1/train/checkpoints/{p.relative_to(checkpoints).as_posix()}")
+        s3.client.upload_file(str(tok), "runs", "crucible/r1/tokenizer/tokenizer.json")
+        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        at = {step: f"s3://runs/crucible/r1/train/checkpoints/{Path(trained[step]).name}" for step in (10, 20)}
+        tok_uri = "s3://runs/crucible/r1/tokenizer/tokenizer.json"
+        cfg = _gated_cfg(tmp_path, name)
+        cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"options": s3.options,
+                                                                                "cache_dir": str(tmp_path / "cache")})})
+        first = deploy_if_better(cfg, uri, {"val_loss": 6.0, "step": 20, "checkpoint": at[20], "run_name": "test"},
+                                 tok_uri, None, **_supervised(cfg))
+        assert first["passed"] and first["alias"] == "champion" and "loaded from the registry" in first["verified"]
+        assert first["content_hash"] == model_content_hash(trained[20], tok)
+        tags = MlflowClient(tracking_uri=uri, registry_uri=uri).get_model_version(name, "1").tags
+        assert tags["checkpoint"] == at[20] and tags["tokenizer"] == tok_uri
+        assert tags["lineage.checkpoint_node"] == "dataset:s3://runs:crucible/r1/train/checkpoints/" + Path(at[20]).name
+        second = deploy_if_better(cfg, uri, {"val_loss": 1.0, "step": 10, "checkpoint": at[10]}, tok_uri, None,
+                                  **_supervised(cfg))  # scored against the champion, both read on the store
+        assert not second["passed"] and second["yardstick"]["challenger_bpb"] and second["yardstick"]["champion_bpb"]
+        assert not list(store.local_root.rglob("*.safetensors"))
+
+        ckpt, local_tok = servable(cfg, at[20], tok_uri)
+        assert ckpt.is_relative_to(tmp_path / "cache" / "served") and local_tok.read_bytes() == tok.read_bytes()
+        model, meta = load_model_for_inference(ckpt)  # verified against the fetched signed manifest
+        assert meta["step"] == 20
+        assert servable(cfg, trained[20], tok) == (Path(trained[20]), tok)  # local files: as they are

@@ -130,19 +130,26 @@ def test_the_cluster_workers_ran_the_stages_from_the_store(s3_demo):
 
 def test_training_read_its_tokens_from_the_store_and_wrote_checkpoints_there(s3_demo):
     """The train stage's ranks stage the token files from the store (not the working copy) and DCP's
-    fsspec writer puts each checkpoint in the bucket; the triggered evaluation took the checkpoint
-    the event named (an s3:// object) from the store and pushed its report."""
+    fsspec writer puts each checkpoint in the bucket; the train stage names them by their URIs and
+    nothing copies them back: the driver's working copy holds no checkpoint file, the evaluations
+    read them on the store. The triggered evaluation took the checkpoint the event named (an s3://
+    object) from the store and pushed its report."""
     s3, summary = s3_demo["s3"], s3_demo["summary"]
     run, train = summary["run_name"], summary["stages"]["train"]
     prefix = f"s3://runs/crucible/{run}/train/checkpoints/step-"
-    assert train["checkpoint_uris"] and all(u.startswith(prefix) for u in train["checkpoint_uris"]), train
+    assert train["checkpoints"] and all(u.startswith(prefix) for u in train["checkpoints"]), train
+    evaluated = summary["stages"]["evaluate"]["checkpoints"]
+    assert evaluated and all(e["checkpoint"].startswith(prefix) for e in evaluated), evaluated
+    working_copy = s3_demo["tmp"] / "cache" / "s3" / "runs" / "crucible" / run
+    assert working_copy.is_dir() and not list((working_copy / "train").rglob("*.safetensors")), \
+        sorted((working_copy / "train").rglob("*"))[:10]
     log = s3.client.get_object(Bucket="runs", Key=f"crucible/{run}/train/torchrun.log")["Body"].read().decode()
     assert f"[tokens] s3://runs/crucible/{run}/tokens/index.json: staged in" in log, log[:2000]
     index = json.loads(s3.client.get_object(Bucket="runs", Key=f"crucible/{run}/tokens/index.json")["Body"].read())
     cached = {p.name for p in (s3_demo["tmp"] / "cache" / "node" / "tokens").glob("*.bin")}
     assert f"{index['splits']['train']['sha256']}-{Path(index['splits']['train']['path']).name}" in cached, cached
     rel = {k.split("/", 2)[2] for k in s3.keys("runs", f"crucible/{run}/")}
-    last = Path(train["checkpoint_uris"][-1]).name
+    last = Path(train["checkpoints"][-1]).name
     assert f"train/checkpoints/{last}/crucible_checkpoint.json" in rel and "train/checkpoints/checkpoints.json" in rel
     assert f"train/checkpoints/{last}/shard-00001-model-00001-of-00001.safetensors" in rel  # safetensors, no pickle
     assert f"evaluate/triggered/{last}.json" in rel, sorted(r for r in rel if r.startswith("evaluate"))

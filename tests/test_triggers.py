@@ -122,23 +122,21 @@ def test_a_store_working_copy_is_the_same_folder_from_any_working_directory(tmp_
     assert home.local_root == tmp_path / "home" / "cache" / "s3" / "runs" / "crucible"
 
 
-def test_a_worker_syncs_the_checkpoint_and_the_val_split_but_not_the_train_tokens(tmp_path, monkeypatch):
-    """A genuine claim: an event naming a checkpoint object of a store `crucible run` registered. What
-    a triggered flow on another machine then downloads of the run: the checkpoint, its manifest,
-    config, tokenizer, the token index and the val split's files; never the train split."""
+def test_a_worker_reads_a_store_runs_checkpoint_where_it_lives(tmp_path, monkeypatch):
+    """A genuine claim: an event naming a checkpoint object of a store `crucible run` registered. The
+    triggered flow on another machine reads the checkpoint, its run's tokenizer and token index on
+    the store (their URIs): nothing of the run is copied into its working copy. A key that climbs out
+    of the store is refused."""
     from flows.triggers import trusted_run_paths
     from s3_helpers import moto_s3
     from tasks.core import storage
+    from tasks.deploy.triggered import ForgedClaim
 
     with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
         monkeypatch.setattr(storage, "_STORES", {})
         run = "crucible/r1"
-        index = {"dtype": "uint16", "splits": {
-            "train": {"path": "train.bin", "doc_starts": "train.doc_starts.npy", "tokens": 4},
-            "val": {"path": "val.bin", "doc_starts": "val.doc_starts.npy", "tokens": 2}}}
-        objects = {"config.json": "{}", "tokenizer/tokenizer.json": "{}", "tokens/index.json": json.dumps(index),
-                   "tokens/train.bin": "tttt", "tokens/train.doc_starts.npy": "t", "tokens/val.bin": "vv",
-                   "tokens/val.doc_starts.npy": "v", "train/checkpoints/checkpoints.json": "{}",
+        objects = {"config.json": "{}", "tokenizer/tokenizer.json": "{}", "tokens/index.json": "{}",
+                   "tokens/train.bin": "tttt", "tokens/val.bin": "vv", "train/checkpoints/checkpoints.json": "{}",
                    "train/checkpoints/step-000010/crucible_checkpoint.json": "{}"}
         for key, body in objects.items():
             s3.client.put_object(Bucket="runs", Key=f"{run}/{key}", Body=body.encode())
@@ -149,10 +147,14 @@ def test_a_worker_syncs_the_checkpoint_and_the_val_split_but_not_the_train_token
         stack.register_run_store(stack_cfg, store)
         stack.register_run_root(stack_cfg, store.local_root)
         paths = trusted_run_paths("s3://runs/crucible/r1/train/checkpoints/step-000010")
-        assert paths["checkpoint"] == str(store.local_root / "r1" / "train" / "checkpoints" / "step-000010")
-        got = {p.relative_to(store.local_root / "r1").as_posix() for p in (store.local_root / "r1").rglob("*")
-               if p.is_file()}
-        assert got == set(objects) - {"tokens/train.bin", "tokens/train.doc_starts.npy"}, got
+        assert paths == {"run_dir": str(store.local_root / "r1"),
+                         "checkpoint": "s3://runs/crucible/r1/train/checkpoints/step-000010",
+                         "config": str(store.local_root / "r1" / "config.json"),
+                         "tokenizer": "s3://runs/crucible/r1/tokenizer/tokenizer.json",
+                         "tokens_index": "s3://runs/crucible/r1/tokens/index.json"}
+        assert not [p for p in tmp_path.joinpath("worker-cache").rglob("*") if p.is_file()]
+        with pytest.raises(ForgedClaim):
+            trusted_run_paths("s3://runs/crucible/../elsewhere/r1/train/checkpoints/step-000010")
 
 
 def test_the_pretrain_flow_reads_triggered_records_and_checkpoints_of_a_store_run_there(tmp_path, monkeypatch):

@@ -26,7 +26,7 @@ class Champion:
     """The registered champion a cycle continues, with its files verified."""
     model_name: str
     version: int
-    checkpoint: Path
+    checkpoint: Path | str  # an object-store run's: its URI
     checkpoint_sha256: str  # tree hash of the checkpoint directory (train.init_sha256)
     tokenizer: Path
     tokenizer_sha256: str
@@ -53,7 +53,8 @@ def find_champion(cfg: PipelineConfig, tracking_uri: str) -> Champion | None:
     loaded; a champion that cannot be verified refuses the cycle."""
     from tasks.continued.mix import verified_index
     from tasks.deploy.registry import UnverifiedModel, get_champion, registered_files
-    from tasks.core.hashing import sha256_file, sha256_tree
+    from tasks.core import fs
+    from tasks.core.storage import stored
     from tasks.train.checkpoint import read_meta
 
     found = get_champion(tracking_uri, cfg.deploy.model_name)
@@ -75,8 +76,8 @@ def find_champion(cfg: PipelineConfig, tracking_uri: str) -> Champion | None:
                              "continue.init_optimizer=false")
     # tags are the verified ones (get_champion); the index itself must still hash to the signed value
     index = verified_index(tags.get("data.tokens_index"), tags.get("data.tokens_index_sha256"))
-    meta = read_meta(ckpt)
-    return Champion(cfg.deploy.model_name, version, ckpt, sha256_tree(ckpt), tok, sha256_file(tok),
+    meta = read_meta(*stored(ckpt))  # a checkpoint on a store: read (and below hashed) there
+    return Champion(cfg.deploy.model_name, version, ckpt, fs.tree_sha256(*stored(ckpt)), tok, fs.sha256(*stored(tok)),
                     index, meta["model"], tags.get("run_name"), found.get("run_id"), tags)
 
 
@@ -98,28 +99,32 @@ def check_continuation(cfg: PipelineConfig, champion: Champion) -> None:
                          f"continues the champion's weights, so the model section must match them")
 
 
-def pre_decay_checkpoint(champion: Champion) -> tuple[Path | None, str]:
+def pre_decay_checkpoint(champion: Champion) -> tuple[Path | str | None, str]:
     """(checkpoint, why) for a WSD continuation: the champion's run's newest kept checkpoint at or
     before the step its decay began, verified file by file against the run's checkpoint manifest.
-    None (with the reason) when the champion was not trained warmup-stable-decay or none is kept."""
-    from tasks.core.hashing import sha256_file
-    from tasks.train.checkpoint import read_manifest, read_meta
+    None (with the reason) when the champion was not trained warmup-stable-decay or none is kept. A
+    champion on a store is read there (its run's manifest and checkpoint objects)."""
+    from tasks.core import fs
+    from tasks.core.storage import stored
+    from tasks.train.checkpoint import checkpoint_problem, read_manifest, read_meta
 
-    schedule = read_meta(champion.checkpoint).get("schedule") or {}
+    at, options = stored(champion.checkpoint)
+    meta = read_meta(at, options)
+    schedule = meta.get("schedule") or {}
     if schedule.get("lr_schedule") != "wsd":
         return None, (f"the champion was trained with lr_schedule {schedule.get('lr_schedule', 'unrecorded')!r}, "
                       "not wsd")
     # never past the champion itself (a run's later checkpoints were not the ones gated and promoted)
-    champion_step = int(read_meta(champion.checkpoint).get("step", 0))
-    train_dir, start = champion.checkpoint.parent.parent, int(schedule["decay_start"])
-    kept = [e for e in read_manifest(train_dir)["checkpoints"] if e["step"] <= min(start, champion_step)]
+    champion_step = int(meta.get("step", 0))
+    train_dir, start = fs.parent_of(fs.parent_of(at)), int(schedule["decay_start"])
+    manifest = read_manifest(train_dir, options)
+    kept = [e for e in manifest["checkpoints"] if e["step"] <= min(start, champion_step)]
     if not kept:
         return None, (f"no checkpoint of the champion's run at or before step {start}, where its decay began, is "
                       f"kept in {train_dir} (train.checkpoint_every / keep_last_checkpoints decide what is kept)")
     entry = max(kept, key=lambda e: e["step"])
-    ckpt = champion.checkpoint.parent / entry["path"]
-    on_disk = {str(p.relative_to(ckpt)): p for p in ckpt.rglob("*") if p.is_file()} if ckpt.is_dir() else {}
-    if set(on_disk) != set(entry["files"]) or any(sha256_file(on_disk[k]) != v for k, v in entry["files"].items()):
+    ckpt = fs.join(fs.parent_of(champion.checkpoint), entry["path"])
+    if checkpoint_problem(stored(ckpt)[0], manifest, storage_options=options):
         raise CycleError(f"the champion's pre-decay checkpoint {ckpt} does not match its run's checkpoint manifest: "
                          "refusing to continue from it")
     return ckpt, f"step {entry['step']} of the champion's run, the last kept before its decay began (step {start})"
@@ -165,9 +170,10 @@ def cycle_config(cfg: PipelineConfig, discovery: Discovery, champion: Champion |
         common = dict(init_optimizer=c.init_optimizer, resume=False, lr=c.lr or train["lr"],
                       max_steps=c.max_steps or train["max_steps"], stop_at_step=None)
         if start is not None:  # a new stable phase from before the champion's decay, then a decay
-            from tasks.core.hashing import sha256_tree
+            from tasks.core.fs import tree_sha256
+            from tasks.core.storage import stored
 
-            train.update(init_from=str(start), init_sha256=sha256_tree(start), lr_schedule="wsd",
+            train.update(init_from=str(start), init_sha256=tree_sha256(*stored(start)), lr_schedule="wsd",
                          warmup_steps=c.rewarm_steps or 0, **common)
         else:  # re-warm from the champion itself, then cosine re-decay
             train.update(init_from=str(champion.checkpoint), init_sha256=champion.checkpoint_sha256,

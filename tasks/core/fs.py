@@ -263,6 +263,13 @@ def location(value: str | Path) -> Path | str:
     return value.rstrip("/") if is_remote(value) else Path(local_path(value))
 
 
+def canonical(value: str | Path) -> Path | str:
+    """How records name a run file (a checkpoint in a report, a registry tag): an object of a store by
+    its URI, a local file by its absolute path; two names of one file compare equal."""
+    loc = location(value)
+    return loc if is_remote(loc) else loc.resolve()
+
+
 def join(base: Path | str, *parts: str) -> Path | str:
     if is_remote(base):
         return "/".join([base.rstrip("/"), *parts])

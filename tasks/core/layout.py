@@ -9,7 +9,9 @@
 
 Everything else (flows, the triggered flows, deployment, the lineage sample) asks a RunLayout
 instead of joining path pieces by hand. A remote run_root (s3://...) is worked on in its local
-working copy (tasks.core.storage); its files reach the store when the flows push them."""
+working copy (tasks.core.storage); its files reach the store when the flows push them. Its
+checkpoints, which training writes to the store only, are named by their URIs (of_checkpoint maps
+one to its run's layout) and read there."""
 from __future__ import annotations
 
 from dataclasses import dataclass

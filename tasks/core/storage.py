@@ -221,7 +221,7 @@ class RunStore:
                 files = {prefix: base.stat()}
             else:
                 files = self._local_files(base) if base.exists() else {}
-            # an entry is [size, mtime_ns], with the store's ETag third for a file pulled (pull, sync_down)
+            # an entry is [size, mtime_ns], with the store's ETag third for a file pulled
             changed = [rel for rel, st in files.items() if state.get(rel, [])[:2] != [st.st_size, st.st_mtime_ns]]
             changed.sort(key=lambda rel: (Path(rel).name in COMMIT_FILES, rel))
             for rel in changed:
@@ -259,58 +259,8 @@ class RunStore:
             for key in keys:
                 dest = _download(fs, self.uri(key), places[key])
                 st = dest.stat()
-                # with its ETag, a later sync_down tells a replaced object of the same size
                 state[key] = [st.st_size, st.st_mtime_ns, *([etags[key]] if etags.get(key) else [])]
         return len(keys)
-
-    def sync_down(self, rels: list[str]) -> dict:
-        """Make the working copy's files under each of `rels` (keys or prefixes relative to run_root)
-        what the store holds: download an object unless the working copy already has this version
-        (its recorded ETag, or for a file this copy pushed itself, its size), and remove files this
-        copy pushed or pulled that the store no longer has (e.g. a checkpoint retention dropped).
-        For files other processes write to the store directly (training's checkpoints).
-        Returns {downloaded, removed}."""
-        fs = self.fs()
-        fs.invalidate_cache()  # other processes and nodes write here
-        root_path = self.root.split("://", 1)[1]
-        downloaded = removed = 0
-        with self._state(rels) as state:
-            for rel in rels:
-                try:
-                    found = fs.find(self.uri(rel), detail=True)
-                except FileNotFoundError:
-                    found = {}
-                remote = {k[len(root_path) + 1:]: info for k, info in found.items()
-                          if info.get("type", "file") == "file" and not k.endswith("/")}
-                places = _listed(self.local_root, remote)
-                for key, dest in places.items():
-                    info = remote[key]
-                    etag = _etag(info)
-                    if self._keep(state.get(key), dest, int(info.get("size") or 0), etag):
-                        continue
-                    _download(fs, self.uri(key), dest)
-                    st = dest.stat()
-                    state[key] = [st.st_size, st.st_mtime_ns, etag]
-                    downloaded += 1
-                inside = rel.rstrip("/") + "/"
-                for key in [k for k in state if (k == rel or k.startswith(inside)) and k not in remote]:
-                    dest = self.local_root / key
-                    if dest.is_file() and state[key][:2] != _stat(dest):
-                        continue  # changed here since: not this copy's to drop
-                    dest.unlink(missing_ok=True)
-                    del state[key]
-                    removed += 1
-        return {"downloaded": downloaded, "removed": removed}
-
-    @staticmethod
-    def _keep(entry: list | None, dest: Path, size: int, etag: str) -> bool:
-        """sync_down leaves the working copy's `dest` as it is: it is the store's version, or it was
-        written here since the last push (this process's newer file wins, e.g. a growing log)."""
-        if not dest.is_file():
-            return False
-        if entry is None or entry[:2] != _stat(dest):
-            return True
-        return entry[2] == etag if len(entry) > 2 else entry[0] == size
 
 
 def _top(key: str) -> str:
@@ -335,11 +285,6 @@ def _write_records(folder: Path, state: dict, tops: set[str]) -> None:
 
 def _etag(info: dict) -> str:
     return str(info.get("ETag") or info.get("etag") or "")
-
-
-def _stat(path: Path) -> list[int]:
-    st = path.stat()
-    return [st.st_size, st.st_mtime_ns]
 
 
 # ---- the stores of this process ------------------------------------------------------------------

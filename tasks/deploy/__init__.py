@@ -47,15 +47,16 @@ def api_headers(deploy_cfg) -> dict:
     return {}
 
 
-def lineage_tags(cfg, evaluation: dict, tokenizer_path: Path, namespace: str = LINEAGE_NAMESPACE) -> dict:
+def lineage_tags(cfg, evaluation: dict, tokenizer_path: Path | str, namespace: str = LINEAGE_NAMESPACE) -> dict:
     """Model-version tags naming the data the model came from: the sources and their licences, the
     run's lineage log and the checkpoint's lineage node (open it in the lineage service), the
     tokenizer / val-split hashes (from the evaluation report) and the token index's hash.
     `namespace`: the lineage namespace of the run's jobs (the stack's lineage.namespace)."""
-    from tasks.core.hashing import sha256_file
+    from tasks.core import fs
+    from tasks.core.storage import stored
     from tasks.lineage.emitter import file_node
 
-    ckpt = Path(evaluation["checkpoint"]).resolve()
+    ckpt = fs.canonical(evaluation["checkpoint"])  # an object-store run's: its URI
     tags = {"data.sources": "; ".join(f"{s.name} ({s.licence}; {s.provenance})" for s in cfg.sources),
             "data.licences": ", ".join(sorted({s.licence for s in cfg.sources})),
             "lineage.namespace": namespace, "lineage.checkpoint_node": file_node(ckpt),
@@ -66,13 +67,11 @@ def lineage_tags(cfg, evaluation: dict, tokenizer_path: Path, namespace: str = L
         if layout.lineage_log.is_file():
             tags["lineage.log"] = str(layout.lineage_log)
         # what training read: the cycle's mix for a continued run (its replay pool), else tokens/index.json
-        from tasks.train.checkpoint import read_meta
+        from tasks.deploy.yardstick import trained_on
 
-        trained_on = read_meta(ckpt).get("tokens_index")
-        index = Path(trained_on) if trained_on and Path(trained_on).is_file() else layout.tokens_index
-        if index.is_file():
+        if (index := trained_on(ckpt)) is not None:
             tags["data.tokens_index"] = str(index)
-            tags["data.tokens_index_sha256"] = sha256_file(index)
+            tags["data.tokens_index_sha256"] = fs.sha256(*stored(index))
     return tags
 
 
@@ -101,7 +100,7 @@ def check_served(deploy_cfg, endpoint: str, step, headers: dict | None = None) -
     return f"served at {endpoint} and answered a completion"
 
 
-def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: Path,
+def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: Path | str,
                      train_run_id: str | None = None, serve_model: ServeModel | None = None,
                      server_status: ServerStatus | None = None, verify_model: VerifyModel | None = None,
                      lineage_namespace: str = LINEAGE_NAMESPACE) -> dict:
@@ -168,7 +167,7 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
         result.update(_live_server(server_status))
         return result
 
-    tags = lineage_tags(cfg, evaluation, Path(tokenizer_path), lineage_namespace)
+    tags = lineage_tags(cfg, evaluation, tokenizer_path, lineage_namespace)
     if yardstick:
         tags |= yardstick_tags(yardstick)
         tags |= score_tags(yardstick["set"]["sha256"], yardstick["challenger"]["bits_per_byte"])
@@ -184,13 +183,51 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
                                  serve_model, verify_model, server_status)
 
 
+def servable(cfg, checkpoint: str | Path, tokenizer_path: str | Path) -> tuple[Path, Path]:
+    """The checkpoint and tokenizer as local files for the model server, a process of the stack that
+    keeps loading them (reloads, restarts): a store's objects (an object-store run's checkpoint) are
+    downloaded with the run's signed checkpoint manifest into storage.cache_dir/served/, laid out as
+    a run's train/checkpoints/ so the server verifies them against it as it loads; local files as
+    they are. Only what serving needs is fetched (no other checkpoint, no working copy)."""
+    import shutil
+    import uuid
+
+    from tasks.core import fs
+    from tasks.core.hashing import sha256_text
+    from tasks.core.layout import CHECKPOINTS_DIR
+    from tasks.core.storage import default_cache_dir, stored
+    from tasks.train.checkpoint import MANIFEST
+
+    if not (fs.is_remote(checkpoint) or fs.is_remote(tokenizer_path)):
+        return Path(checkpoint), Path(tokenizer_path)
+    folder = Path(cfg.storage.cache_dir).expanduser() if cfg.storage.cache_dir else default_cache_dir()
+    folder = folder / "served" / sha256_text(f"{checkpoint}\n{tokenizer_path}")[:16]
+    tmp = folder.with_name(f".tmp-{uuid.uuid4().hex}")
+    try:
+        ckpt = Path(checkpoint)
+        if fs.is_remote(checkpoint):
+            at, options = stored(checkpoint)
+            ckpt = fs.download(at, tmp / "train" / CHECKPOINTS_DIR / fs.name_of(at), options)
+            fs.download_file(fs.join(fs.parent_of(at), MANIFEST), tmp / "train" / CHECKPOINTS_DIR / MANIFEST, options)
+            ckpt = folder / ckpt.relative_to(tmp)
+        tok = Path(tokenizer_path)
+        if fs.is_remote(tokenizer_path):
+            fs.write_bytes(tmp / "tokenizer.json", fs.read_bytes(*stored(tokenizer_path)))
+            tok = folder / "tokenizer.json"
+        shutil.rmtree(folder, ignore_errors=True)  # an earlier copy: replaced whole
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ckpt, tok
+
+
 def _live_server(server_status: ServerStatus | None) -> dict:
     """{endpoint, pid} of the running model server (still the champion's), or {}."""
     current = server_status() if server_status else None
     return {"endpoint": current["url"], "pid": current["pid"]} if current and current["healthy"] else {}
 
 
-def _verify_promote_serve(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: Path, version: int,
+def _verify_promote_serve(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: Path | str, version: int,
                           result: dict, serve_model: ServeModel | None, verify_model: VerifyModel | None,
                           server_status: ServerStatus | None) -> dict:
     """A registered challenger: verified apart from the live server (which keeps serving the
@@ -201,7 +238,8 @@ def _verify_promote_serve(cfg, tracking_uri: str, evaluation: dict, tokenizer_pa
     name = dcfg.model_name
     try:
         if dcfg.serve:
-            verified = verify_model(cfg, evaluation["checkpoint"], tokenizer_path, name, version, tracking_uri)
+            checkpoint, tokenizer_path = servable(cfg, evaluation["checkpoint"], tokenizer_path)
+            verified = verify_model(cfg, checkpoint, tokenizer_path, name, version, tracking_uri)
         else:
             from tasks.deploy.registry import verify_registered
 
@@ -216,7 +254,7 @@ def _verify_promote_serve(cfg, tracking_uri: str, evaluation: dict, tokenizer_pa
     result.update(alias="champion", verified=verified)
     if dcfg.serve:  # only now does the live server swap to it
         try:
-            served = serve_model(cfg, evaluation["checkpoint"], tokenizer_path, name, version, tracking_uri)
+            served = serve_model(cfg, checkpoint, tokenizer_path, name, version, tracking_uri)
             result.update(endpoint=served["endpoint"], pid=served["pid"])
         except Exception as e:  # noqa: BLE001 - it is the verified champion; the server is what failed
             log.error("deploy: version %s is champion, but the model server could not serve it: %s", version, e)

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tasks.core.hashing import sha256_file
 from tasks.tokenizer.bpe import load_tokenizer  # a literal "<|endoftext|>" in user text stays text
 
 DEFAULT_EOS_TOKEN = "<|endoftext|>"
@@ -63,13 +62,18 @@ class TextGenerator:
         or `expected_tree_sha256` for a copy) and its tokenizer.json.
 
         Refuses a tokenizer whose hash differs from the one recorded in the checkpoint."""
+        from tasks.core import fs
+        from tasks.core.storage import stored
         from tasks.train.checkpoint import load_model_for_inference
 
-        checkpoint, tokenizer_path = Path(checkpoint).resolve(), Path(tokenizer_path).resolve()
-        model, meta = load_model_for_inference(checkpoint, expected_tree_sha256=expected_tree_sha256)
-        tok = load_tokenizer(tokenizer_path)
+        # either may be an object of a store this process has open (an object-store run's, read there)
+        (checkpoint, options), (tokenizer_path, tok_options) = stored(checkpoint), stored(tokenizer_path)
+        checkpoint, tokenizer_path = fs.canonical(checkpoint), fs.canonical(tokenizer_path)
+        model, meta = load_model_for_inference(checkpoint, expected_tree_sha256=expected_tree_sha256,
+                                               storage_options=options)
+        tok = load_tokenizer(tokenizer_path, tok_options)
         want = meta.get("tokenizer_sha256")
-        if want and want != sha256_file(tokenizer_path):
+        if want and want != fs.sha256(tokenizer_path, tok_options):
             raise ValueError(f"tokenizer {tokenizer_path} is not the one checkpoint {checkpoint} was trained with")
         if tok.get_vocab_size() > model.cfg.vocab_size:
             raise ValueError(f"tokenizer vocab {tok.get_vocab_size()} > model vocab {model.cfg.vocab_size}")

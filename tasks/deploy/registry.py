@@ -33,7 +33,9 @@ from pathlib import Path
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from tasks.core.hashing import sha256_file, sha256_text, sha256_tree
+from tasks.core import fs
+from tasks.core.hashing import sha256_text
+from tasks.core.storage import stored
 from tasks.core.signing import SignatureError, sign_value, verify_value
 # UnverifiedModel is raised here too (callers import it from this module)
 from tasks.deploy.mlflow_model import UnverifiedModel, download_verified, verify_model_dir, write_model_dir
@@ -196,8 +198,21 @@ def get_champion(tracking_uri: str, model_name: str) -> dict | None:
 
 def model_content_hash(ckpt_dir: str | Path, tokenizer_path: str | Path) -> str:
     """sha256 identifying what was registered: the checkpoint directory's tree hash and the
-    tokenizer file's hash (reproducible: does not depend on the export)."""
-    return content_hash_of(sha256_tree(ckpt_dir), sha256_file(tokenizer_path))
+    tokenizer file's hash (reproducible: does not depend on the export). Either may be an object of
+    an open store (an object-store run's checkpoint: hashed there, its objects streamed)."""
+    return content_hash_of(fs.tree_sha256(*stored(ckpt_dir)), fs.sha256(*stored(tokenizer_path)))
+
+
+def _still_there(ckpt: Path | str, tok: Path | str) -> bool:
+    """A version's own checkpoint and tokenizer are still there (on a store: one this process has
+    open; any other process, e.g. the model server, takes the registered copy)."""
+    if any(fs.is_remote(x) and stored(x)[1] is None for x in (ckpt, tok)):
+        return False
+    try:
+        return bool(fs.files(*stored(ckpt))) and fs.is_file(*stored(tok))
+    except (OSError, ValueError, ImportError) as e:  # a store this process cannot read: its registered copy
+        log.warning("cannot read %s here (%s): using its registered copy", ckpt, e)
+        return False
 
 
 def content_hash_of(checkpoint_tree_sha256: str, tokenizer_sha256: str) -> str:
@@ -211,8 +226,9 @@ def export_for_inference(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
     `tasks.train.checkpoint.load_model_for_inference` reads the export like the original."""
     from tasks.train.checkpoint import load_model_for_inference, save_model_copy
 
-    model, meta = load_model_for_inference(ckpt_dir)
-    meta = {**meta, "exported_from": str(Path(ckpt_dir).resolve()), "contents": "model weights only"}
+    at, options = stored(ckpt_dir)  # a checkpoint on a store: downloaded to a temp folder and verified there
+    model, meta = load_model_for_inference(at, storage_options=options)
+    meta = {**meta, "exported_from": str(fs.canonical(ckpt_dir)), "contents": "model weights only"}
     return save_model_copy(model, meta, out_dir)
 
 
@@ -243,18 +259,20 @@ def register(tracking_uri: str, model_name: str, ckpt_dir: str | Path, tokenizer
     Returns {"model_name", "version", "alias", "content_hash", "source", "run_id"}.
     """
 
-    ckpt_dir, tokenizer_path = Path(ckpt_dir).resolve(), Path(tokenizer_path).resolve()
+    ckpt_dir, tokenizer_path = fs.canonical(ckpt_dir), fs.canonical(tokenizer_path)
     client = _client(tracking_uri)
     content_hash = content_hash or model_content_hash(ckpt_dir, tokenizer_path)  # given: the caller hashed them
     own_run = run_id is None
     target_run = run_id or _artifact_run(client, tracking_uri, model_name)
-    artifact_path = f"registered_model/{ckpt_dir.name}-{content_hash[:12]}"
+    artifact_path = f"registered_model/{fs.name_of(ckpt_dir)}-{content_hash[:12]}"
     status = "FAILED"
     try:
         with tempfile.TemporaryDirectory(prefix="crucible-register-") as tmp:
             model_dir = Path(tmp) / "model"
+            tok_file = Path(tmp) / "tokenizer.json"
+            fs.write_bytes(tok_file, fs.read_bytes(*stored(tokenizer_path)))  # a store run's: read there
             manifest = write_model_dir(model_dir, export_for_inference(ckpt_dir, Path(tmp) / "export"),
-                                       tokenizer_path, content_hash, ckpt_dir)
+                                       tok_file, content_hash, ckpt_dir)
             # what a download of the registered copy is verified against (tasks/deploy/yardstick.py)
             copy_hashes = {k: manifest[k] for k in ("export_sha256", "tokenizer_sha256")}
             client.log_artifacts(target_run, str(model_dir), artifact_path)
@@ -279,7 +297,7 @@ def register(tracking_uri: str, model_name: str, ckpt_dir: str | Path, tokenizer
                  "checkpoint": str(ckpt_dir), "tokenizer": str(tokenizer_path), "deployment.status": CHALLENGER})
     tags = _tag_values(tags)
     mv = client.create_model_version(model_name, source=source, run_id=target_run, tags=tags,
-                                     description=f"checkpoint {ckpt_dir.name}, val_loss {eval_result.get('val_loss')}")
+                                     description=f"checkpoint {fs.name_of(ckpt_dir)}, val_loss {eval_result.get('val_loss')}")
     # the version number binds the signatures, so they follow once MLflow has given it
     for key, sig in _signatures(tags, _tag_purpose(model_name, mv.version)).items():
         client.set_model_version_tag(model_name, str(mv.version), key, sig)
@@ -334,9 +352,9 @@ def registered_files(tracking_uri: str, model_name: str, version: dict, cache_di
     export_sha256, for loading it). Raises UnverifiedModel when neither verifies."""
 
     tags, number = version["tags"], version["version"]
-    ckpt, tok = Path(tags.get("checkpoint", "")), Path(tags.get("tokenizer", ""))
-    if tags.get("checkpoint") and tags.get("content_hash") and ckpt.is_dir() and tok.is_file():
-        if content_hash_of(sha256_tree(ckpt), sha256_file(tok)) == tags["content_hash"]:
+    ckpt, tok = fs.location(tags.get("checkpoint", "")), fs.location(tags.get("tokenizer", ""))
+    if tags.get("checkpoint") and tags.get("content_hash") and _still_there(ckpt, tok):
+        if model_content_hash(ckpt, tok) == tags["content_hash"]:
             return ckpt, tok, None
         log.warning("version %s's files %s / %s no longer match its content hash", number, ckpt, tok)
     if not all(tags.get(k) for k in ("export_sha256", "tokenizer_sha256")):

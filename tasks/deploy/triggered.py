@@ -67,7 +67,7 @@ def evaluation_claim_problem(checkpoint: str | Path, report_path: str | Path, ru
     checked before anything it says is used)."""
     from tasks.evaluate.evaluate import REPORT_PURPOSE, eval_hash_tag
 
-    ckpt = Path(checkpoint).resolve()
+    ckpt = fs.canonical(checkpoint)  # an object-store run's: its URI
     if not RunLayout.is_run_checkpoint(ckpt):
         return None, f"{ckpt} is not a pipeline checkpoint"
     recorded = RunLayout.of_checkpoint(ckpt).triggered_eval_report(ckpt)
@@ -79,7 +79,7 @@ def evaluation_claim_problem(checkpoint: str | Path, report_path: str | Path, ru
         return None, f"refused: {e}"
     if report is None:
         return None, f"there is no gated evaluation report at {recorded}"
-    if Path(str(report.get("checkpoint", ""))).resolve() != ckpt:
+    if fs.canonical(str(report.get("checkpoint") or "")) != ckpt:
         return None, f"the report at {recorded} is of {report.get('checkpoint')}, not {ckpt}"
     if not report["gate"].get("passed"):
         return None, f"the evaluation did not pass the gate: {report['gate'].get('reason')}"
@@ -137,7 +137,7 @@ def _not_about(record: dict, checkpoint: str | Path, what: str) -> str | None:
     wrote the record, not where it belongs: a genuine record of another checkpoint copied into this
     one's place verifies too."""
     named = str(record.get("checkpoint") or "")
-    if not named or Path(named).resolve() != Path(checkpoint).resolve():
+    if not named or fs.canonical(named) != fs.canonical(checkpoint):
         return f"refused: {what} is about {named or 'no checkpoint'}, not {checkpoint}"
     return None
 

@@ -26,6 +26,7 @@ against the hashes recorded at registration (`export_sha256`, `tokenizer_sha256`
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import math
@@ -35,7 +36,8 @@ from pathlib import Path
 
 from tasks.core.hashing import sha256_file
 from tasks.core.layout import RunLayout
-from tasks.core.storage import local_run_root
+from tasks.core import fs
+from tasks.core.storage import local_run_root, stored
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +50,24 @@ class YardstickChanged(ValueError):
 
 
 def _held_out(index_path: str | Path, tokenizer, limit: int, max_chars: int) -> list[str]:
-    from tasks.evaluate.suite import spread_indices
-    from tasks.tokens.binfile import load_index, open_doc_starts, open_split
+    """Up to `limit` val documents of a token index, decoded; an index of an object-store run is read
+    on the store (its val split checked against the sha256 it records)."""
+    import numpy as np
 
-    info = load_index(index_path)["splits"]["val"]
+    from tasks.evaluate.evaluate import val_tokens
+    from tasks.evaluate.suite import spread_indices
+    from tasks.tokens.binfile import open_doc_starts
+
+    at, options = stored(index_path)
+    index, tokens = val_tokens(at, options)
+    info = index["splits"]["val"]
     if not info["tokens"]:
         return []
-    tokens, starts = open_split(index_path, "val"), open_doc_starts(index_path, "val")
+    if fs.is_remote(at):
+        where = info["doc_starts"] if fs.is_remote(info["doc_starts"]) else fs.join(fs.parent_of(at), info["doc_starts"])
+        starts = np.load(io.BytesIO(fs.read_bytes(where, options)), allow_pickle=False)
+    else:
+        starts = open_doc_starts(at, "val")
     ends = list(starts[1:]) + [info["tokens"]]
     texts = []
     for i in spread_indices(len(starts), limit):
@@ -76,8 +89,9 @@ def build_yardstick(cfg, out_path: str | Path, new_index: str | Path | None, new
         tok = load_tokenizer(pool_tokenizer)
         per_pool = max(1, d.yardstick_docs // len(pool))
         parts["old"] = [t for p in pool for t in _held_out(p, tok, per_pool, d.yardstick_max_chars)]
-    if new_index and Path(new_index).is_file() and new_tokenizer:
-        parts["new"] = _held_out(new_index, load_tokenizer(new_tokenizer), d.yardstick_docs, d.yardstick_max_chars)
+    if new_index and fs.is_file(*stored(new_index)) and new_tokenizer:
+        parts["new"] = _held_out(new_index, load_tokenizer(*stored(new_tokenizer)), d.yardstick_docs,
+                                 d.yardstick_max_chars)
     wikitext = Path(cfg.resolve_uri(cfg.evaluate.wikitext.path))
     if cfg.evaluate.wikitext.enabled and wikitext.is_file():
         pages = load_wikitext_pages(wikitext)
@@ -166,16 +180,18 @@ def scores_from_tags(tags: dict, built: dict) -> dict | None:
     return got or None
 
 
-def trained_on(checkpoint: str | Path) -> Path | None:
+def trained_on(checkpoint: str | Path) -> Path | str | None:
     """The token index a checkpoint was trained on (a continued cycle's mix), else its run's."""
     from tasks.train.checkpoint import read_meta
 
-    index = read_meta(checkpoint).get("tokens_index")
-    if index and Path(index).is_file():
-        return Path(index)
-    if RunLayout.is_run_checkpoint(checkpoint) and RunLayout.of_checkpoint(checkpoint).tokens_index.is_file():
-        return RunLayout.of_checkpoint(checkpoint).tokens_index
-    return None
+    # a checkpoint of an object-store run: its meta read on the store, which names the index there. A
+    # local file first (the pool of a continued cycle is read from local indexes), else the store's object
+    index = read_meta(*stored(checkpoint)).get("tokens_index")
+    own = RunLayout.of_checkpoint(checkpoint).tokens_index if RunLayout.is_run_checkpoint(checkpoint) else None
+    candidates = [fs.location(index)] if index else []
+    candidates += [own] if own is not None else []
+    local = next((c for c in candidates if not fs.is_remote(c) and Path(c).is_file()), None)
+    return local or next((stored(c)[0] for c in candidates if fs.is_file(*stored(c))), None)
 
 
 def gate_dir(cfg, checkpoint: str | Path) -> Path:

@@ -111,8 +111,7 @@ def evaluate_checkpoint(cfg: PipelineConfig, ckpt_dir: Path | str, tokenizer_pat
 def _evaluate(cfg: PipelineConfig, ckpt_dir: Path | str, tokenizer_path: Path | str, tokens_index: Path | str,
               out_path: Path, tracking_uri: str | None, run_id: str | None) -> dict:
     ecfg, options = cfg.evaluate, cfg.storage.options
-    ckpt_dir = fs.location(ckpt_dir)
-    ckpt_dir = ckpt_dir if fs.is_remote(ckpt_dir) else ckpt_dir.resolve()
+    ckpt_dir = fs.canonical(ckpt_dir)
     model, meta = load_model_for_inference(ckpt_dir, storage_options=options)
     tokenizer_path, tokens_index = fs.location(tokenizer_path), fs.location(tokens_index)
     tok = load_tokenizer(tokenizer_path, options)

@@ -81,15 +81,19 @@ class LMScorer:
         """Load a checkpoint directory (verified: its run's manifest, or `expected_tree_sha256` for a
         copy) and its tokenizer.json; refuses a tokenizer whose hash differs from the one the
         checkpoint records."""
-        from tasks.core.hashing import sha256_file
+        from tasks.core import fs
+        from tasks.core.storage import stored
         from tasks.tokenizer.bpe import load_tokenizer
         from tasks.train.checkpoint import load_model_for_inference
 
-        model, meta = load_model_for_inference(checkpoint, expected_tree_sha256=expected_tree_sha256)
+        # either may be an object of an open store (an object-store run's checkpoint, read where it lives)
+        at, options = stored(checkpoint)
+        model, meta = load_model_for_inference(at, expected_tree_sha256=expected_tree_sha256, storage_options=options)
+        tok_at = stored(tokenizer_path)
         want = meta.get("tokenizer_sha256")
-        if want and want != sha256_file(tokenizer_path):
+        if want and want != fs.sha256(*tok_at):
             raise ValueError(f"tokenizer {tokenizer_path} is not the one the checkpoint was trained with")
-        tok = load_tokenizer(tokenizer_path)
+        tok = load_tokenizer(*tok_at)
         eos_id = meta.get("eos_id")
         if eos_id is None:
             eos_id = tok.token_to_id(eos_token)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tasks.core.fs import is_file, is_remote, join, parent_of, read_text
+from tasks.core.storage import stored
 from tasks.lineage.emitter import dataset_for_path
 from tasks.lineage.facets import CrucibleSourceDatasetFacet, data_readme_entry
 
@@ -11,9 +13,11 @@ EVAL_DATA_DOC = ("Evaluation data of the {task} task of the suite (tasks/evaluat
                  "from the shared data folder; scored, never trained on.")
 
 
-def token_split_paths(tokens_index: str | Path, splits: tuple[str, ...] | None = None) -> list[Path]:
+def token_split_paths(tokens_index: str | Path, splits: tuple[str, ...] | None = None) -> list[Path | str]:
     """The token shards an index.json lists (files beside it, or absolute), all or only `splits`;
-    [] when the index cannot be read."""
+    [] when the index cannot be read. An index on a store (its URI) lists its objects' URIs."""
+    if is_remote(tokens_index):
+        return _stored_split_uris(str(tokens_index), splits)
     index = Path(tokens_index)
     try:
         listed = json.loads(index.read_text()).get("splits", {})
@@ -29,6 +33,18 @@ def token_split_paths(tokens_index: str | Path, splits: tuple[str, ...] | None =
             if p.is_file():
                 paths.append(p)
     return paths
+
+
+def _stored_split_uris(index: str, splits: tuple[str, ...] | None) -> list[str]:
+    at, options = stored(index)
+    try:
+        listed = json.loads(read_text(at, options)).get("splits", {})
+    except (OSError, ValueError, AttributeError):
+        return []
+    found = [info.get("path") for name, info in listed.items() if isinstance(info, dict)
+             and (splits is None or name in splits)]
+    uris = [p if is_remote(p) else join(parent_of(at), p) for p in found if p]
+    return [u for u in uris if is_file(u, options)]
 
 
 def eval_data_facet(task: str, path: str | Path, data_root: str | Path) -> CrucibleSourceDatasetFacet:

@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
+from tasks.core.fs import is_remote, read_bytes
+from tasks.core.storage import stored
 from tasks.core.signing import SignatureError, _mac, canonical, sign_bytes, signing_key, verify_bytes
 
 try:
@@ -189,12 +191,18 @@ def open_log(path: str | Path) -> BinaryIO:
 def signed_lines(path: str | Path, refused: list | None = None) -> Iterator[tuple[bytes, dict]]:
     """(line, event) of every signed line of the log, in order; each other line is logged as
     refused (and its number appended to `refused`). A last line without its newline is one still
-    being written: skipped silently."""
+    being written: skipped silently. A URI (an object-store run's log, as pushed) is read there."""
     try:  # found once per log, not per line (its path resolved each time cost more than the HMAC)
         key = signing_key()
     except SignatureError:  # a missing or unsafe key: each line is refused by verify_bytes, as before
         key = None
-    with open_log(path) as f:
+    if is_remote(path):
+        import io
+
+        opened = io.BytesIO(read_bytes(*stored(path)))
+    else:
+        opened = open_log(path)
+    with opened as f:
         for n, line in enumerate(f, 1):
             if not line.endswith(b"\n"):
                 break

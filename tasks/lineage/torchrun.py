@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from tasks.core.fs import is_file
 from tasks.core.hashing import sha256_file
+from tasks.core.storage import stored
 from tasks.lineage.artifacts import token_split_paths
 from tasks.lineage.emitter import ActiveRun, JobRef, LineageEmitter, dataset_for_path, new_run_id, package_version
 from tasks.lineage.facets import CrucibleConfigRunFacet
@@ -82,7 +84,7 @@ class TorchrunLineage:
     def outputs(result: dict) -> list:
         """Outputs of a finished run (run_training's result): its checkpoints and training log."""
         outputs = [checkpoint_output(c) for c in result.get("checkpoints", [])]
-        if result.get("train_log") and Path(result["train_log"]).is_file():
+        if result.get("train_log") and is_file(*stored(result["train_log"])):  # an object-store run's: its object
             outputs.append(dataset_for_path(result["train_log"], output=True, doc=DOCS["train_log"]))
         return outputs
 

@@ -451,14 +451,14 @@ def verified_copy(ckpt_dir: str | Path, storage_options: dict | None = None,
     ckpt_dir = location(ckpt_dir)
     if not is_remote(ckpt_dir):
         # verify and load a private copy, so the files cannot change between the check and DCP's read:
-        # a writer of the run directory (or, in an object-store run's working copy, a sync) replaces a
-        # file by renaming another into place, which leaves the linked bytes as they were. Hard links
+        # a writer of the run directory replaces a file by renaming another into place, which leaves
+        # the linked bytes as they were. Hard links
         # beside the checkpoint (a copy where links cannot be made), in a 0700 folder of this process
         store = store_of_path(ckpt_dir)
         manifest = None if expected_tree_sha256 else read_manifest(Path(ckpt_dir).parent.parent)
         with _private_dir(store.cache_dir if store is not None else _run_train_dir(ckpt_dir)) as tmp:
             local = Path(tmp) / Path(ckpt_dir).name
-            shutil.copytree(ckpt_dir, local, ignore=shutil.ignore_patterns(".tmp-*"),  # a sync's partial download
+            shutil.copytree(ckpt_dir, local, ignore=shutil.ignore_patterns(".tmp-*"),  # a partial download
                             copy_function=link_or_copy)
             if problem := checkpoint_problem(local, manifest, expected_tree_sha256):
                 raise UnverifiedCheckpoint("refusing to load a checkpoint that does not verify: "

@@ -6,9 +6,8 @@ from typing import Annotated
 
 from tasks.config import PipelineConfig
 from tasks.core.sections import Reads
-from tasks.core.layout import CHECKPOINTS_DIR
 from tasks.core.stage import Stage, StageInputs, TrainResult
-from tasks.core.storage import push_path, run_uri, store_of_path
+from tasks.core.storage import push_path, run_uri
 from tasks.lineage import dataset_for_path
 from tasks.lineage.artifacts import token_split_paths
 from tasks.lineage.emitter import file_node
@@ -39,14 +38,13 @@ class TrainStage(Stage):
                 return run_training(cfg, tokens_index, out_dir, ctx.tracking_uri, ctx.mlflow_run_id, ctx.run_name,
                                     **kwargs)
             # an object-store run_root: the ranks read the token files from the store and DCP writes the
-            # checkpoints there; the working copy then takes them back for the stages after this one.
-            # The lineage log (with the torchrun job's START) goes first: a triggered flow on another
-            # machine finds the training run that wrote a checkpoint there
+            # checkpoints there; the result names them by their URIs, and the stages after this one read
+            # them there (nothing is copied back). The lineage log (with the torchrun job's START) goes
+            # first: a triggered flow on another machine finds the training run that wrote a checkpoint there
             if ctx.layout.lineage_log.is_file():
                 push_path(ctx.layout.lineage_log)
-            data = run_training(_reading_the_store(cfg), run_uri(tokens_index), out_uri, ctx.tracking_uri,
+            return run_training(_reading_the_store(cfg), run_uri(tokens_index), out_uri, ctx.tracking_uri,
                                 ctx.mlflow_run_id, ctx.run_name, **kwargs)
-            return _from_store(data, out_dir)
 
         if ctx.lineage is None:
             data = train()
@@ -69,16 +67,3 @@ def _reading_the_store(cfg):
         return cfg
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": init_uri})})
 
-
-def _from_store(data: dict, out_dir: Path) -> dict:
-    """run_training's result for a store out_dir, with the checkpoints, the training log and the
-    torchrun log synced into the working copy's out_dir and named there (their objects as `*_uris`)."""
-    from tasks.core.fs import name_of
-
-    store = store_of_path(out_dir)
-    store.sync_down([store.rel(out_dir)])
-    local = {**data, "checkpoint_uris": data["checkpoints"], "train_log_uri": data["train_log"]}
-    local["checkpoints"] = [str(out_dir / CHECKPOINTS_DIR / name_of(c)) for c in data["checkpoints"]]
-    local["train_log"] = str(out_dir / name_of(data["train_log"]))
-    local["log"] = str(out_dir / Path(data["log"]).name)
-    return local
