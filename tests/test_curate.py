@@ -271,10 +271,14 @@ def test_driver_plans_jobs_as_workers_need_them_and_keeps_no_result(sample_docs,
         {k: big[k] for k in ("docs_in", "docs_out", "dropped", "languages", "sources", "pii")}
 
 
-def test_workers_warm_up_while_the_driver_builds_the_index(sample_docs, cfg, ray_session, tmp_path, monkeypatch):
+def test_workers_start_warm_and_the_report_waits_in_the_driver(sample_docs, cfg, ray_session, tmp_path, monkeypatch):
     """Issue 26 (speed): `run_curate` starts its actors before it builds the decontamination index
     (and counts lines); each loads fastText and spaCy's tokenizer (`CurateWorker.warm_up`) before
-    it is built with the index and given a job. The output is the one of actors started cold."""
+    it is built with the index and given a job. The output is the one of actors started cold. The
+    dedup report's tasks are driven from a driver thread beside the filter pass, not from a Ray task
+    that would hold a worker process while it waits."""
+    import threading
+
     import ray
 
     import tasks.curate.run as curate_run
@@ -296,14 +300,22 @@ def test_workers_warm_up_while_the_driver_builds_the_index(sample_docs, cfg, ray
         at_index.append(ray.get([a.__ray_call__.remote(warm_state) for p in pools for a in p._actors]))
         return build_index(c)
 
+    reports, report_task = [], curate_run.dedup_report_task
+
+    def recording_report(*args):
+        reports.append((os.getpid(), threading.current_thread() is threading.main_thread()))
+        return report_task(*args)
+
     monkeypatch.setattr(RayActors, "prestart", recording_prestart)
     monkeypatch.setattr(curate_run, "_decontam_index", checked_index)
+    monkeypatch.setattr(curate_run, "dedup_report_task", recording_report)
     docs = [d for d in sample_docs if d["source"] == "cc-main"][:120]
     shards = write_docs(docs, tmp_path / "in", shard_docs=40)
     warm = run_curate(cfg, shards, tmp_path / "warm")
     # both actors had booted and warmed up (loaded, not yet built) when the index was being built
     assert at_index == [[(True, True, False)] * 2]
     assert warm["timings"]["jobs"]["workers_prestarted"] == 2 == warm["workers"]
+    assert reports == [(os.getpid(), False)]
     monkeypatch.undo()
     monkeypatch.setattr(RayActors, "prestart", lambda self, *args: None)
     cold = run_curate(cfg, shards, tmp_path / "cold")
@@ -311,6 +323,8 @@ def test_workers_warm_up_while_the_driver_builds_the_index(sample_docs, cfg, ray
     assert [(d["id"], d["text"]) for d in iter_docs(warm["shards"])] == \
         [(d["id"], d["text"]) for d in iter_docs(cold["shards"])]
     assert Path(warm["dropped_file"]).read_text() == Path(cold["dropped_file"]).read_text()
+    report = ("by_source", "cluster_sizes", "examples", "duplicates")
+    assert {k: warm["dedup"][k] for k in report} == {k: cold["dedup"][k] for k in report}
 
 
 # ------------------------------------------------------------------ URL and line dedup (issue 15, items 1-2)

@@ -529,16 +529,19 @@ def _write_curated(cfg: PipelineConfig, totals: _Totals, table: JobTable, stages
                    clustering: dict | None, out_dir: Path) -> _Written:
     """`dropped.jsonl` (filter drops per job, then dedup drops per step in corpus order: the
     jobs' and steps' files concatenated), the curated shards (Ray tasks: `stages.filter_pass`)
-    and the dedup report (a Ray task over the drop files)."""
-    import ray
+    and the dedup report (its Ray tasks over the drop files, driven from a driver thread meanwhile:
+    as a Ray task itself it would wait on its own tasks, its CPU released, and Ray would boot
+    another worker process for the filter pass's tasks; it keeps counters and a few examples)."""
+    from concurrent.futures import ThreadPoolExecutor
 
     filter_drops = (Path(table.root) / f"{name}-{DROPPED}" for name in table.names)
     concat_files(itertools.chain(filter_drops, stages.dropped_lines()), out_dir / DROPPED)
     mh = cfg.curate.dedup.minhash
-    report_ref = ray.remote(num_cpus=1)(dedup_report_task).remote(
-        stages.drop_files(), dict(totals.sources_kept), sum(j.kept for j in stages.jobs), stages.jobs, mh, mh.ngram)
-    out = filter_pass(stages, out_dir, cfg.curate.shard_docs)
-    report = ray.get(report_ref)
+    with ThreadPoolExecutor(1, thread_name_prefix="dedup-report") as pool:
+        report = pool.submit(dedup_report_task, stages.drop_files(), dict(totals.sources_kept),
+                             sum(j.kept for j in stages.jobs), stages.jobs, mh, mh.ngram)
+        out = filter_pass(stages, out_dir, cfg.curate.shard_docs)
+        report = report.result()
     return _Written(out["shards"], out_dir / DROPPED, out["docs"], out["bytes"], out["languages"], out["sources"],
                     {**report, "clustering": clustering, "stages": stages.layout})
 
