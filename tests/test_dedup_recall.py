@@ -94,3 +94,34 @@ def test_index_banding_is_its_own_and_fits_the_signature():
     assert MinHashConfig(index_rows=None).index_banding() == (28, 4)
     with pytest.raises(ValueError, match="index_rows"):
         MinHashConfig(bands=4, rows=2, index_rows=16)
+
+
+def test_partition_verification_checks_pairs_in_bounded_chunks(planted, tmp_path, monkeypatch):
+    """The Ray clustering's per-partition verification (`cluster._verified_forest_task`) calls the
+    verifier on at most `_CHECK_CHUNK` pairs at a time (each call holds its pairs' texts), and
+    joins the same pairs as one unchunked call."""
+    import numpy as np
+
+    from tasks.dedup import cluster
+    from tasks.dedup.minhash import MinHasher
+    from tasks.dedup.verify import JaccardVerifier, ListTexts
+
+    class Recording(JaccardVerifier):
+        def mask(self, pairs):
+            calls.append(len(pairs))
+            return super().mask(pairs)
+
+    mh = MinHashConfig()
+    sigs = np.stack(MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram).signatures(planted["texts"]))
+    cluster.spill_shard(sigs, 0, mh.bands, mh.rows, 1, str(tmp_path), 0)
+    part = str(tmp_path / "p-00000")
+    n_pairs = len(cluster.partition_pairs(part))
+    verifier = Recording(ListTexts(planted["texts"]), mh.verify_threshold, mh.ngram)
+    calls: list[int] = []
+    whole = cluster._verified_forest_task(part, 1, verifier)
+    assert calls == [n_pairs] and n_pairs > 40
+    monkeypatch.setattr(cluster, "_CHECK_CHUNK", 16)
+    calls.clear()
+    chunked = cluster._verified_forest_task(part, 1, verifier)
+    assert len(calls) == -(-n_pairs // 16) and max(calls) == 16
+    assert chunked[:2] == whole[:2] and np.array_equal(chunked[2], whole[2])

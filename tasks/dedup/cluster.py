@@ -323,7 +323,9 @@ def _verified_forest_task(part_dir: str, partitions: int, verifier, options: dic
     """Step 2 with verification: the partition's candidate pairs, checked by `verifier.mask`
     here in the Ray task, reduced to the forest of the verified ones."""
     pairs = partition_pairs(part_dir, options)
-    ok = np.asarray(verifier.mask(pairs), dtype=bool) if len(pairs) else np.zeros(0, bool)
+    # in chunks: a call holds its pairs' texts and shingle hashes, so the chunk bounds the task's
+    # memory, not the partition (with 4-row bands most near-duplicate documents reach every partition)
+    ok = _pair_checker(verifier, on_ray=False)(pairs) if len(pairs) else np.zeros(0, bool)
     return (len(pairs), int(ok.sum()), *_pairs_to_forest(pairs[ok], partitions))
 
 
