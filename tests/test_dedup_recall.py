@@ -14,6 +14,7 @@ import pytest
 from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, DedupConfig, MinHashConfig
 from tasks.dedup.minhash import jaccard, shingles
 from tasks.dedup.texts import dedup_texts
+from tasks.dedup.verify import ListTexts
 
 DATA = Path(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
 CC_MAIN = DATA / "web" / "cc-main-2019-30-sample.jsonl.gz"
@@ -125,3 +126,38 @@ def test_partition_verification_checks_pairs_in_bounded_chunks(planted, tmp_path
     chunked = cluster._verified_forest_task(part, 1, verifier)
     assert len(calls) == -(-n_pairs // 16) and max(calls) == 16
     assert chunked[:2] == whole[:2] and np.array_equal(chunked[2], whole[2])
+
+
+class CountingTexts(ListTexts):
+    """Texts in memory counting the rows each read asks for (module level: picklable)."""
+    reads: list[int] = []
+
+    def read(self, rows):
+        CountingTexts.reads.append(len(rows))
+        return super().read(rows)
+
+
+def test_verifier_reads_and_shingles_a_document_once_across_its_copies(planted, monkeypatch):
+    """The representative check (`with_threshold`, `reindexed` copies) reuses the shingle hashes the
+    clustering's verification computed, up to `CACHE_BYTES`; a pickled verifier (a Ray task's)
+    starts without them."""
+    import pickle
+
+    import numpy as np
+
+    from tasks.dedup import verify
+    from tasks.dedup.verify import JaccardVerifier
+
+    texts = planted["texts"]
+    pairs = np.array([(i - 1, i) for i in planted["near"] + planted["far"]])
+    reads = CountingTexts.reads = []
+    v = JaccardVerifier(CountingTexts(texts), 0.7)
+    first = v.similarities(pairs)
+    again = v.with_threshold(0.5).reindexed(np.arange(len(texts))).similarities(pairs[::-1])
+    assert reads == [len(np.unique(pairs))] and np.array_equal(again, first[::-1])
+    pickle.loads(pickle.dumps(v)).similarities(pairs)
+    assert reads[-1] == len(np.unique(pairs))  # read again: the cache did not travel
+    monkeypatch.setattr(verify, "CACHE_BYTES", 50_000)  # a few documents' hashes
+    small = JaccardVerifier(ListTexts(texts), 0.7)
+    small.similarities(pairs)
+    assert 0 < small.cache.held <= 50_000 and len(small.cache.sets) < len(np.unique(pairs))

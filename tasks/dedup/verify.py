@@ -111,6 +111,27 @@ class ParquetTexts:
 TextSource = ListTexts | ParquetTexts
 
 
+CACHE_BYTES = 64 << 20  # shingle hashes a verifier keeps between its calls (per process)
+
+
+class _ShingleCache:
+    """Shingle-hash arrays by source row, kept between calls until `budget` bytes are held (then
+    none is added): the representative check re-checks the clustering's documents, and a Ray
+    partition's chunks share documents. Shared by a verifier's copies (`reindexed`,
+    `with_threshold`: the same rows); pickled empty, so a Ray task starts with none."""
+
+    def __init__(self, budget: int | None = None):
+        self.budget, self.held, self.sets = CACHE_BYTES if budget is None else budget, 0, {}
+
+    def __getstate__(self) -> dict:
+        return {"budget": self.budget, "held": 0, "sets": {}}
+
+    def add(self, row: int, hashes: np.ndarray) -> None:
+        if self.held + hashes.nbytes <= self.budget:
+            self.sets[row] = hashes
+            self.held += hashes.nbytes
+
+
 class JaccardVerifier:
     """Accepts a candidate pair when the exact Jaccard of its documents' word `ngram` shingle
     sets is ≥ `threshold`. Document k is row `index[k]` of `texts` (row k without `index`)."""
@@ -120,6 +141,7 @@ class JaccardVerifier:
         self.threshold = float(threshold)
         self.ngram = int(ngram)
         self.index = None if index is None else np.asarray(index, dtype=np.int64)
+        self.cache = _ShingleCache()
 
     def reindexed(self, sub: Sequence[int] | np.ndarray) -> "JaccardVerifier":
         """The verifier whose document k is this one's document `sub[k]`."""
@@ -139,8 +161,14 @@ class JaccardVerifier:
         if len(pairs) == 0:
             return np.empty(0, np.float64)
         docs, inv = np.unique(pairs, return_inverse=True)
-        rows = docs if self.index is None else self.index[docs]
-        sets = shingle_sets(self.texts.read(rows), self.ngram)
+        rows = (docs if self.index is None else self.index[docs]).tolist()
+        cached = self.cache.sets
+        missing = [r for r in rows if r not in cached]
+        read = dict(zip(missing, shingle_sets(self.texts.read(np.array(missing, np.int64)), self.ngram)
+                        if missing else []))
+        sets = [read[r] if r in read else cached[r] for r in rows]
+        for r, h in read.items():
+            self.cache.add(r, h)
         return np.array([set_jaccard(sets[a], sets[b]) for a, b in inv.reshape(-1, 2)], dtype=np.float64)
 
     def with_threshold(self, threshold: float) -> "JaccardVerifier":
