@@ -285,9 +285,12 @@ def test_workers_start_warm_and_the_report_waits_in_the_driver(sample_docs, cfg,
     from tasks.core.executor import RayActors
 
     def warm_state(actor):  # run in each actor (pickled by value)
+        import sys
+
         from tasks.curate import langid, text
 
-        return text.tokenizer_loaded(), langid._MODEL is not None, hasattr(actor, "filters")
+        # datasketch (the hasher's permutations) is the driver's to import: the hasher comes built
+        return text.tokenizer_loaded(), langid._MODEL is not None, hasattr(actor, "filters"), "datasketch" in sys.modules
 
     pools, at_index = [], []
     prestart, build_index = RayActors.prestart, curate_run._decontam_index
@@ -313,7 +316,7 @@ def test_workers_start_warm_and_the_report_waits_in_the_driver(sample_docs, cfg,
     shards = write_docs(docs, tmp_path / "in", shard_docs=40)
     warm = run_curate(cfg, shards, tmp_path / "warm")
     # both actors had booted and warmed up (loaded, not yet built) when the index was being built
-    assert at_index == [[(True, True, False)] * 2]
+    assert at_index == [[(True, True, False, False)] * 2]
     assert warm["timings"]["jobs"]["workers_prestarted"] == 2 == warm["workers"]
     assert reports == [(os.getpid(), False)]
     monkeypatch.undo()

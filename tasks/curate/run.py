@@ -84,7 +84,7 @@ from typing import Iterator
 import numpy as np
 import pyarrow.parquet as pq
 
-from tasks.config import CurateConfig, DedupConfig, PipelineConfig
+from tasks.config import CurateConfig, DedupConfig, MinHashConfig, PipelineConfig
 from tasks.core.documents import AtomicJsonlWriter, ShardWriter, iter_doc_batches
 from tasks.core.executor import Job, JobRunner, RayActors, ResumableOutput, Shared
 from tasks.core.io import atomic_write_bytes
@@ -178,22 +178,24 @@ def source_policies(cfg: PipelineConfig) -> dict[str, str]:
 class CurateWorker:
     """Ray actor body: builds the filters (and loads the fastText model) once. With
     `frequent_lines` (line dedup's sorted hashes) line dedup runs first, before language id.
-    `warm_up(cfg)` loads what the filters and the hasher load (once per process) before the
-    decontamination index and the line counts exist (`RayActors.prestart`)."""
+    `warm_up(cfg)` loads what the filters load (once per process) before the decontamination
+    index and the line counts exist (`RayActors.prestart`). `hasher`: the MinHash hasher the driver
+    built (`minhasher`: its permutations come from datasketch, ~0.4 s of imports a worker then
+    skips), else built here."""
 
     @staticmethod
     def warm_up(cfg: CurateConfig) -> None:
         """Load into this process what a first job would: the fastText model (the language
-        filter), datasketch (the hasher's permutations) and spaCy's tokenizer (the word-based
-        filters)."""
+        filter) and spaCy's tokenizer (the word-based filters)."""
         from tasks.curate import text
+        from tasks.curate.filters import build_filters
 
-        CurateWorker(cfg)
+        build_filters(cfg)
         if any(getattr(cfg, name).enabled for name in ("gopher_repetition", "gopher_quality", "c4", "fineweb")):
             text.load_tokenizer()
 
     def __init__(self, cfg: CurateConfig, policies: dict[str, str] | None = None, decontam_index=None,
-                 frequent_lines=None):
+                 frequent_lines=None, hasher: MinHasher | None = None):
         from tasks.curate.filters import build_filters
 
         self.filters = build_filters(cfg, decontam_index=decontam_index, pii_policies=policies)
@@ -203,7 +205,7 @@ class CurateWorker:
         url = cfg.dedup.url
         self.url_tracking = TrackingParams(url.tracking_params) if url.enabled else None
         mh = cfg.dedup.minhash
-        self.hasher = MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram, mh.scheme, mh.hash) if mh.enabled else None
+        self.hasher = hasher if hasher is not None else minhasher(mh)
         self.score_field = mh.quality_field if mh.enabled and mh.survivor == "quality" else None
 
     def process(self, shard: str, part_dir: str, part_name: str, row_groups: list[int] | None = None) -> dict:
@@ -211,6 +213,11 @@ class CurateWorker:
                            score_field=self.score_field, url_tracking=self.url_tracking)
         res["name"] = part_name
         return res
+
+
+def minhasher(mh: MinHashConfig) -> MinHasher | None:
+    """The hasher of `curate.dedup.minhash` (None when MinHash dedup is off)."""
+    return MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram, mh.scheme, mh.hash) if mh.enabled else None
 
 
 # ------------------------------------------------------------------ jobs and their keys
@@ -427,7 +434,7 @@ def _map_jobs(cfg: PipelineConfig, jobs: Iterator[Job], n_jobs: int, index, stor
     into `_Totals` as it arrives and only its kept count and number of part files are kept (`JobTable`)."""
     report = progress or (lambda done, total, note: None)
     actors.init_args = (cfg.curate, source_policies(cfg), Shared(index) if index is not None else None,
-                        Shared(lines.hashes) if lines is not None else None)
+                        Shared(lines.hashes) if lines is not None else None, minhasher(cfg.curate.dedup.minhash))
     totals = _Totals()
     names = np.zeros(n_jobs, dtype=f"U{len(job_name(max(0, n_jobs - 1)))}")
     kept, parts = np.zeros(n_jobs, np.int64), np.zeros(n_jobs, np.int32)
