@@ -45,9 +45,11 @@ Crucible's time per step (ingest, line counts, each filter's CPU seconds in the 
 biased: on the recall corpora, at datatrove's 14 x 8 banding, the planted near pairs' shingle
 Jaccard under each side's own shingling, and the share of them that become LSH candidates under
 each side's own signature code for hash seeds 1..`--hash-draws` (the same seeds both sides), with
-its excess over the exact expectation from each pair's Jaccard and standard errors.
+its excess over the exact expectation from each pair's Jaccard and standard errors; and for
+Crucible alone (cheap signatures) the excess over `--bias-draws` seeds, tight enough to see a bias
+of a few thousandths.
 
-    .venv/bin/python benchmarks/curate_vs_datatrove.py [--docs 3000] [--recall-seeds 4] [--hash-draws 8] [--work DIR]
+    .venv/bin/python benchmarks/curate_vs_datatrove.py [--docs 3000] [--recall-seeds 4] [--hash-draws 8] [--bias-draws 100] [--work DIR]
 
 Writes benchmarks/results/curate_vs_datatrove.json.
 """
@@ -475,10 +477,13 @@ def recall_summary(per_seed: list[dict]) -> dict:
     return out
 
 
-def _corpus_draws(texts: list[str], a, b, draws: int, sig_dir: Path, rates: dict, jac: dict, excess: dict) -> None:
+def _corpus_draws(texts: list[str], a, b, draws: int, sig_dir: Path, rates: dict, jac: dict, excess: dict,
+                  bias_draws: int = 0) -> None:
     """`hash_draws` on one corpus: appends the pairs (a[k], b[k]) of `texts`' Jaccards to `jac`,
     each hash seed's candidate rate to `rates` and its excess over the exact expectation (the mean
-    over the pairs of 1-(1-s^rows)^bands at each pair's own Jaccard s) to `excess`, per side."""
+    over the pairs of 1-(1-s^rows)^bands at each pair's own Jaccard s) to `excess`, per side; and
+    Crucible's excess for seeds 1..`bias_draws` to `excess["crucible_bias"]` (its signatures are
+    cheap: enough seeds to see a bias of a few thousandths)."""
     import numpy as np
     from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupSignature
 
@@ -506,9 +511,12 @@ def _corpus_draws(texts: list[str], a, b, draws: int, sig_dir: Path, rates: dict
         rates["datatrove"].append(candidates([np.concatenate(dt_sig.get_signature(x)) for x in dt_shingles]))
         for side in rates:
             excess[side].append(rates[side][-1] - expected[side])
+    for seed in range(1, bias_draws + 1):
+        got = candidates(MinHasher(bands, rows, seed, n_gram).signatures_from_words(words))
+        excess["crucible_bias"].append(got - expected["crucible"])
 
 
-def hash_draws(n: int, corpus_seeds: list[int], draws: int, work: Path) -> dict:
+def hash_draws(n: int, corpus_seeds: list[int], draws: int, work: Path, bias_draws: int = 0) -> dict:
     """Why the two recalls differ: over the planted near copies (copy, original) of the recall
     corpora, each pair's shingle Jaccard under each side's own shingling, and the share of pairs
     that become LSH candidates (share a band) under each side's own signature code (datatrove's
@@ -527,7 +535,7 @@ def hash_draws(n: int, corpus_seeds: list[int], draws: int, work: Path) -> dict:
     bands, rows = CRUCIBLE_FINEWEB_LSH["bands"], CRUCIBLE_FINEWEB_LSH["rows"]
     rates: dict[str, list[float]] = {"crucible": [], "datatrove": []}
     jac: dict[str, list[float]] = {"crucible": [], "datatrove": []}
-    excess: dict[str, list[float]] = {"crucible": [], "datatrove": []}
+    excess: dict[str, list[float]] = {"crucible": [], "datatrove": [], "crucible_bias": []}
     for cseed in corpus_seeds:
         origins: dict[str, tuple[str, str]] = {}
         docs = corpus(n, seed=cseed, origins=origins)
@@ -539,7 +547,7 @@ def hash_draws(n: int, corpus_seeds: list[int], draws: int, work: Path) -> dict:
         texts = [docs[i]["text"] for i in need]
         sig_dir = work / f"dt-sig-{cseed}"
         try:
-            _corpus_draws(texts, a, b, draws, sig_dir, rates, jac, excess)
+            _corpus_draws(texts, a, b, draws, sig_dir, rates, jac, excess, bias_draws)
         finally:
             shutil.rmtree(sig_dir, ignore_errors=True)
     out: dict = {"corpora": corpus_seeds, "hash_seeds": [1, draws], "near_pairs": len(jac["crucible"]),
@@ -555,6 +563,11 @@ def hash_draws(n: int, corpus_seeds: list[int], draws: int, work: Path) -> dict:
                      "candidate_rate_minus_expected_se": round(float(np.std(excess[side], ddof=1)
                                                                      / np.sqrt(len(excess[side]))), 4),
                      "candidate_rate_seed1_per_corpus": [round(x, 4) for x in r[::draws]]}
+    if excess["crucible_bias"]:
+        e = np.array(excess["crucible_bias"])
+        out["crucible_bias_over_seeds"] = {"hash_seeds": [1, bias_draws], "corpora": len(corpus_seeds),
+                                           "candidate_rate_minus_expected": round(float(e.mean()), 4),
+                                           "se": round(float(e.std(ddof=1) / np.sqrt(len(e))), 4)}
     out["pairs_with_equal_jaccard"] = round(float(np.mean(np.isclose(jac["crucible"], jac["datatrove"]))), 4)
     diff = np.array(rates["crucible"]) - np.array(rates["datatrove"])
     out["difference_mean"], out["difference_se"] = round(float(diff.mean()), 4), round(
@@ -570,6 +583,8 @@ def main(argv=None) -> dict:
                    help="corpora (seeds 0..N-1) for the MinHash-only recall runs and `hash_draws` (0: neither)")
     p.add_argument("--hash-draws", type=int, default=8,
                    help="hash seeds per recall corpus for `hash_draws` (why recall differs; 0: skip)")
+    p.add_argument("--bias-draws", type=int, default=100,
+                   help="hash seeds per recall corpus for Crucible's signatures alone in `hash_draws` (bias check)")
     p.add_argument("--out", default=str(HERE / "results" / "curate_vs_datatrove.json"))
     p.add_argument("--datatrove-process", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -606,7 +621,7 @@ def main(argv=None) -> dict:
         cr_dec, cr_passed, cr_kept, extra = crucible_outcome(cr, {i: make_doc_id("bench", i) for i in ids})
         recall = recall_runs(len(docs), list(range(args.recall_seeds)), work) if args.recall_seeds else None
         # on the recall corpora, as documented: none with --recall-seeds 0
-        draws = hash_draws(len(docs), list(range(args.recall_seeds)), args.hash_draws, work) \
+        draws = hash_draws(len(docs), list(range(args.recall_seeds)), args.hash_draws, work, args.bias_draws) \
             if args.hash_draws and args.recall_seeds else None
     finally:
         if not args.work:
@@ -621,6 +636,10 @@ def main(argv=None) -> dict:
               f"crucible {draws['crucible']['candidate_rate_mean']} vs datatrove "
               f"{draws['datatrove']['candidate_rate_mean']} (difference {draws['difference_mean']} +- "
               f"{draws['difference_se']} SE); Jaccard equal on {draws['pairs_with_equal_jaccard']:.1%} of pairs")
+        if "crucible_bias_over_seeds" in draws:
+            b = draws["crucible_bias_over_seeds"]
+            print(f"crucible candidate rate minus the exact expectation over {args.bias_draws} hash seeds: "
+                  f"{b['candidate_rate_minus_expected']} +- {b['se']} SE")
     write_result(args.out, result, indent=1)
     print(f"wrote {args.out}")
     return result
