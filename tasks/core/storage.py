@@ -13,6 +13,11 @@ working on files: the driver works in a local working copy of run_root under `st
   every stage and at the end of a run;
 * `RunStore.pull(rel)` brings a run back from the store (resume on another machine).
 
+What other processes write to the store directly is never copied back into a working copy: training's
+checkpoints are named by their URIs and every later reader (evaluation, the gate, registration,
+the triggered flows on any machine) reads them there; a record another machine pushed (a triggered
+flow's report) is read as the store's object (`stored`: a working-copy path's object and options).
+
 Ray workers on other nodes never read the driver's disk: `Staging` maps a job's arguments that lie
 in the working copy to the node's own cache, downloading each input file from the store (once per
 node and ETag), runs the job in a job directory of its own, uploads what the job wrote to the store,
