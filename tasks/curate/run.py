@@ -8,7 +8,8 @@ decontamination → PII redaction → URL + exact + MinHash dedup.
    keys and signatures should see the text without the boilerplate, and counting needs the
    whole corpus first (CCNet likewise counts before language id).
 1. Per input row group (ingest writes 500-row groups), on Ray actors (one per CPU, each loads
-   the fastText model once): `run_filters` with the enabled filters (`filters.build_filters`,
+   the fastText model and spaCy's tokenizer once, started while the driver builds the
+   decontamination index and counts lines: `RayActors.prestart`): `run_filters` with the enabled filters (`filters.build_filters`,
    in `filters.FILTER_ORDER`, after line dedup's `LineDedupFilter`: frequent lines removed, a
    shortened document below the minimum length dropped as "line_dedup:too_short"), kept
    documents written to a part file, their dedup columns (id, exact-dedup key, size, source,
