@@ -649,3 +649,27 @@ def test_a_symlinked_log_never_makes_the_pipeline_write_to_its_target(tmp_path):
     with pytest.raises(Exception, match="symbolic link"):
         em.emit(RunState.START, _ref("pretrain"))
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_store_checkpoint_is_versioned_from_its_signed_manifest_without_reading_it_back(tmp_path, monkeypatch):
+    """The train stage's outputs on a store: each checkpoint's lineage version is its tree hash as
+    the run's signed manifest records it (equal to hashing its files), with no object read back."""
+    from lm_helpers import random_checkpoint, sample_tokenizer
+    from s3_helpers import moto_s3
+    from tasks.core import fs, storage
+    from tasks.core.hashing import sha256_tree
+    from tasks.lineage.torchrun import checkpoint_output
+
+    tok = sample_tokenizer(tmp_path / "tokenizer.json")
+    ckpt = random_checkpoint(tmp_path / "train", tok, 4, 0)
+    monkeypatch.setattr(storage, "_STORES", {})
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        for p in ckpt.parent.rglob("*"):
+            if p.is_file():
+                s3.client.upload_file(str(p), "runs", f"crucible/r1/train/checkpoints/{p.relative_to(ckpt.parent).as_posix()}")
+        storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        uri = f"s3://runs/crucible/r1/train/checkpoints/{ckpt.name}"
+        monkeypatch.setattr(fs, "sha256", lambda *a, **k: pytest.fail("an object was read back to hash it"))
+        ds = checkpoint_output(uri)
+        assert ds.facets["version"].datasetVersion == sha256_tree(ckpt)
+        assert (ds.namespace, ds.name) == ("s3://runs", f"crucible/r1/train/checkpoints/{ckpt.name}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from tasks.core.fs import is_file
+from tasks.core.fs import is_file, is_remote
 from tasks.core.hashing import sha256_file
 from tasks.core.storage import stored
 from tasks.lineage.artifacts import token_split_paths
@@ -45,7 +45,16 @@ def checkpoint_step(checkpoint: str | Path) -> str:
 
 
 def checkpoint_output(checkpoint: str | Path):
-    return dataset_for_path(checkpoint, output=True, doc=DOCS["checkpoint"].format(step=checkpoint_step(checkpoint)))
+    """A checkpoint as an output dataset. One on a store is versioned by its tree hash as its run's
+    signed manifest records it (tasks.train.checkpoint.manifest_tree_sha256), not by reading back
+    every object it wrote; None there: hashed on the store."""
+    version = None
+    if is_remote(checkpoint):
+        from tasks.train.checkpoint import manifest_tree_sha256
+
+        version = manifest_tree_sha256(*stored(checkpoint))
+    return dataset_for_path(checkpoint, output=True, version=version,
+                            doc=DOCS["checkpoint"].format(step=checkpoint_step(checkpoint)))
 
 
 @dataclass

@@ -64,7 +64,7 @@ import tempfile
 import time
 import warnings
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Iterator
 
 import numpy as np
@@ -723,6 +723,22 @@ def apply_retention(out_dir: str | Path, new_ckpt: str | Path | None, keep_last:
                 "keep_last": keep_last, "keep_best": keep_best}
     _write_manifest(out_dir, manifest, storage_options)
     return manifest
+
+
+def manifest_tree_sha256(ckpt_dir: str | Path, storage_options: dict | None = None) -> str | None:
+    """The checkpoint's tree hash (tasks.core.fs.tree_sha256) from the file hashes its run's signed
+    manifest records, no object read; None when the manifest does not list it (or does not verify)."""
+    from tasks.core.hashing import tree_digest
+
+    ckpt_dir = location(ckpt_dir)
+    try:
+        manifest = read_manifest(parent_of(parent_of(ckpt_dir)), storage_options)
+    except UnverifiedCheckpoint:
+        return None
+    entry = next((e for e in manifest["checkpoints"] if e["path"] == name_of(ckpt_dir)), None)
+    if entry is None:
+        return None
+    return tree_digest(sorted(entry["files"].items(), key=lambda kv: PurePosixPath(kv[0]).parts))
 
 
 def checkpoint_problem(ckpt_dir: str | Path, manifest: dict | None = None,
