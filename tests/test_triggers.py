@@ -166,6 +166,7 @@ def test_the_pretrain_flow_reads_triggered_records_and_checkpoints_of_a_store_ru
     from tasks.core import storage
     from tasks.core.fs import tree_sha256
     from tasks.deploy.triggered import passing_triggered_checkpoints, triggered_evaluation, write_gate
+    from tasks.evaluate.compare import checkpoint_rows
     from tasks.evaluate.evaluate import write_report
 
     monkeypatch.setattr(storage, "_STORES", {})
@@ -178,7 +179,8 @@ def test_the_pretrain_flow_reads_triggered_records_and_checkpoints_of_a_store_ru
             s3.client.put_object(Bucket="runs", Key=f"{ckpt_key}/{name}", Body=body)  # DCP writes the store only
         layout = RunLayout(driver.local_root / "r1")
         ckpt = layout.checkpoints_dir / "step-000004"
-        report = {"step": 4, "checkpoint": str(ckpt), "checkpoint_sha256": tree_sha256(f"s3://runs/{ckpt_key}", s3.options),
+        report = {"step": 4, "val_loss": 5.0, "checkpoint": str(ckpt),
+                  "checkpoint_sha256": tree_sha256(f"s3://runs/{ckpt_key}", s3.options),
                   "report_path": str(RunLayout(worker.local_root / "r1").triggered_eval_report(ckpt))}
         write_report(report)
         write_gate(report, {"passed": True, "reason": "first"})
@@ -188,6 +190,12 @@ def test_the_pretrain_flow_reads_triggered_records_and_checkpoints_of_a_store_ru
         assert got is not None and got["gate"]["reason"] == "first"
         assert passing_triggered_checkpoints(layout) == [str(ckpt)]
         assert not [p for p in driver.local_root.rglob("*") if p.is_file() and "crucible-store" not in p.name]
+        # the checkpoint table: the store's reports beside this process's own, not yet pushed
+        write_report({"step": 2, "val_loss": 6.0, "checkpoint": str(ckpt.with_name("step-000002")),
+                      "report_path": str(layout.eval_report("step-000002"))})
+        rows = checkpoint_rows(layout.run_dir)
+        assert [(r["step"], r["evaluated_by"], r["gate"]) for r in rows] == [
+            (2, "pretrain flow", None), (4, "trigger", "passed: first")]
         s3.client.put_object(Bucket="runs", Key=f"{ckpt_key}/shard-00001.safetensors", Body=b"x" * 100)
         assert triggered_evaluation(layout, ckpt) is None  # its tree hash on the store is not the evaluated one
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from tasks.core import fs
 from tasks.core.layout import RunLayout
+from tasks.core.storage import stored
 
 
 def table_key(run_name: str) -> str:
@@ -21,18 +23,45 @@ def table_key(run_name: str) -> str:
     return f"eval-checkpoints-{slug}"[:200]
 
 
+def _report_files(folder: Path) -> list[tuple[Path, float, str | Path, dict | None]]:
+    """(path in the run's layout, modification time, where to read it, fsspec options) of each JSON
+    file under `folder`; of an object-store run also the store's objects (the triggered flows push
+    their reports from any machine), the newer of the two where both are there (this process's
+    report is local until its stage's push)."""
+    local = {p: (p.stat().st_mtime, p, None) for p in folder.rglob("*.json")} if folder.is_dir() else {}
+    at, options = stored(folder)
+    if fs.is_remote(at):
+        prefix = at.split("://", 1)[1].rstrip("/") + "/"
+        try:
+            found = fs.store_fs(at, options).find(at, detail=True)
+        except FileNotFoundError:
+            found = {}
+        for key, info in found.items():
+            if not (key.endswith(".json") and key.startswith(prefix)):
+                continue
+            try:
+                place = fs.safe_join(folder, key[len(prefix):])
+            except fs.PathEscape:
+                continue
+            modified = info.get("LastModified")
+            mtime = modified.timestamp() if modified else 0.0
+            if place not in local or mtime > local[place][0]:
+                local[place] = (mtime, fs.join(at, key[len(prefix):]), options)
+    return [(p, *local[p]) for p in sorted(local)]
+
+
 def _reports(layout: RunLayout) -> dict[int, tuple[float, Path, dict]]:
-    from tasks.evaluate.evaluate import read_report
+    from tasks.core.signing import loads_signed
+    from tasks.evaluate.evaluate import REPORT_PURPOSE
 
     newest: dict[int, tuple[float, Path, dict]] = {}
-    for path in sorted(layout.stage_dir("evaluate", create=False).rglob("*.json")):
-        try:
-            report = read_report(path)  # signed: a planted or edited report is not shown (logged as refused)
+    for path, mtime, where, options in _report_files(layout.stage_dir("evaluate", create=False)):
+        try:  # signed: a planted or edited report is not shown (logged as refused)
+            report = loads_signed(fs.read_bytes(where, options), REPORT_PURPOSE, what=str(where))
         except (OSError, ValueError):
             continue  # gone, or not a report the pipeline wrote (SignatureError is a ValueError)
         if not isinstance(report, dict) or not isinstance(report.get("step"), int) or "val_loss" not in report:
             continue
-        mtime = path.stat().st_mtime
         if report["step"] not in newest or mtime >= newest[report["step"]][0]:
             newest[report["step"]] = (mtime, path, report)
     return newest
