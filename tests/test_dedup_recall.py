@@ -98,9 +98,9 @@ def test_index_banding_is_its_own_and_fits_the_signature():
 
 
 def test_partition_verification_checks_pairs_in_bounded_chunks(planted, tmp_path, monkeypatch):
-    """The Ray clustering's per-partition verification (`cluster._verified_forest_task`) calls the
-    verifier on at most `_CHECK_CHUNK` pairs at a time (each call holds its pairs' texts), and
-    joins the same pairs as one unchunked call."""
+    """The Ray clustering's verification task (`cluster._verified_forest_task`) calls the verifier
+    on at most `_CHECK_CHUNK` pairs at a time (each call holds its pairs' texts), and joins the
+    same pairs as one unchunked call."""
     import numpy as np
 
     from tasks.dedup import cluster
@@ -115,15 +115,14 @@ def test_partition_verification_checks_pairs_in_bounded_chunks(planted, tmp_path
     mh = MinHashConfig()
     sigs = np.stack(MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram).signatures(planted["texts"]))
     cluster.spill_shard(sigs, 0, mh.bands, mh.rows, 1, str(tmp_path), 0)
-    part = str(tmp_path / "p-00000")
-    n_pairs = len(cluster.partition_pairs(part))
+    n_pairs, *routed = cluster._routed_pairs_task(str(tmp_path / "p-00000"), 1)
     verifier = Recording(ListTexts(planted["texts"]), mh.verify_threshold, mh.ngram)
     calls: list[int] = []
-    whole = cluster._verified_forest_task(part, 1, verifier)
+    whole = cluster._verified_forest_task(1, verifier, *routed)
     assert calls == [n_pairs] and n_pairs > 40
     monkeypatch.setattr(cluster, "_CHECK_CHUNK", 16)
     calls.clear()
-    chunked = cluster._verified_forest_task(part, 1, verifier)
+    chunked = cluster._verified_forest_task(1, verifier, *routed)
     assert len(calls) == -(-n_pairs // 16) and max(calls) == 16
     assert chunked[:2] == whole[:2] and np.array_equal(chunked[2], whole[2])
 
@@ -161,3 +160,27 @@ def test_verifier_reads_and_shingles_a_document_once_across_its_copies(planted, 
     small = JaccardVerifier(ListTexts(texts), 0.7)
     small.similarities(pairs)
     assert 0 < small.cache.held <= 50_000 and len(small.cache.sets) < len(np.unique(pairs))
+
+
+def test_ray_clustering_verifies_each_candidate_pair_once(planted, ray_session, tmp_path):
+    """A near-duplicate pair shares several 4-row bands whose keys land in different partitions;
+    the Ray clustering routes the partitions' pairs by their first document and verifies each
+    distinct pair once: the pairs it checks are the in-process path's, fewer than the partitions
+    found, and the clusters are the same."""
+    import numpy as np
+
+    from tasks.dedup.cluster import cluster_signatures
+    from tasks.dedup.minhash import MinHasher
+    from tasks.dedup.verify import JaccardVerifier
+
+    mh = MinHashConfig()
+    sigs = MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram).signatures(planted["texts"])
+    verifier = JaccardVerifier(ListTexts(planted["texts"]), mh.verify_threshold, mh.ngram)
+    local, ls = cluster_signatures(sigs, mh.bands, mh.rows, method="local", verify=verifier,
+                                   representative_threshold=mh.representative_threshold)
+    got, rs = cluster_signatures(sigs, mh.bands, mh.rows, method="ray", work_dir=tmp_path, partitions=4,
+                                 verify=verifier, representative_threshold=mh.representative_threshold)
+    assert got == local
+    assert (rs["candidate_pairs"], rs["verified_pairs"]) == (ls["candidate_pairs"], ls["verified_pairs"])
+    assert rs["candidate_pairs_in_partitions"] > 1.5 * rs["candidate_pairs"], rs
+    assert np.sum(np.asarray(got) != np.arange(len(got))) == len(planted["near"])
