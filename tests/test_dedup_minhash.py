@@ -308,3 +308,41 @@ def test_verifier_jaccard_of_hashed_shingles_equals_the_string_sets(real_docs):
         want = np.array([jaccard(sets[a], sets[b]) for a, b in pairs])
         assert np.array_equal(got, want)
         assert 0 < np.mean((want > 0) & (want < 1))  # partial overlaps were compared, not only 0 / 1
+
+
+def test_verifier_reads_and_shingles_in_sub_batches_within_its_character_cap(real_docs, monkeypatch):
+    """Shingling holds ~25x its texts in word lists, so `JaccardVerifier` reads and shingles the
+    documents a call needs `batch_chars` characters of text at a time (one longer document alone):
+    several reads and shingle batches, none over the cap, the same similarities as one batch; the
+    in-process clustering calls it `VERIFY_CHUNK_PAIRS` pairs at a time."""
+    from tasks.dedup import minhash, verify
+    from tasks.dedup.verify import JaccardVerifier, ListTexts
+
+    class Counting(ListTexts):
+        def read(self, rows):
+            reads.append(len(rows))
+            return super().read(rows)
+
+    def counted(texts, ngram):
+        batches.append(sum(map(len, texts)) if len(texts) > 1 else 0)  # one text may exceed the cap
+        return shingle_sets(texts, ngram)
+
+    shingle_sets = verify.shingle_sets
+    monkeypatch.setattr(verify, "shingle_sets", counted)
+    texts = real_docs[:40] + [t[: len(t) // 2] for t in real_docs[:40]]  # pairs at Jaccard ~0.5
+    pairs = np.array([(i, i + 40) for i in range(40)] + [(i, i + 1) for i in range(79)])
+    reads, batches = [], []
+    whole = JaccardVerifier(Counting(texts), 0.7).similarities(pairs)
+    assert reads == [80] and len(batches) == 1  # the default cap holds these 80 pages at once
+    cap = sum(map(len, texts)) // 10
+    reads.clear(), batches.clear()
+    capped = JaccardVerifier(Counting(texts), 0.7, batch_chars=cap).similarities(pairs)
+    assert np.array_equal(capped, whole) and 0 < np.mean((whole > 0.3) & (whole < 1))
+    assert len(reads) >= 3 and sum(reads) == 80  # each document read once, in several reads
+    assert len(batches) >= 10 and max(batches) <= cap
+    calls = []
+    monkeypatch.setattr(minhash, "VERIFY_CHUNK_PAIRS", 50)
+    monkeypatch.setattr(JaccardVerifier, "mask", lambda self, p: calls.append(len(p)) or self.similarities(p) >= 0.7)
+    sigs = MinHasher(28, 4).signatures(texts + texts)  # 80 exact copies: 80+ candidate pairs
+    roots = minhash.minhash_clusters(sigs, 28, 4, verify=JaccardVerifier(ListTexts(texts + texts), 0.7))
+    assert len(calls) >= 2 and max(calls) <= 50 and roots[80:] == list(range(80))

@@ -61,7 +61,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tasks.core.fs import files, is_remote, join, location, read_bytes, remove_tree, write_bytes
-from tasks.dedup.minhash import fmix64
+from tasks.dedup.minhash import VERIFY_CHUNK_PAIRS, fmix64
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _ROW_BYTES = 1 + 8 + 4  # band, key, doc per spilled row
@@ -484,7 +484,7 @@ def choose_survivors(roots: np.ndarray, scores: np.ndarray | None = None) -> np.
 
 
 REPRESENTATIVE_ROUNDS = 16  # a cluster still unresolved after this many is a chain of unrelated documents: kept
-_CHECK_CHUNK = 50_000  # member/representative pairs checked per verifier call (bounds the texts read at once)
+_CHECK_CHUNK = VERIFY_CHUNK_PAIRS  # pairs checked per verifier call (bounds the shingle hashes it holds)
 
 
 def _pair_checker(verifier, on_ray: bool) -> Callable[[np.ndarray], np.ndarray]:

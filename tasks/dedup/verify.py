@@ -23,6 +23,12 @@ The texts come from a `TextSource`:
 uses it, when there is no text verifier, to check each member against its cluster's kept
 representative (`JaccardVerifier.with_threshold` when there is one).
 
+Memory: shingling holds ~25x its texts' size (Python word lists), so a call reads and shingles
+the documents it needs in sub-batches of about `batch_chars` characters of text (`SHINGLE_CHARS`,
+4 M: ~100 MB at peak whatever the call's size); what it keeps for the call is the documents'
+shingle hashes (~1.3x their text). Callers bound that with the pairs per call (`cluster._CHECK_CHUNK`,
+`minhash.minhash_clusters`).
+
 `index` maps the verifier's document numbers onto the source's rows (the clustering works on
 the documents that survived exact dedup and have a signature); `reindexed(sub)` composes one
 more such mapping.
@@ -114,6 +120,8 @@ TextSource = ListTexts | ParquetTexts
 
 
 CACHE_BYTES = 64 << 20  # shingle hashes a verifier keeps between its calls (per process)
+SHINGLE_CHARS = 4 << 20  # characters of text read and shingled at once (peak: ~25x that)
+_GUESS_DOC_CHARS = 4096  # a document's size before any is read (sizes the first read only)
 
 
 class _ShingleCache:
@@ -138,11 +146,13 @@ class JaccardVerifier:
     """Accepts a candidate pair when the exact Jaccard of its documents' word `ngram` shingle
     sets is ≥ `threshold`. Document k is row `index[k]` of `texts` (row k without `index`)."""
 
-    def __init__(self, texts: TextSource, threshold: float, ngram: int = 5, index: np.ndarray | None = None):
+    def __init__(self, texts: TextSource, threshold: float, ngram: int = 5, index: np.ndarray | None = None,
+                 batch_chars: int | None = None):
         self.texts = texts
         self.threshold = float(threshold)
         self.ngram = int(ngram)
         self.index = None if index is None else np.asarray(index, dtype=np.int64)
+        self.batch_chars = SHINGLE_CHARS if batch_chars is None else int(batch_chars)
         self.cache = _ShingleCache()
 
     def reindexed(self, sub: Sequence[int] | np.ndarray) -> "JaccardVerifier":
@@ -165,13 +175,26 @@ class JaccardVerifier:
         docs, inv = np.unique(pairs, return_inverse=True)
         rows = (docs if self.index is None else self.index[docs]).tolist()
         cached = self.cache.sets
-        missing = [r for r in rows if r not in cached]
-        read = dict(zip(missing, shingle_sets(self.texts.read(np.array(missing, np.int64)), self.ngram)
-                        if missing else []))
+        read = self._read_sets([r for r in rows if r not in cached])
         sets = [read[r] if r in read else cached[r] for r in rows]
         for r, h in read.items():
             self.cache.add(r, h)
         return np.array([set_jaccard(sets[a], sets[b]) for a, b in inv.reshape(-1, 2)], dtype=np.float64)
+
+    def _read_sets(self, rows: list[int]) -> dict[int, np.ndarray]:
+        """The shingle hashes of source `rows`, read and shingled about `batch_chars` characters of
+        text at a time (a read's row count follows the sizes read so far; a longer document alone)."""
+        rows, out, start = sorted(rows), {}, 0  # in row order: a Parquet row group is read once
+        take = max(1, self.batch_chars // _GUESS_DOC_CHARS)
+        while start < len(rows):
+            part = rows[start:start + take]
+            texts = self.texts.read(np.array(part, np.int64))
+            sizes = np.array([len(t) for t in texts], np.int64)
+            for lo, hi in _slices_within(sizes, self.batch_chars):
+                out.update(zip(part[lo:hi], shingle_sets(texts[lo:hi], self.ngram)))
+            start += len(part)
+            take = max(1, int(self.batch_chars * len(part) // max(1, int(sizes.sum()))))
+        return out
 
     def with_threshold(self, threshold: float) -> "JaccardVerifier":
         """The same verifier accepting pairs from `threshold` on."""
@@ -194,6 +217,19 @@ def shingle_sets(texts: Sequence[str], ngram: int) -> list[np.ndarray]:
     for two 3.6 KB documents)."""
     hv, offsets = shingle_hashes([simplified_words(t) for t in texts], ngram, full=True)
     return [np.unique(part) for part in np.split(hv, offsets[1:])]
+
+
+def _slices_within(sizes: np.ndarray, cap: int) -> list[tuple[int, int]]:
+    """Consecutive [lo, hi) slices of `sizes` each summing to at most `cap` (or one item)."""
+    out, lo, total = [], 0, 0
+    for k, size in enumerate(sizes.tolist()):
+        if k > lo and total + size > cap:
+            out.append((lo, k))
+            lo, total = k, 0
+        total += size
+    if lo < len(sizes):
+        out.append((lo, len(sizes)))
+    return out
 
 
 def set_jaccard(a: np.ndarray, b: np.ndarray) -> float:
