@@ -393,7 +393,7 @@ class MinHashIndex:
                              "rebuild it")
         for name, want in (("bands", bands), ("rows", rows), ("seed", seed), ("scheme", scheme), ("hash", hash)):
             if want is not None and meta[name] != want:
-                raise ValueError(f"index {d} has {name}={meta[name]!r}, this run wants {want!r}")
+                raise ValueError(f"index {d} has {name}={meta[name]!r}, this run wants {want!r}: {_fix(name, meta)}")
         idx = cls(meta["bands"], meta["rows"], meta["seed"], meta["scheme"], meta["hash"])
         if meta["format"] == 2:
             idx._load_format2(d)
@@ -412,3 +412,13 @@ class MinHashIndex:
         if (d / "meta.json").is_file():
             return cls.load(d, bands, rows, seed, scheme, hash)
         return cls(bands, rows, seed, scheme, hash)
+
+
+def _fix(name: str, meta: dict) -> str:
+    """The setting that makes a run read a saved index whose `name` differs (or: a new index_dir)."""
+    key = "curate.dedup.minhash"
+    if name in ("bands", "rows"):
+        return (f"its keys band the signature {meta['bands']} x {meta['rows']}; set {key}.index_rows: "
+                f"{meta['rows']} (the index's bands are bands x rows / index_rows of the signature's values, "
+                f"{meta['bands'] * meta['rows']} when it was saved), or point {key}.index_dir at a new index")
+    return f"set {key}.{name}: {meta[name]!r}, or point {key}.index_dir at a new index"
