@@ -160,6 +160,10 @@ def test_verifier_reads_and_shingles_a_document_once_across_its_copies(planted, 
     small = JaccardVerifier(ListTexts(texts), 0.7)
     small.similarities(pairs)
     assert 0 < small.cache.held <= 50_000 and len(small.cache.sets) < len(np.unique(pairs))
+    assert small.cache.held == sum(h.nbytes + verify._ENTRY_BYTES for h in small.cache.sets.values())
+    empty = JaccardVerifier(ListTexts([""] * 400), 0.7)  # no hashes, yet each entry costs memory
+    empty.similarities(np.array([(i, i + 1) for i in range(399)]))
+    assert len(empty.cache.sets) == 50_000 // verify._ENTRY_BYTES < 400
 
 
 def test_ray_clustering_verifies_each_candidate_pair_once(planted, ray_session, tmp_path):

@@ -121,12 +121,13 @@ TextSource = ListTexts | ParquetTexts
 
 CACHE_BYTES = 64 << 20  # shingle hashes a verifier keeps between its calls (per process)
 SHINGLE_CHARS = 4 << 20  # characters of text read and shingled at once (peak: ~25x that)
+_ENTRY_BYTES = 200  # a cached array's own overhead (ndarray object, dict entry, int key): short texts add up
 _GUESS_DOC_CHARS = 4096  # a document's size before any is read (sizes the first read only)
 
 
 class _ShingleCache:
-    """Shingle-hash arrays by source row, kept between calls until `budget` bytes are held (then
-    none is added): the representative check re-checks the clustering's documents, and a Ray
+    """Shingle-hash arrays by source row, kept between calls until `budget` bytes are held (the
+    arrays and `_ENTRY_BYTES` each; then none is added): the representative check re-checks the clustering's documents, and a Ray
     partition's chunks share documents. Shared by a verifier's copies (`reindexed`,
     `with_threshold`: the same rows); pickled empty, so a Ray task starts with none."""
 
@@ -137,9 +138,10 @@ class _ShingleCache:
         return {"budget": self.budget, "held": 0, "sets": {}}
 
     def add(self, row: int, hashes: np.ndarray) -> None:
-        if self.held + hashes.nbytes <= self.budget:
+        size = hashes.nbytes + _ENTRY_BYTES
+        if self.held + size <= self.budget:
             self.sets[row] = hashes
-            self.held += hashes.nbytes
+            self.held += size
 
 
 class JaccardVerifier:
