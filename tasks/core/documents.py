@@ -105,6 +105,7 @@ class ShardWriter(_CommitOnSuccess):
         self.docs_written = 0
         self._index = start_index
         self._buffer: list[dict] = []
+        self._carry: pa.Table | None = None  # `write_table`'s rows short of a row group
         self._writer: pq.ParquetWriter | None = None
         self._tmp: Path | None = None
         self._final: Path | None = None
@@ -118,15 +119,21 @@ class ShardWriter(_CommitOnSuccess):
         self._in_shard = 0
 
     def _flush(self) -> None:
-        if not self._buffer:
-            return
+        if self._buffer:
+            table = pa.Table.from_pylist(self._buffer, schema=self.schema)
+            self._buffer = []
+            self._write_group(table)
+        elif self._carry is not None:
+            table, self._carry = self._carry, None
+            self._write_group(table.combine_chunks())
+
+    def _write_group(self, table: pa.Table) -> None:
+        """`table` as one row group of the open shard (opened first if none is)."""
         if self._writer is None:
             self._open()
-        table = pa.Table.from_pylist(self._buffer, schema=self.schema)
         self._writer.write_table(table)
-        self._in_shard += len(self._buffer)
-        self.docs_written += len(self._buffer)
-        self._buffer = []
+        self._in_shard += table.num_rows
+        self.docs_written += table.num_rows
         if self._in_shard >= self.shard_docs:
             self._finish_shard()
 
@@ -141,6 +148,9 @@ class ShardWriter(_CommitOnSuccess):
     def write(self, doc: dict) -> None:
         if not isinstance(doc.get("id"), str) or not isinstance(doc.get("text"), str):
             raise ValueError(f"document needs string id and text: {str(doc)[:200]}")
+        if self._carry is not None:  # after `write_table`'s rows, in their row group
+            self.write_table(pa.Table.from_pylist([doc], schema=self.schema))
+            return
         self._buffer.append(doc)
         if len(self._buffer) >= self.row_group_docs or self._in_shard + len(self._buffer) >= self.shard_docs:
             self._flush()
@@ -149,12 +159,39 @@ class ShardWriter(_CommitOnSuccess):
         for doc in docs:
             self.write(doc)
 
+    def _room(self) -> int:
+        """Rows the next row group takes: a full one, or what fills the open shard."""
+        return min(self.row_group_docs, self.shard_docs - (self._in_shard if self._writer is not None else 0))
+
+    def write_table(self, table: pa.Table) -> None:
+        """`table`'s rows (its `schema` columns) after those written so far, in row groups of
+        `row_group_docs` and shards of `shard_docs`, without a dict per row (the curated shards of
+        `tasks.dedup.stages.filter_pass`: a part's row groups minus the dropped rows)."""
+        missing = [n for n in self.schema.names if n not in table.column_names]
+        if missing:
+            raise ValueError(f"table lacks the columns {missing} of the shard schema")
+        if table.column("id").null_count or table.column("text").null_count:
+            raise ValueError("document needs string id and text: a row has a null id or text")
+        table = pa.Table.from_arrays([table.column(n) for n in self.schema.names], schema=self.schema)
+        pending = [t for t in (self._carry, table) if t is not None]
+        if self._buffer:
+            pending.insert(0, pa.Table.from_pylist(self._buffer, schema=self.schema))
+            self._buffer = []
+        table, self._carry = pa.concat_tables(pending), None
+        while table.num_rows >= (room := self._room()):
+            # one chunk a column, as `from_pylist` gives: the writer's dictionary-encoding
+            # fallback (and so the file's bytes) depends on how a row group's values are chunked
+            self._write_group(table.slice(0, room).combine_chunks())
+            table = table.slice(room)
+        self._carry = table if table.num_rows else None
+
     def close(self) -> list[Path]:
         self._flush()
         self._finish_shard()
         return self.paths
 
     def abort(self) -> None:
+        self._buffer, self._carry = [], None
         if self._writer is not None:
             self._writer.close()
             self._writer = None

@@ -51,12 +51,14 @@ import json
 import shutil
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tasks.core.fs import (file_names, files as listing, is_remote, join, location, name_of, open_random, parent_of,
@@ -164,16 +166,36 @@ def num_rows(loc: Path | str, options: dict | None = None) -> int:
         return pq.ParquetFile(f).metadata.num_rows
 
 
-def iter_job_docs(job: JobDocs) -> Iterator[dict]:
-    """The job's kept documents in part order (a store's parts by ranged reads)."""
-    from tasks.core.documents import iter_docs
+@contextmanager
+def _parquet_file(loc: str, options: dict | None = None) -> Iterator[pq.ParquetFile]:
+    """A Parquet file open for reading its row groups (a store's object by ranged reads)."""
+    if not is_remote(loc):
+        with pq.ParquetFile(loc) as pf:
+            yield pf
+        return
+    with open_random(loc, options) as f, pq.ParquetFile(f) as pf:
+        yield pf
 
-    for p in job.docs:
-        if not is_remote(p):
-            yield from iter_docs([p])
-            continue
-        with open_random(p, job.options) as f:
-            yield from iter_docs([f])
+
+def iter_alive_rows(job: JobDocs, gone: np.ndarray, skip: int, take: int) -> Iterator[pa.Table]:
+    """The job's documents not at the sorted positions `gone`, alive rows [skip, skip + take) in
+    part order, as one table per part row group holding some of them (`take` of its rows): a row
+    group wholly before or after them is not read, no row becomes a Python object."""
+    pos, seen = job.offset, 0  # position of the row group's first row; alive rows before it
+    for loc in job.docs:
+        with _parquet_file(loc, job.options) as pf:
+            for g in range(pf.num_row_groups):
+                n = pf.metadata.row_group(g).num_rows
+                lo, hi = np.searchsorted(gone, [pos, pos + n])
+                alive = np.ones(n, dtype=bool)
+                alive[gone[lo:hi] - pos] = False
+                idx = np.flatnonzero(alive)
+                rows = idx[max(0, skip - seen):max(0, skip + take - seen)]
+                seen, pos = seen + len(idx), pos + n
+                if len(rows):
+                    yield pf.read_row_group(g).take(pa.array(rows))
+                if seen >= skip + take:
+                    return
 
 
 def blocks_of(jobs: Sequence[JobDocs], block_docs: int) -> list[list[int]]:
@@ -724,7 +746,8 @@ def _write_shard(out_dir: str, index: int, shard_docs: int, files: Files, steps:
 
 def _shard_rows(out_dir: Path, index: int, shard_docs: int, files: Files, steps: list[str], jobs: list[JobDocs],
                 kept_path: str) -> dict:
-    """`_write_shard`'s rows into the local folder `out_dir`."""
+    """`_write_shard`'s rows into the local folder `out_dir`: the jobs' part row groups minus the
+    dropped rows, written as tables (`ShardWriter.write_table`), counted with Arrow kernels."""
     from tasks.core.documents import ShardWriter
 
     kept = np.load(io.BytesIO(read_bytes(location(kept_path), files.options)))
@@ -741,24 +764,20 @@ def _shard_rows(out_dir: Path, index: int, shard_docs: int, files: Files, steps:
             if take <= 0:
                 continue
             job = jobs[k]
-            gone = set(_dropped_before(files, steps, job).tolist())
-            pos, seen = job.offset - 1, 0
-            for doc in iter_job_docs(job):
-                pos += 1
-                if pos in gone:
-                    continue
-                seen += 1
-                if seen <= skip:
-                    continue
-                if seen > skip + take:
-                    break
-                w.write(doc)
-                languages[doc.get("language")] += 1
-                sources[doc.get("source") or ""] += 1
-                nbytes += len(doc["text"].encode("utf-8"))
+            for t in iter_alive_rows(job, _dropped_before(files, steps, job), skip, take):
+                w.write_table(t)
+                _count_values(languages, t.column("language"))
+                _count_values(sources, pc.fill_null(t.column("source"), ""))
+                nbytes += pc.sum(pc.binary_length(t.column("text"))).as_py() or 0
     return {"names": [p.name for p in w.paths], "docs": w.docs_written, "bytes": nbytes,
             "languages": {str(k) if k is not None else "None": v for k, v in languages.items()},
             "sources": dict(sources)}
+
+
+def _count_values(counter: Counter, column: pa.ChunkedArray) -> None:
+    """`counter` += the column's value counts (null as None), in order of first appearance."""
+    counts = pc.value_counts(column)
+    counter.update(dict(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist())))
 
 
 def filter_pass(stages: DedupStages, out_dir: Path, shard_docs: int) -> dict:
