@@ -428,7 +428,9 @@ def spilled_components(spill: Path | str, partitions: int, verifier, stats: dict
     if verifier is None:
         task = ray.remote(num_cpus=1, num_returns=partitions + 1)(_forest_task)
         outs = [task.remote(d, partitions, options) for d in part_dirs]
-        stats["candidate_pairs"] = int(sum(ray.get([o[0] for o in outs])))
+        # a pair sharing several bands is found in several partitions: counted once in each (the
+        # distinct pairs are known only where they are routed, with verification)
+        stats["candidate_pairs_in_partitions"] = int(sum(ray.get([o[0] for o in outs])))
         forest = [o[1:] for o in outs]
     else:  # pairs routed by their first document, each distinct pair verified once; the verifier shipped once
         route = ray.remote(num_cpus=1, num_returns=partitions + 1)(_routed_pairs_task)
@@ -560,8 +562,9 @@ def cluster_signatures(sigs: Sequence[np.ndarray | None], bands: int, rows: int,
     (`method="local"`) or on Ray (`"ray"`); a document without a signature is its own cluster.
     `verify`: a batch verifier (`tasks.dedup.verify.JaccardVerifier`, indexed like `sigs`; on
     Ray it runs in the per-partition tasks) or a picklable `verify(a, b) -> bool`; the stats then
-    count `candidate_pairs` and `verified_pairs` (for a plain callable on the in-process path,
-    which checks pairs lazily, neither). With `representative_threshold` a document is dropped only
+    count `candidate_pairs` (distinct) and `verified_pairs` (for a plain callable on the in-process
+    path, which checks pairs lazily, neither); on Ray `candidate_pairs_in_partitions` counts a pair
+    once in each partition that finds it (without a verifier, the only count). With `representative_threshold` a document is dropped only
     if its Jaccard to its survivor reaches it (exact with a text verifier, else estimated;
     `representative_survivors`, stats `representative_check`); without, for its component.
     Logs the memory estimate first. Returns (survivors, stats)."""

@@ -127,9 +127,11 @@ _GUESS_DOC_CHARS = 4096  # a document's size before any is read (sizes the first
 
 class _ShingleCache:
     """Shingle-hash arrays by source row, kept between calls until `budget` bytes are held (the
-    arrays and `_ENTRY_BYTES` each; then none is added): the representative check re-checks the clustering's documents, and a Ray
-    partition's chunks share documents. Shared by a verifier's copies (`reindexed`,
-    `with_threshold`: the same rows); pickled empty, so a Ray task starts with none."""
+    arrays and `_ENTRY_BYTES` each; then none is added): a Ray partition's chunks share documents,
+    and on the in-process path the representative check re-checks the clustering's documents in the
+    same process. Shared by a verifier's copies (`reindexed`, `with_threshold`: the same rows);
+    pickled empty, so a Ray task starts with none: on Ray the representative check's tasks read
+    and shingle their documents again (the clustering's hashes stayed in the partition tasks)."""
 
     def __init__(self, budget: int | None = None):
         self.budget, self.held, self.sets = CACHE_BYTES if budget is None else budget, 0, {}
