@@ -9,9 +9,10 @@ Corpora:
               (their own near duplicates: kernel docs sharing most of their text, repeated pages),
               less the documents without a word.
 Each corpus is written as JSONL and deduplicated by the `crucible dedup` command itself
-(`infra.cli.dedup.main`: exact, then MinHash LSH 14×8 with the pipeline's clustering and its
-representative check at the default `minhash.representative_threshold`), with `minhash.verify`
-off (the default) and on (threshold 0.8). Scored
+(`infra.cli.dedup.main`: exact, then MinHash LSH with the shipped banding, 28×4 (`--bands`,
+`--rows`), the pipeline's clustering and its representative check at the default
+`minhash.representative_threshold`), with `minhash.verify` on (the default, at `--threshold`:
+the shipped `verify_threshold`, 0.7) and off. Scored
 from its output file only: clusters (the `cluster` column) and dropped documents (`keep: false`).
 
 Truth, computed independently of the pipeline: the benchmark's own word 5-gram shingling
@@ -21,7 +22,7 @@ shingle; the others have Jaccard 0).
 
 Reported per corpus and mode:
   pairs            — precision / recall / F1 of the pairs implied by the output clusters (two
-                     documents in one cluster) against the pairs with true Jaccard ≥ 0.8;
+                     documents in one cluster) against the pairs with true Jaccard ≥ `--threshold`;
   drops_justified  — share of dropped documents that have a KEPT document with true Jaccard
                      ≥ 0.5 (target ≥ 0.99); also the share whose own survivor is that close;
 targets: recall ≥ 0.95 and drops justified ≥ 0.99 in both modes on both corpora (recall only
@@ -29,7 +30,8 @@ where the corpus has positive pairs); `within_target` checks all of them. For re
 modes are also scored without the representative check (`*_components_only`: plain connected
 components, no target). No metric compares the pipeline's verifier with itself. Writes benchmarks/results/dedup_quality.json.
 
-    python benchmarks/dedup_quality.py [--bases 300] [--variants 4] [--seed 0] [--hash fast|sha1] [--no-real]
+    python benchmarks/dedup_quality.py [--bases 300] [--variants 4] [--seed 0] [--bands 28 --rows 4] [--threshold 0.7]
+        [--hash fast|sha1] [--no-real]
 """
 from __future__ import annotations
 
@@ -269,8 +271,10 @@ def main(argv=None) -> dict:
     data = data_root()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_int_options(ap, bases=300, variants=4)
-    ap.add_argument("--threshold", type=float, default=0.8)
-    add_int_options(ap, bands=14, rows=8, seed=0)
+    shipped = MinHashConfig()  # measure what a user gets: the default banding and verify threshold
+    ap.add_argument("--threshold", type=float, default=shipped.verify_threshold,
+                    help="minhash.verify_threshold and the truth's Jaccard for a duplicate pair")
+    add_int_options(ap, bands=shipped.bands, rows=shipped.rows, seed=0)
     ap.add_argument("--hash", choices=["fast", "sha1"], default="fast", help="shingle hash (minhash.hash)")
     ap.add_argument("--no-real", action="store_true", help="skip the real corpus")
     ap.add_argument("--out", default=str(HERE / "results" / "dedup_quality.json"))
@@ -280,7 +284,7 @@ def main(argv=None) -> dict:
     texts, _ = build_set(data, args.bases, args.variants, args.seed)
     res: dict = {"threshold": args.threshold, "justify_jaccard": JUSTIFY_JACCARD, "bands": args.bands,
                  "rows": args.rows, "hash": args.hash,
-                 "representative_threshold": MinHashConfig().representative_threshold, "targets": TARGETS}
+                 "representative_threshold": shipped.representative_threshold, "targets": TARGETS}
     with tempfile.TemporaryDirectory() as tmp:
         res["synthetic"] = {"bases": args.bases, "variants_per_base": args.variants,
                             **evaluate("synthetic", texts, args, Path(tmp))}

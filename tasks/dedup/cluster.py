@@ -2,7 +2,7 @@
 pairs per partition, connected components by a distributed union-find on Ray.
 
 The in-process path (`minhash.minhash_clusters`: one dict of band keys, one union-find) holds
-every band key of the corpus in one Python process — ~1.5 KB per document with 14 bands, so it
+every band key of the corpus in one Python process — ~3 KB per document with the default 28 bands, so it
 stops at a few million documents. This path keeps memory bounded by the partition size:
 
 1. spill (a Ray task per signature shard): each document's band keys — a 64-bit hash of the
