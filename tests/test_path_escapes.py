@@ -90,3 +90,48 @@ def test_an_event_cannot_reach_another_store_working_copy_with_dot_dot(tmp_path,
         stack.register_run_root(stack_cfg, store.local_root)
     with pytest.raises(ForgedClaim, match="refused"):
         trusted_run_paths("s3://runs/a/../b/r1/train/checkpoints/step-000010")
+
+
+ALIASES = ("s3://runs/crucible/r1//train/checkpoints/step-000004", "s3://runs/crucible/r1/./train/checkpoints/step-000004",
+           "s3://runs/crucible/r1/train/checkpoints/step-000004/.", "s3://runs/crucible//r1/train/checkpoints/step-000004")
+
+
+def test_a_checkpoint_uri_not_in_normal_form_is_refused(tmp_path, monkeypatch):
+    """S3 keeps `r1//train/...` and `r1/./train/...` as keys of their own, but as paths they collapse
+    onto r1's: a claim for an attacker's prefix there (holding a replayed signed checkpoint) would be
+    evaluated into, and overwrite, the real checkpoint's report slot. A key that does not round-trip
+    unchanged is refused wherever a URI becomes a run's place or a record's name."""
+    from s3_helpers import moto_s3
+
+    from flows.triggers import trusted_run_paths
+    from infra import stack
+    from infra.settings import StackConfig
+    from tasks.core import fs
+    from tasks.core.layout import RunLayout
+    from tasks.deploy.triggered import ForgedClaim
+
+    monkeypatch.setattr(storage, "_STORES", {})
+    monkeypatch.setenv(stack.STATE_DIR_ENV, str(tmp_path / "state"))
+    stack_cfg = StackConfig(state_dir=str(tmp_path / "state"))
+    real = "s3://runs/crucible/r1/train/checkpoints/step-000004"
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        stack.register_run_store(stack_cfg, store)
+        stack.register_run_root(stack_cfg, store.local_root)
+        fs.write_bytes(f"{real}/meta.json", b"real", s3.options)
+        fs.write_bytes(f"{ALIASES[0]}/meta.json", b"attacker", s3.options)
+        assert fs.read_bytes(f"{ALIASES[0]}/meta.json", s3.options) == b"attacker"  # another object
+        assert RunLayout.of_checkpoint(real).triggered_eval_report(real) == \
+            store.local_root / "r1" / "evaluate" / "triggered" / "step-000004.json"
+        for alias in ALIASES:
+            with pytest.raises(ValueError, match="normal form"):
+                RunLayout.of_checkpoint(alias)
+            assert not RunLayout.is_run_checkpoint(alias)
+            with pytest.raises(fs.PathEscape):
+                storage.local_place(alias)
+            with pytest.raises(fs.PathEscape):
+                fs.canonical(alias)
+            with pytest.raises(ForgedClaim, match="normal form"):
+                trusted_run_paths(alias)
+        assert fs.canonical(real + "/") == real  # a trailing '/' names the same objects on S3
+        assert trusted_run_paths(real)["checkpoint"] == real

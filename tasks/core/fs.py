@@ -263,11 +263,24 @@ def location(value: str | Path) -> Path | str:
     return value.rstrip("/") if is_remote(value) else Path(local_path(value))
 
 
+def normal_uri(uri: str) -> str:
+    """`uri` when its path round-trips unchanged as a path (no empty, '.' or '..' part), else
+    PathEscape. S3 keeps `r1//train/x` and `r1/./train/x` as keys of their own, while as paths they
+    collapse onto `r1/train/x`: such a name of an attacker's objects would take the place (a report
+    slot) of the run's own."""
+    parts = uri.split("://", 1)[1].split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise PathEscape(f"refused: {uri!r} is not in normal form (an empty, '.' or '..' part): the store "
+                         "keeps it as an object of its own, which as a path would take another's place")
+    return uri
+
+
 def canonical(value: str | Path) -> Path | str:
     """How records name a run file (a checkpoint in a report, a registry tag): an object of a store by
-    its URI, a local file by its absolute path; two names of one file compare equal."""
+    its URI (in normal form, else PathEscape), a local file by its absolute path; two names of one
+    file compare equal."""
     loc = location(value)
-    return loc if is_remote(loc) else loc.resolve()
+    return normal_uri(loc) if is_remote(loc) else loc.resolve()
 
 
 def join(base: Path | str, *parts: str) -> Path | str:

@@ -49,7 +49,7 @@ from typing import Any, Iterable, Iterator
 from urllib.parse import quote, unquote
 
 from tasks.core.fs import (PathEscape, StorageError, check_store, filesystem, is_remote, protocol,  # noqa: F401 - re-exported
-                           safe_join)
+                           normal_uri, safe_join)
 
 log = logging.getLogger("crucible.storage")
 
@@ -383,7 +383,9 @@ def stored(path: str | Path) -> tuple[Path | str, dict | None]:
 def local_place(uri: str) -> Path:
     """The place in the working copy of an object of a registered store (where this process writes
     what belongs beside it: a run's reports and gate files); StorageError for a URI of no open store,
-    PathEscape for a key with `..`."""
+    PathEscape for a key with `..` or not in normal form (`fs.normal_uri`: `r1//train/...` is another
+    object than `r1/train/...`, yet would get its place)."""
+    normal_uri(uri)
     store = _store_holding(uri)
     if store is None:
         raise StorageError(f"{uri}: no store open in this process holds it (tasks.core.storage.store_for)")
