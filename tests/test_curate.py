@@ -330,6 +330,60 @@ def test_workers_start_warm_and_the_report_waits_in_the_driver(sample_docs, cfg,
     assert {k: warm["dedup"][k] for k in report} == {k: cold["dedup"][k] for k in report}
 
 
+def test_lines_counted_on_ray_before_the_actors_take_the_cpus(sample_docs, cfg, ray_session, tmp_path, monkeypatch):
+    """Line counts on Ray (`dedup.lines.counting: ray`, as from `ray_min_docs` documents) run
+    before the actors are prestarted: the actors hold every CPU (3 jobs, 2 CPUs), so counting after
+    them waited forever for a CPU. The actors still start and warm up while the index is built."""
+    import threading
+
+    import tasks.curate.run as curate_run
+    from tasks.core.executor import RayActors
+
+    pools, actors_at = [], {}
+    prestart, build_index, count = RayActors.prestart, curate_run._decontam_index, curate_run.count_frequent_lines
+
+    def recording_prestart(self, *args):
+        pools.append(self)
+        return prestart(self, *args)
+
+    def noting(name, fn):
+        def run(*args, **kwargs):
+            actors_at[name] = sum(len(p._actors) for p in pools)
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(RayActors, "prestart", recording_prestart)
+    monkeypatch.setattr(curate_run, "_decontam_index", noting("index", build_index))
+    monkeypatch.setattr(curate_run, "count_frequent_lines", noting("lines", count))
+    lines = cfg.curate.dedup.lines.model_copy(update={"counting": "ray"})
+    cur = cfg.curate.model_copy(update={"dedup": cfg.curate.dedup.model_copy(update={"lines": lines})})
+    shards = write_docs([d for d in sample_docs if d["source"] == "cc-main"][:120], tmp_path / "in", shard_docs=40)
+    out: dict = {}
+
+    def curate():
+        try:
+            out["summary"] = run_curate(cfg.model_copy(update={"curate": cur}), shards, tmp_path / "out")
+        except BaseException as e:  # noqa: BLE001 - raised in the test's thread below
+            out["error"] = e
+
+    worker = threading.Thread(target=curate, daemon=True)
+    worker.start()
+    worker.join(300)
+    if worker.is_alive():  # free the CPUs so the run (and the module's Ray) can finish, then fail
+        for p in pools:
+            p.stop()
+        worker.join(120)
+        pytest.fail(f"run_curate hung for 300 s: line counts on Ray waited for CPUs held by the prestarted "
+                    f"actors (actors alive at the count: {actors_at.get('lines')})")
+    if "error" in out:
+        raise out["error"]
+    s = out["summary"]
+    assert actors_at == {"lines": 0, "index": 2}  # counted before the actors; the index built while they warm up
+    assert s["line_dedup"]["counting"]["method"] == "ray" and s["line_dedup"]["counting"]["spill_tasks"] >= 1
+    assert s["timings"]["jobs"]["workers_prestarted"] == 2 == s["workers"]
+    assert s["line_dedup"]["lines_removed"] > 0 and s["docs_out"] > 0
+
+
 # ------------------------------------------------------------------ URL and line dedup (issue 15, items 1-2)
 
 def _frequent_line_docs(texts, frequent) -> int:

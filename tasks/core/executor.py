@@ -56,6 +56,9 @@ def clear_stale_output(out_dir: Path) -> None:
     remove_temp_files(out_dir)
 
 
+PARTS_DIR = "_parts"  # a ResumableOutput's finished jobs (and a stage's work files before it starts)
+
+
 class ResumableOutput:
     """A resumable stage's output directory: `_parts` (finished jobs), merged files, `manifest.json`."""
 
@@ -63,7 +66,7 @@ class ResumableOutput:
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.run_key, self.side_files = run_key, side_files
-        self.parts_dir = self.dir / "_parts"
+        self.parts_dir = self.dir / PARTS_DIR
         self.manifest = self.dir / MANIFEST
 
     def completed(self, started: float) -> dict | None:
@@ -278,7 +281,12 @@ class RayActors:
         self._actor_cls = ray.remote(num_cpus=1)(_node_reporting_class(self.cls, Staging.for_driver()))
 
     def prestart(self, n_jobs: int, *warm) -> None:
-        """Start the actors now, each running `cls.warm_up(*warm)`; built at `start`."""
+        """Start the actors now, each running `cls.warm_up(*warm)`; built at `start`.
+
+        Rule: nothing between `prestart` and `start` may wait on Ray work that needs a CPU (tasks,
+        other actors): the actors hold min(CPUs, n_jobs) CPUs from now on, so on a cluster of
+        no more CPUs than jobs such work is never scheduled and its `ray.get` waits forever. Run
+        it before `prestart` (curate counts lines on Ray first), or in the driver."""
         if n_jobs < 1 or self._actors:
             return
         self._define(n_jobs)

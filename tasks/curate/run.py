@@ -87,7 +87,7 @@ import pyarrow.parquet as pq
 
 from tasks.config import CurateConfig, DedupConfig, MinHashConfig, PipelineConfig
 from tasks.core.documents import AtomicJsonlWriter, ShardWriter, iter_doc_batches
-from tasks.core.executor import Job, JobRunner, RayActors, ResumableOutput, Shared
+from tasks.core.executor import PARTS_DIR, Job, JobRunner, RayActors, ResumableOutput, Shared
 from tasks.core.io import atomic_write_bytes
 from tasks.core.progress import Progress
 from tasks.core.ray_utils import cluster_cpus, init_ray
@@ -96,7 +96,8 @@ from tasks.core.steps import StepStats, run_filters
 from tasks.curate.filters import filter_names
 from tasks.dedup.exact import exact_key
 from tasks.dedup.index import check_index_store
-from tasks.dedup.lines import FrequentLines, LineDedupFilter, count_frequent_lines, line_dedup_summary
+from tasks.dedup.lines import (FrequentLines, LineDedupFilter, count_frequent_lines, counting_method,
+                               line_dedup_summary)
 from tasks.dedup.minhash import MinHasher
 from tasks.dedup.cluster import clustering_method
 from tasks.dedup.substring import apply_to_curated
@@ -277,12 +278,20 @@ def _decontam_index(cfg: PipelineConfig):
     return _INDEX_CACHE[key]
 
 
-def _frequent_lines(cfg: PipelineConfig, shards: list[str], work_dir: Path) -> FrequentLines | None:
-    """Line dedup's frequent lines over the whole input (None when off): counted before the
-    workers run, so every worker removes the same lines (`tasks.dedup.lines`)."""
+def _line_counting(cfg: PipelineConfig, shards: list[str]) -> str | None:
+    """Where line dedup counts (`counting_method`: "local" in the driver, "ray" in Ray tasks), from
+    the shards' footers; None when line dedup is off."""
     if not cfg.curate.dedup.lines.enabled:
         return None
-    return count_frequent_lines(shards, cfg.curate.dedup.lines, work_dir, cfg.ray)
+    return counting_method(cfg.curate.dedup.lines, sum(pq.ParquetFile(s).metadata.num_rows for s in shards))
+
+
+def _frequent_lines(cfg: PipelineConfig, shards: list[str], work_dir: Path, method: str | None) -> FrequentLines | None:
+    """Line dedup's frequent lines over the whole input (None when off): counted before the
+    workers run, so every worker removes the same lines (`tasks.dedup.lines`)."""
+    if method is None:
+        return None
+    return count_frequent_lines(shards, cfg.curate.dedup.lines, work_dir, cfg.ray, method=method)
 
 
 # ------------------------------------------------------------------ the stage
@@ -294,22 +303,27 @@ def run_curate(cfg: PipelineConfig, in_shards: list[Path], out_dir: Path, progre
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = [str(Path(s).resolve()) for s in in_shards]
-    n_jobs = count_jobs(shards)
+    n_jobs, counting = count_jobs(shards), _line_counting(cfg, shards)
     # the workers boot and load their models while the driver builds the decontamination index and
-    # counts lines (`RayActors.prestart`); not where a complete earlier run may be returned as it is
+    # counts lines in process (`RayActors.prestart`); not where a complete earlier run may be
+    # returned as it is. Lines counted on Ray need the CPUs the actors hold: counted before them.
     actors = RayActors(CurateWorker, (), "process", cfg.ray)
     try:
+        lines = None
         if not (cfg.curate.resume and (out_dir / MANIFEST).is_file()):
             init_ray(cfg.ray)  # first: an unreachable ray.address fails before the old output is touched
+            if counting == "ray":  # spill files under _parts/_lines, removed by the count
+                lines = _frequent_lines(cfg, shards, out_dir / PARTS_DIR, counting)
             actors.prestart(n_jobs, cfg.curate)
-        return _curate(cfg, shards, n_jobs, out_dir, actors, progress, t0)
+        return _curate(cfg, shards, n_jobs, out_dir, actors, progress, t0, counting, lines)
     finally:
         actors.stop()
 
 
 def _curate(cfg: PipelineConfig, shards: list[str], n_jobs: int, out_dir: Path, actors: RayActors,
-            progress: Progress | None, t0: float) -> dict:
-    """`run_curate` once its workers are starting (`actors`, built by `_map_jobs`)."""
+            progress: Progress | None, t0: float, counting: str | None, lines: FrequentLines | None) -> dict:
+    """`run_curate` once its workers are starting (`actors`, built by `_map_jobs`); `lines`: the
+    frequent lines if counted already, else counted here (`counting`: how)."""
     t_index = time.perf_counter()
     index = _decontam_index(cfg)
     index_seconds = time.perf_counter() - t_index
@@ -319,12 +333,13 @@ def _curate(cfg: PipelineConfig, shards: list[str], n_jobs: int, out_dir: Path, 
     if cfg.curate.resume and (done := output.completed(t0)) is not None:
         return done
     init_ray(cfg.ray)  # first: an unreachable ray.address fails before the old output is touched
-    actors.prestart(n_jobs, cfg.curate)  # (if not yet) the line counts still overlap
+    if counting != "ray":  # (if not yet) the line counts in the driver still overlap; on Ray they need the CPUs
+        actors.prestart(n_jobs, cfg.curate)
     check_index_store(cfg)  # an object-store index with cfg.storage's options, also when called as a library
     store = output.start(cfg.curate.resume)
-    t_lines = time.perf_counter()
-    lines = _frequent_lines(cfg, shards, output.parts_dir)
-    lines_seconds = time.perf_counter() - t_lines
+    if lines is None:
+        lines = _frequent_lines(cfg, shards, output.parts_dir, counting)
+    lines_seconds = lines.stats["seconds"] if lines is not None else 0.0
     if lines is not None:  # every job's output depends on the whole corpus's line counts
         job_base = digest([job_base, lines.fingerprint()])
     store.prune({job_name(k) for k in range(n_jobs)})
