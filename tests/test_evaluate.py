@@ -119,3 +119,33 @@ def test_a_checkpoint_on_a_store_is_evaluated_where_it_lives(base, run, tmp_path
         with pytest.raises(UnverifiedCheckpoint):
             evaluate_checkpoint(cfg, ckpt_uri, uris["tokenizer/tokenizer.json"], uris["tokens/index.json"],
                                 tmp_path / "y.json")
+
+
+def test_the_report_attests_the_bytes_it_scored(base, run, tmp_path, monkeypatch):
+    """Attack: a run-folder writer swaps in another checkpoint's files right after the verified copy
+    was loaded. The signed report must record the hash of what was scored (the verified copy), not
+    of whatever the folder holds when the report is written."""
+    import shutil
+
+    from tasks.core import fs
+    from tasks.train import checkpoint
+
+    folder = tmp_path / "r" / "train" / "checkpoints"
+    shutil.copytree(Path(run["checkpoints"][-1]).parent, folder)
+    scored, other = folder / Path(run["checkpoints"][-1]).name, folder / Path(run["checkpoints"][0]).name
+    genuine = fs.tree_sha256(scored)
+    real_load, swaps = checkpoint._dcp_load, []
+
+    def load_then_swap(*a, **kw):
+        real_load(*a, **kw)
+        if not swaps:  # the swap: rename another checkpoint's files into place
+            staged = scored.with_name(".swap")
+            shutil.copytree(other, staged)
+            shutil.rmtree(scored)
+            staged.rename(scored)
+            swaps.append(True)
+
+    monkeypatch.setattr(checkpoint, "_dcp_load", load_then_swap)
+    rep = _eval(base, run, scored, tmp_path / "rep.json")
+    assert swaps and fs.tree_sha256(scored) != genuine  # the swap happened
+    assert rep["checkpoint_sha256"] == genuine and rep["step"] == 20

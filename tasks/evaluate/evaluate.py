@@ -25,7 +25,7 @@ from tasks.config import PipelineConfig
 from tasks.core import fs
 from tasks.tokenizer.bpe import load_tokenizer
 from tasks.tokens.binfile import load_index, open_split
-from tasks.train.checkpoint import load_model_for_inference
+from tasks.train.checkpoint import load_verified_model
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,8 @@ def _evaluate(cfg: PipelineConfig, ckpt_dir: Path | str, tokenizer_path: Path | 
               out_path: Path, tracking_uri: str | None, run_id: str | None) -> dict:
     ecfg, options = cfg.evaluate, cfg.storage.options
     ckpt_dir = fs.canonical(ckpt_dir)
-    model, meta = load_model_for_inference(ckpt_dir, storage_options=options)
+    # the hash of the verified copy scored: the store's objects, hashed again later, could be others
+    model, meta, checkpoint_sha256 = load_verified_model(ckpt_dir, storage_options=options)
     tokenizer_path, tokens_index = fs.location(tokenizer_path), fs.location(tokens_index)
     tok = load_tokenizer(tokenizer_path, options)
     index, val = val_tokens(tokens_index, options)
@@ -170,7 +171,7 @@ def _evaluate(cfg: PipelineConfig, ckpt_dir: Path | str, tokenizer_path: Path | 
     if reference is not None:
         report["reference"] = _finite(reference)
     # what was evaluated, recorded on the training run too: deploy-model checks a claim against it
-    report["checkpoint_sha256"] = fs.tree_sha256(ckpt_dir, options)
+    report["checkpoint_sha256"] = checkpoint_sha256
     out_path = Path(out_path).resolve()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     report["report_path"] = str(out_path)

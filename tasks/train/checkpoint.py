@@ -443,11 +443,12 @@ def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, step: in
 
 @contextmanager
 def verified_copy(ckpt_dir: str | Path, storage_options: dict | None = None,
-                  expected_tree_sha256: str | None = None) -> Iterator[Path]:
+                  expected_tree_sha256: str | None = None) -> Iterator[tuple[Path, str]]:
     """`ckpt_dir`, verified (`require_verified`), as a local directory DCP may read. A local one is
     verified as a private copy (hard links); one on an object store is first downloaded into a
     temporary directory (removed afterwards) and that copy is verified, against the run's (signed) manifest on the store or `expected_tree_sha256`: the bytes DCP
-    then reads are the bytes that were verified."""
+    then reads are the bytes that were verified. Yields (the local copy, its tree hash): the hash of
+    the bytes verified, for a record of what was loaded (hashing the source again could see other bytes)."""
     ckpt_dir = location(ckpt_dir)
     if not is_remote(ckpt_dir):
         # verify and load a private copy, so the files cannot change between the check and DCP's read:
@@ -463,7 +464,7 @@ def verified_copy(ckpt_dir: str | Path, storage_options: dict | None = None,
             if problem := checkpoint_problem(local, manifest, expected_tree_sha256):
                 raise UnverifiedCheckpoint("refusing to load a checkpoint that does not verify: "
                                            + problem.replace(str(local), str(ckpt_dir)))
-            yield local
+            yield local, expected_tree_sha256 or _entry_tree_sha256(manifest, Path(ckpt_dir).name)
         return
     manifest = None if expected_tree_sha256 else read_manifest(parent_of(parent_of(ckpt_dir)), storage_options)
     with tempfile.TemporaryDirectory(prefix="crucible-checkpoint-") as tmp:
@@ -471,7 +472,7 @@ def verified_copy(ckpt_dir: str | Path, storage_options: dict | None = None,
         if problem := checkpoint_problem(local, manifest, expected_tree_sha256):
             raise UnverifiedCheckpoint("refusing to load a checkpoint that does not verify: "
                                        + problem.replace(str(local), ckpt_dir))
-        yield local
+        yield local, expected_tree_sha256 or _entry_tree_sha256(manifest, name_of(ckpt_dir))
 
 
 def _run_train_dir(ckpt_dir: Path | str) -> Path | None:
@@ -522,7 +523,7 @@ def restore_checkpoint(model: ModelParts, optimizer: torch.optim.Optimizer, ckpt
     """`load_checkpoint`, also returning the meta and (with `rank`) that rank's RNG states, read from
     the same verified copy as the tensors (a file read again afterwards might no longer be the one
     verified): (step, meta, rng or None)."""
-    with verified_copy(ckpt_dir, storage_options) as local:
+    with verified_copy(ckpt_dir, storage_options) as (local, _):
         meta = read_meta(local)
         rng = read_rng_state(local, rank) if rank is not None else None
         osds = _optim_states(model, optimizer)  # initialises moments so shapes are known
@@ -553,7 +554,7 @@ def init_from_checkpoint(model: ModelParts, optimizer: torch.optim.Optimizer, ck
     ckpt_dir = location(ckpt_dir)
     if not is_file(join(ckpt_dir, META_FILE), storage_options):
         raise FileNotFoundError(f"{ckpt_dir} is not a complete checkpoint (no {META_FILE})")
-    with verified_copy(ckpt_dir, storage_options, tree_sha256) as local:
+    with verified_copy(ckpt_dir, storage_options, tree_sha256) as (local, _):
         meta = read_meta(local)
         if mismatch := shape_mismatch(meta["model"], _parts(model)[0].cfg.to_dict()):
             raise ValueError(f"the checkpoint {ckpt_dir} has another model shape: {'; '.join(mismatch)}")
@@ -728,14 +729,20 @@ def apply_retention(out_dir: str | Path, new_ckpt: str | Path | None, keep_last:
 def manifest_tree_sha256(ckpt_dir: str | Path, storage_options: dict | None = None) -> str | None:
     """The checkpoint's tree hash (tasks.core.fs.tree_sha256) from the file hashes its run's signed
     manifest records, no object read; None when the manifest does not list it (or does not verify)."""
-    from tasks.core.hashing import tree_digest
-
     ckpt_dir = location(ckpt_dir)
     try:
         manifest = read_manifest(parent_of(parent_of(ckpt_dir)), storage_options)
     except UnverifiedCheckpoint:
         return None
-    entry = next((e for e in manifest["checkpoints"] if e["path"] == name_of(ckpt_dir)), None)
+    return _entry_tree_sha256(manifest, name_of(ckpt_dir))
+
+
+def _entry_tree_sha256(manifest: dict, name: str) -> str | None:
+    """The tree hash of checkpoint `name` from the file hashes `manifest` lists (None if unlisted): once a
+    copy verified against the manifest (every file listed, each with its hash), the copy's tree hash."""
+    from tasks.core.hashing import tree_digest
+
+    entry = next((e for e in manifest["checkpoints"] if e["path"] == name), None)
     if entry is None:
         return None
     return tree_digest(sorted(entry["files"].items(), key=lambda kv: PurePosixPath(kv[0]).parts))
@@ -809,10 +816,18 @@ def load_model_for_inference(ckpt_dir: str | Path, device: str | torch.device = 
 
     Returns (model in eval mode, its verified meta dict).
     """
+    return load_verified_model(ckpt_dir, device, expected_tree_sha256, storage_options)[:2]
+
+
+def load_verified_model(ckpt_dir: str | Path, device: str | torch.device = "cpu",
+                        expected_tree_sha256: str | None = None, storage_options: dict | None = None
+                        ) -> tuple[GPT, dict, str]:
+    """`load_model_for_inference`, also returning the tree hash of the verified copy the weights came
+    from: what a record of the loaded model (an evaluation report) must name."""
     ckpt_dir = location(ckpt_dir)
     if not is_file(join(ckpt_dir, META_FILE), storage_options):
         raise FileNotFoundError(f"{ckpt_dir} is not a complete checkpoint (no {META_FILE})")
-    with verified_copy(ckpt_dir, storage_options, expected_tree_sha256) as local:
+    with verified_copy(ckpt_dir, storage_options, expected_tree_sha256) as (local, tree_sha256):
         meta = read_meta(local)
         cfg = GPTConfig(**meta["model"])
         model = GPT(cfg)
@@ -822,7 +837,7 @@ def load_model_for_inference(ckpt_dir: str | Path, device: str | torch.device = 
             _dcp_load(state, local, ckpt_dir, no_dist=True)
     model.load_state_dict(state["model"], strict=True)
     model.to(device).eval()
-    return model, meta
+    return model, meta, tree_sha256
 
 
 def save_model_copy(model: nn.Module, meta: dict, out_dir: str | Path) -> Path:
