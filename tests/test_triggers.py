@@ -200,6 +200,33 @@ def test_the_pretrain_flow_reads_triggered_records_and_checkpoints_of_a_store_ru
         assert triggered_evaluation(layout, ckpt) is None  # its tree hash on the store is not the evaluated one
 
 
+def test_a_genuine_report_of_another_run_copied_into_this_run_is_refused(tmp_path, monkeypatch):
+    """A signature says the stack wrote a report, not where it belongs: r2's passing report copied by a
+    writer of the store into r1's evaluate/triggered/ (same step, same file name) must not make r1's
+    deploy stage wait on a deploy-model run for r2's checkpoint, nor show in r1's checkpoint table."""
+    from s3_helpers import moto_s3
+    from tasks.core import storage
+    from tasks.deploy.triggered import passing_triggered_checkpoints, write_gate
+    from tasks.evaluate.compare import checkpoint_rows
+    from tasks.evaluate.evaluate import write_report
+
+    monkeypatch.setattr(storage, "_STORES", {})
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "driver"))
+        r1, r2 = RunLayout(store.local_root / "r1"), RunLayout(store.local_root / "r2")
+        theirs = store.uri("r2/train/checkpoints/step-000004")
+        report = {"step": 4, "val_loss": 1.0, "checkpoint": theirs, "checkpoint_sha256": "0" * 64,
+                  "report_path": str(r2.triggered_eval_report(theirs))}
+        write_report(report)
+        write_gate(report, {"passed": True, "reason": "better"})
+        store.push(report["report_path"])
+        s3.client.put_object(Bucket="runs", Key="crucible/r1/evaluate/triggered/step-000004.json",
+                             Body=Path(report["report_path"]).read_bytes())
+        assert passing_triggered_checkpoints(r2) == [theirs]  # where it belongs it is taken
+        assert passing_triggered_checkpoints(r1) is None  # refused: r1's deploy stage deploys itself
+        assert checkpoint_rows(r1.run_dir) == [] and [r["step"] for r in checkpoint_rows(r2.run_dir)] == [4]
+
+
 def test_checkpoint_table_and_triggered_handover_files(tmp_path):
     """The run's checkpoint table (newest report per step, triggered or direct) and the pretrain
     flow's take of a triggered result once its run completed: a report without its gate verdict is not

@@ -55,6 +55,14 @@ class RunLayout:
             return False
         return True
 
+    def owns(self, checkpoint: str | Path) -> bool:
+        """Whether `checkpoint` is one of this run's (a signed record copied from another run names
+        that run's checkpoint: its signature verifies anywhere)."""
+        try:
+            return RunLayout.of_checkpoint(checkpoint).run_dir == self.run_dir
+        except ValueError:
+            return False
+
     @property
     def run_name(self) -> str:
         return self.run_dir.name

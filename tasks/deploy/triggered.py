@@ -179,8 +179,9 @@ def passing_triggered_checkpoints(layout: RunLayout) -> list[str] | None:
         if report is None or not report["gate"].get("passed"):
             continue
         ckpt = report.get("checkpoint")
-        if not ckpt or layout.triggered_eval_report(ckpt).resolve() != report_file.resolve():
-            log.warning("triggered: refused: the report at %s is about %s, not its own checkpoint; "
+        # by name and run: another run's genuine report copied here names that run's checkpoint
+        if not ckpt or not layout.owns(ckpt) or layout.triggered_eval_report(ckpt).resolve() != report_file.resolve():
+            log.warning("triggered: refused: the report at %s is about %s, not its own checkpoint of this run; "
                         "deploying directly", report_file, ckpt)
             return None
         passing.append(ckpt)
