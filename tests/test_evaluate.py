@@ -149,3 +149,37 @@ def test_the_report_attests_the_bytes_it_scored(base, run, tmp_path, monkeypatch
     rep = _eval(base, run, scored, tmp_path / "rep.json")
     assert swaps and fs.tree_sha256(scored) != genuine  # the swap happened
     assert rep["checkpoint_sha256"] == genuine and rep["step"] == 20
+
+
+def test_the_tokenizer_checked_is_the_tokenizer_loaded(base, run, tmp_path, monkeypatch):
+    """Attack: the tokenizer file is another one while it is loaded and the genuine one again when it
+    is hashed. Read once: the bytes hashed against the checkpoint's tokenizer_sha256 are the bytes parsed."""
+    import shutil
+
+    from tasks.tokenizer import bpe
+
+    tok = tmp_path / "tokenizer.json"
+    genuine = Path(tokenizer_artifact(base)["path"]).read_bytes()
+    tok.write_bytes(genuine + b"\n")  # parses the same, other bytes: not the checkpoint's tokenizer
+    real, loads = bpe.Tokenizer, []
+
+    class SwapBackAfterLoad:  # the attacker puts the genuine file back once it was parsed
+        @staticmethod
+        def from_file(path):
+            loads.append(path)
+            out = real.from_file(path)
+            tok.write_bytes(genuine)
+            return out
+
+        @staticmethod
+        def from_str(text):
+            loads.append(text)
+            out = real.from_str(text)
+            tok.write_bytes(genuine)
+            return out
+
+    monkeypatch.setattr(bpe, "Tokenizer", SwapBackAfterLoad)
+    with pytest.raises(ValueError, match="not the one"):
+        evaluate_checkpoint(tiny_cfg(), Path(run["checkpoints"][-1]), tok, Path(tokens_artifact(base)["index_path"]),
+                            tmp_path / "x.json")
+    assert not loads  # refused on the bytes read, before anything parsed them (a load + re-hash swapped back)

@@ -71,10 +71,8 @@ class TextGenerator:
         checkpoint, tokenizer_path = fs.canonical(checkpoint), fs.canonical(tokenizer_path)
         model, meta = load_model_for_inference(checkpoint, expected_tree_sha256=expected_tree_sha256,
                                                storage_options=options)
-        tok = load_tokenizer(tokenizer_path, tok_options)
-        want = meta.get("tokenizer_sha256")
-        if want and want != fs.sha256(tokenizer_path, tok_options):
-            raise ValueError(f"tokenizer {tokenizer_path} is not the one checkpoint {checkpoint} was trained with")
+        # read once, hashed and parsed from the same bytes
+        tok = load_tokenizer(tokenizer_path, tok_options, expected_sha256=meta.get("tokenizer_sha256") or None)
         if tok.get_vocab_size() > model.cfg.vocab_size:
             raise ValueError(f"tokenizer vocab {tok.get_vocab_size()} > model vocab {model.cfg.vocab_size}")
         eos_id = meta.get("eos_id")

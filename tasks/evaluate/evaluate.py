@@ -23,7 +23,7 @@ import torch
 
 from tasks.config import PipelineConfig
 from tasks.core import fs
-from tasks.tokenizer.bpe import load_tokenizer
+from tasks.tokenizer.bpe import read_tokenizer
 from tasks.tokens.binfile import load_index, open_split
 from tasks.train.checkpoint import load_verified_model
 
@@ -115,13 +115,11 @@ def _evaluate(cfg: PipelineConfig, ckpt_dir: Path | str, tokenizer_path: Path | 
     # the hash of the verified copy scored: the store's objects, hashed again later, could be others
     model, meta, checkpoint_sha256 = load_verified_model(ckpt_dir, storage_options=options)
     tokenizer_path, tokens_index = fs.location(tokenizer_path), fs.location(tokens_index)
-    tok = load_tokenizer(tokenizer_path, options)
+    # read once: checked against the checkpoint's tokenizer and recorded as the bytes parsed
+    tok, tok_sha = read_tokenizer(tokenizer_path, options, meta.get("tokenizer_sha256") or None)
     index, val = val_tokens(tokens_index, options)
     if index["vocab_size"] != model.cfg.vocab_size:
         raise ValueError(f"tokens vocab {index['vocab_size']} != checkpoint vocab {model.cfg.vocab_size}")
-    tok_sha = fs.sha256(tokenizer_path, options)
-    if meta.get("tokenizer_sha256") and meta["tokenizer_sha256"] != tok_sha:
-        raise ValueError(f"tokenizer {tokenizer_path} is not the one the checkpoint was trained with")
 
     loss, n_scored = val_loss(model, val, model.cfg.seq_len, ecfg.batch_size, ecfg.max_val_batches)
 

@@ -81,7 +81,6 @@ class LMScorer:
         """Load a checkpoint directory (verified: its run's manifest, or `expected_tree_sha256` for a
         copy) and its tokenizer.json; refuses a tokenizer whose hash differs from the one the
         checkpoint records."""
-        from tasks.core import fs
         from tasks.core.storage import stored
         from tasks.tokenizer.bpe import load_tokenizer
         from tasks.train.checkpoint import load_model_for_inference
@@ -89,11 +88,8 @@ class LMScorer:
         # either may be an object of an open store (an object-store run's checkpoint, read where it lives)
         at, options = stored(checkpoint)
         model, meta = load_model_for_inference(at, expected_tree_sha256=expected_tree_sha256, storage_options=options)
-        tok_at = stored(tokenizer_path)
-        want = meta.get("tokenizer_sha256")
-        if want and want != fs.sha256(*tok_at):
-            raise ValueError(f"tokenizer {tokenizer_path} is not the one the checkpoint was trained with")
-        tok = load_tokenizer(*tok_at)
+        # read once, hashed and parsed from the same bytes
+        tok = load_tokenizer(*stored(tokenizer_path), expected_sha256=meta.get("tokenizer_sha256") or None)
         eos_id = meta.get("eos_id")
         if eos_id is None:
             eos_id = tok.token_to_id(eos_token)

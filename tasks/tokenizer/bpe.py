@@ -23,7 +23,7 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer, decoders, models, norma
 
 from tasks.core.layout import TOKENIZER_FILE
 from tasks.config import PipelineConfig, TokenizerConfig
-from tasks.core.fs import is_remote, read_text
+from tasks.core.fs import read_bytes
 from tasks.core.hashing import sha256_file
 from tasks.tokenizer.corpus import iter_doc_columns
 from tasks.tokenizer.probes import load_probe_samples
@@ -82,17 +82,31 @@ def split_of(key: str, tcfg: TokenizerConfig) -> str:
     return "unused"
 
 
-def load_tokenizer(path: str | Path, storage_options: dict | None = None) -> Tokenizer:
-    """Load tokenizer.json for encoding corpus or user text.
+def load_tokenizer(path: str | Path, storage_options: dict | None = None,
+                   expected_sha256: str | None = None) -> Tokenizer:
+    """Load tokenizer.json for encoding corpus or user text; with `expected_sha256` the file's bytes
+    must hash to it (ValueError otherwise).
 
     `encode_special_tokens` is switched on, so a literal "<|endoftext|>" inside a document is
     encoded as ordinary text and never turns into the EOS id (that flag is not saved in the file).
     Special-token ids are inserted by the caller (e.g. EOS after each document).
     """
-    # on a store (an object-store run read where it lives) the file is read by fsspec with `storage_options`
-    tok = Tokenizer.from_str(read_text(path, storage_options)) if is_remote(path) else Tokenizer.from_file(str(path))
+    return read_tokenizer(path, storage_options, expected_sha256)[0]
+
+
+def read_tokenizer(path: str | Path, storage_options: dict | None = None,
+                   expected_sha256: str | None = None) -> tuple[Tokenizer, str]:
+    """(`load_tokenizer`, the sha256 of the bytes it parsed). The file is read once: a hash taken by a
+    second read could be of other bytes than the ones loaded (a file swapped in between). On a store
+    (an object-store run read where it lives) the object is read by fsspec with `storage_options`."""
+    data = read_bytes(path, storage_options)
+    digest = hashlib.sha256(data).hexdigest()
+    if expected_sha256 is not None and digest != expected_sha256:
+        raise ValueError(f"tokenizer {path} is not the one the checkpoint was trained with "
+                         f"(sha256 {digest[:16]}..., not {expected_sha256[:16]}...)")
+    tok = Tokenizer.from_str(data.decode("utf-8"))
     tok.encode_special_tokens = True
-    return tok
+    return tok, digest
 
 
 def special_token_ids(tok: Tokenizer, cfg: PipelineConfig) -> dict[str, int]:
