@@ -154,3 +154,33 @@ def test_a_checkpoint_named_by_its_uri_has_its_run_layout_and_lineage_name(tmp_p
         assert not list(store.local_root.rglob("*.json"))
         with pytest.raises(ValueError):
             RunLayout.of_checkpoint("s3://runs/crucible/r1/step-000002")
+
+
+def test_a_store_champion_keeps_its_replay_pool_and_tokenizer(tmp_path, monkeypatch):
+    """A champion of an object-store run names its token index and tokenizer by URI: the yardstick's
+    "old" part and a continued cycle's replay read them on the store (Path(uri).is_file() is always
+    False: they were dropped without a word), still held to their signed hashes."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from lm_helpers import tokenizer_artifact
+    from tasks.continued.mix import replay_pool, verified_index
+    from tasks.core import fs
+
+    monkeypatch.setattr(storage, "_STORES", {})
+    tok_file = tokenizer_artifact(tmp_path / "data")["path"]
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        index, body = store.uri("r1/tokens/index.json"), json.dumps({"splits": {}}).encode()
+        fs.write_bytes(index, body, s3.options)
+        signed = hashlib.sha256(body).hexdigest()
+        assert replay_pool(index, signed) == [index] and verified_index(index, signed) == index
+        assert replay_pool(index, "0" * 64) == [] and verified_index(index, "0" * 64) is None
+        from tasks.deploy.yardstick import champion_tokenizer
+
+        tok = store.uri("r1/tokenizer/tokenizer.json")
+        fs.write_bytes(tok, Path(tok_file).read_bytes(), s3.options)
+        tags = {"tokenizer": tok, "tokenizer_sha256": fs.sha256(tok_file)}
+        assert champion_tokenizer(tags).encode("hello").ids
+        assert champion_tokenizer({**tags, "tokenizer_sha256": "0" * 64}) is None

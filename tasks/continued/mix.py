@@ -21,8 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
+from tasks.core import fs
 from tasks.core.hashing import sha256_file
 from tasks.core.layout import TOKENS_INDEX_FILE
+from tasks.core.storage import stored
 from tasks.tokens.binfile import doc_source_names, load_index, open_doc_starts, open_split
 
 log = logging.getLogger(__name__)
@@ -32,42 +34,53 @@ class MixError(ValueError):
     """A replay pool that cannot be mixed with the new tokens (another tokenizer, no documents)."""
 
 
-def verified_index(tokens_index: str | Path | None, sha256: str | None) -> Path | None:
-    """`tokens_index` if it hashes to `sha256` (a signed record's, e.g. the champion's
-    data.tokens_index_sha256 tag); None otherwise, logged as refused: a writer of the run directory
-    could have swapped the file, and whatever it lists would be replayed."""
-    if not tokens_index or not Path(tokens_index).is_file():
+def _signed_bytes(tokens_index: str | Path | None, sha256: str | None) -> bytes | None:
+    """The bytes of `tokens_index` (a local file, or an object-store run's object read there) when they
+    hash to `sha256` (a signed record's); None when it is gone or does not (logged as refused: a
+    writer of the run directory or the store could have swapped it, and whatever it lists would be
+    replayed). Read once: what is checked is what the caller parses."""
+    if not tokens_index:
         return None
-    if not sha256 or sha256_file(tokens_index) != sha256:
-        log.warning("refused: the token index %s does not hash to the signed %s", tokens_index,
-                    f"sha256 {sha256[:16]}..." if sha256 else "sha256 (none recorded)")
+    at, options = stored(fs.location(str(tokens_index)))
+    try:
+        raw = fs.read_bytes(at, options)
+    except (FileNotFoundError, IsADirectoryError):
         return None
-    return Path(tokens_index)
-
-
-def replay_pool(tokens_index: str | Path | None, sha256: str) -> list[Path]:
-    """The per-cycle token indexes behind a model trained on `tokens_index`: its mix's pool, or the
-    index itself when it was not a mix (a model pretrained from scratch). `sha256`: the signed hash the
-    index must have (e.g. the champion's data.tokens_index_sha256 tag); the bytes hashed are the bytes
-    parsed. [] when the index is gone or does not hash to it (logged as refused). A mix's pool members
-    must hash to what the mix recorded when it was built: one that does not is a MixError naming it
-    (never left out silently); a member that is gone is returned, for the caller to name."""
-    if not tokens_index or not Path(tokens_index).is_file():
-        return []
-    raw = Path(tokens_index).read_bytes()
     if not sha256 or hashlib.sha256(raw).hexdigest() != sha256:
         log.warning("refused: the token index %s does not hash to the signed %s", tokens_index,
                     f"sha256 {sha256[:16]}..." if sha256 else "sha256 (none recorded)")
+        return None
+    return raw
+
+
+def verified_index(tokens_index: str | Path | None, sha256: str | None) -> Path | str | None:
+    """`tokens_index` (a Path, or an object-store run's URI) if it hashes to `sha256` (a signed
+    record's, e.g. the champion's data.tokens_index_sha256 tag); None otherwise (`_signed_bytes`)."""
+    return fs.location(str(tokens_index)) if _signed_bytes(tokens_index, sha256) is not None else None
+
+
+def replay_pool(tokens_index: str | Path | None, sha256: str) -> list[Path | str]:
+    """The per-cycle token indexes behind a model trained on `tokens_index`: its mix's pool, or the
+    index itself when it was not a mix (a model pretrained from scratch); each a Path, or the URI of an
+    object-store run's index (read there). `sha256`: the signed hash the index must have (e.g. the
+    champion's data.tokens_index_sha256 tag); the bytes hashed are the bytes parsed. [] when the index
+    is gone or does not hash to it (logged as refused). A mix's pool members must hash to what the mix
+    recorded when it was built: one that does not is a MixError naming it (never left out silently); a
+    member that is gone is returned, for the caller to name."""
+    raw = _signed_bytes(tokens_index, sha256)
+    if raw is None:
         return []
     mix = json.loads(raw).get("mix")
     if not mix:
-        return [Path(tokens_index).resolve()]
+        loc = fs.location(str(tokens_index))
+        return [loc if fs.is_remote(loc) else loc.resolve()]
     recorded = mix.get("pool_sha256") or {}
-    refused = [p for p in mix["pool"] if Path(p).is_file() and verified_index(p, recorded.get(p)) is None]
+    refused = [p for p in mix["pool"] if fs.is_file(*stored(fs.location(p)))
+               and verified_index(p, recorded.get(p)) is None]
     if refused:
         raise MixError(f"the replay pool of {tokens_index} holds token indexes that are not the ones its mix "
                        f"recorded (changed, or from a mix built before pool hashes were kept): {refused}")
-    return [Path(p) for p in mix["pool"]]
+    return [fs.location(p) for p in mix["pool"]]
 
 
 def _zero() -> dict:

@@ -34,7 +34,6 @@ import os
 import uuid
 from pathlib import Path
 
-from tasks.core.hashing import sha256_file
 from tasks.core.layout import RunLayout
 from tasks.core import fs
 from tasks.core.storage import local_run_root, stored
@@ -77,16 +76,17 @@ def _held_out(index_path: str | Path, tokenizer, limit: int, max_chars: int) -> 
 
 
 def build_yardstick(cfg, out_path: str | Path, new_index: str | Path | None, new_tokenizer: str | Path | None,
-                    pool: list[str | Path], pool_tokenizer: str | Path | None) -> dict:
+                    pool: list[str | Path], pool_tokenizer) -> dict:
     """Write the evaluation set; returns {"path", "sha256", "parts": {part: documents}}."""
     from tasks.evaluate.suite import load_wikitext_pages, spread_indices
     from tasks.tokenizer.bpe import load_tokenizer
 
     d = cfg.deploy
     parts: dict[str, list[str]] = {}
-    pool = [p for p in pool if Path(p).is_file()]
+    pool = [p for p in pool if fs.is_file(*stored(p))]  # an object-store run's index: read there
     if pool and pool_tokenizer:
-        tok = load_tokenizer(pool_tokenizer)
+        # a path, or the champion's tokenizer already loaded from bytes checked against its signed hash
+        tok = load_tokenizer(pool_tokenizer) if isinstance(pool_tokenizer, (str, Path)) else pool_tokenizer
         per_pool = max(1, d.yardstick_docs // len(pool))
         parts["old"] = [t for p in pool for t in _held_out(p, tok, per_pool, d.yardstick_max_chars)]
     if new_index and fs.is_file(*stored(new_index)) and new_tokenizer:
@@ -194,6 +194,22 @@ def trained_on(checkpoint: str | Path) -> Path | str | None:
     return local or next((stored(c)[0] for c in candidates if fs.is_file(*stored(c))), None)
 
 
+def champion_tokenizer(tags: dict):
+    """The champion's tokenizer (it decodes the replayed "old" part), from the file its verified
+    tags name (in its run directory, or an object-store run's object read there), read once and used
+    only when those bytes hash to the signed tokenizer_sha256; None otherwise, logged (the set then
+    has no "old" part)."""
+    from tasks.tokenizer.bpe import load_tokenizer
+
+    if not tags.get("tokenizer"):
+        return None
+    try:
+        return load_tokenizer(*stored(fs.location(tags["tokenizer"])), expected_sha256=tags.get("tokenizer_sha256") or "")
+    except (OSError, ValueError) as e:
+        log.warning("the champion's tokenizer cannot be used, the yardstick has no 'old' part: %s", e)
+        return None
+
+
 def gate_dir(cfg, checkpoint: str | Path) -> Path:
     """Where a checkpoint's gate files go: its run's gate/ folder, else run_root/.gate/."""
     if RunLayout.is_run_checkpoint(checkpoint):
@@ -218,12 +234,7 @@ def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: s
     tags = champion["tags"]
     pool = pool if pool is not None else replay_pool(tags.get("data.tokens_index"),
                                                      tags.get("data.tokens_index_sha256") or "")
-    # the tag names the champion's tokenizer file in its run directory: used only while the file still
-    # hashes to the signed tokenizer_sha256 (it decodes the replayed "old" part)
-    champ_tok = tags.get("tokenizer")
-    if not (champ_tok and Path(champ_tok).is_file() and sha256_file(champ_tok) == tags.get("tokenizer_sha256")):
-        champ_tok = None
-    built = build_yardstick(cfg, out_dir / "yardstick.jsonl", new_index, tokenizer_path, pool, champ_tok)
+    built = build_yardstick(cfg, out_dir / "yardstick.jsonl", new_index, tokenizer_path, pool, champion_tokenizer(tags))
     batch = cfg.evaluate.task_batch_size
     challenger_bpb = score(ckpt, tokenizer_path, built["path"], batch, yardstick_sha256=built["sha256"])
     champion_bpb = scores_from_tags(champion["tags"], built)
