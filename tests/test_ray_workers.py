@@ -1,6 +1,6 @@
 """The local Ray a stage starts keeps its worker processes between the stages' phases: the tasks
 after an actor phase (curate's dedup stages after its map) run in the processes that ran the
-tasks before it (ingest's), not in freshly booted ones (`tasks.core.ray_utils.WORKERS_PER_CPU`)."""
+tasks before it (ingest's), not in freshly booted ones (`tasks.core.ray_utils.IDLE_WORKERS_PER_CPU`)."""
 from __future__ import annotations
 
 import os

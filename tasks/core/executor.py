@@ -128,19 +128,21 @@ def _node_reporting_class(cls: type, staging: Staging | None) -> type:
     """`cls` with `run_job(method, *args)`: `_timed_on_node`'s tuple for the method. Its init
     arguments are staged in from the store on a node other than the driver's (model files).
     Created with `warm=(...)` (`RayActors.prestart`), the actor first runs `cls.warm_up(*warm)`
-    and builds `cls` only when `build(*init_args)` comes; a build error is raised by its jobs."""
+    and builds `cls` only when `_reporting_build(*init_args)` comes (a name of the wrapper's own,
+    not to hide a `build` of `cls`); a build error is raised by its jobs; a failed warm-up is
+    dropped (the build loads the same things, and fails there if it must)."""
     class NodeReporting(cls):
         def __init__(self, *args, warm: tuple | None = None):
             self._build_error: BaseException | None = None
             if warm is not None:
                 try:
                     cls.warm_up(*warm)
-                except Exception as e:  # noqa: BLE001 - as a build error (the build likely fails the same way)
-                    self._build_error = e
+                except Exception:  # noqa: BLE001 - only a head start: the build does the same work
+                    pass
                 return
-            self.build(*args)
+            self._reporting_build(*args)
 
-        def build(self, *args) -> None:
+        def _reporting_build(self, *args) -> None:
             self._build_error = None
             node = current_node_id()
             if staging is not None and node != staging.driver_node:
@@ -299,10 +301,11 @@ class RayActors:
         if not self._actors:
             self._define(n_jobs)
         self._args = [ray.put(a.value) if isinstance(a, Shared) else a for a in self.init_args]
-        if self.prestarted:  # each actor runs its calls in order: built before its first job
+        if self._actors and self.prestarted:  # each actor runs its calls in order: built before its first job
             for actor in self._actors:
-                actor.build.remote(*self._args)
-        else:
+                actor._reporting_build.remote(*self._args)
+        else:  # cold (also a pool started again after `stop`)
+            self.prestarted = 0
             self._actors = [self._actor_cls.remote(*self._args) for _ in range(self.workers)]
         self._idle = list(self._actors)
 
@@ -445,11 +448,13 @@ class JobRunner:
         return tasks_per_node(self.nodes)
 
     def job_report(self) -> dict:
-        """Where the jobs' time went: `map_wall_s` from the workers' start to the last result,
-        `compute_s` summed in the jobs' bodies, `idle_share` of the workers' time not in a body
-        (start-up of workers, scheduling, transfers, waiting for the last jobs), the workers started
-        and warmed up before the jobs (`RayActors.prestart`), and the bytes of results moved to the
-        driver (`via_object_store`: too big to come inline with the reply)."""
+        """Where the jobs' time went: `map_wall_s` from the workers' start (for prestarted workers,
+        `RayActors.prestart`: from their build, their process start and warm-up lie before it) to
+        the last result, `compute_s` summed in the jobs' bodies, `idle_share` of the workers' time
+        in that span not in a body (start-up of cold workers, building, scheduling, transfers,
+        waiting for the last jobs; a prestarted worker's start-up is not in it), the workers
+        prestarted, and the bytes of results moved to the driver (`via_object_store`: too big to
+        come inline with the reply)."""
         wall = max(0.0, self._last_result - self._first_dispatch)
         capacity = wall * max(1, self.workers.workers)
         return {"jobs_run": sum(self.nodes.values()), "workers": self.workers.workers,
