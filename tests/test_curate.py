@@ -343,7 +343,8 @@ def test_lines_counted_on_ray_before_the_actors_take_the_cpus(sample_docs, cfg, 
     prestart, build_index, count = RayActors.prestart, curate_run._decontam_index, curate_run.count_frequent_lines
 
     def recording_prestart(self, *args):
-        pools.append(self)
+        if self not in pools:  # called again in _curate (a no-op once started)
+            pools.append(self)
         return prestart(self, *args)
 
     def noting(name, fn):
@@ -382,6 +383,35 @@ def test_lines_counted_on_ray_before_the_actors_take_the_cpus(sample_docs, cfg, 
     assert s["line_dedup"]["counting"]["method"] == "ray" and s["line_dedup"]["counting"]["spill_tasks"] >= 1
     assert s["timings"]["jobs"]["workers_prestarted"] == 2 == s["workers"]
     assert s["line_dedup"]["lines_removed"] > 0 and s["docs_out"] > 0
+
+
+def test_a_failed_filter_pass_is_raised_without_waiting_for_the_dedup_report(cfg, tmp_path, monkeypatch):
+    """`_write_curated` drives the dedup report from a thread beside the filter pass; when the pass
+    fails its error comes at once, while the report still runs (not after it)."""
+    import threading
+    from types import SimpleNamespace
+
+    import tasks.curate.run as curate_run
+
+    release, state = threading.Event(), {}
+
+    def slow_report(*args):
+        release.wait(120)
+        state["report_done"] = True
+
+    def failing_pass(*args):
+        raise OSError("filter pass: disk full")
+
+    monkeypatch.setattr(curate_run, "dedup_report_task", slow_report)
+    monkeypatch.setattr(curate_run, "filter_pass", failing_pass)
+    stages = SimpleNamespace(dropped_lines=lambda: [], drop_files=lambda: [], jobs=[])
+    try:
+        with pytest.raises(OSError, match="disk full"):
+            curate_run._write_curated(cfg, SimpleNamespace(sources_kept={}),
+                                      SimpleNamespace(root=str(tmp_path), names=[]), stages, None, tmp_path)
+        assert "report_done" not in state
+    finally:
+        release.set()
 
 
 # ------------------------------------------------------------------ URL and line dedup (issue 15, items 1-2)

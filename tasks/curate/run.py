@@ -9,8 +9,9 @@ decontamination → PII redaction → URL + exact + MinHash dedup.
    whole corpus first (CCNet likewise counts before language id).
 1. Per input row group (ingest writes 500-row groups), on Ray actors (one per CPU, each loads
    the fastText model and spaCy's tokenizer once, started while the driver builds the
-   decontamination index and counts lines: `RayActors.prestart`): `run_filters` with the enabled filters (`filters.build_filters`,
-   in `filters.FILTER_ORDER`, after line dedup's `LineDedupFilter`: frequent lines removed, a
+   decontamination index and counts lines in process, after lines counted on Ray:
+   `RayActors.prestart`): `run_filters` with the enabled filters (`filters.build_filters`, in
+   `filters.FILTER_ORDER`, after line dedup's `LineDedupFilter`: frequent lines removed, a
    shortened document below the minimum length dropped as "line_dedup:too_short"), kept
    documents written to a part file, their dedup columns (id, exact-dedup key, size, source,
    quality score, URL key and crawl time, MinHash signature) to the job's meta file and the
@@ -85,7 +86,7 @@ from typing import Iterator
 import numpy as np
 import pyarrow.parquet as pq
 
-from tasks.config import CurateConfig, DedupConfig, MinHashConfig, PipelineConfig
+from tasks.config import CurateConfig, DedupConfig, PipelineConfig
 from tasks.core.documents import AtomicJsonlWriter, ShardWriter, iter_doc_batches
 from tasks.core.executor import PARTS_DIR, Job, JobRunner, RayActors, ResumableOutput, Shared
 from tasks.core.io import atomic_write_bytes
@@ -101,6 +102,7 @@ from tasks.dedup.lines import (FrequentLines, LineDedupFilter, count_frequent_li
 from tasks.dedup.minhash import MinHasher
 from tasks.dedup.cluster import clustering_method
 from tasks.dedup.substring import apply_to_curated
+from tasks.dedup.texts import minhasher
 from tasks.dedup.stages import (META_SCHEMA, DedupStages, IndexHandle, JobTable, part_counts, concat_files,
                                  dedup_report_task, filter_pass, write_meta)
 from tasks.dedup.urls import TrackingParams, parse_crawl_date, url_key
@@ -215,11 +217,6 @@ class CurateWorker:
                            score_field=self.score_field, url_tracking=self.url_tracking)
         res["name"] = part_name
         return res
-
-
-def minhasher(mh: MinHashConfig) -> MinHasher | None:
-    """The hasher of `curate.dedup.minhash` (None when MinHash dedup is off)."""
-    return MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram, mh.scheme, mh.hash) if mh.enabled else None
 
 
 # ------------------------------------------------------------------ jobs and their keys
@@ -560,11 +557,16 @@ def _write_curated(cfg: PipelineConfig, totals: _Totals, table: JobTable, stages
     filter_drops = (Path(table.root) / f"{name}-{DROPPED}" for name in table.names)
     concat_files(itertools.chain(filter_drops, stages.dropped_lines()), out_dir / DROPPED)
     mh = cfg.curate.dedup.minhash
-    with ThreadPoolExecutor(1, thread_name_prefix="dedup-report") as pool:
+    pool = ThreadPoolExecutor(1, thread_name_prefix="dedup-report")
+    try:
         report = pool.submit(dedup_report_task, stages.drop_files(), dict(totals.sources_kept),
                              sum(j.kept for j in stages.jobs), stages.jobs, mh, mh.ngram)
         out = filter_pass(stages, out_dir, cfg.curate.shard_docs)
         report = report.result()
+    except BaseException:  # the filter pass's error now, not after the whole report
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     return _Written(out["shards"], out_dir / DROPPED, out["docs"], out["bytes"], out["languages"], out["sources"],
                     {**report, "clustering": clustering, "stages": stages.layout})
 

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tasks.config import DedupConfig
+from tasks.config import DedupConfig, MinHashConfig
 from tasks.core.steps import StepStats
 from tasks.dedup.exact import exact_key
 from tasks.dedup.minhash import MinHasher
@@ -44,10 +44,16 @@ def dedup_texts(texts: list[str], cfg: DedupConfig, scores: list[float | None] |
     return [survivor[survivor[i]] for i in range(n)], dedup.steps
 
 
+def minhasher(mh: MinHashConfig) -> MinHasher | None:
+    """The hasher of a MinHash config (None when MinHash dedup is off): `dedup_texts`' and the
+    curate workers' (`tasks.curate.run`)."""
+    return MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram, scheme=mh.scheme, hash=mh.hash) if mh.enabled else None
+
+
 def _minhash_step(dedup: DedupPass, texts: list[str], cfg: DedupConfig, scores: list[float | None] | None,
                   work_dir: str | Path | None, info: dict) -> None:
     t0, mh, alive = time.perf_counter(), cfg.minhash, dedup.alive
-    hasher = MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram, scheme=mh.scheme, hash=mh.hash)
+    hasher = minhasher(mh)
     sigs = hasher.signatures([texts[i] for i in alive], max_shingles=mh.batch_shingles)
     # the texts go with the verifier (into the Ray object store once on the Ray path)
     verify = (JaccardVerifier(ListTexts([texts[i] for i in alive]), mh.verify_threshold, mh.ngram)
