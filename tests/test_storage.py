@@ -6,12 +6,6 @@ from s3_helpers import moto_s3
 from tasks.core import storage
 
 
-def test_the_working_copy_has_no_sync_down(monkeypatch):
-    """Nothing brings a store's objects back into a working copy to read them: the stages and the
-    triggered flows read a store run where it lives (checkpoints, records, token files)."""
-    assert not hasattr(storage.RunStore, "sync_down") and not hasattr(storage.RunStore, "_keep")
-
-
 def test_prune_cache_drops_the_least_recently_used_files_beyond_the_bound(tmp_path):
     import os
     import time

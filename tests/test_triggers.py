@@ -170,7 +170,6 @@ def test_the_pretrain_flow_reads_triggered_records_and_checkpoints_of_a_store_ru
     from tasks.evaluate.evaluate import write_report
 
     monkeypatch.setattr(storage, "_STORES", {})
-    monkeypatch.setattr(storage.RunStore, "sync_down", lambda *a, **k: pytest.fail("synced down"), raising=False)
     with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
         driver = storage.open_store("s3://runs/elsewhere", s3.options, str(tmp_path / "driver"))
         worker = storage.RunStore("s3://runs/elsewhere", s3.options, str(tmp_path / "worker"))
@@ -198,6 +197,10 @@ def test_the_pretrain_flow_reads_triggered_records_and_checkpoints_of_a_store_ru
             (2, "pretrain flow", None), (4, "trigger", "passed: first")]
         s3.client.put_object(Bucket="runs", Key=f"{ckpt_key}/shard-00001.safetensors", Body=b"x" * 100)
         assert triggered_evaluation(layout, ckpt) is None  # its tree hash on the store is not the evaluated one
+        # the guard: after all these reads the driver's working copy holds its own report only, no
+        # checkpoint file and no copy of the store's report
+        assert sorted(p.relative_to(driver.local_root).as_posix() for p in driver.local_root.rglob("*")
+                      if p.is_file() and "crucible-store" not in p.name) == ["r1/evaluate/step-000002.json"]
 
 
 def test_a_genuine_report_of_another_run_copied_into_this_run_is_refused(tmp_path, monkeypatch):
