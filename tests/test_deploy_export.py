@@ -168,3 +168,34 @@ def test_moe_exports_to_transformers_with_the_same_logits(tmp_path, arch):
         got = hf.generate(x[:, :8], attention_mask=torch.ones_like(x[:, :8]), max_new_tokens=8, do_sample=False,
                           eos_token_id=None, pad_token_id=0)  # the mask: token 0 in a prompt is not padding
     assert got.tolist() == want.tolist()
+
+
+def test_a_checkpoint_on_a_store_exports_by_its_uri(tmp_path, monkeypatch):
+    """A store run's checkpoint and tokenizer are named by their URIs (nothing is synced into a working
+    copy): export reads them there, verified (Path(uri).resolve() named a local path that is not there);
+    a tokenizer that is not the checkpoint's is refused."""
+    from s3_helpers import moto_s3
+    from tasks.core import fs, storage
+    from tasks.core.hashing import sha256_file
+
+    monkeypatch.setattr(storage, "_STORES", {})
+    tok = sample_tokenizer(tmp_path / "tokenizer.json")
+    ckpt = random_checkpoint(tmp_path / "r1" / "train", tok, 10, 3)
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        for p in (tmp_path / "r1").rglob("*"):
+            if p.is_file():
+                fs.upload(p, store.uri(p.relative_to(tmp_path).as_posix()), s3.options)
+        uri, tok_uri = store.uri(ckpt.relative_to(tmp_path).as_posix()), store.uri("r1/tokenizer/tokenizer.json")
+        fs.upload(tok, tok_uri, s3.options)
+        res = export_hf(uri, tok_uri, tmp_path / "hf")
+        record = json.loads((tmp_path / "hf" / "crucible_export.json").read_text())
+        assert record["checkpoint"] == uri and record["checkpoint_sha256_tree"] == fs.tree_sha256(ckpt)
+        assert sha256_file(tmp_path / "hf" / "tokenizer.json") == sha256_file(tok) == record["tokenizer_sha256"]
+        model, _ = load_model_for_inference(ckpt)
+        x = torch.randint(0, model.cfg.vocab_size, (2, 12))
+        with torch.no_grad():
+            torch.testing.assert_close(load_exported(res["out_dir"])(x)[0], model(x)[0])
+        fs.write_bytes(tok_uri, Path(tok).read_bytes().replace(b'"', b' "', 1), s3.options)
+        with pytest.raises(ValueError, match="not the one"):
+            export_hf(uri, tok_uri, tmp_path / "hf2")

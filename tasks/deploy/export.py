@@ -37,14 +37,16 @@ and `load_exported` reads config.json and model.safetensors only, so a planted f
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 
-from tasks.core.hashing import sha256_file, sha256_tree
+from tasks.core import fs
+from tasks.core.io import atomic_write_bytes
+from tasks.core.storage import stored
 
 RMS_EPS = 1e-6  # tasks.train.model.RMSNorm's default
 EOS_TOKEN = "<|endoftext|>"
@@ -282,18 +284,23 @@ def export_hf(ckpt_dir: str | Path, tokenizer_path: str | Path, out_dir: str | P
     """Write the Hugging Face directory; returns {"out_dir", "weights", "format", "files"}.
     `cfg` (PipelineConfig) and `eval_report` (an evaluate-stage report) feed the model card."""
     from tasks.tokenizer.bpe import load_tokenizer
-    from tasks.train.checkpoint import load_model_for_inference
+    from tasks.train.checkpoint import load_verified_model
 
-    ckpt_dir, tokenizer_path, out = Path(ckpt_dir).resolve(), Path(tokenizer_path).resolve(), Path(out_dir)
-    model, meta = load_model_for_inference(ckpt_dir)
+    # a local path, or an object-store run's URI (read there, never a working copy's)
+    ckpt_dir, tokenizer_path, out = fs.canonical(ckpt_dir), fs.canonical(tokenizer_path), Path(out_dir)
+    at, options = stored(ckpt_dir)
+    model, meta, tree_sha256 = load_verified_model(at, storage_options=options)  # the hash of what was loaded
     arch = choose_architecture(model)  # refuses, naming the setting, what no HF architecture here computes
+    tok_bytes = fs.read_bytes(*stored(tokenizer_path))  # read once: what is checked is what is exported
+    tok_sha256 = hashlib.sha256(tok_bytes).hexdigest()
     want = meta.get("tokenizer_sha256")
-    if want and want != sha256_file(tokenizer_path):
+    if want and want != tok_sha256:
         raise ValueError(f"tokenizer {tokenizer_path} is not the one checkpoint {ckpt_dir} was trained with")
-    tok = load_tokenizer(tokenizer_path)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / "tokenizer.json", tok_bytes, fsync=False)
+    tok = load_tokenizer(out / "tokenizer.json", expected_sha256=tok_sha256)
     eos_id = meta.get("eos_id", tok.token_to_id(EOS_TOKEN))
     bos_id = tok.token_to_id("<|bos|>")
-    out.mkdir(parents=True, exist_ok=True)
 
     from safetensors.torch import save_file
 
@@ -304,7 +311,6 @@ def export_hf(ckpt_dir: str | Path, tokenizer_path: str | Path, out_dir: str | P
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": True, "temperature": 1.0,
          "max_length": model.cfg.seq_len}, indent=2) + "\n")
-    shutil.copyfile(tokenizer_path, out / "tokenizer.json")
     specials = {"eos_token": EOS_TOKEN, "unk_token": None}
     if bos_id is not None:
         specials["bos_token"] = "<|bos|>"
@@ -318,8 +324,8 @@ def export_hf(ckpt_dir: str | Path, tokenizer_path: str | Path, out_dir: str | P
         {k: v for k, v in specials.items() if v is not None}, indent=2) + "\n")
     (out / "README.md").write_text(model_card(model, meta, cfg, eval_report, fmt, arch, run_energy_log(ckpt_dir)))
     (out / "crucible_export.json").write_text(json.dumps(
-        {"checkpoint": str(ckpt_dir), "checkpoint_sha256_tree": sha256_tree(ckpt_dir),
-         "tokenizer_sha256": sha256_file(tokenizer_path), "step": meta.get("step"), "run_name": meta.get("run_name"),
+        {"checkpoint": str(ckpt_dir), "checkpoint_sha256_tree": tree_sha256,
+         "tokenizer_sha256": tok_sha256, "step": meta.get("step"), "run_name": meta.get("run_name"),
          "weights": weights_file.name, "format": fmt, "architecture": arch}, indent=2) + "\n")
     return {"out_dir": str(out), "weights": str(weights_file), "format": fmt, "architecture": arch,
             "files": sorted(p.name for p in out.iterdir())}
@@ -373,7 +379,7 @@ def _table(rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
-def run_energy_log(ckpt_dir: Path) -> list[dict]:
+def run_energy_log(ckpt_dir: Path | str) -> list[dict]:
     """The energy records of the run a pipeline checkpoint belongs to (tasks/core/energy.py), [] for another."""
     from tasks.core.energy import read_log
     from tasks.core.layout import RunLayout
