@@ -63,7 +63,8 @@ from tasks.core.constants import (CHECKPOINT_EVENT, DEPLOY_FLOW, DEPLOYED_EVENT,
                                   EVENT_DEPLOYMENTS)
 from tasks.core.layout import RunLayout
 from tasks.core.fs import canonical, files, is_file
-from tasks.core.storage import PathEscape, is_remote, local_place, open_store, push_path, stored, uri_lineage_name
+from tasks.core.storage import (PathEscape, is_remote, local_place, open_store, push_path, store_holding, stored,
+                                 uri_lineage_name)
 from tasks.lineage.emitter import ActiveRun, JobRef, dataset_for_path
 from tasks.lineage.outputs import DATASET_DOCS
 
@@ -115,8 +116,7 @@ def trusted_run_paths(checkpoint: str | Path) -> dict:
     stack_cfg = StackConfig()  # the state dir: $CRUCIBLE_STATE_DIR, set for the stack's processes
     stores = [open_store(s["root"], s["options"], s["cache_dir"]) for s in stack.run_stores(stack_cfg)]
     if is_remote(str(checkpoint)):  # an object on a store: read there, its run's records in its working copy
-        owner = next((s for s in stores if str(checkpoint).startswith(s.root + "/")), None)
-        if owner is None:
+        if store_holding(str(checkpoint), stores) is None:
             raise ForgedClaim(f"{checkpoint} is not in a run store of this stack "
                               f"({', '.join(s.root for s in stores) or 'none'})")
         try:  # `..` in the key would climb into another registered store's working copy

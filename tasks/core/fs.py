@@ -289,6 +289,17 @@ def join(base: Path | str, *parts: str) -> Path | str:
     return Path(base).joinpath(*parts)
 
 
+def listed_beside(index: Path | str, listed: str) -> Path | str:
+    """Where a file that an index lists lies (a token index's split or its doc_starts): `listed` itself
+    when it is a URI or an absolute path, else beside the index; on a store in normal form (PathEscape
+    otherwise: `../` or `//` in a listed name would name another object)."""
+    if is_remote(listed):
+        return normal_uri(listed)
+    if is_remote(index):
+        return normal_uri(join(parent_of(index), listed))
+    return Path(listed) if Path(listed).is_absolute() else Path(index).parent / listed
+
+
 def name_of(loc: Path | str) -> str:
     return loc.rstrip("/").rsplit("/", 1)[-1] if is_remote(loc) else Path(loc).name
 

@@ -363,8 +363,10 @@ def run_uri(path: str | Path) -> str | None:
     return store.uri(store.rel(path)) if store is not None else None
 
 
-def _store_holding(uri: str) -> RunStore | None:
-    return next((s for s in _STORES.values() if uri == s.root or uri.startswith(s.root + "/")), None)
+def store_holding(uri: str, stores: Iterable[RunStore] | None = None) -> RunStore | None:
+    """The store among `stores` (default: those open in this process) whose root holds the URI."""
+    return next((s for s in (_STORES.values() if stores is None else stores)
+                 if uri == s.root or uri.startswith(s.root + "/")), None)
 
 
 def stored(path: str | Path) -> tuple[Path | str, dict | None]:
@@ -372,7 +374,7 @@ def stored(path: str | Path) -> tuple[Path | str, dict | None]:
     copy is read as the store's object (other processes and machines write there: what this copy
     holds may be stale or absent), any other path as itself. A URI is returned as given."""
     if is_remote(path):
-        store = _store_holding(str(path))
+        store = store_holding(str(path))
         return str(path), store.options if store is not None else None
     store = store_of_path(path)
     if store is None:
@@ -386,7 +388,7 @@ def local_place(uri: str) -> Path:
     PathEscape for a key with `..` or not in normal form (`fs.normal_uri`: `r1//train/...` is another
     object than `r1/train/...`, yet would get its place)."""
     normal_uri(uri)
-    store = _store_holding(uri)
+    store = store_holding(uri)
     if store is None:
         raise StorageError(f"{uri}: no store open in this process holds it (tasks.core.storage.store_for)")
     return safe_join(store.local_root, uri[len(store.root) + 1:]) if uri != store.root else store.local_root
@@ -653,9 +655,8 @@ def store_for_uri(uri: str, setting: str, check_timeout: float = 20.0, storage=N
     be used raises StorageError naming `setting`. `storage` (a StorageConfig): its options and cache
     instead, for a run whose run_root is local."""
     uri = uri.rstrip("/")
-    for store in _STORES.values():
-        if uri == store.root or uri.startswith(store.root + "/"):
-            return store, uri[len(store.root) + 1:] or "."
+    if (store := store_holding(uri)) is not None:
+        return store, uri[len(store.root) + 1:] or "."
     like = storage or next((s for s in _STORES.values() if s.protocol == protocol(uri)), None)
     bound = CacheBound.of(storage) if storage is not None else (like.node_cache if like else None)
     store = RunStore(uri, dict(like.options) if like else {}, (like.cache_dir or "") if like else "", bound)

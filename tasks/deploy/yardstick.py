@@ -63,8 +63,7 @@ def _held_out(index_path: str | Path, tokenizer, limit: int, max_chars: int) -> 
     if not info["tokens"]:
         return []
     if fs.is_remote(at):
-        where = info["doc_starts"] if fs.is_remote(info["doc_starts"]) else fs.join(fs.parent_of(at), info["doc_starts"])
-        starts = np.load(io.BytesIO(fs.read_bytes(where, options)), allow_pickle=False)
+        starts = np.load(io.BytesIO(fs.read_bytes(fs.listed_beside(at, info["doc_starts"]), options)), allow_pickle=False)
     else:
         starts = open_doc_starts(at, "val")
     ends = list(starts[1:]) + [info["tokens"]]

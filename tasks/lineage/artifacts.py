@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tasks.core.fs import is_file, is_remote, join, parent_of, read_text
+from tasks.core.fs import PathEscape, is_file, is_remote, listed_beside, read_text
 from tasks.core.storage import stored
 from tasks.lineage.emitter import dataset_for_path
 from tasks.lineage.facets import CrucibleSourceDatasetFacet, data_readme_entry
@@ -28,10 +28,8 @@ def token_split_paths(tokens_index: str | Path, splits: tuple[str, ...] | None =
         if splits is not None and name not in splits:
             continue
         path = info.get("path") or info.get("file") if isinstance(info, dict) else None
-        if path:
-            p = Path(path) if Path(path).is_absolute() else index.parent / path
-            if p.is_file():
-                paths.append(p)
+        if path and (p := listed_beside(index, path)).is_file():
+            paths.append(p)
     return paths
 
 
@@ -43,7 +41,12 @@ def _stored_split_uris(index: str, splits: tuple[str, ...] | None) -> list[str]:
         return []
     found = [info.get("path") for name, info in listed.items() if isinstance(info, dict)
              and (splits is None or name in splits)]
-    uris = [p if is_remote(p) else join(parent_of(at), p) for p in found if p]
+    uris = []
+    for p in found:
+        try:
+            uris += [listed_beside(at, p)] if p else []
+        except PathEscape:  # a name that would be another object: not the split
+            continue
     return [u for u in uris if is_file(u, options)]
 
 
