@@ -597,3 +597,47 @@ def test_crucible_up_registers_the_schedule_and_crucible_schedule_changes_it(tmp
             (now.stdout + now.stderr)[-3000:]
     finally:
         crucible("down", "--config", str(path))
+
+
+def test_a_pre_decay_start_swapped_after_its_check_is_not_trained_from(tmp_path, monkeypatch):
+    """Attack: the pre-decay checkpoint verifies against its run's signed manifest, then its files are
+    swapped for another checkpoint's before the cycle records init_sha256. The hash training must
+    match comes from the signed manifest entry checked, not from reading the files again."""
+    import shutil
+
+    from lm_helpers import random_checkpoint, sample_tokenizer
+    from tasks.continued.cycle import Champion, cycle_config
+    from tasks.continued.ledger import Discovery, RawFile, SourceDiscovery
+    from tasks.core.hashing import sha256_file, sha256_tree
+    from tasks.train import checkpoint
+    from tasks.train.schedule import schedule_record
+
+    cfg = config(tmp_path)
+    cfg = cfg.model_copy(update={"continue_": cfg.continue_.model_copy(update={"replay_fraction": 0.0,
+                                                                               "lr_schedule": "wsd"})})
+    tok = sample_tokenizer(tmp_path / "tokenizer.json")
+    wsd = cfg.train.model_copy(update={"lr_schedule": "wsd", "max_steps": 30, "warmup_steps": 5,
+                                       "wsd_decay_fraction": 0.4})
+    train_dir = tmp_path / "runs" / "champ" / "train"
+    ckpts = {step: random_checkpoint(train_dir, tok, step, step, meta_extra={"schedule": schedule_record(wsd)},
+                                     n_layer=2, n_head=4, d_model=64, seq_len=64) for step in (10, 30)}
+    genuine = sha256_tree(ckpts[10])
+    real_check, swaps = checkpoint.checkpoint_problem, []
+
+    def check_then_swap(*a, **kw):
+        problem = real_check(*a, **kw)
+        if not swaps:
+            shutil.rmtree(ckpts[10])
+            shutil.copytree(ckpts[30], ckpts[10])  # weights the run never had at step 10
+            swaps.append(True)
+        return problem
+
+    monkeypatch.setattr(checkpoint, "checkpoint_problem", check_then_swap)
+    champion = Champion("cont-model", 1, ckpts[30], sha256_tree(ckpts[30]), tok, sha256_file(tok), None,
+                        checkpoint.read_meta(ckpts[30])["model"], "champ", None, {})
+    new = RawFile(uri=str(tmp_path / "landing" / "a.warc.gz"), source="landing", size=1, stamp="1", sha256="0" * 64,
+                  licence="test")
+    discovery = Discovery([SourceDiscovery("landing", str(tmp_path / "landing" / "*.warc.gz"), 1, [new])])
+    t = cycle_config(cfg, discovery, champion, tmp_path / "state").train
+    assert swaps and sha256_tree(ckpts[10]) != genuine  # the swap happened
+    assert t.init_from == str(ckpts[10]) and t.init_sha256 == genuine

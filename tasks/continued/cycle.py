@@ -99,21 +99,22 @@ def check_continuation(cfg: PipelineConfig, champion: Champion) -> None:
                          f"continues the champion's weights, so the model section must match them")
 
 
-def pre_decay_checkpoint(champion: Champion) -> tuple[Path | str | None, str]:
-    """(checkpoint, why) for a WSD continuation: the champion's run's newest kept checkpoint at or
+def pre_decay_checkpoint(champion: Champion) -> tuple[Path | str | None, str, str | None]:
+    """(checkpoint, why, its tree hash from the signed manifest entry it verified against) for a WSD
+    continuation: the champion's run's newest kept checkpoint at or
     before the step its decay began, verified file by file against the run's checkpoint manifest.
     None (with the reason) when the champion was not trained warmup-stable-decay or none is kept. A
     champion on a store is read there (its run's manifest and checkpoint objects)."""
     from tasks.core import fs
     from tasks.core.storage import stored
-    from tasks.train.checkpoint import checkpoint_problem, read_manifest, read_meta
+    from tasks.train.checkpoint import checkpoint_problem, entry_tree_sha256, read_manifest, read_meta
 
     at, options = stored(champion.checkpoint)
     meta = read_meta(at, options)
     schedule = meta.get("schedule") or {}
     if schedule.get("lr_schedule") != "wsd":
         return None, (f"the champion was trained with lr_schedule {schedule.get('lr_schedule', 'unrecorded')!r}, "
-                      "not wsd")
+                      "not wsd"), None
     # never past the champion itself (a run's later checkpoints were not the ones gated and promoted)
     champion_step = int(meta.get("step", 0))
     train_dir, start = fs.parent_of(fs.parent_of(at)), int(schedule["decay_start"])
@@ -121,13 +122,16 @@ def pre_decay_checkpoint(champion: Champion) -> tuple[Path | str | None, str]:
     kept = [e for e in manifest["checkpoints"] if e["step"] <= min(start, champion_step)]
     if not kept:
         return None, (f"no checkpoint of the champion's run at or before step {start}, where its decay began, is "
-                      f"kept in {train_dir} (train.checkpoint_every / keep_last_checkpoints decide what is kept)")
+                      f"kept in {train_dir} (train.checkpoint_every / keep_last_checkpoints decide what is kept)"), None
     entry = max(kept, key=lambda e: e["step"])
     ckpt = fs.join(fs.parent_of(champion.checkpoint), entry["path"])
     if checkpoint_problem(stored(ckpt)[0], manifest, storage_options=options):
         raise CycleError(f"the champion's pre-decay checkpoint {ckpt} does not match its run's checkpoint manifest: "
                          "refusing to continue from it")
-    return ckpt, f"step {entry['step']} of the champion's run, the last kept before its decay began (step {start})"
+    # the hash training must find comes from the signed entry just checked: reading the objects again
+    # could hash others swapped in since (training would load those)
+    return ckpt, (f"step {entry['step']} of the champion's run, the last kept before its decay began "
+                  f"(step {start})"), entry_tree_sha256(manifest, entry["path"])
 
 
 def minhash_index_dir(cfg: PipelineConfig, state_dir: str | Path) -> Path:
@@ -163,17 +167,14 @@ def cycle_config(cfg: PipelineConfig, discovery: Discovery, champion: Champion |
                 raise CycleError(f"continue.replay_fraction is {c.replay_fraction}, but the champion's training tokens "
                                  f"({champion.tags.get('data.tokens_index') if not pool else ', '.join(missing)}) are "
                                  "gone, so nothing can be replayed: restore them, or set continue.replay_fraction=0")
-        start, why = (None, "continue.lr_schedule is rewarm_cosine") if c.lr_schedule == "rewarm_cosine" \
-            else pre_decay_checkpoint(champion)
+        start, why, start_sha256 = (None, "continue.lr_schedule is rewarm_cosine", None) \
+            if c.lr_schedule == "rewarm_cosine" else pre_decay_checkpoint(champion)
         if start is None and c.lr_schedule == "wsd":
             raise CycleError(f"continue.lr_schedule is wsd, but {why}; use rewarm_cosine (or auto)")
         common = dict(init_optimizer=c.init_optimizer, resume=False, lr=c.lr or train["lr"],
                       max_steps=c.max_steps or train["max_steps"], stop_at_step=None)
         if start is not None:  # a new stable phase from before the champion's decay, then a decay
-            from tasks.core.fs import tree_sha256
-            from tasks.core.storage import stored
-
-            train.update(init_from=str(start), init_sha256=tree_sha256(*stored(start)), lr_schedule="wsd",
+            train.update(init_from=str(start), init_sha256=start_sha256, lr_schedule="wsd",
                          warmup_steps=c.rewarm_steps or 0, **common)
         else:  # re-warm from the champion itself, then cosine re-decay
             train.update(init_from=str(champion.checkpoint), init_sha256=champion.checkpoint_sha256,

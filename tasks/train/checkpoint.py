@@ -464,7 +464,7 @@ def verified_copy(ckpt_dir: str | Path, storage_options: dict | None = None,
             if problem := checkpoint_problem(local, manifest, expected_tree_sha256):
                 raise UnverifiedCheckpoint("refusing to load a checkpoint that does not verify: "
                                            + problem.replace(str(local), str(ckpt_dir)))
-            yield local, expected_tree_sha256 or _entry_tree_sha256(manifest, Path(ckpt_dir).name)
+            yield local, expected_tree_sha256 or entry_tree_sha256(manifest, Path(ckpt_dir).name)
         return
     manifest = None if expected_tree_sha256 else read_manifest(parent_of(parent_of(ckpt_dir)), storage_options)
     with tempfile.TemporaryDirectory(prefix="crucible-checkpoint-") as tmp:
@@ -472,7 +472,7 @@ def verified_copy(ckpt_dir: str | Path, storage_options: dict | None = None,
         if problem := checkpoint_problem(local, manifest, expected_tree_sha256):
             raise UnverifiedCheckpoint("refusing to load a checkpoint that does not verify: "
                                        + problem.replace(str(local), ckpt_dir))
-        yield local, expected_tree_sha256 or _entry_tree_sha256(manifest, name_of(ckpt_dir))
+        yield local, expected_tree_sha256 or entry_tree_sha256(manifest, name_of(ckpt_dir))
 
 
 def _run_train_dir(ckpt_dir: Path | str) -> Path | None:
@@ -734,10 +734,10 @@ def manifest_tree_sha256(ckpt_dir: str | Path, storage_options: dict | None = No
         manifest = read_manifest(parent_of(parent_of(ckpt_dir)), storage_options)
     except UnverifiedCheckpoint:
         return None
-    return _entry_tree_sha256(manifest, name_of(ckpt_dir))
+    return entry_tree_sha256(manifest, name_of(ckpt_dir))
 
 
-def _entry_tree_sha256(manifest: dict, name: str) -> str | None:
+def entry_tree_sha256(manifest: dict, name: str) -> str | None:
     """The tree hash of checkpoint `name` from the file hashes `manifest` lists (None if unlisted): once a
     copy verified against the manifest (every file listed, each with its hash), the copy's tree hash."""
     from tasks.core.hashing import tree_digest
