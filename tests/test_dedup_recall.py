@@ -188,3 +188,39 @@ def test_ray_clustering_verifies_each_candidate_pair_once(planted, ray_session, 
     assert (rs["candidate_pairs"], rs["verified_pairs"]) == (ls["candidate_pairs"], ls["verified_pairs"])
     assert rs["candidate_pairs_in_partitions"] > 1.5 * rs["candidate_pairs"], rs
     assert np.sum(np.asarray(got) != np.arange(len(got))) == len(planted["near"])
+
+
+def test_signature_prefilter_skips_reading_far_pairs_and_passes_every_pair_at_the_threshold(planted):
+    """`SignaturePrefilter` rejects the candidate pairs whose signatures agree far below 0.7 without
+    reading their texts, passes every real pair at exact Jaccard ≥ 0.7 (the planted near copies, and
+    any candidate pair at or above it) to the exact check, and joins exactly the pairs the exact
+    check of every pair joins; its cut is the exact binomial tail's."""
+    import numpy as np
+
+    from tasks.dedup.cluster import cluster_signatures
+    from tasks.dedup.minhash import MinHasher, candidate_pairs
+    from tasks.dedup.verify import JaccardVerifier, SignaturePrefilter, prefilter_min_matches, prefiltered
+
+    mh = MinHashConfig()
+    texts = planted["texts"]
+    sigs = MinHasher(mh.bands, mh.rows, mh.seed, mh.ngram).signatures(texts)
+    pairs = np.array(list(candidate_pairs(sigs, mh.bands, mh.rows)), np.int64)
+    exact = JaccardVerifier(ListTexts(texts), mh.verify_threshold, mh.ngram).similarities(pairs)
+    reads = CountingTexts.reads = []
+    v = prefiltered(JaccardVerifier(CountingTexts(texts), mh.verify_threshold, mh.ngram), sigs)
+    assert isinstance(v, SignaturePrefilter) and v.min_matches == prefilter_min_matches(0.7, 112) == 54
+    assert np.array_equal(v.mask(pairs), exact >= 0.7)
+    near = v.matches(pairs) >= v.min_matches
+    assert v.rejected == int((~near).sum()) >= 10 and v.checked == int(near.sum()), (v.rejected, v.checked)
+    # the texts of the rejected pairs were not read: only the documents of the pairs checked
+    assert sum(reads) == len(np.unique(pairs[near])) < len(np.unique(pairs)), (reads, len(np.unique(pairs)))
+    assert near[exact >= 0.7].all()
+    planted_near = np.array([(i - 1, i) for i in planted["near"]])  # exact Jaccard in [0.7, 0.8)
+    assert (v.matches(planted_near) >= v.min_matches).all()
+    # in the clustering (in-process path): counted in the stats, the same survivors as checking every pair
+    got, stats = cluster_signatures(sigs, mh.bands, mh.rows, method="local",
+                                    verify=JaccardVerifier(ListTexts(texts), mh.verify_threshold, mh.ngram))
+    sets = [shingles(t) for t in texts]  # a plain callable has no threshold to prefilter by
+    plain, _ = cluster_signatures(sigs, mh.bands, mh.rows, method="local",
+                                  verify=lambda a, b: jaccard(sets[a], sets[b]) >= 0.7)
+    assert stats["prefiltered_pairs"] == v.rejected and got == plain

@@ -39,7 +39,10 @@ pairs it receives (in chunks, each pair once, though a near-duplicate pair match
 bands whose keys lie in different partitions) before the reduction to a forest — the verifier
 is put into the object store once and never runs in the driver (as the in-process path joins
 only verified pairs, its components are those of the verified pairs too; the pairs checked are
-the in-process path's).
+the in-process path's). `cluster_signatures` puts a text verifier behind its signature prefilter
+(`verify.SignaturePrefilter`: pairs far below the threshold rejected unread) on both paths; on Ray
+the signatures travel with the verifier. (The curate stage's Ray path, `stages._minhash_ray`,
+calls `spilled_components` with the bare verifier: its spill rows carry no signatures.)
 With an object-store run_root (`work_dir` in its working copy) on a cluster of several nodes the
 spill files of step 1 are written to the store by the tasks that make them and each step-2 task
 reads its partition from there (`tasks.core.executor.task_location`), so the tasks of the two
@@ -569,7 +572,7 @@ def cluster_signatures(sigs: Sequence[np.ndarray | None], bands: int, rows: int,
     `representative_survivors`, stats `representative_check`); without, for its component.
     Logs the memory estimate first. Returns (survivors, stats)."""
     from tasks.dedup.minhash import minhash_clusters
-    from tasks.dedup.verify import SignatureVerifier, batch_verifier
+    from tasks.dedup.verify import SignatureVerifier, batch_verifier, prefiltered
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     valid = np.array([i for i, s in enumerate(sigs) if s is not None], dtype=np.int64)
@@ -581,7 +584,10 @@ def cluster_signatures(sigs: Sequence[np.ndarray | None], bands: int, rows: int,
     stats: dict = {"method": method, "memory_estimate": est}
     verifier = batch_verifier(verify)
     if method == "local" or len(valid) < 2:
-        roots = np.asarray(minhash_clusters(list(sigs), bands, rows, verify=verify, stats=stats), dtype=np.int64)
+        pair_verify = prefiltered(verify, sigs)  # a text verifier skips the pairs far below its threshold
+        roots = np.asarray(minhash_clusters(list(sigs), bands, rows, verify=pair_verify, stats=stats), dtype=np.int64)
+        if pair_verify is not verify:
+            stats["prefiltered_pairs"] = pair_verify.rejected
     else:
         if work_dir is None:
             raise ValueError("the Ray clustering needs a work_dir for its spill files")
@@ -589,6 +595,8 @@ def cluster_signatures(sigs: Sequence[np.ndarray | None], bands: int, rows: int,
         for lo in range(0, len(valid), shard_docs):
             shards.append((lo, np.stack([sigs[i] for i in valid[lo:lo + shard_docs]])))
         sub_verify = verifier.reindexed(valid) if verifier is not None else None  # sub index → caller's
+        # the prefilter's signatures go with the verifier (once into the object store; smaller than its texts)
+        sub_verify = prefiltered(sub_verify, np.concatenate([s for _, s in shards]))
         res = cluster_ray(shards, len(valid), bands, rows, work_dir, partitions, sub_verify, log)
         stats.update(res.stats)
         sub_roots = res.roots_array(len(valid))
