@@ -641,3 +641,72 @@ def test_a_pre_decay_start_swapped_after_its_check_is_not_trained_from(tmp_path,
     t = cycle_config(cfg, discovery, champion, tmp_path / "state").train
     assert swaps and sha256_tree(ckpts[10]) != genuine  # the swap happened
     assert t.init_from == str(ckpts[10]) and t.init_sha256 == genuine
+
+
+def test_a_champion_swapped_after_its_hash_check_is_not_trained_from(tmp_path, monkeypatch):
+    """Attack: the champion's own files hash to its signed content hash, then are swapped for another
+    checkpoint's before the cycle records the hash training must match. Champion.checkpoint_sha256 is
+    the tree hash registered_files checked against the content hash, not a second read."""
+    import shutil
+
+    from lm_helpers import random_checkpoint, sample_tokenizer
+    from tasks.continued import cycle
+    from tasks.core import fs
+    from tasks.core.hashing import sha256_file, sha256_tree
+    from tasks.deploy import registry
+
+    tok = sample_tokenizer(tmp_path / "tokenizer.json")
+    ckpt = random_checkpoint(tmp_path / "runs" / "champ" / "train", tok, 10, 1)
+    other = random_checkpoint(tmp_path / "runs" / "other" / "train", tok, 10, 2)
+    genuine = sha256_tree(ckpt)
+    tags = {"checkpoint": str(ckpt), "tokenizer": str(tok), "run_name": "champ",
+            "content_hash": registry.content_hash_of(genuine, sha256_file(tok))}
+    monkeypatch.setattr(registry, "get_champion", lambda *a: {"version": 1, "tags": tags, "run_id": None})
+    real_tree, swaps = fs.tree_sha256, []
+
+    def hash_then_swap(*a, **kw):
+        digest = real_tree(*a, **kw)
+        if not swaps:
+            shutil.rmtree(ckpt)
+            shutil.copytree(other, ckpt)
+            swaps.append(True)
+        return digest
+
+    monkeypatch.setattr(fs, "tree_sha256", hash_then_swap)
+    champion = cycle.find_champion(config(tmp_path), "sqlite:///unused.db")
+    assert swaps and sha256_tree(ckpt) != genuine  # the swap happened
+    assert champion.checkpoint == ckpt and champion.checkpoint_sha256 == genuine
+
+
+def test_a_replay_pool_on_a_store_is_found_there(tmp_path, monkeypatch):
+    """A champion trained from an object-store run: its replay pool's token indexes are URIs, asked on
+    their store (Path(uri).is_file() is never true: the pool was reported gone and the cycle refused)."""
+    from lm_helpers import random_checkpoint, sample_tokenizer
+    from s3_helpers import moto_s3
+    from tasks.continued import mix
+    from tasks.continued.cycle import Champion, CycleError, cycle_config
+    from tasks.continued.ledger import Discovery, RawFile, SourceDiscovery
+    from tasks.core import storage
+    from tasks.core.hashing import sha256_file, sha256_tree
+    from tasks.train.checkpoint import read_meta
+
+    monkeypatch.setattr(storage, "_STORES", {})
+    cfg = config(tmp_path)
+    cfg = cfg.model_copy(update={"continue_": cfg.continue_.model_copy(update={"replay_fraction": 0.3,
+                                                                               "lr_schedule": "rewarm_cosine"})})
+    tok = sample_tokenizer(tmp_path / "tokenizer.json")
+    ckpt = random_checkpoint(tmp_path / "runs" / "champ" / "train", tok, 10, 1, n_layer=2, n_head=4, d_model=64,
+                             seq_len=64)
+    champion = Champion("cont-model", 1, ckpt, sha256_tree(ckpt), tok, sha256_file(tok), None,
+                        read_meta(ckpt)["model"], "champ", None, {})
+    new = RawFile(uri=str(tmp_path / "landing" / "a.warc.gz"), source="landing", size=1, stamp="1", sha256="0" * 64,
+                  licence="test")
+    discovery = Discovery([SourceDiscovery("landing", str(tmp_path / "landing" / "*.warc.gz"), 1, [new])])
+    pool = ["s3://runs/crucible/r1/tokens/index.json"]
+    monkeypatch.setattr(mix, "replay_pool", lambda *a: pool)
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        with pytest.raises(CycleError, match="gone"):  # not there yet
+            cycle_config(cfg, discovery, champion, tmp_path / "state")
+        s3.client.put_object(Bucket="runs", Key="crucible/r1/tokens/index.json", Body=b"{}")
+        assert cycle_config(cfg, discovery, champion, tmp_path / "state").train.init_from == str(ckpt)

@@ -494,7 +494,7 @@ def test_a_store_runs_checkpoint_is_gated_registered_and_served_by_its_uri(train
     from tasks.core import storage
     from tasks.deploy import servable
     from tasks.deploy.registry import model_content_hash
-    from tasks.train.checkpoint import load_model_for_inference
+    from tasks.train.checkpoint import UnverifiedCheckpoint, load_model_for_inference
 
     monkeypatch.setattr(storage, "_STORES", {})
     uri = mlflow_store["uri"]
@@ -523,8 +523,55 @@ def test_a_store_runs_checkpoint_is_gated_registered_and_served_by_its_uri(train
         assert not second["passed"] and second["yardstick"]["challenger_bpb"] and second["yardstick"]["champion_bpb"]
         assert not list(store.local_root.rglob("*.safetensors"))
 
-        ckpt, local_tok = servable(cfg, at[20], tok_uri)
+        served = servable(cfg, at[20], tok_uri)
+        ckpt, local_tok = served.checkpoint, served.tokenizer
         assert ckpt.is_relative_to(tmp_path / "cache" / "served") and local_tok.read_bytes() == tok.read_bytes()
+        assert served.content_hash == first["content_hash"] and ckpt.parents[2].name == served.content_hash[:32]
         model, meta = load_model_for_inference(ckpt)  # verified against the fetched signed manifest
         assert meta["step"] == 20
-        assert servable(cfg, trained[20], tok) == (Path(trained[20]), tok)  # local files: as they are
+        # keyed by content: a re-deploy that does not verify never replaces the live folder
+        s3.client.put_object(Bucket="runs", Key=f"crucible/r1/train/checkpoints/{Path(at[20]).name}/extra.bin",
+                             Body=b"x")
+        folders = sorted((tmp_path / "cache" / "served").iterdir())
+        with pytest.raises(UnverifiedCheckpoint):
+            servable(cfg, at[20], tok_uri)
+        assert load_model_for_inference(ckpt)[1]["step"] == 20
+        assert sorted((tmp_path / "cache" / "served").iterdir()) == folders  # nothing replaced, nothing left
+
+
+def test_what_is_registered_is_what_the_signed_report_names(tmp_path, mlflow_store, monkeypatch):
+    """Attack: after the gate, a writer of the run folder swaps in another run's genuine checkpoint of
+    the same step with that run's signed manifest. The content hash, the registered export and what
+    is served all come from one local copy verified against the report's checkpoint_sha256, so the
+    registered copy holds the evaluated weights (or nothing is registered)."""
+    import shutil
+
+    from tasks.core import fs
+    from tasks.deploy import yardstick
+    from tasks.deploy.registry import get_champion, registered_files
+    from tasks.train.checkpoint import load_model_for_inference
+
+    tok = sample_tokenizer(tmp_path / "tok")
+    evaluated = random_checkpoint(tmp_path / "live" / "train", tok, 20, seed=1)
+    other = random_checkpoint(tmp_path / "other" / "train", tok, 20, seed=2)
+    name, uri = "crucible-swapped", mlflow_store["uri"]
+    real_gate = yardstick.gate_evaluation
+
+    def gate_then_swap(*a, **kw):
+        verdict = real_gate(*a, **kw)
+        live = Path(evaluated).parent
+        shutil.rmtree(live)
+        shutil.copytree(Path(other).parent, live)  # checkpoint and its run's signed manifest
+        return verdict
+
+    monkeypatch.setattr(yardstick, "gate_evaluation", gate_then_swap)
+    want = fs.tree_sha256(evaluated)
+    evaluation = {"val_loss": 5.0, "step": 20, "checkpoint": str(evaluated), "checkpoint_sha256": want}
+    res = deploy_if_better(_gated_cfg(tmp_path, name), uri, evaluation, tok, None)
+    assert fs.tree_sha256(evaluated) != want  # the swap happened
+    if res["version"] is not None:
+        champion = get_champion(uri, name)
+        ckpt, _, copy_hash = registered_files(uri, name, champion, tmp_path / "champions")
+        registered, _ = load_model_for_inference(ckpt, expected_tree_sha256=copy_hash)
+        theirs, _ = load_model_for_inference(other)
+        assert not torch.equal(registered.tok_emb.weight, theirs.tok_emb.weight)

@@ -63,7 +63,7 @@ def find_champion(cfg: PipelineConfig, tracking_uri: str) -> Champion | None:
     tags, version = found["tags"], found["version"]
     name = f"{cfg.deploy.model_name} version {version}"
     try:
-        ckpt, tok, _ = registered_files(tracking_uri, cfg.deploy.model_name, found,
+        ckpt, tok, tree = registered_files(tracking_uri, cfg.deploy.model_name, found,
                                       local_run_root(cfg) / ".champions")
     except UnverifiedModel as e:
         raise CycleError(f"the champion ({name}) cannot be verified: {e}; promote another version") from None
@@ -76,8 +76,11 @@ def find_champion(cfg: PipelineConfig, tracking_uri: str) -> Champion | None:
                              "continue.init_optimizer=false")
     # tags are the verified ones (get_champion); the index itself must still hash to the signed value
     index = verified_index(tags.get("data.tokens_index"), tags.get("data.tokens_index_sha256"))
-    meta = read_meta(*stored(ckpt))  # a checkpoint on a store: read (and below hashed) there
-    return Champion(cfg.deploy.model_name, version, ckpt, fs.tree_sha256(*stored(ckpt)), tok, fs.sha256(*stored(tok)),
+    meta = read_meta(*stored(ckpt))  # a checkpoint on a store: read there (the shape; training checks it again)
+    # the hashes checked against the signed content hash: training must find those bytes (hashing the
+    # files again here could hash others swapped in since)
+    tok_sha = tags.get("tokenizer_sha256") or fs.sha256(*stored(tok))
+    return Champion(cfg.deploy.model_name, version, ckpt, tree, tok, tok_sha,
                     index, meta["model"], tags.get("run_name"), found.get("run_id"), tags)
 
 
@@ -160,9 +163,12 @@ def cycle_config(cfg: PipelineConfig, discovery: Discovery, champion: Champion |
         c, train = cfg.continue_, data["train"]
         if c.replay_fraction > 0:
             from tasks.continued.mix import replay_pool
+            from tasks.core import fs
+            from tasks.core.storage import stored
 
             pool = replay_pool(champion.tokens_index, champion.tags.get("data.tokens_index_sha256") or "")
-            missing = [str(p) for p in pool if not p.is_file()]
+            # a member may be an object-store run's URI: asked on its store (Path(uri).is_file() is never true)
+            missing = [str(p) for p in pool if not fs.is_file(*stored(p))]
             if not pool or missing:
                 raise CycleError(f"continue.replay_fraction is {c.replay_fraction}, but the champion's training tokens "
                                  f"({champion.tags.get('data.tokens_index') if not pool else ', '.join(missing)}) are "

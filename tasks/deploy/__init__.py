@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from tasks.core.constants import LINEAGE_NAMESPACE
 from tasks.core.layout import RunLayout
@@ -125,12 +125,14 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
     "verified"}. When the gate or verification fails, version/alias are None and `endpoint` is
     the running server's (still the previous champion) if there is one.
     """
-    from tasks.deploy.registry import get_champion, model_content_hash, record_gate, register
+    from tasks.deploy.registry import get_champion, record_gate, register
     from tasks.deploy.yardstick import gate_evaluation, score_tags
 
     dcfg = cfg.deploy
     champion = get_champion(tracking_uri, dcfg.model_name)
-    content_hash = model_content_hash(evaluation["checkpoint"], tokenizer_path)
+    # one local copy, verified against the signed report's hash, is hashed, registered and served
+    copy = servable(cfg, evaluation["checkpoint"], tokenizer_path, evaluation.get("checkpoint_sha256"))
+    content_hash = copy.content_hash
     if champion and champion["tags"].get("content_hash") == content_hash:
         # The same checkpoint was already promoted (e.g. by the event-triggered deploy-model flow
         # while this run was still going): report it as deployed rather than failing the gate.
@@ -173,52 +175,78 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
         tags |= score_tags(yardstick["set"]["sha256"], yardstick["challenger"]["bits_per_byte"])
     reg = register(tracking_uri, dcfg.model_name, evaluation["checkpoint"], tokenizer_path,
                    {k: v for k, v in evaluation.items() if k != "yardstick"}, train_run_id, extra_tags=tags,
-                   content_hash=content_hash)
+                   content_hash=content_hash, copy=(copy.checkpoint, copy.tree_sha256, copy.tokenizer))
     result.update({k: reg[k] for k in ("version", "alias", "content_hash", "source")})
     if dcfg.serve and (serve_model is None or verify_model is None):
         raise ValueError("deploy.serve is true but no model server was handed to deploy_if_better (serve_model, "
                          "verify_model); pass the stack's supervisor (infra.services.model_server.supervisor) "
                          "or set deploy.serve=false")
-    return _verify_promote_serve(cfg, tracking_uri, evaluation, tokenizer_path, reg["version"], result,
+    return _verify_promote_serve(cfg, tracking_uri, copy, reg["version"], result,
                                  serve_model, verify_model, server_status)
 
 
-def servable(cfg, checkpoint: str | Path, tokenizer_path: str | Path) -> tuple[Path, Path]:
-    """The checkpoint and tokenizer as local files for the model server, a process of the stack that
-    keeps loading them (reloads, restarts): a store's objects (an object-store run's checkpoint) are
-    downloaded with the run's signed checkpoint manifest into storage.cache_dir/served/, laid out as
-    a run's train/checkpoints/ so the server verifies them against it as it loads; local files as
-    they are. Only what serving needs is fetched (no other checkpoint, no working copy)."""
+class Deployable(NamedTuple):
+    """One verified local copy of a challenger: what deploy hashes, registers and serves."""
+    checkpoint: Path  # <folder>/train/checkpoints/step-N, with its run's signed manifest beside it
+    tokenizer: Path
+    tree_sha256: str  # of the copy, verified (the signed report's checkpoint_sha256 when it names one)
+    tokenizer_sha256: str
+    content_hash: str  # registry.content_hash_of(tree_sha256, tokenizer_sha256): also the folder's key
+
+
+def servable(cfg, checkpoint: str | Path, tokenizer_path: str | Path,
+             expected_tree_sha256: str | None = None) -> Deployable:
+    """The checkpoint and tokenizer as ONE local copy, verified once, for everything deploy does with
+    them (content hash, export into the registry, the model server, a process of the stack that keeps
+    loading them): reading the source again at each step could read other bytes each time (a store's
+    objects or a run folder swapped in between). The checkpoint (a store's objects downloaded, local
+    files hard-linked) and its run's signed manifest are laid out as a run's train/checkpoints/ in
+    storage.cache_dir/served/<content hash>/ (the server verifies them against it as it loads); the
+    copy must hash to `expected_tree_sha256` (a signed report's checkpoint_sha256), else verify against
+    that manifest; the tokenizer is read once and must be the one the checkpoint's signed meta names.
+    A folder of that content already there (the live one, perhaps) is used, never replaced."""
+    import hashlib
     import shutil
     import uuid
 
     from tasks.core import fs
-    from tasks.core.hashing import sha256_text
     from tasks.core.layout import CHECKPOINTS_DIR
     from tasks.core.storage import default_cache_dir, stored
-    from tasks.train.checkpoint import MANIFEST
+    from tasks.deploy.registry import content_hash_of
+    from tasks.train.checkpoint import (MANIFEST, UnverifiedCheckpoint, checkpoint_problem, manifest_tree_sha256,
+                                        read_meta)
 
-    if not (fs.is_remote(checkpoint) or fs.is_remote(tokenizer_path)):
-        return Path(checkpoint), Path(tokenizer_path)
-    folder = Path(cfg.storage.cache_dir).expanduser() if cfg.storage.cache_dir else default_cache_dir()
-    folder = folder / "served" / sha256_text(f"{checkpoint}\n{tokenizer_path}")[:16]
-    tmp = folder.with_name(f".tmp-{uuid.uuid4().hex}")
+    root = (Path(cfg.storage.cache_dir).expanduser() if cfg.storage.cache_dir else default_cache_dir()) / "served"
+    tmp = root / f".tmp-{uuid.uuid4().hex}"
     try:
-        ckpt = Path(checkpoint)
-        if fs.is_remote(checkpoint):
-            at, options = stored(checkpoint)
-            ckpt = fs.download(at, tmp / "train" / CHECKPOINTS_DIR / fs.name_of(at), options)
-            fs.download_file(fs.join(fs.parent_of(at), MANIFEST), tmp / "train" / CHECKPOINTS_DIR / MANIFEST, options)
-            ckpt = folder / ckpt.relative_to(tmp)
-        tok = Path(tokenizer_path)
-        if fs.is_remote(tokenizer_path):
-            fs.write_bytes(tmp / "tokenizer.json", fs.read_bytes(*stored(tokenizer_path)))
-            tok = folder / "tokenizer.json"
-        shutil.rmtree(folder, ignore_errors=True)  # an earlier copy: replaced whole
-        os.replace(tmp, folder)
+        (at, options), (tok_at, tok_options) = stored(checkpoint), stored(tokenizer_path)
+        local = tmp / "train" / CHECKPOINTS_DIR / fs.name_of(at)
+        manifest = fs.join(fs.parent_of(at), MANIFEST)
+        if fs.is_remote(at):
+            fs.download(at, local, options)
+            fs.download_file(manifest, local.parent / MANIFEST, options)
+        else:  # a rename into the run folder afterwards leaves the linked bytes as they were
+            shutil.copytree(at, local, ignore=shutil.ignore_patterns(".tmp-*"), copy_function=fs.link_or_copy)
+            fs.link_or_copy(manifest, local.parent / MANIFEST)
+        if problem := checkpoint_problem(local, expected_tree_sha256=expected_tree_sha256):
+            raise UnverifiedCheckpoint(f"refusing to deploy {checkpoint}: " + problem.replace(str(local), str(at)))
+        tree = expected_tree_sha256 or manifest_tree_sha256(local)
+        data = fs.read_bytes(tok_at, tok_options)
+        tok_sha = hashlib.sha256(data).hexdigest()
+        if (want := read_meta(local).get("tokenizer_sha256")) and want != tok_sha:
+            raise ValueError(f"tokenizer {tokenizer_path} is not the one checkpoint {checkpoint} was trained with")
+        fs.write_bytes(tmp / "tokenizer.json", data)
+        content_hash = content_hash_of(tree, tok_sha)
+        folder = root / content_hash[:32]
+        if not folder.is_dir():
+            try:
+                os.replace(tmp, folder)
+            except OSError:  # another deploy of the same content put it there first
+                if not folder.is_dir():
+                    raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return ckpt, tok
+    return Deployable(folder / local.relative_to(tmp), folder / "tokenizer.json", tree, tok_sha, content_hash)
 
 
 def _live_server(server_status: ServerStatus | None) -> dict:
@@ -227,7 +255,7 @@ def _live_server(server_status: ServerStatus | None) -> dict:
     return {"endpoint": current["url"], "pid": current["pid"]} if current and current["healthy"] else {}
 
 
-def _verify_promote_serve(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: Path | str, version: int,
+def _verify_promote_serve(cfg, tracking_uri: str, copy: Deployable, version: int,
                           result: dict, serve_model: ServeModel | None, verify_model: VerifyModel | None,
                           server_status: ServerStatus | None) -> dict:
     """A registered challenger: verified apart from the live server (which keeps serving the
@@ -238,7 +266,7 @@ def _verify_promote_serve(cfg, tracking_uri: str, evaluation: dict, tokenizer_pa
     name = dcfg.model_name
     try:
         if dcfg.serve:
-            checkpoint, tokenizer_path = servable(cfg, evaluation["checkpoint"], tokenizer_path)
+            checkpoint, tokenizer_path = copy.checkpoint, copy.tokenizer
             verified = verify_model(cfg, checkpoint, tokenizer_path, name, version, tracking_uri)
         else:
             from tasks.deploy.registry import verify_registered

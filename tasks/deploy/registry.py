@@ -34,7 +34,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from tasks.core import fs
-from tasks.core.hashing import sha256_text
+from tasks.core.hashing import sha256_file, sha256_text
 from tasks.core.storage import stored
 from tasks.core.signing import SignatureError, sign_value, verify_value
 # UnverifiedModel is raised here too (callers import it from this module)
@@ -224,12 +224,19 @@ def export_for_inference(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
     """Write the checkpoint's model weights only, in the checkpoint format (safetensors, signed meta
     file: tasks.train.checkpoint.save_model_copy), once the checkpoint verifies;
     `tasks.train.checkpoint.load_model_for_inference` reads the export like the original."""
-    from tasks.train.checkpoint import load_model_for_inference, save_model_copy
+    return _export(ckpt_dir, out_dir)[0]
+
+
+def _export(ckpt_dir: str | Path, out_dir: str | Path, expected_tree_sha256: str | None = None,
+            exported_from: str | Path | None = None) -> tuple[Path, str, dict]:
+    """`export_for_inference` (the checkpoint verified against `expected_tree_sha256` when given):
+    (export, the tree hash of the verified copy exported, its meta)."""
+    from tasks.train.checkpoint import load_verified_model, save_model_copy
 
     at, options = stored(ckpt_dir)  # a checkpoint on a store: downloaded to a temp folder and verified there
-    model, meta = load_model_for_inference(at, storage_options=options)
-    meta = {**meta, "exported_from": str(fs.canonical(ckpt_dir)), "contents": "model weights only"}
-    return save_model_copy(model, meta, out_dir)
+    model, meta, tree = load_verified_model(at, expected_tree_sha256=expected_tree_sha256, storage_options=options)
+    meta = {**meta, "exported_from": str(fs.canonical(exported_from or ckpt_dir)), "contents": "model weights only"}
+    return save_model_copy(model, meta, out_dir), tree, meta
 
 
 def _artifact_run(client: MlflowClient, tracking_uri: str, model_name: str) -> str:
@@ -248,7 +255,7 @@ def _artifact_run(client: MlflowClient, tracking_uri: str, model_name: str) -> s
 
 def register(tracking_uri: str, model_name: str, ckpt_dir: str | Path, tokenizer_path: str | Path,
              eval_result: dict, run_id: str | None, extra_tags: dict | None = None,
-             content_hash: str | None = None) -> dict:
+             content_hash: str | None = None, copy: tuple[Path, str, Path] | None = None) -> dict:
     """Log the checkpoint's weights-only export + tokenizer + signed manifest as plain artifacts
     (tasks/deploy/mlflow_model.py), register them as a new version of `model_name`, tag it (signed)
     with the evaluation results (val_loss, perplexity, step, eval.<metric> for every task metric),
@@ -256,23 +263,36 @@ def register(tracking_uri: str, model_name: str, ckpt_dir: str | Path, tokenizer
     (`promote` makes it champion). The files are logged under the training run (`run_id`); without
     one, under a run of the experiment "crucible-registry".
 
+    `copy`: (checkpoint, its tree hash, tokenizer), a local copy of both verified by the caller
+    (deploy.servable), registered in their place. What is registered is what is hashed: the export's
+    verified copy and the tokenizer bytes read once give the content hash, which must equal
+    `content_hash` when given; the tokenizer must be the one the checkpoint's signed meta names.
+
     Returns {"model_name", "version", "alias", "content_hash", "source", "run_id"}.
     """
 
     ckpt_dir, tokenizer_path = fs.canonical(ckpt_dir), fs.canonical(tokenizer_path)
     client = _client(tracking_uri)
-    content_hash = content_hash or model_content_hash(ckpt_dir, tokenizer_path)  # given: the caller hashed them
     own_run = run_id is None
     target_run = run_id or _artifact_run(client, tracking_uri, model_name)
-    artifact_path = f"registered_model/{fs.name_of(ckpt_dir)}-{content_hash[:12]}"
     status = "FAILED"
     try:
         with tempfile.TemporaryDirectory(prefix="crucible-register-") as tmp:
             model_dir = Path(tmp) / "model"
             tok_file = Path(tmp) / "tokenizer.json"
-            fs.write_bytes(tok_file, fs.read_bytes(*stored(tokenizer_path)))  # a store run's: read there
-            manifest = write_model_dir(model_dir, export_for_inference(ckpt_dir, Path(tmp) / "export"),
-                                       tok_file, content_hash, ckpt_dir)
+            source, tree, tok_source = copy or (ckpt_dir, None, tokenizer_path)
+            fs.write_bytes(tok_file, fs.read_bytes(*stored(tok_source)))  # a store run's: read there, once
+            export, tree, meta = _export(source, Path(tmp) / "export", tree, exported_from=ckpt_dir)
+            tok_sha = sha256_file(tok_file)
+            if meta.get("tokenizer_sha256") and meta["tokenizer_sha256"] != tok_sha:
+                raise ValueError(f"tokenizer {tokenizer_path} is not the one checkpoint {ckpt_dir} was trained with")
+            registered = content_hash_of(tree, tok_sha)
+            if content_hash and content_hash != registered:
+                raise UnverifiedModel(f"{ckpt_dir} and {tokenizer_path} are not the model hashed for registration "
+                                      f"(content hash {registered[:16]}..., not {content_hash[:16]}...)")
+            content_hash = registered
+            artifact_path = f"registered_model/{fs.name_of(ckpt_dir)}-{content_hash[:12]}"
+            manifest = write_model_dir(model_dir, export, tok_file, content_hash, ckpt_dir)
             # what a download of the registered copy is verified against (tasks/deploy/yardstick.py)
             copy_hashes = {k: manifest[k] for k in ("export_sha256", "tokenizer_sha256")}
             client.log_artifacts(target_run, str(model_dir), artifact_path)
@@ -344,18 +364,21 @@ def set_version_tags(tracking_uri: str, model_name: str, version: int, tags: dic
 
 
 def registered_files(tracking_uri: str, model_name: str, version: dict, cache_dir: str | Path
-                     ) -> tuple[Path, Path, str | None]:
-    """(checkpoint, tokenizer, copy hash) of a registered version (a get_champion / get_version
+                     ) -> tuple[Path, Path, str]:
+    """(checkpoint, tokenizer, tree hash) of a registered version (a get_champion / get_version
     dict: verified tags only), verified: its own files if they still hash to the signed content hash
-    (copy hash None: its run's manifest vouches for it), else its registered copy from MLflow,
-    verified against its signed manifest and the signed hashes recorded at registration (copy hash:
-    export_sha256, for loading it). Raises UnverifiedModel when neither verifies."""
+    (tree hash: the one checked against it), else its registered copy from MLflow, verified against
+    its signed manifest and the signed hashes recorded at registration (tree hash: export_sha256).
+    Load the checkpoint with that hash as expected_tree_sha256 and the tokenizer against the signed
+    tokenizer_sha256: a read of the files after this check may find others. Raises UnverifiedModel
+    when neither verifies."""
 
     tags, number = version["tags"], version["version"]
     ckpt, tok = fs.location(tags.get("checkpoint", "")), fs.location(tags.get("tokenizer", ""))
     if tags.get("checkpoint") and tags.get("content_hash") and _still_there(ckpt, tok):
-        if model_content_hash(ckpt, tok) == tags["content_hash"]:
-            return ckpt, tok, None
+        tree = fs.tree_sha256(*stored(ckpt))
+        if content_hash_of(tree, fs.sha256(*stored(tok))) == tags["content_hash"]:
+            return ckpt, tok, tree
         log.warning("version %s's files %s / %s no longer match its content hash", number, ckpt, tok)
     if not all(tags.get(k) for k in ("export_sha256", "tokenizer_sha256")):
         refused = f" (refused, unsigned or forged: {', '.join(version['untrusted_tags'])})" \
