@@ -142,7 +142,7 @@ def _pipeline_cfg(tmp_path: Path, **deploy) -> PipelineConfig:
         "name": "t", "run_root": str(tmp_path / "runs"),
         "sources": [{"name": "s", "uri": "x.jsonl", "format": "jsonl", "licence": "CC0", "provenance": "test"}],
         "deploy": {"max_val_loss": 8.0, **deploy},
-        "stack": {"state_dir": str(tmp_path / "state")},
+        "stack": {"state_dir": str(tmp_path / "state")}, "storage": {"cache_dir": str(tmp_path / "cache")},
     })
 
 
@@ -569,6 +569,7 @@ def test_what_is_registered_is_what_the_signed_report_names(tmp_path, mlflow_sto
     evaluation = {"val_loss": 5.0, "step": 20, "checkpoint": str(evaluated), "checkpoint_sha256": want}
     res = deploy_if_better(_gated_cfg(tmp_path, name), uri, evaluation, tok, None)
     assert fs.tree_sha256(evaluated) != want  # the swap happened
+    assert not list((tmp_path / "cache" / "served").iterdir())  # registered only (deploy.serve false): dropped
     if res["version"] is not None:
         champion = get_champion(uri, name)
         ckpt, _, copy_hash = registered_files(uri, name, champion, tmp_path / "champions")

@@ -137,6 +137,8 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
         # The same checkpoint was already promoted (e.g. by the event-triggered deploy-model flow
         # while this run was still going): report it as deployed rather than failing the gate.
         current = server_status() if server_status else None
+        if not dcfg.serve:
+            _drop_copy(cfg, content_hash)  # nothing serves it here
         return {
             "passed": True, "reason": f"already the champion (version {champion['version']})",
             "model_name": dcfg.model_name, "val_loss": evaluation.get("val_loss"),
@@ -167,6 +169,7 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
     record_gate(tracking_uri, train_run_id, evaluation.get("step"), decision, yardstick)
     if not decision["passed"]:
         result.update(_live_server(server_status))
+        _drop_copy(cfg, copy.content_hash)  # not the champion's (that returned above): nothing serves it
         return result
 
     tags = lineage_tags(cfg, evaluation, tokenizer_path, lineage_namespace)
@@ -181,8 +184,13 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
         raise ValueError("deploy.serve is true but no model server was handed to deploy_if_better (serve_model, "
                          "verify_model); pass the stack's supervisor (infra.services.model_server.supervisor) "
                          "or set deploy.serve=false")
-    return _verify_promote_serve(cfg, tracking_uri, copy, reg["version"], result,
-                                 serve_model, verify_model, server_status)
+    result = _verify_promote_serve(cfg, tracking_uri, copy, reg["version"], result,
+                                   serve_model, verify_model, server_status)
+    if not (dcfg.serve and result["alias"] == "champion"):
+        _drop_copy(cfg, copy.content_hash)  # refused, or registered only: nothing serves it
+    elif result.get("endpoint") and champion:  # the live server moved on from the previous champion's copy
+        _drop_copy(cfg, champion["tags"].get("content_hash"))
+    return result
 
 
 class Deployable(NamedTuple):
@@ -211,12 +219,12 @@ def servable(cfg, checkpoint: str | Path, tokenizer_path: str | Path,
 
     from tasks.core import fs
     from tasks.core.layout import CHECKPOINTS_DIR
-    from tasks.core.storage import default_cache_dir, stored
+    from tasks.core.storage import stored
     from tasks.deploy.registry import content_hash_of
     from tasks.train.checkpoint import (MANIFEST, UnverifiedCheckpoint, checkpoint_problem, manifest_tree_sha256,
                                         read_meta)
 
-    root = (Path(cfg.storage.cache_dir).expanduser() if cfg.storage.cache_dir else default_cache_dir()) / "served"
+    root = _served_root(cfg)
     tmp = root / f".tmp-{uuid.uuid4().hex}"
     try:
         (at, options), (tok_at, tok_options) = stored(checkpoint), stored(tokenizer_path)
@@ -247,6 +255,21 @@ def servable(cfg, checkpoint: str | Path, tokenizer_path: str | Path,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return Deployable(folder / local.relative_to(tmp), folder / "tokenizer.json", tree, tok_sha, content_hash)
+
+
+def _served_root(cfg) -> Path:
+    from tasks.core.storage import default_cache_dir
+
+    return (Path(cfg.storage.cache_dir).expanduser() if cfg.storage.cache_dir else default_cache_dir()) / "served"
+
+
+def _drop_copy(cfg, content_hash: str | None) -> None:
+    """Remove the served/ copy of `content_hash`, one no server uses: a refused challenger's, a copy
+    made for registration only (deploy.serve false), or the champion's the live server has left."""
+    import shutil
+
+    if content_hash:
+        shutil.rmtree(_served_root(cfg) / content_hash[:32], ignore_errors=True)
 
 
 def _live_server(server_status: ServerStatus | None) -> dict:
