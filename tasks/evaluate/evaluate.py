@@ -72,7 +72,7 @@ def val_tokens(tokens_index: Path | str, storage_options: dict | None = None) ->
     dtype = np.dtype(index["dtype"]).newbyteorder("<")
     if not val["tokens"]:
         return index, np.zeros(0, dtype=dtype)
-    where = val["path"] if fs.is_remote(val["path"]) else fs.join(fs.parent_of(tokens_index), val["path"])
+    where = fs.listed_beside(tokens_index, val["path"])  # in normal form: no `..` onto another object
     data = fs.read_bytes(where, storage_options)
     if val.get("sha256") and hashlib.sha256(data).hexdigest() != val["sha256"]:
         raise ValueError(f"{where} does not have the sha256 its token index records ({val['sha256'][:16]}...)")
