@@ -576,3 +576,35 @@ def test_what_is_registered_is_what_the_signed_report_names(tmp_path, mlflow_sto
         registered, _ = load_model_for_inference(ckpt, expected_tree_sha256=copy_hash)
         theirs, _ = load_model_for_inference(other)
         assert not torch.equal(registered.tok_emb.weight, theirs.tok_emb.weight)
+
+
+
+def test_the_gate_scores_the_bytes_the_signed_report_names(trained, tmp_path, mlflow_store, monkeypatch):
+    """A writer of the run folder who swaps in another run's genuine checkpoint and manifest after the
+    evaluation would pass a manifest check, so the gate would promote a model on another model's score.
+    The challenger is scored only as the bytes the signed report attests (its checkpoint_sha256)."""
+    from mlflow import MlflowClient
+
+    from tasks.core import fs
+    from tasks.deploy import yardstick
+
+    uri = mlflow_store["uri"]
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    exp = client.create_experiment("train-swap", artifact_location=mlflow_store["artifacts"])
+    train_run = client.create_run(exp).info.run_id
+    tok, name = trained["tokenizer"], "crucible-gate-swap"
+    cfg = _gated_cfg(tmp_path, name)
+    ev20 = {"val_loss": 6.0, "step": 20, "checkpoint": trained[20], "run_name": "test"}
+    assert deploy_if_better(cfg, uri, ev20, tok, train_run, **_supervised(cfg))["version"] == 1
+    real_score, seen = yardstick.score, []
+
+    def recording_score(checkpoint, *a, **kw):
+        seen.append((str(checkpoint), kw.get("expected_tree_sha256")))
+        return real_score(checkpoint, *a, **kw)
+
+    monkeypatch.setattr(yardstick, "score", recording_score)
+    attested = fs.tree_sha256(trained[10])
+    ev10 = {"val_loss": 5.0, "step": 10, "checkpoint": trained[10], "checkpoint_sha256": attested}
+    second = deploy_if_better(cfg, uri, ev10, tok, train_run, **_supervised(cfg))
+    assert not second["passed"] and seen  # scored, and worse than the champion
+    assert seen[0] == (str(trained[10]), attested)  # the challenger: checked against the report's hash

@@ -235,7 +235,10 @@ def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: s
                                                      tags.get("data.tokens_index_sha256") or "")
     built = build_yardstick(cfg, out_dir / "yardstick.jsonl", new_index, tokenizer_path, pool, champion_tokenizer(tags))
     batch = cfg.evaluate.task_batch_size
-    challenger_bpb = score(ckpt, tokenizer_path, built["path"], batch, yardstick_sha256=built["sha256"])
+    # the bytes the signed report attests, not whatever the run's folder holds now (another run's
+    # genuine checkpoint and manifest swapped in after the evaluation would pass a manifest check)
+    challenger_bpb = score(ckpt, tokenizer_path, built["path"], batch,
+                           expected_tree_sha256=evaluation.get("checkpoint_sha256"), yardstick_sha256=built["sha256"])
     champion_bpb = scores_from_tags(champion["tags"], built)
     scored = "reused from its registry tags"
     if champion_bpb is None:
