@@ -166,19 +166,24 @@ def _gated_cfg(tmp_path: Path, name: str, **deploy) -> PipelineConfig:
         "wikitext": cfg.evaluate.wikitext.model_copy(update={"limit": 2})})})
 
 
+def _training_run(mlflow_store, experiment: str):
+    """(tracking uri, client, a training run's id) in the test's MLflow store, as a gate records on."""
+    from mlflow import MlflowClient
+
+    uri = mlflow_store["uri"]
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    exp = client.create_experiment(experiment, artifact_location=mlflow_store["artifacts"])
+    return uri, client, client.create_run(exp).info.run_id
+
+
 def test_gate_compares_with_the_champion_on_the_yardstick_not_val_loss(trained, tmp_path, mlflow_store):
     """Cross-run val_loss figures are not comparable, so the gate ignores them: a challenger claiming
     a far lower val_loss (step 10) is refused because it is worse on the yardstick than the champion
     (step 20); the other way round, a challenger with a higher val_loss is promoted. Both models'
     bits per byte and the set's hash are on the gate record (training run, version tags, files)."""
-    from mlflow import MlflowClient
-
     from tasks.core.hashing import sha256_file
 
-    uri = mlflow_store["uri"]
-    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
-    exp = client.create_experiment("train-gated", artifact_location=mlflow_store["artifacts"])
-    train_run = client.create_run(exp).info.run_id
+    uri, client, train_run = _training_run(mlflow_store, "train-gated")
     tok, name = trained["tokenizer"], "crucible-gated"
     cfg = _gated_cfg(tmp_path, name)
     ev20 = {"val_loss": 6.0, "step": 20, "checkpoint": trained[20], "run_name": "test",
@@ -583,15 +588,10 @@ def test_the_gate_scores_the_bytes_the_signed_report_names(trained, tmp_path, ml
     """A writer of the run folder who swaps in another run's genuine checkpoint and manifest after the
     evaluation would pass a manifest check, so the gate would promote a model on another model's score.
     The challenger is scored only as the bytes the signed report attests (its checkpoint_sha256)."""
-    from mlflow import MlflowClient
-
     from tasks.core import fs
     from tasks.deploy import yardstick
 
-    uri = mlflow_store["uri"]
-    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
-    exp = client.create_experiment("train-swap", artifact_location=mlflow_store["artifacts"])
-    train_run = client.create_run(exp).info.run_id
+    uri, _, train_run = _training_run(mlflow_store, "train-swap")
     tok, name = trained["tokenizer"], "crucible-gate-swap"
     cfg = _gated_cfg(tmp_path, name)
     ev20 = {"val_loss": 6.0, "step": 20, "checkpoint": trained[20], "run_name": "test"}
