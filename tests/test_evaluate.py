@@ -163,20 +163,17 @@ def test_the_tokenizer_checked_is_the_tokenizer_loaded(base, run, tmp_path, monk
     tok.write_bytes(genuine + b"\n")  # parses the same, other bytes: not the checkpoint's tokenizer
     real, loads = bpe.Tokenizer, []
 
-    class SwapBackAfterLoad:  # the attacker puts the genuine file back once it was parsed
-        @staticmethod
-        def from_file(path):
-            loads.append(path)
-            out = real.from_file(path)
+    def swap_back_after(load):  # the attacker puts the genuine file back once it was parsed
+        def loaded(arg):
+            loads.append(arg)
+            out = load(arg)
             tok.write_bytes(genuine)
             return out
+        return staticmethod(loaded)
 
-        @staticmethod
-        def from_str(text):
-            loads.append(text)
-            out = real.from_str(text)
-            tok.write_bytes(genuine)
-            return out
+    class SwapBackAfterLoad:
+        from_file = swap_back_after(real.from_file)
+        from_str = swap_back_after(real.from_str)
 
     monkeypatch.setattr(bpe, "Tokenizer", SwapBackAfterLoad)
     with pytest.raises(ValueError, match="not the one"):
