@@ -608,3 +608,28 @@ def test_the_gate_scores_the_bytes_the_signed_report_names(trained, tmp_path, ml
     second = deploy_if_better(cfg, uri, ev10, tok, train_run, **_supervised(cfg))
     assert not second["passed"] and seen  # scored, and worse than the champion
     assert seen[0] == (str(trained[10]), attested)  # the challenger: checked against the report's hash
+
+
+def test_the_yardstick_refuses_document_starts_that_are_not_the_indexed_ones(base, tmp_path):
+    """Attack: a writer of the run folder (or the store) swaps the val split's doc_starts.npy, so the
+    yardstick's held-out documents are cut elsewhere (half documents, or spans chosen to flatter one
+    model). The file must hash to the doc_starts_sha256 of the signed index, else the set is refused."""
+    import shutil
+
+    import numpy as np
+
+    from lm_helpers import tokenizer_artifact, tokens_artifact
+    from tasks.deploy.yardstick import _held_out
+    from tasks.evaluate.evaluate import TokensChanged
+    from tasks.tokenizer.bpe import load_tokenizer
+
+    shutil.copytree(Path(tokens_artifact(base)["index_path"]).parent, tmp_path / "tokens")
+    index = tmp_path / "tokens" / "index.json"
+    tok = load_tokenizer(tokenizer_artifact(base)["path"])
+    genuine = _held_out(index, tok, 4, 10_000)
+    assert len(genuine) == 4
+    starts_file = tmp_path / "tokens" / json.loads(index.read_text())["splits"]["val"]["doc_starts"]
+    starts = np.load(starts_file)
+    np.save(starts_file, (starts + np.arange(len(starts)) % 2 * 3).astype(np.int64))  # every other start moved
+    with pytest.raises(TokensChanged, match="doc_starts"):
+        _held_out(index, tok, 4, 10_000)

@@ -180,3 +180,49 @@ def test_the_tokenizer_checked_is_the_tokenizer_loaded(base, run, tmp_path, monk
         evaluate_checkpoint(tiny_cfg(), Path(run["checkpoints"][-1]), tok, Path(tokens_artifact(base)["index_path"]),
                             tmp_path / "x.json")
     assert not loads  # refused on the bytes read, before anything parsed them (a load + re-hash swapped back)
+
+
+def _rewrite_val(folder: Path, put) -> bytes:
+    """The attack on a token index: other val tokens, and the index's recorded val sha256 rewritten to
+    match them (`put(name, bytes)` writes a file of the index's folder). Returns the new val bytes."""
+    import hashlib
+
+    index = json.loads((folder / "index.json").read_text())
+    val_name = Path(index["splits"]["val"]["path"]).name
+    forged = bytes(reversed((folder / val_name).read_bytes()))
+    index["splits"]["val"]["sha256"] = hashlib.sha256(forged).hexdigest()
+    put(val_name, forged)
+    put("index.json", json.dumps(index, indent=2).encode())
+    return forged
+
+
+def test_a_token_index_rewritten_to_match_other_val_tokens_is_refused(base, tmp_path):
+    """Attack: a writer of the store (or of the run folder) swaps the val split and rewrites the token
+    index's recorded sha256 to match. Checking the split against the index's own hash accepts that (the
+    evaluation then scores the attacker's tokens, and deploy gates on that val_loss); the index is
+    signed by the stack, so a rewritten one is refused, locally and on the store."""
+    import shutil
+
+    from s3_helpers import moto_s3
+    from tasks.core.signing import SignatureError
+    from tasks.evaluate.evaluate import val_tokens
+
+    genuine = Path(tokens_artifact(base)["index_path"]).parent
+    local = tmp_path / "tokens"
+    shutil.copytree(genuine, local)
+    index, val = val_tokens(local / "index.json")  # the genuine index, as the tokens stage signed it
+    assert len(val) == index["splits"]["val"]["tokens"] > 0
+    val = val.tobytes()
+    _rewrite_val(local, lambda name, data: (local / name).write_bytes(data))
+    with pytest.raises(SignatureError, match="does not verify"):
+        val_tokens(local / "index.json")
+
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        for p in genuine.iterdir():
+            s3.client.upload_file(str(p), "runs", f"r1/tokens/{p.name}")
+        uri = "s3://runs/r1/tokens/index.json"
+        assert val_tokens(uri, s3.options)[1].tobytes() == val
+        _rewrite_val(genuine, lambda name, data: s3.client.put_object(Bucket="runs", Key=f"r1/tokens/{name}",
+                                                                       Body=data))
+        with pytest.raises(SignatureError, match="does not verify"):
+            val_tokens(uri, s3.options)

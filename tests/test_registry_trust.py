@@ -232,3 +232,29 @@ def test_planted_loader_code_in_the_registered_artifacts_never_runs(trained, sto
     with pytest.raises(UnverifiedModel):
         registered_files(uri, name, gone, tmp_path / "cache")
     assert not marker.exists()
+
+
+def test_the_registered_token_index_hash_is_of_the_index_the_stack_signed(base, tmp_path):
+    """Attack: a writer of the run folder (or the store) rewrites the token index before deploy, say
+    to add a replay pool of its own. deploy's lineage tags hash the index as read then, and registry
+    signs that hash: the next cycle would trust the rewritten index (replay_pool holds it to that
+    hash). The index must be the one the tokens stage signed, else deploy refuses it."""
+    from lm_helpers import random_checkpoint, tiny_cfg, tokenizer_artifact, tokens_artifact
+    from tasks.core.hashing import sha256_file
+    from tasks.core.signing import SignatureError
+    from tasks.deploy import lineage_tags
+
+    run = tmp_path / "r"
+    shutil.copytree(Path(tokens_artifact(base)["index_path"]).parent, run / "tokens")
+    index = run / "tokens" / "index.json"
+    tok = Path(tokenizer_artifact(base)["path"])
+    ckpt = random_checkpoint(run / "train", tok, 10, 1, meta_extra={"tokens_index": str(index)})
+    evaluation = {"checkpoint": str(ckpt), "run_name": "test"}
+    tags = lineage_tags(tiny_cfg(), evaluation, tok)
+    assert tags["data.tokens_index"] == str(index) and tags["data.tokens_index_sha256"] == sha256_file(index)
+
+    rewritten = json.loads(index.read_text())
+    rewritten["mix"] = {"pool": [str(tmp_path / "planted" / "index.json")]}
+    index.write_text(json.dumps(rewritten, indent=2))
+    with pytest.raises(SignatureError):
+        lineage_tags(tiny_cfg(), evaluation, tok)

@@ -25,7 +25,7 @@ from tasks.core import fs
 from tasks.core.hashing import sha256_file
 from tasks.core.layout import TOKENS_INDEX_FILE
 from tasks.core.storage import stored
-from tasks.tokens.binfile import doc_source_names, load_index, open_doc_starts, open_split
+from tasks.tokens.binfile import doc_source_names, load_index, open_doc_starts, open_split, write_index
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ def build_mix(new_index: str | Path, pool: list[Path], fraction: float, seed: in
                     "replay_share": replay_tokens / offset if offset else 0.0, "replay_docs": len(drawn),
                     "by_origin": by_origin, "by_source": dict(sorted(by_source.items()))}
     index_path = out_dir / TOKENS_INDEX_FILE
-    index_path.write_text(json.dumps(mixed, indent=2) + "\n")
+    write_index(index_path, mixed)  # signed: evaluation and deploy take only the stack's indexes
     result = load_index(index_path)
     result["index_path"] = str(index_path.resolve())
     return result

@@ -52,6 +52,8 @@ def lineage_tags(cfg, evaluation: dict, tokenizer_path: Path | str, namespace: s
     run's lineage log and the checkpoint's lineage node (open it in the lineage service), the
     tokenizer / val-split hashes (from the evaluation report) and the token index's hash.
     `namespace`: the lineage namespace of the run's jobs (the stack's lineage.namespace)."""
+    import hashlib
+
     from tasks.core import fs
     from tasks.core.storage import stored
     from tasks.lineage.emitter import file_node
@@ -70,8 +72,13 @@ def lineage_tags(cfg, evaluation: dict, tokenizer_path: Path | str, namespace: s
         from tasks.deploy.yardstick import trained_on
 
         if (index := trained_on(ckpt)) is not None:
+            from tasks.tokens.binfile import read_signed_index
+
+            # the hash of bytes the stack signed (SignatureError otherwise): the registry signs this tag,
+            # and the next cycle's replay pool trusts whatever index hashes to it
+            _, raw = read_signed_index(*stored(index))
             tags["data.tokens_index"] = str(index)
-            tags["data.tokens_index_sha256"] = fs.sha256(*stored(index))
+            tags["data.tokens_index_sha256"] = hashlib.sha256(raw).hexdigest()
     return tags
 
 

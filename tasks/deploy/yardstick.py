@@ -50,22 +50,22 @@ class YardstickChanged(ValueError):
 
 def _held_out(index_path: str | Path, tokenizer, limit: int, max_chars: int) -> list[str]:
     """Up to `limit` val documents of a token index, decoded; an index of an object-store run is read
-    on the store (its val split checked against the sha256 it records)."""
+    on the store. The index must be signed, and its val split and doc_starts hash to what it records
+    (TokensChanged otherwise): document starts swapped in would cut the set's texts elsewhere."""
     import numpy as np
 
-    from tasks.evaluate.evaluate import val_tokens
+    from tasks.evaluate.evaluate import TokensChanged, listed_bytes, val_tokens
     from tasks.evaluate.suite import spread_indices
-    from tasks.tokens.binfile import open_doc_starts
 
     at, options = stored(index_path)
     index, tokens = val_tokens(at, options)
     info = index["splits"]["val"]
     if not info["tokens"]:
         return []
-    if fs.is_remote(at):
-        starts = np.load(io.BytesIO(fs.read_bytes(fs.listed_beside(at, info["doc_starts"]), options)), allow_pickle=False)
-    else:
-        starts = open_doc_starts(at, "val")
+    starts = np.load(io.BytesIO(listed_bytes(index, at, "val", "doc_starts", options)), allow_pickle=False)
+    if starts.dtype != np.int64 or starts.ndim != 1 or not len(starts) or starts[0] != 0 \
+            or np.any(np.diff(starts) < 0) or starts[-1] > info["tokens"]:
+        raise TokensChanged(f"{info['doc_starts']} of {at}: not increasing int64 document starts from 0")
     ends = list(starts[1:]) + [info["tokens"]]
     texts = []
     for i in spread_indices(len(starts), limit):
@@ -278,7 +278,9 @@ def gate_evaluation(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: st
     against this champion. A champion that cannot be scored refuses the challenger (the reason
     says why) rather than falling back to comparing val_loss across runs."""
     from tasks.deploy.gate import gate
+    from tasks.core.signing import SignatureError
     from tasks.deploy.registry import UnverifiedModel
+    from tasks.evaluate.evaluate import TokensChanged
     from tasks.train.checkpoint import UnverifiedCheckpoint
 
     absolute = gate(cfg.deploy, evaluation)
@@ -291,7 +293,7 @@ def gate_evaluation(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: st
         except (UnverifiedModel, UnverifiedCheckpoint) as e:
             return {"passed": False, "reason": f"the champion (version {champion['version']}) cannot be scored on "
                                                f"the yardstick: {e}"}, None
-        except YardstickChanged as e:  # never scored on a set someone else wrote
+        except (YardstickChanged, TokensChanged, SignatureError) as e:  # never scored on a set someone else wrote
             return {"passed": False, "reason": str(e)}, None
     return yardstick["decision"], yardstick
 

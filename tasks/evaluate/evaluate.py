@@ -24,7 +24,7 @@ import torch
 from tasks.config import PipelineConfig
 from tasks.core import fs
 from tasks.tokenizer.bpe import read_tokenizer
-from tasks.tokens.binfile import load_index, open_split
+from tasks.tokens.binfile import read_signed_index
 from tasks.train.checkpoint import load_verified_model
 
 log = logging.getLogger(__name__)
@@ -59,23 +59,35 @@ def val_loss(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_batch
     return total / count, count
 
 
-def val_tokens(tokens_index: Path | str, storage_options: dict | None = None) -> tuple[dict, np.ndarray]:
-    """(the token index, its val split's tokens). An index on a store (an object-store run read
-    where it lives) is read by fsspec: the val split's object once, whole, checked against the sha256
-    the index records; the train split is never read."""
-    if not fs.is_remote(tokens_index):
-        return load_index(tokens_index), open_split(tokens_index, "val")
-    import json
+class TokensChanged(ValueError):
+    """A file a token index lists does not have the sha256 the (signed) index records: refused."""
 
-    index = json.loads(fs.read_text(tokens_index, storage_options))
+
+def listed_bytes(index: dict, index_loc: Path | str, split: str, key: str, storage_options: dict | None = None
+                 ) -> bytes:
+    """The bytes of a file one split of a verified index lists under `key` ("path", "doc_starts"), read
+    once, where they live, and held to the sha256 the index records for it (TokensChanged otherwise)."""
+    info = index["splits"][split]
+    where = fs.listed_beside(index_loc, info[key])  # on a store in normal form: no `..` onto another object
+    data = fs.read_bytes(where, storage_options)
+    want = info.get("sha256" if key == "path" else f"{key}_sha256")
+    if not want or hashlib.sha256(data).hexdigest() != want:
+        raise TokensChanged(f"{where} does not have the sha256 its token index records "
+                            f"({want[:16] + '...' if want else 'none'})")
+    return data
+
+
+def val_tokens(tokens_index: Path | str, storage_options: dict | None = None) -> tuple[dict, np.ndarray]:
+    """(the token index, its val split's tokens), local or on a store (read where it lives). The index
+    must carry the stack's signature (SignatureError otherwise): a rewritten one could name other
+    tokens with hashes to match. The val split is read once, whole, and held to the sha256 the index
+    records: what is checked is what is scored. The train split is never read."""
+    index, _ = read_signed_index(tokens_index, storage_options)
     val = index["splits"]["val"]
     dtype = np.dtype(index["dtype"]).newbyteorder("<")
     if not val["tokens"]:
         return index, np.zeros(0, dtype=dtype)
-    where = fs.listed_beside(tokens_index, val["path"])  # in normal form: no `..` onto another object
-    data = fs.read_bytes(where, storage_options)
-    if val.get("sha256") and hashlib.sha256(data).hexdigest() != val["sha256"]:
-        raise ValueError(f"{where} does not have the sha256 its token index records ({val['sha256'][:16]}...)")
+    data = listed_bytes(index, tokens_index, "val", "path", storage_options)
     return index, np.frombuffer(data, dtype=dtype, count=val["tokens"])
 
 

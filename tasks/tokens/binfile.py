@@ -13,6 +13,10 @@ derives the same offsets from the EOS positions).
 Document sources: `<split>.doc_sources.npy` (uint16) holds each document's index into the
 index's "sources" list (the curated row's `source`); "by_source" counts tokens and documents per
 source and split. A continued cycle's mix reports its per-source token counts from them.
+
+index.json carries the stack's signature (tasks/core/signing.py, purpose "token-index"): the sha256
+of each file it lists is what evaluation, the yardstick and deploy's lineage tags hold those files
+to, so `read_signed_index` refuses an index a writer of the run folder or the store rewrote.
 """
 from __future__ import annotations
 
@@ -36,6 +40,27 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
 
 # the source name of documents whose shard row has none
 UNKNOWN_SOURCE = "(unknown)"
+
+
+TOKEN_INDEX_PURPOSE = "token-index"
+
+
+def write_index(path: str | Path, index: dict) -> Path:
+    """Write index.json, signed by the stack (only a process holding its key writes one that verifies)."""
+    from tasks.core.signing import write_signed
+
+    return write_signed(path, index, TOKEN_INDEX_PURPOSE)
+
+
+def read_signed_index(loc: str | Path, storage_options: dict | None = None) -> tuple[dict, bytes]:
+    """(the index, the bytes it was parsed from) of a local index.json or a store's object, read once;
+    SignatureError when it is unsigned or its signature does not verify. Its paths stay as written
+    (`tasks.core.fs.listed_beside` finds a listed file)."""
+    from tasks.core import fs
+    from tasks.core.signing import loads_signed
+
+    raw = fs.read_bytes(loc, storage_options)
+    return loads_signed(raw, TOKEN_INDEX_PURPOSE, what=f"token index {loc}"), raw
 
 
 def load_index(index_path: str | Path) -> dict:

@@ -9,7 +9,6 @@ split is not weighted; tasks/tokens/mixture.py); with every weight 1 nothing is 
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -24,7 +23,7 @@ from tasks.core.hashing import sha256_file, sha256_text
 from tasks.tokenizer.bpe import load_tokenizer
 from tasks.tokenizer.corpus import iter_doc_columns
 from tasks.core.layout import TOKENS_INDEX_FILE
-from tasks.tokens.binfile import UNKNOWN_SOURCE, dtype_for_vocab, write_llmc
+from tasks.tokens.binfile import UNKNOWN_SOURCE, dtype_for_vocab, write_index, write_llmc
 from tasks.tokens.mixture import DROP_REASON, plan_mixture, write_weighted_split
 
 log = logging.getLogger(__name__)
@@ -225,7 +224,7 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path]
             llmc = write_llmc(paths[s], dtype, out_dir / f"{s}.llmc.bin")
             index["splits"][s].update(llmc_path=llmc.name, llmc_sha256=sha256_file(llmc))
     index_path = out_dir / TOKENS_INDEX_FILE
-    index_path.write_text(json.dumps(index, indent=2) + "\n")
+    write_index(index_path, index)
     for s in SPLITS:
         index["splits"][s]["path"] = str(paths[s].resolve())
         index["splits"][s]["doc_starts"] = str(starts_paths[s].resolve())
