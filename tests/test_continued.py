@@ -710,3 +710,42 @@ def test_a_replay_pool_on_a_store_is_found_there(tmp_path, monkeypatch):
             cycle_config(cfg, discovery, champion, tmp_path / "state")
         s3.client.put_object(Bucket="runs", Key="crucible/r1/tokens/index.json", Body=b"{}")
         assert cycle_config(cfg, discovery, champion, tmp_path / "state").train.init_from == str(ckpt)
+
+
+def test_a_replay_pool_on_a_store_is_mixed_where_it_lives(base, tmp_path, monkeypatch):
+    """Continuing from an object-store champion with replay: the new tokens and the pool's token indexes
+    are URIs, and build_mix reads them on the store (index, document starts and sources, the train split
+    held to the sha256 its index records): the same mix as from local files. A train split swapped on the
+    store is refused, never replayed."""
+    import hashlib
+
+    import numpy as np
+
+    from lm_helpers import tokens_artifact
+    from s3_helpers import moto_s3
+    from tasks.continued.mix import MixError, build_mix
+    from tasks.core import storage
+    from tasks.evaluate.evaluate import val_tokens
+    from tasks.tokens.binfile import open_split
+
+    new = Path(tokens_artifact(base)["index_path"])
+    local = build_mix(new, [new], 0.25, 0, tmp_path / "local")
+    monkeypatch.setattr(storage, "_STORES", {})
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        for p in new.parent.iterdir():
+            s3.client.upload_file(str(p), "runs", f"crucible/r1/tokens/{p.name}")
+        uri = "s3://runs/crucible/r1/tokens/index.json"
+        mixed = build_mix(uri, [uri], 0.25, 0, tmp_path / "store")
+        assert np.array_equal(open_split(mixed["index_path"], "train"), open_split(local["index_path"], "train"))
+        assert mixed["mix"]["by_source"] == local["mix"]["by_source"] and mixed["mix"]["pool"] == [uri, uri]
+        assert mixed["mix"]["pool_sha256"][uri] == hashlib.sha256(new.read_bytes()).hexdigest()
+        # the held-out split stays where the tokens stage wrote it, read there by evaluation
+        assert mixed["splits"]["val"]["path"].startswith("s3://runs/crucible/r1/tokens/")
+        assert np.array_equal(val_tokens(mixed["index_path"], s3.options)[1], val_tokens(new)[1])
+
+        train = f"crucible/r1/tokens/{json.loads(new.read_text())['splits']['train']['path']}"
+        body = s3.client.get_object(Bucket="runs", Key=train)["Body"].read()
+        s3.client.put_object(Bucket="runs", Key=train, Body=bytes(reversed(body)))
+        with pytest.raises(MixError, match="sha256"):
+            build_mix(new, [uri], 0.25, 0, tmp_path / "swapped")

@@ -18,6 +18,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -116,23 +117,85 @@ def _draw(pool: list[Path], target: int, seed: int) -> list[tuple[int, int, int,
     return chosen
 
 
-def build_mix(new_index: str | Path, pool: list[Path], fraction: float, seed: int, out_dir: str | Path) -> dict:
+# the files of a split that build_mix reads, with the index's key of each one's sha256
+_SPLIT_FILES = (("path", "sha256"), ("doc_starts", "doc_starts_sha256"), ("doc_sources", "doc_sources_sha256"))
+
+
+class _Readable(NamedTuple):
+    local: Path  # an index.json to read it through, with local files
+    sha256: str  # of the index's bytes as read
+    at: Path | str  # where the index lies (its listed files are found beside it)
+    data: dict  # the index as read (its paths as written)
+
+
+def _readable(index: str | Path, scratch: Path) -> _Readable:
+    """`index` read once, for build_mix. A local index is read through itself. One on a store (its URI, or a path of a store's working
+    copy: read where it lives, as `stored` says) is read once; its train split's files are downloaded
+    into `scratch`, each held to the sha256 the index records (MixError otherwise: a swapped object would
+    be replayed), and `scratch` gets a copy of the index naming them."""
+    at, options = stored(fs.location(str(index)))
+    raw = fs.read_bytes(at, options)
+    if not fs.is_remote(at):
+        return _Readable(Path(at).resolve(), hashlib.sha256(raw).hexdigest(), Path(at).resolve(), json.loads(raw))
+    data = json.loads(raw)
+    train = dict(data["splits"]["train"])
+    scratch.mkdir(parents=True, exist_ok=True)
+    for key, sha_key in _SPLIT_FILES:
+        if train.get(key):
+            src, dest = fs.listed_beside(at, train[key]), scratch / f"train.{key}"
+            fs.download_file(src, dest, options)
+            if sha256_file(dest) != train.get(sha_key):
+                raise MixError(f"cannot replay {src}: it does not have the sha256 its token index {at} records")
+            train[key] = str(dest)
+    local = scratch / TOKENS_INDEX_FILE
+    local.write_text(json.dumps({**data, "splits": {**data["splits"], "train": train}}))
+    return _Readable(local, hashlib.sha256(raw).hexdigest(), at, data)
+
+
+def _held_out_split(index: dict, where: Path | str) -> dict:
+    """The val split's entry of `index` (read from `where`) for the mix: its files named where they lie
+    (absolute paths, or URIs on a store): the mix's folder holds none of them."""
+    val = {k: index["splits"]["val"][k] for k in ("path", "tokens", "docs", "bytes", "sha256", "doc_starts",
+                                                   "doc_starts_sha256", "doc_sources", "doc_sources_sha256")
+           if k in index["splits"]["val"]}
+    for key, _ in _SPLIT_FILES:
+        if val.get(key):
+            val[key] = str(fs.listed_beside(where, val[key]))
+    return val
+
+
+def build_mix(new_index: str | Path, pool: list[Path | str], fraction: float, seed: int, out_dir: str | Path) -> dict:
     """Write out_dir/{train.bin, train.doc_starts.npy, index.json}: the new train tokens, then
     replayed documents making up `fraction` of the total. Returns the index (absolute paths) plus
-    "index_path". Every pool index must come from the same tokenizer (sha256) as `new_index`."""
-    new_index, out_dir = Path(new_index).resolve(), Path(out_dir)
+    "index_path". Every pool index must come from the same tokenizer (sha256) as `new_index`.
+    `new_index` and the pool's indexes are paths or URIs of an object-store run's indexes, read where
+    they live (`_readable`)."""
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    scratch = out_dir / ".store-reads"
+    try:
+        return _build_mix(new_index, pool, fraction, seed, out_dir, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _build_mix(new_name: str | Path, pool_names: list[Path | str], fraction: float, seed: int, out_dir: Path,
+               scratch: Path) -> dict:
+    new_name = fs.location(str(new_name)) if fs.is_remote(str(new_name)) else Path(new_name).resolve()
+    new = _readable(new_name, scratch / "new")
+    readable = [_readable(p, scratch / f"pool-{i}") for i, p in enumerate(pool_names)]
+    new_index, pool = new.local, [r.local for r in readable]
     index = load_index(new_index)
-    for p in pool:
+    for name, p in zip(pool_names, pool):
         other = load_index(p)
         if other.get("tokenizer_sha256") != index.get("tokenizer_sha256") or other["dtype"] != index["dtype"]:
-            raise MixError(f"cannot replay {p}: its tokens come from tokenizer {other.get('tokenizer_sha256')}, "
+            raise MixError(f"cannot replay {name}: its tokens come from tokenizer {other.get('tokenizer_sha256')}, "
                            f"not the cycle's {index.get('tokenizer_sha256')}")
     new_tokens = index["splits"]["train"]["tokens"]
     target = round(new_tokens * fraction / (1 - fraction)) if pool and fraction > 0 else 0
     drawn = _draw(pool, target, seed) if target else []
     dtype = np.dtype(index["dtype"]).newbyteorder("<")
-    by_origin = {str(new_index): {"role": "new", "tokens": new_tokens, "docs": index["splits"]["train"]["docs"]}}
+    by_origin = {str(new_name): {"role": "new", "tokens": new_tokens, "docs": index["splits"]["train"]["docs"]}}
     by_source: dict[str, dict] = {}
     new_names = doc_source_names(new_index, "train")
     for name, a, b in zip(new_names, *_documents(new_index)):
@@ -154,7 +217,7 @@ def build_mix(new_index: str | Path, pool: list[Path], fraction: float, seed: in
             out.write(np.asarray(splits[i][a:b], dtype=dtype).tobytes())
             replay_starts.append(offset)
             offset += b - a
-            entry = by_origin.setdefault(str(pool[i]), {"role": "replay", "tokens": 0, "docs": 0})
+            entry = by_origin.setdefault(str(pool_names[i]), {"role": "replay", "tokens": 0, "docs": 0})
             entry["tokens"] += b - a
             entry["docs"] += 1
             by_source.setdefault(sources[i][k], _zero())["replay_tokens"] += b - a
@@ -165,7 +228,6 @@ def build_mix(new_index: str | Path, pool: list[Path], fraction: float, seed: in
     for v in by_source.values():
         v["tokens"] = v["new_tokens"] + v["replay_tokens"]
         v["share"] = v["tokens"] / offset if offset else 0.0
-    val = index["splits"]["val"]
     # the new tokens' own mixture describes only them, not the mix
     mixed = {k: v for k, v in index.items() if k not in ("splits", "by_source", "mixture")}
     mixed["sources"] = list(ids)
@@ -174,14 +236,13 @@ def build_mix(new_index: str | Path, pool: list[Path], fraction: float, seed: in
                   "bytes": None, "sha256": sha256_file(train_path), "doc_starts": starts_path.name,
                   "doc_starts_sha256": sha256_file(starts_path), "doc_sources": sources_path.name,
                   "doc_sources_sha256": sha256_file(sources_path)},
-        # held-out text of the new data only (absolute: it stays where the tokens stage wrote it)
-        "val": {k: val[k] for k in ("path", "tokens", "docs", "bytes", "sha256", "doc_starts", "doc_starts_sha256",
-                                    "doc_sources", "doc_sources_sha256") if k in val},
+        # held-out text of the new data only: it stays where the tokens stage wrote it
+        "val": _held_out_split(new.data, new.at),
     }
-    members = [str(p) for p in pool] + [str(new_index)]
-    mixed["mix"] = {"new_index": str(new_index), "pool": members,
-                    # what the next cycle's replay_pool checks each member against
-                    "pool_sha256": {p: sha256_file(p) for p in members},
+    members = [str(p) for p in pool_names] + [str(new_name)]
+    mixed["mix"] = {"new_index": str(new_name), "pool": members,
+                    # what the next cycle's replay_pool checks each member against: the bytes read here
+                    "pool_sha256": {**{str(p): r.sha256 for p, r in zip(pool_names, readable)}, str(new_name): new.sha256},
                     "replay_fraction": fraction, "seed": seed, "new_tokens": new_tokens,
                     "replay_tokens": replay_tokens, "replay_target": target, "replay_start": new_tokens,
                     "replay_share": replay_tokens / offset if offset else 0.0, "replay_docs": len(drawn),

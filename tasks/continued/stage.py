@@ -3,7 +3,6 @@ replayed documents of earlier cycles, tasks/continued/mix.py) and the fixed yard
 champion and the challenger are scored on (tasks/deploy/yardstick.py), as a stage of its own."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 from tasks.config import PipelineConfig
@@ -25,10 +24,12 @@ class ReplayMixStage(Stage):
 
     def run(self, cfg: Annotated[PipelineConfig, Reads("continue_")], inputs, ctx) -> TokensResult:
         from tasks.continued.mix import build_mix
+        from tasks.core import fs
 
         c = cfg.continue_
-        data = build_mix(inputs.tokens_index, [Path(p) for p in inputs.replay], c.replay_fraction, c.replay_seed,
-                         ctx.stage_dir(self.name))
+        # a store run's pool members are URIs, read where they live (a Path would mangle "s3://")
+        data = build_mix(inputs.tokens_index, [fs.location(str(p)) for p in inputs.replay], c.replay_fraction,
+                         c.replay_seed, ctx.stage_dir(self.name))
         mix = data["mix"]
         # top-level numbers become the stage's MLflow metrics (per source: tokens.<source>, ...);
         # tokens by origin and by source are in data["mix"]

@@ -64,12 +64,15 @@ def read_signed_index(loc: str | Path, storage_options: dict | None = None) -> t
 
 
 def load_index(index_path: str | Path) -> dict:
-    """Read index.json; each split's "path" comes back absolute."""
+    """Read index.json; each split's "path" comes back absolute (a URI as it is: a continued cycle's mix
+    names the held-out split of an object-store run where it lies)."""
+    from tasks.core.fs import is_remote
+
     index_path = Path(index_path).resolve()
     index = json.loads(index_path.read_text())
     for split in index["splits"].values():
         for key in ("path", "doc_starts", "doc_sources", "llmc_path"):
-            if split.get(key):
+            if split.get(key) and not is_remote(split[key]):
                 p = Path(split[key])
                 split[key] = str(p if p.is_absolute() else index_path.parent / p)
     return index
