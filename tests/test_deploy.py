@@ -633,3 +633,33 @@ def test_the_yardstick_refuses_document_starts_that_are_not_the_indexed_ones(bas
     np.save(starts_file, (starts + np.arange(len(starts)) % 2 * 3).astype(np.int64))  # every other start moved
     with pytest.raises(TokensChanged, match="doc_starts"):
         _held_out(index, tok, 4, 10_000)
+
+
+def test_served_copies_no_server_uses_are_pruned_by_deploy(tmp_path, mlflow_store):
+    """served/ holds one verified copy per content hash. deploy prunes what no model server uses: a
+    copy a killed deploy left (a `.tmp-` folder, a whole folder) and a champion's copy the live server
+    moved on from go, once older than storage.cache_min_age_s; the live server's copy (served/.live,
+    however old) and a copy just made or used (another deploy's, in flight) stay."""
+    import os
+    import time
+
+    from tasks.deploy import _mark_live, servable
+
+    tok = sample_tokenizer(tmp_path / "tok")
+    cfg = _gated_cfg(tmp_path, "crucible-pruned")
+    live, old = (servable(cfg, random_checkpoint(tmp_path / run / "train", tok, 10, seed), tok)
+                 for run, seed in (("live", 1), ("old", 2)))
+    root = tmp_path / "cache" / "served"
+    (root / ".tmp-killed").mkdir()
+    (root / ".tmp-killed" / "part").write_bytes(b"x")
+    _mark_live(cfg, live.content_hash)
+    long_ago = time.time() - 2 * cfg.storage.cache_min_age_s
+    for p in root.iterdir():
+        os.utime(p, (long_ago, long_ago))
+    in_flight = servable(cfg, random_checkpoint(tmp_path / "next" / "train", tok, 10, 3), tok)
+    refused = deploy_if_better(cfg, mlflow_store["uri"], {"val_loss": 99.0, "step": 10, "checkpoint": str(
+        random_checkpoint(tmp_path / "bad" / "train", tok, 10, 4))}, tok, None)
+    assert not refused["passed"]
+    left = sorted(p.name for p in root.iterdir())
+    assert left == sorted([".live", live.content_hash[:32], in_flight.content_hash[:32]]), left
+    assert old.checkpoint.parents[2].name not in left and live.checkpoint.is_dir()

@@ -29,7 +29,7 @@ from tasks.deploy.gate import gate
 
 log = logging.getLogger(__name__)
 
-__all__ = ["gate", "deploy_if_better", "api_headers", "ServeModel", "VerifyModel", "ServerStatus"]
+__all__ = ["gate", "deploy_if_better", "prune_served", "api_headers", "ServeModel", "VerifyModel", "ServerStatus"]
 
 # (cfg, checkpoint_dir, tokenizer_path, model_name, version, tracking_uri) -> {"endpoint", "pid", ...}:
 # the live model server serves a registered version
@@ -130,8 +130,19 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
     Returns {"passed", "reason", "model_name", "val_loss", "checkpoint", "champion_version",
     "champion_val_loss", "version", "alias", "content_hash", "source", "endpoint", "pid",
     "verified"}. When the gate or verification fails, version/alias are None and `endpoint` is
-    the running server's (still the previous champion) if there is one.
+    the running server's (still the previous champion) if there is one. Afterwards, whatever
+    happened, the served/ copies no model server uses are pruned (prune_served).
     """
+    try:
+        return _deploy_if_better(cfg, tracking_uri, evaluation, tokenizer_path, train_run_id, serve_model,
+                                 server_status, verify_model, lineage_namespace)
+    finally:
+        prune_served(cfg)
+
+
+def _deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: Path | str, train_run_id: str | None,
+                      serve_model: ServeModel | None, server_status: ServerStatus | None,
+                      verify_model: VerifyModel | None, lineage_namespace: str) -> dict:
     from tasks.deploy.registry import get_champion, record_gate, register
     from tasks.deploy.yardstick import gate_evaluation, score_tags
 
@@ -259,6 +270,7 @@ def servable(cfg, checkpoint: str | Path, tokenizer_path: str | Path,
             except OSError:  # another deploy of the same content put it there first
                 if not folder.is_dir():
                     raise
+        os.utime(folder)  # used now: prune_served leaves it for storage.cache_min_age_s
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return Deployable(folder / local.relative_to(tmp), folder / "tokenizer.json", tree, tok_sha, content_hash)
@@ -277,6 +289,46 @@ def _drop_copy(cfg, content_hash: str | None) -> None:
 
     if content_hash:
         shutil.rmtree(_served_root(cfg) / content_hash[:32], ignore_errors=True)
+
+
+LIVE_COPY = ".live"  # in served/: the name of the folder the live model server was last swapped to
+
+
+def _mark_live(cfg, content_hash: str) -> None:
+    """Record the copy the live server now serves (prune_served never removes it; `crucible up` restarts
+    the server from that folder)."""
+    from tasks.core.io import atomic_write_text
+
+    atomic_write_text(_served_root(cfg) / LIVE_COPY, content_hash[:32] + "\n")
+
+
+def prune_served(cfg) -> list[str]:
+    """Remove the served/ copies no model server uses; the names removed. Left: the live server's copy
+    (served/.live) and every folder made or used within storage.cache_min_age_s (another deploy's
+    copy, being verified or about to be served; a `.tmp-` folder being filled). So copies a killed
+    deploy left, and champions' copies the live server moved on from, go. A failure is logged, never
+    raised: deploy's own outcome stands."""
+    import shutil
+    import time
+
+    root = _served_root(cfg)
+    try:
+        live = (root / LIVE_COPY).read_text().strip()
+    except OSError:
+        live = None
+    cutoff, removed = time.time() - cfg.storage.cache_min_age_s, []
+    try:
+        for p in sorted(root.iterdir()) if root.is_dir() else []:
+            if p.name in (live, LIVE_COPY) or p.is_symlink() or not p.is_dir() or p.stat().st_mtime >= cutoff:
+                continue
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+    except OSError as e:
+        log.warning("deploy: could not prune %s: %s", root, e)
+    if removed:
+        log.info("deploy: pruned %d served cop%s no server uses: %s", len(removed), "y" if len(removed) == 1 else "ies",
+                 ", ".join(removed))
+    return removed
 
 
 def _live_server(server_status: ServerStatus | None) -> dict:
@@ -313,6 +365,7 @@ def _verify_promote_serve(cfg, tracking_uri: str, copy: Deployable, version: int
     if dcfg.serve:  # only now does the live server swap to it
         try:
             served = serve_model(cfg, checkpoint, tokenizer_path, name, version, tracking_uri)
+            _mark_live(cfg, copy.content_hash)
             result.update(endpoint=served["endpoint"], pid=served["pid"])
         except Exception as e:  # noqa: BLE001 - it is the verified champion; the server is what failed
             log.error("deploy: version %s is champion, but the model server could not serve it: %s", version, e)
