@@ -116,7 +116,7 @@ def test_runs_that_could_straddle_are_checked_once(monkeypatch):
     chunk: the next text holding it sends only its new chunks to spaCy."""
     from tasks.curate import text as T
 
-    later = "and it 's late"
+    later = "and it 's late, (really)"
     reference = _spacy_words(later)
     T._CHUNK_WORDS.clear()
     T._words.cache_clear()
@@ -125,7 +125,32 @@ def test_runs_that_could_straddle_are_checked_once(monkeypatch):
     eng, calls = T._english(), []
     monkeypatch.setattr(eng, "tokenizer", lambda t, f=eng.tokenizer: calls.append(t) or f(t))
     assert words(later) == reference
-    assert calls == [T._SEP.join(["and", "late"])]
+    assert calls == [T._SEP.join(["late,", "(really)"])]  # "and": a plain word, no tokenizer call
+
+
+def test_plain_words_skip_spacy_with_its_tokens(monkeypatch):
+    """A new chunk of ASCII letters that is no special case ("cannot", "Gonna" are) is its own one
+    token without a tokenizer call (`_English.is_plain_word`); spaCy agrees on every such chunk."""
+    import string
+
+    from tasks.curate import text as T
+
+    eng = T._english()
+    letters = string.ascii_letters
+    samples = [a + b for a in letters for b in letters] + ["Supercalifragilistic", "ABCdef"]
+    samples += [v for rule in eng.special_cases for v in (rule, rule.lower(), rule.upper(), rule.capitalize())]
+    for chunk in samples:
+        if eng.is_plain_word(chunk):
+            assert [t.text for t in eng.tokenizer(chunk)] == [chunk], chunk
+    assert not eng.is_plain_word("cannot") and not eng.is_plain_word("Gonna") and not eng.is_plain_word("naïve")
+    text = "plainly worded prose cannot hide, gonna say: Yes"
+    reference = _spacy_words(text)
+    T._CHUNK_WORDS.clear()
+    T._words.cache_clear()
+    calls = []
+    monkeypatch.setattr(eng, "tokenizer", lambda t, f=eng.tokenizer: calls.append(t) or f(t))
+    assert words(text) == reference
+    assert calls == [T._SEP.join(["cannot", "hide,", "gonna", "say:"])]
 
 
 def test_sentences_follow_the_sentencizer():
