@@ -95,6 +95,9 @@ def test_every_artifact_is_in_the_bucket_and_nothing_under_local_runs(s3_demo):
                      "tokenizer/tokenizer.json", "tokens/index.json", "plan/plan.json"):
         assert expected in rel, (expected, sorted(rel))
     assert any(r.startswith("ingest/shard-") for r in rel) and any(r.startswith("curate/shard-") for r in rel)
+    # the jobs' parts, which the worker nodes left on the store (never in the working copy), went
+    # with each stage's manifest
+    assert not [r for r in rel if "/_parts/" in r or r.startswith("tokens/parts/")], sorted(rel)
     assert any(r.startswith("tokens/") and r.endswith(".bin") for r in rel)
     ckpts = {r.split("/")[2] for r in rel if r.startswith("train/checkpoints/step-")}
     assert ckpts, "no checkpoint in the store"

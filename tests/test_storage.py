@@ -1,6 +1,7 @@
 """RunStore's working copy and the reads of a store run where it lives, against moto's S3 server."""
 from __future__ import annotations
 
+from pathlib import Path
 
 from s3_helpers import moto_s3
 from tasks.core import storage
@@ -75,7 +76,7 @@ def test_a_node_cache_keeps_to_its_bound_as_jobs_stage_inputs(tmp_path, monkeypa
 
 
 def test_the_record_is_kept_per_run_and_a_run_s_updates_leave_the_others_alone(tmp_path, monkeypatch):
-    """A job's outputs pulled into one run rewrite that run's record only."""
+    """A job's outputs left on the store in one run rewrite that run's record only."""
     monkeypatch.setattr(storage, "_STORES", {})
     with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
         store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
@@ -89,10 +90,53 @@ def test_the_record_is_kept_per_run_and_a_run_s_updates_leave_the_others_alone(t
         assert sorted(p.name for p in records.glob("*.json")) == [".continue.json", "r1.json", "r2.json"]
         assert not [k for k in s3.keys("runs", "crucible/") if ".crucible-store" in k]  # never pushed
         before = (records / "r1.json").stat().st_ino  # a rewrite renames a new file into place
-        s3.client.put_object(Bucket="runs", Key="crucible/r2/curate/part-1.parquet", Body=b"job")
-        storage.pull_outputs([(store.root, "r2/curate/part-1.parquet")])  # a job on another node wrote it
+        s3.client.put_object(Bucket="runs", Key="crucible/r2/curate/part-0.parquet", Body=b"job")
+        storage.left_on_store([str(store.local_root / "r2" / "curate" / "part-0.parquet")])  # another node's
         assert (records / "r1.json").stat().st_ino == before
-        assert store.recorded("r2/curate/part-1.parquet") and store.recorded("r1/curate/part-0.parquet")
+        assert not store.recorded("r2/curate/part-0.parquet") and store.recorded("r1/curate/part-0.parquet")
+        assert not (store.local_root / "r2" / "curate" / "part-0.parquet").exists()  # the stale copy is gone
+        assert store.push()["deleted"] == 0  # and the store's new object stays
+        assert s3.client.get_object(Bucket="runs", Key="crucible/r2/curate/part-0.parquet")["Body"].read() == b"job"
+
+
+def test_a_job_on_another_node_leaves_its_parts_on_the_store_and_the_driver_reads_them_there(tmp_path,
+                                                                                             monkeypatch):
+    """A job that ran on a node other than the driver's: its files go to the store and stay there
+    (the driver's working copy never gets them), its stored result is recorded by the sha256s the
+    node computed as it uploaded, verified on the store when reused (a part changed there is
+    refused), the driver's merge reads the parts on the store, and the stage's manifest takes the
+    store's `_parts` with it."""
+    from tasks.core.executor import ResumableOutput
+    from tasks.core.hashing import sha256_text
+    from tasks.core.resume import JobStore
+    from tasks.dedup.stages import concat_files
+
+    monkeypatch.setattr(storage, "_STORES", {})
+    monkeypatch.setattr(storage.tempfile, "tempdir", str(tmp_path / "tmp"))  # node_root's $TMPDIR
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        output = ResumableOutput(store.local_root / "r1" / "ingest", "run-key", [])
+        parts = output.start(resume=True)
+
+        def job(part_dir: str) -> dict:
+            Path(part_dir).mkdir(parents=True, exist_ok=True)  # as a job's writers do
+            (Path(part_dir) / "000-q.jsonl").write_text('{"id": 1}\n')
+            return {"parts": [str(Path(part_dir) / "000-q.jsonl")]}
+
+        result, written = storage.Staging((store,), "driver").run(job, (str(parts.dir),), "other-node")
+        part = parts.dir / "000-q.jsonl"
+        assert result == {"parts": [str(part)]} and written == {str(part): sha256_text('{"id": 1}\n')}
+        storage.left_on_store(written)
+        assert not part.exists()  # not downloaded ...
+        assert s3.keys("runs", "crucible/r1/ingest/_parts/") == ["crucible/r1/ingest/_parts/000-q.jsonl"]  # ... there
+        parts.save("000", "k", result, written)
+        assert JobStore(parts.dir).load("000", "k") == result  # verified on the store
+        concat_files([part, part], output.dir / "q.jsonl")
+        assert (output.dir / "q.jsonl").read_text() == '{"id": 1}\n' * 2
+        s3.client.put_object(Bucket="runs", Key="crucible/r1/ingest/_parts/000-q.jsonl", Body=b'{"id": 2}\n')
+        assert JobStore(parts.dir).load("000", "k") is None  # changed on the store: the job runs again
+        output.publish({"shards": []})
+        assert s3.keys("runs", "crucible/r1/ingest/_parts/") == [] and not parts.dir.exists()
 
 
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 from tasks.config import RayConfig
 from tasks.core.ray_utils import cluster_cpus, current_node_id, init_ray, tasks_per_node
 from tasks.core.resume import MANIFEST, JobStore, remove_temp_files, verify_manifest, write_manifest
-from tasks.core.storage import Staging, map_paths, node_root, pull_outputs, store_of_path
+from tasks.core.storage import Staging, left_on_store, map_paths, node_root, remove_run_tree, store_of_path
 
 
 def start_ray(cfg: RayConfig | None) -> int:
@@ -87,9 +87,10 @@ class ResumableOutput:
         return JobStore(self.parts_dir)
 
     def publish(self, summary: dict) -> None:
-        """Write the manifest (`summary` with its shards and the side files) last, then drop `_parts`."""
+        """Write the manifest (`summary` with its shards and the side files) last, then drop `_parts`
+        (on a store run also the store's: jobs on other nodes wrote their parts there only)."""
         write_manifest(self.dir, self.run_key, summary, summary["shards"], self.side_files)
-        shutil.rmtree(self.parts_dir, ignore_errors=True)
+        remove_run_tree(self.parts_dir)
 
 
 @dataclass(frozen=True)
@@ -103,14 +104,15 @@ TASK_RETRIES = 3  # Ray re-runs a task whose worker or node died (its default, s
 JOB_ATTEMPTS = 3  # runs of one job on actors before a lost actor fails the stage
 
 
-def _timed_on_node(fn: Callable, args: tuple, staging: Staging | None) -> tuple[Any, str, float, list]:
-    """(fn(*args), id of the node it ran on, seconds it took, store keys it wrote): what every job
-    returns. With a remote run_root (`staging`), a job on another node than the driver's reads its
-    inputs from the store and writes its outputs there (`tasks.core.storage.Staging`)."""
+def _timed_on_node(fn: Callable, args: tuple, staging: Staging | None) -> tuple[Any, str, float, dict]:
+    """(fn(*args), id of the node it ran on, seconds it took, {path: sha256} of the files it left on
+    the store): what every job returns. With a remote run_root (`staging`), a job on another node
+    than the driver's reads its inputs from the store and writes its outputs there
+    (`tasks.core.storage.Staging`)."""
     t0 = time.perf_counter()
     node = current_node_id()
     if staging is None:
-        return fn(*args), node, time.perf_counter() - t0, []
+        return fn(*args), node, time.perf_counter() - t0, {}
     result, written = staging.run(fn, args, node)
     return result, node, time.perf_counter() - t0, written
 
@@ -422,8 +424,8 @@ class JobRunner:
                 self._requeue(job, ref, e)
                 continue
             self.workers.release(ref)
-            if written:  # files a job on another node put in the store: into the working copy
-                pull_outputs(written)
+            if written:  # files a job on another node put in the store: read there, never downloaded
+                left_on_store(written)
             self.nodes[node] += 1
             self.compute_s += seconds
             size = _result_size(ref)
@@ -431,7 +433,7 @@ class JobRunner:
             self.result_bytes[1] += size[0] if size[1] else 0
             self._last_result = time.perf_counter()
             if self.store is not None and job.key is not None:
-                self.store.save(job.name, job.key, result)
+                self.store.save(job.name, job.key, result, written)
             yield job, result
 
     def _requeue(self, job: Job, ref, error: Exception) -> None:

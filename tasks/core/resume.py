@@ -27,9 +27,11 @@ import json
 import os
 from pathlib import Path
 
+from tasks.core.fs import is_file, sha256 as fs_sha256
 from tasks.core.hashing import sha256_file
 from tasks.core.io import atomic_write_bytes
 from tasks.core.signing import SignatureError, sign_record, verify_record
+from tasks.core.storage import read_location
 
 MANIFEST = "manifest.json"
 JOB_SUFFIX = ".job.json"  # a finished job's stored result
@@ -118,12 +120,16 @@ class JobStore:
         if not isinstance(stored, dict) or stored.get("key") != key or not isinstance(stored.get("part_sha256"), dict):
             return None
         for part, sha in stored["part_sha256"].items():
-            if not Path(part).is_file() or sha256_file(part) != sha:
+            at, options = read_location(part)  # a part a job on another node left on the store: checked there
+            if not is_file(at, options) or fs_sha256(at, options) != sha:
                 return None
         return stored.get("result")
 
-    def save(self, name: str, key: str, result: dict) -> None:
-        shas = {p: sha256_file(p) for p in result.get("parts", [])}
+    def save(self, name: str, key: str, result: dict, uploaded: dict[str, str] | None = None) -> None:
+        """`uploaded`: {part: sha256} of the parts a job on another node left on the store, hashed
+        there as it uploaded them (read back here they would be downloaded once more)."""
+        uploaded = uploaded or {}
+        shas = {p: uploaded[p] if p in uploaded else sha256_file(p) for p in result.get("parts", [])}
         # signed as the plain JSON it is stored as (bytes and arrays already tagged)
         body = json.loads(json.dumps({"key": key, "part_sha256": shas, "result": result}, default=_encode))
         atomic_write_bytes(self.dir / f"{name}{JOB_SUFFIX}", json.dumps(sign_record(body, JOB_PURPOSE)).encode())

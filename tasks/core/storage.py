@@ -20,9 +20,12 @@ flow's report) is read as the store's object (`stored`: a working-copy path's ob
 
 Ray workers on other nodes never read the driver's disk: `Staging` maps a job's arguments that lie
 in the working copy to the node's own cache, downloading each input file from the store (once per
-node and ETag), runs the job in a job directory of its own, uploads what the job wrote to the store,
-and hands the driver the keys, which the driver pulls into its working copy before merging. A job on
-the driver's own node (local Ray) uses the working copy directly. Ray tasks outside the stages' job
+node and ETag), runs the job in a job directory of its own, uploads what the job wrote to the store
+and hands the driver their paths and sha256s. Those files stay on the store: the driver records
+them by those sha256s (the job's stored result, `tasks.core.resume.JobStore`) and reads them there
+(`read_location`; the dedup stages' tasks read them through `task_location`); a stage's `_parts`
+on the store go when its manifest is written (`remove_run_tree`). A job on the driver's own node
+(local Ray) uses the working copy directly. Ray tasks outside the stages' job
 runners (the dedup shuffles, a text verifier) stage nothing: they read and write the store
 directly through `tasks.core.fs` (`tasks.core.executor.task_location`).
 
@@ -49,7 +52,8 @@ from typing import Any, Iterable, Iterator
 from urllib.parse import quote, unquote
 
 from tasks.core.fs import (PathEscape, StorageError, check_store, filesystem, is_remote, protocol,  # noqa: F401 - re-exported
-                           normal_uri, safe_join)
+                           normal_uri, remove_tree, safe_join)
+from tasks.core.hashing import sha256_file
 
 log = logging.getLogger("crucible.storage")
 
@@ -382,6 +386,23 @@ def stored(path: str | Path) -> tuple[Path | str, dict | None]:
     return store.uri(store.rel(path)), store.options
 
 
+def read_location(path: str | Path) -> tuple[Path | str, dict | None]:
+    """Where the driver reads a run file: the file itself when this working copy holds it, else
+    (a store run's file that a job on another node wrote, `left_on_store`) the store's object."""
+    if not is_remote(path) and Path(path).is_file():
+        return Path(path), None
+    return stored(path)
+
+
+def remove_run_tree(path: str | Path) -> None:
+    """Delete the folder `path` here and, in a store's working copy, the store's objects under it
+    (what jobs on other nodes wrote there never came into this copy)."""
+    shutil.rmtree(path, ignore_errors=True)
+    at, options = stored(path)
+    if is_remote(at):
+        remove_tree(at, options)
+
+
 def local_place(uri: str) -> Path:
     """The place in the working copy of an object of a registered store (where this process writes
     what belongs beside it: a run's reports and gate files); StorageError for a URI of no open store,
@@ -539,43 +560,56 @@ class Staging:
         back[str(node_path)] = str(p)
         return type(p)(node_path) if isinstance(p, Path) else str(node_path)
 
-    def stage_out(self, job_dir: Path) -> list[tuple[str, str]]:
-        """Upload every file the job wrote under `job_dir`; [(store root, key)]."""
-        out = []
+    def stage_out(self, job_dir: Path) -> dict[str, str]:
+        """Upload every file the job wrote under `job_dir`, commit files last; {its path in the
+        driver's working copy: sha256 of the bytes uploaded} (what the driver records of a job's
+        parts without reading them back)."""
+        out = {}
         by_key = {_store_key(s): s for s in self.stores}
         for p in sorted(job_dir.rglob("*"), key=lambda q: (q.name in COMMIT_FILES, str(q))):
             if not p.is_file() or p.name.startswith(".tmp") or p.name.endswith(".tmp"):
                 continue
             skey, rel = p.relative_to(job_dir).as_posix().split("/", 1)
             store = by_key[skey]
+            sha = sha256_file(p)
             store.fs().put_file(str(p), store.uri(rel))
-            out.append((store.root, rel))
+            out[str(safe_join(store.local_root, rel))] = sha
         return out
 
-    def run(self, fn, args: tuple, node_id: str) -> tuple[Any, list[tuple[str, str]]]:
-        """fn(*args) on this node with its files staged; (result with driver paths, keys written).
-        On the driver's node a job uses the working copy directly."""
+    def run(self, fn, args: tuple, node_id: str) -> tuple[Any, dict[str, str]]:
+        """fn(*args) on this node with its files staged; (result with driver paths, {driver path:
+        sha256} of the files it wrote, which stay on the store: `left_on_store`). On the driver's
+        node a job uses the working copy directly."""
         if node_id == self.driver_node:
-            return fn(*args), []
+            return fn(*args), {}
         cache = node_root(node_id)
         job_dir = cache / "jobs" / uuid.uuid4().hex
         back: dict[str, str] = {}
         try:
             staged = self.stage_in(args, job_dir, cache, back)
             result = fn(*staged)
-            written = self.stage_out(job_dir) if job_dir.exists() else []
+            written = self.stage_out(job_dir) if job_dir.exists() else {}
         finally:
             shutil.rmtree(job_dir, ignore_errors=True)
             shutil.rmtree(_inputs_of(job_dir), ignore_errors=True)
         return _replace_paths(result, back), written
 
-def pull_outputs(written: list[tuple[str, str]]) -> None:
-    """On the driver: bring the files a job on another node wrote into the working copy."""
-    by_root: dict[str, list[str]] = {}
-    for root, key in written:
-        by_root.setdefault(root, []).append(key)
-    for root, keys in by_root.items():
-        _STORES[root].pull("", keys=keys)
+
+def left_on_store(written: Iterable[str]) -> None:
+    """On the driver: the working-copy paths of files a job on another node wrote to the store,
+    which stay there (nothing is downloaded; readers take them where they are, `read_location`):
+    this copy's own files of those names (an earlier attempt's) are removed and forgotten, so a
+    reader never takes them for the job's and a push neither uploads nor deletes the store's."""
+    by_store: dict[str, tuple[RunStore, list[str]]] = {}
+    for path in written:
+        store = store_of_path(path)
+        if store is not None:
+            by_store.setdefault(store.root, (store, []))[1].append(store.rel(path))
+    for store, keys in by_store.values():
+        with store._state(keys) as state:
+            for key in keys:
+                (store.local_root / key).unlink(missing_ok=True)
+                state.pop(key, None)
 
 
 def _store_key(store: RunStore) -> str:

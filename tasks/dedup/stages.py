@@ -160,6 +160,10 @@ def write_table(loc: Path | str, table: pa.Table, options: dict | None = None) -
 
 def num_rows(loc: Path | str, options: dict | None = None) -> int:
     """Rows of a Parquet file from its footer (ranged reads on a store)."""
+    if not is_remote(loc) and options is None:  # a job's part left on the store by another node: read there
+        from tasks.core.storage import read_location
+
+        loc, options = read_location(loc)
     if not is_remote(loc):
         return pq.ParquetFile(loc).metadata.num_rows
     with open_random(str(loc), options) as f:
@@ -991,10 +995,14 @@ def part_counts(job: JobDocs) -> list[int]:
 
 
 def concat_files(paths: Iterable[Path | str], out: Path) -> None:
-    """`out` (atomically): the files' bytes in order, streamed."""
+    """`out` (atomically): the files' bytes in order, streamed; a store run's file that a job on
+    another node left on the store is read there (`read_location`)."""
+    from tasks.core.storage import read_location
+
     tmp = out.with_name(f".{out.name}.tmp")
     with open(tmp, "wb") as w:
         for p in paths:
-            with open(p, "rb") as r:
+            at, options = read_location(p)
+            with open_random(str(at), options) as r:
                 shutil.copyfileobj(r, w, 1 << 20)
     tmp.replace(out)

@@ -58,7 +58,7 @@ from tasks.core.executor import Job, JobRunner, RayTasks, ResumableOutput, start
 from tasks.core.progress import Progress
 from tasks.core.resume import MANIFEST, digest
 from tasks.core.steps import StepStats
-from tasks.core.fs import (expand_uri, file_identity, is_remote, join, link_or_copy, name_of, remove,
+from tasks.core.fs import (download_file, expand_uri, file_identity, is_remote, join, link_or_copy, name_of, remove,
                            remove_stale_shards, remove_tree)
 from tasks.dedup.stages import concat_files
 from tasks.ingest.ids import resolve_partition, write_shard
@@ -430,8 +430,16 @@ class _DuplicateIds:
 
 
 def _link(part: Path, target: Path) -> None:
-    """`target` (atomically) as the same file as `part`: a hard link, a copy where links fail."""
+    """`target` (atomically) as the same file as `part`: a hard link, a copy where links fail; a
+    part a job on another node left on the store is downloaded (the shard, not its part, is what
+    this working copy keeps)."""
+    from tasks.core.storage import read_location
+
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     tmp.unlink(missing_ok=True)  # a killed run's (a link to an existing name fails)
-    link_or_copy(part, tmp)
+    at, options = read_location(part)
+    if is_remote(at):
+        download_file(at, tmp, options)
+    else:
+        link_or_copy(at, tmp)
     os.replace(tmp, target)

@@ -19,7 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from tasks.config import PipelineConfig
+from tasks.core.fs import open_random
 from tasks.core.hashing import sha256_file, sha256_text
+from tasks.core.storage import read_location, remove_run_tree
 from tasks.tokenizer.bpe import load_tokenizer
 from tasks.tokenizer.corpus import iter_doc_columns
 from tasks.core.layout import TOKENS_INDEX_FILE
@@ -131,7 +133,8 @@ def _concatenate(parts: list[dict], paths: dict, starts_paths: dict, sources_pat
                                      if lens.size else lens)
                 for key in stats[s]:
                     stats[s][key] += part["stats"][s][key]
-                with open(part["paths"][s], "rb") as f:
+                at, options = read_location(part["paths"][s])  # a part a job on another node left on the store
+                with open_random(str(at), options) as f:
                     shutil.copyfileobj(f, out, 1 << 20)
         np.save(starts_paths[s], np.concatenate(doc_starts[s]).astype(np.int64) if doc_starts[s]
                 else np.zeros(0, dtype=np.int64))
@@ -191,7 +194,7 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path]
     stats, source_names, by_source = _concatenate(parts, paths, starts_paths, sources_paths)
     mixture = _weight_train_split(cfg, (paths, starts_paths, sources_paths), parts, stats, by_source,
                                   source_names, dtype)
-    shutil.rmtree(parts_dir, ignore_errors=True)
+    remove_run_tree(parts_dir)  # a store run's: also what jobs on other nodes left there
     total_docs = sum(stats[s]["docs"] for s in SPLITS)
     if total_docs == 0:
         raise ValueError(f"prepare_tokens: the shards hold no documents: {[str(s) for s in shards]}")
