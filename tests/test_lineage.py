@@ -673,3 +673,26 @@ def test_a_store_checkpoint_is_versioned_from_its_signed_manifest_without_readin
         ds = checkpoint_output(uri)
         assert ds.facets["version"].datasetVersion == sha256_tree(ckpt)
         assert (ds.namespace, ds.name) == ("s3://runs", f"crucible/r1/train/checkpoints/{ckpt.name}")
+
+
+def test_a_triggered_flow_finds_the_training_run_in_the_log_on_the_store(tmp_path, monkeypatch):
+    """triggered_lineage reads an object-store run's lineage log where it lives (its URI: this worker's
+    working copy may not be the machine's that ran the stages). The training run of the checkpoint is
+    found there, so the triggered runs are parented to it (a URI made a Path is no file: none was)."""
+    from s3_helpers import moto_s3
+    from tasks.core import storage
+    from tasks.lineage.runs import training_run_of
+    from tasks.lineage.signed import sign_event
+
+    job = {"name": "pretrain.torchrun_train.torchrun",
+           "facets": {"jobType": {"integration": "TORCH", "jobType": "JOB", "processingType": "BATCH"}}}
+    ckpt = "s3://runs/crucible/r1/train/checkpoints/step-000004"
+    events = [{"eventType": "START", "run": {"runId": "trained-it"}, "job": job},
+              {"eventType": "COMPLETE", "run": {"runId": "trained-it"}, "job": job,
+               "outputs": [{"namespace": "s3://runs", "name": "crucible/r1/train/checkpoints/step-000004"}]}]
+    monkeypatch.setattr(storage, "_STORES", {})
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        s3.client.put_object(Bucket="runs", Key="crucible/r1/lineage.jsonl",
+                             Body="".join(json.dumps(sign_event(e)) + "\n" for e in events).encode())
+        storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        assert training_run_of("s3://runs/crucible/r1/lineage.jsonl", ckpt).run.run_id == "trained-it"

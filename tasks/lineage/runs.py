@@ -28,9 +28,10 @@ class TrainingRun:
     sources: CrucibleSourceDatasetFacet | None = None
 
 
-def _events(log_path: Path):
+def _events(log_path: str | Path):
     """The log's signed events: a line a writer of the run directory appended (naming any run as the
-    checkpoint's parent, or any licence) is refused."""
+    checkpoint's parent, or any licence) is refused. A URI (an object-store run's log) is read there:
+    made a Path, "s3://" would name no file."""
     try:
         for _, event in signed_lines(log_path):
             yield event
@@ -52,7 +53,7 @@ def training_run_of(log_path: str | Path, checkpoint: str | Path) -> TrainingRun
     names = {ckpt} if named is None else {ckpt, named[1]}
     starts: dict[str, dict] = {}
     producer = None
-    for event in _events(Path(log_path)):
+    for event in _events(log_path):
         if not _is_training(event):
             continue
         run_id = event["run"]["runId"]
