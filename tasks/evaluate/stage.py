@@ -41,7 +41,8 @@ class EvaluateStage(Stage):
         if data is not None:  # collected: the triggered run wrote the report, this task read it
             return EvalResult(data, inputs=[dataset_for_path(data["report_path"])],
                               reports=eval_table(ctx.layout.run_dir, ctx.run_name))
-        data = evaluate_checkpoint(cfg, checkpoint, Path(inputs.tokenizer), Path(inputs.tokens_index),
+        # as named: a store run's URIs stay URIs (a Path would make "s3://" "s3:/")
+        data = evaluate_checkpoint(cfg, checkpoint, inputs.tokenizer, inputs.tokens_index,
                                    ctx.layout.eval_report(checkpoint), tracking_uri=ctx.tracking_uri,
                                    run_id=inputs.train_run_id)
         write_gate(data, *gate_at_evaluation(cfg, ctx.tracking_uri, data, inputs.tokenizer))  # for the table
