@@ -320,7 +320,7 @@ class C4QualityFilter(Filter):
         for line in doc["text"].splitlines():
             line = line.strip()
             toks = line.split()
-            if c.max_word_length >= 0 and any(len(w) > c.max_word_length for w in toks):
+            if c.max_word_length >= 0 and max(map(len, toks), default=0) > c.max_word_length:
                 continue
             if c.remove_citations:
                 line = self.CITATION.sub("", line)
