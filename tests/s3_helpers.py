@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import urllib.request
 from contextlib import contextmanager
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -95,3 +97,27 @@ def moto_s3(tmp_dir: Path, buckets: list[str]) -> Iterator[S3Server]:
                     os.environ.pop(v, None)
                 else:
                     os.environ[v] = val
+
+
+@contextmanager
+def object_requests(method: str = "GET", bucket: str = "runs") -> Iterator[Counter]:
+    """The keys of the objects in `bucket` read (GET; or written: "PUT") on the moto server while
+    the body runs, with their count: its request log (the requests of other processes and of a Ray
+    cluster's nodes reach this process's server too)."""
+    got: Counter = Counter()
+
+    class Requests(logging.Handler):
+        def emit(self, record):
+            m = re.search(r'"(?:\x1b\[[0-9;]*m)*' + method + r' /' + bucket + r'/([^ ?]+)', record.getMessage())
+            if m:  # (colours: a 206)
+                got[m.group(1)] += 1
+
+    logger, handler = logging.getLogger("werkzeug"), Requests()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield got
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

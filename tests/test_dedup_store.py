@@ -14,19 +14,16 @@ import gzip
 import json
 import os
 import random
-import re
 import tempfile
 import time
 import uuid
-from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from infra import stack
-from s3_helpers import moto_s3
+from s3_helpers import moto_s3, object_requests
 from tasks.config import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, LineDedupConfig, RayConfig
 from tasks.core import storage
 from tasks.core.documents import write_docs
@@ -107,35 +104,10 @@ def _written_and_deleted(s3, prefix: str) -> set[str]:
     return written
 
 
-@contextmanager
-def _object_reads(method: str = "GET"):
-    """The keys of the objects read (GET; or written: "PUT") on the moto server while the body
-    runs, with their count: its request log (the worker nodes' requests reach this process's server)."""
-    import logging
-
-    got: Counter = Counter()
-
-    class Reads(logging.Handler):
-        def emit(self, record):
-            m = re.search(r'"(?:\x1b\[[0-9;]*m)*' + method + r' /runs/([^ ?]+)', record.getMessage())  # colours: a 206
-            if m:
-                got[m.group(1)] += 1
-
-    logger, handler = logging.getLogger("werkzeug"), Reads()
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
-    try:
-        yield got
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 def _nothing_staged() -> None:
-    """No node kept a copy of a run file: the tasks read the store directly."""
+    """No node holds a copy of a run file: the tasks read the store directly."""
     base = Path(tempfile.gettempdir()) / "crucible-stage"
-    assert not [p for p in base.glob("*/in/*/run-*/**/*") if p.is_file()], "a task staged its inputs into a node cache"
+    assert not [p for p in base.glob("*/**/run-*/**/*") if p.is_file()], "a task staged its inputs on its node"
 
 
 def test_minhash_clustering_on_two_nodes_spills_through_the_store(s3, run_store, cluster):
@@ -153,7 +125,7 @@ def test_minhash_clustering_on_two_nodes_spills_through_the_store(s3, run_store,
     # the part files the verifier reads: written on this node, in the working copy only
     files = write_docs([{"id": str(i), "text": t} for i, t in enumerate(corpus)], parts_dir, shard_docs=15, prefix="part")
     texts = ParquetTexts(files, [15, 15, len(corpus) - 30])
-    with _object_reads() as reads:
+    with object_requests() as reads:
         got, stats = cluster_signatures(sigs, 14, 8, method="ray", work_dir=parts_dir, partitions=3,
                                         verify=JaccardVerifier(texts, 0.8), representative_threshold=0.7)
     assert got == local
@@ -192,7 +164,7 @@ def _line_counts_locally_and_on_ray(run_store, n_texts: int, shard_docs: int, pa
 
 def test_line_counts_on_two_nodes_spill_through_the_store(s3, run_store, cluster):
     t0 = time.monotonic()
-    with _object_reads() as reads:
+    with object_requests() as reads:
         run, shards, local, on_ray = _line_counts_locally_and_on_ray(run_store, 60, 20, 3)
     work = run_store.local_root / run / "curate" / "_parts"
     assert len(local.hashes) >= 2 and np.array_equal(on_ray.hashes, local.hashes)
@@ -397,7 +369,7 @@ def test_dedup_stages_on_two_nodes_pass_their_files_through_the_store(s3, run_st
             for f in (j.meta, *j.docs):
                 Path(f).unlink()
 
-    with _object_reads() as reads:
+    with object_requests() as reads:
         got = _run_dedup_stages(jobs, parts_dir, tmp_path / "out-store", working_copy_gone)
     assert got == local
     prefix = f"crucible/{run}/curate/_parts/_dedup/"
@@ -440,7 +412,7 @@ def test_curated_shards_written_on_other_nodes_reach_the_store_and_the_manifest_
     prefix = f"crucible/{run}/curate/"
     s3.client.put_object(Bucket="runs", Key=f"{prefix}shard-00099.parquet", Body=b"an earlier run's")
     jobs = _dedup_jobs(stage_dir / "_parts", corpus, 12)
-    with _object_reads("PUT") as puts:
+    with object_requests("PUT") as puts:
         got = _run_dedup_stages(jobs, stage_dir / "_parts", stage_dir)
     assert got["kept"] == local["kept"] and got["steps"] == local["steps"]
     shards = sorted(stage_dir.glob("shard-*.parquet"))
@@ -450,7 +422,7 @@ def test_curated_shards_written_on_other_nodes_reach_the_store_and_the_manifest_
     assert f"{prefix}shard-00099.parquet" not in s3.keys("runs", prefix)
     summary = {"shards": [str(p) for p in shards]}
     write_manifest(stage_dir, "key", summary, summary["shards"], [])
-    with _object_reads("PUT") as pushed:
+    with object_requests("PUT") as pushed:
         run_store.push(stage_dir)
     assert not [k for k in pushed if "/shard-" in k], pushed  # not uploaded again
     manifest = json.loads(s3.client.get_object(Bucket="runs", Key=f"{prefix}manifest.json")["Body"].read())

@@ -28,51 +28,25 @@ def test_prune_cache_drops_the_least_recently_used_files_beyond_the_bound(tmp_pa
     assert [p.name for p in tmp_path.iterdir()] == ["recent"]
 
 
-def test_a_node_cache_keeps_to_its_bound_as_jobs_stage_inputs(tmp_path, monkeypatch):
-    """Inputs staged from the store on a node other than the driver's: once the node's cache is over
-    storage.node_cache_gb, the least recently used inputs make room; a cache hit counts as a use."""
-    import os
-    import time
-
-    from tasks.config import StorageConfig
-
+def test_a_job_on_another_node_reads_its_inputs_from_the_store_and_its_node_keeps_nothing(tmp_path, monkeypatch):
+    """A job on a node other than the driver's gets its working-copy inputs downloaded from the store
+    into a folder of its own (never the driver's files), removed with the job: no node cache."""
     monkeypatch.setattr(storage, "_STORES", {})
-    monkeypatch.setattr(storage, "_PRUNED", {})
-    monkeypatch.setattr(storage, "PRUNE_EVERY_S", 0.0)
     monkeypatch.setattr(storage.tempfile, "tempdir", str(tmp_path / "tmp"))  # node_root's $TMPDIR
-    bound = storage.CacheBound.of(StorageConfig(node_cache_gb=2900 / (1 << 30), cache_min_age_s=0))
     with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
-        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"), node_cache=bound)
-        staging = storage.Staging((store,), "driver")
-        for name in ("a", "b", "c"):
-            s3.client.put_object(Bucket="runs", Key=f"crucible/r1/{name}.bin", Body=name.encode() * 1000)
-        cached = storage.node_root("other") / "in"
+        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        s3.client.put_object(Bucket="runs", Key="crucible/r1/ingest/shard-0.parquet", Body=b"shard")
+        node = storage.node_root("other")
 
-        def read(path):
-            return open(path, "rb").read(1)
+        def read(path: str) -> tuple[bytes, bool]:
+            return open(path, "rb").read(), Path(path).is_relative_to(node)
 
-        def stage(name: str) -> None:
-            assert staging.run(read, (str(store.local_root / "r1" / f"{name}.bin"),), "other")[0] == name.encode()
-
-        def age_all() -> None:  # everything cached so far last used an hour ago
-            for p in cached.rglob("*"):
-                if p.is_file():
-                    os.utime(p, (time.time() - 3600, time.time() - 3600))
-
-        stage("a"), age_all(), stage("b"), age_all(), stage("a")  # a: a cache hit, used again now
-        stage("c")  # 3,000 bytes exceed 2,900: b, the least recently used, goes (to 80 %)
-        names = {p.name for p in cached.rglob("*.bin")}
-        assert names == {"a.bin", "c.bin"}, names
-
-        # a job holds its inputs as hard links: a prune while it runs takes nothing from it
-        def prune_then_read(path):
-            storage.prune_cache(cached, storage.CacheBound(max_bytes=1, min_age_s=0), force=True)
-            assert not list(cached.rglob("*.bin"))  # the cache's names are gone ...
-            return open(path, "rb").read()  # ... the job's input is not
-
-        key = str(store.local_root / "r1" / "a.bin")
-        assert staging.run(prune_then_read, (key,), "other")[0] == b"a" * 1000
-        assert not list(storage.node_root("other").glob("jobs*/*"))  # the job's folders are removed
+        for _ in range(2):  # each job downloads its input again
+            got, _ = storage.Staging((store,), "driver").run(read, (str(store.local_root / "r1" / "ingest" /
+                                                                          "shard-0.parquet"),), "other")
+            assert got == (b"shard", True)
+            assert not [p for p in node.rglob("*") if p.is_file()]  # nothing kept on the node
+        assert not (store.local_root / "r1").exists()  # nor brought into the driver's working copy
 
 
 def test_the_record_is_kept_per_run_and_a_run_s_updates_leave_the_others_alone(tmp_path, monkeypatch):

@@ -147,9 +147,8 @@ def _node_reporting_class(cls: type, staging: Staging | None) -> type:
         def _reporting_build(self, *args) -> None:
             self._build_error = None
             node = current_node_id()
-            if staging is not None and node != staging.driver_node:
-                root = node_root(node)
-                args = staging.stage_in(args, root / "init", root, {})
+            if staging is not None and node != staging.driver_node:  # model files: into <node>/init.in, shared
+                args = staging.stage_in(args, node_root(node) / "init", {})
             try:
                 super().__init__(*args)
             except Exception as e:  # noqa: BLE001 - raised again by each job, where the stage sees it
