@@ -114,6 +114,24 @@ def test_a_job_on_another_node_leaves_its_parts_on_the_store_and_the_driver_read
 
 
 
+def test_a_run_pulled_to_resume_on_another_machine_leaves_its_checkpoints_on_the_store(tmp_path, monkeypatch):
+    """Resuming a run another machine started brings its records into the working copy, never its
+    checkpoints: those are read where they are, by URI (a pull of them would download every step)."""
+    from tasks.core.layout import RunLayout
+
+    monkeypatch.setattr(storage, "_STORES", {})
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        for key in ("r1/config.json", "r1/curate/manifest.json", "r1/train/checkpoints/step-000010/model.safetensors",
+                    "r1/train/checkpoints-old.json"):
+            s3.client.put_object(Bucket="runs", Key=f"crucible/{key}", Body=b"x")
+        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        layout = RunLayout.for_run(store.local_root, "r1")
+        assert store.pull("r1", skip=(f"{store.rel(layout.checkpoints_dir)}/",)) == 3
+        got = sorted(p.relative_to(store.local_root).as_posix() for p in store.local_root.rglob("*")
+                     if p.is_file() and ".crucible-store" not in p.as_posix())
+        assert got == ["r1/config.json", "r1/curate/manifest.json", "r1/train/checkpoints-old.json"], got
+
+
 def test_tree_sha256_of_a_store_prefix_is_the_local_trees_and_downloads_nothing(tmp_path, monkeypatch):
     """One tree hash for a checkpoint wherever it lives: its objects are streamed, never copied to disk."""
     from tasks.core import fs

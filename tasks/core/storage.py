@@ -246,9 +246,10 @@ class RunStore:
                 del state[rel]
         return {"uploaded": len(changed), "deleted": len(gone), "bytes": sum(files[r].st_size for r in changed)}
 
-    def pull(self, rel: str, keys: list[str] | None = None) -> int:
-        """Download `keys` (relative to run_root; default every object under `rel`) into the working
-        copy, recorded as pushed. Returns the number of files."""
+    def pull(self, rel: str, keys: list[str] | None = None, skip: tuple[str, ...] = ()) -> int:
+        """Download `keys` (relative to run_root; default every object under `rel` whose key does
+        not start with one of `skip`) into the working copy, recorded as pushed. Returns the number
+        of files."""
         fs = self.fs()
         etags: dict[str, str] = {}
         if keys is None:
@@ -259,6 +260,7 @@ class RunStore:
             except FileNotFoundError:
                 found = {}
             etags = {p.split("://", 1)[-1][len(root_path) + 1:]: _etag(info) for p, info in found.items()}
+            etags = {k: e for k, e in etags.items() if not k.startswith(skip)}
             places = _listed(self.local_root, etags)
         else:  # named by a job's result: one that escapes is an error, not a listing's stray object
             places = {key: safe_join(self.local_root, key) for key in keys}
