@@ -55,8 +55,7 @@ def _word_hashes(words: list[str]) -> np.ndarray:
     cache = _WORD_CACHE
     if len(cache) > _WORD_CACHE_MAX:
         cache.clear()
-    get = cache.get
-    hs = [get(w) for w in words]
+    hs = list(map(cache.get, words))
     if None in hs:
         for i, h in enumerate(hs):
             if h is None:
@@ -65,7 +64,7 @@ def _word_hashes(words: list[str]) -> np.ndarray:
                 if h is None:
                     h = cache[w] = int.from_bytes(hashlib.blake2b(w.encode("utf-8"), digest_size=8).digest(), "little")
                 hs[i] = h
-    return np.array(hs, dtype=np.uint64)
+    return np.fromiter(hs, np.uint64, len(hs))  # ~2x faster than np.array on a list of ints
 
 
 def ngram_hashes(words: list[str], n: int) -> np.ndarray:
