@@ -26,7 +26,8 @@ from tasks.core import fs
 from tasks.core.hashing import sha256_file
 from tasks.core.layout import TOKENS_INDEX_FILE
 from tasks.core.storage import stored
-from tasks.tokens.binfile import doc_source_names, load_index, open_doc_starts, open_split, write_index
+from tasks.tokens.binfile import (SPLIT_FILES, doc_source_names, load_index, open_doc_starts, open_split,
+                                  write_index)
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +118,6 @@ def _draw(pool: list[Path], target: int, seed: int) -> list[tuple[int, int, int,
     return chosen
 
 
-# the files of a split that build_mix reads, with the index's key of each one's sha256
-_SPLIT_FILES = (("path", "sha256"), ("doc_starts", "doc_starts_sha256"), ("doc_sources", "doc_sources_sha256"))
-
-
 class _Readable(NamedTuple):
     local: Path  # an index.json to read it through, with local files
     sha256: str  # of the index's bytes as read
@@ -140,7 +137,7 @@ def _readable(index: str | Path, scratch: Path) -> _Readable:
     data = json.loads(raw)
     train = dict(data["splits"]["train"])
     scratch.mkdir(parents=True, exist_ok=True)
-    for key, sha_key in _SPLIT_FILES:
+    for key, sha_key in SPLIT_FILES:
         if train.get(key):
             src, dest = fs.listed_beside(at, train[key]), scratch / f"train.{key}"
             fs.download_file(src, dest, options)
@@ -158,7 +155,7 @@ def _held_out_split(index: dict, where: Path | str) -> dict:
     val = {k: index["splits"]["val"][k] for k in ("path", "tokens", "docs", "bytes", "sha256", "doc_starts",
                                                    "doc_starts_sha256", "doc_sources", "doc_sources_sha256")
            if k in index["splits"]["val"]}
-    for key, _ in _SPLIT_FILES:
+    for key, _ in SPLIT_FILES:
         if val.get(key):
             val[key] = str(fs.listed_beside(where, val[key]))
     return val

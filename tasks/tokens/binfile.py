@@ -43,6 +43,8 @@ UNKNOWN_SOURCE = "(unknown)"
 
 
 TOKEN_INDEX_PURPOSE = "token-index"
+# the files a split lists, each with the key of its recorded sha256
+SPLIT_FILES = (("path", "sha256"), ("doc_starts", "doc_starts_sha256"), ("doc_sources", "doc_sources_sha256"))
 
 
 def write_index(path: str | Path, index: dict) -> Path:
