@@ -37,3 +37,31 @@ def test_task_workers_survive_an_actor_phase():
         assert after and after <= before, (before, after)
     finally:
         ray.shutdown()
+
+
+def test_local_ray_start_looks_its_node_up_once_registered(monkeypatch):
+    """ray.init's own lookup of the new node (which sleeps a whole second between tries) runs only
+    once the raylet has registered with the GCS: `ray_utils._prompt_node_lookup` polls for it first.
+    Ray asks 0.1 s after starting the raylet, which registers only after its agents boot (~1 s)."""
+    from ray._private import services
+    from ray._raylet import GcsClient, NodeID
+
+    from tasks.core.ray_utils import start_local_ray
+
+    registered_at_lookup = []
+    lookup = services.get_node
+
+    def spy(gcs_address, node_id):
+        nodes = GcsClient(address=gcs_address).get_all_node_info(timeout=5)
+        registered_at_lookup.append(NodeID.from_hex(node_id) in nodes)
+        return lookup(gcs_address, node_id)
+
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.setattr(services, "get_node", spy)
+    start_local_ray(1, include_dashboard=False)
+    try:
+        assert registered_at_lookup == [True]
+    finally:
+        ray.shutdown()
+    assert services.get_node is spy  # put back after the start
