@@ -221,7 +221,7 @@ def _minimal_agent():
         utils.get_dashboard_dependency_error = check
 
 
-NODE_POLL_S = 0.02  # how often a starting local Ray's node is looked for in the GCS
+NODE_POLL_S = 0.05  # how often a starting local Ray's node is looked for in the GCS
 NODE_WAIT_S = 30.0  # Ray's own bound on the raylet's registration (node.py: raylet_start_wait_time_s)
 
 
