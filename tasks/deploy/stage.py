@@ -1,10 +1,10 @@
 """The deploy stage: gate the best checkpoint, register it, serve it, promote it to champion."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 from tasks.config import PipelineConfig
+from tasks.core.fs import location
 from tasks.core.sections import Reads
 from tasks.core.stage import DeployResult, Stage, StageInputs, Table
 from tasks.lineage import dataset_for_path, model_version_dataset
@@ -37,7 +37,8 @@ class DeployStage(Stage):
         # were evaluated: the flow hands over what they did (None: one failed, so deploy here)
         data = inputs.triggered if ctx.triggered else None
         if data is None:
-            data = deploy_if_better(cfg, ctx.tracking_uri, inputs.evaluation, Path(inputs.tokenizer),
+            # the tokenizer as named: a store run's URI stays a URI (a Path would make 's3://' 's3:/')
+            data = deploy_if_better(cfg, ctx.tracking_uri, inputs.evaluation, location(inputs.tokenizer),
                                     inputs.train_run_id, serve_model=ctx.serve_model, verify_model=ctx.verify_model,
                                     server_status=ctx.model_server_status,
                                     lineage_namespace=ctx.lineage_namespace)

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from tasks.core.fs import is_file, is_remote
-from tasks.core.hashing import sha256_file
+from tasks.core.fs import is_file, is_remote, location, read_text, sha256
 from tasks.core.storage import stored
 from tasks.lineage.artifacts import token_split_paths
 from tasks.lineage.emitter import ActiveRun, JobRef, LineageEmitter, dataset_for_path, new_run_id, package_version
@@ -75,18 +74,22 @@ class TorchrunLineage:
         return JobRef(f"{self.parent.name}.torchrun", self.run_id)
 
     def inputs(self, tokens_index: str | Path) -> list:
-        index_path = Path(tokens_index).resolve()
+        index_path = location(tokens_index)
+        index_path = index_path if is_remote(index_path) else index_path.resolve()
         inputs = [dataset_for_path(index_path)] + [dataset_for_path(p) for p in token_split_paths(index_path, ("train",))]
-        if self.tokenizer and Path(self.tokenizer).is_file():
+        # locations as named and read where they lie (stored()): a store run's tokenizer is a URI, and
+        # Path() would make 's3://' 's3:/', no file, and the tokenizer silently drops out of lineage
+        tokenizer = location(self.tokenizer) if self.tokenizer else None
+        if tokenizer is not None and is_file(*stored(tokenizer)):
             try:
-                expected = json.loads(index_path.read_text()).get("tokenizer_sha256")
+                expected = json.loads(read_text(*stored(index_path))).get("tokenizer_sha256")
             except (OSError, ValueError):
                 expected = None
-            if expected and sha256_file(self.tokenizer) == expected:
-                inputs.append(dataset_for_path(self.tokenizer))
+            if expected and sha256(*stored(tokenizer)) == expected:
+                inputs.append(dataset_for_path(tokenizer))
             else:
                 log.warning("tokenizer %s is not the one %s was encoded with: not a torchrun input",
-                            self.tokenizer, index_path)
+                            tokenizer, index_path)
         return inputs
 
     @staticmethod

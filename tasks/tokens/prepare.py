@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from tasks.config import PipelineConfig
-from tasks.core.fs import open_random
+from tasks.core.fs import is_remote, location, open_random, read_bytes, write_bytes
 from tasks.core.hashing import sha256_file, sha256_text
-from tasks.core.storage import read_location, remove_run_tree
-from tasks.tokenizer.bpe import load_tokenizer
+from tasks.core.storage import read_location, remove_run_tree, stored
+from tasks.tokenizer.bpe import load_tokenizer, read_tokenizer
 from tasks.tokenizer.corpus import iter_doc_columns
 from tasks.core.layout import TOKENS_INDEX_FILE
 from tasks.tokens.binfile import UNKNOWN_SOURCE, dtype_for_vocab, write_index, write_llmc
@@ -47,7 +47,7 @@ def encode_shard(tokenizer_path: str, shard: str, eos_token: str, batch_docs: in
     can concatenate the parts in shard order and derive document start offsets. Runs in-process
     or as a Ray task; both give the same bytes.
     """
-    tok = load_tokenizer(Path(tokenizer_path))
+    tok = load_tokenizer(tokenizer_path)  # the run's parts/tokenizer.json (staged on another node)
     eos_id = tok.token_to_id(eos_token)
     dtype = dtype_for_vocab(tok.get_vocab_size())
     stats = {s: {"tokens": 0, "docs": 0, "bytes": 0} for s in SPLITS}
@@ -84,6 +84,20 @@ def encode_shard(tokenizer_path: str, shard: str, eos_token: str, batch_docs: in
     return {"paths": paths, "stats": stats, "doc_lens": {s: doc_lens[s].tobytes() for s in SPLITS},
             "sources": list(sources), "doc_sources": {s: doc_sources[s].tobytes() for s in SPLITS},
             "doc_bytes": {s: doc_bytes[s].tobytes() for s in SPLITS}, "pid": os.getpid()}
+
+
+def _job_tokenizer(tokenizer: str | Path, parts_dir: Path) -> Path:
+    """The tokenizer's bytes, read once where they lie (a path, or a store's object by its URI: the
+    champion's of an object-store run; a Path would make 's3://' 's3:/'), as parts_dir/tokenizer.json:
+    the one file every encoding job and the index's tokenizer_sha256 read (so all see the same bytes).
+    In a store's working copy its object too, which jobs on other nodes download."""
+    data = read_bytes(*stored(location(tokenizer)))
+    local = parts_dir / "tokenizer.json"
+    local.write_bytes(data)
+    at, options = stored(local)
+    if is_remote(at):
+        write_bytes(at, data, options)
+    return local
 
 
 def _encode_all(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path],
@@ -164,7 +178,7 @@ def _weight_train_split(cfg: PipelineConfig, files: tuple[dict, dict, dict], par
             "by_source": plan.by_source, "dropped": {DROP_REASON: dropped} if dropped else {}}
 
 
-def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path], out_dir: Path) -> dict:
+def prepare_tokens(cfg: PipelineConfig, tokenizer: str | Path, shards: list[Path], out_dir: Path) -> dict:
     """Encode shards into out_dir/{train,val}.bin and out_dir/index.json.
 
     Shards are encoded in parallel (one Ray task each, `tokens.ray`) into part files, then
@@ -174,19 +188,19 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path]
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer_path = Path(tokenizer_path)
-    tok = load_tokenizer(tokenizer_path)
+    parts_dir = out_dir / "parts"
+    shutil.rmtree(parts_dir, ignore_errors=True)
+    parts_dir.mkdir()
+    tokenizer_path = _job_tokenizer(tokenizer, parts_dir)
+    tok, tokenizer_sha256 = read_tokenizer(tokenizer_path)
     vocab_size = tok.get_vocab_size()
     eos_id = tok.token_to_id(cfg.tokenizer.eos_token)
     if eos_id is None:
-        raise ValueError(f"tokenizer {tokenizer_path} has no EOS token {cfg.tokenizer.eos_token!r}")
+        raise ValueError(f"tokenizer {tokenizer} has no EOS token {cfg.tokenizer.eos_token!r}")
     dtype = dtype_for_vocab(vocab_size)
     tcfg = cfg.tokens
     t0 = time.perf_counter()
 
-    parts_dir = out_dir / "parts"
-    shutil.rmtree(parts_dir, ignore_errors=True)
-    parts_dir.mkdir()
     parts, nodes = _encode_all(cfg, tokenizer_path, [Path(s) for s in shards], parts_dir)
 
     paths, starts_paths, sources_paths = ({s: out_dir / f"{s}{suffix}" for s in SPLITS}
@@ -206,7 +220,7 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path]
         "byteorder": "little",
         "vocab_size": vocab_size,
         "eos_id": eos_id,
-        "tokenizer_sha256": sha256_file(tokenizer_path),
+        "tokenizer_sha256": tokenizer_sha256,
         "val_fraction": tcfg.val_fraction,
         "seed": tcfg.seed,
         "splits": {

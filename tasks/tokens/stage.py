@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Annotated
 
 from tasks.config import PipelineConfig
+from tasks.core.fs import location
 from tasks.core.sections import Reads
 from tasks.core.stage import Markdown, Stage, TokensResult
 from tasks.lineage import dataset_for_path
@@ -43,7 +44,8 @@ class TokensStage(Stage):
         from tasks.tracking.mlflow_tracking import metric_name
 
         out = ctx.stage_dir(self.name)
-        data = prepare_tokens(cfg, Path(inputs.tokenizer), [Path(p) for p in inputs.shards], out)
+        # the tokenizer as named: a store champion's URI stays a URI (a Path would make 's3://' 's3:/')
+        data = prepare_tokens(cfg, location(inputs.tokenizer), [Path(p) for p in inputs.shards], out)
         data.update(mixture_record(data))
         card = render_token_card(cfg, data)
         data["dataset_card"] = str(atomic_write_text(out / TOKENS_CARD, card))

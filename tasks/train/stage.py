@@ -51,7 +51,7 @@ class TrainStage(Stage):
         else:  # the torchrun job is a lineage run of its own, child of this stage's run
             torchrun = TorchrunLineage(ctx.lineage.emitter, parent=ctx.lineage.job, root=ctx.lineage.root,
                                        run_facets={"crucible_links": ctx.lineage.links},
-                                       tokenizer=Path(inputs.tokenizer) if inputs.tokenizer else None)
+                                       tokenizer=inputs.tokenizer)  # as named: a URI stays one
             data = torchrun.around(cfg, tokens_index, train)
             data["lineage_run_id"] = torchrun.run_id
         checkpoints = data["checkpoints"]
