@@ -895,8 +895,9 @@ class StorageConfig(Section):
     options: dict[str, Any] = {}
     cache_dir: str | None = None  # None: $XDG_CACHE_HOME (or ~/.cache)/crucible/store
     check_timeout: float = Field(default=20.0, gt=0)  # the bucket check before anything is written
-    # each Ray node's cache of staged inputs and token files: beyond this size the least recently
-    # staged files go (those staged in the last cache_min_age_s stay: a job may be about to open them)
+    # each Ray node's cache of training's token files (staged job inputs are per job, not cached): beyond
+    # this size the least recently used go (those used in the last cache_min_age_s stay: a rank may be
+    # about to open them)
     node_cache_gb: float = Field(default=50.0, gt=0)
     cache_min_age_s: float = Field(default=3600.0, ge=0)
 
