@@ -418,20 +418,26 @@ def test_mix_holds_the_replay_share_in_every_stretch_of_training(base, tmp_path)
     assert sum(v["share"] for v in by_source.values()) == pytest.approx(1.0)
     names = doc_source_names(mix["index_path"], "train")
     assert len(names) == len(starts) and names[len(open_doc_starts(new, "train")):].count("gutenberg") > 0
-    # a pool index from before token indexes recorded sources: its replayed tokens are "(unknown)"
+    # a pool index from before token indexes recorded sources (and were signed): its replayed tokens are
+    # "(unknown)"; taken as a champion's replay pool hands it over, vouched for by the mix's pool_sha256
+    from tasks.core.hashing import sha256_file
+    from tasks.tokens.binfile import write_index
+
     old = json.loads(Path(new).read_text())
     for split in old["splits"].values():
         split.pop("doc_sources", None)
         split["path"], split["doc_starts"] = str(Path(new).parent / split["path"]), str(Path(new).parent / split["doc_starts"])
     (tmp_path / "older").mkdir()
-    (tmp_path / "older" / "index.json").write_text(json.dumps({k: v for k, v in old.items() if k != "sources"}))
-    older = build_mix(new, [tmp_path / "older" / "index.json"], 0.25, 0, tmp_path / "mix-older")["mix"]["by_source"]
+    older_index = tmp_path / "older" / "index.json"
+    older_index.write_text(json.dumps({k: v for k, v in old.items() if k not in ("sources", "signature")}))
+    older = build_mix(new, {str(older_index): sha256_file(older_index)}, 0.25, 0,
+                      tmp_path / "mix-older")["mix"]["by_source"]
     assert older["(unknown)"]["new_tokens"] == 0 and older["(unknown)"]["replay_tokens"] > 0
     share = trained_replay_share(mix["index_path"], 64, 5, 100)
     assert abs(share["replay_share"] - info["replay_share"]) < 0.03 and share["trained_tokens"] == 100 * 64
-    other = dict(json.loads(Path(new).read_text()), tokenizer_sha256="0" * 64)
+    other = dict(old, tokenizer_sha256="0" * 64)
     (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "index.json").write_text(json.dumps(other))
+    write_index(tmp_path / "other" / "index.json", other)  # signed, by another tokenizer
     with pytest.raises(MixError, match="tokenizer"):
         build_mix(new, [tmp_path / "other" / "index.json"], 0.25, 0, tmp_path / "bad")
 
@@ -749,3 +755,75 @@ def test_a_replay_pool_on_a_store_is_mixed_where_it_lives(base, tmp_path, monkey
         s3.client.put_object(Bucket="runs", Key=train, Body=bytes(reversed(body)))
         with pytest.raises(MixError, match="sha256"):
             build_mix(new, [uri], 0.25, 0, tmp_path / "swapped")
+
+
+def _token_copy(base: Path, dest: Path) -> Path:
+    """A copy of the session's token folder (its signed index and files) at `dest`: its index.json."""
+    import shutil
+
+    from lm_helpers import tokens_artifact
+
+    shutil.copytree(Path(tokens_artifact(base)["index_path"]).parent, dest)
+    return dest / "index.json"
+
+
+def test_an_unsigned_token_index_is_never_mixed_into_a_signed_one(base, tmp_path):
+    """Attack: a hand-written (unsigned) token index naming other tokens, as a pool member or as the
+    new tokens, would come out of build_mix inside a mix index the stack signs. build_mix refuses it,
+    names it and says the remedy; malformed JSON is a MixError naming the index too."""
+    from tasks.continued.mix import MixError, build_mix
+
+    new = _token_copy(base, tmp_path / "tokens")
+    forged = dict(json.loads(new.read_text()))
+    forged.pop("signature")
+    forged["sources"] = ["attacker"] + forged["sources"][1:]
+    (tmp_path / "evil").mkdir()
+    for p in new.parent.iterdir():
+        if p.name != "index.json":
+            (tmp_path / "evil" / p.name).write_bytes(p.read_bytes())
+    evil = tmp_path / "evil" / "index.json"
+    evil.write_text(json.dumps(forged))
+    with pytest.raises(MixError, match=rf"(?s){evil}.*tokens stage"):
+        build_mix(new, [evil], 0.25, 0, tmp_path / "mix-pool")
+    with pytest.raises(MixError, match=rf"(?s){evil}.*tokens stage"):
+        build_mix(evil, [new], 0.25, 0, tmp_path / "mix-new")
+    assert not (tmp_path / "mix-pool" / "index.json").exists() and not (tmp_path / "mix-new" / "index.json").exists()
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(MixError, match=str(bad)):
+        build_mix(new, [bad], 0.25, 0, tmp_path / "mix-bad")
+
+
+def test_a_local_train_split_swapped_after_its_index_is_signed_is_refused(base, tmp_path):
+    """Attack: the tokens a signed local index lists are changed after it was written (train.bin
+    reversed, document starts moved): build_mix refuses them (MixError naming the file), never
+    replays them or re-signs their hashes. A pool member handed over with the sha256 a signed chain
+    vouches for (replay_pool's champion -> mix -> pool_sha256) must still have it."""
+    import numpy as np
+
+    from tasks.continued.mix import MixError, build_mix
+    from tasks.core.hashing import sha256_file
+
+    new = _token_copy(base, tmp_path / "new")
+    pool = _token_copy(base, tmp_path / "pool")
+    train = pool.parent / json.loads(pool.read_text())["splits"]["train"]["path"]
+    train.write_bytes(bytes(reversed(train.read_bytes())))
+    with pytest.raises(MixError, match=rf"{train}.*sha256"):
+        build_mix(new, [pool], 0.25, 0, tmp_path / "mix")
+    starts = new.parent / json.loads(new.read_text())["splits"]["train"]["doc_starts"]
+    moved = np.load(starts)
+    np.save(starts, np.concatenate([[0], moved[2:]]))
+    with pytest.raises(MixError, match=rf"{starts}.*sha256"):
+        build_mix(new, [new], 0.25, 0, tmp_path / "mix-starts")
+    genuine = _token_copy(base, tmp_path / "genuine")
+    with pytest.raises(MixError, match=rf"{genuine}.*vouche"):  # not the bytes the champion's chain holds
+        build_mix(genuine, {str(genuine): "0" * 64}, 0.25, 0, tmp_path / "mix-vouched")
+    assert build_mix(genuine, {str(genuine): sha256_file(genuine)}, 0.25, 0, tmp_path / "ok")["mix"]["replay_docs"] > 0
+    # an index written before it recorded its document sources' hash: described as such, with the remedy
+    from tasks.tokens.binfile import write_index
+
+    unhashed = json.loads(genuine.read_text())
+    unhashed["splits"]["train"].pop("doc_sources_sha256")
+    write_index(genuine, unhashed)
+    with pytest.raises(MixError, match=r"records no sha256 for it \(doc_sources.*tokens stage"):
+        build_mix(_token_copy(base, tmp_path / "fresh"), [genuine], 0.25, 0, tmp_path / "mix-unhashed")

@@ -25,9 +25,10 @@ import numpy as np
 from tasks.core import fs
 from tasks.core.hashing import sha256_file
 from tasks.core.layout import TOKENS_INDEX_FILE
+from tasks.core.signing import SignatureError
 from tasks.core.storage import stored
-from tasks.tokens.binfile import (SPLIT_FILES, doc_source_names, load_index, open_doc_starts, open_split,
-                                  write_index)
+from tasks.tokens.binfile import (SPLIT_FILES, TokensChanged, doc_source_names, listed_copy, load_index,
+                                  open_doc_starts, open_split, read_signed_index, write_index)
 
 log = logging.getLogger(__name__)
 
@@ -36,23 +37,23 @@ class MixError(ValueError):
     """A replay pool that cannot be mixed with the new tokens (another tokenizer, no documents)."""
 
 
-def _signed_bytes(tokens_index: str | Path | None, sha256: str | None) -> bytes | None:
-    """The bytes of `tokens_index` (a local file, or an object-store run's object read there) when they
-    hash to `sha256` (a signed record's); None when it is gone or does not (logged as refused: a
-    writer of the run directory or the store could have swapped it, and whatever it lists would be
-    replayed). Read once: what is checked is what the caller parses."""
+def _signed_bytes(tokens_index: str | Path | None, sha256: str | None) -> tuple[dict, bytes] | None:
+    """(the index, its bytes) of `tokens_index` (a local file, or an object-store run's object read
+    there) when they hash to `sha256` (a signed record's); None when it is gone or does not (logged as
+    refused: a writer of the run directory or the store could have swapped it, and whatever it lists
+    would be replayed). Read once: what is checked is what the caller parses."""
     if not tokens_index:
         return None
-    at, options = stored(fs.location(str(tokens_index)))
+    if not sha256:
+        log.warning("refused: the token index %s has no signed sha256 to be held to", tokens_index)
+        return None
     try:
-        raw = fs.read_bytes(at, options)
+        return read_signed_index(*stored(fs.location(str(tokens_index))), sha256=sha256)
     except (FileNotFoundError, IsADirectoryError):
         return None
-    if not sha256 or hashlib.sha256(raw).hexdigest() != sha256:
-        log.warning("refused: the token index %s does not hash to the signed %s", tokens_index,
-                    f"sha256 {sha256[:16]}..." if sha256 else "sha256 (none recorded)")
+    except SignatureError as e:
+        log.warning("refused: %s", e)
         return None
-    return raw
 
 
 def verified_index(tokens_index: str | Path | None, sha256: str | None) -> Path | str | None:
@@ -61,28 +62,35 @@ def verified_index(tokens_index: str | Path | None, sha256: str | None) -> Path 
     return fs.location(str(tokens_index)) if _signed_bytes(tokens_index, sha256) is not None else None
 
 
-def replay_pool(tokens_index: str | Path | None, sha256: str) -> list[Path | str]:
-    """The per-cycle token indexes behind a model trained on `tokens_index`: its mix's pool, or the
-    index itself when it was not a mix (a model pretrained from scratch); each a Path, or the URI of an
+def vouched_pool(tokens_index: str | Path | None, sha256: str) -> dict[str, str]:
+    """{token index: the sha256 a signed chain vouches for} of the per-cycle token indexes behind a
+    model trained on `tokens_index`: its mix's pool (each held to the mix's pool_sha256), or the index
+    itself when it was not a mix (a model pretrained from scratch); each a path, or the URI of an
     object-store run's index (read there). `sha256`: the signed hash the index must have (e.g. the
-    champion's data.tokens_index_sha256 tag); the bytes hashed are the bytes parsed. [] when the index
+    champion's data.tokens_index_sha256 tag); the bytes hashed are the bytes parsed. {} when the index
     is gone or does not hash to it (logged as refused). A mix's pool members must hash to what the mix
     recorded when it was built: one that does not is a MixError naming it (never left out silently); a
-    member that is gone is returned, for the caller to name."""
-    raw = _signed_bytes(tokens_index, sha256)
-    if raw is None:
-        return []
-    mix = json.loads(raw).get("mix")
+    member that is gone is returned, for the caller to name. build_mix holds each member to its hash
+    again, on the bytes it mixes."""
+    read = _signed_bytes(tokens_index, sha256)
+    if read is None:
+        return {}
+    mix = read[0].get("mix")
     if not mix:
         loc = fs.location(str(tokens_index))
-        return [loc if fs.is_remote(loc) else loc.resolve()]
+        return {str(loc if fs.is_remote(loc) else loc.resolve()): sha256}
     recorded = mix.get("pool_sha256") or {}
     refused = [p for p in mix["pool"] if fs.is_file(*stored(fs.location(p)))
                and verified_index(p, recorded.get(p)) is None]
     if refused:
         raise MixError(f"the replay pool of {tokens_index} holds token indexes that are not the ones its mix "
                        f"recorded (changed, or from a mix built before pool hashes were kept): {refused}")
-    return [fs.location(p) for p in mix["pool"]]
+    return {str(p): recorded.get(p) or "" for p in mix["pool"]}  # "" (gone, unrecorded): build_mix refuses it
+
+
+def replay_pool(tokens_index: str | Path | None, sha256: str) -> list[Path | str]:
+    """The members of `vouched_pool`, each a Path or an object-store run's URI."""
+    return [fs.location(p) for p in vouched_pool(tokens_index, sha256)]
 
 
 def _zero() -> dict:
@@ -119,31 +127,38 @@ def _draw(pool: list[Path], target: int, seed: int) -> list[tuple[int, int, int,
 
 
 class _Readable(NamedTuple):
-    local: Path  # an index.json to read it through, with local files
+    local: Path  # an index.json in scratch, naming the verified copies of its train split's files
     sha256: str  # of the index's bytes as read
-    at: Path | str  # where the index lies (its listed files are found beside it)
+    at: Path | str  # where the index lies (its held-out split's files are found beside it)
     data: dict  # the index as read (its paths as written)
 
 
-def _readable(index: str | Path, scratch: Path) -> _Readable:
-    """`index` read once, for build_mix. A local index is read through itself. One on a store (its URI, or a path of a store's working
-    copy: read where it lives, as `stored` says) is read once; its train split's files are downloaded
-    into `scratch`, each held to the sha256 the index records (MixError otherwise: a swapped object would
-    be replayed), and `scratch` gets a copy of the index naming them."""
+def _readable(index: Path | str, scratch: Path, vouched: str | None) -> _Readable:
+    """`index` (a path, or a store's URI or working-copy path: read where it lives, as `stored` says)
+    read once, for build_mix, local or on a store alike: the stack's signature verified on the bytes
+    parsed, or with `vouched` (the sha256 a signed chain holds for it: a champion's mix's pool_sha256)
+    those bytes must hash to it. Each file its train split lists is copied into `scratch` on the read
+    that hashes it and held to the sha256 the index records, and `scratch` gets a copy of the index
+    naming the copies: what is checked is what is mixed (a file swapped after its index was written
+    is a MixError, never replayed nor signed into the mix)."""
     at, options = stored(fs.location(str(index)))
-    raw = fs.read_bytes(at, options)
-    if not fs.is_remote(at):
-        return _Readable(Path(at).resolve(), hashlib.sha256(raw).hexdigest(), Path(at).resolve(), json.loads(raw))
-    data = json.loads(raw)
+    try:
+        data, raw = read_signed_index(at, options, sha256=vouched)
+    except FileNotFoundError as e:
+        raise MixError(f"cannot mix the token index {index}: it is gone") from e
+    except SignatureError as e:
+        raise MixError(f"cannot mix the token index {index}: {e}. build_mix takes an index the stack signed, or "
+                       "one a signed record vouches for (a champion's replay pool); re-run the tokens stage to "
+                       "write it signed") from e
     train = dict(data["splits"]["train"])
     scratch.mkdir(parents=True, exist_ok=True)
-    for key, sha_key in SPLIT_FILES:
+    for key, _ in SPLIT_FILES:
         if train.get(key):
-            src, dest = fs.listed_beside(at, train[key]), scratch / f"train.{key}"
-            fs.download_file(src, dest, options)
-            if sha256_file(dest) != train.get(sha_key):
-                raise MixError(f"cannot replay {src}: it does not have the sha256 its token index {at} records")
-            train[key] = str(dest)
+            try:
+                listed_copy(data, at, "train", key, scratch / f"train.{key}", options)
+            except (TokensChanged, FileNotFoundError) as e:
+                raise MixError(f"cannot replay the train split of {index}: {e}") from e
+            train[key] = str(scratch / f"train.{key}")
     local = scratch / TOKENS_INDEX_FILE
     local.write_text(json.dumps({**data, "splits": {**data["splits"], "train": train}}))
     return _Readable(local, hashlib.sha256(raw).hexdigest(), at, data)
@@ -161,26 +176,31 @@ def _held_out_split(index: dict, where: Path | str) -> dict:
     return val
 
 
-def build_mix(new_index: str | Path, pool: list[Path | str], fraction: float, seed: int, out_dir: str | Path) -> dict:
+def build_mix(new_index: str | Path, pool: dict[str, str] | list[Path | str], fraction: float, seed: int,
+              out_dir: str | Path) -> dict:
     """Write out_dir/{train.bin, train.doc_starts.npy, index.json}: the new train tokens, then
     replayed documents making up `fraction` of the total. Returns the index (absolute paths) plus
     "index_path". Every pool index must come from the same tokenizer (sha256) as `new_index`.
     `new_index` and the pool's indexes are paths or URIs of an object-store run's indexes, read where
-    they live (`_readable`)."""
+    they live and verified (`_readable`): signed by the stack, or, for a pool given as `vouched_pool`'s
+    {index: sha256}, holding the bytes that hash says."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    scratch = out_dir / ".store-reads"
+    scratch = out_dir / ".verified-reads"
+    vouched = {str(p): h for p, h in pool.items()} if isinstance(pool, dict) else {str(p): None for p in pool}
     try:
-        return _build_mix(new_index, pool, fraction, seed, out_dir, scratch)
+        return _build_mix(new_index, vouched, fraction, seed, out_dir, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _build_mix(new_name: str | Path, pool_names: list[Path | str], fraction: float, seed: int, out_dir: Path,
+def _build_mix(new_name: str | Path, vouched: dict[str, str | None], fraction: float, seed: int, out_dir: Path,
                scratch: Path) -> dict:
     new_name = fs.location(str(new_name)) if fs.is_remote(str(new_name)) else Path(new_name).resolve()
-    new = _readable(new_name, scratch / "new")
-    readable = [_readable(p, scratch / f"pool-{i}") for i, p in enumerate(pool_names)]
+    new = _readable(new_name, scratch / "new", None)
+    members = [(fs.location(p), h) for p, h in vouched.items()]  # a store run's are URIs (a Path would mangle "s3://")
+    pool_names = [p for p, _ in members]
+    readable = [_readable(p, scratch / f"pool-{i}", h) for i, (p, h) in enumerate(members)]
     new_index, pool = new.local, [r.local for r in readable]
     index = load_index(new_index)
     for name, p in zip(pool_names, pool):

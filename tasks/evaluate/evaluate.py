@@ -24,8 +24,9 @@ import torch
 from tasks.config import PipelineConfig
 from tasks.core import fs
 from tasks.tokenizer.bpe import read_tokenizer
-from tasks.tokens.binfile import read_signed_index
-from tasks.train.checkpoint import load_verified_model
+# TokensChanged and listed_bytes are the token index format's (tasks/tokens/binfile.py); named here for their callers
+from tasks.tokens.binfile import TokensChanged, listed_bytes, read_signed_index  # noqa: F401
+from tasks.train.checkpoint import load_verified_model, trained_index_problem
 
 log = logging.getLogger(__name__)
 
@@ -59,30 +60,17 @@ def val_loss(model, tokens: np.ndarray, seq_len: int, batch_size: int, max_batch
     return total / count, count
 
 
-class TokensChanged(ValueError):
-    """A file a token index lists does not have the sha256 the (signed) index records: refused."""
-
-
-def listed_bytes(index: dict, index_loc: Path | str, split: str, key: str, storage_options: dict | None = None
-                 ) -> bytes:
-    """The bytes of a file one split of a verified index lists under `key` ("path", "doc_starts"), read
-    once, where they live, and held to the sha256 the index records for it (TokensChanged otherwise)."""
-    info = index["splits"][split]
-    where = fs.listed_beside(index_loc, info[key])  # on a store in normal form: no `..` onto another object
-    data = fs.read_bytes(where, storage_options)
-    want = info.get("sha256" if key == "path" else f"{key}_sha256")
-    if not want or hashlib.sha256(data).hexdigest() != want:
-        raise TokensChanged(f"{where} does not have the sha256 its token index records "
-                            f"({want[:16] + '...' if want else 'none'})")
-    return data
-
-
-def val_tokens(tokens_index: Path | str, storage_options: dict | None = None) -> tuple[dict, np.ndarray]:
+def val_tokens(tokens_index: Path | str, storage_options: dict | None = None, trained: dict | None = None
+               ) -> tuple[dict, np.ndarray]:
     """(the token index, its val split's tokens), local or on a store (read where it lives). The index
     must carry the stack's signature (SignatureError otherwise): a rewritten one could name other
     tokens with hashes to match. The val split is read once, whole, and held to the sha256 the index
-    records: what is checked is what is scored. The train split is never read."""
-    index, _ = read_signed_index(tokens_index, storage_options)
+    records: what is checked is what is scored. The train split is never read. `trained`: the signed
+    meta of the checkpoint to be scored, whose index this must be (TokensChanged otherwise: another
+    run's genuine signed index copied in; tasks.train.checkpoint.trained_index_problem)."""
+    index, raw = read_signed_index(tokens_index, storage_options)
+    if trained is not None and (problem := trained_index_problem(trained, hashlib.sha256(raw).hexdigest(), index)):
+        raise TokensChanged(f"token index {tokens_index}: {problem}")
     val = index["splits"]["val"]
     dtype = np.dtype(index["dtype"]).newbyteorder("<")
     if not val["tokens"]:
@@ -129,7 +117,7 @@ def _evaluate(cfg: PipelineConfig, ckpt_dir: Path | str, tokenizer_path: Path | 
     tokenizer_path, tokens_index = fs.location(tokenizer_path), fs.location(tokens_index)
     # read once: checked against the checkpoint's tokenizer and recorded as the bytes parsed
     tok, tok_sha = read_tokenizer(tokenizer_path, options, meta.get("tokenizer_sha256") or None)
-    index, val = val_tokens(tokens_index, options)
+    index, val = val_tokens(tokens_index, options, trained=meta)
     if index["vocab_size"] != model.cfg.vocab_size:
         raise ValueError(f"tokens vocab {index['vocab_size']} != checkpoint vocab {model.cfg.vocab_size}")
 

@@ -54,15 +54,78 @@ def write_index(path: str | Path, index: dict) -> Path:
     return write_signed(path, index, TOKEN_INDEX_PURPOSE)
 
 
-def read_signed_index(loc: str | Path, storage_options: dict | None = None) -> tuple[dict, bytes]:
+class TokensChanged(ValueError):
+    """A file a token index lists does not have the sha256 the (signed) index records: refused."""
+
+
+def read_signed_index(loc: str | Path, storage_options: dict | None = None, sha256: str | None = None
+                      ) -> tuple[dict, bytes]:
     """(the index, the bytes it was parsed from) of a local index.json or a store's object, read once;
-    SignatureError when it is unsigned or its signature does not verify. Its paths stay as written
-    (`tasks.core.fs.listed_beside` finds a listed file)."""
+    SignatureError when it is unsigned or its signature does not verify (or it is not JSON). With
+    `sha256` (what a signed record holds for these bytes, e.g. a champion's tag, or a mix's pool_sha256
+    under it) the bytes must hash to it instead: vouched for by that chain, an index written before
+    the stack signed them is taken. Its paths stay as written (`tasks.core.fs.listed_beside` finds a
+    listed file)."""
+    import hashlib
+
     from tasks.core import fs
-    from tasks.core.signing import loads_signed
+    from tasks.core.signing import SIGNATURE_FIELD, SignatureError, loads_signed
 
     raw = fs.read_bytes(loc, storage_options)
-    return loads_signed(raw, TOKEN_INDEX_PURPOSE, what=f"token index {loc}"), raw
+    if sha256 is None:
+        return loads_signed(raw, TOKEN_INDEX_PURPOSE, what=f"token index {loc}"), raw
+    if hashlib.sha256(raw).hexdigest() != sha256:
+        raise SignatureError(f"token index {loc} does not hash to the vouched sha256 {sha256[:16]}...")
+    try:
+        index = json.loads(raw)
+    except ValueError as e:
+        raise SignatureError(f"token index {loc} is not JSON ({e})") from e
+    return {k: v for k, v in index.items() if k != SIGNATURE_FIELD}, raw
+
+
+def _listed(index: dict, index_loc: Path | str, split: str, key: str, sink, storage_options: dict | None
+            ) -> Path | str:
+    """Stream the file one split of a verified index lists under `key` into `sink` (a binary writer),
+    read once, where it lives, and hold it to the sha256 the index records for it (TokensChanged
+    otherwise); returns where it lies."""
+    import hashlib
+
+    from tasks.core import fs
+
+    where = fs.listed_beside(index_loc, index["splits"][split][key])  # on a store in normal form: no `..`
+    want = index["splits"][split].get(dict(SPLIT_FILES)[key])
+    if not want:  # an index written before it recorded this file's hash: nothing to hold the file to
+        raise TokensChanged(f"{where}: its token index {index_loc} records no sha256 for it ({key}; an index "
+                            "written before they were recorded): re-run the tokens stage")
+    digest = hashlib.sha256()
+    with fs.open_source(str(where), storage_options) as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+            sink.write(chunk)
+    if digest.hexdigest() != want:
+        raise TokensChanged(f"{where} does not have the sha256 its token index {index_loc} records ({want[:16]}...)")
+    return where
+
+
+def listed_bytes(index: dict, index_loc: Path | str, split: str, key: str, storage_options: dict | None = None
+                 ) -> bytes:
+    """The bytes of a file one split of a verified index lists under `key` ("path", "doc_starts"), read
+    once and held to the sha256 the index records (TokensChanged otherwise): what is checked is what is used."""
+    import io
+
+    buf = io.BytesIO()
+    _listed(index, index_loc, split, key, buf, storage_options)
+    return buf.getvalue()
+
+
+def listed_copy(index: dict, index_loc: Path | str, split: str, key: str, dest: Path,
+                storage_options: dict | None = None) -> Path | str:
+    """`listed_bytes` for a file too large to hold in memory (a train split): copied to the local `dest`
+    while it is hashed, on the same read; the caller uses `dest` (nobody else writes it), never the
+    source again. Returns where the source lies."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest, "wb") as out:
+        return _listed(index, index_loc, split, key, out, storage_options)
 
 
 def load_index(index_path: str | Path) -> dict:
