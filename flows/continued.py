@@ -64,7 +64,7 @@ def gate_and_deploy(cfg: PipelineConfig, run: RunContext, evaluations: list[Eval
 
 
 @flow(name="replay_mix")
-def replay_mix(cfg: PipelineConfig, run: RunContext, tokens_index: str, replay: list[str]) -> TokensResult:
+def replay_mix(cfg: PipelineConfig, run: RunContext, tokens_index: str, replay: dict[str, str]) -> TokensResult:
     with flow_lineage(cfg, run):
         return run_stage_task("mix", cfg, run, StageInputs(tokens_index=tokens_index, replay=replay))
 
@@ -158,18 +158,19 @@ def _cycle(cfg: PipelineConfig, run_name: str | None) -> dict:
 def _continue(cfg: PipelineConfig, run_name: str, champion) -> dict:
     """The cycle's DAG with a champion: curate the new files, encode them with the champion's
     tokenizer, add the replay, train from the champion, evaluate, gate."""
-    from tasks.continued.mix import replay_pool
+    from tasks.continued.mix import vouched_pool
 
     run = open_run(cfg, run_name).model_copy(update={"triggered": triggers_active(cfg), "root_job": CONTINUE_FLOW})
     with pretrain_scope(cfg, run) as summary:
         ingested, curated, scored = curate(cfg, run)
         tokenizer = str(champion.tokenizer)
         tokens = prepare_tokens(cfg, run, tokenizer, scored.shards)
-        pool = [str(p) for p in replay_pool(champion.tokens_index, champion.tags.get("data.tokens_index_sha256") or "")]
+        # {index: sha256} as the champion's signed chain vouches for each: build_mix mixes those bytes or refuses
+        pool = vouched_pool(champion.tokens_index, champion.tags.get("data.tokens_index_sha256") or "")
         mix = replay_mix(cfg, run, tokens.index_path, pool)
         plan, trained = train(cfg, run, mix.index_path, tokenizer)
         evals = evaluate(cfg, run, trained.checkpoints, tokenizer, tokens.index_path, trained.mlflow_run_id)
-        yardstick, deployed = gate_and_deploy(cfg, run, evals, tokenizer, tokens.index_path, pool,
+        yardstick, deployed = gate_and_deploy(cfg, run, evals, tokenizer, tokens.index_path, list(pool),
                                               trained.mlflow_run_id)
         summary.record(ingest=ingested.data, curate=curated.data, quality=scored.data, tokens=tokens.data,
                        mix=mix.data | {"trained": _trained_share(cfg, mix.index_path, trained.checkpoints)},

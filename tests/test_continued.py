@@ -827,3 +827,26 @@ def test_a_local_train_split_swapped_after_its_index_is_signed_is_refused(base, 
     write_index(genuine, unhashed)
     with pytest.raises(MixError, match=r"records no sha256 for it \(doc_sources.*tokens stage"):
         build_mix(_token_copy(base, tmp_path / "fresh"), [genuine], 0.25, 0, tmp_path / "mix-unhashed")
+
+
+def test_the_mix_stage_holds_the_pool_to_the_hashes_the_champion_vouches_for(base, tmp_path):
+    """The cycle hands the mix stage vouched_pool's {index: sha256} (champion's signed tag -> its mix ->
+    pool_sha256): a member whose bytes are not those is refused, even one the stack signed (another
+    genuine index put in its place); with the vouched hash it is mixed and recorded as read."""
+    from lm_helpers import tiny_cfg
+    from tasks.continued.mix import MixError
+    from tasks.core.hashing import sha256_file
+    from tasks.core.layout import RunLayout
+    from tasks.core.sections import stage_config
+    from tasks.core.stage import StageContext, StageInputs
+    from tasks.registry import STAGES
+
+    new, member = _token_copy(base, tmp_path / "new"), _token_copy(base, tmp_path / "member")
+    stage, ctx = STAGES["mix"], StageContext(layout=RunLayout.for_run(tmp_path, "r"), run_name="r", tracking_uri="",
+                                             experiment="x")
+    cfg = stage_config(stage, tiny_cfg())
+    with pytest.raises(MixError, match=rf"{member}.*vouched"):
+        stage.run(cfg, StageInputs(tokens_index=str(new), replay={str(member): "0" * 64}), ctx)
+    vouched = {str(member): sha256_file(member)}
+    mixed = stage.run(cfg, StageInputs(tokens_index=str(new), replay=vouched), ctx).data
+    assert mixed["mix"]["pool_sha256"][str(member)] == vouched[str(member)] and mixed["replay_tokens"] > 0

@@ -24,12 +24,10 @@ class ReplayMixStage(Stage):
 
     def run(self, cfg: Annotated[PipelineConfig, Reads("continue_")], inputs, ctx) -> TokensResult:
         from tasks.continued.mix import build_mix
-        from tasks.core import fs
 
         c = cfg.continue_
-        # a store run's pool members are URIs, read where they live (a Path would mangle "s3://")
-        data = build_mix(inputs.tokens_index, [fs.location(str(p)) for p in inputs.replay], c.replay_fraction,
-                         c.replay_seed, ctx.stage_dir(self.name))
+        # the pool as the flow hands it ({index: the sha256 the champion's signed chain vouches for}): held to it
+        data = build_mix(inputs.tokens_index, inputs.replay, c.replay_fraction, c.replay_seed, ctx.stage_dir(self.name))
         mix = data["mix"]
         # top-level numbers become the stage's MLflow metrics (per source: tokens.<source>, ...);
         # tokens by origin and by source are in data["mix"]

@@ -53,7 +53,8 @@ class StageInputs:
     checkpoint: str | None = None  # one checkpoint directory
     evaluation: dict | None = None  # an evaluation report (the deploy stage's input)
     train_run_id: str | None = None  # the training stage's MLflow run
-    replay: list[str] = field(default_factory=list)  # continued pretraining: earlier cycles' token indexes
+    # continued pretraining: earlier cycles' token indexes (the mix: {index: the sha256 a signed chain vouches for})
+    replay: list[str] | dict[str, str] = field(default_factory=list)
     # evaluate / deploy with the stack's triggered flows on: what their completed flow run recorded,
     # collected by the flow (flows/triggered_runs.py); the stage reports it (None: it does the work)
     triggered: dict | None = None
