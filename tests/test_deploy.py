@@ -572,9 +572,11 @@ def test_what_is_registered_is_what_the_signed_report_names(tmp_path, mlflow_sto
     monkeypatch.setattr(yardstick, "gate_evaluation", gate_then_swap)
     want = fs.tree_sha256(evaluated)
     evaluation = {"val_loss": 5.0, "step": 20, "checkpoint": str(evaluated), "checkpoint_sha256": want}
-    res = deploy_if_better(_gated_cfg(tmp_path, name), uri, evaluation, tok, None)
+    cfg = _gated_cfg(tmp_path, name)
+    res = deploy_if_better(cfg, uri, evaluation, tok, None, server_status=lambda: server_status(cfg.stack))
     assert fs.tree_sha256(evaluated) != want  # the swap happened
-    assert not list((tmp_path / "cache" / "served").iterdir())  # registered only (deploy.serve false): dropped
+    # registered only (deploy.serve false): pruned
+    assert [p.name for p in (tmp_path / "cache" / "served").iterdir()] == [".locks"]
     if res["version"] is not None:
         champion = get_champion(uri, name)
         ckpt, _, copy_hash = registered_files(uri, name, champion, tmp_path / "champions")
@@ -635,31 +637,84 @@ def test_the_yardstick_refuses_document_starts_that_are_not_the_indexed_ones(bas
         _held_out(index, tok, 4, 10_000)
 
 
-def test_served_copies_no_server_uses_are_pruned_by_deploy(tmp_path, mlflow_store):
-    """served/ holds one verified copy per content hash. deploy prunes what no model server uses: a
-    copy a killed deploy left (a `.tmp-` folder, a whole folder) and a champion's copy the live server
-    moved on from go, once older than storage.cache_min_age_s; the live server's copy (served/.live,
-    however old) and a copy just made or used (another deploy's, in flight) stay."""
-    import os
-    import time
+def _served_copies(cfg, tmp_path: Path, tok, *names: str) -> list:
+    """A served/ copy (tasks.deploy.servable) of a random checkpoint per name, no deploy holding it."""
+    from tasks.deploy import servable
 
-    from tasks.deploy import _mark_live, servable
+    return [servable(cfg, random_checkpoint(tmp_path / n / "train", tok, 10, seed), tok)
+            for seed, n in enumerate(names, 1)]
+
+
+def _record_model_server(cfg, copy) -> None:
+    """The stack's signed model-server spec, serving `copy` (as serve_model and `crucible up` leave it)."""
+    from infra.services.model_server.supervisor import server_spec
+
+    stack.write_spec(cfg.stack, server_spec(cfg.deploy, copy.checkpoint, copy.tokenizer, "m", cfg.stack, version=1))
+
+
+def test_served_copies_no_server_uses_are_pruned_by_deploy(tmp_path, mlflow_store, monkeypatch):
+    """served/ holds one verified copy per content hash. deploy prunes what no model server uses: a
+    `.tmp-` folder a killed deploy left, a champion's copy the live server moved on from and a refused
+    challenger's go; the copy the stack's model-server spec serves (what `crucible up` restarts from;
+    there is no other record of it, as after an upgrade) and a copy another deploy holds (its lock, however
+    old) stay; a deploy holds its own copy locked from start to end."""
+    from contextlib import ExitStack
+
+    from tasks.deploy import prune_served, servable, yardstick
 
     tok = sample_tokenizer(tmp_path / "tok")
     cfg = _gated_cfg(tmp_path, "crucible-pruned")
-    live, old = (servable(cfg, random_checkpoint(tmp_path / run / "train", tok, 10, seed), tok)
-                 for run, seed in (("live", 1), ("old", 2)))
+    status = _supervised(cfg)["server_status"]
+    live, old = _served_copies(cfg, tmp_path, tok, "live", "old")
     root = tmp_path / "cache" / "served"
     (root / ".tmp-killed").mkdir()
     (root / ".tmp-killed" / "part").write_bytes(b"x")
-    _mark_live(cfg, live.content_hash)
-    long_ago = time.time() - 2 * cfg.storage.cache_min_age_s
-    for p in root.iterdir():
-        os.utime(p, (long_ago, long_ago))
-    in_flight = servable(cfg, random_checkpoint(tmp_path / "next" / "train", tok, 10, 3), tok)
-    refused = deploy_if_better(cfg, mlflow_store["uri"], {"val_loss": 99.0, "step": 10, "checkpoint": str(
-        random_checkpoint(tmp_path / "bad" / "train", tok, 10, 4))}, tok, None)
-    assert not refused["passed"]
-    left = sorted(p.name for p in root.iterdir())
-    assert left == sorted([".live", live.content_hash[:32], in_flight.content_hash[:32]]), left
-    assert old.checkpoint.parents[2].name not in left and live.checkpoint.is_dir()
+    _record_model_server(cfg, live)
+    assert status()["serves"] and not (root / ".live").exists()
+    real_gate, seen = yardstick.gate_evaluation, []
+
+    def gate_and_prune(*a, **kw):  # another deploy's prune while this one is gated
+        seen.append(prune_served(cfg, status))
+        return real_gate(*a, **kw)
+
+    monkeypatch.setattr(yardstick, "gate_evaluation", gate_and_prune)
+    bad = random_checkpoint(tmp_path / "bad" / "train", tok, 10, 4)
+    with ExitStack() as other_deploy:
+        in_flight = servable(cfg, random_checkpoint(tmp_path / "next" / "train", tok, 10, 3), tok,
+                             in_flight=other_deploy)
+        refused = deploy_if_better(cfg, mlflow_store["uri"], {"val_loss": 99.0, "step": 10, "checkpoint": str(bad)},
+                                   tok, None, server_status=status)
+        assert not refused["passed"]
+        (mid_deploy,) = seen
+        assert sorted(mid_deploy) == sorted([".tmp-killed", old.content_hash[:32]]), mid_deploy  # not its own
+        left = sorted(p.name for p in root.iterdir())
+        assert left == sorted([".locks", live.content_hash[:32], in_flight.content_hash[:32]]), left
+    assert live.checkpoint.is_dir() and in_flight.checkpoint.is_dir()
+    assert prune_served(cfg, status) == [in_flight.content_hash[:32]]  # its deploy ended
+    assert sorted(p.name for p in root.iterdir()) == [".locks", live.content_hash[:32]]
+    assert sorted(p.name for p in (root / ".locks").iterdir()) == [live.content_hash[:32] + ".lock"]
+
+
+def test_served_copies_stay_when_what_the_server_uses_cannot_be_told(tmp_path, monkeypatch, caplog):
+    """With no server status (or a server without a readable spec) deploy cannot tell the live copy
+    from the others: nothing is pruned, and that is logged. A copy that cannot be removed is logged,
+    never reported as pruned."""
+    import shutil
+
+    from tasks.deploy import prune_served
+
+    tok = sample_tokenizer(tmp_path / "tok")
+    cfg = _gated_cfg(tmp_path, "crucible-unknown")
+    (a,) = _served_copies(cfg, tmp_path, tok, "a")
+    root = tmp_path / "cache" / "served"
+    unreadable_spec = {"url": "http://127.0.0.1:1/v1", "healthy": True, "pid": 1, "serves": None}
+    with caplog.at_level("WARNING", logger="tasks.deploy"):
+        assert prune_served(cfg, None) == [] and prune_served(cfg, lambda: unreadable_spec) == []
+    assert a.checkpoint.is_dir() and "cannot be told" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(shutil, "rmtree", lambda *a, **kw: None)  # a copy that will not go
+    with caplog.at_level("WARNING", logger="tasks.deploy"):
+        assert prune_served(cfg, lambda: None) == []
+    assert a.checkpoint.is_dir() and "could not remove" in caplog.text
+    monkeypatch.undo()
+    assert prune_served(cfg, lambda: None) == [a.content_hash[:32]] and not root.joinpath(a.content_hash[:32]).exists()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from contextlib import ExitStack
 from typing import Callable, NamedTuple
 
 from tasks.core.constants import LINEAGE_NAMESPACE
@@ -36,7 +37,8 @@ __all__ = ["gate", "deploy_if_better", "prune_served", "api_headers", "ServeMode
 ServeModel = Callable[..., dict]
 # same arguments -> what was checked: a temporary server of its own serves the challenger and answers
 VerifyModel = Callable[..., str]
-# () -> {"url", "pid", "healthy"} of the running model server, None when there is none
+# () -> {"url", "pid", "healthy", "serves"} of the stack's model server, None when none was ever deployed;
+# "serves": the files its recorded spec serves (what `crucible up` restarts it from), None when unknown
 ServerStatus = Callable[[], dict | None]
 
 
@@ -134,29 +136,29 @@ def deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: P
     happened, the served/ copies no model server uses are pruned (prune_served).
     """
     try:
-        return _deploy_if_better(cfg, tracking_uri, evaluation, tokenizer_path, train_run_id, serve_model,
-                                 server_status, verify_model, lineage_namespace)
+        # the copy this deploy works on is locked until it ends: prune_served (ours or another deploy's) skips it
+        with ExitStack() as in_flight:
+            return _deploy_if_better(cfg, tracking_uri, evaluation, tokenizer_path, train_run_id, serve_model,
+                                     server_status, verify_model, lineage_namespace, in_flight)
     finally:
-        prune_served(cfg)
+        prune_served(cfg, server_status)
 
 
 def _deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: Path | str, train_run_id: str | None,
                       serve_model: ServeModel | None, server_status: ServerStatus | None,
-                      verify_model: VerifyModel | None, lineage_namespace: str) -> dict:
+                      verify_model: VerifyModel | None, lineage_namespace: str, in_flight: ExitStack) -> dict:
     from tasks.deploy.registry import get_champion, record_gate, register
     from tasks.deploy.yardstick import gate_evaluation, score_tags
 
     dcfg = cfg.deploy
     champion = get_champion(tracking_uri, dcfg.model_name)
     # one local copy, verified against the signed report's hash, is hashed, registered and served
-    copy = servable(cfg, evaluation["checkpoint"], tokenizer_path, evaluation.get("checkpoint_sha256"))
+    copy = servable(cfg, evaluation["checkpoint"], tokenizer_path, evaluation.get("checkpoint_sha256"), in_flight)
     content_hash = copy.content_hash
     if champion and champion["tags"].get("content_hash") == content_hash:
         # The same checkpoint was already promoted (e.g. by the event-triggered deploy-model flow
         # while this run was still going): report it as deployed rather than failing the gate.
         current = server_status() if server_status else None
-        if not dcfg.serve:
-            _drop_copy(cfg, content_hash)  # nothing serves it here
         return {
             "passed": True, "reason": f"already the champion (version {champion['version']})",
             "model_name": dcfg.model_name, "val_loss": evaluation.get("val_loss"),
@@ -187,7 +189,6 @@ def _deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: 
     record_gate(tracking_uri, train_run_id, evaluation.get("step"), decision, yardstick)
     if not decision["passed"]:
         result.update(_live_server(server_status))
-        _drop_copy(cfg, copy.content_hash)  # not the champion's (that returned above): nothing serves it
         return result
 
     tags = lineage_tags(cfg, evaluation, tokenizer_path, lineage_namespace)
@@ -202,13 +203,8 @@ def _deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: 
         raise ValueError("deploy.serve is true but no model server was handed to deploy_if_better (serve_model, "
                          "verify_model); pass the stack's supervisor (infra.services.model_server.supervisor) "
                          "or set deploy.serve=false")
-    result = _verify_promote_serve(cfg, tracking_uri, copy, reg["version"], result,
-                                   serve_model, verify_model, server_status)
-    if not (dcfg.serve and result["alias"] == "champion"):
-        _drop_copy(cfg, copy.content_hash)  # refused, or registered only: nothing serves it
-    elif result.get("endpoint") and champion:  # the live server moved on from the previous champion's copy
-        _drop_copy(cfg, champion["tags"].get("content_hash"))
-    return result
+    return _verify_promote_serve(cfg, tracking_uri, copy, reg["version"], result,
+                                 serve_model, verify_model, server_status)
 
 
 class Deployable(NamedTuple):
@@ -221,7 +217,7 @@ class Deployable(NamedTuple):
 
 
 def servable(cfg, checkpoint: str | Path, tokenizer_path: str | Path,
-             expected_tree_sha256: str | None = None) -> Deployable:
+             expected_tree_sha256: str | None = None, in_flight: ExitStack | None = None) -> Deployable:
     """The checkpoint and tokenizer as ONE local copy, verified once, for everything deploy does with
     them (content hash, export into the registry, the model server, a process of the stack that keeps
     loading them): reading the source again at each step could read other bytes each time (a store's
@@ -230,7 +226,9 @@ def servable(cfg, checkpoint: str | Path, tokenizer_path: str | Path,
     storage.cache_dir/served/<content hash>/ (the server verifies them against it as it loads); the
     copy must hash to `expected_tree_sha256` (a signed report's checkpoint_sha256), else verify against
     that manifest; the tokenizer is read once and must be the one the checkpoint's signed meta names.
-    A folder of that content already there (the live one, perhaps) is used, never replaced."""
+    A folder of that content already there (the live one, perhaps) is used, never replaced.
+    `in_flight`: holds the copy's shared lock until it closes (prune_served leaves the copy alone
+    meanwhile); without it the lock is released on return."""
     import hashlib
     import shutil
     import uuid
@@ -244,6 +242,8 @@ def servable(cfg, checkpoint: str | Path, tokenizer_path: str | Path,
 
     root = _served_root(cfg)
     tmp = root / f".tmp-{uuid.uuid4().hex}"
+    # locked before the folder exists: a prune never takes it for a killed deploy's
+    filling = _copy_lock(root, tmp.name, exclusive=True, wait=True)
     try:
         (at, options), (tok_at, tok_options) = stored(checkpoint), stored(tokenizer_path)
         local = tmp / "train" / CHECKPOINTS_DIR / fs.name_of(at)
@@ -264,15 +264,25 @@ def servable(cfg, checkpoint: str | Path, tokenizer_path: str | Path,
         fs.write_bytes(tmp / "tokenizer.json", data)
         content_hash = content_hash_of(tree, tok_sha)
         folder = root / content_hash[:32]
-        if not folder.is_dir():
-            try:
-                os.replace(tmp, folder)
-            except OSError:  # another deploy of the same content put it there first
-                if not folder.is_dir():
-                    raise
-        os.utime(folder)  # used now: prune_served leaves it for storage.cache_min_age_s
+        # shared: deploys of the same content use the copy at once; a prune waits for none of them
+        held = _copy_lock(root, folder.name, exclusive=False, wait=True)
+        try:
+            if not folder.is_dir():
+                try:
+                    os.replace(tmp, folder)
+                except OSError:  # another deploy of the same content put it there first
+                    if not folder.is_dir():
+                        raise
+        except BaseException:
+            os.close(held)
+            raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        _unlock(root, tmp.name, filling, remove=True)
+    if in_flight is not None:
+        in_flight.callback(os.close, held)
+    else:
+        os.close(held)
     return Deployable(folder / local.relative_to(tmp), folder / "tokenizer.json", tree, tok_sha, content_hash)
 
 
@@ -282,49 +292,104 @@ def _served_root(cfg) -> Path:
     return (Path(cfg.storage.cache_dir).expanduser() if cfg.storage.cache_dir else default_cache_dir()) / "served"
 
 
-def _drop_copy(cfg, content_hash: str | None) -> None:
-    """Remove the served/ copy of `content_hash`, one no server uses: a refused challenger's, a copy
-    made for registration only (deploy.serve false), or the champion's the live server has left."""
+LOCKS = ".locks"  # in served/: <copy's folder name>.lock, flocked shared by each deploy using that copy
+
+
+def _copy_lock(root: Path, name: str, exclusive: bool, wait: bool) -> int | None:
+    """A descriptor holding an flock on served/.locks/<name>.lock; None when `wait` is false and another
+    holds it. The lock taken is on the file that is at that path then (a prune unlinks a removed
+    copy's lock file, and one who opened it before that takes the lock again on the new file)."""
+    import fcntl
+
+    path = root / LOCKS / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            if os.path.samestat(os.stat(path), os.fstat(fd)):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # unlinked by a prune while we waited: lock the file there now
+
+
+def _unlock(root: Path, name: str, fd: int, remove: bool = False) -> None:
+    """Release a _copy_lock; `remove` (its holder exclusively, the copy gone): the lock file too."""
+    try:
+        if remove:
+            (root / LOCKS / f"{name}.lock").unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
+def _live_copies(root: Path, server_status: ServerStatus | None) -> set[str] | None:
+    """The served/ folders the stack's model server uses, per its recorded (signed) spec, the one
+    `crucible up` restarts it from; set() when no model server was ever deployed; None when that
+    cannot be told (no server_status handed in, or a server without a readable spec)."""
+    if server_status is None:
+        return None
+    try:
+        status = server_status()
+    except Exception as e:  # noqa: BLE001 - unknown: nothing may be pruned
+        log.warning("deploy: the model server's status could not be read: %s", e)
+        return None
+    if status is None:
+        return set()
+    if not status.get("serves"):
+        return None
+    real, live = root.resolve(), set()
+    for p in status["serves"]:
+        if Path(p).resolve().is_relative_to(real):
+            live.add(Path(p).resolve().relative_to(real).parts[0])
+    return live
+
+
+def prune_served(cfg, server_status: ServerStatus | None) -> list[str]:
+    """Remove the served/ copies no model server uses; the names removed. Kept: the copies the stack's
+    model server uses (its recorded spec, `server_status()["serves"]`) and every copy a deploy holds
+    (servable's lock: being filled, verified, registered or served). So copies a killed deploy left,
+    refused challengers', registered-only ones and champions' copies the live server moved on from
+    go. When what the server uses cannot be told (no `server_status`, a server without a readable
+    spec), nothing is removed (logged). A failure is logged, never raised: deploy's outcome stands."""
     import shutil
-
-    if content_hash:
-        shutil.rmtree(_served_root(cfg) / content_hash[:32], ignore_errors=True)
-
-
-LIVE_COPY = ".live"  # in served/: the name of the folder the live model server was last swapped to
-
-
-def _mark_live(cfg, content_hash: str) -> None:
-    """Record the copy the live server now serves (prune_served never removes it; `crucible up` restarts
-    the server from that folder)."""
-    from tasks.core.io import atomic_write_text
-
-    atomic_write_text(_served_root(cfg) / LIVE_COPY, content_hash[:32] + "\n")
-
-
-def prune_served(cfg) -> list[str]:
-    """Remove the served/ copies no model server uses; the names removed. Left: the live server's copy
-    (served/.live) and every folder made or used within storage.cache_min_age_s (another deploy's
-    copy, being verified or about to be served; a `.tmp-` folder being filled). So copies a killed
-    deploy left, and champions' copies the live server moved on from, go. A failure is logged, never
-    raised: deploy's own outcome stands."""
-    import shutil
-    import time
 
     root = _served_root(cfg)
+    if not root.is_dir():
+        return []
+    removed, held = [], {}
     try:
-        live = (root / LIVE_COPY).read_text().strip()
-    except OSError:
-        live = None
-    cutoff, removed = time.time() - cfg.storage.cache_min_age_s, []
-    try:
-        for p in sorted(root.iterdir()) if root.is_dir() else []:
-            if p.name in (live, LIVE_COPY) or p.is_symlink() or not p.is_dir() or p.stat().st_mtime >= cutoff:
+        names = {p.name for p in root.iterdir() if p.name != LOCKS and p.is_dir() and not p.is_symlink()}
+        names |= {p.name.removesuffix(".lock") for p in (root / LOCKS).glob("*.lock")}  # a killed deploy's
+        for name in sorted(names):
+            if (fd := _copy_lock(root, name, exclusive=True, wait=False)) is not None:
+                held[name] = fd  # else in flight: a deploy holds it
+        # read once every candidate is locked: a deploy swaps the server to its copy before it lets go of it
+        live = _live_copies(root, server_status)
+        if live is None:
+            if any((root / n).is_dir() for n in held):
+                log.warning("deploy: not pruning %s: which copy the model server uses cannot be told (no "
+                            "server status, or no readable spec of it)", root)
+            return []
+        for name in sorted(set(held) - live):
+            folder = root / name
+            was_there = folder.is_dir()
+            shutil.rmtree(folder, ignore_errors=True)
+            if folder.exists():  # reported as removed only when it is gone
+                log.warning("deploy: could not remove the unused served copy %s", folder)
                 continue
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p.name)
+            _unlock(root, name, held.pop(name), remove=True)
+            if was_there:
+                removed.append(name)
     except OSError as e:
         log.warning("deploy: could not prune %s: %s", root, e)
+    finally:
+        for name, fd in held.items():
+            os.close(fd)
     if removed:
         log.info("deploy: pruned %d served cop%s no server uses: %s", len(removed), "y" if len(removed) == 1 else "ies",
                  ", ".join(removed))
@@ -365,7 +430,6 @@ def _verify_promote_serve(cfg, tracking_uri: str, copy: Deployable, version: int
     if dcfg.serve:  # only now does the live server swap to it
         try:
             served = serve_model(cfg, checkpoint, tokenizer_path, name, version, tracking_uri)
-            _mark_live(cfg, copy.content_hash)
             result.update(endpoint=served["endpoint"], pid=served["pid"])
         except Exception as e:  # noqa: BLE001 - it is the verified champion; the server is what failed
             log.error("deploy: version %s is champion, but the model server could not serve it: %s", version, e)

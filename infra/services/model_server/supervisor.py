@@ -224,5 +224,11 @@ def _reload_in_place(stack_cfg, deploy_cfg, spec: stack.ServiceSpec) -> dict | N
 
 
 def server_status(stack_cfg) -> dict | None:
-    """{url, healthy, pid} of the model server, or None if no model has been deployed."""
-    return stack.status(stack_cfg).get(stack.MODEL_SERVER)
+    """{url, healthy, pid, serves} of the model server, or None if no model has been deployed. `serves`:
+    the files its recorded (signed) spec serves, what `crucible up` restarts it from and deploy's prune
+    of served/ copies keeps (tasks.deploy.prune_served); None when there is no readable spec."""
+    status = stack.status(stack_cfg).get(stack.MODEL_SERVER)
+    if status is None:
+        return None
+    spec = stack.read_spec(stack_cfg, stack.MODEL_SERVER)
+    return {**status, "serves": list(spec.info.get("requires") or ()) if spec is not None else None}
