@@ -1,6 +1,7 @@
 """Training: a real 2-process torchrun run, plus the pieces (schedule, optimizer, data, events)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -77,6 +78,11 @@ def test_checkpoints_written(run, base):
         assert meta["vocab_size"] == 512 and meta["model"]["d_model"] == 64
         assert meta["run_name"] == "test-run" and meta["run_id"] == run["mlflow"]["run_id"]
         assert meta["world_size"] == 2
+        # the index it was trained from, by the hash of its bytes (and its val split's): readers hold the
+        # index they score on to it (tests/test_index_binding.py)
+        index = Path(tokens_artifact(base)["index_path"])
+        assert meta["tokens_index_sha256"] == hashlib.sha256(index.read_bytes()).hexdigest()
+        assert meta["tokens_val_sha256"] == json.loads(index.read_text())["splits"]["val"]["sha256"]
     assert not list((base / "train" / "checkpoints").glob("*.tmp"))
 
 

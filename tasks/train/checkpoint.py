@@ -136,6 +136,26 @@ def read_meta(ckpt_dir: str | Path, storage_options: dict | None = None) -> dict
         raise UnverifiedCheckpoint(f"refusing the checkpoint {location(ckpt_dir)}: {e}") from e
 
 
+def trained_index_problem(meta: dict, index_sha256: str, index: dict | None = None) -> str | None:
+    """Why a signed token index (`index_sha256`: the hash of its bytes as read and verified) is not the
+    one the checkpoint whose signed `meta` this is was trained from, or None when it is. A signature
+    does not tie an index to its run: run A's genuine signed index copied into run B's tokens/ verifies,
+    and B's checkpoints would be scored on A's held-out set. The trainer records the sha256 of the index
+    bytes it read (tokens_index_sha256) and of that index's val split (tokens_val_sha256). With `index`
+    (a reader of the held-out split) an index holding that val split is also the one: a continued
+    cycle trains on its mix, which holds out the cycle's own tokens' val split, and evaluation reads
+    that. A checkpoint written before the trainer recorded the hash has neither field: its index is held
+    to the signature only, as before (old checkpoints keep working)."""
+    want = meta.get("tokens_index_sha256")
+    if not want or index_sha256 == want:
+        return None
+    val = ((index or {}).get("splits") or {}).get("val") or {}
+    if index is not None and meta.get("tokens_val_sha256") and val.get("sha256") == meta["tokens_val_sha256"]:
+        return None
+    return (f"not the token index checkpoint step {meta.get('step')} of run {meta.get('run_name')!r} was trained "
+            f"from (sha256 {index_sha256[:16]}..., its signed meta records {want[:16]}...): another run's index?")
+
+
 def remove_checkpoint(ckpt_dir: str | Path, storage_options: dict | None = None, ignore_errors: bool = True) -> None:
     """Delete a checkpoint. On a store its meta object goes first, so no reader ever sees a
     published checkpoint with missing files."""

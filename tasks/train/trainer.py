@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from tasks.core.layout import CHECKPOINTS_DIR
-from tasks.core.fs import download_file, is_file, is_remote, join, name_of, remove, upload, write_text
+from tasks.core.fs import download_file, is_file, is_remote, join, name_of, remove, sha256, upload, write_text
 from tasks.config import PipelineConfig
 from tasks.tokens.binfile import load_index
 from tasks.train.checkpoint import (MANIFEST, apply_retention, capture_rng_state, init_from_checkpoint,
@@ -167,6 +167,9 @@ class Trainer:
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
         tokens_index = job.tokens_index
+        # every checkpoint's signed meta records the hash of the index this run trains from: readers hold
+        # the index they score on to it (tasks.train.checkpoint.trained_index_problem)
+        self.index_sha256 = sha256(tokens_index, self.storage)
         if is_remote(tokens_index):  # the launcher staged it once per node: found in the node's cache
             tokens_index, fetched = stage_tokens(tokens_index, cfg.storage)
             print(f"[tokens] rank {self.rank}: {job.tokens_index} read from {tokens_index} "
@@ -565,6 +568,8 @@ class Trainer:
             "vocab_size": self.gcfg.vocab_size,
             "eos_id": self.index["eos_id"],
             "tokenizer_sha256": self.index.get("tokenizer_sha256"),
+            "tokens_index_sha256": self.index_sha256,
+            "tokens_val_sha256": self.index["splits"].get("val", {}).get("sha256"),
             "tokens_index": (self.job.tokens_index if is_remote(self.job.tokens_index)
                              else str(Path(self.job.tokens_index).resolve())),
             "run_name": self.job.run_name,
