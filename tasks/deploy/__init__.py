@@ -79,6 +79,13 @@ def lineage_tags(cfg, evaluation: dict, tokenizer_path: Path | str, namespace: s
             # the hash of bytes the stack signed (SignatureError otherwise): the registry signs this tag,
             # and the next cycle's replay pool trusts whatever index hashes to it
             _, raw = read_signed_index(*stored(index))
+            # and the one this checkpoint was trained from (its signed meta records the hash): another
+            # run's genuine signed index copied in would be registered as this model's data
+            from tasks.core.signing import SignatureError
+            from tasks.train.checkpoint import read_meta, trained_index_problem
+
+            if problem := trained_index_problem(read_meta(*stored(ckpt)), hashlib.sha256(raw).hexdigest()):
+                raise SignatureError(f"token index {index}: {problem}")
             tags["data.tokens_index"] = str(index)
             tags["data.tokens_index_sha256"] = hashlib.sha256(raw).hexdigest()
     return tags

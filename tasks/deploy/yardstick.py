@@ -48,17 +48,18 @@ class YardstickChanged(ValueError):
     """The set file is not the one that was built (score's yardstick_sha256): it is refused."""
 
 
-def _held_out(index_path: str | Path, tokenizer, limit: int, max_chars: int) -> list[str]:
+def _held_out(index_path: str | Path, tokenizer, limit: int, max_chars: int, trained: dict | None = None) -> list[str]:
     """Up to `limit` val documents of a token index, decoded; an index of an object-store run is read
     on the store. The index must be signed, and its val split and doc_starts hash to what it records
-    (TokensChanged otherwise): document starts swapped in would cut the set's texts elsewhere."""
+    (TokensChanged otherwise): document starts swapped in would cut the set's texts elsewhere. `trained`:
+    the challenger's signed checkpoint meta, whose index this must be (evaluate.val_tokens)."""
     import numpy as np
 
     from tasks.evaluate.evaluate import TokensChanged, listed_bytes, val_tokens
     from tasks.evaluate.suite import spread_indices
 
     at, options = stored(index_path)
-    index, tokens = val_tokens(at, options)
+    index, tokens = val_tokens(at, options, trained=trained)
     info = index["splits"]["val"]
     if not info["tokens"]:
         return []
@@ -75,8 +76,9 @@ def _held_out(index_path: str | Path, tokenizer, limit: int, max_chars: int) -> 
 
 
 def build_yardstick(cfg, out_path: str | Path, new_index: str | Path | None, new_tokenizer: str | Path | None,
-                    pool: list[str | Path], pool_tokenizer) -> dict:
-    """Write the evaluation set; returns {"path", "sha256", "parts": {part: documents}}."""
+                    pool: list[str | Path], pool_tokenizer, trained: dict | None = None) -> dict:
+    """Write the evaluation set; returns {"path", "sha256", "parts": {part: documents}}. `trained`: the
+    challenger's signed checkpoint meta: the "new" part must come from the index it was trained from."""
     from tasks.evaluate.suite import load_wikitext_pages, spread_indices
     from tasks.tokenizer.bpe import load_tokenizer
 
@@ -90,7 +92,7 @@ def build_yardstick(cfg, out_path: str | Path, new_index: str | Path | None, new
         parts["old"] = [t for p in pool for t in _held_out(p, tok, per_pool, d.yardstick_max_chars)]
     if new_index and fs.is_file(*stored(new_index)) and new_tokenizer:
         parts["new"] = _held_out(new_index, load_tokenizer(*stored(new_tokenizer)), d.yardstick_docs,
-                                 d.yardstick_max_chars)
+                                 d.yardstick_max_chars, trained)
     wikitext = Path(cfg.resolve_uri(cfg.evaluate.wikitext.path))
     if cfg.evaluate.wikitext.enabled and wikitext.is_file():
         pages = load_wikitext_pages(wikitext)
@@ -224,6 +226,7 @@ def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: s
     {"set", "challenger", "champion", "decision"}, also written to <out_dir>/gate-step-N.json."""
     from tasks.continued.mix import replay_pool
     from tasks.deploy.registry import registered_files, set_version_tags
+    from tasks.train.checkpoint import read_meta
 
     d, name = cfg.deploy, cfg.deploy.model_name
     ckpt = evaluation["checkpoint"]
@@ -233,7 +236,10 @@ def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: s
     tags = champion["tags"]
     pool = pool if pool is not None else replay_pool(tags.get("data.tokens_index"),
                                                      tags.get("data.tokens_index_sha256") or "")
-    built = build_yardstick(cfg, out_dir / "yardstick.jsonl", new_index, tokenizer_path, pool, champion_tokenizer(tags))
+    # the challenger's "new" part from the index it was trained from (its signed meta records that index's hash)
+    trained = read_meta(*stored(ckpt))
+    built = build_yardstick(cfg, out_dir / "yardstick.jsonl", new_index, tokenizer_path, pool, champion_tokenizer(tags),
+                            trained)
     batch = cfg.evaluate.task_batch_size
     # the bytes the signed report attests, not whatever the run's folder holds now (another run's
     # genuine checkpoint and manifest swapped in after the evaluation would pass a manifest check)
