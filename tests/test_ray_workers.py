@@ -65,3 +65,32 @@ def test_local_ray_start_looks_its_node_up_once_registered(monkeypatch):
     finally:
         ray.shutdown()
     assert services.get_node is spy  # put back after the start
+
+
+EXITING = """
+import atexit, sys, time
+slept = []
+sleep = time.sleep
+time.sleep = lambda s: slept.append(s) or sleep(s)
+atexit.register(lambda: print("SLEPT", slept, flush=True))  # registered first: runs last
+import ray
+from tasks.core.ray_utils import start_local_ray
+start_local_ray(1, include_dashboard=False)
+ray.get(ray.remote(lambda: 1).remote())
+slept.clear()
+"""
+
+
+def test_a_local_ray_is_stopped_at_exit_without_rays_half_second_wait():
+    """A process that started a local Ray stops it at exit itself (`ray_utils._stop_local_ray_at_exit`,
+    after LOG_GRACE_S): Ray's own exit hook, which sleeps 0.5 s first, then finds nothing to stop."""
+    import ast
+    import subprocess
+    import sys
+
+    from tasks.core.ray_utils import LOG_GRACE_S
+
+    proc = subprocess.run([sys.executable, "-c", EXITING], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    slept = ast.literal_eval(proc.stdout.split("SLEPT", 1)[1].strip())
+    assert LOG_GRACE_S in slept and 0.5 not in slept, slept

@@ -21,6 +21,7 @@ node's name, e.g. `worker-1` of the stack's cluster, else its id).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import secrets
@@ -122,6 +123,22 @@ def start_local_ray(num_cpus: int | None = None, **init_kwargs) -> None:
             _minimal_agent(), _prompt_node_lookup():
         _reload_auth_settings()
         ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, _system_config=system, **init_kwargs)
+    atexit.register(_stop_local_ray_at_exit, ray.get_runtime_context().get_node_id())
+
+
+# Ray's own exit hook waits 0.5 s before stopping its processes, so that worker output still on
+# its way is printed; a stage's jobs have all returned by then, their output long printed. Its
+# processes are stopped after LOG_GRACE_S instead (a registered hook runs before Ray's own).
+LOG_GRACE_S = 0.1
+
+
+def _stop_local_ray_at_exit(node_id: str) -> None:
+    """At exit: stop the local Ray that start_local_ray started, if it is still the one running."""
+    import ray
+
+    if ray.is_initialized() and ray.get_runtime_context().get_node_id() == node_id:
+        time.sleep(LOG_GRACE_S)
+        ray.shutdown()
 
 
 # Idle worker processes a local Ray keeps per CPU. Ray's default keeps as many as there are CPUs
