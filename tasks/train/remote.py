@@ -35,8 +35,7 @@ from tasks.core.fs import RANGED_READ, READ_CHUNK, file_identity, filesystem, is
     protocol, safe_join
 from tasks.core.hashing import sha256_text
 from tasks.core.storage import CacheBound, default_cache_dir, prune_cache, touch
-# the files of a token split that training reads, and the index key of each one's sha256
-SPLIT_FILES = (("path", "sha256"), ("doc_starts", "doc_starts_sha256"), ("doc_sources", "doc_sources_sha256"))
+from tasks.tokens.binfile import SPLIT_FILES  # the files of a token split training reads, with their sha256 keys
 
 
 # ---------------------------------------------------------------- node-local files
