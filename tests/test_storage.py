@@ -114,6 +114,101 @@ def test_a_job_on_another_node_leaves_its_parts_on_the_store_and_the_driver_read
 
 
 
+def test_a_part_replaced_on_the_store_after_its_job_reported_it_is_never_merged(tmp_path, monkeypatch):
+    """Attack: a writer of the store replaces a job's part after the driver recorded it (or after a
+    resumed run reused it). Each merge that reads parts there holds them, on the read that copies
+    them, to the sha256 the job reported: concat_files (ingest's quarantine), ingest's shard link
+    and the tokens stage's concatenation raise StorageError and put nothing in place."""
+    import numpy as np
+    import pytest
+
+    from tasks.core.executor import ResumableOutput
+    from tasks.core.fs import StorageError
+    from tasks.core.resume import JobStore
+    from tasks.dedup.stages import concat_files
+    from tasks.ingest.run import _link
+    from tasks.tokens.prepare import SPLITS, _concatenate
+
+    monkeypatch.setattr(storage, "_STORES", {})
+    monkeypatch.setattr(storage.tempfile, "tempdir", str(tmp_path / "tmp"))
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        output = ResumableOutput(store.local_root / "r1" / "ingest", "run-key", [])
+        parts = output.start(resume=True)
+
+        def job(part_dir: str) -> dict:
+            Path(part_dir).mkdir(parents=True, exist_ok=True)
+            (Path(part_dir) / "000-q.jsonl").write_text('{"id": 1}\n')
+            (Path(part_dir) / "000-shard.bin").write_bytes(b"\x01\x00" * 4)
+            return {"parts": [str(Path(part_dir) / n) for n in ("000-q.jsonl", "000-shard.bin")]}
+
+        result, written = storage.Staging((store,), "driver").run(job, (str(parts.dir),), "other-node")
+        storage.left_on_store(written)
+        parts.save("000", "k", result, written)
+        quarantine, shard = (Path(p) for p in result["parts"])
+        for name, planted in (("000-q.jsonl", b'{"id": "planted"}\n'), ("000-shard.bin", b"\x02\x00" * 4)):
+            s3.client.put_object(Bucket="runs", Key=f"crucible/r1/ingest/_parts/{name}", Body=planted)
+
+        with pytest.raises(StorageError, match="not those its job reported"):
+            concat_files([quarantine], output.dir / "q.jsonl", parts.part_sha256)
+        with pytest.raises(StorageError, match="not those its job reported"):
+            _link(shard, output.dir / "shard-00000.parquet", parts.part_sha256)
+        split_files = {s: output.dir / f"{s}.bin" for s in SPLITS}
+        token_part = {"sources": ["a"], "paths": {s: str(shard) for s in SPLITS},
+                      "sha256": {s: written[str(shard)] for s in SPLITS},
+                      "doc_lens": {s: np.array([4], dtype=np.int64).tobytes() for s in SPLITS},
+                      "doc_sources": {s: np.zeros(1, dtype=np.uint16).tobytes() for s in SPLITS},
+                      "stats": {s: {"tokens": 4, "docs": 1, "bytes": 8} for s in SPLITS}}
+        with pytest.raises(StorageError, match="not those its job reported"):
+            _concatenate([token_part], split_files, {s: output.dir / f"{s}.starts.npy" for s in SPLITS},
+                         {s: output.dir / f"{s}.sources.npy" for s in SPLITS})
+        assert not (output.dir / "q.jsonl").exists() and not (output.dir / "shard-00000.parquet").exists()
+        assert sorted(p.name for p in output.dir.iterdir() if p.name.startswith(".")) == []  # no temp left
+
+        # a resumed run: the record verifies now (the store's bytes are the job's again), the part is
+        # replaced after that, and the merge still refuses it
+        s3.client.put_object(Bucket="runs", Key="crucible/r1/ingest/_parts/000-q.jsonl", Body=b'{"id": 1}\n')
+        reused = JobStore(parts.dir)
+        assert reused.load("000", "k") is None  # the shard is still the planted one: redone
+        s3.client.put_object(Bucket="runs", Key="crucible/r1/ingest/_parts/000-shard.bin", Body=b"\x01\x00" * 4)
+        assert reused.load("000", "k") == result
+        s3.client.put_object(Bucket="runs", Key="crucible/r1/ingest/_parts/000-q.jsonl",
+                             Body=b'{"id": "planted"}\n')
+        with pytest.raises(StorageError, match="not those its job reported"):
+            concat_files([quarantine], output.dir / "q.jsonl", reused.part_sha256)
+        with pytest.raises(StorageError, match="no sha256 recorded"):  # a part its job never reported
+            concat_files([output.dir / "_parts" / "other.jsonl"], output.dir / "q.jsonl", reused.part_sha256)
+        _link(shard, output.dir / "shard-00000.parquet", reused.part_sha256)  # the genuine one goes in
+        assert (output.dir / "shard-00000.parquet").read_bytes() == b"\x01\x00" * 4
+
+
+def test_a_job_part_named_with_dotdot_is_never_another_run_s_object(tmp_path, monkeypatch):
+    """A part path with `..` resolves (RunStore.rel) to an object outside the job store's folder,
+    e.g. another run's: it is never recorded as the job's, and a record that names one (signed as
+    the stack signs results) is not reused, even though the object there has the recorded sha256."""
+    import json
+
+    import pytest
+
+    from tasks.core.hashing import sha256_text
+    from tasks.core.resume import JOB_PURPOSE, JOB_SUFFIX, JobStore
+    from tasks.core.signing import sign_record
+
+    monkeypatch.setattr(storage, "_STORES", {})
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        s3.client.put_object(Bucket="runs", Key="crucible/r2/ingest/shard-00000.parquet", Body=b"other run")
+        parts = JobStore(store.local_root / "r1" / "ingest" / "_parts")
+        parts.dir.mkdir(parents=True)
+        escaping = str(parts.dir / ".." / ".." / ".." / "r2" / "ingest" / "shard-00000.parquet")
+        assert storage.read_location(escaping)[0] == "s3://runs/crucible/r2/ingest/shard-00000.parquet"
+        with pytest.raises(ValueError, match="outside"):
+            parts.save("000", "k", {"parts": [escaping]}, {escaping: sha256_text("other run")})
+        body = {"key": "k", "part_sha256": {escaping: sha256_text("other run")}, "result": {"parts": [escaping]}}
+        (parts.dir / f"000{JOB_SUFFIX}").write_text(json.dumps(sign_record(body, JOB_PURPOSE)))
+        assert parts.load("000", "k") is None and parts.part_sha256 == {}
+
+
 def test_a_run_pulled_to_resume_on_another_machine_leaves_its_checkpoints_on_the_store(tmp_path, monkeypatch):
     """Resuming a run another machine started brings its records into the working copy, never its
     checkpoints: those are read where they are, by URI (a pull of them would download every step)."""

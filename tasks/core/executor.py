@@ -374,6 +374,9 @@ class JobRunner:
         self._pending: dict = {}  # object ref -> job
         self._started = False
         self._leftovers: list[str] | None = None  # the store's part files when first needed, sorted
+        # {path: sha256} of the files jobs on other nodes left on the store, as they hashed them on
+        # upload: what a merge holds them to (a runner without a JobStore keeps no other record)
+        self.written: dict[str, str] = {}
 
     def _remove_leftover_parts(self, name: str) -> None:
         """Delete the part files `<name>-*.parquet` a killed attempt left: the store's folder is listed
@@ -425,6 +428,7 @@ class JobRunner:
             self.workers.release(ref)
             if written:  # files a job on another node put in the store: read there, never downloaded
                 left_on_store(written)
+                self.written.update(written)
             self.nodes[node] += 1
             self.compute_s += seconds
             size = _result_size(ref)

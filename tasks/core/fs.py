@@ -410,6 +410,21 @@ def sha256(loc: Path | str, options: dict | None = None) -> str:
     return h.hexdigest()
 
 
+def copy_checked(loc: Path | str, out, expect: str | None, options: dict | None = None) -> None:
+    """Append the file `loc` (local or on a store) to the open binary `out`, hashed on the same read;
+    StorageError when `expect` is given and the bytes are not those it names. The caller writes `out`
+    to a temporary file and renames it into place only after this returns: what is checked is what
+    is used (a second, unchecked read could see an object replaced on the store meanwhile)."""
+    h = hashlib.sha256()
+    with open_random(str(loc), options) as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            out.write(chunk)
+    if expect is not None and h.hexdigest() != expect:
+        raise StorageError(f"{loc}: its bytes are not those its job reported (sha256 {h.hexdigest()[:16]}..., "
+                           f"recorded {expect[:16]}...): changed after the job wrote it; nothing is merged from it")
+
+
 def tree_sha256(loc: Path | str, options: dict | None = None) -> str:
     """`tasks.core.hashing.sha256_tree` of a file or directory, local or on a store: a checkpoint
     on a store hashes to what its downloaded copy would, its objects streamed (nothing is kept)."""

@@ -107,6 +107,14 @@ class JobStore:
 
     def __init__(self, parts_dir: Path):
         self.dir = Path(parts_dir)
+        # {part: sha256} of every job saved or reused here: what the merge holds each part's bytes to
+        # as it reads them (a part on the store can be replaced between this record and the merge)
+        self.part_sha256: dict[str, str] = {}
+
+    def _inside(self, part: str) -> bool:
+        """Whether `part` lies in this store's folder once resolved: a part named with `..` would be
+        another run's object (`RunStore.rel` resolves it), never this job's."""
+        return Path(part).resolve().is_relative_to(self.dir.resolve())
 
     def load(self, name: str, key: str) -> dict | None:
         """The stored result of job `name` if its key matches and every part verifies, else None."""
@@ -120,16 +128,23 @@ class JobStore:
         if not isinstance(stored, dict) or stored.get("key") != key or not isinstance(stored.get("part_sha256"), dict):
             return None
         for part, sha in stored["part_sha256"].items():
+            if not self._inside(part):
+                return None
             at, options = read_location(part)  # a part a job on another node left on the store: checked there
             if not is_file(at, options) or fs_sha256(at, options) != sha:
                 return None
+        self.part_sha256.update(stored["part_sha256"])
         return stored.get("result")
 
     def save(self, name: str, key: str, result: dict, uploaded: dict[str, str] | None = None) -> None:
         """`uploaded`: {part: sha256} of the parts a job on another node left on the store, hashed
         there as it uploaded them (read back here they would be downloaded once more)."""
         uploaded = uploaded or {}
+        outside = [p for p in result.get("parts", []) if not self._inside(p)]
+        if outside:
+            raise ValueError(f"job {name}: parts outside {self.dir} are not recorded: {outside[:3]}")
         shas = {p: uploaded[p] if p in uploaded else sha256_file(p) for p in result.get("parts", [])}
+        self.part_sha256.update(shas)
         # signed as the plain JSON it is stored as (bytes and arrays already tagged)
         body = json.loads(json.dumps({"key": key, "part_sha256": shas, "result": result}, default=_encode))
         atomic_write_bytes(self.dir / f"{name}{JOB_SUFFIX}", json.dumps(sign_record(body, JOB_PURPOSE)).encode())

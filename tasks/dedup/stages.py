@@ -994,15 +994,22 @@ def part_counts(job: JobDocs) -> list[int]:
     return [num_rows(p, job.options) for p in job.docs]
 
 
-def concat_files(paths: Iterable[Path | str], out: Path) -> None:
+def concat_files(paths: Iterable[Path | str], out: Path, expect: dict[str, str] | None = None) -> None:
     """`out` (atomically): the files' bytes in order, streamed; a store run's file that a job on
-    another node left on the store is read there (`read_location`)."""
+    another node left on the store is read there (`read_location`). With `expect` ({path: sha256}
+    its jobs reported), every file is held to its sha256 on the read that copies it (StorageError
+    before `out` is replaced; a file it does not name is refused)."""
+    from tasks.core.fs import StorageError, copy_checked
     from tasks.core.storage import read_location
 
     tmp = out.with_name(f".{out.name}.tmp")
-    with open(tmp, "wb") as w:
-        for p in paths:
-            at, options = read_location(p)
-            with open_random(str(at), options) as r:
-                shutil.copyfileobj(r, w, 1 << 20)
-    tmp.replace(out)
+    try:
+        with open(tmp, "wb") as w:
+            for p in paths:
+                if expect is not None and str(p) not in expect:
+                    raise StorageError(f"{p}: no sha256 recorded for it; it is not merged")
+                at, options = read_location(p)
+                copy_checked(at, w, None if expect is None else expect[str(p)], options)
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -58,8 +58,8 @@ from tasks.core.executor import Job, JobRunner, RayTasks, ResumableOutput, start
 from tasks.core.progress import Progress
 from tasks.core.resume import MANIFEST, digest
 from tasks.core.steps import StepStats
-from tasks.core.fs import (download_file, expand_uri, file_identity, is_remote, join, link_or_copy, name_of, remove,
-                           remove_stale_shards, remove_tree)
+from tasks.core.fs import (StorageError, copy_checked, expand_uri, file_identity, is_remote, join, link_or_copy,
+                           name_of, remove, remove_stale_shards, remove_tree)
 from tasks.dedup.stages import concat_files
 from tasks.ingest.ids import resolve_partition, write_shard
 from tasks.ingest.process import process_file_range
@@ -164,7 +164,8 @@ def run_ingest(cfg: PipelineConfig, out_dir: Path, progress: Progress | None = N
         results = jobs.run()
 
     t_merge = time.perf_counter()
-    summary = _merge(plan, results, jobs.tallies, output.dir, output.parts_dir)
+    # every part is held to the sha256 its job reported (store.part_sha256) on the read that merges it
+    summary = _merge(plan, results, jobs.tallies, output.dir, output.parts_dir, store.part_sha256)
     summary["jobs"] = len(results)
     summary["workers"] = workers
     summary["nodes"] = runner.node_report()  # jobs run per Ray node (resumed ones not included)
@@ -281,16 +282,18 @@ class _SourceTally:
             self.unread[r["file"]] += r["bytes_unread"]
 
 
-def _merge(plan: _Plan, results: dict, tallies: list[_SourceTally], out_dir: Path, parts_dir: Path) -> dict:
+def _merge(plan: _Plan, results: dict, tallies: list[_SourceTally], out_dir: Path, parts_dir: Path,
+           expect: dict[str, str]) -> dict:
     """The sources' counters less the duplicate ids dropped (`tasks.ingest.ids`), the jobs' part
-    files as the shards in corpus order, their quarantine parts concatenated."""
+    files as the shards in corpus order, their quarantine parts concatenated (parts read here are
+    held to `expect`, {part: sha256} as their jobs reported)."""
     order = sorted(results)  # (source, file, start): the corpus order
     names = [job_name(*k) for k in order]
     ids = _DuplicateIds(plan.ingest, parts_dir)
     drops = ids.resolve([results[k] for k in order], names)
-    shards = ids.shards([results[k] for k in order], names, out_dir)
+    shards = ids.shards([results[k] for k in order], names, out_dir, expect)
     quarantine_path = out_dir / QUARANTINE
-    concat_files([results[k]["quarantine_file"] for k in order], quarantine_path)
+    concat_files([results[k]["quarantine_file"] for k in order], quarantine_path, expect)
     total = StepStats("ingest")
     skipped: Counter = Counter()
     files_unread: Counter = Counter()
@@ -378,7 +381,7 @@ class _DuplicateIds:
                     d[1] += nbytes
         return self.drops
 
-    def shards(self, results: list[dict], names: list[str], out_dir: Path) -> list[str]:
+    def shards(self, results: list[dict], names: list[str], out_dir: Path, expect: dict[str, str]) -> list[str]:
         """`shard-00000.parquet`, ...: the jobs' part files in corpus order without their duplicates,
         consecutive parts packed while they fit `ingest.shard_docs` rows (a corpus of small files
         does not give one shard, and one curate job, per file). A shard that is one whole part is
@@ -407,7 +410,7 @@ class _DuplicateIds:
         writes = []
         for i, (_, entries) in enumerate(groups):
             if len(entries) == 1 and not entries[0][2]:
-                _link(Path(entries[0][0]), Path(shards[i]))
+                _link(Path(entries[0][0]), Path(shards[i]), expect)
             else:
                 writes.append((i, [(self._at(part), p, files) for part, p, files in entries]))
         out_root, out_options = task_location(out_dir)
@@ -429,17 +432,24 @@ class _DuplicateIds:
         return shards
 
 
-def _link(part: Path, target: Path) -> None:
+def _link(part: Path, target: Path, expect: dict[str, str] | None = None) -> None:
     """`target` (atomically) as the same file as `part`: a hard link, a copy where links fail; a
     part a job on another node left on the store is downloaded (the shard, not its part, is what
-    this working copy keeps)."""
+    this working copy keeps), held on that read to the sha256 its job reported (`expect`): the
+    store's object may have been replaced since (StorageError, nothing put in place)."""
     from tasks.core.storage import read_location
 
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     tmp.unlink(missing_ok=True)  # a killed run's (a link to an existing name fails)
     at, options = read_location(part)
-    if is_remote(at):
-        download_file(at, tmp, options)
-    else:
-        link_or_copy(at, tmp)
-    os.replace(tmp, target)
+    try:
+        if is_remote(at):
+            if str(part) not in (expect or {}):
+                raise StorageError(f"{part}: no sha256 recorded for it; it is not merged")
+            with open(tmp, "wb") as out:
+                copy_checked(at, out, expect[str(part)], options)
+        else:
+            link_or_copy(at, tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from tasks.config import PipelineConfig
-from tasks.core.fs import is_remote, location, open_random, read_bytes, write_bytes
+from tasks.core.fs import StorageError, copy_checked, is_remote, location, read_bytes, write_bytes
 from tasks.core.hashing import sha256_file, sha256_text
 from tasks.core.storage import read_location, remove_run_tree, stored
 from tasks.tokenizer.bpe import load_tokenizer, read_tokenizer
@@ -116,8 +116,9 @@ def _encode_all(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path],
     with JobRunner(RayTasks(encode_shard, cfg.ray)) as runner:
         for i, args in enumerate(jobs):
             runner.submit(Job(f"{i:05d}", None, args))
-        for job, result in runner.finished():
-            results[job.name] = result
+        for job, result in runner.finished():  # a part left on the store keeps the sha256 its job reported
+            results[job.name] = {**result, "sha256": {s: runner.written[p] for s, p in result["paths"].items()
+                                                      if p in runner.written}}
     return [results[f"{i:05d}"] for i in range(len(jobs))], runner.node_report()  # in shard order
 
 
@@ -147,9 +148,13 @@ def _concatenate(parts: list[dict], paths: dict, starts_paths: dict, sources_pat
                                      if lens.size else lens)
                 for key in stats[s]:
                     stats[s][key] += part["stats"][s][key]
-                at, options = read_location(part["paths"][s])  # a part a job on another node left on the store
-                with open_random(str(at), options) as f:
-                    shutil.copyfileobj(f, out, 1 << 20)
+                # a part a job on another node left on the store is read there, held to the sha256
+                # the job reported on the read that copies it
+                at, options = read_location(part["paths"][s])
+                sha = part.get("sha256", {}).get(s)
+                if sha is None and is_remote(at):
+                    raise StorageError(f"{at}: a token part on the store with no sha256 from its job")
+                copy_checked(at, out, sha, options)
         np.save(starts_paths[s], np.concatenate(doc_starts[s]).astype(np.int64) if doc_starts[s]
                 else np.zeros(0, dtype=np.int64))
         np.save(sources_paths[s], np.concatenate(doc_source_ids).astype(np.uint16) if doc_source_ids
