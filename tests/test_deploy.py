@@ -718,3 +718,80 @@ def test_served_copies_stay_when_what_the_server_uses_cannot_be_told(tmp_path, m
     assert a.checkpoint.is_dir() and "could not remove" in caplog.text
     monkeypatch.undo()
     assert prune_served(cfg, lambda: None) == [a.content_hash[:32]] and not root.joinpath(a.content_hash[:32]).exists()
+
+
+def test_a_champion_whose_token_index_predates_signing_is_gated_on_it(trained, base, tmp_path, mlflow_store):
+    """A champion registered before token indexes were signed: its index is unsigned, but the registry's
+    signed tag holds the sha256 of its bytes (data.tokens_index_sha256). The yardstick re-derives trust
+    from that tag (the bytes read must hash to it) and builds its "old" part, rather than refusing every
+    challenger; with no signed hash behind it, the same index is refused, the reason naming the remedy."""
+    import hashlib
+    import shutil
+
+    from lm_helpers import tokens_artifact
+    from tasks.deploy.registry import set_version_tags
+    from tasks.deploy.yardstick import UntrustedTokenIndex, _held_out
+    from tasks.tokenizer.bpe import load_tokenizer
+
+    uri, tok, name = mlflow_store["uri"], trained["tokenizer"], "crucible-pre-signing"
+    cfg = _gated_cfg(tmp_path, name)
+    status = _supervised(cfg)["server_status"]
+    ev20 = {"val_loss": 6.0, "step": 20, "checkpoint": trained[20], "run_name": "test"}
+    assert deploy_if_better(cfg, uri, ev20, tok, None, server_status=status)["version"] == 1
+    old = tmp_path / "pre-signing-tokens"
+    shutil.copytree(Path(tokens_artifact(base)["index_path"]).parent, old)
+    index = json.loads((old / "index.json").read_text())
+    index.pop("signature")
+    (old / "index.json").write_text(json.dumps(index))  # as the tokens stage wrote it before signing
+    sha = hashlib.sha256((old / "index.json").read_bytes()).hexdigest()
+    set_version_tags(uri, name, 1, {"data.tokens_index": str(old / "index.json"), "data.tokens_index_sha256": sha})
+    gated = deploy_if_better(cfg, uri, {"val_loss": 5.0, "step": 10, "checkpoint": trained[10]}, tok, None,
+                             server_status=status)
+    assert "yardstick" in gated, gated["reason"]  # scored, not refused for the champion's index
+    assert set(gated["yardstick"]["champion_bpb"]) == {"old", "new", "wikitext"}
+    with pytest.raises(UntrustedTokenIndex, match="is unsigned.*re-run the tokens stage"):
+        _held_out(old / "index.json", load_tokenizer(tok), 2, 100)
+
+
+def test_a_run_whose_token_index_predates_signing_is_refused_with_the_remedy(tmp_path, mlflow_store):
+    """A run resumed from before token indexes were signed passes the absolute gate (no champion yet);
+    its version would be tagged with its index's hash, which nothing the stack signed vouches for: the
+    deploy is a recorded refusal naming the remedy, not an exception after the gate passed."""
+    from tasks.deploy.registry import get_champion
+
+    tok = sample_tokenizer(tmp_path / "tok")
+    ckpt = random_checkpoint(tmp_path / "resumed" / "train", tok, 10, 1)
+    (tmp_path / "resumed" / "tokens").mkdir()
+    (tmp_path / "resumed" / "tokens" / "index.json").write_text(json.dumps({"splits": {}}))  # unsigned
+    name = "crucible-unsigned-run"
+    cfg = _gated_cfg(tmp_path, name)
+    res = deploy_if_better(cfg, mlflow_store["uri"], {"val_loss": 5.0, "step": 10, "checkpoint": str(ckpt)}, tok,
+                           None, server_status=_supervised(cfg)["server_status"])
+    assert not res["passed"] and res["version"] is None, res
+    assert "is unsigned" in res["reason"] and "re-run the tokens stage" in res["reason"], res["reason"]
+    assert get_champion(mlflow_store["uri"], name) is None
+
+
+def test_a_signing_key_problem_fails_the_gate_instead_of_refusing_the_checkpoint(tmp_path, monkeypatch):
+    """The gate refuses a checkpoint whose token data cannot be trusted; a signing key that is not
+    private is the stack's failure, not the data's: it is raised, never recorded as a verdict."""
+    from tasks.core import signing
+    from tasks.deploy import yardstick
+    from tasks.deploy.yardstick import UntrustedTokenIndex, _held_out, gate_evaluation
+    from tasks.tokenizer.bpe import load_tokenizer
+
+    tok = sample_tokenizer(tmp_path / "tok")
+    index = tmp_path / "index.json"
+    index.write_text(json.dumps({"splits": {}}))
+    with pytest.raises(UntrustedTokenIndex, match="re-run the tokens stage"):  # the data's problem: a refusal
+        _held_out(index, load_tokenizer(tok), 2, 100)
+    key = tmp_path / "secrets" / "signing.key"
+    key.parent.mkdir()
+    key.write_text("k" * 43 + "\n")
+    key.chmod(0o644)
+    monkeypatch.setenv(signing.SIGNING_KEY_FILE_ENV, str(key))
+    monkeypatch.setattr(yardstick, "against_champion", lambda *a, **kw: _held_out(index, load_tokenizer(tok), 2, 100))
+    cfg = _gated_cfg(tmp_path, "crucible-key")
+    with pytest.raises(signing.SignatureError, match="not private") as raised:
+        gate_evaluation(cfg, "sqlite:///unused.db", {"val_loss": 5.0, "checkpoint": "x"}, tok, {"version": 1})
+    assert not isinstance(raised.value, UntrustedTokenIndex)

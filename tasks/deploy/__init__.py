@@ -71,23 +71,22 @@ def lineage_tags(cfg, evaluation: dict, tokenizer_path: Path | str, namespace: s
         if layout.lineage_log.is_file():
             tags["lineage.log"] = str(layout.lineage_log)
         # what training read: the cycle's mix for a continued run (its replay pool), else tokens/index.json
-        from tasks.deploy.yardstick import trained_on
+        from tasks.deploy.yardstick import UntrustedTokenIndex, index_refusals, trained_on
 
         if (index := trained_on(ckpt)) is not None:
             from tasks.tokens.binfile import read_signed_index
-
-            # the hash of bytes the stack signed (SignatureError otherwise): the registry signs this tag,
-            # and the next cycle's replay pool trusts whatever index hashes to it
-            _, raw = read_signed_index(*stored(index))
-            # and the one this checkpoint was trained from (its signed meta records the hash): another
-            # run's genuine signed index copied in would be registered as this model's data
-            from tasks.core.signing import SignatureError
             from tasks.train.checkpoint import read_meta, trained_index_problem
 
-            if problem := trained_index_problem(read_meta(*stored(ckpt)), hashlib.sha256(raw).hexdigest()):
-                raise SignatureError(f"token index {index}: {problem}")
+            # the hash of bytes the stack signed (UntrustedTokenIndex otherwise): the registry signs this
+            # tag, and the next cycle's replay pool trusts whatever index hashes to it
+            with index_refusals():
+                _, raw = read_signed_index(*stored(index))
+            digest = hashlib.sha256(raw).hexdigest()
+            # signed is not enough: another run's genuine signed index copied into this run's tokens/ verifies too
+            if problem := trained_index_problem(read_meta(*stored(ckpt)), digest):
+                raise UntrustedTokenIndex(f"token index {index}: {problem}")
             tags["data.tokens_index"] = str(index)
-            tags["data.tokens_index_sha256"] = hashlib.sha256(raw).hexdigest()
+            tags["data.tokens_index_sha256"] = digest
     return tags
 
 
@@ -155,7 +154,7 @@ def _deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: 
                       serve_model: ServeModel | None, server_status: ServerStatus | None,
                       verify_model: VerifyModel | None, lineage_namespace: str, in_flight: ExitStack) -> dict:
     from tasks.deploy.registry import get_champion, record_gate, register
-    from tasks.deploy.yardstick import gate_evaluation, score_tags
+    from tasks.deploy.yardstick import UntrustedTokenIndex, gate_evaluation, score_tags
 
     dcfg = cfg.deploy
     champion = get_champion(tracking_uri, dcfg.model_name)
@@ -178,6 +177,12 @@ def _deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: 
     # against a champion: both scored on the fixed yardstick (a cycle's yardstick stage or the
     # triggered evaluation may have done it already against this champion)
     decision, yardstick = gate_evaluation(cfg, tracking_uri, evaluation, tokenizer_path, champion)
+    tags = {}
+    if decision["passed"]:
+        try:  # what the version will be tagged with; a token index the stack cannot vouch for refuses it
+            tags = lineage_tags(cfg, evaluation, tokenizer_path, lineage_namespace)
+        except UntrustedTokenIndex as e:
+            decision = {**decision, "passed": False, "reason": f"refused after the gate passed: {e}"}
     result = {
         "passed": decision["passed"], "reason": decision["reason"], "model_name": dcfg.model_name,
         "val_loss": evaluation.get("val_loss"), "checkpoint": evaluation.get("checkpoint"),
@@ -198,7 +203,6 @@ def _deploy_if_better(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: 
         result.update(_live_server(server_status))
         return result
 
-    tags = lineage_tags(cfg, evaluation, tokenizer_path, lineage_namespace)
     if yardstick:
         tags |= yardstick_tags(yardstick)
         tags |= score_tags(yardstick["set"]["sha256"], yardstick["challenger"]["bits_per_byte"])

@@ -32,11 +32,13 @@ import logging
 import math
 import os
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 from tasks.core.layout import RunLayout
 from tasks.core import fs
 from tasks.core.storage import local_run_root, stored
+from tasks.tokens.binfile import TokensChanged
 
 log = logging.getLogger(__name__)
 
@@ -48,18 +50,54 @@ class YardstickChanged(ValueError):
     """The set file is not the one that was built (score's yardstick_sha256): it is refused."""
 
 
-def _held_out(index_path: str | Path, tokenizer, limit: int, max_chars: int, trained: dict | None = None) -> list[str]:
+class UntrustedTokenIndex(TokensChanged):
+    """A token index the stack cannot vouch for (unsigned or forged, not the hash a signed record holds,
+    not the one the checkpoint was trained from): refused, the reason naming the remedy."""
+
+
+UNSIGNED_INDEX_REMEDY = ("(a token index written before the stack signed them, or changed since: re-run the tokens "
+                         "stage of that run, which writes it signed, or re-register the model from a run whose "
+                         "index is signed)")
+
+
+@contextmanager
+def index_refusals():
+    """Within it, a token index refused for its signature (SignatureError: unsigned, forged, not the
+    vouched hash) becomes UntrustedTokenIndex naming the remedy, a refusal of that data; a problem with
+    the stack's own signing key (missing, not private) is raised as it is first: the stack's failure,
+    never one checkpoint's refusal."""
+    from tasks.core.signing import SignatureError, signing_key
+
+    signing_key()
+    try:
+        yield
+    except SignatureError as e:
+        raise UntrustedTokenIndex(f"{e} {UNSIGNED_INDEX_REMEDY}") from e
+
+
+def _held_out(index_path: str | Path, tokenizer, limit: int, max_chars: int, trained: dict | None = None,
+              vouched: str | None = None) -> list[str]:
     """Up to `limit` val documents of a token index, decoded; an index of an object-store run is read
-    on the store. The index must be signed, and its val split and doc_starts hash to what it records
-    (TokensChanged otherwise): document starts swapped in would cut the set's texts elsewhere. `trained`:
-    the challenger's signed checkpoint meta, whose index this must be (evaluate.val_tokens)."""
+    on the store. The index must be signed (UntrustedTokenIndex otherwise), or with `vouched` (the sha256
+    a signed record holds for it: a champion's pool, maybe written before indexes were signed) hash to
+    it: trust re-derived. Its val split and doc_starts must hash to what it records (TokensChanged
+    otherwise): document starts swapped in would cut the set's texts elsewhere. `trained`: the
+    challenger's signed checkpoint meta, whose index this must be (evaluate.val_tokens)."""
     import numpy as np
 
-    from tasks.evaluate.evaluate import TokensChanged, listed_bytes, val_tokens
+    from tasks.evaluate.evaluate import listed_bytes, val_tokens
     from tasks.evaluate.suite import spread_indices
+    from tasks.tokens.binfile import read_signed_index
 
     at, options = stored(index_path)
-    index, tokens = val_tokens(at, options, trained=trained)
+    with index_refusals():
+        if vouched:  # val_tokens' read, held to the vouched hash instead of a signature
+            index, _ = read_signed_index(at, options, sha256=vouched)
+            val = index["splits"]["val"]
+            tokens = np.frombuffer(listed_bytes(index, at, "val", "path", options), count=val["tokens"],
+                                   dtype=np.dtype(index["dtype"]).newbyteorder("<")) if val["tokens"] else None
+        else:
+            index, tokens = val_tokens(at, options, trained=trained)
     info = index["splits"]["val"]
     if not info["tokens"]:
         return []
@@ -76,20 +114,25 @@ def _held_out(index_path: str | Path, tokenizer, limit: int, max_chars: int, tra
 
 
 def build_yardstick(cfg, out_path: str | Path, new_index: str | Path | None, new_tokenizer: str | Path | None,
-                    pool: list[str | Path], pool_tokenizer, trained: dict | None = None) -> dict:
+                    pool: list[str | Path] | dict[str, str], pool_tokenizer, trained: dict | None = None) -> dict:
     """Write the evaluation set; returns {"path", "sha256", "parts": {part: documents}}. `trained`: the
-    challenger's signed checkpoint meta: the "new" part must come from the index it was trained from."""
+    challenger's signed checkpoint meta: the "new" part must come from the index it was trained from.
+    `pool`: the "old" part's token indexes, each signed, or as mix.vouched_pool gives them {index: the
+    sha256 a signed chain holds for it} (an index without one must be signed)."""
     from tasks.evaluate.suite import load_wikitext_pages, spread_indices
     from tasks.tokenizer.bpe import load_tokenizer
 
     d = cfg.deploy
     parts: dict[str, list[str]] = {}
-    pool = [p for p in pool if fs.is_file(*stored(p))]  # an object-store run's index: read there
-    if pool and pool_tokenizer:
+    vouched = pool if isinstance(pool, dict) else dict.fromkeys(pool)
+    # an object-store run's index: read there
+    vouched = {fs.location(str(p)): h for p, h in vouched.items() if fs.is_file(*stored(fs.location(str(p))))}
+    if vouched and pool_tokenizer:
         # a path, or the champion's tokenizer already loaded from bytes checked against its signed hash
         tok = load_tokenizer(pool_tokenizer) if isinstance(pool_tokenizer, (str, Path)) else pool_tokenizer
-        per_pool = max(1, d.yardstick_docs // len(pool))
-        parts["old"] = [t for p in pool for t in _held_out(p, tok, per_pool, d.yardstick_max_chars)]
+        per_pool = max(1, d.yardstick_docs // len(vouched))
+        parts["old"] = [t for p, h in vouched.items()
+                        for t in _held_out(p, tok, per_pool, d.yardstick_max_chars, vouched=h or None)]
     if new_index and fs.is_file(*stored(new_index)) and new_tokenizer:
         parts["new"] = _held_out(new_index, load_tokenizer(*stored(new_tokenizer)), d.yardstick_docs,
                                  d.yardstick_max_chars, trained)
@@ -224,7 +267,7 @@ def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: s
     """Score the challenger (evaluation["checkpoint"]) and the champion (a get_champion dict) on
     one set and decide. new_index / pool default to what each model was trained on. Returns
     {"set", "challenger", "champion", "decision"}, also written to <out_dir>/gate-step-N.json."""
-    from tasks.continued.mix import replay_pool
+    from tasks.continued.mix import vouched_pool
     from tasks.deploy.registry import registered_files, set_version_tags
     from tasks.train.checkpoint import read_meta
 
@@ -234,8 +277,9 @@ def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: s
     new_index = new_index if new_index is not None else trained_on(ckpt)
     # the champion's tags are verified ones (get_champion); its token index must still hash to the signed value
     tags = champion["tags"]
-    pool = pool if pool is not None else replay_pool(tags.get("data.tokens_index"),
-                                                     tags.get("data.tokens_index_sha256") or "")
+    # {index: sha256 the champion's signed tag chain holds}: an index from before signing is taken so
+    pool = pool if pool is not None else vouched_pool(tags.get("data.tokens_index"),
+                                                      tags.get("data.tokens_index_sha256") or "")
     # the challenger's "new" part from the index it was trained from (its signed meta records that index's hash)
     trained = read_meta(*stored(ckpt))
     built = build_yardstick(cfg, out_dir / "yardstick.jsonl", new_index, tokenizer_path, pool, champion_tokenizer(tags),
@@ -284,9 +328,7 @@ def gate_evaluation(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: st
     against this champion. A champion that cannot be scored refuses the challenger (the reason
     says why) rather than falling back to comparing val_loss across runs."""
     from tasks.deploy.gate import gate
-    from tasks.core.signing import SignatureError
     from tasks.deploy.registry import UnverifiedModel
-    from tasks.evaluate.evaluate import TokensChanged
     from tasks.train.checkpoint import UnverifiedCheckpoint
 
     absolute = gate(cfg.deploy, evaluation)
@@ -299,7 +341,9 @@ def gate_evaluation(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: st
         except (UnverifiedModel, UnverifiedCheckpoint) as e:
             return {"passed": False, "reason": f"the champion (version {champion['version']}) cannot be scored on "
                                                f"the yardstick: {e}"}, None
-        except (YardstickChanged, TokensChanged, SignatureError) as e:  # never scored on a set someone else wrote
+        # never scored on a set someone else wrote (an untrusted index: UntrustedTokenIndex); a failure of
+        # the stack's own signing key is no verdict on this checkpoint: raised
+        except (YardstickChanged, TokensChanged) as e:
             return {"passed": False, "reason": str(e)}, None
     return yardstick["decision"], yardstick
 
