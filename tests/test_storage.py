@@ -209,6 +209,32 @@ def test_a_job_part_named_with_dotdot_is_never_another_run_s_object(tmp_path, mo
         assert parts.load("000", "k") is None and parts.part_sha256 == {}
 
 
+def test_a_stage_s_store_parts_go_only_once_its_manifest_is_on_the_store(tmp_path, monkeypatch):
+    """publish: a reader of the store (a resume on another machine) must never find neither the
+    parts nor the manifest, so the manifest and the merged files are pushed before the store's
+    `_parts` are deleted."""
+    from tasks.core.executor import ResumableOutput
+
+    monkeypatch.setattr(storage, "_STORES", {})
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        output = ResumableOutput(store.local_root / "r1" / "ingest", "run-key", [])
+        output.start(resume=True)
+        s3.client.put_object(Bucket="runs", Key="crucible/r1/ingest/_parts/000-q.jsonl", Body=b"part")
+        seen = []
+        remove_tree = storage.remove_tree
+
+        def noting(at, options=None):
+            seen.append((str(at), s3.keys("runs", "crucible/r1/ingest/")))
+            return remove_tree(at, options)
+
+        monkeypatch.setattr(storage, "remove_tree", noting)
+        output.publish({"shards": []})
+        assert [at for at, _ in seen] == ["s3://runs/crucible/r1/ingest/_parts"]
+        assert "crucible/r1/ingest/manifest.json" in seen[0][1]  # on the store before the parts went
+        assert s3.keys("runs", "crucible/r1/ingest/") == ["crucible/r1/ingest/manifest.json"]
+
+
 def test_a_run_pulled_to_resume_on_another_machine_leaves_its_checkpoints_on_the_store(tmp_path, monkeypatch):
     """Resuming a run another machine started brings its records into the working copy, never its
     checkpoints: those are read where they are, by URI (a pull of them would download every step)."""

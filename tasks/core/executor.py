@@ -38,7 +38,8 @@ from typing import Any, Callable, Iterator
 from tasks.config import RayConfig
 from tasks.core.ray_utils import cluster_cpus, current_node_id, init_ray, tasks_per_node
 from tasks.core.resume import MANIFEST, JobStore, remove_temp_files, verify_manifest, write_manifest
-from tasks.core.storage import Staging, left_on_store, map_paths, node_root, remove_run_tree, store_of_path
+from tasks.core.storage import (Staging, left_on_store, map_paths, node_root, push_path, remove_run_tree,
+                                 store_of_path)
 
 
 def start_ray(cfg: RayConfig | None) -> int:
@@ -87,9 +88,13 @@ class ResumableOutput:
         return JobStore(self.parts_dir)
 
     def publish(self, summary: dict) -> None:
-        """Write the manifest (`summary` with its shards and the side files) last, then drop `_parts`
-        (on a store run also the store's: jobs on other nodes wrote their parts there only)."""
+        """Write the manifest (`summary` with its shards and the side files) last, then drop `_parts`.
+        On a store run the stage's folder is pushed (the manifest last) before the store's `_parts`
+        go (jobs on other nodes wrote their parts there only): a reader of the store finds the
+        finished jobs or the manifest, never neither."""
         write_manifest(self.dir, self.run_key, summary, summary["shards"], self.side_files)
+        shutil.rmtree(self.parts_dir, ignore_errors=True)
+        push_path(self.dir)
         remove_run_tree(self.parts_dir)
 
 
