@@ -235,6 +235,24 @@ def test_a_stage_s_store_parts_go_only_once_its_manifest_is_on_the_store(tmp_pat
         assert s3.keys("runs", "crucible/r1/ingest/") == ["crucible/r1/ingest/manifest.json"]
 
 
+def test_a_stage_started_afresh_clears_its_store_parts_and_records(tmp_path, monkeypatch):
+    """start(resume=False): the parts and signed job records an earlier run left on the store (jobs
+    on other nodes wrote them there only) go with the local ones, so a later resume never reuses them."""
+    from tasks.core.executor import ResumableOutput
+
+    monkeypatch.setattr(storage, "_STORES", {})
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        for name in ("000-shard.parquet", "000.job.json"):
+            s3.client.put_object(Bucket="runs", Key=f"crucible/r1/ingest/_parts/{name}", Body=b"old")
+        output = ResumableOutput(store.local_root / "r1" / "ingest", "run-key", [])
+        (output.parts_dir).mkdir()
+        (output.parts_dir / "001.job.json").write_text("old")
+        output.start(resume=False)
+        assert s3.keys("runs", "crucible/r1/ingest/_parts/") == []
+        assert output.parts_dir.is_dir() and list(output.parts_dir.iterdir()) == []
+
+
 def test_a_run_pulled_to_resume_on_another_machine_leaves_its_checkpoints_on_the_store(tmp_path, monkeypatch):
     """Resuming a run another machine started brings its records into the working copy, never its
     checkpoints: those are read where they are, by URI (a pull of them would download every step)."""

@@ -81,8 +81,8 @@ class ResumableOutput:
     def start(self, resume: bool) -> JobStore:
         """Invalidate the old output; the store of finished jobs (emptied unless `resume`)."""
         clear_stale_output(self.dir)
-        if not resume:
-            shutil.rmtree(self.parts_dir, ignore_errors=True)
+        if not resume:  # the store's too: parts and job records jobs on other nodes left there only
+            remove_run_tree(self.parts_dir)
         self.parts_dir.mkdir(exist_ok=True)
         remove_temp_files(self.parts_dir)
         return JobStore(self.parts_dir)
