@@ -142,8 +142,7 @@ def open_run(cfg: PipelineConfig, run_name: str | None = None) -> RunContext:
     layout = RunLayout.for_run(cfg.run_root, run_name)
     run_dir = layout.run_dir
     if store is not None and not run_dir.exists():  # a run another machine started: resume from the store
-        # but for its checkpoints, which stay there: training and every reader take them by URI
-        store.pull(run_name, skip=(f"{store.rel(layout.checkpoints_dir)}/",))
+        store.pull_run(layout)
     run_dir.mkdir(parents=True, exist_ok=True)
     tracking_uri = default_tracking_uri(cfg)
     tracker = Tracker(tracking_uri, experiment=cfg.name)

@@ -272,6 +272,12 @@ class RunStore:
                 state[key] = [st.st_size, st.st_mtime_ns, *([etags[key]] if etags.get(key) else [])]
         return len(keys)
 
+    def pull_run(self, layout) -> int:
+        """Bring back a run another machine started (`layout`: its `tasks.core.layout.RunLayout`)
+        to resume it here: all but its checkpoints, which stay on the store, where training and
+        every reader take them by URI (a pull would download every step). Returns the files."""
+        return self.pull(self.rel(layout.run_dir), skip=(f"{self.rel(layout.checkpoints_dir)}/",))
+
 
 def _top(key: str) -> str:
     return key.split("/", 1)[0]
