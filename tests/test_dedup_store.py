@@ -14,7 +14,6 @@ import gzip
 import json
 import os
 import random
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -104,12 +103,6 @@ def _written_and_deleted(s3, prefix: str) -> set[str]:
     return written
 
 
-def _nothing_staged() -> None:
-    """No node holds a copy of a run file: the tasks read the store directly."""
-    base = Path(tempfile.gettempdir()) / "crucible-stage"
-    assert not [p for p in base.glob("*/**/run-*/**/*") if p.is_file()], "a task staged its inputs on its node"
-
-
 def test_minhash_clustering_on_two_nodes_spills_through_the_store(s3, run_store, cluster):
     from tasks.dedup.cluster import cluster_signatures
     from tasks.dedup.verify import JaccardVerifier, ListTexts, ParquetTexts
@@ -143,7 +136,6 @@ def test_minhash_clustering_on_two_nodes_spills_through_the_store(s3, run_store,
     read = {k.split(f"crucible/{run}/curate/_parts/", 1)[-1] for k in reads}
     assert {f.name for f in files} & read, read
     assert {k.split("/")[1] for k in read if k.startswith("_lsh/")} == {"p-00000", "p-00001", "p-00002"}, read
-    _nothing_staged()
     print(f"\nMinHash clustering through the store: {time.monotonic() - t0:.1f}s, {stats}")
 
 
@@ -174,7 +166,6 @@ def test_line_counts_on_two_nodes_spill_through_the_store(s3, run_store, cluster
     assert not (work / "_lines").exists()
     # every input shard was read on the store by the tasks (ranged GETs), none staged on a node
     assert {f"crucible/{run}/ingest/{p.name}" for p in shards} <= set(reads), sorted(reads)
-    _nothing_staged()
     print(f"\nline counts through the store: {time.monotonic() - t0:.1f}s")
 
 
@@ -386,7 +377,6 @@ def test_dedup_stages_on_two_nodes_pass_their_files_through_the_store(s3, run_st
     assert {f"crucible/{run}/curate/_parts/meta-000.parquet"} <= set(reads)  # the jobs' files, read there
     left = [p for p in (parts_dir / "_dedup").rglob("*") if p.is_file()]
     assert [p.name for p in left] == ["dropped-lines.jsonl"], left  # only what the driver fetched to write
-    _nothing_staged()
     print(f"\ndedup stages through the store: {time.monotonic() - t0:.1f}s, {got['steps']}")
 
 
