@@ -182,6 +182,40 @@ def test_a_part_replaced_on_the_store_after_its_job_reported_it_is_never_merged(
         assert (output.dir / "shard-00000.parquet").read_bytes() == b"\x01\x00" * 4
 
 
+def test_the_tokens_stage_holds_its_store_parts_to_the_sha256_their_jobs_reported(base, tmp_path, monkeypatch):
+    """The tokens stage keeps no job records: the sha256 each encoding job on another node reported
+    as it uploaded its parts is kept with the part (JobRunner.written), so a part replaced on the
+    store before the concatenation is refused, not concatenated into the split."""
+    import pytest
+    import ray
+
+    from lm_helpers import corpus_shards, tiny_cfg, tokenizer_artifact
+    from tasks.core.fs import StorageError
+    from tasks.tokens import prepare
+
+    shards, tokenizer = corpus_shards(base), Path(tokenizer_artifact(base)["path"])
+    monkeypatch.setattr(storage, "_STORES", {})
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        # every job runs as on a node other than the driver's: its parts go to the store only
+        monkeypatch.setattr(storage.Staging, "for_driver", classmethod(lambda cls: cls((store,), "another-node")))
+        concatenate = prepare._concatenate
+
+        def replaced_first(parts, *args):
+            assert not Path(parts[0]["paths"]["train"]).exists()  # the part is on the store only
+            key = store.rel(parts[0]["paths"]["train"])
+            s3.client.put_object(Bucket="runs", Key=f"crucible/{key}", Body=b"\x00\x00" * 8)
+            return concatenate(parts, *args)
+
+        monkeypatch.setattr(prepare, "_concatenate", replaced_first)
+        try:
+            with pytest.raises(StorageError, match="not those its job reported"):
+                prepare.prepare_tokens(tiny_cfg(tokens={"ray": True}, ray={"num_cpus": 2}), tokenizer, shards,
+                                       store.local_root / "r1" / "tokens")
+        finally:
+            ray.shutdown()
+
+
 def test_a_job_part_named_with_dotdot_is_never_another_run_s_object(tmp_path, monkeypatch):
     """A part path with `..` resolves (RunStore.rel) to an object outside the job store's folder,
     e.g. another run's: it is never recorded as the job's, and a record that names one (signed as
