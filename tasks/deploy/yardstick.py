@@ -37,6 +37,7 @@ from pathlib import Path
 
 from tasks.core.layout import RunLayout
 from tasks.core import fs
+from tasks.core.signing import SignatureError
 from tasks.core.storage import local_run_root, stored
 from tasks.tokens.binfile import TokensChanged
 
@@ -50,9 +51,10 @@ class YardstickChanged(ValueError):
     """The set file is not the one that was built (score's yardstick_sha256): it is refused."""
 
 
-class UntrustedTokenIndex(TokensChanged):
+class UntrustedTokenIndex(TokensChanged, SignatureError):
     """A token index the stack cannot vouch for (unsigned or forged, not the hash a signed record holds,
-    not the one the checkpoint was trained from): refused, the reason naming the remedy."""
+    not the one the checkpoint was trained from): refused, the reason naming the remedy. A refusal of
+    the data (the gate catches TokensChanged), never a failure of the stack's own signing key."""
 
 
 UNSIGNED_INDEX_REMEDY = ("(a token index written before the stack signed them, or changed since: re-run the tokens "
@@ -66,7 +68,7 @@ def index_refusals():
     vouched hash) becomes UntrustedTokenIndex naming the remedy, a refusal of that data; a problem with
     the stack's own signing key (missing, not private) is raised as it is first: the stack's failure,
     never one checkpoint's refusal."""
-    from tasks.core.signing import SignatureError, signing_key
+    from tasks.core.signing import signing_key
 
     signing_key()
     try:
