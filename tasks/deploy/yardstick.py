@@ -265,9 +265,10 @@ def gate_dir(cfg, checkpoint: str | Path) -> Path:
 
 def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: str | Path, champion: dict,
                      out_dir: str | Path | None = None, new_index: str | Path | None = None,
-                     pool: list[str | Path] | None = None) -> dict:
+                     pool: list[str | Path] | dict[str, str] | None = None) -> dict:
     """Score the challenger (evaluation["checkpoint"]) and the champion (a get_champion dict) on
-    one set and decide. new_index / pool default to what each model was trained on. Returns
+    one set and decide. new_index / pool default to what each model was trained on (pool: signed
+    indexes, or build_yardstick's {index: vouched sha256}). Returns
     {"set", "challenger", "champion", "decision"}, also written to <out_dir>/gate-step-N.json."""
     from tasks.continued.mix import vouched_pool
     from tasks.deploy.registry import registered_files, set_version_tags
