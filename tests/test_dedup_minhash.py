@@ -347,3 +347,19 @@ def test_verifier_reads_and_shingles_in_sub_batches_within_its_character_cap(rea
     sigs = MinHasher(28, 4).signatures(texts + texts)  # 80 exact copies: 80+ candidate pairs
     roots = minhash.minhash_clusters(sigs, 28, 4, verify=JaccardVerifier(ListTexts(texts + texts), 0.7))
     assert len(calls) >= 2 and max(calls) <= 50 and roots[80:] == list(range(80))
+
+
+def test_the_hasher_is_built_without_importing_datasketch():
+    """The curate driver builds the hasher for its actors: its permutations are drawn as datasketch
+    draws them (every signature equal: test_signatures_equal_datasketch) without importing datasketch,
+    which pulls in scipy and redis."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tasks.dedup.minhash import MinHasher; "
+            "h = MinHasher(28, 4, seed=1, scheme='affine32'); MinHasher(14, 8, seed=2, scheme='legacy'); "
+            "h.signatures(['one two three four five six seven']); "
+            "print(sorted(m for m in ('datasketch', 'scipy', 'redis') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]"

@@ -356,6 +356,22 @@ def _shingle_ranges(data: bytes, offset: int, n: int) -> tuple[np.ndarray, np.nd
     return st + offset, en - st
 
 
+def _permutations(num_perm: int, seed: int, scheme: str) -> tuple[np.ndarray, np.ndarray]:
+    """datasketch 2.0's `MinHash(num_perm, seed, scheme).permutations`, drawn the same way from
+    `RandomState(seed)` (`test_signatures_equal_datasketch` holds every signature to datasketch's):
+    importing datasketch pulls in scipy and redis, ~0.5-1 CPU s and ~48 MB in the curate driver,
+    which builds the hasher once for all its actors."""
+    gen = np.random.RandomState(seed)
+    if scheme == "legacy":  # (a * h + b) mod the Mersenne prime 2^61 - 1, a >= 1
+        prime = np.uint64((1 << 61) - 1)
+        pairs = [(gen.randint(1, prime, dtype=np.uint64), gen.randint(0, prime, dtype=np.uint64))
+                 for _ in range(num_perm)]
+        return tuple(np.array(pairs, dtype=np.uint64).T)
+    # affine32: a * h + b mod 2^32 with an odd a (a bijection)
+    a = gen.randint(0, 1 << 31, num_perm, dtype=np.uint32) * np.uint32(2) + np.uint32(1)
+    return a, gen.randint(0, 1 << 32, num_perm, dtype=np.uint32)
+
+
 class MinHasher:
     """Signatures equal to datasketch `MinHash(num_perm=bands*rows, seed=seed, scheme=scheme,
     hashfunc=self.hashfunc)` fed the document's shingles: `hash="sha1"` is datasketch's default
@@ -363,8 +379,6 @@ class MinHasher:
 
     def __init__(self, bands: int = 14, rows: int = 8, seed: int = 1, ngram: int = 5,
                  scheme: str = "affine32", hash: str = "fast"):
-        from datasketch import MinHash
-
         if scheme not in _SCHEMES:
             raise ValueError(f"scheme must be one of {_SCHEMES}, got {scheme!r}")
         if hash not in SHINGLE_HASHES:
@@ -375,7 +389,7 @@ class MinHasher:
         self.seed = seed
         self.ngram = ngram
         self.scheme = scheme
-        a, b = MinHash(num_perm=self.num_perm, seed=seed, scheme=scheme).permutations
+        a, b = _permutations(self.num_perm, seed, scheme)
         if scheme == "legacy":
             self._a = np.asarray(a, dtype=np.uint64)[:, None]
             self._b = np.asarray(b, dtype=np.uint64)[:, None]
