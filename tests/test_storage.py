@@ -216,6 +216,50 @@ def test_the_tokens_stage_holds_its_store_parts_to_the_sha256_their_jobs_reporte
             ray.shutdown()
 
 
+def test_ingest_holds_every_part_its_tasks_read_on_the_store_to_its_job_s_sha256(tmp_path, monkeypatch):
+    """Ingest's merge on a store run whose jobs ran on other nodes: the duplicate-id tasks read the
+    jobs' id files and parts on the store, and a file replaced there after its job reported it (here
+    a genuine id file of another job: valid Parquet, wrong duplicates) is refused, not merged."""
+    import json
+
+    import pytest
+    import ray
+
+    import tasks.core.ray_utils as ray_utils
+    import tasks.ingest.run as ingest_run
+    from tasks.config import IngestConfig, PipelineConfig, RayConfig, SourceConfig
+    from tasks.core.fs import StorageError
+
+    monkeypatch.setattr(storage, "_STORES", {})
+    folder = tmp_path / "src"
+    folder.mkdir()
+    for f, keys in enumerate((["a", "b", "c"], ["b", "d"])):
+        (folder / f"f{f}.jsonl").write_text("".join(json.dumps({"id": k, "text": f"text {k}"}) + "\n" for k in keys))
+    cfg = PipelineConfig(name="planted", ray=RayConfig(num_cpus=2), ingest=IngestConfig(shard_docs=2),
+                         sources=[SourceConfig(name="s", uri=str(folder / "*.jsonl"), format="jsonl",
+                                               licence="test-licence", provenance="test")])
+    with moto_s3(tmp_path / "moto", buckets=["runs"]) as s3:
+        store = storage.open_store("s3://runs/crucible", s3.options, str(tmp_path / "cache"))
+        monkeypatch.setattr(storage.Staging, "for_driver", classmethod(lambda cls: cls((store,), "another-node")))
+        monkeypatch.setattr(ray_utils, "only_this_node", lambda: False)  # the tasks read the store's prefix
+        merge = ingest_run._merge
+        prefix = "crucible/r1/ingest/_parts/"
+
+        def planted(plan, results, *args):
+            ids = sorted(k for k in s3.keys("runs", prefix) if "-ids/" in k)
+            assert len(ids) == 2 and not list((store.local_root / "r1" / "ingest" / "_parts").rglob("*.parquet"))
+            body = s3.client.get_object(Bucket="runs", Key=ids[1])["Body"].read()
+            s3.client.put_object(Bucket="runs", Key=ids[0], Body=body)
+            return merge(plan, results, *args)
+
+        monkeypatch.setattr(ingest_run, "_merge", planted)
+        try:
+            with pytest.raises(StorageError, match="not those its job reported"):
+                ingest_run.run_ingest(cfg, store.local_root / "r1" / "ingest")
+        finally:
+            ray.shutdown()
+
+
 def test_a_job_part_named_with_dotdot_is_never_another_run_s_object(tmp_path, monkeypatch):
     """A part path with `..` resolves (RunStore.rel) to an object outside the job store's folder,
     e.g. another run's: it is never recorded as the job's, and a record that names one (signed as

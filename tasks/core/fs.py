@@ -421,8 +421,20 @@ def copy_checked(loc: Path | str, out, expect: str | None, options: dict | None 
             h.update(chunk)
             out.write(chunk)
     if expect is not None and h.hexdigest() != expect:
-        raise StorageError(f"{loc}: its bytes are not those its job reported (sha256 {h.hexdigest()[:16]}..., "
-                           f"recorded {expect[:16]}...): changed after the job wrote it; nothing is merged from it")
+        raise _changed(loc, h.hexdigest(), expect)
+
+
+def read_checked(loc: Path | str, expect: str, options: dict | None = None) -> bytes:
+    """The bytes of `loc` (local or one GET on a store), held to the sha256 `expect` (StorageError)."""
+    data = read_bytes(loc, options)
+    if (got := hashlib.sha256(data).hexdigest()) != expect:
+        raise _changed(loc, got, expect)
+    return data
+
+
+def _changed(loc: Path | str, got: str, expect: str) -> "StorageError":
+    return StorageError(f"{loc}: its bytes are not those its job reported (sha256 {got[:16]}..., recorded "
+                        f"{expect[:16]}...): changed after the job wrote it; nothing is merged from it")
 
 
 def tree_sha256(loc: Path | str, options: dict | None = None) -> str:

@@ -36,7 +36,7 @@ import numpy as np
 import pyarrow as pa
 
 from tasks.core.documents import ShardWriter
-from tasks.core.fs import is_remote, join, upload
+from tasks.core.fs import is_remote, join, read_checked, upload
 
 
 SPILL_DOCS = 1_000_000  # ids a job holds before it spills them (24 MB: a worker's bound, whatever the file)
@@ -80,9 +80,17 @@ class IdSpill:
         return sorted(self.folder.glob("p-*/s-*.parquet"))
 
 
-def _read(loc: str, options: dict | None, columns: list[str] | None = None) -> pa.Table:
+def _read(loc: str, options: dict | None, columns: list[str] | None = None, sha256: str | None = None) -> pa.Table:
+    """A Parquet file; with `sha256` (a job's part, as its job reported it) held to it on this read
+    (StorageError): the store's object may have been replaced since the job wrote it."""
+    import io
+
+    import pyarrow.parquet as pq
+
     from tasks.dedup.stages import read_table
 
+    if sha256 is not None:
+        return pq.read_table(io.BytesIO(read_checked(loc, sha256, options)), columns=columns)
     t = read_table(loc, options, columns)
     if t is None:
         raise FileNotFoundError(f"ingest: {loc} is not there")
@@ -90,9 +98,9 @@ def _read(loc: str, options: dict | None, columns: list[str] | None = None) -> p
 
 
 def resolve_partition(jobs: list[tuple[str, list[str]]], partition: int, shard_docs: int, drops_root: str,
-                      options: dict | None = None) -> dict[str, list[list[int]]]:
+                      options: dict | None = None, expect: dict[str, str] | None = None) -> dict[str, list[list[int]]]:
     """Ray task: the later occurrences of each id among `jobs` ([(job name, its files of this
-    partition)], in corpus order). Writes each job's dropped rows to `<drops_root>/<job>/p-XXXXX.parquet`;
+    partition)], in corpus order; a file `expect` names is held to that sha256, its job's). Writes each job's dropped rows to `<drops_root>/<job>/p-XXXXX.parquet`;
     returns {job: [[part index, drops, bytes], ...]} (part index: row // shard_docs)."""
     from tasks.dedup.stages import write_table
 
@@ -101,7 +109,7 @@ def resolve_partition(jobs: list[tuple[str, list[str]]], partition: int, shard_d
     tables, owner = [], []
     for j, (_, paths) in enumerate(jobs):
         for path in paths:
-            tables.append(_read(path, options))
+            tables.append(_read(path, options, sha256=(expect or {}).get(path)))
             owner.append(np.full(tables[-1].num_rows, j, np.int32))
     job = np.concatenate(owner)
     t = pa.concat_tables(tables)
@@ -124,17 +132,19 @@ def resolve_partition(jobs: list[tuple[str, list[str]]], partition: int, shard_d
 
 
 def write_shard(entries: list[tuple[str, int, list[str]]], index: int, shard_docs: int, out_dir: str,
-                options: dict | None = None, out_options: dict | None = None) -> str:
+                options: dict | None = None, out_options: dict | None = None,
+                expect: dict[str, str] | None = None) -> str:
     """Ray task: `<out_dir>/shard-<index>.parquet` from `entries` ([(part file, its index in its job,
     the job's drop files: rows in the job, none when the part lost nothing)]) laid end to end, each
-    without its dropped rows; 500-row groups as every shard. Holds at most `shard_docs` documents."""
+    without its dropped rows (a part `expect` names held to that sha256, its job's); 500-row groups
+    as every shard. Holds at most `shard_docs` documents."""
     name = f"shard-{index:05d}.parquet"
     local = not is_remote(out_dir)
     dropped: dict[tuple[str, ...], np.ndarray] = {}  # a job's drop files, read once for its parts
     with (contextlib.nullcontext(out_dir) if local else tempfile.TemporaryDirectory(prefix="ingest-")) as folder:
         with ShardWriter(folder, prefix="shard", shard_docs=1 << 40, start_index=index) as w:
             for part, p, drop_files in entries:
-                t = _read(part, options)
+                t = _read(part, options, sha256=(expect or {}).get(part))
                 if drop_files:
                     if tuple(drop_files) not in dropped:
                         dropped = {tuple(drop_files): np.concatenate(

@@ -289,9 +289,9 @@ def _merge(plan: _Plan, results: dict, tallies: list[_SourceTally], out_dir: Pat
     held to `expect`, {part: sha256} as their jobs reported)."""
     order = sorted(results)  # (source, file, start): the corpus order
     names = [job_name(*k) for k in order]
-    ids = _DuplicateIds(plan.ingest, parts_dir)
+    ids = _DuplicateIds(plan.ingest, parts_dir, expect)
     drops = ids.resolve([results[k] for k in order], names)
-    shards = ids.shards([results[k] for k in order], names, out_dir, expect)
+    shards = ids.shards([results[k] for k in order], names, out_dir)
     quarantine_path = out_dir / QUARANTINE
     concat_files([results[k]["quarantine_file"] for k in order], quarantine_path, expect)
     total = StepStats("ingest")
@@ -338,10 +338,11 @@ class _DuplicateIds:
     """The Ray tasks of `tasks.ingest.ids` over the jobs' files, and the shards they leave. Holds
     counters per job and part file that lost documents, never a list per document."""
 
-    def __init__(self, ingest: IngestConfig, parts_dir: Path):
+    def __init__(self, ingest: IngestConfig, parts_dir: Path, expect: dict[str, str]):
         from tasks.core.executor import for_any_node
 
         self.ingest, self.parts_dir = ingest, parts_dir
+        self.expect = expect  # {part: sha256} as the jobs reported: the tasks hold each part they read to it
         # where tasks on any node read the jobs' files and keep the drops (the store's prefix, when
         # the cluster's nodes do not share this working copy)
         (self.root,), self.options = for_any_node([str(parts_dir)])
@@ -350,10 +351,17 @@ class _DuplicateIds:
         self.drops: dict[str, dict[int, list[int]]] = {}  # job -> part index -> [drops, bytes]
         self.partitions: dict[str, list[int]] = {}  # job -> the id partitions that dropped some of its rows
         self.rewritten = 0  # shards written by a task (the others are parts linked into place)
+        self._expect_at: dict[str, str] | None = None  # `expect` by the paths the tasks read
 
     def _at(self, path: str) -> str:
         """A file under `_parts` as the tasks read it."""
         return str(join(self.root, *Path(path).relative_to(self.parts_dir).parts))
+
+    def _expected(self, read) -> dict[str, str]:
+        """{file as a task reads it: sha256 its job reported} for the files `read` (as `_at` names them)."""
+        if self._expect_at is None:
+            self._expect_at = {self._at(p): sha for p, sha in self.expect.items()}
+        return {f: self._expect_at[f] for f in read if f in self._expect_at}
 
     def resolve(self, results: list[dict], names: list[str]) -> dict[str, dict[int, list[int]]]:
         """A Ray task per id partition (`ids.resolve_partition`); {job: {part index: [drops, bytes]}}
@@ -371,7 +379,8 @@ class _DuplicateIds:
         task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(resolve_partition)
         todo = [k for k, jobs in enumerate(by_partition) if jobs]
         got = ray.get([task.remote(list(by_partition[k].items()), k, self.ingest.shard_docs, self.drop_root,
-                                   self.options) for k in todo])
+                                   self.options, self._expected(f for jobs in by_partition[k].values() for f in jobs))
+                       for k in todo])
         for k, g in zip(todo, got):
             for name, per_part in g.items():
                 self.partitions.setdefault(name, []).append(k)
@@ -381,7 +390,7 @@ class _DuplicateIds:
                     d[1] += nbytes
         return self.drops
 
-    def shards(self, results: list[dict], names: list[str], out_dir: Path, expect: dict[str, str]) -> list[str]:
+    def shards(self, results: list[dict], names: list[str], out_dir: Path) -> list[str]:
         """`shard-00000.parquet`, ...: the jobs' part files in corpus order without their duplicates,
         consecutive parts packed while they fit `ingest.shard_docs` rows (a corpus of small files
         does not give one shard, and one curate job, per file). A shard that is one whole part is
@@ -410,7 +419,7 @@ class _DuplicateIds:
         writes = []
         for i, (_, entries) in enumerate(groups):
             if len(entries) == 1 and not entries[0][2]:
-                _link(Path(entries[0][0]), Path(shards[i]), expect)
+                _link(Path(entries[0][0]), Path(shards[i]), self.expect)
             else:
                 writes.append((i, [(self._at(part), p, files) for part, p, files in entries]))
         out_root, out_options = task_location(out_dir)
@@ -418,8 +427,8 @@ class _DuplicateIds:
             remove(join(out_root, MANIFEST), out_options)
         if writes:
             task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(write_shard)
-            got = ray.get([task.remote(entries, i, shard_docs, str(out_root), self.options, out_options)
-                           for i, entries in writes])
+            got = ray.get([task.remote(entries, i, shard_docs, str(out_root), self.options, out_options,
+                                       self._expected(e[0] for e in entries)) for i, entries in writes])
             if is_remote(out_root):  # written on the store by the tasks: into the working copy too
                 from tasks.core.storage import store_of_path
 
