@@ -9,8 +9,8 @@ With no address (and no RAY_ADDRESS in the environment) a local Ray is started w
 manager, workers and agents listen on loopback only, and it requires Ray's token authentication
 with a token drawn fresh for this start. The token reaches Ray's processes through their
 environment at start-up and is then removed from this process's environment again (the pipeline's
-other subprocesses never inherit it); it is never written to disk or logged. Without it a job
-submitted to the dashboard agent's API, or a driver attaching to the GCS, is refused.
+other subprocesses never inherit it); it is never written to disk or logged. Without it a driver
+attaching to the GCS is refused; the node's dashboard agent runs minimal, with no job API at all.
 With an address ("auto", "host:6380", "ray://host:10001") Ray attaches and the CPU count comes
 from the cluster, so `num_cpus` is not passed. An address nobody answers on fails at once
 (`RayUnreachable`, naming `ray.address`), before a stage writes anything: `ray.init` itself
@@ -122,7 +122,13 @@ def start_local_ray(num_cpus: int | None = None, **init_kwargs) -> None:
     with _environment(env), _single_node(ray_constants), _local_node_params(), _no_dashboard_head(), \
             _minimal_agent(), _prompt_node_lookup():
         _reload_auth_settings()
-        ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, _system_config=system, **init_kwargs)
+        info = ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, _system_config=system,
+                        **init_kwargs)
+    # a Ray version that no longer asks utils: the patch did nothing, the agent serves its job API
+    if info.address_info.get("dashboard_agent_listen_port") != -1:
+        ray.shutdown()
+        raise RuntimeError("local Ray: the dashboard agent did not start minimal (ray_utils._minimal_agent no longer "
+                           "applies to this Ray version): it would serve a job API")
     atexit.register(_stop_local_ray_at_exit, ray.get_runtime_context().get_node_id())
 
 
@@ -224,10 +230,10 @@ def _no_dashboard_head():
 @contextmanager
 def _minimal_agent():
     """The node's dashboard agent in its minimal mode (what Ray runs where the dashboard's packages
-    are not installed): no HTTP server, so no job API that a job could be posted to, and no metrics
-    agent, so the raylet and the workers export no metrics. ray.init decides the mode by importing
-    those packages (aiohttp, opentelemetry, prometheus: ~0.3 s of every start, in the driver);
-    this Ray needs neither the API nor the metrics."""
+    are not installed): no HTTP server, so no job API that a job could be posted to, and the raylet
+    and the workers get no metrics agent (the agent process, which still finds the packages, serves
+    node metrics on loopback only). ray.init decides the mode by importing those packages (aiohttp,
+    opentelemetry, prometheus: ~0.3 s of every start, in the driver); this Ray needs no job API."""
     from ray._private import utils
 
     check = utils.get_dashboard_dependency_error
