@@ -23,8 +23,10 @@ in the working copy to the node's disk, downloading each input file from the sto
 own input folder, runs the job in a job directory of its own, uploads what the job wrote to the store
 and hands the driver their paths and sha256s. Those files stay on the store: the driver records
 them by those sha256s (the job's stored result, `tasks.core.resume.JobStore`) and reads them there
-(`read_location`; the dedup stages' tasks read them through `task_location`); a stage's `_parts`
-on the store go when its manifest is written (`remove_run_tree`). A job on the driver's own node
+(`read_location`; the dedup stages' tasks read them through `task_location`), ingest's and the
+tokens stage's merges holding each to its sha256 on the read that uses it (`fs.copy_checked`,
+`fs.read_checked`: the object may be replaced after its job reported it); a stage's `_parts` on the
+store go once its manifest is on the store (`remove_run_tree`). A job on the driver's own node
 (local Ray) uses the working copy directly. Ray tasks outside the stages' job
 runners (the dedup shuffles, a text verifier) stage nothing: they read and write the store
 directly through `tasks.core.fs` (`tasks.core.executor.task_location`).
