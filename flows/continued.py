@@ -51,7 +51,8 @@ CYCLE_STATE = ".continue"  # under an object-store run_root: the ledger and the 
 
 @flow(name="gate_and_deploy")
 def gate_and_deploy(cfg: PipelineConfig, run: RunContext, evaluations: list[EvalResult], tokenizer: str,
-                    tokens_index: str, replay: list[str], train_run_id: str | None) -> tuple[StageResult, DeployResult]:
+                    tokens_index: str, replay: dict[str, str],
+                    train_run_id: str | None) -> tuple[StageResult, DeployResult]:
     """The best checkpoint against the champion on the yardstick, then the deploy stage with that verdict."""
     with flow_lineage(cfg, run):
         best = min(evaluations, key=lambda e: e.val_loss)
@@ -170,7 +171,8 @@ def _continue(cfg: PipelineConfig, run_name: str, champion) -> dict:
         mix = replay_mix(cfg, run, tokens.index_path, pool)
         plan, trained = train(cfg, run, mix.index_path, tokenizer)
         evals = evaluate(cfg, run, trained.checkpoints, tokenizer, tokens.index_path, trained.mlflow_run_id)
-        yardstick, deployed = gate_and_deploy(cfg, run, evals, tokenizer, tokens.index_path, list(pool),
+        # the pool with its vouched hashes: a member from before signing is held to its hash, not a signature
+        yardstick, deployed = gate_and_deploy(cfg, run, evals, tokenizer, tokens.index_path, pool,
                                               trained.mlflow_run_id)
         summary.record(ingest=ingested.data, curate=curated.data, quality=scored.data, tokens=tokens.data,
                        mix=mix.data | {"trained": _trained_share(cfg, mix.index_path, trained.checkpoints)},

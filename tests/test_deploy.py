@@ -751,6 +751,69 @@ def test_a_champion_whose_token_index_predates_signing_is_gated_on_it(trained, b
     assert set(gated["yardstick"]["champion_bpb"]) == {"old", "new", "wikitext"}
     with pytest.raises(UntrustedTokenIndex, match="is unsigned.*re-run the tokens stage"):
         _held_out(old / "index.json", load_tokenizer(tok), 2, 100)
+    # the cycle's yardstick stage gets the pool as the flow hands it: with its vouched hashes, the
+    # pre-signing member is scored; as a bare list (the hashes dropped) it is refused before anything runs
+    import dataclasses
+
+    from tasks.continued.mix import vouched_pool
+    from tasks.core.layout import RunLayout
+    from tasks.core.sections import stage_config
+    from tasks.core.stage import StageContext, StageInputs
+    from tasks.registry import STAGES
+
+    stage = STAGES["yardstick"]
+    ctx = StageContext(layout=RunLayout.for_run(tmp_path, "cycle"), run_name="cycle", tracking_uri=uri, experiment="x")
+    pool = vouched_pool(old / "index.json", sha)
+    inputs = StageInputs(evaluation={"val_loss": 5.0, "step": 10, "checkpoint": trained[10]}, tokenizer=str(tok),
+                         tokens_index=tokens_artifact(base)["index_path"], replay=pool)
+    assert stage.run(stage_config(stage, cfg), inputs, ctx).data["set"]["parts"]["old"] > 0
+    with pytest.raises(TypeError, match="vouched sha256"):
+        stage.run(stage_config(stage, cfg), dataclasses.replace(inputs, replay=list(pool)), ctx)
+    # Attack: the champion's index deleted (or replaced) so that the set has no "old" part and its
+    # no-forgetting check silently drops out: the signed hash says there was one, so the gate refuses
+    from tasks.deploy.registry import get_champion
+    from tasks.deploy.yardstick import gate_evaluation
+
+    shutil.rmtree(old)
+    refused, _ = gate_evaluation(cfg, uri, {"val_loss": 5.0, "step": 10, "checkpoint": trained[10]}, tok,
+                                 get_champion(uri, name))
+    assert not refused["passed"] and "no-forgetting check" in refused["reason"], refused["reason"]
+
+
+def test_a_champion_pool_member_gone_or_replaced_refuses_the_gate(base, tmp_path):
+    """Attack on the "old" part of a continued champion: a member of its mix's pool deleted, or replaced
+    by another genuine signed index, would drop (or fail) the no-forgetting check on that data. The
+    champion's signed index hash vouches for the pool, so either is a refusal (a TokensChanged, which
+    the gate records as its reason), never a set without that member."""
+    import shutil
+
+    from lm_helpers import tokens_artifact
+    from tasks.continued.mix import build_mix
+    from tasks.core.hashing import sha256_file
+    from tasks.deploy.yardstick import ChampionDataRefused, champion_pool
+    from tasks.tokens.binfile import TokensChanged
+
+    def copy(dest):
+        shutil.copytree(Path(tokens_artifact(base)["index_path"]).parent, dest)
+        return dest / "index.json"
+
+    new, member = copy(tmp_path / "new"), copy(tmp_path / "member")
+    mixed = Path(build_mix(new, {str(member): sha256_file(member)}, 0.25, 0, tmp_path / "mix")["index_path"])
+    tags = {"data.tokens_index": str(mixed), "data.tokens_index_sha256": sha256_file(mixed)}
+    assert str(member) in champion_pool(tags)  # intact: every member
+    index = json.loads(member.read_text())
+    index["sources"] = list(reversed(index["sources"]))  # still a genuine-looking index, other bytes
+    member.write_text(json.dumps(index))
+    with pytest.raises(ChampionDataRefused, match="not the ones its mix recorded") as replaced:
+        champion_pool(tags)
+    assert isinstance(replaced.value, TokensChanged)
+    member.unlink()
+    with pytest.raises(ChampionDataRefused, match=rf"are gone.*{member}"):
+        champion_pool(tags)
+    mixed.unlink()
+    with pytest.raises(ChampionDataRefused, match="is gone or is not the one"):
+        champion_pool(tags)
+    assert champion_pool({"data.tokens_index": str(mixed)}) == {}  # no signed hash: nothing vouched, nothing owed
 
 
 def test_a_run_whose_token_index_predates_signing_is_refused_with_the_remedy(tmp_path, mlflow_store):

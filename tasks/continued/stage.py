@@ -75,6 +75,10 @@ class YardstickStage(Stage):
         champion = get_champion(ctx.tracking_uri, cfg.deploy.model_name)
         if champion is None:
             raise CycleError("the yardstick compares with the champion, and there is none")
+        if not isinstance(inputs.replay, dict):
+            # a bare list loses the hashes the champion's chain vouches for: a member written before indexes
+            # were signed would then be refused for want of a signature, failing the cycle
+            raise TypeError("the yardstick's pool must be vouched_pool's {token index: vouched sha256}, not a list")
         out = ctx.stage_dir(self.name)
         data = against_champion(cfg, ctx.tracking_uri, inputs.evaluation, inputs.tokenizer, champion, out,
                                 new_index=inputs.tokens_index, pool=inputs.replay)

@@ -39,7 +39,7 @@ from tasks.core.layout import RunLayout
 from tasks.core import fs
 from tasks.core.signing import SignatureError
 from tasks.core.storage import local_run_root, stored
-from tasks.tokens.binfile import TokensChanged
+from tasks.tokens.binfile import TokensChanged, listed_bytes, read_signed_index
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,12 @@ class UntrustedTokenIndex(TokensChanged, SignatureError):
     """A token index the stack cannot vouch for (unsigned or forged, not the hash a signed record holds,
     not the one the checkpoint was trained from): refused, the reason naming the remedy. A refusal of
     the data (the gate catches TokensChanged), never a failure of the stack's own signing key."""
+
+
+class ChampionDataRefused(TokensChanged):
+    """The champion's signed tags vouch for its token data, but the chain yields no "old" part (its index
+    gone or replaced, a pool member gone or not the one its mix recorded): the gate refuses rather than
+    drop its no-forgetting check on that data."""
 
 
 UNSIGNED_INDEX_REMEDY = ("(a token index written before the stack signed them, or changed since: re-run the tokens "
@@ -87,9 +93,8 @@ def _held_out(index_path: str | Path, tokenizer, limit: int, max_chars: int, tra
     challenger's signed checkpoint meta, whose index this must be (evaluate.val_tokens)."""
     import numpy as np
 
-    from tasks.evaluate.evaluate import listed_bytes, val_tokens
+    from tasks.evaluate.evaluate import val_tokens
     from tasks.evaluate.suite import spread_indices
-    from tasks.tokens.binfile import read_signed_index
 
     at, options = stored(index_path)
     with index_refusals():
@@ -263,6 +268,32 @@ def gate_dir(cfg, checkpoint: str | Path) -> Path:
     return local_run_root(cfg) / ".gate"
 
 
+def champion_pool(tags: dict, pool: list[str | Path] | dict[str, str] | None = None) -> list | dict:
+    """The "old" part's token indexes: `pool` (the flow's, from vouched_pool) or vouched_pool of the
+    champion's verified tags. When those tags hold a signed data.tokens_index_sha256, the chain must give
+    every member (ChampionDataRefused otherwise): deleting or replacing the champion's index, or a member
+    of its pool, would otherwise drop the no-forgetting check on its data without a word."""
+    from tasks.continued.mix import MixError, vouched_pool
+
+    signed, index = tags.get("data.tokens_index_sha256"), tags.get("data.tokens_index")
+    try:
+        pool = pool if pool is not None else vouched_pool(index, signed or "")
+    except MixError as e:
+        raise ChampionDataRefused(f"yardstick refuses: the champion's data cannot be checked for forgetting: "
+                                  f"{e}") from e
+    if not signed:
+        return pool
+    if not pool:
+        raise ChampionDataRefused(f"yardstick refuses: the champion's token index {index} is gone or is not the one its "
+                                  "signed data.tokens_index_sha256 holds, so the no-forgetting check on its data cannot "
+                                  "run (restore that index, or re-register the champion)")
+    gone = [str(p) for p in pool if not fs.is_file(*stored(fs.location(str(p))))]
+    if gone:
+        raise ChampionDataRefused(f"yardstick refuses: token indexes the champion was trained on are gone, so the "
+                                  f"no-forgetting check on them cannot run (restore them): {gone}")
+    return pool
+
+
 def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: str | Path, champion: dict,
                      out_dir: str | Path | None = None, new_index: str | Path | None = None,
                      pool: list[str | Path] | dict[str, str] | None = None) -> dict:
@@ -270,7 +301,6 @@ def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: s
     one set and decide. new_index / pool default to what each model was trained on (pool: signed
     indexes, or build_yardstick's {index: vouched sha256}). Returns
     {"set", "challenger", "champion", "decision"}, also written to <out_dir>/gate-step-N.json."""
-    from tasks.continued.mix import vouched_pool
     from tasks.deploy.registry import registered_files, set_version_tags
     from tasks.train.checkpoint import read_meta
 
@@ -281,8 +311,7 @@ def against_champion(cfg, tracking_uri: str, evaluation: dict, tokenizer_path: s
     # the champion's tags are verified ones (get_champion); its token index must still hash to the signed value
     tags = champion["tags"]
     # {index: sha256 the champion's signed tag chain holds}: an index from before signing is taken so
-    pool = pool if pool is not None else vouched_pool(tags.get("data.tokens_index"),
-                                                      tags.get("data.tokens_index_sha256") or "")
+    pool = champion_pool(tags, pool)
     # the challenger's "new" part from the index it was trained from (its signed meta records that index's hash)
     trained = read_meta(*stored(ckpt))
     built = build_yardstick(cfg, out_dir / "yardstick.jsonl", new_index, tokenizer_path, pool, champion_tokenizer(tags),
