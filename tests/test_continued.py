@@ -850,3 +850,32 @@ def test_the_mix_stage_holds_the_pool_to_the_hashes_the_champion_vouches_for(bas
     vouched = {str(member): sha256_file(member)}
     mixed = stage.run(cfg, StageInputs(tokens_index=str(new), replay=vouched), ctx).data
     assert mixed["mix"]["pool_sha256"][str(member)] == vouched[str(member)] and mixed["replay_tokens"] > 0
+
+
+def test_a_champion_index_that_fails_its_hash_is_reported_as_changed_not_gone(tmp_path):
+    """The champion's token index is there but does not hash to its signed data.tokens_index_sha256:
+    the cycle refuses before anything starts and says the index was refused as changed (telling the
+    user to restore files that are there would send them the wrong way)."""
+    from lm_helpers import random_checkpoint, sample_tokenizer
+    from tasks.continued.cycle import Champion, CycleError, cycle_config
+    from tasks.continued.ledger import Discovery, RawFile, SourceDiscovery
+    from tasks.core.hashing import sha256_file, sha256_tree
+    from tasks.train.checkpoint import read_meta
+
+    cfg = config(tmp_path)
+    tok = sample_tokenizer(tmp_path / "tokenizer.json")
+    ckpt = random_checkpoint(tmp_path / "runs" / "champ" / "train", tok, 10, 0, n_layer=2, n_head=4, d_model=64,
+                             seq_len=64)
+    index = tmp_path / "runs" / "champ" / "tokens" / "index.json"
+    index.parent.mkdir(parents=True)
+    index.write_text(json.dumps({"splits": {}}))
+    tags = {"data.tokens_index": str(index), "data.tokens_index_sha256": "0" * 64}
+    champion = Champion("cont-model", 1, ckpt, sha256_tree(ckpt), tok, sha256_file(tok), None,
+                        read_meta(ckpt)["model"], "champ", None, tags)
+    new = RawFile(uri=str(tmp_path / "a.warc.gz"), source="landing", size=1, stamp="1", sha256="0" * 64, licence="t")
+    discovery = Discovery([SourceDiscovery("landing", str(tmp_path / "*.warc.gz"), 1, [new])])
+    with pytest.raises(CycleError, match=rf"{index} was refused as changed"):
+        cycle_config(cfg, discovery, champion, tmp_path / "state")
+    index.unlink()
+    with pytest.raises(CycleError, match="are gone"):
+        cycle_config(cfg, discovery, champion, tmp_path / "state")

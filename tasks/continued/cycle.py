@@ -169,9 +169,15 @@ def cycle_config(cfg: PipelineConfig, discovery: Discovery, champion: Champion |
             pool = replay_pool(champion.tokens_index, champion.tags.get("data.tokens_index_sha256") or "")
             # a member may be an object-store run's URI: asked on its store (Path(uri).is_file() is never true)
             missing = [str(p) for p in pool if not fs.is_file(*stored(p))]
+            index = champion.tags.get("data.tokens_index")
+            if not pool and index and fs.is_file(*stored(fs.location(index))):  # there, but not the signed bytes
+                raise CycleError(f"continue.replay_fraction is {c.replay_fraction}, but the champion's token index "
+                                 f"{index} was refused as changed (it does not hash to the champion's signed "
+                                 "data.tokens_index_sha256), so nothing can be replayed: put back the index the "
+                                 "champion was trained on, re-register the champion, or set continue.replay_fraction=0")
             if not pool or missing:
                 raise CycleError(f"continue.replay_fraction is {c.replay_fraction}, but the champion's training tokens "
-                                 f"({champion.tags.get('data.tokens_index') if not pool else ', '.join(missing)}) are "
+                                 f"({index if not pool else ', '.join(missing)}) are "
                                  "gone, so nothing can be replayed: restore them, or set continue.replay_fraction=0")
         start, why, start_sha256 = (None, "continue.lr_schedule is rewarm_cosine", None) \
             if c.lr_schedule == "rewarm_cosine" else pre_decay_checkpoint(champion)
