@@ -165,7 +165,8 @@ def _continue(cfg: PipelineConfig, run_name: str, champion) -> dict:
     with pretrain_scope(cfg, run) as summary:
         ingested, curated, scored = curate(cfg, run)
         tokenizer = str(champion.tokenizer)
-        tokens = prepare_tokens(cfg, run, tokenizer, scored.shards)
+        # held to the champion's signed tokenizer_sha256 on the bytes the stage encodes with
+        tokens = prepare_tokens(cfg, run, tokenizer, scored.shards, champion.tokenizer_sha256)
         # {index: sha256} as the champion's signed chain vouches for each: build_mix mixes those bytes or refuses
         pool = vouched_pool(champion.tokens_index, champion.tags.get("data.tokens_index_sha256") or "")
         mix = replay_mix(cfg, run, tokens.index_path, pool)

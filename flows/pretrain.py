@@ -55,9 +55,11 @@ def train_tokenizer(cfg: PipelineConfig, run: RunContext, shards: list[str]) -> 
 
 
 @flow(name="prepare_tokens")
-def prepare_tokens(cfg: PipelineConfig, run: RunContext, tokenizer: str, shards: list[str]) -> TokensResult:
+def prepare_tokens(cfg: PipelineConfig, run: RunContext, tokenizer: str, shards: list[str],
+                   tokenizer_sha256: str | None = None) -> TokensResult:
     with flow_lineage(cfg, run):
-        return run_stage_task("tokens", cfg, run, StageInputs(tokenizer=tokenizer, shards=shards))
+        return run_stage_task("tokens", cfg, run, StageInputs(tokenizer=tokenizer, shards=shards,
+                                                              tokenizer_sha256=tokenizer_sha256))
 
 
 @flow(name="train")

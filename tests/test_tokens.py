@@ -395,3 +395,30 @@ def test_tokens_stage_records_the_mixture(base, tmp_path, monkeypatch):
     bad = json.loads(json.dumps(event))
     del bad["outputs"][0]["facets"]["crucible_mixture"]["by_source"]["gutenberg"]["share"]
     assert any("crucible_mixture" in e for e in event_errors(bad))
+
+
+def test_a_cycle_encodes_only_with_the_champions_tokenizer(base, tmp_path):
+    """Attack: the champion's tokenizer file is swapped (a writer of its run folder or the store) for
+    another one whose ids mean other text: a continued cycle's tokens stage gets the champion's signed
+    tokenizer_sha256 and refuses bytes that do not have it, on the read it encodes with."""
+    from lm_helpers import sample_tokenizer
+    from tasks.core.hashing import sha256_file
+    from tasks.core.layout import RunLayout
+    from tasks.core.sections import stage_config
+    from tasks.core.stage import StageContext, StageInputs
+    from tasks.registry import STAGES
+
+    genuine = tokenizer_artifact(base)["path"]
+    signed = sha256_file(genuine)
+    swapped = sample_tokenizer(tmp_path / "swapped-tokenizer.json")
+    assert sha256_file(swapped) != signed
+    shard = tmp_path / "docs.parquet"
+    texts = [f"document {i} of the cycle" for i in range(20)]
+    pq.write_table(pa.table({"id": [str(i) for i in range(20)], "text": texts}), shard)
+    stage = STAGES["tokens"]
+    cfg = stage_config(stage, tiny_cfg(tokens={"ray": False}))
+    ctx = StageContext(layout=RunLayout.for_run(tmp_path / "runs", "r"), run_name="r", tracking_uri="", experiment="x")
+    with pytest.raises(ValueError, match="not the champion's"):
+        stage.run(cfg, StageInputs(tokenizer=str(swapped), shards=[str(shard)], tokenizer_sha256=signed), ctx)
+    done = stage.run(cfg, StageInputs(tokenizer=str(genuine), shards=[str(shard)], tokenizer_sha256=signed), ctx)
+    assert done.data["tokenizer_sha256"] == signed

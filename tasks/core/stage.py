@@ -49,6 +49,7 @@ class StageInputs:
     """What a stage consumes from the stages before it (each stage reads the fields it needs)."""
     shards: list[str] = field(default_factory=list)  # document shards (Parquet)
     tokenizer: str | None = None  # tokenizer.json
+    tokenizer_sha256: str | None = None  # the sha256 its bytes must have (a continued cycle: the champion's, signed)
     tokens_index: str | None = None  # token shards' index.json
     checkpoint: str | None = None  # one checkpoint directory
     evaluation: dict | None = None  # an evaluation report (the deploy stage's input)

@@ -9,6 +9,7 @@ split is not weighted; tasks/tokens/mixture.py); with every weight 1 nothing is 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -86,12 +87,17 @@ def encode_shard(tokenizer_path: str, shard: str, eos_token: str, batch_docs: in
             "doc_bytes": {s: doc_bytes[s].tobytes() for s in SPLITS}, "pid": os.getpid()}
 
 
-def _job_tokenizer(tokenizer: str | Path, parts_dir: Path) -> Path:
+def _job_tokenizer(tokenizer: str | Path, parts_dir: Path, expected_sha256: str | None = None) -> Path:
     """The tokenizer's bytes, read once where they lie (a path, or a store's object by its URI: the
     champion's of an object-store run; a Path would make 's3://' 's3:/'), as parts_dir/tokenizer.json:
     the one file every encoding job and the index's tokenizer_sha256 read (so all see the same bytes).
-    In a store's working copy its object too, which jobs on other nodes download."""
+    In a store's working copy its object too, which jobs on other nodes download. `expected_sha256` (a
+    continued cycle's: the champion's signed tokenizer_sha256): those bytes must have it, else ValueError
+    (a writer of the champion's run folder could swap in a tokenizer whose ids mean something else)."""
     data = read_bytes(*stored(location(tokenizer)))
+    if expected_sha256 is not None and (digest := hashlib.sha256(data).hexdigest()) != expected_sha256:
+        raise ValueError(f"refused: tokenizer {tokenizer} is not the champion's (sha256 {digest[:16]}..., not the "
+                         f"signed {expected_sha256[:16]}...): the cycle encodes only with the tokenizer it continues")
     local = parts_dir / "tokenizer.json"
     local.write_bytes(data)
     at, options = stored(local)
@@ -183,21 +189,23 @@ def _weight_train_split(cfg: PipelineConfig, files: tuple[dict, dict, dict], par
             "by_source": plan.by_source, "dropped": {DROP_REASON: dropped} if dropped else {}}
 
 
-def prepare_tokens(cfg: PipelineConfig, tokenizer: str | Path, shards: list[Path], out_dir: Path) -> dict:
+def prepare_tokens(cfg: PipelineConfig, tokenizer: str | Path, shards: list[Path], out_dir: Path,
+                   expected_sha256: str | None = None) -> dict:
     """Encode shards into out_dir/{train,val}.bin and out_dir/index.json.
 
     Shards are encoded in parallel (one Ray task each, `tokens.ray`) into part files, then
     concatenated in shard order, so the output does not depend on the number of workers.
     Returns the index dict (with absolute split paths) plus "index_path". A document without an
     `id` is keyed by the sha256 of its text. Documents sharing an id land in the same split.
+    `expected_sha256`: the tokenizer's bytes must hash to it (a continued cycle: the champion's).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     parts_dir = out_dir / "parts"
     shutil.rmtree(parts_dir, ignore_errors=True)
     parts_dir.mkdir()
-    tokenizer_path = _job_tokenizer(tokenizer, parts_dir)
-    tok, tokenizer_sha256 = read_tokenizer(tokenizer_path)
+    tokenizer_path = _job_tokenizer(tokenizer, parts_dir, expected_sha256)
+    tok, tokenizer_sha256 = read_tokenizer(tokenizer_path, expected_sha256=expected_sha256)
     vocab_size = tok.get_vocab_size()
     eos_id = tok.token_to_id(cfg.tokenizer.eos_token)
     if eos_id is None:

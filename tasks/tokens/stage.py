@@ -45,7 +45,9 @@ class TokensStage(Stage):
 
         out = ctx.stage_dir(self.name)
         # the tokenizer as named: a store champion's URI stays a URI (a Path would make 's3://' 's3:/')
-        data = prepare_tokens(cfg, location(inputs.tokenizer), [Path(p) for p in inputs.shards], out)
+        # a continued cycle's: held to the champion's signed tokenizer_sha256 on the bytes encoded with
+        data = prepare_tokens(cfg, location(inputs.tokenizer), [Path(p) for p in inputs.shards], out,
+                              expected_sha256=inputs.tokenizer_sha256)
         data.update(mixture_record(data))
         card = render_token_card(cfg, data)
         data["dataset_card"] = str(atomic_write_text(out / TOKENS_CARD, card))
