@@ -71,6 +71,14 @@ def test_yardstick_refuses_another_runs_held_out_set(runs):
     with pytest.raises(TokensChanged, match="trained"):
         _held_out(runs["index"], tok, 4, 200, trained=meta)
     assert _held_out(runs["index"], tok, 4, 200, trained=read_meta(runs["old"]))
+    # through the gate: against_champion hands build_yardstick the challenger's signed meta, so the set
+    # is refused before anything is scored (without it the copied index would be scored as "new")
+    from lm_helpers import tiny_cfg
+    from tasks.deploy.yardstick import against_champion
+
+    with pytest.raises(TokensChanged, match="trained"):
+        against_champion(tiny_cfg(), "sqlite:///unused.db", {"checkpoint": str(runs["ckpt"])}, runs["tok"],
+                         {"version": 1, "tags": {}}, out_dir=runs["index"].parent.parent / "gate")
 
 
 def test_deploy_does_not_register_another_runs_index_as_trained_on(runs):
