@@ -422,3 +422,26 @@ def test_a_cycle_encodes_only_with_the_champions_tokenizer(base, tmp_path):
         stage.run(cfg, StageInputs(tokenizer=str(swapped), shards=[str(shard)], tokenizer_sha256=signed), ctx)
     done = stage.run(cfg, StageInputs(tokenizer=str(genuine), shards=[str(shard)], tokenizer_sha256=signed), ctx)
     assert done.data["tokenizer_sha256"] == signed
+
+
+def test_every_encoding_job_holds_its_tokenizer_to_the_bytes_the_driver_read(base, tmp_path, monkeypatch):
+    """Attack: parts/tokenizer.json (the store's object that jobs on other nodes download) is swapped
+    after the driver read and hashed it: each job loads it held to that hash, so nothing is encoded
+    with ids the index's tokenizer_sha256 does not mean."""
+    from lm_helpers import sample_tokenizer
+    from tasks.tokens import prepare
+
+    genuine = tokenizer_artifact(base)["path"]
+    other = sample_tokenizer(tmp_path / "other-tokenizer.json")
+    shard = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"id": [str(i) for i in range(20)], "text": [f"document {i}" for i in range(20)]}), shard)
+    real_read = prepare.read_tokenizer
+
+    def read_then_swapped(path, *a, **kw):  # the driver's read, then the job's copy replaced
+        got = real_read(path, *a, **kw)
+        Path(path).write_bytes(Path(other).read_bytes())
+        return got
+
+    monkeypatch.setattr(prepare, "read_tokenizer", read_then_swapped)
+    with pytest.raises(ValueError, match="sha256"):
+        prepare.prepare_tokens(tiny_cfg(tokens={"ray": False}), genuine, [shard], tmp_path / "tokens")

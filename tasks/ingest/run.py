@@ -358,10 +358,12 @@ class _DuplicateIds:
         return str(join(self.root, *Path(path).relative_to(self.parts_dir).parts))
 
     def _expected(self, read) -> dict[str, str]:
-        """{file as a task reads it: sha256 its job reported} for the files `read` (as `_at` names them)."""
+        """{file as a task reads it: sha256 its job reported} for the files `read` (as `_at` names them)
+        that lie on the store, where the object may have been replaced since its job wrote it. A local
+        part is read as before, by column and streamed: checking it means reading it whole, in memory."""
         if self._expect_at is None:
             self._expect_at = {self._at(p): sha for p, sha in self.expect.items()}
-        return {f: self._expect_at[f] for f in read if f in self._expect_at}
+        return {f: self._expect_at[f] for f in read if f in self._expect_at and is_remote(f)}
 
     def resolve(self, results: list[dict], names: list[str]) -> dict[str, dict[int, list[int]]]:
         """A Ray task per id partition (`ids.resolve_partition`); {job: {part index: [drops, bytes]}}

@@ -41,14 +41,16 @@ def is_val_doc(doc_key: str, val_fraction: float, seed: int) -> bool:
 
 
 def encode_shard(tokenizer_path: str, shard: str, eos_token: str, batch_docs: int,
-                 val_fraction: float, seed: int, part_prefix: str) -> dict:
+                 val_fraction: float, seed: int, part_prefix: str, tokenizer_sha256: str | None = None) -> dict:
     """Encode one shard into `<part_prefix>.<split>.bin` files (EOS after every document).
 
     Returns per split the token/doc/byte counts and each document's token length, so the caller
     can concatenate the parts in shard order and derive document start offsets. Runs in-process
     or as a Ray task; both give the same bytes.
     """
-    tok = load_tokenizer(tokenizer_path)  # the run's parts/tokenizer.json (staged on another node)
+    # the run's parts/tokenizer.json (staged on another node: the store's object), held to the hash
+    # of the bytes the driver read: a swapped object would encode ids the index does not mean
+    tok = load_tokenizer(tokenizer_path, expected_sha256=tokenizer_sha256)
     eos_id = tok.token_to_id(eos_token)
     dtype = dtype_for_vocab(tok.get_vocab_size())
     stats = {s: {"tokens": 0, "docs": 0, "bytes": 0} for s in SPLITS}
@@ -107,12 +109,13 @@ def _job_tokenizer(tokenizer: str | Path, parts_dir: Path, expected_sha256: str 
 
 
 def _encode_all(cfg: PipelineConfig, tokenizer_path: Path, shards: list[Path],
-                parts_dir: Path) -> tuple[list[dict], dict[str, int]]:
-    """Encode every shard, on Ray when configured and there is more than one shard. Returns the
-    parts in shard order and the jobs run per Ray node ({} in process)."""
+                parts_dir: Path, tokenizer_sha256: str) -> tuple[list[dict], dict[str, int]]:
+    """Encode every shard, on Ray when configured and there is more than one shard, each job with
+    the tokenizer whose bytes have `tokenizer_sha256`. Returns the parts in shard order and the jobs
+    run per Ray node ({} in process)."""
     tcfg = cfg.tokens
     jobs = [(str(tokenizer_path), str(shard), cfg.tokenizer.eos_token, tcfg.batch_docs,
-             tcfg.val_fraction, tcfg.seed, str(parts_dir / f"part-{i:05d}"))
+             tcfg.val_fraction, tcfg.seed, str(parts_dir / f"part-{i:05d}"), tokenizer_sha256)
             for i, shard in enumerate(shards)]
     if not tcfg.ray or len(jobs) < 2:
         return [encode_shard(*job) for job in jobs], {}
@@ -214,7 +217,7 @@ def prepare_tokens(cfg: PipelineConfig, tokenizer: str | Path, shards: list[Path
     tcfg = cfg.tokens
     t0 = time.perf_counter()
 
-    parts, nodes = _encode_all(cfg, tokenizer_path, [Path(s) for s in shards], parts_dir)
+    parts, nodes = _encode_all(cfg, tokenizer_path, [Path(s) for s in shards], parts_dir, tokenizer_sha256)
 
     paths, starts_paths, sources_paths = ({s: out_dir / f"{s}{suffix}" for s in SPLITS}
                                           for suffix in (".bin", ".doc_starts.npy", ".doc_sources.npy"))
