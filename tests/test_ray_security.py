@@ -159,9 +159,10 @@ def test_no_job_api_and_a_job_posted_to_any_ray_port_never_runs(stage_ray, tmp_p
     entrypoint = f"{sys.executable} -c \"open({str(marker)!r}, 'w').write('ran')\""
     ports = sorted({port for *_, port in _ray_listeners()})
     assert ports
-    for port in ports:
-        status = _post_anywhere(f"http://127.0.0.1:{port}/api/job_agent/jobs/", {"entrypoint": entrypoint})
-        assert status is None or not 200 <= status < 300, f"port {port} accepted a job ({status})"
+    for port in ports:  # the agent's job API and the dashboard head's
+        for path in ("/api/job_agent/jobs/", "/api/jobs/"):
+            status = _post_anywhere(f"http://127.0.0.1:{port}{path}", {"entrypoint": entrypoint})
+            assert status is None or not 200 <= status < 300, f"port {port} accepted a job at {path} ({status})"
     time.sleep(3)  # an accepted job's entrypoint starts within a second or two
     assert not marker.exists(), "the unauthenticated job's entrypoint ran"
 
